@@ -1,0 +1,46 @@
+"""rlmetrics: exact, fast, fault-tolerant distributed metrics for RL post-training of LLMs.
+
+>>> import rlmetrics
+>>> s = rlmetrics.Stat.of([1.0, 2.0]).merge(rlmetrics.Stat.of([3.0]))
+>>> s.mean, rlmetrics.resolve("critic/score/max").name
+(2.0, 'max')
+"""
+
+from rlmetrics.aggregator import Aggregator, StepResult, SubmissionError, pack
+from rlmetrics.backends import MetricClient, connect
+from rlmetrics.backends.local import LocalMetricWorker
+from rlmetrics.reduce import (
+    COUNT,
+    MAX,
+    MEAN,
+    MEDIAN,
+    MIN,
+    SPECIAL_METRICS,
+    STD,
+    SUM,
+    MaxMetric,
+    MeanMetric,
+    MedianMetric,
+    Metric,
+    MetricFunc,
+    MinMetric,
+    PercentileMetric,
+    Reduction,
+    SumMetric,
+    percentile,
+    register_reduction,
+    resolve,
+    unregister_reduction,
+)
+from rlmetrics.sketch import Sketch
+from rlmetrics.stat import MetricValueError, Stat
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "COUNT", "MAX", "MEAN", "MEDIAN", "MIN", "SPECIAL_METRICS", "STD", "SUM", "Aggregator",
+    "LocalMetricWorker", "MaxMetric", "MeanMetric", "MedianMetric", "Metric", "MetricClient", "MetricFunc",
+    "MetricValueError", "MinMetric", "PercentileMetric", "Reduction", "Sketch", "Stat", "StepResult",
+    "SubmissionError", "SumMetric", "connect", "pack", "percentile", "register_reduction", "resolve",
+    "unregister_reduction",
+]  # fmt: skip

@@ -1,0 +1,5 @@
+"""``python -m rlmetrics`` runs the command line."""
+
+from rlmetrics.cli import main
+
+raise SystemExit(main())

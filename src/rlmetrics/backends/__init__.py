@@ -1,0 +1,54 @@
+"""Backends: where the aggregator runs. ``connect`` picks one; ``MetricClient`` wraps a worker.
+
+- ``"local"``: in-process, threads as ranks (:mod:`rlmetrics.backends.local`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlmetrics.backends import local
+from rlmetrics.client import ClientCore
+
+BACKENDS = ("local",)
+
+
+class MetricClient(ClientCore):
+    """The seed's client: ``MetricClient(metric_worker)``, then ``submit_metric`` / ``wait_submit`` /
+    ``wait_final_res`` / ``stop``; plus ``result(step, timeout)``.
+
+    ``metric_worker`` is a :class:`~rlmetrics.backends.local.LocalMetricWorker` (or any transport).
+    Options: ``world_size``, ``nan_strategy``, ``label`` (see :class:`~rlmetrics.client.ClientCore`).
+
+    >>> worker = local.LocalMetricWorker()
+    >>> client = MetricClient(worker)
+    >>> client.submit_metric({"loss": 2.0, "critic/score/max": 3.0}, 1)
+    >>> client.wait_submit()
+    >>> dict(client.wait_final_res())
+    {'loss': 2.0, 'critic/score/max': 3.0}
+    """
+
+    def __init__(self, metric_worker: Any, **options: Any) -> None:
+        if not callable(getattr(metric_worker, "send", None)):
+            raise TypeError(f"MetricClient needs a metric worker, got {type(metric_worker).__name__}")
+        super().__init__(metric_worker, **options)
+
+
+def connect(backend: str = "local", *, world_size: int | None = None, name: str = "default", **options: Any):
+    """A client of the named aggregator of ``backend``.
+
+    ``"local"``: every ``connect("local", name=...)`` in the process shares one in-process
+    aggregator; each call returns a new client (one per rank/thread). Client options:
+    ``nan_strategy``, ``label``; aggregator options on first use: ``renames``, ``keep_results``.
+
+    >>> client = connect("local", world_size=1, name="connect-doc")
+    >>> client.submit_metric({"timing_s/gen": 0.5})
+    >>> client.wait_submit()
+    >>> dict(client.result(0))
+    {'perf/delta_time/gen': 0.5}
+    >>> local.drop_worker("connect-doc")
+    """
+    client_opts = {k: options.pop(k) for k in ("nan_strategy", "label") if k in options}
+    if backend == "local":
+        return MetricClient(local.get_worker(name, **options), world_size=world_size, **client_opts)
+    raise ValueError(f"unknown backend {backend!r}: choose one of {BACKENDS}")

@@ -1,0 +1,276 @@
+"""Reductions and the rules that pick one from a metric's name.
+
+A :class:`Reduction` turns a merged :class:`~rlmetrics.stat.Stat` into the reported number: ``MEAN``
+is the weighted mean, ``STD`` the pooled (population) std, ``MIN``/``MAX``/``SUM``/``COUNT`` what they
+say, ``MEDIAN`` and :func:`percentile` read the quantile sketch (exact while small: the median is the
+lower middle value as ``torch.median``, percentiles interpolate linearly as ``torch.quantile``).
+
+Resolution order for a name (:func:`resolve`): exact name in the registry → glob pattern in the
+registry → tokens of the name → ``MEAN``. Tokens: the last path segment is split on ``_ @ - .``
+(``p99.9`` stays whole); ``mean``/``avg`` → mean, ``min``, ``max``, ``sum``/``total``/``count`` → sum,
+``median``, ``std``, ``pNN``/``pNN.N`` → percentile decide (the last such token of the segment); a
+segment without one passes to the segment before it. Built in: ``graph_output_handling`` → max (the
+seed's special metric) and ``val/test_score/*`` → mean (its last segment is a data source name).
+
+>>> [resolve(n).name for n in ("critic/score/max", "actor/minibatch_loss", "perf/total_num_tokens",
+...                            "custom/latency/p95", "val-core/minerva_math/acc/mean@16")]
+['max', 'mean', 'sum', 'p95', 'mean']
+
+Reductions are also callables with the seed's signature ``f(list[Metric]) -> float``, so
+``MeanMetric(metrics)`` and ``MetricFunc(name)(metrics)`` work as in siiRL.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from rlmetrics.sketch import Sketch
+from rlmetrics.stat import Stat
+
+_KINDS = ("mean", "sum", "min", "max", "std", "count", "quantile")
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """How a merged Stat becomes one number.
+
+    ``kind`` is one of ``mean sum min max std count quantile``; ``q`` is the quantile in [0, 1]
+    for ``quantile``. ``name`` is the spec string that :func:`parse_reduction` reads back.
+
+    >>> MAX.apply(Stat.of([1.0, 5.0, 3.0]))
+    5.0
+    >>> percentile(50).apply(Stat.of([1.0, 2.0, 3.0, 4.0], sketch=True))
+    2.5
+    >>> MEDIAN.apply(Stat.of([1.0, 2.0, 3.0, 4.0], sketch=True))
+    2.0
+    """
+
+    name: str
+    kind: str
+    q: float | None = None
+
+    @property
+    def needs_sketch(self) -> bool:
+        return self.kind == "quantile"
+
+    def apply(self, stat: Stat) -> float:
+        """The reported value for one merged Stat (``nan`` when it holds no observation)."""
+        if self.needs_sketch:
+            if stat.sketch is None:
+                raise ValueError(
+                    f"reduction {self.name!r} needs a quantile sketch (Stat.of(..., sketch=True))"
+                )
+            if self.name == "median":
+                return float(stat.sketch.median())
+            return float(stat.sketch.quantile(self.q))
+        return float(self.apply_arrays(stat.to_array()[:, None])[0])
+
+    def apply_arrays(self, arrays: np.ndarray) -> np.ndarray:
+        """Vectorised :meth:`apply` over the columns of a ``(5, M)`` stat array (not for quantiles)."""
+        count = arrays[0]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            if self.kind == "mean":
+                return np.where(count > 0, arrays[1] / count, np.nan)
+            if self.kind == "std":
+                return np.where(count > 0, np.sqrt(np.maximum(arrays[2], 0.0) / count), np.nan)
+        if self.kind == "sum":
+            return arrays[1].copy()
+        if self.kind == "count":
+            return count.copy()
+        if self.kind == "min":
+            return np.where(count > 0, arrays[3], np.nan)
+        if self.kind == "max":
+            return np.where(count > 0, arrays[4], np.nan)
+        raise ValueError(f"reduction {self.name!r} reads a sketch; use apply()")
+
+    def __call__(self, metrics: Sequence[Any]) -> float:
+        """The seed's aggregation signature: ``f(list[Metric]) -> float``.
+
+        >>> MEAN([Metric("a", 1.0, 2), Metric("a", [2.0, 3.0], 2)])
+        2.0
+        """
+        stat = Stat(sketch=Sketch() if self.needs_sketch else None)  # merge keeps a sketch if both have one
+        for m in metrics:
+            value = m.value if isinstance(m, Metric) else m
+            stat = stat.merge(Stat.of(value, sketch=self.needs_sketch))
+        return self.apply(stat)
+
+
+MEAN = Reduction("mean", "mean")
+SUM = Reduction("sum", "sum")
+MIN = Reduction("min", "min")
+MAX = Reduction("max", "max")
+STD = Reduction("std", "std")
+COUNT = Reduction("count", "count")
+MEDIAN = Reduction("median", "quantile", 0.5)
+
+
+def percentile(p: float) -> Reduction:
+    """The ``p``-th percentile (0..100), linear interpolation while exact.
+
+    >>> percentile(99.9).name, percentile(95).q
+    ('p99.9', 0.95)
+    """
+    p = float(p) + 0.0  # -0.0 -> 0.0
+    if not 0.0 <= p <= 100.0:
+        raise ValueError(f"percentile must be within [0, 100], got {p}")
+    # shortest positional repr, so parse_reduction(name) gives p back ("{p:g}" gave p99.99999 -> "p100")
+    return Reduction(f"p{np.format_float_positional(p, trim='-')}", "quantile", p / 100.0)
+
+
+_BY_NAME = {r.name: r for r in (MEAN, SUM, MIN, MAX, STD, COUNT, MEDIAN)}
+_TOKENS = {
+    "mean": MEAN, "avg": MEAN, "min": MIN, "minimum": MIN, "max": MAX, "maximum": MAX, "sum": SUM,
+    "total": SUM, "median": MEDIAN, "std": STD, "count": SUM,
+}  # fmt: skip
+_TOKEN_RE = re.compile(r"p\d+(?:\.\d+)?(?![^_@.\-])|[^_@.\-]+")
+_PERCENTILE_RE = re.compile(r"p(\d+(?:\.\d+)?)")
+
+
+def parse_reduction(spec: str | Reduction) -> Reduction:
+    """A Reduction from its spec: ``"mean"``, ``"max"``, ``"p95"``, ``"median"``, ..., or a Reduction.
+
+    >>> parse_reduction("p99.9") == percentile(99.9)
+    True
+    """
+    if isinstance(spec, Reduction):
+        return spec
+    if isinstance(spec, str):
+        spec = spec.lower()
+        if spec in _BY_NAME:
+            return _BY_NAME[spec]
+        m = _PERCENTILE_RE.fullmatch(spec)
+        if m and float(m.group(1)) <= 100:
+            return percentile(float(m.group(1)))
+    raise ValueError(
+        f"unknown reduction {spec!r}: use one of {sorted(_BY_NAME)}, 'pNN' (percentile) or a Reduction"
+    )
+
+
+# ---------------------------------------------------------------------------------------- registry
+_BUILTIN: dict[str, Reduction] = {"graph_output_handling": MAX}  # only rollout tp rank 0 contributes
+_BUILTIN_GLOBS: dict[str, Reduction] = {"val/test_score/*": MEAN}  # the last segment is a data source
+
+SPECIAL_METRICS: dict[str, Reduction] = dict(_BUILTIN)
+"""Exact metric names with a fixed reduction (the seed's ``Special_Metric``); a plain dict, read on
+every resolution, so editing it directly works too."""
+_GLOBS: dict[str, Reduction] = dict(_BUILTIN_GLOBS)
+
+
+def register_reduction(name_or_glob: str, reduction: str | Reduction, *, glob: bool | None = None) -> None:
+    """Fix the reduction for an exact name or a glob pattern (``*``, ``?``, ``[...]``).
+
+    ``glob=None`` treats a pattern with ``* ? [`` as a glob; pass ``glob=False`` for an exact name
+    that contains them. Exact names win over globs; among globs the one registered last wins.
+
+    >>> register_reduction("custom/latency/*", "p99")
+    >>> resolve("custom/latency/decode").name
+    'p99'
+    >>> unregister_reduction("custom/latency/*")
+    """
+    r = parse_reduction(reduction)
+    if glob if glob is not None else any(c in name_or_glob for c in "*?["):
+        _GLOBS.pop(name_or_glob, None)
+        _GLOBS[name_or_glob] = r
+        _resolve_by_rules.cache_clear()
+    else:
+        SPECIAL_METRICS[name_or_glob] = r
+
+
+def unregister_reduction(name_or_glob: str) -> None:
+    """Undo :func:`register_reduction`; a built-in entry returns to its built-in reduction."""
+    for table, builtin in ((SPECIAL_METRICS, _BUILTIN), (_GLOBS, _BUILTIN_GLOBS)):
+        table.pop(name_or_glob, None)
+        if name_or_glob in builtin:
+            table[name_or_glob] = builtin[name_or_glob]
+    _resolve_by_rules.cache_clear()
+
+
+def _from_tokens(segment: str) -> Reduction | None:
+    for token in reversed(_TOKEN_RE.findall(segment.lower())):
+        if token in _TOKENS:
+            return _TOKENS[token]
+        m = _PERCENTILE_RE.fullmatch(token)
+        if m and float(m.group(1)) <= 100:
+            return percentile(float(m.group(1)))
+    return None
+
+
+def resolve(name: str) -> Reduction:
+    """The reduction for a metric name (see the module docstring for the rules)."""
+    found = SPECIAL_METRICS.get(name)
+    return found if found is not None else _resolve_by_rules(name)
+
+
+@functools.lru_cache(maxsize=65536)
+def _resolve_by_rules(name: str) -> Reduction:
+    for pattern in reversed(_GLOBS):
+        if fnmatch.fnmatchcase(name, pattern):
+            return _GLOBS[pattern]
+    for segment in reversed(name.split("/")):
+        found = _from_tokens(segment)
+        if found is not None:
+            return found
+    return MEAN
+
+
+# ---------------------------------------------------------------------------------- seed's API
+@dataclass
+class Metric:
+    """One submitted value, as in the seed: ``Metric(name, value, world_size)``."""
+
+    name: Any
+    value: Any
+    world_size: Any
+
+
+def MetricFunc(name: str) -> Reduction:  # noqa: N802 - the seed's name
+    """The aggregation function for ``name``; call it with a list of :class:`Metric`.
+
+    >>> MetricFunc("actor/minibatch_loss")([Metric("x", 1.0, 2), Metric("x", 3.0, 2)])
+    2.0
+    """
+    return resolve(name)
+
+
+MeanMetric = MEAN
+MaxMetric = MAX
+MinMetric = MIN
+SumMetric = SUM
+MedianMetric = MEDIAN
+
+
+def PercentileMetric(percentile_value: float) -> Reduction:  # noqa: N802 - the seed's name
+    """The seed's percentile factory: ``PercentileMetric(95)(metrics)``."""
+    return percentile(percentile_value)
+
+
+DEFAULT_RENAMES: dict[str, str] = {"timing_s/": "perf/delta_time/"}
+"""Name prefixes renamed in results, as the seed's MetricWorker does; pass ``renames={}`` to keep names."""
+
+
+def rename(name: str, renames: dict[str, str]) -> str:
+    """Apply the first matching prefix rename.
+
+    >>> rename("timing_s/gen", DEFAULT_RENAMES)
+    'perf/delta_time/gen'
+    """
+    for prefix, new in renames.items():
+        if name.startswith(prefix):
+            return new + name[len(prefix) :]
+    return name
+
+
+__all__ = [
+    "COUNT", "DEFAULT_RENAMES", "MAX", "MEAN", "MEDIAN", "MIN", "STD", "SUM", "SPECIAL_METRICS",
+    "MaxMetric", "MeanMetric", "MedianMetric", "Metric", "MetricFunc", "MinMetric", "PercentileMetric",
+    "Reduction", "SumMetric", "parse_reduction", "percentile", "register_reduction", "rename",
+    "resolve", "unregister_reduction",
+]  # fmt: skip

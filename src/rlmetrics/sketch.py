@@ -1,0 +1,489 @@
+"""Mergeable quantile sketch: exact while small, relative-error log buckets beyond.
+
+A :class:`Sketch` has two modes.
+
+* **Exact mode** -- while at most ``exact_limit`` (non-NaN) values are held and every weight is 1, the
+  raw values are kept. :meth:`Sketch.quantile` then equals ``torch.quantile`` (linear interpolation
+  with the same arithmetic, including the fused multiply-add of torch's vectorised CPU kernel, so
+  ``numpy.quantile(method="linear")`` may differ in the last bit) and :meth:`Sketch.median` equals
+  ``torch.median`` (the *lower* middle value for even counts).
+* **Bucket mode** -- beyond ``exact_limit`` values, or as soon as any weight is not 1, values go to
+  logarithmic buckets with ``gamma = (1 + rel_err) / (1 - rel_err)``. A value ``x > 0`` lands in bucket
+  ``k = ceil(log(x) / log(gamma))``, represented by ``2 * gamma**k / (gamma + 1)``; negative values use
+  a mirrored store keyed by ``|x|``; ``|x| < 1e-300`` (including ``-0.0``) counts as zero. The bucket
+  index is a *global* function of the value, so sketches built on different processes line up index by
+  index and merge by adding counts. ``quantile(q)`` returns the representative of the bucket that holds
+  rank ``q * (count - 1)`` of the cumulative weight, which is within relative error ``rel_err`` of the
+  data value at that rank (the lower neighbour when the rank is fractional).
+
+Size is bounded: each signed store keeps at most ``max_buckets`` buckets (so :meth:`Sketch.to_array`
+has at most ``15 + 2 * max_buckets`` elements in bucket mode). When a store would grow
+beyond that, its lowest-magnitude buckets are folded into one, so large magnitudes (the tails that
+matter for p99 and friends) keep the error bound while quantiles that fall into the folded bucket
+overstate their magnitude. Folding depends only on the largest index, so merging stays exactly
+associative and commutative for the counts (for integer weights; fractional weights are summed in
+floating point).
+
+NaN and infinities are counted apart: any NaN weight makes :meth:`Sketch.quantile` return NaN;
+``-inf`` / ``+inf`` sit below / above every finite value and are returned when the rank falls on them.
+
+>>> s = Sketch.of([1.0, 2.0, 3.0, 4.0])
+>>> s.median(), s.quantile(0.5)
+(2.0, 2.5)
+>>> big = Sketch.of(np.arange(1.0, 10002.0))  # 10001 values > exact_limit: bucket mode
+>>> big.is_exact
+False
+>>> abs(big.median() - 5001.0) <= 0.005 * 5001.0
+True
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+__all__ = ["Sketch"]
+
+_TINY = 1e-300
+"""Values with smaller magnitude count as zero."""
+
+_MAGIC = 1397444683.0
+"""First element of :meth:`Sketch.to_array` (``b"SKTK"`` read as a big-endian int)."""
+
+_VERSION = 1.0
+_HEADER = 15
+_MODE_EXACT = 0.0
+_MODE_BUCKETS = 1.0
+_MAX_INT_FLOAT = 2**53
+_FLOAT_MAX = float(np.finfo(np.float64).max)
+_EMPTY = np.zeros(0, dtype=np.float64)
+_EMPTY.flags.writeable = False
+
+
+def _frozen(arr: np.ndarray) -> np.ndarray:
+    arr.flags.writeable = False
+    return arr
+
+
+def _fma(x: float, y: float, z: float) -> float:
+    """``x * y + z`` with a single rounding (``math.fma`` from Python 3.13 on, exact rationals before)."""
+    fma = getattr(math, "fma", None)
+    if fma is not None:
+        return float(fma(x, y, z))
+    return float(Fraction(x) * Fraction(y) + Fraction(z))
+
+
+def _lerp(a: float, b: float, t: float) -> float:
+    """``torch.lerp`` arithmetic (fused multiply-add, as its vectorised CPU kernel), total for infinities."""
+    if t == 0.0 or a == b:
+        return a
+    if a == -math.inf or b == math.inf:
+        if a == -math.inf and b == math.inf:
+            return math.nan
+        return a if a == -math.inf else b
+    diff = b - a
+    if math.isinf(diff):  # finite neighbours more than the float range apart: no exact product exists
+        return a + t * diff if t < 0.5 else b - diff * (1.0 - t)
+    return _fma(t, diff, a) if t < 0.5 else _fma(-diff, 1.0 - t, b)
+
+
+def _collapse(offset: int, counts: np.ndarray, max_buckets: int) -> tuple[int, np.ndarray]:
+    """Fold the lowest buckets of a store into one so that at most ``max_buckets`` remain."""
+    cut = counts.size - max_buckets
+    if cut <= 0:
+        return offset, counts
+    out = counts[cut:].copy()
+    out[0] = counts[: cut + 1].sum()
+    return offset + cut, out
+
+
+def _build_store(k: np.ndarray, w: np.ndarray | None, max_buckets: int) -> tuple[int, np.ndarray]:
+    """Dense store of bucket indices ``k`` (weights ``w`` all > 0), folded to ``max_buckets``."""
+    if k.size == 0:
+        return 0, _EMPTY
+    hi = int(k.max())
+    lo = int(k.min())
+    if hi - lo + 1 > max_buckets:  # fold before counting: the dense range stays <= max_buckets
+        lo = hi - max_buckets + 1
+        k = np.maximum(k, lo)
+    counts = np.bincount(k - lo, weights=w, minlength=hi - lo + 1).astype(np.float64, copy=False)
+    return lo, _frozen(counts)
+
+
+def _merge_store(
+    o1: int, c1: np.ndarray, o2: int, c2: np.ndarray, max_buckets: int
+) -> tuple[int, np.ndarray]:
+    if c1.size == 0:
+        return o2, c2
+    if c2.size == 0:
+        return o1, c1
+    lo = min(o1, o2)
+    hi = max(o1 + c1.size, o2 + c2.size)
+    out = np.zeros(hi - lo, dtype=np.float64)
+    out[o1 - lo : o1 - lo + c1.size] += c1
+    out[o2 - lo : o2 - lo + c2.size] += c2
+    off, out = _collapse(lo, out, max_buckets)
+    return off, _frozen(out)
+
+
+def _check_params(rel_err: float, exact_limit: int, max_buckets: int) -> tuple[float, int, int]:
+    rel_err = float(rel_err)
+    if not 0.0 < rel_err < 1.0:
+        raise ValueError(f"rel_err must be in (0, 1), got {rel_err!r}")
+    if int(exact_limit) != exact_limit or not 0 <= exact_limit <= _MAX_INT_FLOAT:
+        raise ValueError(f"exact_limit must be an integer in [0, 2**53], got {exact_limit!r}")
+    if int(max_buckets) != max_buckets or not 1 <= max_buckets <= _MAX_INT_FLOAT:
+        raise ValueError(f"max_buckets must be an integer >= 1, got {max_buckets!r}")
+    return rel_err, int(exact_limit), int(max_buckets)
+
+
+class Sketch:
+    """Mergeable quantile sketch: exact while small, log buckets (relative error bound) beyond.
+
+    Instances are immutable; :meth:`merge` returns a new sketch. ``Sketch()`` is the empty sketch,
+    the identity of :meth:`merge`.
+
+    >>> Sketch().count
+    0.0
+    >>> Sketch.of([3.0, 1.0, 2.0]).merge(Sketch.of([5.0])).median()
+    2.0
+    """
+
+    __slots__ = (
+        "_rel_err",
+        "_exact_limit",
+        "_max_buckets",
+        "_exact",
+        "_values",
+        "_nan",
+        "_neg_inf",
+        "_pos_inf",
+        "_zero",
+        "_neg_off",
+        "_neg",
+        "_pos_off",
+        "_pos",
+    )
+
+    def __init__(self, rel_err: float = 0.005, exact_limit: int = 4096, max_buckets: int = 4096) -> None:
+        self._rel_err, self._exact_limit, self._max_buckets = _check_params(rel_err, exact_limit, max_buckets)
+        self._exact = True
+        self._values = _EMPTY  # exact mode: sorted non-NaN values (infinities included)
+        self._nan = 0.0
+        self._neg_inf = 0.0  # bucket mode only, like the fields below
+        self._pos_inf = 0.0
+        self._zero = 0.0
+        self._neg_off = 0
+        self._neg = _EMPTY
+        self._pos_off = 0
+        self._pos = _EMPTY
+
+    # ------------------------------------------------------------------ construction
+    def _empty_like(self) -> Sketch:
+        return Sketch(self._rel_err, self._exact_limit, self._max_buckets)
+
+    @classmethod
+    def of(
+        cls,
+        values: ArrayLike,
+        weights: ArrayLike | None = None,
+        *,
+        rel_err: float = 0.005,
+        exact_limit: int = 4096,
+        max_buckets: int = 4096,
+    ) -> Sketch:
+        """Sketch of ``values`` (1-D, float64) with optional non-negative ``weights`` of the same shape.
+
+        Stays exact while at most ``exact_limit`` non-NaN values are given and all weights are 1;
+        zero-weight values are dropped. NaN and infinite values are allowed (see the module docs).
+
+        >>> Sketch.of([1.0, 2.0, 3.0, 4.0]).median()
+        2.0
+        >>> round(Sketch.of([2.0, 10.0], weights=[3.0, 1.0]).median(), 1)  # weighted: bucket mode
+        2.0
+        """
+        out = cls(rel_err, exact_limit, max_buckets)
+        v = np.asarray(values, dtype=np.float64)
+        if v.ndim == 0:
+            v = v.reshape(1)
+        elif v.ndim != 1:
+            raise ValueError(f"values must be 1-D, got shape {v.shape}")
+        w: np.ndarray | None = None
+        if weights is not None:
+            w = np.asarray(weights, dtype=np.float64)
+            if w.ndim == 0 and v.size == 1:
+                w = w.reshape(1)
+            if w.shape != v.shape:
+                raise ValueError(f"weights must have the shape of values {v.shape}, got {w.shape}")
+            if w.size and not (np.isfinite(w).all() and (w >= 0).all()):
+                raise ValueError("weights must be finite and non-negative")
+            if (w == 1.0).all():
+                w = None  # unit weights: same as unweighted, may stay exact
+        nan_mask = np.isnan(v)
+        n_nan = int(np.count_nonzero(nan_mask))
+        if w is None and v.size - n_nan <= out._exact_limit:
+            out._nan = float(n_nan)
+            out._values = _frozen(np.sort(v[~nan_mask]) if n_nan else np.sort(v))
+            return out
+        out._fill_buckets(v, w)
+        return out
+
+    def _fill_buckets(self, v: np.ndarray, w: np.ndarray | None) -> None:
+        """Switch this (fresh) sketch to bucket mode holding ``v`` with weights ``w`` (None: all 1)."""
+        self._exact = False
+        self._values = _EMPTY
+        if w is not None:
+            keep = w > 0
+            if not keep.all():
+                v, w = v[keep], w[keep]
+
+        def total(mask: np.ndarray) -> float:
+            return float(np.count_nonzero(mask)) if w is None else float(w[mask].sum())
+
+        a = np.abs(v)
+        self._nan = total(np.isnan(v))
+        self._zero = total(a < _TINY)
+        inf = a == np.inf
+        if inf.any():
+            self._pos_inf = total(inf & (v > 0))
+            self._neg_inf = total(inf & (v < 0))
+        finite = (a >= _TINY) & ~inf  # NaN compares False
+        wf = None if w is None else w[finite]
+        k = np.ceil(np.log(a[finite]) / math.log(self._gamma())).astype(np.int64)
+        neg = v[finite] < 0
+        cap = self._max_buckets
+        if neg.any():
+            pos = ~neg
+            wn, wp = (None, None) if wf is None else (wf[neg], wf[pos])
+            self._neg_off, self._neg = _build_store(k[neg], wn, cap)
+            self._pos_off, self._pos = _build_store(k[pos], wp, cap)
+        else:
+            self._pos_off, self._pos = _build_store(k, wf, cap)
+
+    def _gamma(self) -> float:
+        return (1.0 + self._rel_err) / (1.0 - self._rel_err)
+
+    def _as_buckets(self) -> Sketch:
+        if not self._exact:
+            return self
+        out = self._empty_like()
+        out._fill_buckets(self._values, None)
+        out._nan = self._nan
+        return out
+
+    # ------------------------------------------------------------------ merging
+    def merge(self, other: Sketch) -> Sketch:
+        """A new sketch of both inputs' data; neither input changes. Parameters must match.
+
+        >>> a, b = Sketch.of([1.0, 2.0]), Sketch.of([3.0, 4.0, 5.0])
+        >>> a.merge(b).quantile(0.25), a.count
+        (2.0, 2.0)
+        """
+        if not isinstance(other, Sketch):
+            raise TypeError(f"can only merge a Sketch, got {type(other).__name__}")
+        if (self._rel_err, self._exact_limit, self._max_buckets) != (
+            other._rel_err,
+            other._exact_limit,
+            other._max_buckets,
+        ):
+            raise ValueError(
+                f"cannot merge sketches with different parameters: {self._params()} vs {other._params()}"
+            )
+        if self._exact and other._exact and self._values.size + other._values.size <= self._exact_limit:
+            out = self._empty_like()
+            out._nan = self._nan + other._nan
+            out._values = _frozen(np.sort(np.concatenate([self._values, other._values])))
+            return out
+        a, b = self._as_buckets(), other._as_buckets()
+        out = self._empty_like()
+        out._exact = False
+        out._nan = a._nan + b._nan
+        out._neg_inf = a._neg_inf + b._neg_inf
+        out._pos_inf = a._pos_inf + b._pos_inf
+        out._zero = a._zero + b._zero
+        out._neg_off, out._neg = _merge_store(a._neg_off, a._neg, b._neg_off, b._neg, self._max_buckets)
+        out._pos_off, out._pos = _merge_store(a._pos_off, a._pos, b._pos_off, b._pos, self._max_buckets)
+        return out
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def count(self) -> float:
+        """Total weight, NaN values included.
+
+        >>> Sketch.of([1.0, float("nan")]).count
+        2.0
+        """
+        if self._exact:
+            return float(self._values.size) + self._nan
+        stores = float(self._neg.sum() + self._pos.sum())
+        return self._nan + self._neg_inf + self._zero + stores + self._pos_inf
+
+    @property
+    def is_exact(self) -> bool:
+        """Whether the raw values are held (exact mode).
+
+        >>> Sketch.of([1.0]).is_exact, Sketch.of([1.0], weights=[2.0]).is_exact
+        (True, False)
+        """
+        return self._exact
+
+    @property
+    def rel_err(self) -> float:
+        """Relative error bound of bucket mode.
+
+        >>> Sketch().rel_err
+        0.005
+        """
+        return self._rel_err
+
+    def quantile(self, q: float) -> float:
+        """The ``q``-quantile, ``q`` in [0, 1]; NaN when empty or when NaN values were seen.
+
+        >>> Sketch.of([1.0, 2.0, 3.0, 4.0]).quantile(0.25)
+        1.75
+        >>> Sketch().quantile(0.5)
+        nan
+        """
+        try:
+            qf = float(q) if not isinstance(q, (str, bytes)) else math.nan
+        except (TypeError, ValueError):
+            qf = math.nan
+        if not 0.0 <= qf <= 1.0:
+            raise ValueError(f"q must be a real number in [0, 1], got {q!r}")
+        q = qf
+        if self._nan > 0:
+            return math.nan
+        if self._exact:
+            vals = self._values
+            n = vals.size
+            if n == 0:
+                return math.nan
+            rank = q * (n - 1)
+            lo = int(math.floor(rank))
+            hi = min(lo + 1, n - 1)
+            return float(_lerp(float(vals[lo]), float(vals[hi]), rank - lo))
+        return self._bucket_quantile(q)
+
+    def _bucket_quantile(self, q: float) -> float:
+        weights = np.concatenate([[self._neg_inf], self._neg[::-1], [self._zero], self._pos, [self._pos_inf]])
+        cum = np.cumsum(weights)
+        total = float(cum[-1])
+        if not total > 0.0:
+            return math.nan
+        rank = max(q * (total - 1.0), 0.0)
+        i = int(np.searchsorted(cum, rank, side="right"))
+        if i >= cum.size:  # float round-off at the very top: take the last non-empty slot
+            i = int(np.flatnonzero(weights)[-1])
+        n_neg = self._neg.size
+        if i == 0:
+            return -math.inf
+        if i <= n_neg:
+            return -self._representative(self._neg_off + (n_neg - i))
+        if i == n_neg + 1:
+            return 0.0
+        if i <= n_neg + 1 + self._pos.size:
+            return self._representative(self._pos_off + (i - n_neg - 2))
+        return math.inf
+
+    def _representative(self, k: int) -> float:
+        gamma = self._gamma()
+        # 2 * gamma**k / (gamma + 1) in log space: gamma**k alone may overflow for the largest floats
+        try:
+            return min(math.exp(k * math.log(gamma) + math.log(2.0 / (gamma + 1.0))), _FLOAT_MAX)
+        except OverflowError:
+            return _FLOAT_MAX
+
+    def median(self) -> float:
+        """Median: the lower middle value in exact mode (like ``torch.median``), else ``quantile(0.5)``.
+
+        >>> Sketch.of([4.0, 1.0, 3.0, 2.0]).median()
+        2.0
+        """
+        if self._exact and self._nan == 0 and self._values.size:
+            return float(self._values[(self._values.size - 1) // 2])
+        return self.quantile(0.5)
+
+    # ------------------------------------------------------------------ serialisation
+    def _params(self) -> str:
+        return f"rel_err={self._rel_err}, exact_limit={self._exact_limit}, max_buckets={self._max_buckets}"
+
+    def to_array(self) -> np.ndarray:
+        """Flat float64 array: a 15-element header, then the payload.
+
+        Header: ``[magic, version, mode (0 exact / 1 buckets), rel_err, exact_limit, max_buckets,
+        nan_weight, neg_inf_weight, pos_inf_weight, zero_weight, n_values, neg_offset, n_neg,
+        pos_offset, n_pos]``. Payload: exact mode, the ``n_values`` sorted values; bucket mode,
+        ``n_neg`` negative-store counts (bucket ``neg_offset + i``, keyed by ``|x|``) followed by
+        ``n_pos`` positive-store counts (bucket ``pos_offset + i``).
+
+        >>> Sketch.of([2.0, 1.0]).to_array()[-2:].tolist()
+        [1.0, 2.0]
+        """
+        header = np.array(
+            [
+                _MAGIC,
+                _VERSION,
+                _MODE_EXACT if self._exact else _MODE_BUCKETS,
+                self._rel_err,
+                self._exact_limit,
+                self._max_buckets,
+                self._nan,
+                self._neg_inf,
+                self._pos_inf,
+                self._zero,
+                self._values.size,
+                self._neg_off,
+                self._neg.size,
+                self._pos_off,
+                self._pos.size,
+            ],
+            dtype=np.float64,
+        )
+        return np.concatenate([header, self._values, self._neg, self._pos])
+
+    @classmethod
+    def from_array(cls, arr: ArrayLike) -> Sketch:
+        """Inverse of :meth:`to_array`.
+
+        >>> s = Sketch.of([1.0, 5.0, 2.0])
+        >>> Sketch.from_array(s.to_array()).median()
+        2.0
+        """
+        a = np.asarray(arr, dtype=np.float64)
+        if a.ndim != 1 or a.size < _HEADER or a[0] != _MAGIC:
+            raise ValueError("not a Sketch array (bad shape or magic number)")
+        if a[1] != _VERSION:
+            raise ValueError(f"unsupported Sketch array version {a[1]!r}")
+        mode, rel_err, exact_limit, max_buckets = a[2:6].tolist()
+        nan, neg_inf, pos_inf, zero, n_values, neg_off, n_neg, pos_off, n_pos = a[6:_HEADER].tolist()
+        sizes = (n_values, n_neg, n_pos)
+        if mode not in (_MODE_EXACT, _MODE_BUCKETS) or any(s < 0 or s != int(s) for s in sizes):
+            raise ValueError("corrupt Sketch array header")
+        n_values, n_neg, n_pos = (int(s) for s in sizes)
+        if a.size != _HEADER + n_values + n_neg + n_pos:
+            raise ValueError(
+                f"Sketch array has {a.size} elements, header says {_HEADER + n_values + n_neg + n_pos}"
+            )
+        if neg_off != int(neg_off) or pos_off != int(pos_off):
+            raise ValueError("corrupt Sketch array header (non-integer offset)")
+        out = cls(rel_err, int(exact_limit), int(max_buckets))
+        body = a[_HEADER:].copy()
+        out._exact = mode == _MODE_EXACT
+        out._nan = nan
+        out._neg_inf, out._pos_inf, out._zero = neg_inf, pos_inf, zero
+        out._values = _frozen(body[:n_values]) if n_values else _EMPTY
+        out._neg_off, out._pos_off = int(neg_off), int(pos_off)
+        out._neg = _frozen(body[n_values : n_values + n_neg]) if n_neg else _EMPTY
+        out._pos = _frozen(body[n_values + n_neg :]) if n_pos else _EMPTY
+        return out
+
+    def __repr__(self) -> str:
+        if self._exact:
+            return f"Sketch(exact, n={self._values.size}, count={self.count:g}, {self._params()})"
+        return (
+            f"Sketch(buckets, count={self.count:g}, neg_buckets={self._neg.size}, "
+            f"pos_buckets={self._pos.size}, {self._params()})"
+        )

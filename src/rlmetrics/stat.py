@@ -1,0 +1,342 @@
+"""Mergeable summary statistics.
+
+A :class:`Stat` holds what is needed to merge summaries of data that lives on many ranks and still get
+the statistics of the concatenated data: weighted count, sum, M2 (sum of squared deviations from the
+mean), min and max, and optionally a quantile :class:`~rlmetrics.sketch.Sketch`. Merging uses the
+parallel variance formula (Chan et al.), so no sum of squares ever cancels.
+
+The same merge math works on whole vectors of statistics: the wire and the aggregator keep one
+``(5, M)`` float64 array per contribution (rows :data:`FIELDS`), merged with :func:`merge_arrays`
+and :func:`reduce_parts`. :class:`Stat` is the one-metric view of that layout.
+
+>>> a, b = Stat.of([1.0, 2.0]), Stat.of([3.0, 4.0, 5.0])
+>>> m = a.merge(b)
+>>> (m.count, m.mean, m.min, m.max)
+(5.0, 3.0, 1.0, 5.0)
+>>> round(m.var, 12)
+2.0
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import numpy as np
+
+from rlmetrics.sketch import Sketch
+
+FIELDS = ("count", "sum", "m2", "min", "max")
+"""Rows of a stat array, in order."""
+
+NAN_STRATEGIES = ("propagate", "drop", "error")
+
+
+class MetricValueError(ValueError):
+    """A metric value that cannot be summarized; the message names the metric and the problem."""
+
+
+def _is_torch(value: Any) -> bool:
+    return type(value).__module__.startswith("torch") and hasattr(value, "detach")
+
+
+def empty_arrays(m: int) -> np.ndarray:
+    """The identity of :func:`merge_arrays`: ``m`` empty summaries.
+
+    >>> empty_arrays(2)[:, 0].tolist()
+    [0.0, 0.0, 0.0, inf, -inf]
+    """
+    out = np.zeros((5, m))
+    out[3] = np.inf
+    out[4] = -np.inf
+    return out
+
+
+def merge_arrays(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Merge two stat arrays of shape ``(5, ...)`` column by column (a new array).
+
+    >>> merge_arrays(Stat.of([1.0]).to_array(), Stat.of([3.0]).to_array()).tolist()
+    [2.0, 4.0, 2.0, 1.0, 3.0]
+    """
+    na, nb = a[0], b[0]
+    n = na + nb
+    with np.errstate(invalid="ignore", divide="ignore"):
+        delta = np.where(nb > 0, b[1] / np.where(nb > 0, nb, 1), 0.0) - np.where(
+            na > 0, a[1] / np.where(na > 0, na, 1), 0.0
+        )
+        extra = np.where((na > 0) & (nb > 0), delta * delta * (na * nb / np.where(n > 0, n, 1)), 0.0)
+        return np.stack([n, a[1] + b[1], a[2] + b[2] + extra, np.minimum(a[3], b[3]), np.maximum(a[4], b[4])])
+
+
+def reduce_parts(parts: np.ndarray) -> np.ndarray:
+    """Merge ``k`` stat arrays stacked field-major, shape ``(5, k, M)``, into one ``(5, M)`` array.
+
+    Exact for any number of parts: M2 = sum of the parts' M2 plus each part's squared distance
+    from the overall mean, weighted by its count.
+
+    >>> parts = np.stack([Stat.of(p).to_array()[:, None] for p in ([1.0, 2.0], [3.0], [4.0, 5.0])], axis=1)
+    >>> reduce_parts(parts)[:, 0].tolist()
+    [5.0, 15.0, 10.0, 1.0, 5.0]
+    """
+    counts, sums = parts[0], parts[1]
+    n = counts.sum(axis=0)
+    s = sums.sum(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.divide(s, n, out=np.zeros_like(s), where=n > 0)
+        dev = np.divide(sums, counts, out=np.zeros_like(sums), where=counts > 0)
+        dev -= mean
+        np.square(dev, out=dev)
+        dev *= counts  # parts without observations add nothing
+    m2 = parts[2].sum(axis=0) + dev.sum(axis=0)
+    return np.stack([n, s, m2, parts[3].min(axis=0), parts[4].max(axis=0)])
+
+
+def stats_of_rows(rows: np.ndarray) -> np.ndarray:
+    """The ``(5, M)`` stat array of ``k`` single observations per column, ``rows`` of shape ``(k, M)``.
+
+    >>> stats_of_rows(np.array([[1.0], [3.0]]))[:, 0].tolist()
+    [2.0, 4.0, 2.0, 1.0, 3.0]
+    """
+    s = rows.sum(axis=0)
+    dev = rows - s / len(rows)
+    np.square(dev, out=dev)
+    return np.stack([np.full_like(s, len(rows)), s, dev.sum(axis=0), rows.min(axis=0), rows.max(axis=0)])
+
+
+def _summarize(xp: Any, x: Any, w: Any, nan_strategy: str) -> Any:
+    """count, sum, m2, min, max, the number of non-finite values and of negative or non-finite weights.
+
+    For numpy or torch inputs.
+
+    Works on the device of ``x`` without data-dependent shapes; the caller moves the six numbers
+    to the host in one transfer.
+    """
+    finite = xp.isfinite(x)
+    keep = w > 0
+    bad = (keep & ~finite).sum()
+    if nan_strategy == "drop":
+        keep = keep & finite
+        w = xp.where(keep, w, 0.0)
+    xs = xp.where(keep, x, 0.0)
+    n = w.sum()
+    s = (w * xs).sum()
+    mean = s / xp.where(n > 0, n, 1.0)
+    m2 = (w * xp.where(keep, xs - mean, 0.0) ** 2).sum()  # not 0 * (0 - mean)**2: nan if that overflows
+    mn = xp.where(keep, x, math.inf).min()
+    mx = xp.where(keep, x, -math.inf).max()
+    bad_w = (~(xp.isfinite(w) & (w >= 0))).sum()
+    return xp.stack([n, s, m2, mn, mx, bad * 1.0, bad_w * 1.0])
+
+
+class Stat:
+    """Mergeable summary of weighted observations.
+
+    ``Stat.of`` accepts Python numbers, (nested) lists, numpy arrays and torch tensors on any
+    device; ``mask`` (non-zero = keep) and ``weight`` broadcast against the values. A scalar is one
+    observation of weight 1.
+
+    >>> s = Stat.of([1.0, 2.0, 3.0, 10.0], mask=[1, 1, 1, 0])
+    >>> (s.count, s.sum, s.mean, s.max)
+    (3.0, 6.0, 2.0, 3.0)
+    >>> Stat.of([1.0, 3.0], weight=[3.0, 1.0]).mean
+    1.5
+    """
+
+    __slots__ = ("count", "sum", "m2", "min", "max", "sketch")
+
+    def __init__(
+        self,
+        count: float = 0.0,
+        sum: float = 0.0,
+        m2: float = 0.0,
+        min: float = math.inf,
+        max: float = -math.inf,
+        sketch: Sketch | None = None,
+    ) -> None:
+        self.count = float(count)
+        self.sum = float(sum)
+        self.m2 = float(m2)
+        self.min = float(min)
+        self.max = float(max)
+        self.sketch = sketch
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def of(
+        cls,
+        values: Any,
+        mask: Any = None,
+        weight: Any = None,
+        *,
+        sketch: bool = False,
+        nan_strategy: str = "propagate",
+        name: str = "value",
+    ) -> Stat:
+        """Summarize ``values``; ``sketch=True`` also keeps a quantile sketch.
+
+        ``nan_strategy``: ``"propagate"`` keeps NaN/inf (they reach the statistics), ``"drop"``
+        ignores them, ``"error"`` raises :class:`MetricValueError`. ``name`` only labels errors.
+
+        >>> Stat.of(2.5).to_array().tolist()
+        [1.0, 2.5, 0.0, 2.5, 2.5]
+        >>> Stat.of([1.0, float("nan")], nan_strategy="drop").mean
+        1.0
+        """
+        if nan_strategy not in NAN_STRATEGIES:
+            raise ValueError(f"nan_strategy must be one of {NAN_STRATEGIES}, got {nan_strategy!r}")
+        if mask is None and weight is None and not sketch and _is_scalar(values):
+            return cls._of_scalar(float(values), nan_strategy, name)
+        if _is_torch(values):
+            return cls._of_torch(values, mask, weight, sketch, nan_strategy, name)
+        x = _as_float_array(values, name, "values")
+        w = _weights(np, x.shape, mask, weight, name)
+        return cls._finish(np, x.reshape(-1), w, sketch, nan_strategy, name)
+
+    @classmethod
+    def _of_scalar(cls, v: float, nan_strategy: str, name: str) -> Stat:
+        if not math.isfinite(v):
+            if nan_strategy == "error":
+                raise MetricValueError(f"metric {name!r}: non-finite value {v} (nan_strategy='error')")
+            if nan_strategy == "drop":
+                return cls()
+        return cls(1.0, v, 0.0 if math.isfinite(v) else math.nan, v, v)
+
+    @classmethod
+    def _of_torch(
+        cls, values: Any, mask: Any, weight: Any, sketch: bool, nan_strategy: str, name: str
+    ) -> Stat:
+        import torch
+
+        x = values.detach()
+        if x.device.type == "mps":  # no float64 there: move first, still one transfer
+            x = x.cpu()
+        x = x.to(torch.float64).reshape(-1) if x.dim() else x.to(torch.float64).reshape(1)
+        w = _weights(torch, tuple(values.shape) or (1,), mask, weight, name, device=x.device)
+        if x.shape[0] == 0:
+            return cls(sketch=Sketch() if sketch else None)
+        if sketch:  # the sketch needs the values themselves: move values and weights together
+            both = torch.stack([x, w.expand_as(x)]).cpu().numpy()
+            return cls._finish(np, both[0], both[1], True, nan_strategy, name)
+        return cls._from_summary(_summarize(torch, x, w, nan_strategy).cpu().numpy(), nan_strategy, name)
+
+    @classmethod
+    def _finish(cls, xp: Any, x: Any, w: Any, sketch: bool, nan_strategy: str, name: str) -> Stat:
+        if x.shape[0] == 0:
+            return cls(sketch=Sketch() if sketch else None)
+        with np.errstate(invalid="ignore", over="ignore"):  # non-finite values follow nan_strategy
+            stat = cls._from_summary(_summarize(xp, x, w, nan_strategy), nan_strategy, name)
+        if sketch:
+            keep = w > 0
+            if nan_strategy == "drop":
+                keep &= np.isfinite(x)
+            stat.sketch = Sketch.of(x[keep], w[keep])
+        return stat
+
+    @classmethod
+    def _from_summary(cls, summary: np.ndarray, nan_strategy: str, name: str) -> Stat:
+        if summary[6] > 0:
+            raise MetricValueError(f"metric {name!r}: {int(summary[6])} negative or non-finite weight(s)")
+        if nan_strategy == "error" and summary[5] > 0:
+            raise MetricValueError(
+                f"metric {name!r}: {int(summary[5])} non-finite value(s) (nan_strategy='error')"
+            )
+        return cls(*summary[:5].tolist())
+
+    # ------------------------------------------------------------------ statistics
+    @property
+    def mean(self) -> float:
+        return self.sum / self.count if self.count > 0 else math.nan
+
+    @property
+    def var(self) -> float:
+        """Population variance (``ddof=0``, as numpy)."""
+        return max(self.m2, 0.0) / self.count if self.count > 0 else math.nan
+
+    @property
+    def std(self) -> float:
+        """Population standard deviation (``ddof=0``)."""
+        return math.sqrt(self.var) if self.count > 0 else math.nan
+
+    def merge(self, other: Stat) -> Stat:
+        """A new Stat summarizing both; associative and commutative.
+
+        The sketch is kept only when both sides carry one.
+        """
+        out = Stat(*merge_arrays(self.to_array(), other.to_array()).tolist())
+        if self.sketch is not None and other.sketch is not None:
+            out.sketch = self.sketch.merge(other.sketch)
+        return out
+
+    # ------------------------------------------------------------------ wire
+    def to_array(self) -> np.ndarray:
+        """``[count, sum, m2, min, max]`` as float64 (the sketch travels separately)."""
+        return np.array([self.count, self.sum, self.m2, self.min, self.max])
+
+    @classmethod
+    def from_array(cls, arr: np.ndarray, sketch: Sketch | None = None) -> Stat:
+        """Inverse of :meth:`to_array`.
+
+        >>> Stat.from_array(Stat.of([1.0, 2.0]).to_array()).mean
+        1.5
+        """
+        return cls(*np.asarray(arr, dtype=np.float64).tolist(), sketch=sketch)
+
+    def __repr__(self) -> str:
+        return (
+            f"Stat(count={self.count:g}, mean={self.mean:g}, std={self.std:g}, "
+            f"min={self.min:g}, max={self.max:g}{', sketch' if self.sketch is not None else ''})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Stat) and np.array_equal(self.to_array(), other.to_array(), equal_nan=True)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _is_scalar(value: Any) -> bool:
+    if isinstance(value, np.ndarray):
+        return value.ndim == 0 and value.dtype.kind in "biuf"
+    return isinstance(value, numbers.Real)
+
+
+def _as_float_array(values: Any, name: str, what: str) -> np.ndarray:
+    if isinstance(values, (str, bytes)) or values is None:
+        raise MetricValueError(f"metric {name!r}: {what} must be numbers, got {type(values).__name__}")
+    try:
+        arr = np.asarray(values)
+        if arr.dtype.kind not in "biuf" and not (
+            arr.dtype.kind == "O" and all(isinstance(v, numbers.Real) for v in arr.flat)
+        ):  # float64 conversion would turn None into nan, "1.5" into 1.5 and drop imaginary parts
+            raise TypeError(f"got {arr.dtype} data")
+        arr = arr.astype(np.float64, copy=False)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise MetricValueError(f"metric {name!r}: {what} are not numbers ({exc})") from None
+    return arr
+
+
+def _weights(xp: Any, shape: tuple, mask: Any, weight: Any, name: str, device: Any = None) -> Any:
+    """Per-element weights (flattened) from ``mask`` and ``weight``, broadcast to ``shape``."""
+
+    def to_xp(v: Any, what: str) -> Any:
+        if xp is np:
+            return _as_float_array(v, name, what)
+        if _is_torch(v):
+            return v.detach().to(device=device, dtype=xp.float64)
+        return xp.as_tensor(_as_float_array(v, name, what), device=device)
+
+    w = xp.ones(shape, dtype=xp.float64) if xp is np else xp.ones(shape, dtype=xp.float64, device=device)
+    try:
+        if weight is not None:
+            w = w * to_xp(weight, "weight")
+        if mask is not None:  # after the weight: a masked element drops out even if its weight is inf or nan
+            w = xp.where(to_xp(mask, "mask") != 0, w, 0.0)
+    except (RuntimeError, ValueError) as exc:
+        if isinstance(exc, MetricValueError):
+            raise
+        raise MetricValueError(
+            f"metric {name!r}: mask/weight do not broadcast to shape {shape}: {exc}"
+        ) from None
+    if tuple(w.shape) != tuple(shape):
+        raise MetricValueError(f"metric {name!r}: mask/weight of shape {tuple(w.shape)} vs values {shape}")
+    return w.reshape(-1)

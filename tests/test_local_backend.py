@@ -1,0 +1,144 @@
+"""The in-process backend with threads as ranks, through the seed's MetricClient API."""
+
+import random
+import statistics
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import rlmetrics
+from rlmetrics.backends import local
+
+
+@pytest.fixture
+def name(request):
+    yield request.node.name
+    local.drop_worker(request.node.name)
+
+
+def _batch(rank, step):
+    rng = np.random.default_rng(1000 * step + rank)
+    n = int(rng.integers(1, 3 + 7 * rank))  # unequal batch sizes across ranks
+    return rng.normal(step, 1 + rank, size=n)
+
+
+def test_threads_at_different_speeds_give_numpy_on_the_concatenation(name):
+    world, steps = 8, 50
+    results, errors = {}, []
+
+    def rank(r):
+        try:
+            client = rlmetrics.connect("local", world_size=world, name=name, label=f"rank{r}")
+            pace = random.Random(r)
+            for step in range(steps):
+                data = _batch(r, step)
+                time.sleep(pace.random() * 0.002 * r)
+                client.submit_metric({"reward/mean": data, "reward/max": data, "reward/std": data})
+                client.submit_metric({"timing_s/gen": float(r), "perf/total_num_tokens": float(len(data))})
+                client.wait_submit()
+                if r == 0:  # no barrier: rank 0 reads each step as soon as it is complete
+                    results[step] = client.result(step, timeout=30)
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for step in range(steps):
+        allv = np.concatenate([_batch(r, step) for r in range(world)])
+        res = results[step]
+        assert res.meta["complete"], res.meta
+        assert res["reward/mean"] == pytest.approx(allv.mean(), rel=1e-12)
+        assert res["reward/max"] == allv.max()
+        assert res["reward/std"] == pytest.approx(allv.std(), rel=1e-9)
+        assert res["perf/total_num_tokens"] == len(allv)
+        assert res["perf/delta_time/gen"] == pytest.approx(np.mean(range(world)))
+
+
+def test_equal_weight_scalars_give_the_seeds_numbers(name):
+    """The seed: per name, collect one value per rank, reduce with mean/max/min/sum by name."""
+    rng = random.Random(5)
+    world = 4
+    names = ["critic/score/mean", "critic/score/max", "critic/score/min", "perf/total_num_tokens", "loss"]
+    submitted = {n: [rng.uniform(-5, 5) for _ in range(world)] for n in names}
+    worker = rlmetrics.LocalMetricWorker()
+    clients = [rlmetrics.MetricClient(worker) for _ in range(world)]
+    for r, client in enumerate(clients):
+        client.submit_metric({n: submitted[n][r] for n in names}, world)
+        client.wait_submit()
+    final = clients[0].wait_final_res()
+    seed = {"mean": statistics.mean, "max": max, "min": min, "sum": sum}
+    expected = {
+        "critic/score/mean": seed["mean"](submitted["critic/score/mean"]),
+        "critic/score/max": seed["max"](submitted["critic/score/max"]),
+        "critic/score/min": seed["min"](submitted["critic/score/min"]),
+        "perf/total_num_tokens": seed["sum"](submitted["perf/total_num_tokens"]),
+        "loss": seed["mean"](submitted["loss"]),
+    }
+    assert final.keys() == expected.keys()
+    for n, v in expected.items():
+        assert final[n] == pytest.approx(v, rel=1e-14, abs=1e-14)
+
+
+def test_seed_worker_api_direct_submissions():
+    worker = rlmetrics.LocalMetricWorker()
+    worker.start()
+    worker.submit_metric({"a": 1.0, "b/max": 2.0}, 2)
+    worker.submit_metric({"a": 3.0, "b/max": 5.0}, 2)
+    worker.stop()
+    assert worker.wait_final_res() == {"a": 2.0, "b/max": 5.0}
+
+
+def test_result_times_out_with_a_partial_step(name):
+    fast = rlmetrics.connect("local", world_size=2, name=name, label="fast")
+    slow = rlmetrics.connect("local", world_size=2, name=name, label="slow")
+    slow.submit_metric({"a": 1.0})
+    slow.wait_submit()  # step 0 closed by slow; it never sends step 1
+    fast.submit_metric({"a": 3.0})
+    fast.wait_submit()
+    assert fast.result(0, timeout=5) == {"a": 2.0}
+    fast.submit_metric({"a": 5.0})
+    fast.wait_submit()
+    t0 = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="partial"):
+        res = fast.result(1, timeout=0.3)
+    assert 0.25 < time.monotonic() - t0 < 5
+    assert res == {"a": 5.0}
+    assert res.meta["missing_ranks"][0].startswith("slow@")
+    assert res.meta["missing_metrics"] == {"a": [1, 2]}
+
+
+def test_bad_value_raises_naming_the_metric_and_the_rest_is_merged(name):
+    client = rlmetrics.connect("local", world_size=1, name=name)
+    with pytest.raises(rlmetrics.MetricValueError, match="bad/metric"):
+        client.submit_metric({"good": 1.0, "bad/metric": "oops"})
+    client.wait_submit()
+    assert client.result(0, timeout=5) == {"good": 1.0}
+
+
+def test_stop_means_no_step_waits_for_the_client(name):
+    a = rlmetrics.connect("local", world_size=1, name=name)
+    b = rlmetrics.connect("local", world_size=1, name=name)
+    a.submit_metric({"a": 1.0})
+    b.submit_metric({"b": 1.0})
+    b.wait_submit()
+    b.stop()
+    a.wait_submit()
+    a.submit_metric({"a": 2.0})
+    a.wait_submit()
+    assert a.result(1, timeout=5).meta["complete"]
+
+
+def test_unknown_backend_and_missing_world_size():
+    with pytest.raises(ValueError, match="unknown backend"):
+        rlmetrics.connect("nope")
+    client = rlmetrics.MetricClient(rlmetrics.LocalMetricWorker())
+    with pytest.raises(ValueError, match="world_size"):
+        client.submit_metric({"a": 1.0})
+    with pytest.raises(TypeError, match="metric worker"):
+        rlmetrics.MetricClient(object())

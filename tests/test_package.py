@@ -1,0 +1,50 @@
+"""The package imports without optional extras, and names the extra when one is missing."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from rlmetrics.extras import require
+
+BLOCK_EXTRAS = textwrap.dedent(
+    """
+    import sys
+    class Block:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in {"torch", "ray", "tensordict", "matplotlib", "wandb", "mlflow"}:
+                raise ImportError(f"blocked {name}")
+    sys.meta_path.insert(0, Block())
+    """
+)
+
+
+def test_import_and_core_work_without_extras():
+    code = BLOCK_EXTRAS + textwrap.dedent(
+        """
+        import rlmetrics
+        c = rlmetrics.connect("local", world_size=1)
+        c.submit_metric({"a/mean": [1.0, 2.0], "a/p50": [1.0, 2.0, 3.0]})
+        c.wait_submit()
+        print(dict(c.result(0)))
+        assert "torch" not in sys.modules and "ray" not in sys.modules
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "{'a/mean': 1.5, 'a/p50': 2.0}" in out.stdout
+
+
+def test_missing_extra_is_named():
+    with pytest.raises(ImportError, match=r"rlmetrics\[trackers\]"):
+        require("surely_not_installed_xyz", "trackers")
+
+
+def test_public_names():
+    import rlmetrics
+
+    for name in ("Stat", "Metric", "MetricFunc", "MeanMetric", "MaxMetric", "MinMetric", "SumMetric",
+                 "MedianMetric", "PercentileMetric", "register_reduction", "connect", "MetricClient",
+                 "SPECIAL_METRICS"):  # fmt: skip
+        assert hasattr(rlmetrics, name), name
