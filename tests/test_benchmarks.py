@@ -11,6 +11,8 @@ BENCHMARKS = sorted((Path(__file__).resolve().parents[1] / "benchmarks").glob("b
 
 @pytest.mark.parametrize("script", BENCHMARKS, ids=[p.stem for p in BENCHMARKS])
 def test_benchmark_quick_mode_runs(script):
-    out = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "|" in out.stdout  # printed a table

@@ -1,0 +1,20 @@
+"""The tree stays ruff-clean (what `make lint` checks), so CI catches style drift."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("args", [["check"], ["format", "--check"]], ids=["check", "format"])
+def test_ruff(args):
+    out = subprocess.run(
+        [sys.executable, "-m", "ruff", *args, "src", "tests", "benchmarks"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-1000:]
