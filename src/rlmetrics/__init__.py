@@ -37,10 +37,20 @@ from rlmetrics.stat import MetricValueError, Stat
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    """``MetricWorker`` and ``get_metric_worker`` need Ray: imported on first use (extra ``ray``)."""
+    if name in ("MetricWorker", "get_metric_worker"):
+        from rlmetrics.backends import ray as ray_backend
+
+        return getattr(ray_backend, name)
+    raise AttributeError(f"module 'rlmetrics' has no attribute {name!r}")
+
+
 __all__ = [
     "COUNT", "MAX", "MEAN", "MEDIAN", "MIN", "SPECIAL_METRICS", "STD", "SUM", "Aggregator",
     "LocalMetricWorker", "MaxMetric", "MeanMetric", "MedianMetric", "Metric", "MetricClient", "MetricFunc",
-    "MetricValueError", "MinMetric", "PercentileMetric", "Reduction", "Sketch", "Stat", "StepResult",
-    "SubmissionError", "SumMetric", "connect", "pack", "percentile", "register_reduction", "resolve",
-    "unregister_reduction",
+    "MetricValueError", "MetricWorker", "MinMetric", "PercentileMetric", "Reduction", "Sketch", "Stat",
+    "StepResult", "SubmissionError", "SumMetric", "connect", "get_metric_worker", "pack", "percentile",
+    "register_reduction", "resolve", "unregister_reduction",
 ]  # fmt: skip

@@ -136,6 +136,7 @@ def pack(
     columns: list[np.ndarray | float] = []  # a float: one observation
     sketches: dict[int, Sketch] = {}
     failed: dict[str, str] = {}
+    std_numbers: list[str] = []
     for name, value in metrics.items():
         try:
             if not isinstance(name, str) or not name:
@@ -146,12 +147,7 @@ def pack(
                 columns.append(v)
                 if reduction is STD:  # a rank's own std, not an observation: average, as siiRL does
                     reduction = MEAN
-                    warnings.warn(
-                        f"metric {name!r}: a number under a std name is taken as one rank's std and "
-                        "averaged over ranks (siiRL's result); submit the data or a Stat for the exact "
-                        "pooled std",
-                        stacklevel=2,
-                    )
+                    std_numbers.append(name)
             else:
                 stat = _to_stat(name, value, reduction.needs_sketch, nan_strategy)
                 if stat.sketch is not None and reduction.needs_sketch:
@@ -162,6 +158,13 @@ def pack(
             continue
         names.append(name)
         reductions.append(reduction.name)
+    if std_numbers:
+        warnings.warn(
+            f"{len(std_numbers)} metric(s) {std_numbers[:3]}: a number under a std name is taken as one "
+            "rank's std and averaged over ranks (siiRL's result); submit the data or a Stat for the exact "
+            "pooled std",
+            stacklevel=2,
+        )
     if failed and errors is None:
         raise MetricValueError(next(iter(failed.values())))
     if errors is not None:
@@ -237,7 +240,7 @@ class _Group:
         self.received = 0
         self.world_size = 0
 
-    def add(self, stats: np.ndarray, world_size: int) -> None:
+    def add(self, stats: np.ndarray, world_size: int, contributions: int = 1) -> None:
         if stats.ndim == 1:
             if self.rows is None:
                 self.rows = np.empty((max(4, min(256, _BLOCK // len(self.cols))), len(self.cols)))
@@ -248,7 +251,7 @@ class _Group:
             self.n_rows += 1
         else:
             self._add_part(stats)
-        self.received += 1
+        self.received += contributions
         self.world_size = max(self.world_size, world_size)
 
     def _add_part(self, stats: np.ndarray) -> None:
@@ -352,12 +355,21 @@ class Aggregator:
         return cols
 
     def submit(
-        self, client_id: str, step: int, seq: int, world_size: int, packed: Packed, *, register: bool = True
+        self,
+        client_id: str,
+        step: int,
+        seq: int,
+        world_size: int,
+        packed: Packed,
+        *,
+        register: bool = True,
+        contributions: int = 1,
     ) -> bool:
         """Merge one contribution; False when ``(client_id, step, seq)`` was merged before or the
         step is already finalized (late). Raises :class:`SubmissionError` for a malformed one.
 
-        ``register=False`` leaves the sender out of the clients whose step closing is awaited.
+        ``register=False`` leaves the sender out of the clients whose step closing is awaited;
+        ``contributions`` > 1 submits several ranks' contributions merged beforehand (a node).
         """
         if not (type(step) is int or isinstance(step, numbers.Integral)) or step < 0:
             raise SubmissionError(f"step must be a non-negative int, got {step!r}")
@@ -395,7 +407,7 @@ class Aggregator:
         group = st.groups.get(packed.schema.id)
         if group is None:
             group = st.groups[packed.schema.id] = _Group(cols)
-        group.add(stats, int(world_size))
+        group.add(stats, int(world_size), contributions)
         for i, sk in packed.sketches.items():
             col = int(cols[i])
             st.sketches[col] = sk if col not in st.sketches else st.sketches[col].merge(sk)
@@ -464,11 +476,14 @@ class Aggregator:
             "contributors": sorted(st.contributors) if st is not None else [],
         }
         if not complete:
-            warnings.warn(
-                f"rlmetrics: step {step} is partial: missing ranks {missing_ranks}, "
-                f"{len(missing_metrics)} incomplete metric(s) {list(missing_metrics)[:5]}",
-                RuntimeWarning,
-                stacklevel=2,
+            # A rank missing at a deadline is not waited for again until it submits again.
+            self.clients.difference_update(missing_ranks)
+            logger.warning(
+                "step %d is partial: missing ranks %s, %d incomplete metric(s) %s",
+                step,
+                missing_ranks,
+                len(missing_metrics),
+                list(missing_metrics)[:5],
             )
         result = StepResult(values, step, meta)
         self._finalized.add(step)
@@ -540,10 +555,26 @@ class Aggregator:
             bad = [n for n, v in values.items() if not math.isfinite(v) and n not in self._nan_warned]
             if bad:
                 self._nan_warned.update(bad)
-                warnings.warn(
-                    f"rlmetrics: non-finite value in metric(s) {bad[:10]}", RuntimeWarning, stacklevel=3
-                )
+                logger.warning("non-finite value in metric(s) %s", bad[:10])
         return values, empty
+
+    def finalized_state(self) -> tuple[int, list[int]]:
+        """``(done_below, finalized)``: every step below ``done_below`` and those listed are finalized."""
+        return self._done_below, sorted(self._finalized)
+
+    def export_state(self) -> dict:
+        """What a restarted aggregator needs to resume: registered clients and finalized steps."""
+        return {
+            "clients": sorted(self.clients),
+            "done_below": self._done_below,
+            "finalized": sorted(self._finalized),
+        }
+
+    def restore_state(self, state: Mapping) -> None:
+        """Resume from :meth:`export_state` (of an earlier incarnation)."""
+        self.clients = set(state["clients"])
+        self._done_below = int(state["done_below"])
+        self._finalized = set(state["finalized"])
 
     def result(self, step: int) -> StepResult | None:
         """A kept finalized result, or None."""

@@ -1,38 +1,54 @@
-"""Backend-neutral client logic: step counter, coalescing, sequence ids.
+"""Backend-neutral client logic: step counter, coalescing, resend buffer, sequence ids.
 
 A client summarizes each ``submit_metric`` call at once (so a bad value raises in the caller, naming
 the metric), buffers the result, and sends everything of a step in one call to its
-:class:`Transport` when the step is closed by ``wait_submit()``. Backends supply the transport.
+:class:`Transport` when the step is closed by ``wait_submit()``. It keeps what it sent until the
+aggregator reports the step finalized; if the aggregator restarted (a new ``incarnation`` in a
+reply, or :class:`AggregatorRestarted` from the transport) it resends what it keeps, which the
+aggregator merges once thanks to ``(client_id, step, seq)``.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import socket
+import threading
 import uuid
-from collections.abc import Mapping
-from typing import Any, Protocol
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, TypeVar
 
-from rlmetrics.aggregator import Packed, StepResult, pack
+from rlmetrics.aggregator import Aggregator, Packed, StepResult, SubmissionError, pack
 from rlmetrics.stat import NAN_STRATEGIES, MetricValueError
 
 Submission = tuple[int, int, int, Packed]  # (step, seq, world_size, packed)
+T = TypeVar("T")
+
+
+class AggregatorRestarted(ConnectionError):
+    """The aggregator restarted during a call; it is reachable again. The client resends and retries."""
 
 
 class Transport(Protocol):
-    """What a backend provides to a client."""
+    """What a backend provides to a client.
 
-    def send(self, client_id: str, items: list[Submission], close: list[int]) -> dict:
-        """Deliver submissions and step closings; reply ``{"errors": {...}}``."""
+    ``send`` replies ``{"errors": {...}, "incarnation": str, "done_below": int, "finalized": [...]}``
+    (steps below ``done_below`` and those listed are finalized). Any call may raise
+    :class:`AggregatorRestarted`. A transport may also offer ``post(client_id, items, close)``, a
+    send that does not wait, and ``collect(posted, block)`` for its reply (None if not yet there).
+    """
 
-    def result(self, step: int, timeout: float | None) -> StepResult:
-        """The step's result once complete, or partial at the deadline."""
+    def send(
+        self, client_id: str, items: list[Submission], close: list[int], resync: bool = False
+    ) -> dict: ...
 
-    def final(self) -> StepResult:
-        """Finalize everything pending (the seed's ``wait_final_res``)."""
+    def result(self, step: int, timeout: float | None) -> StepResult: ...
 
-    def depart(self, client_id: str) -> None:
-        """The client will send nothing more."""
+    def final(self) -> StepResult: ...
+
+    def depart(self, client_id: str) -> None: ...
 
 
 def new_client_id(label: str | None = None) -> str:
@@ -44,9 +60,12 @@ def new_client_id(label: str | None = None) -> str:
 class ClientCore:
     """The client state machine shared by every backend.
 
-    ``world_size``: default number of contributions expected per metric name and step.
-    ``nan_strategy``: ``"propagate"`` (default), ``"drop"`` or ``"error"`` for non-finite values.
+    ``world_size``: default number of contributions expected per metric name and step (change it
+    with :meth:`set_world_size`, e.g. after a rank died). ``nan_strategy``: ``"propagate"``
+    (default), ``"drop"`` or ``"error"`` for non-finite values. ``label``: leads the client id.
     """
+
+    max_restarts_per_call = 5
 
     def __init__(
         self,
@@ -65,7 +84,17 @@ class ClientCore:
         self.step = 0
         self._seq = 0
         self._buffer: list[Submission] = []
+        self._kept: dict[int, list[Submission]] = {}  # sent, not yet finalized, by step
+        self._closed: set[int] = set()  # steps closed by this client, not yet finalized
+        self._incarnation: str | None = None
+        self._inflight: list[Any] = []  # posted sends whose replies are not handled yet
         self._schemas: dict = {}
+        self._nan_warned: set[str] = set()
+        self._lock = threading.RLock()  # a watcher thread may resend while the owner submits
+
+    def set_world_size(self, world_size: int) -> None:
+        """The default ``world_size`` of later submissions."""
+        self.world_size = int(world_size)
 
     def submit_metric(
         self, metrics: Mapping[str, Any], world_size: int | None = None, step: int | None = None
@@ -79,44 +108,166 @@ class ClientCore:
         ws = self.world_size if world_size is None else world_size
         if ws is None:
             raise ValueError("submit_metric needs world_size (or a client created with world_size=...)")
+        if not isinstance(ws, numbers.Integral) or isinstance(ws, bool) or ws < 1:
+            raise ValueError(f"world_size must be a positive int, got {ws!r}")
+        ws = int(ws)
         if not isinstance(metrics, Mapping):
             raise MetricValueError(
                 f"metrics must be a mapping of name to value, got {type(metrics).__name__}"
             )
         errors: dict[str, str] = {}
         packed = pack(metrics, self.nan_strategy, self._schemas, errors)
-        if packed.schema.names:
-            self._buffer.append((self.step if step is None else int(step), self._seq, int(ws), packed))
-            self._seq += 1
+        with self._lock:
+            if packed.schema.names:
+                self._buffer.append((self.step if step is None else int(step), self._seq, ws, packed))
+                self._seq += 1
         if errors:
             raise MetricValueError("; ".join(errors.values()))
 
+    # ------------------------------------------------------------------------------ sending
     def _flush(self, close: list[int]) -> None:
-        if not self._buffer and not close:
+        with self._lock:
+            items, self._buffer = self._buffer, []
+            if not items and not close:
+                return
+            for item in items:
+                self._kept.setdefault(item[0], []).append(item)
+            self._closed.update(close)
+            post = getattr(self.transport, "post", None)
+            if post is not None:  # non-blocking: replies are handled at the next call
+                self._inflight.append(post(self.client_id, items, close))
+                self._collect(block=False)
+                return
+            try:
+                reply = self.transport.send(self.client_id, items, close)
+            except AggregatorRestarted:
+                self.resync()  # what was just sent is kept, so it goes with the resend
+                return
+            self._handle(reply)
+
+    def _collect(self, block: bool) -> None:
+        """Handle the replies of posted sends (all of them when ``block``)."""
+        with self._lock:
+            while self._inflight:
+                try:
+                    reply = self.transport.collect(self._inflight[0], block)
+                except AggregatorRestarted:
+                    self._inflight.clear()  # everything in flight is kept: the resend carries it
+                    self.resync()
+                    return
+                if reply is None:
+                    return
+                self._inflight.pop(0)
+                self._handle(reply)
+
+    def resync(self) -> None:
+        """Resend everything kept (after an aggregator restart); safe to call at any time."""
+        with self._lock:
+            for _ in range(self.max_restarts_per_call):
+                items = [item for step in sorted(self._kept) for item in self._kept[step]]
+                try:
+                    reply = self.transport.send(self.client_id, items, sorted(self._closed), resync=True)
+                except AggregatorRestarted:
+                    continue
+                self._incarnation = reply["incarnation"]
+                self._handle(reply)
+                return
+            raise ConnectionError(f"aggregator restarted {self.max_restarts_per_call} times during a resend")
+
+    def _handle(self, reply: dict) -> None:
+        incarnation = reply["incarnation"]
+        if self._incarnation is not None and incarnation != self._incarnation:
+            self._incarnation = incarnation
+            self.resync()
             return
-        items, self._buffer = self._buffer, []
-        reply = self.transport.send(self.client_id, items, close)
-        if reply.get("errors"):
+        self._incarnation = incarnation
+        done_below, finalized = reply["done_below"], set(reply["finalized"])
+        for step in [s for s in self._kept if s < done_below or s in finalized]:
+            del self._kept[step]
+        self._closed = {s for s in self._closed if s >= done_below and s not in finalized}
+        if reply["errors"]:
             raise MetricValueError("; ".join(reply["errors"].values()))
 
+    def flush(self) -> None:
+        """Send what is queued and wait until the aggregator has everything this client sent."""
+        self._flush([])
+        self._collect(block=True)
+
+    def _retrying(self, call: Callable[[], T]) -> T:
+        for _ in range(self.max_restarts_per_call):
+            try:
+                return call()
+            except AggregatorRestarted:
+                self.resync()
+        raise ConnectionError(f"aggregator restarted {self.max_restarts_per_call} times during one call")
+
+    # ------------------------------------------------------------------------------ the API
     def wait_submit(self) -> None:
-        """Send everything queued in one call, close the current step and advance to the next."""
-        steps = {item[0] for item in self._buffer} | {self.step}
-        self._flush(sorted(steps))
-        self.step += 1
+        """Send everything queued in one message, close the current step and advance to the next.
+
+        With a transport that posts (Ray) it does not wait for the reply: an error in it (a value
+        the aggregator refused) is raised by the next call of this client.
+        """
+        with self._lock:
+            steps = {item[0] for item in self._buffer} | {self.step}
+            self._flush(sorted(steps))
+            self.step += 1
 
     def result(self, step: int, timeout: float | None = None) -> StepResult:
         """The result of ``step`` as soon as it is complete; at ``timeout`` (seconds) the partial
-        result, whose ``meta`` names the missing ranks and metrics."""
-        self._flush([])
-        return self.transport.result(step, timeout)
+        result, whose ``meta`` names the missing ranks and metrics (and a RuntimeWarning says so)."""
+        self.flush()
+        return self._checked(self._retrying(lambda: self.transport.result(step, timeout)))
 
     def wait_final_res(self) -> StepResult:
         """Aggregate everything pending now and return the newest step's result (seed semantics)."""
-        self._flush([])
-        return self.transport.final()
+        self.flush()
+        return self._checked(self._retrying(self.transport.final))
+
+    def _checked(self, res: StepResult) -> StepResult:
+        """Warn once per partial result, and once per metric name that turned non-finite."""
+        meta = res.meta
+        if not meta.get("complete", True) and not meta.get("evicted"):
+            missing = meta["missing_metrics"]
+            warnings.warn(
+                f"rlmetrics: step {res.step} is partial: missing ranks {meta['missing_ranks']}, "
+                f"{len(missing)} incomplete metric(s) {list(missing)[:5]}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        bad = [n for n, v in res.items() if not math.isfinite(v) and n not in self._nan_warned]
+        if bad:
+            self._nan_warned.update(bad)
+            warnings.warn(
+                f"rlmetrics: non-finite value in metric(s) {bad[:10]}", RuntimeWarning, stacklevel=3
+            )
+        return res
 
     def stop(self) -> None:
         """Send what is queued and leave: no step waits for this client afterwards."""
-        self._flush([])
-        self.transport.depart(self.client_id)
+        self.flush()
+        self._retrying(lambda: self.transport.depart(self.client_id))
+
+
+def receive(
+    engine: Aggregator, client_id: str, items: list[Submission], close: list[int], incarnation: str = "local"
+) -> dict:
+    """The receiving side of :meth:`Transport.send`: merge into ``engine`` and build the reply.
+
+    A rejected item does not stop the others; its error is in the reply, keyed by step and seq.
+    """
+    errors: dict[str, str] = {}
+    for step, seq, world_size, packed in items:
+        try:
+            engine.submit(client_id, step, seq, world_size, packed)
+        except (SubmissionError, ValueError) as exc:
+            errors[f"{client_id}/{step}/{seq}"] = f"step {step}: {exc}"
+    for step in close:
+        engine.close(client_id, step)
+    return make_reply(engine, errors, incarnation)
+
+
+def make_reply(engine: Aggregator, errors: dict[str, str], incarnation: str = "local") -> dict:
+    """The reply to a send: errors, and what the client may stop keeping."""
+    done_below, finalized = engine.finalized_state()
+    return {"errors": errors, "incarnation": incarnation, "done_below": done_below, "finalized": finalized}

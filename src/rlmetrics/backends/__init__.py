@@ -1,6 +1,7 @@
 """Backends: where the aggregator runs. ``connect`` picks one; ``MetricClient`` wraps a worker.
 
 - ``"local"``: in-process, threads as ranks (:mod:`rlmetrics.backends.local`).
+- ``"ray"``: a named ``MetricWorker`` actor (:mod:`rlmetrics.backends.ray`, extra ``ray``).
 """
 
 from __future__ import annotations
@@ -10,14 +11,15 @@ from typing import Any
 from rlmetrics.backends import local
 from rlmetrics.client import ClientCore
 
-BACKENDS = ("local",)
+BACKENDS = ("local", "ray")
 
 
 class MetricClient(ClientCore):
     """The seed's client: ``MetricClient(metric_worker)``, then ``submit_metric`` / ``wait_submit`` /
     ``wait_final_res`` / ``stop``; plus ``result(step, timeout)``.
 
-    ``metric_worker`` is a :class:`~rlmetrics.backends.local.LocalMetricWorker` (or any transport).
+    ``metric_worker`` is a Ray ``MetricWorker`` actor handle, a
+    :class:`~rlmetrics.backends.local.LocalMetricWorker`, or any transport.
     Options: ``world_size``, ``nan_strategy``, ``label`` (see :class:`~rlmetrics.client.ClientCore`).
 
     >>> worker = local.LocalMetricWorker()
@@ -29,17 +31,26 @@ class MetricClient(ClientCore):
     """
 
     def __init__(self, metric_worker: Any, **options: Any) -> None:
-        if not callable(getattr(metric_worker, "send", None)):
+        transport = metric_worker
+        if type(metric_worker).__name__ == "ActorHandle":
+            from rlmetrics.backends import ray as ray_backend
+
+            transport = ray_backend.RayTransport(metric_worker)
+        elif not callable(getattr(metric_worker, "send", None)):
             raise TypeError(f"MetricClient needs a metric worker, got {type(metric_worker).__name__}")
-        super().__init__(metric_worker, **options)
+        super().__init__(transport, **options)
+        if hasattr(transport, "watch"):
+            transport.watch(self)
 
 
 def connect(backend: str = "local", *, world_size: int | None = None, name: str = "default", **options: Any):
     """A client of the named aggregator of ``backend``.
 
     ``"local"``: every ``connect("local", name=...)`` in the process shares one in-process
-    aggregator; each call returns a new client (one per rank/thread). Client options:
-    ``nan_strategy``, ``label``; aggregator options on first use: ``renames``, ``keep_results``.
+    aggregator; each call returns a new client (one per rank/thread). ``"ray"``: every
+    ``connect("ray", name=..., namespace=...)`` in the cluster shares one named ``MetricWorker``
+    actor. Client options: ``nan_strategy``, ``label``; aggregator options on first use:
+    ``renames``, ``keep_results`` (and for Ray ``namespace``, ``num_cpus``, ``recovery_timeout``).
 
     >>> client = connect("local", world_size=1, name="connect-doc")
     >>> client.submit_metric({"timing_s/gen": 0.5})
@@ -51,4 +62,11 @@ def connect(backend: str = "local", *, world_size: int | None = None, name: str 
     client_opts = {k: options.pop(k) for k in ("nan_strategy", "label") if k in options}
     if backend == "local":
         return MetricClient(local.get_worker(name, **options), world_size=world_size, **client_opts)
+    if backend == "ray":
+        from rlmetrics.backends import ray as ray_backend
+
+        worker = ray_backend.get_metric_worker(
+            name if name != "default" else ray_backend.DEFAULT_NAME, **options
+        )
+        return MetricClient(worker, world_size=world_size, **client_opts)
     raise ValueError(f"unknown backend {backend!r}: choose one of {BACKENDS}")

@@ -22,8 +22,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from rlmetrics.aggregator import Aggregator, StepResult, SubmissionError, pack
-from rlmetrics.client import Submission
+from rlmetrics.aggregator import Aggregator, StepResult, pack
+from rlmetrics.client import Submission, receive
 
 _WORKERS: dict[str, LocalMetricWorker] = {}  # named in-process aggregators, like Ray's named actors
 _WORKERS_LOCK = threading.Lock()
@@ -62,18 +62,11 @@ class LocalMetricWorker:
             return self.engine.finalize_pending()
 
     # ----------------------------------------------------------------- transport for clients
-    def send(self, client_id: str, items: list[Submission], close: list[int]) -> dict:
-        errors: dict[str, str] = {}
+    def send(self, client_id: str, items: list[Submission], close: list[int], resync: bool = False) -> dict:
         with self._cond:
-            for step, seq, world_size, packed in items:
-                try:
-                    self.engine.submit(client_id, step, seq, world_size, packed)
-                except SubmissionError as exc:
-                    errors[f"{client_id}/{step}/{seq}"] = str(exc)
-            for step in close:
-                self.engine.close(client_id, step)
+            reply = receive(self.engine, client_id, items, close)
             self._cond.notify_all()
-        return {"errors": errors}
+        return reply
 
     def result(self, step: int, timeout: float | None = None) -> StepResult:
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -1,0 +1,388 @@
+"""Ray backend: the seed's ``MetricWorker`` actor, a thin async shell over the engine.
+
+- ``MetricWorker.remote()`` / ``get_metric_worker(name, namespace)``: one aggregator actor (async,
+  ``num_cpus=0`` by default, ``max_restarts=-1``).
+- Clients send one message per step (:mod:`rlmetrics.wire`: names once per schema, then float64
+  buffers) and keep it until the step is finalized.
+- Restarts: the actor keeps its registered clients and finalized steps in Ray's internal KV store.
+  A new incarnation waits (at most ``recovery_timeout`` seconds) until every registered client has
+  resent what it keeps; each client learns of the restart from a failed call, from the new
+  incarnation id in a reply, or from its watcher (one outstanding ``watch`` call per process and
+  actor, which fails when the actor dies).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import threading
+import time
+import uuid
+import weakref
+from collections import Counter
+from collections.abc import Mapping
+from concurrent.futures import Future
+from typing import Any
+
+from rlmetrics.aggregator import Aggregator, StepResult, SubmissionError, pack
+from rlmetrics.client import AggregatorRestarted, Submission, make_reply, receive
+from rlmetrics.extras import require
+from rlmetrics.wire import SchemaTable, decode, encode
+
+ray = require("ray", "ray")
+from ray.experimental import internal_kv  # noqa: E402  (after the extra check)
+
+_UNAVAILABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+DEFAULT_NAME = "rlmetrics"
+
+
+class _MetricWorker:
+    """The actor body: the engine, the schema table, waiting for steps, and restart recovery.
+
+    Options: ``recovery_timeout`` (seconds a restarted incarnation waits for clients to resend);
+    the rest goes to :class:`~rlmetrics.aggregator.Aggregator` (``renames``, ``keep_results``).
+    """
+
+    def __init__(self, recovery_timeout: float = 30.0, **options: Any) -> None:
+        self.engine = Aggregator(**options)
+        self.incarnation = uuid.uuid4().hex
+        self.table = SchemaTable()
+        self.calls: Counter[str] = Counter()
+        self.running = True
+        self._direct = itertools.count()
+        self._changed = asyncio.Event()
+        self._kv_key = f"rlmetrics/state/{ray.get_runtime_context().get_actor_id()}".encode()
+        self._awaiting: set[str] = set()
+        self._recovery_deadline = 0.0
+        saved = internal_kv._internal_kv_get(self._kv_key)
+        if saved:  # an earlier incarnation of this actor: resume and wait for the clients' resends
+            state = json.loads(saved)
+            self.engine.restore_state(state)
+            self._awaiting = set(state["clients"])
+            self._recovery_deadline = time.monotonic() + recovery_timeout
+        self._saved_clients = set(self.engine.clients)
+
+    # ------------------------------------------------------------------------------ helpers
+    def _recovering(self) -> bool:
+        return bool(self._awaiting) and time.monotonic() < self._recovery_deadline
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _save(self) -> None:
+        internal_kv._internal_kv_put(
+            self._kv_key, json.dumps(self.engine.export_state()).encode(), overwrite=True
+        )
+        self._saved_clients = set(self.engine.clients)
+
+    async def _wait(self, ready: Any, timeout: float | None) -> None:
+        """Until ``ready()`` holds and no recovery is under way, or the deadline."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            recovering = self._recovering()
+            if ready() and not recovering:
+                return
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return
+            limits = [
+                t - now for t in (deadline, self._recovery_deadline if recovering else None) if t is not None
+            ]
+            try:
+                await asyncio.wait_for(self._changed.wait(), min(limits) if limits else None)
+            except asyncio.TimeoutError:
+                pass
+
+    # ------------------------------------------------------------------ the seed's worker API
+    async def start(self) -> None:
+        self.running = True
+
+    async def stop(self) -> None:
+        self.running = False
+
+    async def submit_metric(
+        self, metrics: Mapping[str, Any], world_size: int, step: int | None = None
+    ) -> None:
+        """A submission without a client: into ``step`` (default: the newest pending step, or 0)."""
+        self.calls["submit_metric"] += 1
+        pending = self.engine.pending_steps()
+        target = step if step is not None else (pending[-1] if pending else 0)
+        self.engine.submit("direct", target, next(self._direct), world_size, pack(metrics), register=False)
+        self._wake()
+
+    async def wait_final_res(self) -> StepResult:
+        return await self.final()
+
+    # ------------------------------------------------------------------------ client calls
+    async def send(self, client_id: str, msg: tuple) -> dict:
+        """One client's message (:mod:`rlmetrics.wire`)."""
+        self.calls["send"] += 1
+        reply = self._receive(client_id, msg)
+        self._after_receive()
+        return reply
+
+    async def send_many(self, batch: list[tuple[str, tuple]]) -> list[dict]:
+        """Messages of several clients of one process, posted while its previous call was in flight."""
+        self.calls["send_many"] += 1
+        replies = [self._receive(client_id, msg) for client_id, msg in batch]
+        self._after_receive()
+        return replies
+
+    def _receive(self, client_id: str, msg: tuple) -> dict:
+        self.calls["messages"] += 1
+        try:
+            items, close, unknown = decode(msg, self.table)
+        except SubmissionError as exc:
+            return make_reply(self.engine, {client_id: str(exc)}, self.incarnation)
+        if unknown:  # merge nothing (a close must not overtake its data): the client repeats with names
+            return {"unknown": unknown, "incarnation": self.incarnation}
+        reply = receive(self.engine, client_id, items, close, self.incarnation)
+        if msg[4]:  # a resend after a restart
+            self._awaiting.discard(client_id)
+        return reply
+
+    def _after_receive(self) -> None:
+        if self.engine.clients != self._saved_clients:
+            self._save()
+        self._wake()
+
+    async def result(self, step: int, timeout: float | None = None) -> StepResult:
+        self.calls["result"] += 1
+        engine = self.engine
+        await self._wait(lambda: engine.is_finalized(step) or engine.is_complete(step), timeout)
+        out = engine.finalize(step)
+        self._save()
+        return out
+
+    async def final(self) -> StepResult:
+        self.calls["final"] += 1
+        await self._wait(lambda: True, None)
+        out = self.engine.finalize_pending()
+        self._save()
+        return out
+
+    async def depart(self, client_id: str) -> None:
+        self.engine.depart(client_id)
+        self._save()
+        self._wake()
+
+    async def watch(self) -> None:
+        """Never returns: a client's watcher learns of this incarnation's death when it fails."""
+        await asyncio.Event().wait()
+
+    async def ping(self) -> str:
+        return self.incarnation
+
+    async def stats(self) -> dict:
+        """Calls received by method, registered clients, pending steps (for tests and monitoring)."""
+        return {
+            "calls": dict(self.calls),
+            "clients": sorted(self.engine.clients),
+            "pending": self.engine.pending_steps(),
+        }
+
+
+MetricWorker = ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=100_000)(_MetricWorker)
+
+
+def get_metric_worker(
+    name: str = DEFAULT_NAME, namespace: str | None = None, *, num_cpus: float = 0, **options: Any
+) -> Any:
+    """Get the named aggregator actor, or create it (``options`` apply on creation).
+
+    Create it from the driver first: a non-detached actor lives as long as its creator. Pass
+    ``lifetime="detached"`` in ``options`` to let it outlive the driver.
+    """
+    actor_opts = {k: options.pop(k) for k in ("lifetime", "scheduling_strategy") if k in options}
+    return MetricWorker.options(
+        name=name, namespace=namespace, get_if_exists=True, num_cpus=num_cpus, **actor_opts
+    ).remote(**options)
+
+
+class RayTransport:
+    """A client's link to a ``MetricWorker`` actor handle.
+
+    ``post`` is the non-blocking send: every client of the same actor in this process shares one
+    :class:`_Sender`, so messages posted while a call is in flight travel together in the next one.
+    """
+
+    def __init__(self, handle: Any, reconnect_timeout: float = 120.0) -> None:
+        self.handle = handle
+        self.reconnect_timeout = reconnect_timeout
+        self._known: set[bytes] = set()  # schema ids the current incarnation has
+        self._incarnation: str | None = None
+        self._sender = _Sender.of(self)
+
+    def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return ray.get(getattr(self.handle, method).remote(*args))
+        except _UNAVAILABLE as exc:
+            self.wait_alive()
+            raise AggregatorRestarted(f"aggregator restarted during {method}") from exc
+
+    def wait_alive(self) -> str:
+        """Block until the actor answers (its next incarnation); ConnectionError after the timeout."""
+        return _wait_alive(self.handle, self.reconnect_timeout)
+
+    def _encode(self, items: list[Submission], close: list[int], resync: bool = False) -> tuple:
+        msg = encode(items, close, lambda sid: sid not in self._known, resync)
+        self._known.update(item[3].schema.id for item in items)
+        return msg
+
+    def _track(
+        self, reply: dict, client_id: str, items: list[Submission], close: list[int], resync: bool
+    ) -> dict:
+        if "unknown" in reply:  # the actor lost (or never had) some schemas: repeat with all names
+            reply = self._call("send", client_id, encode(items, close, True, resync))
+        if reply["incarnation"] != self._incarnation:
+            self._known = {item[3].schema.id for item in items}
+            self._incarnation = reply["incarnation"]
+        return reply
+
+    def send(self, client_id: str, items: list[Submission], close: list[int], resync: bool = False) -> dict:
+        reply = self._call("send", client_id, self._encode(items, close, resync))
+        return self._track(reply, client_id, items, close, resync)
+
+    def post(self, client_id: str, items: list[Submission], close: list[int]) -> tuple:
+        """Send without waiting; :meth:`collect` gives the reply (or raises AggregatorRestarted)."""
+        return (self._sender.post(client_id, self._encode(items, close)), client_id, items, close)
+
+    def collect(self, posted: tuple, block: bool = True) -> dict | None:
+        future, client_id, items, close = posted
+        if not block and not future.done():
+            return None
+        return self._track(future.result(), client_id, items, close, False)
+
+    def result(self, step: int, timeout: float | None) -> StepResult:
+        return self._call("result", step, timeout)
+
+    def final(self) -> StepResult:
+        return self._call("final")
+
+    def depart(self, client_id: str) -> None:
+        self._call("depart", client_id)
+
+    def watch(self, client: Any) -> None:
+        """Resend ``client``'s kept submissions whenever the actor restarts (one thread per actor)."""
+        _Watcher.of(self).clients.add(client)
+
+
+def _wait_alive(handle: Any, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        if not ray.is_initialized():  # never let a background thread start a new Ray instance
+            raise ConnectionError("Ray is shut down")
+        try:
+            return ray.get(handle.ping.remote(), timeout=10)
+        except (*_UNAVAILABLE, ray.exceptions.GetTimeoutError):
+            if time.monotonic() > deadline:
+                raise ConnectionError(f"metric worker unreachable for {timeout} s") from None
+            time.sleep(0.1)
+        except Exception as exc:  # Ray refuses to even submit: the actor is gone for good
+            raise ConnectionError(f"metric worker is gone: {exc}") from exc
+
+
+def _per_actor(cls: Any, transport: RayTransport) -> Any:
+    """The one ``cls`` instance of this process for the transport's actor."""
+    key = transport.handle._actor_id.hex()
+    with cls._lock:
+        if key not in cls._by_actor:
+            cls._by_actor[key] = cls(transport)
+        return cls._by_actor[key]
+
+
+class _Sender:
+    """Group commit: a ``send_many`` call carries every message posted while the previous call was
+    in flight, so no message waits for a timer and a busy process makes few calls."""
+
+    _by_actor: dict[str, _Sender] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, transport: RayTransport) -> None:
+        self.handle = transport.handle
+        self.reconnect_timeout = transport.reconnect_timeout
+        self._queue: list[tuple[str, tuple, Future]] = []
+        self._cond = threading.Condition()
+        threading.Thread(target=self._run, name="rlmetrics-send", daemon=True).start()
+
+    @classmethod
+    def of(cls, transport: RayTransport) -> _Sender:
+        return _per_actor(cls, transport)
+
+    def post(self, client_id: str, msg: tuple) -> Future:
+        future: Future = Future()
+        with self._cond:
+            self._queue.append((client_id, msg, future))
+            self._cond.notify()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                batch, self._queue = self._queue, []
+            try:
+                if not ray.is_initialized():
+                    raise ConnectionError("Ray is shut down")
+                replies = ray.get(self.handle.send_many.remote([(c, m) for c, m, _ in batch]))
+            except _UNAVAILABLE:
+                try:
+                    _wait_alive(self.handle, self.reconnect_timeout)
+                    error: BaseException = AggregatorRestarted("aggregator restarted during a send")
+                except ConnectionError as exc:
+                    error = exc
+                for _, _, future in batch:
+                    future.set_exception(error)
+                continue
+            except (Exception, SystemExit) as exc:  # Ray shut down
+                for _, _, future in batch:
+                    future.set_exception(ConnectionError(f"send failed: {exc}"))
+                if not ray.is_initialized():
+                    return
+                continue
+            for (_, _, future), reply in zip(batch, replies):
+                future.set_result(reply)
+
+
+class _Watcher:
+    """One outstanding ``watch`` call per process and actor; when it fails (the actor died), every
+    client of this process resends what it keeps to the next incarnation.
+
+    No thread waits on the call: Ray resolves it, and only then a short-lived thread does the work.
+    """
+
+    _by_actor: dict[str, _Watcher] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, transport: RayTransport) -> None:
+        self.handle = transport.handle
+        self.reconnect_timeout = transport.reconnect_timeout
+        self.clients: weakref.WeakSet = weakref.WeakSet()
+        self._arm()
+
+    @classmethod
+    def of(cls, transport: RayTransport) -> _Watcher:
+        return _per_actor(cls, transport)
+
+    def _arm(self) -> None:
+        if ray.is_initialized():
+            self.handle.watch.remote().future().add_done_callback(self._fired)
+
+    def _fired(self, future: Future) -> None:
+        if isinstance(future.exception(), _UNAVAILABLE) and ray.is_initialized():
+            threading.Thread(target=self._recover, name="rlmetrics-watch", daemon=True).start()
+
+    def _recover(self) -> None:
+        try:
+            _wait_alive(self.handle, self.reconnect_timeout)
+        except ConnectionError:
+            return
+        self._arm()
+        for client in list(self.clients):
+            try:
+                client.resync()
+            except Exception:  # noqa: BLE001 - the client's own next call reports the problem
+                pass

@@ -1,0 +1,269 @@
+"""The Ray backend on a real local Ray instance: seed API, steps without a barrier, wire, faults."""
+
+import pickle
+import random
+import time
+import uuid
+import warnings
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import rlmetrics  # noqa: E402
+from rlmetrics.aggregator import pack  # noqa: E402
+from rlmetrics.wire import encode  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_instance():
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def name():
+    return f"test-{uuid.uuid4().hex[:8]}"
+
+
+def rank_data(rank, step):
+    """What rank ``rank`` submits at ``step``: reproducible, sized by rank, tagged by step."""
+    rng = np.random.default_rng([rank, step])
+    return step * 1000.0 + rng.random(3 + 2 * rank)
+
+
+@ray.remote(num_cpus=0)
+class Rank:
+    def __init__(self, rank, world, name):
+        import rlmetrics
+
+        self.rank = rank
+        self.client = rlmetrics.connect("ray", name=name, world_size=world, label=f"rank{rank}")
+
+    def step(self, step, sleep=0.0, read=False, timeout=60):
+        time.sleep(sleep)
+        d = rank_data(self.rank, step)
+        self.client.submit_metric({"x/mean": d, "x/min": d, "x/max": d})
+        self.client.submit_metric({"ranks/total": 1.0})
+        self.client.wait_submit()
+        return self.client.result(step, timeout=timeout) if read else None
+
+    def run(self, steps, seed, read=False):
+        pace = random.Random(seed)
+        return [self.step(s, pace.random() * 0.02, read) for s in range(steps)]
+
+    def flush(self):
+        self.client.flush()
+
+    def set_world_size(self, world):
+        self.client.set_world_size(world)
+
+    def pid(self):
+        import os
+
+        return os.getpid()
+
+
+def check_step(res, step, ranks):
+    allv = np.concatenate([rank_data(r, step) for r in ranks])
+    assert res.meta["complete"], res.meta
+    assert res["x/mean"] == pytest.approx(allv.mean(), rel=1e-12)
+    assert (res["x/min"], res["x/max"]) == (allv.min(), allv.max())  # no other step's data
+    assert res["ranks/total"] == len(ranks)  # every rank counted once
+
+
+def test_seed_worker_api_and_client_in_the_driver():
+    worker = rlmetrics.MetricWorker.remote()
+    ray.get(worker.start.remote())
+    client = rlmetrics.MetricClient(worker)
+    for r in range(3):
+        ray.get(worker.submit_metric.remote({"direct/score/max": float(r), "direct/loss": float(r)}, 3))
+    client.submit_metric({"c/mean": [1.0, 2.0]}, 1)
+    client.wait_submit()
+    final = client.wait_final_res()
+    assert final["c/mean"] == 1.5
+    ray.get(worker.stop.remote())
+    worker2 = rlmetrics.MetricWorker.remote()
+    for r in range(3):
+        ray.get(worker2.submit_metric.remote({"direct/score/max": float(r), "direct/loss": float(r)}, 3))
+    assert ray.get(worker2.wait_final_res.remote()) == {"direct/score/max": 2.0, "direct/loss": 1.0}
+
+
+def test_named_worker_is_shared_and_takes_no_cpu(name):
+    free = ray.available_resources().get("CPU")
+    a = rlmetrics.get_metric_worker(name=name, namespace="ns-test")
+    ray.get(a.ping.remote())
+    assert ray.available_resources().get("CPU") == free  # num_cpus=0: never takes a training slot
+
+    @ray.remote(num_cpus=0)
+    def from_a_task(name):
+        import rlmetrics
+
+        client = rlmetrics.connect("ray", name=name, namespace="ns-test", world_size=2)
+        client.submit_metric({"v": 3.0})
+        client.wait_submit()
+
+    ray.get(from_a_task.remote(name))
+    client = rlmetrics.MetricClient(rlmetrics.get_metric_worker(name=name, namespace="ns-test"))
+    client.submit_metric({"v": 5.0}, 2)
+    client.wait_submit()
+    assert client.result(0, timeout=30) == {"v": 4.0}
+
+
+def test_eight_ranks_without_a_barrier_steps_exact_and_unmixed(name):
+    world, steps = 8, 20
+    rlmetrics.get_metric_worker(name=name)
+    ranks = [Rank.remote(r, world, name) for r in range(world)]
+    out = ray.get([a.run.remote(steps, seed=r, read=(r == 0)) for r, a in enumerate(ranks)])
+    for step, res in enumerate(out[0]):
+        assert res.step == step
+        check_step(res, step, range(world))
+
+
+def test_one_rpc_per_step_per_client(name):
+    world, steps = 3, 4
+    worker = rlmetrics.get_metric_worker(name=name)
+    ranks = [Rank.remote(r, world, name) for r in range(world)]
+    for s in range(steps):
+        ray.get([a.step.remote(s) for a in ranks])
+    ray.get([a.flush.remote() for a in ranks])
+    calls = ray.get(worker.stats.remote())["calls"]
+    assert calls["messages"] == world * steps  # two submit_metric calls per step travel together
+    assert calls.get("send_many", 0) + calls.get("send", 0) <= world * steps
+
+
+def seed_style_names(m):
+    """Names as the seed's conventions produce them; at M=1000 most are validation metrics."""
+    sources = ["openai/gsm8k", "lighteval/MATH", "aime_2024", "minerva_math", "olympiadbench", "amc23",
+               "gpqa_diamond", "math500"]  # fmt: skip
+    stats = ["mean@16", "std@16"] + [f"{b}@{k}/{s}" for b in ("best", "worst", "maj") for k in (2, 4, 8, 16)
+                                     for s in ("mean", "std")]  # fmt: skip
+    val = [f"val-{'core' if v == 'acc' else 'aux'}/{d}/{v}/{s}" for d in sources
+           for v in ("acc", "reward", "score", "response_len") for s in stats]  # fmt: skip
+    train = [f"{k}/{x}/{r}" for k in ("critic", "response", "prompt", "actor", "analysis")
+             for x in ("score", "rewards", "advantages", "returns", "values", "length", "entropy", "kl")
+             for r in ("mean", "max", "min", "std")]  # fmt: skip
+    return (val + train)[:m]
+
+
+# Random doubles carry ~54 bits each: no lossless coding brings them under 15% of these names' pickle.
+@pytest.mark.parametrize(("kind", "bound"), [("random", 0.16), ("fractions", 0.05)])
+def test_payload_after_the_first_submit_is_small(kind, bound):
+    names = seed_style_names(1000)
+    rng = np.random.default_rng(0)
+    values = rng.random(1000) if kind == "random" else rng.integers(0, 17, 1000) / 16  # worst case, typical
+    metrics = dict(zip(names, values.tolist()))
+    schemas = {}
+    first = pack(metrics, schemas=schemas)
+    steady = pack(metrics, schemas=schemas)
+    full = len(pickle.dumps(encode([(0, 0, 8, first)], [0], send_names=True), protocol=5))
+    later = len(pickle.dumps(encode([(1, 1, 8, steady)], [1], send_names=False), protocol=5))
+    baseline = len(pickle.dumps(metrics, protocol=5))
+    print(f"{kind}: first {full} B, later {later} B, pickled dict {baseline} B: {later / baseline:.1%}")
+    assert full - later >= sum(map(len, names))  # the first message carries the names ...
+    assert later <= bound * baseline  # ... later ones only a schema id and the (compressed) float64s
+
+
+def test_schema_lost_in_a_restart_is_resent_transparently(name):
+    worker = rlmetrics.get_metric_worker(name=name)
+    client = rlmetrics.MetricClient(worker, world_size=1)
+    client.submit_metric({"a/mean": 1.0, "b/max": 2.0})
+    client.wait_submit()
+    ray.kill(worker, no_restart=False)
+    client.transport.wait_alive()
+    client.submit_metric({"a/mean": 3.0, "b/max": 4.0})  # the client still believes the names are known
+    client.wait_submit()
+    assert client.result(1, timeout=60) == {"a/mean": 3.0, "b/max": 4.0}
+    assert client.result(0, timeout=60) == {"a/mean": 1.0, "b/max": 2.0}
+
+
+def test_rank_killed_mid_run_gives_partial_then_continues_with_new_world_size(name):
+    world = 4
+    rlmetrics.get_metric_worker(name=name)  # the driver owns the aggregator; a rank's death can't take it
+    ranks = [Rank.remote(r, world, name) for r in range(world)]
+    for s in range(2):
+        ray.get([a.step.remote(s) for a in ranks])
+    ray.get(ranks[3].flush.remote())  # rank 3 delivered steps 0 and 1, then dies
+    ray.kill(ranks[3])
+    ray.get([a.step.remote(2) for a in ranks[:3]])
+    reader = rlmetrics.connect("ray", name=name)
+    with pytest.warns(RuntimeWarning, match="partial"):
+        res = reader.result(2, timeout=2)
+    assert res.meta["complete"] is False
+    assert len(res.meta["missing_ranks"]) == 1 and res.meta["missing_ranks"][0].startswith("rank3@")
+    assert res.meta["missing_metrics"]["x/mean"] == [3, 4]
+    allv = np.concatenate([rank_data(r, 2) for r in range(3)])
+    assert res["x/mean"] == pytest.approx(allv.mean(), rel=1e-12)
+    ray.get([a.set_world_size.remote(3) for a in ranks[:3]])
+    for s in (3, 4):
+        ray.get([a.step.remote(s) for a in ranks[:3]])
+        check_step(reader.result(s, timeout=30), s, range(3))
+
+
+@pytest.mark.parametrize("when", ["between_steps", "mid_step"])
+def test_aggregator_killed_and_restarted_loses_nothing_counts_nothing_twice(name, when):
+    world, steps = 4, 6
+    worker = rlmetrics.get_metric_worker(name=name, recovery_timeout=60)
+    ranks = [Rank.remote(r, world, name) for r in range(world)]
+    reader = rlmetrics.connect("ray", name=name)
+    results = {}
+    for s in range(steps):
+        if s == 3 and when == "between_steps":
+            ray.kill(worker, no_restart=False)
+        if s == 3 and when == "mid_step":
+            ray.get([a.step.remote(s) for a in ranks[:2]])  # half the ranks delivered step 3 ...
+            ray.kill(worker, no_restart=False)  # ... then the aggregator dies
+            ray.get([a.step.remote(s) for a in ranks[2:]])
+        else:
+            ray.get([a.step.remote(s) for a in ranks])
+        results[s] = reader.result(s, timeout=90)
+    for s in range(steps):
+        check_step(results[s], s, range(world))
+
+
+def test_duplicate_delivery_is_merged_once(name):
+    client = rlmetrics.connect("ray", name=name, world_size=1)
+    client.submit_metric({"n/total": 1.0})
+    item = client._buffer[0]
+    for _ in range(3):  # a retry after a lost reply delivers the same (client, step, seq) again
+        client.transport.send(client.client_id, [item], [])
+    client.wait_submit()
+    assert client.result(0, timeout=30) == {"n/total": 1.0}
+
+
+def test_bad_submissions_are_refused_at_the_client_and_others_complete(name):
+    good = rlmetrics.connect("ray", name=name, world_size=2, label="good")
+    bad = rlmetrics.connect("ray", name=name, world_size=2, label="bad")
+    cases = [
+        ({"s/str": "oops"}, "s/str"),
+        ({"s/nested": {"a": 1.0}}, "s/nested"),
+        ({"s/none": None}, "s/none"),
+        ({3: 1.0}, "metric name must be a non-empty str"),
+    ]
+    for metrics, needle in cases:
+        with pytest.raises(rlmetrics.MetricValueError, match=needle):
+            bad.submit_metric(metrics)
+    for ws in (0, -2, np.zeros((2, 2))):
+        with pytest.raises(ValueError, match="world_size"):
+            bad.submit_metric({"ok": 1.0}, world_size=ws)
+    bad.submit_metric({f"wide/m{i}": float(i) for i in range(100_000)}, world_size=1)
+    bad.submit_metric({"ok": 1.0})
+    bad.wait_submit()
+    good.submit_metric({"ok": 3.0})
+    good.wait_submit()
+    res = good.result(0, timeout=60)
+    assert res["ok"] == 2.0 and res["wide/m99999"] == 99999.0 and len(res) == 100_001
+
+
+def test_a_malformed_message_is_refused_and_the_actor_keeps_serving(name):
+    worker = rlmetrics.get_metric_worker(name=name)
+    reply = ray.get(worker.send.remote("evil", ("not", "a", "message")))
+    assert "malformed" in next(iter(reply["errors"].values()))
+    client = rlmetrics.MetricClient(worker)
+    client.submit_metric({"a": 1.0}, 1)
+    client.wait_submit()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert client.result(0, timeout=30) == {"a": 1.0}
