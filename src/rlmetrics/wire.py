@@ -8,8 +8,9 @@ A message is a plain tuple of ints, bytes and small tuples (cheap for pickle and
 
 ``stats_bytes`` holds float64s: ``M`` values (one observation per metric) or a ``(5, M)`` stat
 array; codec 0 is the raw buffer, codec 1 the same bytes byte-shuffled (all first bytes, then all
-second bytes, ...) and zlib-compressed, used when that saves at least 1/16 — lossless, and it
-shrinks the counts, fractions and small integers that metrics often are. The receiver keeps a
+second bytes, ...) and zlib-compressed, used when every value is exact in float32 and that saves at
+least 1/16 — lossless; it shrinks the counts and small fractions that metrics often are several
+times, while other doubles go raw. The receiver keeps a
 :class:`SchemaTable`; an item whose schema it lacks (say, after a restart) is reported back by id,
 and the sender repeats it with the names.
 
@@ -58,7 +59,9 @@ def encode(items: list[Item], close: list[int], send_names: Any, resync: bool = 
 
 def _float_bytes(arr: np.ndarray) -> tuple[int, bytes]:
     raw = arr.tobytes()
-    if arr.size >= 64:
+    # Values that float32 holds exactly (counts, small fractions) end in zero bytes and compress many
+    # times; other doubles barely compress, and trying costs more than packing them.
+    if arr.size >= 64 and np.array_equal(arr, arr.astype(np.float32), equal_nan=True):
         packed = zlib.compress(np.frombuffer(raw, np.uint8).reshape(-1, 8).T.tobytes(), 1)
         if len(packed) <= len(raw) - len(raw) // 16:
             return (1, packed)

@@ -22,7 +22,7 @@ import uuid
 import weakref
 from collections import Counter
 from collections.abc import Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from rlmetrics.aggregator import Aggregator, StepResult, SubmissionError, pack
@@ -62,6 +62,9 @@ class _MetricWorker:
             self._awaiting = set(state["clients"])
             self._recovery_deadline = time.monotonic() + recovery_timeout
         self._saved_clients = set(self.engine.clients)
+        self._state = b""
+        self._save_scheduled = False
+        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlmetrics-save")
 
     # ------------------------------------------------------------------------------ helpers
     def _recovering(self) -> bool:
@@ -72,10 +75,17 @@ class _MetricWorker:
         self._changed = asyncio.Event()
 
     def _save(self) -> None:
-        internal_kv._internal_kv_put(
-            self._kv_key, json.dumps(self.engine.export_state()).encode(), overwrite=True
-        )
+        """Record registered clients and finalized steps for a next incarnation, off the event loop
+        (a restart in the moment before the write lands may finalize a step a second time)."""
+        self._state = json.dumps(self.engine.export_state()).encode()
         self._saved_clients = set(self.engine.clients)
+        if not self._save_scheduled:
+            self._save_scheduled = True
+            self._saver.submit(self._write_state)
+
+    def _write_state(self) -> None:
+        self._save_scheduled = False
+        internal_kv._internal_kv_put(self._kv_key, self._state, overwrite=True)
 
     async def _wait(self, ready: Any, timeout: float | None) -> None:
         """Until ``ready()`` holds and no recovery is under way, or the deadline."""
