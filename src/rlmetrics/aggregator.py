@@ -80,6 +80,7 @@ class Packed:
     schema: Schema
     stats: np.ndarray
     sketches: dict[int, Sketch] = field(default_factory=dict)
+    contributions: int = 1  # > 1: several ranks' contributions merged beforehand (a node aggregator)
 
 
 def _scalar(value: Any) -> float | None:
@@ -363,13 +364,11 @@ class Aggregator:
         packed: Packed,
         *,
         register: bool = True,
-        contributions: int = 1,
     ) -> bool:
         """Merge one contribution; False when ``(client_id, step, seq)`` was merged before or the
         step is already finalized (late). Raises :class:`SubmissionError` for a malformed one.
 
-        ``register=False`` leaves the sender out of the clients whose step closing is awaited;
-        ``contributions`` > 1 submits several ranks' contributions merged beforehand (a node).
+        ``register=False`` leaves the sender out of the clients whose step closing is awaited.
         """
         if not (type(step) is int or isinstance(step, numbers.Integral)) or step < 0:
             raise SubmissionError(f"step must be a non-negative int, got {step!r}")
@@ -390,6 +389,8 @@ class Aggregator:
         for col in packed.sketches:
             if not 0 <= col < m:
                 raise SubmissionError(f"sketch for column {col} of {m} metrics")
+        if type(packed.contributions) is not int or packed.contributions < 1:
+            raise SubmissionError(f"contributions must be a positive int, got {packed.contributions!r}")
         if self.is_finalized(step):
             self.late += 1
             logger.warning("step %d is finalized; dropped a late contribution of %s", step, client_id)
@@ -407,7 +408,7 @@ class Aggregator:
         group = st.groups.get(packed.schema.id)
         if group is None:
             group = st.groups[packed.schema.id] = _Group(cols)
-        group.add(stats, int(world_size), contributions)
+        group.add(stats, int(world_size), packed.contributions)
         for i, sk in packed.sketches.items():
             col = int(cols[i])
             st.sketches[col] = sk if col not in st.sketches else st.sketches[col].merge(sk)
@@ -422,6 +423,10 @@ class Aggregator:
             st = self._steps[step] = _Step()
         st.closed.add(client_id)
 
+    def register(self, client_id: str) -> None:
+        """Wait for ``client_id`` to close every step from now on, before its first submission."""
+        self.clients.add(client_id)
+
     def depart(self, client_id: str) -> None:
         """Stop waiting for ``client_id`` in steps that are not closed by it (a client's ``stop``)."""
         self.clients.discard(client_id)
@@ -433,14 +438,16 @@ class Aggregator:
     def is_finalized(self, step: int) -> bool:
         return step < self._done_below or step in self._finalized
 
+    def is_closed(self, step: int) -> bool:
+        """Every registered client closed ``step`` (what a node aggregator waits for)."""
+        st = self._steps.get(step)
+        return st is not None and self.clients <= st.closed
+
     def is_complete(self, step: int) -> bool:
         """All names have their expected contributions and every registered client closed the step."""
-        st = self._steps.get(step)
-        if st is None:
+        if not self.is_closed(step):
             return False
-        if not self.clients <= st.closed:
-            return False
-        received, expected = st.counts(len(self._names))
+        received, expected = self._steps[step].counts(len(self._names))
         return not np.any(received < expected)
 
     def missing(self, step: int) -> tuple[list[str], dict[str, list[int]]]:
@@ -486,16 +493,33 @@ class Aggregator:
                 list(missing_metrics)[:5],
             )
         result = StepResult(values, step, meta)
-        self._finalized.add(step)
-        # Steps below every pending step count as finalized: the set of finalized steps stays small.
-        floor = min(self._steps) if self._steps else max(self._finalized) + 1
-        if floor > self._done_below:
-            self._done_below = floor
-            self._finalized = {s for s in self._finalized if s >= floor}
+        self._mark_finalized(step)
         self._results[step] = result
         while len(self._results) > self.keep_results:
             self._results.popitem(last=False)
         return result
+
+    def closed_by_contributors(self, step: int) -> bool:
+        """Every client that contributed to ``step`` closed it."""
+        st = self._steps.get(step)
+        return st is not None and bool(st.contributors) and st.contributors <= st.closed
+
+    def take(self, step: int) -> list[tuple[Packed, int]]:
+        """The step's merged contributions so far, one :class:`Packed` per schema with its
+        contribution count, and the largest world_size given; the step starts afresh (a node
+        forwards them upstream, and forwards what arrives later the same way)."""
+        st = self._steps.pop(step, None)
+        if st is None:
+            return []
+        out = []
+        for sid, group in sorted(st.groups.items()):
+            sketches = {}
+            for i, col in enumerate(group.cols.tolist()):
+                if col in st.sketches:  # a name in several schemas: its merged sketch goes once
+                    sketches[i] = st.sketches.pop(col)
+            packed = Packed(self._schemas[sid][0], group.fold().copy(), sketches, group.received)
+            out.append((packed, group.world_size))
+        return out
 
     def _layout(self, st: _Step) -> _Layout:
         """Columns, output names and reduction groups of a step, cached by its set of schemas."""
@@ -528,6 +552,14 @@ class Aggregator:
             self._layouts.clear()
         self._layouts[key] = lay
         return lay
+
+    def _mark_finalized(self, step: int) -> None:
+        self._finalized.add(step)
+        # Steps below every pending step count as finalized: the set of finalized steps stays small.
+        floor = min(self._steps) if self._steps else max(self._finalized) + 1
+        if floor > self._done_below:
+            self._done_below = floor
+            self._finalized = {s for s in self._finalized if s >= floor}
 
     def _values(self, st: _Step) -> tuple[dict[str, float], list[str]]:
         lay = self._layout(st)

@@ -48,6 +48,8 @@ class Transport(Protocol):
 
     def final(self) -> StepResult: ...
 
+    def register(self, client_id: str) -> None: ...
+
     def depart(self, client_id: str) -> None: ...
 
 
@@ -62,7 +64,8 @@ class ClientCore:
 
     ``world_size``: default number of contributions expected per metric name and step (change it
     with :meth:`set_world_size`, e.g. after a rank died). ``nan_strategy``: ``"propagate"``
-    (default), ``"drop"`` or ``"error"`` for non-finite values. ``label``: leads the client id.
+    (default), ``"drop"`` or ``"error"`` for non-finite values. ``label``: leads the client id;
+    ``client_id``: a fixed id instead (for a client that must keep its identity across restarts).
     """
 
     max_restarts_per_call = 5
@@ -74,13 +77,14 @@ class ClientCore:
         world_size: int | None = None,
         nan_strategy: str = "propagate",
         label: str | None = None,
+        client_id: str | None = None,
     ) -> None:
         if nan_strategy not in NAN_STRATEGIES:
             raise ValueError(f"nan_strategy must be one of {NAN_STRATEGIES}, got {nan_strategy!r}")
         self.transport = transport
         self.world_size = world_size
         self.nan_strategy = nan_strategy
-        self.client_id = new_client_id(label)
+        self.client_id = client_id or new_client_id(label)
         self.step = 0
         self._seq = 0
         self._buffer: list[Submission] = []
@@ -90,7 +94,22 @@ class ClientCore:
         self._inflight: list[Any] = []  # posted sends whose replies are not handled yet
         self._schemas: dict = {}
         self._nan_warned: set[str] = set()
+        self.finalized_state: tuple[int, list[int]] = (0, [])  # as the aggregator last reported it
         self._lock = threading.RLock()  # a watcher thread may resend while the owner submits
+
+    def submit_packed(self, packed: Packed, world_size: int, step: int, seq: int | None = None) -> None:
+        """Queue an already summarized contribution (a node aggregator forwarding merged data;
+        ``seq`` fixed so that a re-forward after a restart is merged once)."""
+        with self._lock:
+            self._buffer.append((step, self._next_seq() if seq is None else seq, world_size, packed))
+
+    def close_step(self, step: int) -> None:
+        """Send what is queued and close ``step`` (``wait_submit`` for an explicit step)."""
+        self._flush([step])
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq - 1
 
     def set_world_size(self, world_size: int) -> None:
         """The default ``world_size`` of later submissions."""
@@ -119,8 +138,7 @@ class ClientCore:
         packed = pack(metrics, self.nan_strategy, self._schemas, errors)
         with self._lock:
             if packed.schema.names:
-                self._buffer.append((self.step if step is None else int(step), self._seq, ws, packed))
-                self._seq += 1
+                self._buffer.append((self.step if step is None else int(step), self._next_seq(), ws, packed))
         if errors:
             raise MetricValueError("; ".join(errors.values()))
 
@@ -182,6 +200,7 @@ class ClientCore:
             return
         self._incarnation = incarnation
         done_below, finalized = reply["done_below"], set(reply["finalized"])
+        self.finalized_state = (done_below, reply["finalized"])
         for step in [s for s in self._kept if s < done_below or s in finalized]:
             del self._kept[step]
         self._closed = {s for s in self._closed if s >= done_below and s not in finalized}
@@ -242,6 +261,14 @@ class ClientCore:
                 f"rlmetrics: non-finite value in metric(s) {bad[:10]}", RuntimeWarning, stacklevel=3
             )
         return res
+
+    def register(self) -> None:
+        """Count this client as a rank from now on: no step completes before it closed it.
+
+        Without this a client registers with its first submission; ``connect(..., world_size=W)``
+        calls it, so that a rank that is slow to send its first step is waited for.
+        """
+        self._retrying(lambda: self.transport.register(self.client_id))
 
     def stop(self) -> None:
         """Send what is queued and leave: no step waits for this client afterwards."""

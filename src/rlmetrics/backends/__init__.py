@@ -49,8 +49,11 @@ def connect(backend: str = "local", *, world_size: int | None = None, name: str 
     ``"local"``: every ``connect("local", name=...)`` in the process shares one in-process
     aggregator; each call returns a new client (one per rank/thread). ``"ray"``: every
     ``connect("ray", name=..., namespace=...)`` in the cluster shares one named ``MetricWorker``
-    actor. Client options: ``nan_strategy``, ``label``; aggregator options on first use:
-    ``renames``, ``keep_results`` (and for Ray ``namespace``, ``num_cpus``, ``recovery_timeout``).
+    actor; with ``hierarchy="node"`` a client sends to its node's sub-aggregator, which forwards
+    one message per step to the root. With ``world_size`` the client is a rank and registers at
+    once: no step completes before it closed it. Client options: ``nan_strategy``, ``label``; aggregator
+    options on first use: ``renames``, ``keep_results`` (and for Ray ``namespace``, ``num_cpus``,
+    ``recovery_timeout``, ``node_timeout``).
 
     >>> client = connect("local", world_size=1, name="connect-doc")
     >>> client.submit_metric({"timing_s/gen": 0.5})
@@ -61,12 +64,26 @@ def connect(backend: str = "local", *, world_size: int | None = None, name: str 
     """
     client_opts = {k: options.pop(k) for k in ("nan_strategy", "label") if k in options}
     if backend == "local":
-        return MetricClient(local.get_worker(name, **options), world_size=world_size, **client_opts)
-    if backend == "ray":
-        from rlmetrics.backends import ray as ray_backend
+        client = MetricClient(local.get_worker(name, **options), world_size=world_size, **client_opts)
+    elif backend == "ray":
+        client = _connect_ray(name, world_size, client_opts, options)
+    else:
+        raise ValueError(f"unknown backend {backend!r}: choose one of {BACKENDS}")
+    if world_size is not None:  # a rank: waited for from its first step on
+        client.register()
+    return client
 
-        worker = ray_backend.get_metric_worker(
-            name if name != "default" else ray_backend.DEFAULT_NAME, **options
-        )
-        return MetricClient(worker, world_size=world_size, **client_opts)
-    raise ValueError(f"unknown backend {backend!r}: choose one of {BACKENDS}")
+
+def _connect_ray(name: str, world_size: int | None, client_opts: dict, options: dict) -> MetricClient:
+    from rlmetrics.backends import ray as ray_backend
+
+    name = name if name != "default" else ray_backend.DEFAULT_NAME
+    hierarchy = options.pop("hierarchy", None)
+    node_opts = {k: options.pop(k) for k in ("node_timeout",) if k in options}
+    root = ray_backend.get_metric_worker(name, **options)
+    if hierarchy is None:
+        return MetricClient(root, world_size=world_size, **client_opts)
+    if hierarchy != "node":
+        raise ValueError(f"hierarchy must be None or 'node', got {hierarchy!r}")
+    node = ray_backend.node_worker(name, options.get("namespace"), **node_opts)
+    return MetricClient(ray_backend.RayTransport(node, root=root), world_size=world_size, **client_opts)

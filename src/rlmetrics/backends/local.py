@@ -81,6 +81,10 @@ class LocalMetricWorker:
     def final(self) -> StepResult:
         return self.wait_final_res()
 
+    def register(self, client_id: str) -> None:
+        with self._cond:
+            self.engine.register(client_id)
+
     def depart(self, client_id: str) -> None:
         with self._cond:
             self.engine.depart(client_id)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import threading
 import time
 import uuid
@@ -35,6 +36,7 @@ from ray.experimental import internal_kv  # noqa: E402  (after the extra check)
 
 _UNAVAILABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 DEFAULT_NAME = "rlmetrics"
+logger = logging.getLogger(__name__)
 
 
 class _MetricWorker:
@@ -77,11 +79,14 @@ class _MetricWorker:
     def _save(self) -> None:
         """Record registered clients and finalized steps for a next incarnation, off the event loop
         (a restart in the moment before the write lands may finalize a step a second time)."""
-        self._state = json.dumps(self.engine.export_state()).encode()
+        self._state = json.dumps(self._export_state()).encode()
         self._saved_clients = set(self.engine.clients)
         if not self._save_scheduled:
             self._save_scheduled = True
             self._saver.submit(self._write_state)
+
+    def _export_state(self) -> dict:
+        return self.engine.export_state()
 
     def _write_state(self) -> None:
         self._save_scheduled = False
@@ -173,6 +178,10 @@ class _MetricWorker:
         self._save()
         return out
 
+    async def register(self, client_id: str) -> None:
+        self.engine.register(client_id)
+        self._save()
+
     async def depart(self, client_id: str) -> None:
         self.engine.depart(client_id)
         self._save()
@@ -194,21 +203,150 @@ class _MetricWorker:
         }
 
 
+class _NodeWorker(_MetricWorker):
+    """A per-node sub-aggregator: merges the ranks of its node and forwards each step upstream in
+    one message, once every local client closed it (or ``node_timeout`` seconds after the step's
+    first data, leaving out the local clients that did not close it).
+
+    Clients keep their data until the root finalized the step (the node relays the root's finalized
+    steps), and the node forwards with a fixed client id and fixed sequence numbers, so a restarted
+    node re-forwards what its clients resend and the root merges it once.
+    """
+
+    def __init__(self, root: str, namespace: str | None, node_id: str, node_timeout: float = 30.0, **options):
+        super().__init__(**options)
+        self.node_timeout = node_timeout
+        self._first_seen: dict[int, float] = {}
+        self._forwards: dict[int, int] = {}  # messages forwarded per step not yet finalized upstream
+        self._forwarder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlmetrics-forward")
+        from rlmetrics.backends import MetricClient
+
+        self.upstream = MetricClient(ray.get_actor(root, namespace=namespace), client_id=f"node:{node_id}")
+        self._timer: asyncio.Task | None = None
+
+    def _export_state(self) -> dict:  # finalized steps are the root's business
+        return {"clients": sorted(self.engine.clients), "done_below": 0, "finalized": []}
+
+    def _receive(self, client_id: str, msg: tuple) -> dict:
+        reply = super()._receive(client_id, msg)
+        if "done_below" in reply:
+            reply["done_below"], reply["finalized"] = self.upstream.finalized_state
+        return reply
+
+    def _after_receive(self) -> None:
+        super()._after_receive()
+        now = time.monotonic()
+        for step in self.engine.pending_steps():
+            self._first_seen.setdefault(step, now)
+        self._forward_ready()
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().create_task(self._tick())
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.node_timeout / 4))
+            self._forward_ready()
+
+    def _forward_ready(self) -> None:
+        """Forward each step once every local client closed it; data of a client that joins after
+        that (its first submission) follows in another message, which the root merges too."""
+        if self._recovering():
+            return
+        now = time.monotonic()
+        done_below = self.upstream.finalized_state[0]
+        self._forwards = {s: n for s, n in self._forwards.items() if s >= done_below}
+        for step in self.engine.pending_steps():
+            late = now - self._first_seen.get(step, now) > self.node_timeout
+            forwards = self._forwards.get(step, 0)
+            ready = self.engine.is_closed(step) if forwards == 0 else self.engine.closed_by_contributors(step)
+            if ready or late:
+                if late:  # like a deadline at the root: stop waiting for the silent local clients
+                    missing, _ = self.engine.missing(step)
+                    logger.warning("node step %d forwarded without %s", step, missing)
+                    self.engine.clients.difference_update(missing)
+                parts = self.engine.take(step)
+                self._first_seen.pop(step, None)
+                self._forwards[step] = forwards + 1
+                self._forwarder.submit(self._forward, step, parts, forwards)
+
+    def _forward(self, step: int, parts: list, forwards: int) -> None:
+        try:
+            for i, (packed, world_size) in enumerate(parts):  # fixed seqs: a re-forward merges once
+                self.upstream.submit_packed(packed, world_size, step, seq=forwards * 1_000_000 + i)
+            self.upstream.close_step(step)
+        except Exception:  # the upstream client resends what it keeps once the root answers
+            logger.exception("forwarding step %d upstream failed", step)
+
+    async def result(self, step: int, timeout: float | None = None) -> StepResult:
+        return await asyncio.get_running_loop().run_in_executor(
+            self._forwarder, lambda: self.upstream.result(step, timeout)
+        )
+
+    async def final(self) -> StepResult:
+        return await asyncio.get_running_loop().run_in_executor(self._forwarder, self.upstream.wait_final_res)
+
+
 MetricWorker = ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=100_000)(_MetricWorker)
+NodeWorker = ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=100_000)(_NodeWorker)
 
 
 def get_metric_worker(
-    name: str = DEFAULT_NAME, namespace: str | None = None, *, num_cpus: float = 0, **options: Any
+    name: str = DEFAULT_NAME,
+    namespace: str | None = None,
+    *,
+    num_cpus: float = 0,
+    hierarchy: str | None = None,
+    **options: Any,
 ) -> Any:
     """Get the named aggregator actor, or create it (``options`` apply on creation).
 
-    Create it from the driver first: a non-detached actor lives as long as its creator. Pass
-    ``lifetime="detached"`` in ``options`` to let it outlive the driver.
+    Create it from the driver first: a non-detached actor lives as long as its creator (pass
+    ``lifetime="detached"`` to let it outlive the driver). ``hierarchy="node"`` also creates one
+    sub-aggregator on every alive node now (see :func:`node_worker`).
     """
-    actor_opts = {k: options.pop(k) for k in ("lifetime", "scheduling_strategy") if k in options}
-    return MetricWorker.options(
+    actor_opts = {k: options.pop(k) for k in ("lifetime",) if k in options}
+    node_opts = {k: options.pop(k) for k in ("node_timeout",) if k in options}
+    root = MetricWorker.options(
         name=name, namespace=namespace, get_if_exists=True, num_cpus=num_cpus, **actor_opts
     ).remote(**options)
+    if hierarchy == "node":
+        ray.get(root.ping.remote())
+        nodes = [
+            node_worker(name, namespace, n["NodeID"], **actor_opts, **node_opts)
+            for n in ray.nodes()
+            if n["Alive"]
+        ]
+        ray.get([n.ping.remote() for n in nodes])
+    elif hierarchy is not None:
+        raise ValueError(f"hierarchy must be None or 'node', got {hierarchy!r}")
+    return root
+
+
+def node_worker(name: str, namespace: str | None, node_id: str | None = None, **options: Any) -> Any:
+    """Get or create the sub-aggregator of aggregator ``name`` on node ``node_id`` (default: this
+    process's node), pinned there with hard node affinity."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node_id = node_id or ray.get_runtime_context().get_node_id()
+    actor_name = f"{name}/node/{node_id}"
+    try:
+        return ray.get_actor(actor_name, namespace=namespace)
+    except ValueError:
+        pass
+    actor_opts = {k: options.pop(k) for k in ("lifetime",) if k in options}
+    for _ in range(50):  # processes of one node may race to create it: one wins, the others look it up
+        try:
+            return NodeWorker.options(
+                name=actor_name,
+                namespace=namespace,
+                get_if_exists=True,
+                num_cpus=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+                **actor_opts,
+            ).remote(name, namespace, node_id, **options)
+        except ValueError:
+            time.sleep(0.1)
+    return ray.get_actor(actor_name, namespace=namespace)
 
 
 class RayTransport:
@@ -218,18 +356,20 @@ class RayTransport:
     :class:`_Sender`, so messages posted while a call is in flight travel together in the next one.
     """
 
-    def __init__(self, handle: Any, reconnect_timeout: float = 120.0) -> None:
-        self.handle = handle
+    def __init__(self, handle: Any, reconnect_timeout: float = 120.0, root: Any = None) -> None:
+        self.handle = handle  # where sends go: the root, or this node's sub-aggregator
+        self.root = root if root is not None else handle  # where results come from
         self.reconnect_timeout = reconnect_timeout
         self._known: set[bytes] = set()  # schema ids the current incarnation has
         self._incarnation: str | None = None
         self._sender = _Sender.of(self)
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def _call(self, method: str, *args: Any, actor: Any = None) -> Any:
+        actor = self.handle if actor is None else actor
         try:
-            return ray.get(getattr(self.handle, method).remote(*args))
+            return ray.get(getattr(actor, method).remote(*args))
         except _UNAVAILABLE as exc:
-            self.wait_alive()
+            _wait_alive(actor, self.reconnect_timeout)
             raise AggregatorRestarted(f"aggregator restarted during {method}") from exc
 
     def wait_alive(self) -> str:
@@ -266,10 +406,13 @@ class RayTransport:
         return self._track(future.result(), client_id, items, close, False)
 
     def result(self, step: int, timeout: float | None) -> StepResult:
-        return self._call("result", step, timeout)
+        return self._call("result", step, timeout, actor=self.root)
 
     def final(self) -> StepResult:
-        return self._call("final")
+        return self._call("final", actor=self.root)
+
+    def register(self, client_id: str) -> None:
+        self._call("register", client_id)
 
     def depart(self, client_id: str) -> None:
         self._call("depart", client_id)

@@ -1,0 +1,87 @@
+"""Per-node sub-aggregators on a real 3-node Ray cluster (ray.cluster_utils.Cluster)."""
+
+import uuid
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
+
+import rlmetrics  # noqa: E402
+
+NODES, RANKS, STEPS = 3, 12, 3
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    for _ in range(NODES - 1):
+        c.add_node(num_cpus=1)
+    ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)
+    c.wait_for_nodes()
+    yield [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+    ray.shutdown()
+    c.shutdown()
+
+
+def rank_data(rank, step):
+    rng = np.random.default_rng([rank, step])
+    return rng.normal(step, 1.0, size=2 + rank)
+
+
+@ray.remote(num_cpus=0)
+class Rank:
+    def __init__(self, rank, name, hierarchy):
+        import rlmetrics
+
+        self.rank = rank
+        opts = {"hierarchy": hierarchy} if hierarchy else {}
+        self.client = rlmetrics.connect("ray", name=name, world_size=RANKS, label=f"rank{rank}", **opts)
+
+    def step(self, step):
+        d = rank_data(self.rank, step)
+        self.client.submit_metric({"x/mean": d, "x/max": d, "x/std": d, "x/p50": d, "n/total": 1.0})
+        self.client.wait_submit()
+        self.client.flush()
+        return ray.get_runtime_context().get_node_id()
+
+
+def run(node_ids, hierarchy):
+    name = f"h-{uuid.uuid4().hex[:8]}"
+    root = rlmetrics.get_metric_worker(name=name, hierarchy=hierarchy)
+    ranks = [
+        Rank.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_ids[r % NODES], soft=False)
+        ).remote(r, name, hierarchy)
+        for r in range(RANKS)
+    ]
+    reader = rlmetrics.connect("ray", name=name)
+    results = []
+    for s in range(STEPS):
+        placed = ray.get([a.step.remote(s) for a in ranks])
+        results.append(reader.result(s, timeout=60))
+    assert sorted(set(placed)) == sorted(node_ids)  # ranks really spread over the three nodes
+    stats = ray.get(root.stats.remote())
+    for a in ranks:
+        ray.kill(a)
+    return results, stats
+
+
+def test_node_hierarchy_equals_flat_and_root_gets_one_message_per_node_per_step(cluster):
+    flat, flat_stats = run(cluster, None)
+    tree, tree_stats = run(cluster, "node")
+    for s in range(STEPS):
+        allv = np.concatenate([rank_data(r, s) for r in range(RANKS)])
+        for res in (flat[s], tree[s]):
+            assert res.meta["complete"], res.meta
+            assert res["x/mean"] == pytest.approx(allv.mean(), rel=1e-12)
+            assert res["x/std"] == pytest.approx(allv.std(), rel=1e-12)
+            assert res["x/max"] == allv.max() and res["n/total"] == RANKS
+            assert res["x/p50"] == pytest.approx(np.quantile(allv, 0.5), rel=1e-12)
+        assert tree[s].keys() == flat[s].keys()
+    assert flat_stats["calls"]["messages"] == RANKS * STEPS
+    assert tree_stats["calls"]["messages"] == NODES * STEPS
+    assert len(tree_stats["clients"]) == NODES and all(c.startswith("node:") for c in tree_stats["clients"])
