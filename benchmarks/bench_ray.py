@@ -18,7 +18,9 @@ has the result. Every host, for each of its clients in turn, calls ``submit_metr
   ``wait_final_res()`` returns and resets ``final``. A client sends one ``submit_metric.remote(dict,
   W)`` per submit; ``wait_submit`` is ``ray.get`` on the pending refs; the driver calls
   ``wait_final_res`` once all hosts finished the step.
-- **rlmetrics hierarchical** (``hierarchy="node"``): not measured yet, see :func:`measure_hierarchical`.
+- **rlmetrics hierarchical** (``hierarchy="node"``): the same clients sending to the node's
+  sub-aggregator, which forwards one message per step to the root (one node here, so this shows
+  the cost of the extra hop; the gain is at the root of a multi-node cluster).
 
 Both run side by side on the same hosts, one after the other in every step (naive first); the median
 over the steps after one warm-up step is reported (7 steps; 2 with ``--quick``). Each step asserts:
@@ -126,15 +128,22 @@ class NaiveClient:
 class RankHost:
     """One process simulating W/HOSTS ranks, each with an rlmetrics client and a naive client."""
 
-    def __init__(self, host: int, world_size: int, m: int, worker_name: str, naive: Any) -> None:
+    def __init__(self, host: int, world_size: int, m: int, worker_names: tuple[str, str], naive: Any) -> None:
         per_host = world_size // HOSTS
         self.ranks = range(host * per_host, (host + 1) * per_host)
         self.world_size = world_size
         self.names = metric_names(m)
-        self.clients = [
-            rlmetrics.connect("ray", name=worker_name, world_size=world_size, label=f"rank{r}")
-            for r in self.ranks
-        ]
+        flat, tree = worker_names
+        self.clients = {
+            "flat": [
+                rlmetrics.connect("ray", name=flat, world_size=world_size, label=f"rank{r}")
+                for r in self.ranks
+            ],
+            "node": [
+                rlmetrics.connect("ray", name=tree, world_size=world_size, label=f"rank{r}", hierarchy="node")
+                for r in self.ranks
+            ],
+        }
         self.naive_clients = [NaiveClient(naive) for _ in self.ranks]
         self.dicts: list[dict[str, float]] = []
 
@@ -148,16 +157,17 @@ class RankHost:
             client.submit_metric(d, self.world_size)
             client.wait_submit()
 
-    def step_ours(self, step: int) -> tuple[list[float], rlmetrics.StepResult | None]:
-        """Submit every rank's dict; rank 0 (on host 0) then waits for the result. Also the seconds
-        each ``submit_metric`` call took."""
+    def step_ours(self, step: int, kind: str) -> tuple[list[float], rlmetrics.StepResult | None]:
+        """Submit every rank's dict (``kind``: "flat" or "node" clients); rank 0 (on host 0) then
+        waits for the result. Also the seconds each ``submit_metric`` call took."""
         submit_s = []
-        for client, d in zip(self.clients, self.dicts):
+        clients = self.clients[kind]
+        for client, d in zip(clients, self.dicts):
             t0 = time.perf_counter()
             client.submit_metric(d, self.world_size)
             submit_s.append(time.perf_counter() - t0)
             client.wait_submit()
-        result = self.clients[0].result(step, timeout=RESULT_TIMEOUT_S) if self.ranks[0] == 0 else None
+        result = clients[0].result(step, timeout=RESULT_TIMEOUT_S) if self.ranks[0] == 0 else None
         return submit_s, result
 
 
@@ -168,19 +178,12 @@ class Row:
     metrics: int
     naive_s: float  # median seconds per step
     ours_s: float
-    hier_s: float | None
+    hier_s: float
     submit_us: float  # median rlmetrics submit_metric call, µs
 
     @property
     def ratio(self) -> float:
         return self.naive_s / self.ours_s
-
-
-def measure_hierarchical(world_size: int, m: int, steps: int) -> float | None:
-    """HOOK for rlmetrics hierarchical (``hierarchy="node"``), being built separately: measure it
-    like :func:`measure` does the flat worker and return the median seconds per step. Until then
-    None, shown as "n/a"."""
-    return None
 
 
 def _check(world_size: int, m: int, step: int, ours: rlmetrics.StepResult, naive: dict[str, float]) -> None:
@@ -197,12 +200,14 @@ def _check(world_size: int, m: int, step: int, ours: rlmetrics.StepResult, naive
 
 
 def measure(world_size: int, m: int, steps: int) -> Row:
-    worker_name = f"bench-ray-{uuid.uuid4().hex[:12]}"
-    worker = rlmetrics.get_metric_worker(name=worker_name)
+    names = (f"bench-ray-{uuid.uuid4().hex[:12]}", f"bench-ray-node-{uuid.uuid4().hex[:12]}")
+    worker = rlmetrics.get_metric_worker(name=names[0])
+    tree = rlmetrics.get_metric_worker(name=names[1], hierarchy="node")
     naive = NaiveMetricWorker.remote()
-    hosts = [RankHost.remote(h, world_size, m, worker_name, naive) for h in range(HOSTS)]
+    hosts = [RankHost.remote(h, world_size, m, names, naive) for h in range(HOSTS)]
     naive_s: list[float] = []
     ours_s: list[float] = []
+    hier_s: list[float] = []
     submit_s: list[float] = []
     try:
         for step in range(WARMUP_STEPS + steps):
@@ -211,22 +216,27 @@ def measure(world_size: int, m: int, steps: int) -> Row:
             ray.get([h.step_naive.remote() for h in hosts])
             naive_res = ray.get(naive.wait_final_res.remote())
             t1 = time.perf_counter()
-            outs = ray.get([h.step_ours.remote(step) for h in hosts])
+            outs = ray.get([h.step_ours.remote(step, "flat") for h in hosts])
             t2 = time.perf_counter()
+            tree_outs = ray.get([h.step_ours.remote(step, "node") for h in hosts])
+            t3 = time.perf_counter()
             _check(world_size, m, step, outs[0][1], naive_res)
+            _check(world_size, m, step, tree_outs[0][1], naive_res)
             if step >= WARMUP_STEPS:
                 naive_s.append(t1 - t0)
                 ours_s.append(t2 - t1)
+                hier_s.append(t3 - t2)
                 submit_s += [t for times, _ in outs for t in times]
-    finally:  # hosts first: their clients watch the worker
-        for actor in (*hosts, naive, worker):
+    finally:  # hosts first: their clients watch the workers
+        node = rlmetrics.backends.ray.node_worker(names[1], None)
+        for actor in (*hosts, naive, worker, tree, node):
             ray.kill(actor)
     return Row(
         world_size,
         m,
         statistics.median(naive_s),
         statistics.median(ours_s),
-        measure_hierarchical(world_size, m, steps),
+        statistics.median(hier_s),
         statistics.median(submit_s) * 1e6,
     )
 
@@ -247,7 +257,7 @@ def table(rows: list[Row]) -> str:
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        hier = "n/a" if r.hier_s is None else f"{r.hier_s * 1e3:.1f}"
+        hier = f"{r.hier_s * 1e3:.1f}"
         lines.append(
             f"| {r.world_size} | {r.metrics} | {r.naive_s * 1e3:.1f} | {r.ours_s * 1e3:.1f} "
             f"| {r.ratio:.1f}x | {hier} | {r.submit_us:.0f} |"
