@@ -142,3 +142,42 @@ def test_unknown_backend_and_missing_world_size():
         client.submit_metric({"a": 1.0})
     with pytest.raises(TypeError, match="metric worker"):
         rlmetrics.MetricClient(object())
+
+
+def test_custom_metric_functions_run_with_the_built_ins_and_a_failing_one_is_skipped(name, caplog):
+    torch = pytest.importorskip("torch")
+    from rlmetrics.metrics.custom import register_metric, unregister_metric
+
+    def tokens_seen(batch):
+        return {"custom/tokens/total": batch["response_mask"].sum()}
+
+    def broken(batch):
+        raise RuntimeError("boom")
+
+    register_metric(tokens_seen)
+    register_metric(broken)
+    try:
+        client = rlmetrics.connect("local", world_size=1, name=name)
+        mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+        client.compute_local_data_metric({"response_mask": mask, "responses": torch.zeros(2, 3)})
+        client.wait_submit()
+        res = client.result(0, timeout=10)
+    finally:
+        unregister_metric(tokens_seen)
+        unregister_metric(broken)
+    assert res["custom/tokens/total"] == 3.0 and res["response/length/max"] == 2.0
+    assert "broken" in caplog.text and "boom" in caplog.text
+
+
+def test_debug_metrics_reports_keys_and_warns_on_bad_values(name, monkeypatch, caplog):
+    torch = pytest.importorskip("torch")
+    from rlmetrics.metrics.custom import debug_report
+
+    monkeypatch.setenv("DEBUG_METRICS", "1")
+    client = rlmetrics.connect("local", world_size=1, name=name)
+    client.compute_local_data_metric({"response_mask": torch.ones(2, 3), "responses": torch.zeros(2, 3)})
+    assert "DEBUG_METRICS data keys" in caplog.text and "response/length/mean" in caplog.text
+    with pytest.warns(UserWarning, match="not finite"):
+        debug_report({}, {"x": float("nan")})
+    with pytest.warns(UserWarning, match="invalid type"):
+        debug_report({}, {"x": "text"})

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from rlmetrics.metrics import AUX_PREFIX, derive_metrics
 from rlmetrics.reduce import DEFAULT_RENAMES, MEAN, STD, Reduction, parse_reduction, rename, resolve
 from rlmetrics.sketch import Sketch
 from rlmetrics.stat import MetricValueError, Stat, empty_arrays, merge_arrays, reduce_parts, stats_of_rows
@@ -282,6 +283,7 @@ class _Layout:
     out_names: list[str]
     plain: list[tuple[Reduction, np.ndarray]]  # reductions of the stat array, with their positions
     quantiles: list[tuple[Reduction, int, int]]  # (reduction, position, column) read from sketches
+    derived: bool  # auxiliary names present: derived metrics are computed from the merged values
 
 
 @dataclass
@@ -547,6 +549,7 @@ class Aggregator:
             out_names=[self._out_names[c] for c in cols.tolist()],
             plain=[(r, idx) for r, idx in reductions if not r.needs_sketch],
             quantiles=[(r, i, int(cols[i])) for r, idx in reductions if r.needs_sketch for i in idx.tolist()],
+            derived=any(self._names[c].startswith(AUX_PREFIX) for c in cols.tolist()),
         )
         if len(self._layouts) >= 1024:
             self._layouts.clear()
@@ -583,6 +586,8 @@ class Aggregator:
             flags = has_data.tolist()
             values = {n: v for n, v, ok in zip(lay.out_names, out.tolist(), flags) if ok}
             empty = [n for n, ok in zip(lay.out_names, flags) if not ok]
+        if lay.derived:
+            values = derive_metrics(values)
         if not np.isfinite(out[has_data]).all():
             bad = [n for n, v in values.items() if not math.isfinite(v) and n not in self._nan_warned]
             if bad:

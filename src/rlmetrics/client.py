@@ -270,6 +270,50 @@ class ClientCore:
         """
         self._retrying(lambda: self.transport.register(self.client_id))
 
+    # ------------------------------------------------------------- the seed's compute_local_*
+    def compute_local_data_metric(
+        self, data: Any, world_size: int | None = None, step: int | None = None
+    ) -> None:
+        """Compute the seed's data metrics of this rank's batch (plus every function added with
+        :func:`~rlmetrics.metrics.custom.register_metric`) and submit them as mergeable Stats, so
+        token- and sequence-weighted global values are exact. ``DEBUG_METRICS=1`` logs them."""
+        from rlmetrics.metrics.custom import debug_enabled, debug_report, run_custom_metrics
+        from rlmetrics.metrics.data import compute_data_stats
+
+        metrics: dict[str, Any] = dict(compute_data_stats(data))
+        metrics.update(run_custom_metrics(data))
+        if debug_enabled():
+            debug_report(data, metrics)
+        self.submit_metric(metrics, world_size, step)
+
+    def compute_local_timing_metrics(
+        self,
+        data: Any,
+        timing_raw: Mapping[str, float],
+        world_size: int | None = None,
+        step: int | None = None,
+    ) -> None:
+        """Submit ``timing_s/{stage}`` and ``timing_per_token_ms/{stage}`` of this rank."""
+        from rlmetrics.metrics.timing import compute_timing_metrics
+
+        self.submit_metric(compute_timing_metrics(data, timing_raw), world_size, step)
+
+    def compute_local_throughout_metrics(
+        self,
+        data: Any,
+        timing_raw: Mapping[str, float],
+        n_gpu: int,
+        world_size: int | None = None,
+        step: int | None = None,
+    ) -> None:
+        """Submit ``perf/total_num_tokens``, ``perf/time_per_step``, ``perf/throughput`` (the seed's
+        spelling; :meth:`compute_local_throughput_metrics` is the same)."""
+        from rlmetrics.metrics.timing import compute_throughput_metrics
+
+        self.submit_metric(compute_throughput_metrics(data, timing_raw, n_gpu), world_size, step)
+
+    compute_local_throughput_metrics = compute_local_throughout_metrics
+
     def stop(self) -> None:
         """Send what is queued and leave: no step waits for this client afterwards."""
         self.flush()

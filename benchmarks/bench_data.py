@@ -1,0 +1,242 @@
+"""Speed of :func:`rlmetrics.metrics.data.compute_data_metric` against a per-metric ``.item()`` reference.
+
+One batch of B sequences, prompt width P (left-padded), response width R (right-padded), on CPU:
+``token_level_scores`` / ``token_level_rewards`` (one reward on the last response token, about half
+of them correct), ``advantages``, ``returns``, ``values`` (float32, zero off the response),
+``attention_mask`` and ``response_mask`` (int64), ``__num_turns__`` (int32 numpy, as siiRL's agent
+loop stores it).
+
+- **rlmetrics**: ``compute_data_metric(batch)``: every summary on the device, one host transfer.
+- **reference**: the seed's code style, written here: ``masked_select`` for the response tokens,
+  then ``torch.mean/max/min(...).item()`` for every metric (one host sync each on an accelerator),
+  ``torch.var`` for the explained variance, boolean indexing for correct / wrong lengths.
+
+Timed: the median of N calls after one warm-up (N = 15, 5 with ``--quick``), three times with the
+sides alternating, best median kept; at torch's default thread count (the target) and with one
+thread. The one-thread ratio is the sober one: on a small, busy machine the reference's
+``masked_select`` gets slower with more threads, which flatters the default-thread ratio. On CPU an
+``.item()`` costs microseconds, so these numbers compare computation only; on an accelerator each
+``.item()`` also waits for the device (not measured here). Both sides must agree (relative 1e-5) on
+every name they share; the benchmark asserts it.
+
+Run: ``PYTHONPATH=src python benchmarks/bench_data.py [--quick] [--markdown PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+
+from rlmetrics.metrics.data import compute_data_metric
+
+SHAPES = ((64, 512, 1024), (256, 1024, 2048))
+QUICK_SHAPES = ((64, 256, 512), (256, 1024, 2048))
+DEFAULT_THREADS = torch.get_num_threads()
+TARGET_SHAPE = (256, 1024, 2048)
+TARGET_RATIO = 2.0
+
+
+def make_batch(b: int, p: int, r: int, seed: int = 0) -> dict:
+    """A realistic PPO batch (see the module docstring)."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_len = torch.randint(1, p + 1, (b,), generator=g)
+    response_len = torch.randint(0, r + 1, (b,), generator=g)
+    prompt_mask = (torch.arange(p) >= p - prompt_len[:, None]).long()
+    response_mask = (torch.arange(r) < response_len[:, None]).long()
+    maskf = response_mask.float()
+    scores = torch.zeros(b, r)
+    last = (response_len - 1).clamp(min=0)
+    scores[torch.arange(b), last] = (torch.rand(b, generator=g) > 0.5).float() * (response_len > 0)
+    advantages = torch.randn(b, r, generator=g) * maskf
+    values = torch.randn(b, r, generator=g) * maskf
+    return {
+        "responses": torch.zeros(b, r, dtype=torch.long),
+        "attention_mask": torch.cat([prompt_mask, response_mask], dim=1),
+        "response_mask": response_mask,
+        "token_level_scores": scores,
+        "token_level_rewards": scores.clone(),
+        "advantages": advantages,
+        "returns": (advantages + values) * maskf,
+        "values": values,
+        "__num_turns__": np.random.default_rng(seed).integers(1, 5, size=b).astype(np.int32),
+    }
+
+
+# ------------------------------------------------------------------------------------------ reference
+def reference_data_metric(batch: dict) -> dict[str, float]:
+    """The seed's style: masked_select, then one ``.item()`` per metric."""
+    r = batch["responses"].shape[-1]
+    prompt_mask = batch["attention_mask"][:, :-r]
+    response_mask = batch["response_mask"].bool()
+    prompt_length = prompt_mask.sum(-1).float()
+    response_length = batch["response_mask"].sum(-1).float()
+    score = batch["token_level_scores"].sum(-1)
+    reward = batch["token_level_rewards"].sum(-1)
+    adv = torch.masked_select(batch["advantages"], response_mask)
+    ret = torch.masked_select(batch["returns"], response_mask)
+    val = torch.masked_select(batch["values"], response_mask)
+    out: dict[str, float] = {}
+    for prefix, x in (
+        ("critic/score", score),
+        ("critic/rewards", reward),
+        ("critic/advantages", adv),
+        ("critic/returns", ret),
+        ("critic/values", val),
+        ("response/length", response_length),
+        ("prompt/length", prompt_length),
+    ):
+        out[f"{prefix}/mean"] = torch.mean(x).item()
+        out[f"{prefix}/max"] = torch.max(x).item()
+        out[f"{prefix}/min"] = torch.min(x).item()
+    out["critic/vf_explained_var"] = (1.0 - torch.var(ret - val) / (torch.var(ret) + 1e-5)).item()
+    out["response/clip_ratio/mean"] = torch.mean(torch.eq(response_length, r).float()).item()
+    out["prompt/clip_ratio/mean"] = torch.mean(torch.eq(prompt_length, prompt_mask.shape[-1]).float()).item()
+    correct = reward > 0.5
+    for prefix, sel in (("response/correct_length", correct), ("response/wrong_length", ~correct)):
+        lengths = response_length[sel]
+        if lengths.numel():
+            out[f"{prefix}/mean"] = torch.mean(lengths).item()
+            out[f"{prefix}/max"] = torch.max(lengths).item()
+            out[f"{prefix}/min"] = torch.min(lengths).item()
+    out["response/aborted_ratio"] = torch.mean((response_length == 0).float()).item()
+    turns = torch.as_tensor(batch["__num_turns__"]).float()
+    out["num_turns/min"] = turns.min().item()
+    out["num_turns/max"] = turns.max().item()
+    out["num_turns/mean"] = turns.mean().item()
+    out["perf/process_cpu_mem_used_gb"] = psutil.Process(os.getpid()).memory_info().rss / 1024**3
+    return out
+
+
+# ---------------------------------------------------------------------------------------- measuring
+@dataclass
+class Row:
+    batch: int
+    prompt: int
+    response: int
+    threads: int
+    ours_s: float
+    ref_s: float
+    checked: int
+
+    @property
+    def ratio(self) -> float:
+        return self.ref_s / self.ours_s
+
+
+def _median_time(fn: Callable[[], object], reps: int) -> float:
+    fn()  # warm-up
+    gc.collect()
+    gc.disable()
+    try:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    finally:
+        gc.enable()
+    return statistics.median(times)
+
+
+def _check_same(ours: dict[str, float], ref: dict[str, float]) -> int:
+    shared = [n for n in ref if n != "perf/process_cpu_mem_used_gb"]
+    missing = [n for n in shared if n not in ours]
+    assert not missing, f"rlmetrics lacks {missing}"
+    for name in shared:
+        assert math.isclose(ours[name], ref[name], rel_tol=1e-5, abs_tol=1e-5), (name, ours[name], ref[name])
+    return len(shared)
+
+
+def measure(b: int, p: int, r: int, reps: int, threads: int) -> Row:
+    batch = make_batch(b, p, r, seed=b + p + r)
+    checked = _check_same(compute_data_metric(batch), reference_data_metric(batch))
+    torch.set_num_threads(threads)
+    try:  # alternate the two sides so that a noisy neighbour slows both alike
+        ours, ref = [], []
+        for _ in range(3):
+            ours.append(_median_time(lambda: compute_data_metric(batch), reps))
+            ref.append(_median_time(lambda: reference_data_metric(batch), reps))
+    finally:
+        torch.set_num_threads(DEFAULT_THREADS)
+    return Row(b, p, r, threads, min(ours), min(ref), checked)
+
+
+# ---------------------------------------------------------------------------------------- reporting
+def header() -> str:
+    return (
+        f"rlmetrics data-metrics benchmark — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, "
+        f"{platform.processor() or 'unknown'}/{platform.machine()}, {os.cpu_count()} CPUs, "
+        f"{torch.get_num_threads()} torch threads, Python {platform.python_version()}, "
+        f"torch {torch.__version__}"
+    )
+
+
+def table(rows: list[Row]) -> str:
+    lines = [
+        "| B | prompt | response | torch threads | rlmetrics ms | reference ms | speed-up | names checked |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.batch} | {r.prompt} | {r.response} | {r.threads} | {r.ours_s * 1e3:.2f} "
+            f"| {r.ref_s * 1e3:.2f} | {r.ratio:.1f}x | {r.checked} |"
+        )
+    return "\n".join(lines)
+
+
+def targets(rows: list[Row]) -> list[str]:
+    b, p, r = TARGET_SHAPE
+    cells = {row.threads: row for row in rows if (row.batch, row.prompt, row.response) == TARGET_SHAPE}
+    cell = cells.get(DEFAULT_THREADS)
+    if cell is None:
+        return [f"target at B={b}, prompt {p}, response {r}: not measured in this run"]
+    verdict = "MET" if cell.ratio >= TARGET_RATIO else "NOT MET"
+    lines = [
+        f"target >= {TARGET_RATIO:g}x the .item() reference at B={b}, prompt {p}, response {r} "
+        f"(torch's default {DEFAULT_THREADS} threads): {cell.ratio:.1f}x — {verdict}"
+    ]
+    if 1 in cells and DEFAULT_THREADS != 1:
+        lines.append(f"with one torch thread (no target, for comparison): {cells[1].ratio:.1f}x")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions, a smaller first shape")
+    parser.add_argument("--markdown", type=Path, help="also write the report to this file")
+    args = parser.parse_args(argv)
+
+    start = time.perf_counter()
+    shapes, reps = (QUICK_SHAPES, 5) if args.quick else (SHAPES, 15)
+    head = header()
+    print(head, flush=True)
+    thread_counts = sorted({DEFAULT_THREADS, 1}, reverse=True)
+    rows = [measure(b, p, r, reps, threads) for b, p, r in shapes for threads in thread_counts]
+    notes = [
+        f"best of 3 medians of {reps} calls (after a warm-up) per side, the sides alternating; CPU tensors",
+        f"results asserted equal (rel 1e-5) on {sum(r.checked for r in rows[:: len(thread_counts)])} names",
+        *targets(rows),
+        f"total runtime: {time.perf_counter() - start:.1f} s",
+    ]
+    body = table(rows) + "\n\n" + "\n".join(notes)
+    print("\n" + body)
+    if args.markdown:
+        args.markdown.write_text(f"{head}\n\n{body}\n", encoding="utf-8")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Built-in metric functions computed from a batch, and metrics derived after merging.
+
+The submodules that need torch are imported on first use, so ``import rlmetrics.metrics`` stays
+light (numpy-free even): ``from rlmetrics.metrics import compute_data_metric`` imports
+:mod:`rlmetrics.metrics.data`.
+
+**Derived metrics.** Some metrics are not a reduction of one merged Stat, e.g. the explained
+variance ``1 - Var(returns - values) / (Var(returns) + eps)``, a ratio of two variances. Their
+ingredients travel as ordinary metrics under names starting with :data:`AUX_PREFIX`, whose own
+reductions are exact (pooled ``std``, ``sum``), and :func:`derive_metrics` turns a merged result
+into the reported one: it computes each entry of :data:`DERIVED_METRICS` whose ingredients are
+present and drops the auxiliary names. It needs nothing but the ``{name: float}`` result.
+
+>>> merged = {"critic/vf_explained_var": 0.7, "critic/score/mean": 1.0,
+...           VF_RETURNS_STD: 2.0, VF_RESIDUAL_STD: 1.0, VF_TOKENS: 101.0}
+>>> derived = derive_metrics(merged)
+>>> sorted(derived), round(derived["critic/vf_explained_var"], 4)
+(['critic/score/mean', 'critic/vf_explained_var'], 0.75)
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+AUX_PREFIX = "_aux/"
+"""Names under this prefix carry the ingredients of derived metrics; they are not reported."""
+
+VF_EPS = 1e-5
+"""Added to Var(returns) in the explained variance, as siiRL does."""
+VF_RETURNS_STD = AUX_PREFIX + "vf_explained_var/returns/std"
+"""Pooled (population) std of the returns over response tokens."""
+VF_RESIDUAL_STD = AUX_PREFIX + "vf_explained_var/residual/std"
+"""Pooled (population) std of ``returns - values`` over response tokens."""
+VF_TOKENS = AUX_PREFIX + "vf_explained_var/tokens/sum"
+"""Number of response tokens (summed over ranks)."""
+
+
+def vf_explained_var(values: Mapping[str, float]) -> float | None:
+    """``1 - Var(returns - values) / (Var(returns) + VF_EPS)`` with unbiased variances, from the
+    merged auxiliary metrics; None when they are missing or cover fewer than 2 tokens."""
+    n, ret, res = values.get(VF_TOKENS), values.get(VF_RETURNS_STD), values.get(VF_RESIDUAL_STD)
+    if n is None or ret is None or res is None or not n >= 2:
+        return None
+    unbiased = n / (n - 1)
+    return 1.0 - res * res * unbiased / (ret * ret * unbiased + VF_EPS)
+
+
+DERIVED_METRICS: dict[str, Callable[[Mapping[str, float]], float | None]] = {
+    "critic/vf_explained_var": vf_explained_var,
+}
+"""Derived metric name → function of the merged ``{name: float}`` (None: cannot be computed, the
+merged value under that name, if any, is kept)."""
+
+
+def derive_metrics(values: Mapping[str, float]) -> dict[str, float]:
+    """The reported metrics of a merged result: derived metrics computed, auxiliary names dropped."""
+    out = {name: v for name, v in values.items() if not name.startswith(AUX_PREFIX)}
+    for name, fn in DERIVED_METRICS.items():
+        v = fn(values)
+        if v is not None:
+            out[name] = v
+    return out
+
+
+_LAZY = {
+    "compute_data_metric": "data",
+    "compute_data_stats": "data",
+    "data_metrics_from_stats": "data",
+    "compute_timing_metrics": "timing",
+    "compute_throughout_metrics": "timing",
+    "compute_throughput_metrics": "timing",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rlmetrics.metrics' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"rlmetrics.metrics.{module}"), name)
+
+
+__all__ = [
+    "AUX_PREFIX", "DERIVED_METRICS", "VF_EPS", "VF_RESIDUAL_STD", "VF_RETURNS_STD", "VF_TOKENS",
+    "derive_metrics", "vf_explained_var", *sorted(_LAZY),
+]  # fmt: skip

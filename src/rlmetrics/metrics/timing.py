@@ -1,0 +1,135 @@
+"""Timing and throughput metrics of a training step (the seed's names).
+
+- :func:`compute_timing_metrics`: ``timing_s/{stage}`` for every entry of ``timing_raw`` and
+  ``timing_per_token_ms/{stage}`` for ``gen`` (per response token) and ``ref``, ``values``, ``adv``,
+  ``update_critic``, ``update_actor`` (per prompt + response token of the batch).
+- :func:`compute_throughput_metrics` (also under the seed's spelling ``compute_throughout_metrics``):
+  ``perf/total_num_tokens`` (the batch's ``global_token_num``), ``perf/time_per_step``
+  (``timing_raw["step"]``) and ``perf/throughput`` (tokens per second per GPU).
+
+Merged over ranks, ``perf/total_num_tokens`` is summed (its name says ``total``), the others are
+averaged. Missing keys or unusable values skip the metrics that need them; nothing raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from rlmetrics.extras import require
+from rlmetrics.metrics.data import _Tensors, lookup
+
+torch = require("torch", "torch")
+
+logger = logging.getLogger(__name__)
+
+RESPONSE_TOKEN_STAGES = ("gen",)
+"""Stages timed per response token."""
+ALL_TOKEN_STAGES = ("ref", "values", "adv", "update_critic", "update_actor")
+"""Stages timed per token of the whole sequence (prompt + response)."""
+
+
+def _seconds(value: Any) -> float | None:
+    if isinstance(value, numbers.Real) or (isinstance(value, np.ndarray) and value.ndim == 0):
+        return float(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.detach().cpu().reshape(()))  # a host-side timer value, in practice
+    return None
+
+
+def _token_counts(batch: Mapping[str, Any]) -> tuple[float, float] | None:
+    """(prompt tokens, response tokens) of the batch, in one device-to-host transfer; None if unknown."""
+    t = _Tensors(batch)
+    if t.prompt_mask is None or t.response_mask is None:
+        return None
+    sums = [m.sum().to(torch.float64) for m in (t.prompt_mask, t.response_mask)]
+    if sums[0].device != sums[1].device:
+        sums[1] = sums[1].to(sums[0].device)
+    prompt, response = torch.stack(sums).tolist()  # the one transfer
+    return prompt, response
+
+
+def compute_timing_metrics(batch: Mapping[str, Any], timing_raw: Mapping[str, Any]) -> dict[str, float]:
+    """``timing_s/{stage}`` in seconds and ``timing_per_token_ms/{stage}`` in milliseconds per token.
+
+    Token counts come from ``attention_mask`` and ``responses`` / ``response_mask`` as in
+    :mod:`rlmetrics.metrics.data`; without them (or with zero tokens) only ``timing_s/*`` is returned.
+
+    >>> import torch
+    >>> batch = {"responses": torch.zeros(2, 2), "attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])}
+    >>> m = compute_timing_metrics(batch, {"gen": 0.5, "update_actor": 1.4, "step": 3.0})
+    >>> m["timing_s/step"], m["timing_per_token_ms/gen"], m["timing_per_token_ms/update_actor"]
+    (3.0, 166.66666666666666, 200.0)
+    """
+    seconds = {}
+    for stage, value in timing_raw.items():
+        s = _seconds(value)
+        if s is None:
+            logger.debug("timing_raw[%r] is not a number: %r", stage, value)
+            continue
+        seconds[stage] = s
+    out = {f"timing_s/{stage}": s for stage, s in seconds.items()}
+    timed = [s for s in (*RESPONSE_TOKEN_STAGES, *ALL_TOKEN_STAGES) if s in seconds]
+    counts = _token_counts(batch) if timed else None
+    if counts is not None:
+        prompt, response = counts
+        for stage in timed:
+            tokens = response if stage in RESPONSE_TOKEN_STAGES else prompt + response
+            if tokens > 0:
+                out[f"timing_per_token_ms/{stage}"] = seconds[stage] * 1000.0 / tokens
+    return out
+
+
+def _total_tokens(batch: Mapping[str, Any]) -> float | None:
+    """Sum of ``global_token_num`` (tokens per sequence), else of ``attention_mask``."""
+    value = lookup(batch, "global_token_num")
+    if value is not None:
+        try:
+            if isinstance(value, torch.Tensor):
+                return float(value.detach().sum(dtype=torch.float64).cpu())
+            return float(np.sum(np.asarray(value, dtype=np.float64)))
+        except (TypeError, ValueError) as exc:
+            logger.debug("global_token_num is not numeric (%s)", exc)
+    mask = lookup(batch, "attention_mask")
+    if isinstance(mask, torch.Tensor):
+        return float(mask.detach().sum(dtype=torch.float64).cpu())
+    return None
+
+
+def compute_throughput_metrics(
+    batch: Mapping[str, Any], timing_raw: Mapping[str, Any], n_gpus: int
+) -> dict[str, float]:
+    """``perf/total_num_tokens``, ``perf/time_per_step`` and ``perf/throughput`` (tokens/s/GPU).
+
+    Tokens: the sum of ``global_token_num`` (siiRL's per-sequence token counts), or of
+    ``attention_mask`` when the batch has no ``global_token_num``.
+
+    >>> compute_throughput_metrics({"global_token_num": [100, 300]}, {"step": 2.0}, n_gpus=4)
+    {'perf/total_num_tokens': 400.0, 'perf/time_per_step': 2.0, 'perf/throughput': 50.0}
+    """
+    out: dict[str, float] = {}
+    tokens = _total_tokens(batch)
+    if tokens is not None:
+        out["perf/total_num_tokens"] = tokens
+    step = _seconds(timing_raw.get("step")) if hasattr(timing_raw, "get") else None
+    if step is not None:
+        out["perf/time_per_step"] = step
+        gpus = n_gpus if isinstance(n_gpus, numbers.Real) else math.nan
+        if tokens is not None and step > 0 and gpus > 0:
+            out["perf/throughput"] = tokens / (step * gpus)
+    return out
+
+
+compute_throughout_metrics = compute_throughput_metrics
+"""The seed's spelling of :func:`compute_throughput_metrics`."""
+
+
+__all__ = [
+    "ALL_TOKEN_STAGES", "RESPONSE_TOKEN_STAGES", "compute_throughout_metrics", "compute_throughput_metrics",
+    "compute_timing_metrics",
+]  # fmt: skip

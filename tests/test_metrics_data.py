@@ -1,0 +1,513 @@
+"""compute_data_metric / compute_data_stats against a loop reference, merging, and the transfer count."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from tensordict import NonTensorData, TensorDict
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import rlmetrics
+from rlmetrics.backends import local
+from rlmetrics.metrics import AUX_PREFIX, VF_TOKENS, derive_metrics
+from rlmetrics.metrics.data import compute_data_metric, compute_data_stats, data_metrics_from_stats
+from rlmetrics.stat import Stat
+
+MEM = "perf/process_cpu_mem_used_gb"
+CLIP = ("response/clip_ratio/mean", "prompt/clip_ratio/mean")
+
+
+# ------------------------------------------------------------------------------------------ batches
+def make_batch(
+    rng: np.random.Generator,
+    b: int,
+    p: int,
+    r: int,
+    *,
+    rewards: str = "random",
+    values: bool = True,
+    response_mask: bool = True,
+    num_turns: str | None = "int32",
+    tool_calls: bool = False,
+    dtype: torch.dtype = torch.float32,
+    garbage: bool = True,
+) -> dict:
+    """A PPO batch: prompts left-padded to ``p``, responses right-padded to ``r`` (lengths 0..r).
+
+    With ``garbage``, advantages / returns / values hold random numbers, nan and inf off the response.
+    """
+    prompt_len = rng.integers(0, p + 1, size=b)
+    response_len = rng.integers(0, r + 1, size=b)
+    prompt_mask = (np.arange(p)[None, :] >= p - prompt_len[:, None]).astype(np.int64)
+    resp_mask = (np.arange(r)[None, :] < response_len[:, None]).astype(np.int64)
+    on = resp_mask.astype(bool)
+    scores = np.where(on, rng.normal(0.0, 0.3, size=(b, r)), 0.0)
+    if rewards == "all_correct":
+        scores[:, :1] = 2.0  # every row sums above 0.5 (also zero-length responses: siiRL sums the row)
+        scores[:, 1:] = 0.0
+    elif rewards == "all_wrong":
+        scores = np.minimum(scores, 0.0)
+    adv = rng.normal(0.0, 1.0, size=(b, r))
+    val = rng.normal(0.5, 2.0, size=(b, r))
+    ret = adv + val + rng.normal(0.0, 0.5, size=(b, r))
+    if garbage:
+        junk = rng.choice(np.array([np.nan, np.inf, -np.inf, 1e30, 7.0]), size=(b, r))
+        adv, val, ret = (np.where(on, x, junk) for x in (adv, val, ret))
+    batch = {
+        "responses": torch.zeros(b, r, dtype=torch.long),
+        "attention_mask": torch.from_numpy(np.concatenate([prompt_mask, resp_mask], axis=1)),
+        "token_level_scores": torch.tensor(scores, dtype=dtype),
+        "token_level_rewards": torch.tensor(scores * 0.9 if rewards == "random" else scores, dtype=dtype),
+        "advantages": torch.tensor(adv, dtype=dtype),
+        "returns": torch.tensor(ret, dtype=dtype),
+    }
+    if values:
+        batch["values"] = torch.tensor(val, dtype=dtype)
+    if response_mask:
+        batch["response_mask"] = torch.from_numpy(resp_mask)
+    turns = rng.integers(1, 6, size=b)
+    if num_turns == "int32":
+        batch["__num_turns__"] = turns.astype(np.int32)  # siiRL's agent loop: an int32 numpy array
+    elif num_turns == "int64_tensor":
+        batch["__num_turns__"] = torch.from_numpy(turns)
+    elif num_turns == "float_tensor":
+        batch["__num_turns__"] = torch.from_numpy(turns).float()
+    elif num_turns == "list":
+        batch["__num_turns__"] = turns.tolist()
+    if tool_calls:
+        batch["tool_call_counts"] = rng.integers(0, 4, size=b)
+    return batch
+
+
+def to_tensordict(batch: dict) -> TensorDict:
+    b = batch["attention_mask"].shape[0]
+    td = TensorDict({k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}, batch_size=[b])
+    for k, v in batch.items():
+        if not isinstance(v, torch.Tensor):
+            td[k] = NonTensorData(v)
+    return td
+
+
+# ---------------------------------------------------------------------------------------- reference
+def reference(batch: dict) -> dict[str, float]:
+    """siiRL's metric definitions, written as loops over sequences and tokens in float64."""
+
+    def arr(key):
+        v = batch.get(key)
+        return None if v is None else np.asarray(v.double() if isinstance(v, torch.Tensor) else v, float)
+
+    out: dict[str, float] = {}
+
+    def mmm(prefix, xs):
+        if xs:
+            out[f"{prefix}/mean"] = math.fsum(xs) / len(xs)
+            out[f"{prefix}/max"] = max(xs)
+            out[f"{prefix}/min"] = min(xs)
+
+    attn = arr("attention_mask")
+    r = batch["responses"].shape[1]
+    p = attn.shape[1] - r
+    rmask = arr("response_mask") if "response_mask" in batch else attn[:, p:]
+    rows = range(attn.shape[0])
+    resp_len = [math.fsum(rmask[i]) for i in rows]
+    prompt_len = [math.fsum(attn[i, :p]) for i in rows]
+    seq_score = [math.fsum(arr("token_level_scores")[i]) for i in rows]
+    seq_reward = [math.fsum(arr("token_level_rewards")[i]) for i in rows]
+    mmm("critic/score", seq_score)
+    mmm("critic/rewards", seq_reward)
+    tokens = {}
+    for key in ("advantages", "returns", "values"):
+        if key in batch:
+            x = arr(key)
+            tokens[key] = [x[i, j] for i in rows for j in range(r) if rmask[i, j] != 0]
+            mmm(f"critic/{key}", tokens[key])
+    if "values" in tokens and len(tokens["returns"]) >= 2:
+        residual = [a - b for a, b in zip(tokens["returns"], tokens["values"])]
+        var_res, var_ret = statistics.variance(residual), statistics.variance(tokens["returns"])
+        out["critic/vf_explained_var"] = 1.0 - var_res / (var_ret + 1e-5)
+    mmm("response/length", resp_len)
+    out["response/clip_ratio/mean"] = sum(n == r for n in resp_len) / len(resp_len)
+    out["response/aborted_ratio"] = sum(n == 0 for n in resp_len) / len(resp_len)
+    mmm("response/correct_length", [n for n, w in zip(resp_len, seq_reward) if w > 0.5])
+    mmm("response/wrong_length", [n for n, w in zip(resp_len, seq_reward) if not w > 0.5])
+    mmm("prompt/length", prompt_len)
+    out["prompt/clip_ratio/mean"] = sum(n == p for n in prompt_len) / len(prompt_len)
+    for key, prefix in (("__num_turns__", "num_turns"), ("tool_call_counts", "tool_call_counts")):
+        if key in batch:
+            mmm(prefix, [float(v) for v in np.asarray(batch[key]).reshape(-1)])
+    return out
+
+
+def assert_matches(got: dict[str, float], want: dict[str, float], skip: tuple[str, ...] = ()) -> None:
+    got = {k: v for k, v in got.items() if k != MEM and k not in skip}
+    want = {k: v for k, v in want.items() if k not in skip}
+    assert sorted(got) == sorted(want)
+    for name, w in want.items():
+        tol = 1e-4 if name == "critic/vf_explained_var" else 1e-5
+        assert got[name] == pytest.approx(w, rel=tol, abs=tol), name
+
+
+# ------------------------------------------------------------------------------------- equality
+@settings(max_examples=200, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    b=st.integers(1, 6),
+    p=st.integers(0, 5),
+    r=st.integers(0, 7),
+    rewards=st.sampled_from(["random", "all_correct", "all_wrong"]),
+    values=st.booleans(),
+    response_mask=st.booleans(),
+    num_turns=st.sampled_from([None, "int32", "int64_tensor", "float_tensor", "list"]),
+    tool_calls=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    tensordict=st.booleans(),
+)
+@example(seed=1, b=1, p=3, r=4, rewards="random", values=True, response_mask=True, num_turns="int32",
+         tool_calls=False, dtype=torch.float32, tensordict=False)  # fmt: skip
+def test_equals_loop_reference(
+    seed, b, p, r, rewards, values, response_mask, num_turns, tool_calls, dtype, tensordict
+):
+    batch = make_batch(
+        np.random.default_rng(seed), b, p, r, rewards=rewards, values=values,
+        response_mask=response_mask, num_turns=num_turns, tool_calls=tool_calls, dtype=dtype,
+    )  # fmt: skip
+    want = reference(batch)
+    got = compute_data_metric(to_tensordict(batch) if tensordict else batch)
+    assert_matches(got, want)
+    assert 0 < got[MEM] < 1024
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(rewards="all_correct"),
+        dict(rewards="all_wrong"),
+        dict(values=False),
+        dict(num_turns=None),
+        dict(num_turns="int32"),
+        dict(num_turns="int64_tensor"),
+        dict(response_mask=False),
+        dict(tool_calls=True),
+    ],
+    ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()),
+)
+def test_named_cases(case):
+    batch = make_batch(np.random.default_rng(7), 5, 4, 6, **case)
+    got = compute_data_metric(batch)
+    assert_matches(got, reference(batch))
+    if case.get("rewards") == "all_correct":
+        assert "response/wrong_length/mean" not in got and got["response/correct_length/min"] >= 0
+        assert "response/wrong_length/mean" in compute_data_stats(batch)  # the name is still submitted
+    if case.get("rewards") == "all_wrong":
+        assert "response/correct_length/mean" not in got
+    if "values" in case:
+        assert not any(k.startswith(("critic/values", "critic/vf")) for k in got)
+    if case.get("num_turns") is None and "num_turns" in case:
+        assert not any(k.startswith("num_turns") for k in got)
+    elif "num_turns" in case:
+        assert got["num_turns/mean"] == pytest.approx(np.mean(np.asarray(batch["__num_turns__"], float)))
+
+
+def test_zero_length_responses_and_a_batch_of_one():
+    batch = make_batch(np.random.default_rng(3), 1, 3, 4)
+    batch["attention_mask"][:, 3:] = 0
+    batch["response_mask"][:] = 0
+    got = compute_data_metric(batch)
+    assert got["response/length/max"] == 0.0 and got["response/aborted_ratio"] == 1.0
+    assert not any(k.startswith(("critic/advantages", "critic/vf")) for k in got)  # no response token
+    assert compute_data_stats(batch)["critic/advantages/mean"].count == 0
+    assert_matches(got, reference(batch))
+
+
+def test_exact_values_by_hand():
+    batch = {
+        "responses": torch.zeros(2, 3),
+        "attention_mask": torch.tensor([[0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]]),
+        "token_level_rewards": torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.25]]),
+        "advantages": torch.tensor([[2.0, 100.0, float("nan")], [1.0, 2.0, 3.0]]),
+        "returns": torch.tensor([[1.0, 0.0, 0.0], [2.0, 3.0, 4.0]]),
+        "values": torch.tensor([[1.0, 0.0, 0.0], [2.0, 2.0, 2.0]]),
+    }
+    m = compute_data_metric(batch)
+    assert m["critic/advantages/mean"] == 2.0 and m["critic/advantages/max"] == 3.0  # 4 tokens: 2, 1, 2, 3
+    assert m["response/length/mean"] == 2.0 and m["response/clip_ratio/mean"] == 0.5
+    assert m["prompt/length/mean"] == 2.5 and m["prompt/clip_ratio/mean"] == 0.5
+    assert m["response/correct_length/mean"] == 1.0 and m["response/wrong_length/mean"] == 3.0
+    returns, residual = [1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 1.0, 2.0]
+    ev = 1 - statistics.variance(residual) / (statistics.variance(returns) + 1e-5)
+    assert m["critic/vf_explained_var"] == pytest.approx(ev, rel=1e-12)
+
+
+# ------------------------------------------------------------------------------------ robustness
+@pytest.mark.parametrize(
+    ("drop", "gone"),
+    [
+        (("responses",), ()),  # the width comes from response_mask
+        (("response_mask",), ()),  # the response part of attention_mask
+        (("responses", "response_mask"), ("response/", "critic/advantages", "critic/returns", "critic/values",
+                                          "critic/vf", "prompt/")),
+        (("attention_mask",), ("prompt/",)),
+        (("token_level_scores",), ("critic/score",)),
+        (("token_level_rewards",), ("critic/rewards", "response/correct", "response/wrong")),
+        (("advantages",), ("critic/advantages",)),
+        (("returns",), ("critic/returns", "critic/vf")),
+        (("values",), ("critic/values", "critic/vf")),
+        (("__num_turns__",), ("num_turns",)),
+    ],
+)  # fmt: skip
+def test_missing_keys_skip_their_metrics(drop, gone):
+    batch = make_batch(np.random.default_rng(5), 4, 3, 5)
+    full = compute_data_metric(batch)
+    for key in drop:
+        del batch[key]
+    got = compute_data_metric(batch)
+    assert set(got) == {n for n in full if not n.startswith(gone)} if gone else set(got) == set(full)
+    for name in got.keys() - {MEM}:
+        assert got[name] == full[name], name
+
+
+def test_empty_and_odd_inputs_never_raise():
+    assert set(compute_data_metric({})) == {MEM}
+    assert set(compute_data_stats({})) == {MEM}
+    empty = make_batch(np.random.default_rng(0), 0, 3, 4)
+    assert set(compute_data_metric(empty)) == {MEM}
+    odd = {  # a response wider than the attention mask, mismatched shapes, strings, complex numbers
+        "responses": torch.zeros(2, 9),
+        "attention_mask": torch.ones(2, 4),
+        "advantages": torch.ones(3, 3),
+        "__num_turns__": np.array(["a", "b"]),
+        "token_level_scores": torch.ones(2, 2, dtype=torch.cfloat),
+        "token_level_rewards": "x",
+    }
+    assert set(compute_data_metric(odd)) == {MEM}
+
+
+def test_low_precision_and_bool_masks():
+    batch = make_batch(np.random.default_rng(11), 6, 4, 8, garbage=False)
+    want = reference(batch)
+    batch["response_mask"] = batch["response_mask"].bool()
+    batch["attention_mask"] = batch["attention_mask"].float()
+    for key in ("advantages", "returns", "values"):
+        batch[key] = batch[key].to(torch.bfloat16)
+    got = compute_data_metric(batch)
+    assert set(got) - {MEM} == set(want)
+    assert got["response/length/mean"] == want["response/length/mean"]
+    assert got["critic/advantages/max"] == pytest.approx(want["critic/advantages/max"], rel=1e-2)
+
+
+def test_every_name_of_the_seed():
+    batch = make_batch(np.random.default_rng(2), 8, 4, 6, tool_calls=True)
+    names = set(compute_data_metric(batch))
+    for prefix in ("critic/score", "critic/rewards", "critic/advantages", "critic/returns", "critic/values",
+                   "response/length", "response/correct_length", "response/wrong_length", "prompt/length",
+                   "num_turns", "tool_call_counts"):  # fmt: skip
+        assert {f"{prefix}/{r}" for r in ("mean", "max", "min")} <= names, prefix
+    assert {"critic/vf_explained_var", "response/clip_ratio/mean", "prompt/clip_ratio/mean", MEM,
+            "response/aborted_ratio"} <= names  # fmt: skip
+    assert not any(n.startswith(AUX_PREFIX) for n in names)
+    stats = compute_data_stats(batch)
+    assert {n for n in stats if n.startswith(AUX_PREFIX)} == {
+        "_aux/vf_explained_var/returns/std",
+        "_aux/vf_explained_var/residual/std",
+        VF_TOKENS,
+    }
+    assert not any(n.startswith(AUX_PREFIX) for n in compute_data_stats(batch, aux=False))
+
+
+# ------------------------------------------------------------------------------ one host transfer
+HOST_MOVES = {"cpu", "numpy", "tolist", "item", "__float__", "__int__", "__bool__", "__index__", "__array__"}
+SYNCING_OPS = ("nonzero", "masked_select", "_local_scalar_dense", "unique", "index.Tensor", "masked_scatter")
+
+
+class CountHostMoves(TorchFunctionMode):
+    """Tensor methods that copy data to the host (or read a value there), as the code calls them."""
+
+    def __init__(self):
+        super().__init__()
+        self.moves = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        to_cpu = name == "to" and any(str(a) == "cpu" for a in (*args[1:], kwargs.get("device")))
+        if name in HOST_MOVES or to_cpu:
+            self.moves.append((name, tuple(args[0].shape) if isinstance(args[0], torch.Tensor) else None))
+        return func(*args, **kwargs)
+
+
+class CountOps(TorchDispatchMode):
+    """Every aten op that runs; ops with data-dependent output shapes synchronize an accelerator."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("tensordict", [False, True])
+def test_one_host_transfer_per_call(tensordict):
+    """On this CPU-only machine no copy really happens, so the test counts what would be one: every
+    call that moves tensor data to the host or reads a value there (``.cpu()``, ``.to("cpu")``,
+    ``.numpy()``, ``.tolist()``, ``.item()``, ``float(t)``, ``bool(t)``, ...), seen at the Python API
+    (TorchFunctionMode), plus, at the ATen level (TorchDispatchMode), scalar reads and the ops whose
+    output shape depends on the data (``nonzero``, ``masked_select``, boolean indexing), which make a
+    GPU wait and copy their size to the host. The same code on CUDA does exactly the calls counted
+    here, so exactly one of them is a device-to-host copy."""
+    batch = make_batch(np.random.default_rng(4), 16, 8, 12, tool_calls=True, num_turns="int64_tensor")
+    batch = to_tensordict(batch) if tensordict else batch
+    compute_data_metric(batch)  # warm-up (lazy imports)
+    with CountHostMoves() as moves, CountOps() as ops:
+        stats = compute_data_stats(batch)
+    assert len(stats) > 40
+    assert len(moves.moves) == 1, moves.moves
+    name, shape = moves.moves[0]
+    assert name == "tolist" and shape[1] == 5 and shape[0] >= 15  # all summaries at once
+    assert not [op for op in ops.ops if any(s in op for s in SYNCING_OPS)]
+    with CountHostMoves() as moves:
+        compute_data_metric(batch)
+    assert len(moves.moves) == 1
+
+
+def test_the_counter_sees_per_metric_reads():
+    """The counter is not blind: siiRL's style (one ``.item()`` per metric) is counted as such."""
+    x, mask = torch.randn(4, 5), torch.rand(4, 5) > 0.5
+    with CountHostMoves() as moves, CountOps() as ops:
+        v = torch.masked_select(x, mask)
+        _ = [v.mean().item(), v.max().item(), float(v.min())]
+    assert len(moves.moves) == 3
+    assert any("masked_select" in op for op in ops.ops)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_syncs_once():
+    batch = make_batch(np.random.default_rng(4), 16, 8, 12)
+    batch = {
+        k: torch.as_tensor(v).cuda() for k, v in batch.items()
+    }  # all on the device: no host-to-device copy
+    compute_data_metric(batch)
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with pytest.warns(UserWarning) as record:
+            compute_data_stats(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len([w for w in record if "synchroniz" in str(w.message)]) == 1
+
+
+# ------------------------------------------------------------------------------- exact merging
+def concatenate(batches: list[dict]) -> dict:
+    """One batch of all ranks: prompts left-padded and responses right-padded to common widths."""
+    p = max(b["attention_mask"].shape[1] - b["responses"].shape[1] for b in batches)
+    r = max(b["responses"].shape[1] for b in batches)
+    out: dict[str, list] = {}
+    for b in batches:
+        rb = b["responses"].shape[1]
+        pb = b["attention_mask"].shape[1] - rb
+        attn = b["attention_mask"]
+        parts = {
+            "attention_mask": torch.cat(
+                [F.pad(attn[:, :pb], (p - pb, 0)), F.pad(attn[:, pb:], (0, r - rb))], 1
+            ),
+            "responses": F.pad(b["responses"], (0, r - rb)),
+            "__num_turns__": torch.as_tensor(np.asarray(b["__num_turns__"])),
+        }
+        for key in (
+            "response_mask",
+            "token_level_scores",
+            "token_level_rewards",
+            "advantages",
+            "returns",
+            "values",
+        ):
+            parts[key] = F.pad(b[key], (0, r - rb))
+        for key, value in parts.items():
+            out.setdefault(key, []).append(value)
+    return {key: torch.cat(values) for key, values in out.items()}
+
+
+def rank_batches(seed: int, dtype: torch.dtype) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    shapes = [(1, 3, 4), (7, 5, 9), (3, 2, 2), (12, 6, 11)]  # different batch sizes and widths
+    return [make_batch(rng, b, p, r, dtype=dtype) for b, p, r in shapes]
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_merged_rank_stats_equal_the_concatenated_batch(seed):
+    """float64 data: merged and concatenated agree to rounding (float32 data: see the next test)."""
+    batches = rank_batches(seed, torch.float64)
+    per_rank = [compute_data_stats(b) for b in batches]
+    merged = {name: Stat() for name in per_rank[0]}
+    for stats in per_rank:
+        assert stats.keys() == merged.keys()  # every rank submits the same names
+        merged = {name: merged[name].merge(stats[name]) for name in merged}
+    got = data_metrics_from_stats(merged)
+    want = compute_data_metric(concatenate(batches))
+    assert_matches(got, {k: v for k, v in want.items() if k != MEM}, skip=CLIP)  # clip ratios: widths differ
+    for name in ("critic/advantages/mean", "response/length/mean", "critic/score/min", "critic/score/max",
+                 "critic/vf_explained_var", "num_turns/mean"):  # fmt: skip
+        assert got[name] == pytest.approx(want[name], rel=1e-9, abs=1e-12), name
+    # the test can fail: the mean of the ranks' means is not the token-weighted mean
+    means = [s["critic/advantages/mean"].mean for s in per_rank if s["critic/advantages/mean"].count]
+    assert not math.isclose(statistics.mean(means), want["critic/advantages/mean"], rel_tol=1e-9)
+
+
+def test_merging_through_local_clients(request):
+    name = request.node.name
+    batches = rank_batches(12345, torch.float32)
+    try:
+        clients = [rlmetrics.connect("local", world_size=4, name=name, label=f"rank{r}") for r in range(4)]
+        for client, batch in zip(clients, batches):
+            client.submit_metric(compute_data_stats(batch))
+            client.wait_submit()
+        result = clients[0].result(0, timeout=10)
+    finally:
+        local.drop_worker(name)
+    assert result.meta["complete"], result.meta
+    got = derive_metrics(result)  # idempotent: the aggregator derives already
+    assert got == dict(result) and not any(n.startswith(AUX_PREFIX) for n in result)
+    want = compute_data_metric(concatenate(batches))
+    assert_matches(got, {k: v for k, v in want.items() if k != MEM}, skip=CLIP)
+    for key in ("critic/advantages/mean", "response/length/mean", "critic/score/min", "critic/score/max"):
+        assert got[key] == pytest.approx(want[key], rel=1e-9), key
+    # per-token deviations are squared in the data's precision, float32 here: the centre differs
+    # between a rank and the whole batch, so the sums of squares agree to float32 rounding
+    assert got["critic/vf_explained_var"] == pytest.approx(want["critic/vf_explained_var"], rel=1e-6)
+    # the fallback under the name itself (each rank's value, token-weighted) is not the global value
+    fallback = Stat()
+    for batch in batches:
+        fallback = fallback.merge(compute_data_stats(batch)["critic/vf_explained_var"])
+    assert fallback.mean != pytest.approx(want["critic/vf_explained_var"], rel=1e-4)
+
+
+def test_derive_metrics_keeps_the_fallback_without_ingredients():
+    assert derive_metrics({"critic/vf_explained_var": 0.5, "a/mean": 1.0}) == {
+        "critic/vf_explained_var": 0.5,
+        "a/mean": 1.0,
+    }
+    assert derive_metrics({VF_TOKENS: 1.0, "_aux/vf_explained_var/returns/std": 1.0,
+                           "_aux/vf_explained_var/residual/std": 0.0}) == {}  # fmt: skip
+
+
+def test_imports_stay_light():
+    code = (
+        "import sys, rlmetrics, rlmetrics.metrics as m\n"
+        "assert 'torch' not in sys.modules and 'rlmetrics.metrics.data' not in sys.modules\n"
+        "m.derive_metrics({})\n"
+        "assert callable(m.compute_data_metric) and 'torch' in sys.modules\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
