@@ -24,20 +24,17 @@ Run: ``PYTHONPATH=src python benchmarks/bench_data.py [--quick] [--markdown PATH
 
 from __future__ import annotations
 
-import argparse
 import gc
 import math
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from pathlib import Path
 
 import numpy as np
 import psutil
+import report
 import torch
 
 from rlmetrics.metrics.data import compute_data_metric
@@ -175,26 +172,25 @@ def measure(b: int, p: int, r: int, reps: int, threads: int) -> Row:
 
 
 # ---------------------------------------------------------------------------------------- reporting
-def header() -> str:
-    return (
-        f"rlmetrics data-metrics benchmark — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, "
-        f"{platform.processor() or 'unknown'}/{platform.machine()}, {os.cpu_count()} CPUs, "
-        f"{torch.get_num_threads()} torch threads, Python {platform.python_version()}, "
-        f"torch {torch.__version__}"
-    )
-
-
-def table(rows: list[Row]) -> str:
-    lines = [
-        "| B | prompt | response | torch threads | rlmetrics ms | reference ms | speed-up | names checked |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+def render(rows: list[Row]) -> str:
+    columns = [
+        "B",
+        "prompt",
+        "response",
+        "torch threads",
+        "rlmetrics ms",
+        "reference ms",
+        "speed-up",
+        "names checked",
     ]
-    for r in rows:
-        lines.append(
-            f"| {r.batch} | {r.prompt} | {r.response} | {r.threads} | {r.ours_s * 1e3:.2f} "
-            f"| {r.ref_s * 1e3:.2f} | {r.ratio:.1f}x | {r.checked} |"
-        )
-    return "\n".join(lines)
+    return report.table(
+        columns,
+        [
+            [r.batch, r.prompt, r.response, r.threads, f"{r.ours_s * 1e3:.2f}", f"{r.ref_s * 1e3:.2f}",
+             f"{r.ratio:.1f}x", r.checked]
+            for r in rows
+        ],
+    )  # fmt: skip
 
 
 def targets(rows: list[Row]) -> list[str]:
@@ -203,7 +199,7 @@ def targets(rows: list[Row]) -> list[str]:
     cell = cells.get(DEFAULT_THREADS)
     if cell is None:
         return [f"target at B={b}, prompt {p}, response {r}: not measured in this run"]
-    verdict = "MET" if cell.ratio >= TARGET_RATIO else "NOT MET"
+    verdict = report.verdict(cell.ratio >= TARGET_RATIO)
     lines = [
         f"target >= {TARGET_RATIO:g}x the .item() reference at B={b}, prompt {p}, response {r} "
         f"(torch's default {DEFAULT_THREADS} threads): {cell.ratio:.1f}x — {verdict}"
@@ -214,14 +210,13 @@ def targets(rows: list[Row]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions, a smaller first shape")
-    parser.add_argument("--markdown", type=Path, help="also write the report to this file")
-    args = parser.parse_args(argv)
+    args = report.parse_args(__doc__, "fewer repetitions, a smaller first shape", argv)
 
     start = time.perf_counter()
     shapes, reps = (QUICK_SHAPES, 5) if args.quick else (SHAPES, 15)
-    head = header()
+    head = report.header(
+        "data-metrics", f"{torch.get_num_threads()} torch threads", f"torch {torch.__version__}"
+    )
     print(head, flush=True)
     thread_counts = sorted({DEFAULT_THREADS, 1}, reverse=True)
     rows = [measure(b, p, r, reps, threads) for b, p, r in shapes for threads in thread_counts]
@@ -231,10 +226,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         *targets(rows),
         f"total runtime: {time.perf_counter() - start:.1f} s",
     ]
-    body = table(rows) + "\n\n" + "\n".join(notes)
-    print("\n" + body)
-    if args.markdown:
-        args.markdown.write_text(f"{head}\n\n{body}\n", encoding="utf-8")
+    report.emit(head, render(rows), notes, args.markdown)
     return rows
 
 

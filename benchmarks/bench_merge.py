@@ -22,21 +22,17 @@ Run: ``make bench``, or ``PYTHONPATH=src python benchmarks/bench_merge.py [--qui
 
 from __future__ import annotations
 
-import argparse
 import gc
 import math
-import os
-import platform
 import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
+import report
 
 from rlmetrics.aggregator import Aggregator, Packed, StepResult, pack
 from rlmetrics.reduce import resolve
@@ -202,25 +198,24 @@ def _check_same(ours: StepResult, naive: dict[str, float], m: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------- reporting
-def header() -> str:
-    return (
-        f"rlmetrics merge benchmark — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, "
-        f"{platform.processor() or 'unknown'}/{platform.machine()}, {os.cpu_count()} CPUs, "
-        f"Python {platform.python_version()}, numpy {np.__version__}"
-    )
-
-
-def table(rows: list[Row]) -> str:
-    lines = [
-        "| W | M | rlmetrics M values/s | naive M values/s | ratio | rlmetrics ms/step | pack µs/rank |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+def render(rows: list[Row]) -> str:
+    columns = [
+        "W",
+        "M",
+        "rlmetrics M values/s",
+        "naive M values/s",
+        "ratio",
+        "rlmetrics ms/step",
+        "pack µs/rank",
     ]
-    for r in rows:
-        lines.append(
-            f"| {r.world_size} | {r.metrics} | {r.values / r.ours_s / 1e6:.1f} "
-            f"| {r.values / r.naive_s / 1e6:.2f} | {r.ratio:.0f}x | {r.ours_s * 1e3:.2f} | {r.pack_us:.0f} |"
-        )
-    return "\n".join(lines)
+    return report.table(
+        columns,
+        [
+            [r.world_size, r.metrics, f"{r.values / r.ours_s / 1e6:.1f}", f"{r.values / r.naive_s / 1e6:.2f}",
+             f"{r.ratio:.0f}x", f"{r.ours_s * 1e3:.2f}", f"{r.pack_us:.0f}"]
+            for r in rows
+        ],
+    )  # fmt: skip
 
 
 def targets(rows: list[Row]) -> list[str]:
@@ -231,23 +226,20 @@ def targets(rows: list[Row]) -> list[str]:
     rate = cell.values / cell.ours_s
     return [
         f"target >= {TARGET_VALUES_PER_S / 1e6:.0f} M values/s at W={w}, M={m}: {rate / 1e6:.1f} M values/s "
-        f"— {'MET' if rate >= TARGET_VALUES_PER_S else 'NOT MET'}",
+        f"— {report.verdict(rate >= TARGET_VALUES_PER_S)}",
         f"target >= {TARGET_RATIO:.0f}x naive at W={w}, M={m}: {cell.ratio:.0f}x "
-        f"— {'MET' if cell.ratio >= TARGET_RATIO else 'NOT MET'}",
+        f"— {report.verdict(cell.ratio >= TARGET_RATIO)}",
     ]
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="W in {8, 64}, M in {100, 1000}, fewer reps")
-    parser.add_argument("--markdown", type=Path, help="also write the report to this file")
-    args = parser.parse_args(argv)
+    args = report.parse_args(__doc__, "W in {8, 64}, M in {100, 1000}, fewer reps", argv)
 
     start = time.perf_counter()
     world_sizes, metric_counts, reps = (
         ((8, 64), (100, 1000), 3) if args.quick else (WORLD_SIZES, METRIC_COUNTS, 7)
     )
-    head = header()
+    head = report.header("merge", f"numpy {np.__version__}")
     print(head, flush=True)
     rows = [measure(w, m, reps) for w in world_sizes for m in metric_counts]
     notes = [
@@ -265,10 +257,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     )
     notes += targets(rows)
     notes.append(f"total runtime: {time.perf_counter() - start:.1f} s")
-    body = table(rows) + "\n\n" + "\n".join(notes)
-    print("\n" + body)
-    if args.markdown:
-        args.markdown.write_text(f"{head}\n\n{body}\n", encoding="utf-8")
+    report.emit(head, render(rows), notes, args.markdown)
     return rows
 
 

@@ -32,21 +32,17 @@ Run: ``python benchmarks/bench_ray.py [--quick] [--markdown PATH]`` (needs the `
 
 from __future__ import annotations
 
-import argparse
 import math
-import os
-import platform
 import statistics
 import time
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import ray
+import report
 
 import rlmetrics
 
@@ -242,56 +238,51 @@ def measure(world_size: int, m: int, steps: int) -> Row:
 
 
 # ---------------------------------------------------------------------------------------- reporting
-def header() -> str:
-    return (
-        f"rlmetrics Ray step benchmark — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, "
-        f"{platform.processor() or 'unknown'}/{platform.machine()}, {os.cpu_count()} CPUs, "
-        f"Python {platform.python_version()}, numpy {np.__version__}, ray {ray.__version__}, "
-        f"rlmetrics {rlmetrics.__version__}"
-    )
-
-
-def table(rows: list[Row]) -> str:
-    lines = [
-        "| W | M | naive ms/step | rlmetrics ms/step | ratio | hierarchical ms/step | submit µs/call |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+def render(rows: list[Row]) -> str:
+    columns = [
+        "W",
+        "M",
+        "naive ms/step",
+        "rlmetrics ms/step",
+        "ratio",
+        "hierarchical ms/step",
+        "submit µs/call",
     ]
-    for r in rows:
-        hier = f"{r.hier_s * 1e3:.1f}"
-        lines.append(
-            f"| {r.world_size} | {r.metrics} | {r.naive_s * 1e3:.1f} | {r.ours_s * 1e3:.1f} "
-            f"| {r.ratio:.1f}x | {hier} | {r.submit_us:.0f} |"
-        )
-    return "\n".join(lines)
+    return report.table(
+        columns,
+        [
+            [r.world_size, r.metrics, f"{r.naive_s * 1e3:.1f}", f"{r.ours_s * 1e3:.1f}", f"{r.ratio:.1f}x",
+             f"{r.hier_s * 1e3:.1f}", f"{r.submit_us:.0f}"]
+            for r in rows
+        ],
+    )  # fmt: skip
 
 
 def targets(rows: list[Row]) -> list[str]:
     slowest = max(r.submit_us for r in rows)
     lines = [
         f"target submit_metric < {TARGET_SUBMIT_US:.0f} µs (median) in every cell: at most {slowest:.0f} µs "
-        f"— {'MET' if slowest < TARGET_SUBMIT_US else 'NOT MET'}"
+        f"— {report.verdict(slowest < TARGET_SUBMIT_US)}"
     ]
     w, m = TARGET_CELL
     cell = next((r for r in rows if (r.world_size, r.metrics) == TARGET_CELL), None)
     verdict = (
         "not measured in this run"
         if cell is None
-        else f"{cell.ratio:.1f}x — {'MET' if cell.ratio >= TARGET_RATIO else 'NOT MET'}"
+        else f"{cell.ratio:.1f}x — {report.verdict(cell.ratio >= TARGET_RATIO)}"
     )
     return [*lines, f"target >= {TARGET_RATIO:.0f}x the naive baseline at W={w}, M={m}: {verdict}"]
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="W in {8, 64}, M in {100, 1000}, 2 steps")
-    parser.add_argument("--markdown", type=Path, help="also write the report to this file")
-    args = parser.parse_args(argv)
+    args = report.parse_args(__doc__, "W in {8, 64}, M in {100, 1000}, 2 steps", argv)
 
     start = time.perf_counter()
     world_sizes, metric_counts, steps = (
         ((8, 64), (100, 1000), 2) if args.quick else (WORLD_SIZES, METRIC_COUNTS, 7)
     )
-    head = header()
+    versions = (f"numpy {np.__version__}", f"ray {ray.__version__}", f"rlmetrics {rlmetrics.__version__}")
+    head = report.header("Ray step", *versions)
     print(head, flush=True)
     ray.init(num_cpus=HOSTS, include_dashboard=False)
     try:
@@ -305,10 +296,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         *targets(rows),
         f"total runtime: {time.perf_counter() - start:.1f} s",
     ]
-    body = table(rows) + "\n\n" + "\n".join(notes)
-    print("\n" + body)
-    if args.markdown:
-        args.markdown.write_text(f"{head}\n\n{body}\n", encoding="utf-8")
+    report.emit(head, render(rows), notes, args.markdown)
     return rows
 
 

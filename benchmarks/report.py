@@ -1,0 +1,50 @@
+"""What every benchmark shares: the command line, the header line, markdown tables, verdicts."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+
+
+def parse_args(doc: str, quick_help: str, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``--quick`` (a smoke run) and ``--markdown PATH`` (also write the report there)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--markdown", type=Path, help="also write the report to this file")
+    return parser.parse_args(argv)
+
+
+def header(title: str, *versions: str) -> str:
+    """``rlmetrics <title> benchmark — date, machine, CPUs, Python, <versions>``."""
+    return ", ".join(
+        [
+            f"rlmetrics {title} benchmark — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
+            f"{platform.processor() or 'unknown'}/{platform.machine()}",
+            f"{os.cpu_count()} CPUs",
+            f"Python {platform.python_version()}",
+            *versions,
+        ]
+    )
+
+
+def table(columns: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A markdown table, numbers right-aligned."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---:|" * len(columns)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def verdict(ok: bool) -> str:
+    return "MET" if ok else "NOT MET"
+
+
+def emit(head: str, body: str, notes: Sequence[str], markdown: Path | None) -> None:
+    """Print the report (and write it to ``markdown`` when given)."""
+    text = body + "\n\n" + "\n".join(notes)
+    print("\n" + text)
+    if markdown:
+        markdown.write_text(f"{head}\n\n{text}\n", encoding="utf-8")
