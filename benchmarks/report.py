@@ -10,12 +10,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 
-def parse_args(doc: str, quick_help: str, argv: Sequence[str] | None) -> argparse.Namespace:
+def parser(doc: str, quick_help: str) -> argparse.ArgumentParser:
     """``--quick`` (a smoke run) and ``--markdown PATH`` (also write the report there)."""
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help=quick_help)
-    parser.add_argument("--markdown", type=Path, help="also write the report to this file")
-    return parser.parse_args(argv)
+    out = argparse.ArgumentParser(description=doc.splitlines()[0])
+    out.add_argument("--quick", action="store_true", help=quick_help)
+    out.add_argument("--markdown", type=Path, help="also write the report to this file")
+    return out
+
+
+def parse_args(doc: str, quick_help: str, argv: Sequence[str] | None) -> argparse.Namespace:
+    return parser(doc, quick_help).parse_args(argv)
 
 
 def header(title: str, *versions: str) -> str:
