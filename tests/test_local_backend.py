@@ -181,3 +181,35 @@ def test_debug_metrics_reports_keys_and_warns_on_bad_values(name, monkeypatch, c
         debug_report({}, {"x": float("nan")})
     with pytest.warns(UserWarning, match="invalid type"):
         debug_report({}, {"x": "text"})
+
+
+def _validation_split():
+    rng = np.random.default_rng(4)
+    n = 24
+    sources = ["gsm8k"] * 12 + ["math"] * 12
+    prompts = [f"p{i % 3}" for i in range(n)]  # every prompt's samples end up on several ranks
+    infos = {"acc": rng.integers(0, 2, n).astype(float).tolist(), "reward": rng.random(n).tolist(),
+             "pred": [str(v) for v in rng.integers(0, 3, n)]}  # fmt: skip
+    turns = rng.integers(1, 4, n).tolist()
+    cuts = [0, 5, 13, n]
+    parts = [
+        ([sources[i] for i in range(a, b)], [prompts[i] for i in range(a, b)],
+         {k: v[a:b] for k, v in infos.items()}, turns[a:b])
+        for a, b in zip(cuts, cuts[1:])
+    ]  # fmt: skip
+    return (sources, prompts, infos, turns), parts
+
+
+def test_validation_samples_split_over_ranks_give_the_single_process_result(name):
+    from rlmetrics.metrics.validation import process_validation_metrics
+
+    whole, parts = _validation_split()
+    expected = process_validation_metrics(*whole)
+    worker = rlmetrics.LocalMetricWorker()
+    clients = [rlmetrics.MetricClient(worker, label=f"rank{r}") for r in range(3)]
+    for r in (2, 0, 1):  # arrival order does not matter: ranks merge in label order
+        clients[r].process_local_validation_metrics(*parts[r], world_size=3)
+        clients[r].wait_submit()
+    final = clients[0].wait_final_res()  # the seed's flow: submit, wait_submit, rank 0 wait_final_res
+    assert final == expected
+    assert any(k.startswith("val-core/gsm8k/acc/maj@") for k in final)

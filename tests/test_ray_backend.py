@@ -268,3 +268,21 @@ def test_a_malformed_message_is_refused_and_the_actor_keeps_serving(name):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert client.result(0, timeout=30) == {"a": 1.0}
+
+
+def test_validation_records_travel_and_merge_in_rank_order(name):
+    from rlmetrics.metrics.validation import process_validation_metrics
+
+    rng = np.random.default_rng(9)
+    n = 18
+    sources, prompts = ["aime"] * n, [f"p{i % 2}" for i in range(n)]
+    infos = {"acc": rng.integers(0, 2, n).astype(float).tolist(), "pred": rng.integers(0, 4, n).tolist()}
+    worker = rlmetrics.get_metric_worker(name=name)
+    clients = [rlmetrics.MetricClient(worker, label=f"rank{r}") for r in range(3)]
+    for r in (1, 2, 0):
+        part = slice(6 * r, 6 * r + 6)
+        clients[r].process_local_validation_metrics(
+            sources[part], prompts[part], {k: v[part] for k, v in infos.items()}, world_size=3
+        )
+        clients[r].wait_submit()
+    assert clients[0].result(0, timeout=30) == process_validation_metrics(sources, prompts, infos)

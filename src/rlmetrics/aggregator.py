@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from rlmetrics.metrics import AUX_PREFIX, derive_metrics
+from rlmetrics.metrics import AUX_PREFIX, derive_metrics, validation_metrics
 from rlmetrics.reduce import DEFAULT_RENAMES, MEAN, STD, Reduction, parse_reduction, rename, resolve
 from rlmetrics.sketch import Sketch
 from rlmetrics.stat import MetricValueError, Stat, empty_arrays, merge_arrays, reduce_parts, stats_of_rows
@@ -82,6 +82,7 @@ class Packed:
     stats: np.ndarray
     sketches: dict[int, Sketch] = field(default_factory=dict)
     contributions: int = 1  # > 1: several ranks' contributions merged beforehand (a node aggregator)
+    records: list = field(default_factory=list)  # (rank key, validation sample record) pairs
 
 
 def _scalar(value: Any) -> float | None:
@@ -293,6 +294,7 @@ class _Step:
     seen: set = field(default_factory=set)
     contributors: set = field(default_factory=set)
     closed: set = field(default_factory=set)
+    records: list = field(default_factory=list)  # validation samples: (rank key, record)
 
     def counts(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Contributions received and expected per column (expected: the largest world_size given)."""
@@ -411,6 +413,7 @@ class Aggregator:
         if group is None:
             group = st.groups[packed.schema.id] = _Group(cols)
         group.add(stats, int(world_size), packed.contributions)
+        st.records.extend(packed.records)
         for i, sk in packed.sketches.items():
             col = int(cols[i])
             st.sketches[col] = sk if col not in st.sketches else st.sketches[col].merge(sk)
@@ -521,6 +524,8 @@ class Aggregator:
                     sketches[i] = st.sketches.pop(col)
             packed = Packed(self._schemas[sid][0], group.fold().copy(), sketches, group.received)
             out.append((packed, group.world_size))
+        if out:
+            out[0][0].records.extend(st.records)
         return out
 
     def _layout(self, st: _Step) -> _Layout:
@@ -588,6 +593,8 @@ class Aggregator:
             empty = [n for n, ok in zip(lay.out_names, flags) if not ok]
         if lay.derived:
             values = derive_metrics(values)
+        if st.records:  # computed once over every rank's samples, in rank order
+            values.update(validation_metrics(st.records))
         if not np.isfinite(out[has_data]).all():
             bad = [n for n, v in values.items() if not math.isfinite(v) and n not in self._nan_warned]
             if bad:

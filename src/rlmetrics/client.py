@@ -13,8 +13,10 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import re
 import socket
 import threading
+import time
 import uuid
 import warnings
 from collections.abc import Callable, Mapping
@@ -313,6 +315,35 @@ class ClientCore:
         self.submit_metric(compute_throughput_metrics(data, timing_raw, n_gpu), world_size, step)
 
     compute_local_throughput_metrics = compute_local_throughout_metrics
+
+    def process_local_validation_metrics(
+        self,
+        data_sources: list[str],
+        sample_inputs: list[str],
+        infos_dict: Mapping[str, list[Any]],
+        sample_turns: Any = (),
+        world_size: int | None = None,
+        step: int | None = None,
+    ) -> None:
+        """Send this rank's validation samples (a compact record); the aggregator computes
+        ``val-core/...``, ``val-aux/...``, ``val/test_score/...`` once over all ranks' samples, so a
+        prompt whose samples sit on several ranks gets exactly the single-process values. Ranks are
+        merged in the order of the number in their label (``rank3``), else in arrival order."""
+        from rlmetrics.metrics import AUX_PREFIX
+        from rlmetrics.metrics.validation import encode_samples
+
+        ws = self.world_size if world_size is None else world_size
+        if ws is None:
+            raise ValueError("process_local_validation_metrics needs world_size")
+        record = encode_samples(data_sources, sample_inputs, infos_dict, sample_turns)
+        packed = pack({AUX_PREFIX + "validation/samples/total": float(len(data_sources))})
+        packed.records.append((self._rank_key(), record))
+        self.submit_packed(packed, int(ws), self.step if step is None else int(step))
+
+    def _rank_key(self) -> tuple[int, float, str]:
+        """Where this client's samples go in the merged order: by the number in its label."""
+        match = re.match(r"\D*(\d+)@", self.client_id)
+        return (0, int(match.group(1)), self.client_id) if match else (1, time.time(), self.client_id)
 
     def stop(self) -> None:
         """Send what is queued and leave: no step waits for this client afterwards."""

@@ -4,7 +4,7 @@ A message is a plain tuple of ints, bytes and small tuples (cheap for pickle and
 
     (VERSION, items, close, schemas, resync)
     items   = [(step, seq, world_size, schema_id, (codec, stats_bytes), {column: sketch_bytes},
-                contributions), ...]
+                contributions, validation_records), ...]
     schemas = {schema_id: (names, reductions)}   # only for schemas the receiver does not know yet
 
 ``stats_bytes`` holds float64s: ``M`` values (one observation per metric) or a ``(5, M)`` stat
@@ -54,7 +54,8 @@ def encode(items: list[Item], close: list[int], send_names: Any, resync: bool = 
         if sid not in schemas and wants(sid):
             schemas[sid] = (packed.schema.names, packed.schema.reductions)
         sketches = {col: sk.to_array().tobytes() for col, sk in packed.sketches.items()}
-        out.append((step, seq, world_size, sid, _float_bytes(packed.stats), sketches, packed.contributions))
+        data = _float_bytes(packed.stats)
+        out.append((step, seq, world_size, sid, data, sketches, packed.contributions, packed.records))
     return (VERSION, out, list(close), schemas, resync)
 
 
@@ -110,15 +111,7 @@ def decode(msg: tuple, table: SchemaTable) -> tuple[list[Item], list[int], list[
     items: list[Item] = []
     unknown: list[bytes] = []
     try:
-        for (
-            step,
-            seq,
-            world_size,
-            sid,
-            data,
-            sketches,
-            contributions,
-        ) in raw_items:  # the engine checks values
+        for step, seq, world_size, sid, data, sketches, contributions, records in raw_items:
             schema = table.schemas.get(sid)
             if schema is None:
                 if sid not in unknown:
@@ -129,7 +122,7 @@ def decode(msg: tuple, table: SchemaTable) -> tuple[list[Item], list[int], list[
             if stats.size == 5 * m and m:
                 stats = stats.reshape(5, m)
             sk = {int(c): Sketch.from_array(np.frombuffer(b, dtype=np.float64)) for c, b in sketches.items()}
-            items.append((step, seq, world_size, Packed(schema, stats, sk, contributions)))
+            items.append((step, seq, world_size, Packed(schema, stats, sk, contributions, list(records))))
     except (TypeError, ValueError, AttributeError, zlib.error) as exc:
         if isinstance(exc, SubmissionError):
             raise

@@ -54,6 +54,15 @@ DERIVED_METRICS: dict[str, Callable[[Mapping[str, float]], float | None]] = {
 merged value under that name, if any, is kept)."""
 
 
+def validation_metrics(records: list) -> dict[str, float]:
+    """The validation metrics of ``(rank key, sample record)`` pairs from several ranks, merged in
+    rank-key order (the order best/worst/maj depend on, as in one process over the concatenation)."""
+    from rlmetrics.metrics.validation import merge_samples, process_samples
+
+    ordered = [record for _, record in sorted(records, key=lambda pair: pair[0])]
+    return process_samples(merge_samples(ordered))
+
+
 def derive_metrics(values: Mapping[str, float]) -> dict[str, float]:
     """The reported metrics of a merged result: derived metrics computed, auxiliary names dropped."""
     out = {name: v for name, v in values.items() if not name.startswith(AUX_PREFIX)}
@@ -83,5 +92,5 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "AUX_PREFIX", "DERIVED_METRICS", "VF_EPS", "VF_RESIDUAL_STD", "VF_RETURNS_STD", "VF_TOKENS",
-    "derive_metrics", "vf_explained_var", *sorted(_LAZY),
+    "derive_metrics", "validation_metrics", "vf_explained_var", *sorted(_LAZY),
 ]  # fmt: skip
