@@ -40,7 +40,7 @@ lint: install-test
 	$(BIN)/ruff format --check src tests benchmarks
 
 bench: install-test
-	$(BIN)/python benchmarks/bench_merge.py
+	for b in benchmarks/bench_*.py; do $(BIN)/python $$b || exit 1; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache
