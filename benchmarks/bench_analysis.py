@@ -27,7 +27,6 @@ Run: ``make bench``, or
 
 from __future__ import annotations
 
-import gc
 import math
 import time
 from collections.abc import Callable
@@ -316,17 +315,7 @@ def assert_same(ours: dict[str, float], ref: dict[str, float], rel: float = REL,
 
 
 def _best_time(fn: Callable[[], Any], reps: int) -> tuple[float, Any]:
-    out = fn()  # warm-up
-    gc.collect()
-    gc.disable()
-    try:
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            out = fn()
-            times.append(time.perf_counter() - t0)
-    finally:
-        gc.enable()
+    times, out = report.timed(fn, reps)
     return min(times), out
 
 

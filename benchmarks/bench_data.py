@@ -24,7 +24,6 @@ Run: ``PYTHONPATH=src python benchmarks/bench_data.py [--quick] [--markdown PATH
 
 from __future__ import annotations
 
-import gc
 import math
 import os
 import statistics
@@ -134,18 +133,7 @@ class Row:
 
 
 def _median_time(fn: Callable[[], object], reps: int) -> float:
-    fn()  # warm-up
-    gc.collect()
-    gc.disable()
-    try:
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    finally:
-        gc.enable()
-    return statistics.median(times)
+    return statistics.median(report.timed(fn, reps)[0])
 
 
 def _check_same(ours: dict[str, float], ref: dict[str, float]) -> int:

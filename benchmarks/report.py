@@ -3,11 +3,31 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import platform
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
+
+
+def timed(fn: Callable[[], Any], reps: int) -> tuple[list[float], Any]:
+    """Seconds of ``reps`` calls of ``fn`` after one warm-up call, the garbage collector paused, and
+    the last call's output."""
+    out = fn()
+    gc.collect()
+    gc.disable()
+    try:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            out = fn()
+            times.append(time.perf_counter() - t0)
+    finally:
+        gc.enable()
+    return times, out
 
 
 def parser(doc: str, quick_help: str) -> argparse.ArgumentParser:
