@@ -34,7 +34,7 @@ import math
 import numbers
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -634,6 +634,3 @@ class Aggregator:
         if results:
             return results[-1]
         return StepResult({}, -1, {"complete": True, "missing_ranks": [], "missing_metrics": {}, "empty": []})
-
-    def iter_results(self) -> Iterable[StepResult]:
-        return iter(self._results.values())
