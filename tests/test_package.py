@@ -29,6 +29,12 @@ def test_import_and_core_work_without_extras():
         c.wait_submit()
         print(dict(c.result(0)))
         assert "torch" not in sys.modules and "ray" not in sys.modules
+        try:
+            rlmetrics.MetricWorker
+        except ImportError as exc:
+            assert "rlmetrics[ray]" in str(exc), exc
+        else:
+            raise AssertionError("MetricWorker without Ray")
         """
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

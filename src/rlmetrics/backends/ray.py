@@ -9,6 +9,8 @@
   resent what it keeps; each client learns of the restart from a failed call, from the new
   incarnation id in a reply, or from its watcher (one outstanding ``watch`` call per process and
   actor, which fails when the actor dies).
+- ``hierarchy="node"``: a ``NodeWorker`` per node merges its node's ranks and forwards one message
+  per step to the root.
 """
 
 from __future__ import annotations
