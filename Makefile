@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 DEMO_EXTRAS := ray,torch,plot
 TEST_EXTRAS := ray,torch,plot,dev
 
-.PHONY: demo test lint bench install install-test clean
+.PHONY: demo test lint bench bench-peers install install-test install-peers clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,21 +26,47 @@ $(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
 	$(BIN)/python -m pip install -q -e ".[$(TEST_EXTRAS)]"
 	touch $@
 
+# The peer system of tests/peers and benchmarks/bench_peers.py: siiRL 0.2.0 without its pins (they would
+# downgrade tensordict and pull GPU stacks), plus what its metric modules import (psutil is a core dep).
+PEERS_SPEC ?= siirl==0.2.0
+PEERS_DEPS := pandas scipy loguru packaging
+
+# Its wheel also installs top-level `tests`, `examples` and `docs` packages into site-packages; the
+# regular package `tests` there shadows our `tests/` in Ray workers (ModuleNotFoundError:
+# tests.test_ray_backend), so those files of siiRL's RECORD are removed again.
+PEERS_STRAY := tests examples docs
+
+$(VENV)/.installed-peers: $(VENV)/.installed-test
+	$(BIN)/python -m pip install -q --no-deps "$(PEERS_SPEC)"
+	$(BIN)/python -m pip install -q $(PEERS_DEPS)
+	$(BIN)/python -c "import importlib.metadata as md, pathlib, shutil; \
+	d = md.distribution('siirl'); tops = '$(PEERS_STRAY)'.split(); \
+	[pathlib.Path(d.locate_file(f)).unlink(missing_ok=True) for f in d.files if f.parts[0] in tops]; \
+	roots = [pathlib.Path(d.locate_file(t)) for t in tops]; \
+	[shutil.rmtree(r) for r in roots if r.is_dir() \
+	 and not any(p.is_file() and '__pycache__' not in p.parts for p in r.rglob('*'))]"
+	touch $@
+
 install: $(VENV)/.installed-demo
 install-test: $(VENV)/.installed-test
+install-peers: $(VENV)/.installed-peers
 
 demo: install
 	$(BIN)/rlmetrics demo
 
-test: install-test
+test: install-test install-peers
 	$(BIN)/python -m pytest
 
 lint: install-test
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 
-bench: install-test
+# install-peers: benchmarks/bench_peers.py is one of benchmarks/bench_*.py
+bench: install-test install-peers
 	for b in benchmarks/bench_*.py; do $(BIN)/python $$b || exit 1; done
+
+bench-peers: install-peers
+	$(BIN)/python benchmarks/bench_peers.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache

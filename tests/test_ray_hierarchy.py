@@ -41,6 +41,9 @@ class Rank:
         opts = {"hierarchy": hierarchy} if hierarchy else {}
         self.client = rlmetrics.connect("ray", name=name, world_size=RANKS, label=f"rank{rank}", **opts)
 
+    def ready(self):
+        return True
+
     def step(self, step):
         d = rank_data(self.rank, step)
         self.client.submit_metric({"x/mean": d, "x/max": d, "x/std": d, "x/p50": d, "n/total": 1.0})
@@ -59,6 +62,7 @@ def run(node_ids, hierarchy):
         for r in range(RANKS)
     ]
     reader = rlmetrics.connect("ray", name=name)
+    ray.get([a.ready.remote() for a in ranks])  # every rank connected (registered) before step 0
     results = []
     for s in range(STEPS):
         placed = ray.get([a.step.remote(s) for a in ranks])

@@ -1,0 +1,344 @@
+"""rlmetrics against the real peer, siiRL 0.2.0 (``pip install --no-deps siirl==0.2.0``), in one run.
+
+Three tables, each side measured right after the other on the same inputs, results asserted equal:
+
+1. **Ray step** (the harness of ``bench_ray.py``: 4 rank-host processes simulating W ranks, each rank
+   submitting one dict of M scalar floats per step). Baseline: siiRL's own ``MetricWorker`` actor
+   (``siirl.execution.metric_worker.metric_worker``), started with ``worker.start``, one siiRL
+   ``MetricClient`` per simulated rank calling ``submit_metric(d, W)`` then ``wait_submit()``; once
+   every host has submitted, the driver calls ``MetricClient.wait_final_res()`` (siiRL needs all
+   submissions in before that call). rlmetrics: ``bench_ray``'s flat ``MetricWorker`` side (rank 0
+   waits for ``result(step)``). Timed per step: from telling the hosts to go until the result is in.
+2. **compute_data_metric** on ``bench_data.make_batch`` as one ``TensorDict``, both sides on the same
+   object; ``__num_turns__`` is float32 here because siiRL raises on integer turns. Best of 3 medians
+   of N calls, the sides alternating; at torch's default thread count (the target) and one thread.
+3. **process_validation_metrics** on ``bench_validation.make_batch`` (P prompts x 16). rlmetrics:
+   median of N calls on the full batch. siiRL (a Python bootstrap loop, about a quarter second per
+   prompt): one call on the first ``m`` prompts, scaled by P/m (prompts are independent, so its cost
+   is linear in P); ``m`` is in the table (``--siirl-prompts`` changes it).
+
+Run: ``python benchmarks/bench_peers.py [--quick] [--markdown PATH] [--siirl-prompts M]`` (needs the
+``ray`` and ``torch`` extras and siiRL 0.2.0 with pandas, scipy, loguru, psutil, packaging).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import bench_data
+import bench_ray
+import bench_validation
+import numpy as np
+import ray
+import report
+import torch
+from tensordict import TensorDict
+
+import rlmetrics
+from rlmetrics.metrics.data import compute_data_metric
+from rlmetrics.metrics.validation import process_validation_metrics
+
+SIIRL_VERSION = version("siirl")
+# importing siirl creates $SIIRL_LOG_DIRECTORY (default ./siirl_logs) and a log file in it: keep it out of
+# the checkout, in the driver and in every Ray worker
+SIIRL_LOG_DIRECTORY = str(Path(tempfile.gettempdir()) / "rlmetrics-bench-siirl-logs")
+RAY_CPUS = 8  # logical: 4 rank hosts (num_cpus=1 each) + siiRL's MetricWorker (num_cpus=1)
+RAY_CELLS = [(w, m) for w in bench_ray.WORLD_SIZES for m in bench_ray.METRIC_COUNTS]
+QUICK_RAY_CELLS = [(8, 100)]
+RAY_STEPS, QUICK_RAY_STEPS = 3, 2
+RAY_TARGET_CELL, RAY_TARGET = (256, 1000), 10.0
+
+DATA_SHAPE = (256, 1024, 2048)
+QUICK_DATA_SHAPE = (64, 256, 512)
+DATA_REPS, QUICK_DATA_REPS = 15, 5
+DATA_TARGET = 2.0
+
+VAL_CELLS = ((128, 16), (512, 16))
+QUICK_VAL_CELLS = ((32, 16),)
+VAL_REPS, QUICK_VAL_REPS = 5, 3
+SIIRL_PROMPTS, QUICK_SIIRL_PROMPTS = 128, 8
+VAL_TARGET_CELL, VAL_TARGET = (512, 16), 100.0
+
+
+def siirl_modules() -> tuple[ModuleType, ModuleType]:
+    """siiRL's ``metric_worker`` and ``metric_utils`` modules, imported with its log directory set."""
+    os.environ.setdefault("SIIRL_LOG_DIRECTORY", SIIRL_LOG_DIRECTORY)
+    import siirl.execution.metric_worker.metric_worker as mw
+    import siirl.utils.metrics.metric_utils as metric_utils
+
+    return mw, metric_utils
+
+
+# ------------------------------------------------------------------------------------ 1. Ray step
+def _use_siirl_clients(host: Any, worker: Any) -> None:
+    """Runs inside a ``bench_ray.RankHost``: its baseline clients become siiRL ``MetricClient``s."""
+    mw, _ = siirl_modules()
+    host.naive_clients = [mw.MetricClient(worker) for _ in host.ranks]
+
+
+@dataclass
+class RayRow:
+    world_size: int
+    metrics: int
+    siirl_s: float  # median seconds per step
+    ours_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.siirl_s / self.ours_s
+
+
+def measure_ray(world_size: int, m: int, steps: int) -> RayRow:
+    mw, _ = siirl_modules()
+    names = (f"bench-peers-{uuid.uuid4().hex[:12]}", f"bench-peers-node-{uuid.uuid4().hex[:12]}")
+    ours = rlmetrics.get_metric_worker(name=names[0])
+    tree = rlmetrics.get_metric_worker(name=names[1], hierarchy="node")  # RankHost connects to both
+    peer = mw.MetricWorker.remote()
+    ray.get(peer.start.remote())
+    driver = mw.MetricClient(peer)
+    hosts = [bench_ray.RankHost.remote(h, world_size, m, names, peer) for h in range(bench_ray.HOSTS)]
+    siirl_s: list[float] = []
+    ours_s: list[float] = []
+    try:
+        ray.get([h.__ray_call__.remote(_use_siirl_clients, peer) for h in hosts])
+        for step in range(bench_ray.WARMUP_STEPS + steps):
+            ray.get([h.prepare.remote(step) for h in hosts])
+            t0 = time.perf_counter()
+            ray.get([h.step_naive.remote() for h in hosts])
+            siirl_res = driver.wait_final_res()
+            t1 = time.perf_counter()
+            outs = ray.get([h.step_ours.remote(step, "flat") for h in hosts])
+            t2 = time.perf_counter()
+            bench_ray._check(world_size, m, step, outs[0][1], siirl_res)
+            if step >= bench_ray.WARMUP_STEPS:
+                siirl_s.append(t1 - t0)
+                ours_s.append(t2 - t1)
+    finally:  # hosts first: their clients watch the workers
+        node = rlmetrics.backends.ray.node_worker(names[1], None)
+        for actor in (*hosts, peer, ours, tree, node):
+            if actor is not None:
+                ray.kill(actor)
+    return RayRow(world_size, m, statistics.median(siirl_s), statistics.median(ours_s))
+
+
+def render_ray(rows: list[RayRow]) -> str:
+    return report.table(
+        ["W", "M", "siiRL MetricWorker ms/step", "rlmetrics ms/step", "speed-up"],
+        [
+            [r.world_size, r.metrics, f"{r.siirl_s * 1e3:.1f}", f"{r.ours_s * 1e3:.1f}", f"{r.ratio:.1f}x"]
+            for r in rows
+        ],
+    )
+
+
+def target_ray(rows: list[RayRow]) -> str:
+    w, m = RAY_TARGET_CELL
+    cell = next((r for r in rows if (r.world_size, r.metrics) == RAY_TARGET_CELL), None)
+    verdict = (
+        "not measured in this run"
+        if cell is None
+        else f"{cell.ratio:.1f}x — {report.verdict(cell.ratio >= RAY_TARGET)}"
+    )
+    return f"target >= {RAY_TARGET:.0f}x siiRL's MetricWorker at W={w}, M={m}: {verdict}"
+
+
+# ------------------------------------------------------------------------- 2. compute_data_metric
+@dataclass
+class DataRow:
+    shape: tuple[int, int, int]
+    threads: int
+    ours_s: float
+    siirl_s: float
+    checked: int
+
+    @property
+    def ratio(self) -> float:
+        return self.siirl_s / self.ours_s
+
+
+def make_tensordict(b: int, p: int, r: int) -> TensorDict:
+    """``bench_data.make_batch`` as a TensorDict, turns as float32 (siiRL's ``.mean()`` raises on ints)."""
+    batch = bench_data.make_batch(b, p, r, seed=b + p + r)
+    batch["__num_turns__"] = torch.as_tensor(batch["__num_turns__"]).float()
+    return TensorDict(batch, batch_size=[b])
+
+
+def measure_data(shape: tuple[int, int, int], reps: int, threads: int) -> DataRow:
+    _, siirl_metrics = siirl_modules()
+    data = make_tensordict(*shape)
+    siirl_out = {k: float(v) for k, v in siirl_metrics.compute_data_metric(data).items()}
+    checked = bench_data._check_same(compute_data_metric(data), siirl_out)
+    torch.set_num_threads(threads)
+    try:  # alternate the two sides so that a noisy neighbour slows both alike
+        ours, peer = [], []
+        for _ in range(3):
+            ours.append(bench_data._median_time(lambda: compute_data_metric(data), reps))
+            peer.append(bench_data._median_time(lambda: siirl_metrics.compute_data_metric(data), reps))
+    finally:
+        torch.set_num_threads(bench_data.DEFAULT_THREADS)
+    return DataRow(shape, threads, min(ours), min(peer), checked)
+
+
+def render_data(rows: list[DataRow]) -> str:
+    return report.table(
+        ["B", "prompt", "response", "torch threads", "siiRL ms", "rlmetrics ms", "speed-up", "names checked"],
+        [
+            [*r.shape, r.threads, f"{r.siirl_s * 1e3:.2f}", f"{r.ours_s * 1e3:.2f}", f"{r.ratio:.1f}x",
+             r.checked]
+            for r in rows
+        ],
+    )  # fmt: skip
+
+
+def target_data(rows: list[DataRow]) -> str:
+    b, p, r = DATA_SHAPE
+    cell = next(
+        (row for row in rows if row.shape == DATA_SHAPE and row.threads == bench_data.DEFAULT_THREADS), None
+    )
+    verdict = (
+        "not measured in this run"
+        if cell is None
+        else f"{cell.ratio:.1f}x — {report.verdict(cell.ratio >= DATA_TARGET)}"
+    )
+    return (
+        f"target >= {DATA_TARGET:g}x siiRL's compute_data_metric at B={b}, prompt {p}, response {r} "
+        f"(torch's default {bench_data.DEFAULT_THREADS} threads): {verdict}"
+    )
+
+
+# ------------------------------------------------------------------- 3. process_validation_metrics
+@dataclass
+class ValRow:
+    prompts: int
+    samples: int
+    ours_s: float
+    siirl_prompts: int
+    siirl_sub_s: float  # seconds of siiRL on the first siirl_prompts prompts
+    checked: int
+
+    @property
+    def siirl_s(self) -> float:
+        return self.siirl_sub_s * self.prompts / self.siirl_prompts
+
+    @property
+    def ratio(self) -> float:
+        return self.siirl_s / self.ours_s
+
+
+def measure_validation(prompts: int, samples: int, reps: int, siirl_prompts: int) -> ValRow:
+    _, siirl_metrics = siirl_modules()
+    batch = bench_validation.make_batch(prompts, samples, seed=prompts * 131 + samples)
+    ours_s = statistics.median(report.timed(lambda: process_validation_metrics(*batch), reps)[0])
+    m = min(prompts, siirl_prompts)
+    sub = bench_validation.first_prompts(batch, samples, m)
+    t0 = time.perf_counter()
+    peer = siirl_metrics.process_validation_metrics(*sub, [], seed=42)
+    siirl_sub_s = time.perf_counter() - t0
+    ours = process_validation_metrics(*sub)
+    assert set(ours) == set(peer), sorted(set(ours) ^ set(peer))[:5]
+    for name, value in peer.items():
+        assert math.isclose(ours[name], value, rel_tol=1e-12, abs_tol=1e-12), (name, ours[name], value)
+    return ValRow(prompts, samples, ours_s, m, siirl_sub_s, len(peer))
+
+
+def render_validation(rows: list[ValRow]) -> str:
+    return report.table(
+        ["prompts x samples", "siiRL s", "siiRL timed on", "rlmetrics s", "speed-up", "keys checked"],
+        [
+            [f"{r.prompts} x {r.samples}", f"{r.siirl_s:.1f}", f"{r.siirl_prompts} prompts",
+             f"{r.ours_s:.3f}", f"{r.ratio:.0f}x", r.checked]
+            for r in rows
+        ],
+    )  # fmt: skip
+
+
+def target_validation(rows: list[ValRow]) -> str:
+    p, n = VAL_TARGET_CELL
+    cell = next((r for r in rows if (r.prompts, r.samples) == VAL_TARGET_CELL), None)
+    verdict = (
+        "not measured in this run"
+        if cell is None
+        else f"{cell.ratio:.0f}x — {report.verdict(cell.ratio >= VAL_TARGET)}"
+    )
+    return f"target >= {VAL_TARGET:.0f}x siiRL's process_validation_metrics at {p} x {n}: {verdict}"
+
+
+# ------------------------------------------------------------------------------------------- main
+def _ray_runtime_env() -> dict[str, Any]:
+    """Workers import ``bench_ray`` (its actor class is pickled by reference): put benchmarks/ on
+    their path; and siiRL's log directory."""
+    paths = [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")]
+    env = {"PYTHONPATH": os.pathsep.join(p for p in paths if p), "SIIRL_LOG_DIRECTORY": SIIRL_LOG_DIRECTORY}
+    return {"env_vars": env}
+
+
+def main(argv: list[str] | None = None) -> tuple[list[RayRow], list[DataRow], list[ValRow]]:
+    parser = report.parser(__doc__, "W=8, M=100; a small batch; 32 prompts (siiRL timed on 8)")
+    parser.add_argument("--siirl-prompts", type=int, help="prompts siiRL's validation is timed on")
+    args = parser.parse_args(argv)
+
+    start = time.perf_counter()
+    q = args.quick
+    ray_cells, ray_steps = (QUICK_RAY_CELLS, QUICK_RAY_STEPS) if q else (RAY_CELLS, RAY_STEPS)
+    data_shape, data_reps = (QUICK_DATA_SHAPE, QUICK_DATA_REPS) if q else (DATA_SHAPE, DATA_REPS)
+    val_cells, val_reps = (QUICK_VAL_CELLS, QUICK_VAL_REPS) if q else (VAL_CELLS, VAL_REPS)
+    siirl_prompts = args.siirl_prompts or (QUICK_SIIRL_PROMPTS if q else SIIRL_PROMPTS)
+    head = report.header(
+        "siiRL peer",
+        f"siiRL {SIIRL_VERSION}",
+        f"rlmetrics {rlmetrics.__version__}",
+        f"ray {ray.__version__}",
+        f"torch {torch.__version__} ({bench_data.DEFAULT_THREADS} threads)",
+        f"numpy {np.__version__}",
+    )
+    print(head, flush=True)
+
+    ray.init(num_cpus=RAY_CPUS, include_dashboard=False, runtime_env=_ray_runtime_env())
+    try:
+        ray_rows = [measure_ray(w, m, ray_steps) for w, m in ray_cells]
+    finally:
+        ray.shutdown()
+    threads = sorted({bench_data.DEFAULT_THREADS, 1}, reverse=True)
+    data_rows = [measure_data(data_shape, data_reps, t) for t in threads]
+    val_rows = [measure_validation(p, n, val_reps, siirl_prompts) for p, n in val_cells]
+
+    body = "\n\n".join(
+        [
+            "Ray step: siiRL's MetricWorker vs rlmetrics (flat)",
+            render_ray(ray_rows),
+            "compute_data_metric: siiRL vs rlmetrics",
+            render_data(data_rows),
+            "process_validation_metrics: siiRL vs rlmetrics",
+            render_validation(val_rows),
+        ]
+    )
+    notes = [
+        f"Ray: {bench_ray.HOSTS} rank-host processes, Ray with {RAY_CPUS} logical CPUs; "
+        f"median of {ray_steps} steps after {bench_ray.WARMUP_STEPS} warm-up; siiRL first in every step; "
+        "results asserted per step (.../mean names = numpy mean over ranks, all names = siiRL's, rel 1e-9)",
+        f"compute_data_metric: best of 3 medians of {data_reps} calls per side, alternating; CPU tensors; "
+        f"{data_rows[0].checked} names asserted equal (rel 1e-5); "
+        "__num_turns__ float32 (siiRL raises on int)",
+        f"process_validation_metrics: rlmetrics median of {val_reps} calls; siiRL one call on the first "
+        f"prompts, scaled linearly to all; {sum(r.checked for r in val_rows)} keys asserted equal (1e-12)",
+        target_ray(ray_rows),
+        target_data(data_rows),
+        target_validation(val_rows),
+        f"total runtime: {time.perf_counter() - start:.1f} s",
+    ]
+    report.emit(head, body, notes, args.markdown)
+    return ray_rows, data_rows, val_rows
+
+
+if __name__ == "__main__":
+    main()
