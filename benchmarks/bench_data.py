@@ -136,7 +136,7 @@ def _median_time(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(report.timed(fn, reps)[0])
 
 
-def _check_same(ours: dict[str, float], ref: dict[str, float]) -> int:
+def check_same(ours: dict[str, float], ref: dict[str, float]) -> int:
     shared = [n for n in ref if n != "perf/process_cpu_mem_used_gb"]
     missing = [n for n in shared if n not in ours]
     assert not missing, f"rlmetrics lacks {missing}"
@@ -147,7 +147,7 @@ def _check_same(ours: dict[str, float], ref: dict[str, float]) -> int:
 
 def measure(b: int, p: int, r: int, reps: int, threads: int) -> Row:
     batch = make_batch(b, p, r, seed=b + p + r)
-    checked = _check_same(compute_data_metric(batch), reference_data_metric(batch))
+    checked = check_same(compute_data_metric(batch), reference_data_metric(batch))
     torch.set_num_threads(threads)
     try:  # alternate the two sides so that a noisy neighbour slows both alike
         ours, ref = [], []

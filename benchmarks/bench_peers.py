@@ -80,10 +80,10 @@ def siirl_modules() -> tuple[ModuleType, ModuleType]:
 
 
 # ------------------------------------------------------------------------------------ 1. Ray step
-def _use_siirl_clients(host: Any, worker: Any) -> None:
-    """Runs inside a ``bench_ray.RankHost``: its baseline clients become siiRL ``MetricClient``s."""
+def _siirl_client(worker: Any) -> Any:
+    """A siiRL ``MetricClient`` of ``worker``, made inside a ``bench_ray.RankHost``."""
     mw, _ = siirl_modules()
-    host.naive_clients = [mw.MetricClient(worker) for _ in host.ranks]
+    return mw.MetricClient(worker)
 
 
 @dataclass
@@ -106,11 +106,13 @@ def measure_ray(world_size: int, m: int, steps: int) -> RayRow:
     peer = mw.MetricWorker.remote()
     ray.get(peer.start.remote())
     driver = mw.MetricClient(peer)
-    hosts = [bench_ray.RankHost.remote(h, world_size, m, names, peer) for h in range(bench_ray.HOSTS)]
+    hosts = [
+        bench_ray.RankHost.remote(h, world_size, m, names, peer, _siirl_client)
+        for h in range(bench_ray.HOSTS)
+    ]
     siirl_s: list[float] = []
     ours_s: list[float] = []
     try:
-        ray.get([h.__ray_call__.remote(_use_siirl_clients, peer) for h in hosts])
         for step in range(bench_ray.WARMUP_STEPS + steps):
             ray.get([h.prepare.remote(step) for h in hosts])
             t0 = time.perf_counter()
@@ -119,7 +121,7 @@ def measure_ray(world_size: int, m: int, steps: int) -> RayRow:
             t1 = time.perf_counter()
             outs = ray.get([h.step_ours.remote(step, "flat") for h in hosts])
             t2 = time.perf_counter()
-            bench_ray._check(world_size, m, step, outs[0][1], siirl_res)
+            bench_ray.check(world_size, m, step, outs[0][1], siirl_res)
             if step >= bench_ray.WARMUP_STEPS:
                 siirl_s.append(t1 - t0)
                 ours_s.append(t2 - t1)
@@ -177,7 +179,7 @@ def measure_data(shape: tuple[int, int, int], reps: int, threads: int) -> DataRo
     _, siirl_metrics = siirl_modules()
     data = make_tensordict(*shape)
     siirl_out = {k: float(v) for k, v in siirl_metrics.compute_data_metric(data).items()}
-    checked = bench_data._check_same(compute_data_metric(data), siirl_out)
+    checked = bench_data.check_same(compute_data_metric(data), siirl_out)
     torch.set_num_threads(threads)
     try:  # alternate the two sides so that a noisy neighbour slows both alike
         ours, peer = [], []

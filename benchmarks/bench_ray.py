@@ -124,7 +124,17 @@ class NaiveClient:
 class RankHost:
     """One process simulating W/HOSTS ranks, each with an rlmetrics client and a naive client."""
 
-    def __init__(self, host: int, world_size: int, m: int, worker_names: tuple[str, str], naive: Any) -> None:
+    def __init__(
+        self,
+        host: int,
+        world_size: int,
+        m: int,
+        worker_names: tuple[str, str],
+        naive: Any,
+        baseline_client: Any = None,
+    ) -> None:
+        """``naive``: the baseline worker; ``baseline_client(worker)`` makes its clients (default
+        :class:`NaiveClient`; ``bench_peers.py`` passes siiRL's ``MetricClient``)."""
         per_host = world_size // HOSTS
         self.ranks = range(host * per_host, (host + 1) * per_host)
         self.world_size = world_size
@@ -140,7 +150,7 @@ class RankHost:
                 for r in self.ranks
             ],
         }
-        self.naive_clients = [NaiveClient(naive) for _ in self.ranks]
+        self.naive_clients = [(baseline_client or NaiveClient)(naive) for _ in self.ranks]
         self.dicts: list[dict[str, float]] = []
 
     def prepare(self, step: int) -> None:
@@ -182,7 +192,7 @@ class Row:
         return self.naive_s / self.ours_s
 
 
-def _check(world_size: int, m: int, step: int, ours: rlmetrics.StepResult, naive: dict[str, float]) -> None:
+def check(world_size: int, m: int, step: int, ours: rlmetrics.StepResult, naive: dict[str, float]) -> None:
     """rlmetrics ``.../mean`` names equal numpy means over all ranks; every name equals naive's."""
     assert ours.meta["complete"], f"rlmetrics step {step} incomplete: {ours.meta}"
     names = metric_names(m)
@@ -216,8 +226,8 @@ def measure(world_size: int, m: int, steps: int) -> Row:
             t2 = time.perf_counter()
             tree_outs = ray.get([h.step_ours.remote(step, "node") for h in hosts])
             t3 = time.perf_counter()
-            _check(world_size, m, step, outs[0][1], naive_res)
-            _check(world_size, m, step, tree_outs[0][1], naive_res)
+            check(world_size, m, step, outs[0][1], naive_res)
+            check(world_size, m, step, tree_outs[0][1], naive_res)
             if step >= WARMUP_STEPS:
                 naive_s.append(t1 - t0)
                 ours_s.append(t2 - t1)
