@@ -146,12 +146,8 @@ def render_ray(rows: list[RayRow]) -> str:
 def target_ray(rows: list[RayRow]) -> str:
     w, m = RAY_TARGET_CELL
     cell = next((r for r in rows if (r.world_size, r.metrics) == RAY_TARGET_CELL), None)
-    verdict = (
-        "not measured in this run"
-        if cell is None
-        else f"{cell.ratio:.1f}x — {report.verdict(cell.ratio >= RAY_TARGET)}"
-    )
-    return f"target >= {RAY_TARGET:.0f}x siiRL's MetricWorker at W={w}, M={m}: {verdict}"
+    ratio = None if cell is None else cell.ratio
+    return report.ratio_target(f"siiRL's MetricWorker at W={w}, M={m}", ratio, RAY_TARGET)
 
 
 # ------------------------------------------------------------------------- 2. compute_data_metric
@@ -207,15 +203,11 @@ def target_data(rows: list[DataRow]) -> str:
     cell = next(
         (row for row in rows if row.shape == DATA_SHAPE and row.threads == bench_data.DEFAULT_THREADS), None
     )
-    verdict = (
-        "not measured in this run"
-        if cell is None
-        else f"{cell.ratio:.1f}x — {report.verdict(cell.ratio >= DATA_TARGET)}"
+    what = (
+        f"siiRL's compute_data_metric at B={b}, prompt {p}, response {r} "
+        f"(torch's default {bench_data.DEFAULT_THREADS} threads)"
     )
-    return (
-        f"target >= {DATA_TARGET:g}x siiRL's compute_data_metric at B={b}, prompt {p}, response {r} "
-        f"(torch's default {bench_data.DEFAULT_THREADS} threads): {verdict}"
-    )
+    return report.ratio_target(what, None if cell is None else cell.ratio, DATA_TARGET)
 
 
 # ------------------------------------------------------------------- 3. process_validation_metrics
@@ -267,12 +259,8 @@ def render_validation(rows: list[ValRow]) -> str:
 def target_validation(rows: list[ValRow]) -> str:
     p, n = VAL_TARGET_CELL
     cell = next((r for r in rows if (r.prompts, r.samples) == VAL_TARGET_CELL), None)
-    verdict = (
-        "not measured in this run"
-        if cell is None
-        else f"{cell.ratio:.0f}x — {report.verdict(cell.ratio >= VAL_TARGET)}"
-    )
-    return f"target >= {VAL_TARGET:.0f}x siiRL's process_validation_metrics at {p} x {n}: {verdict}"
+    ratio = None if cell is None else cell.ratio
+    return report.ratio_target(f"siiRL's process_validation_metrics at {p} x {n}", ratio, VAL_TARGET, 0)
 
 
 # ------------------------------------------------------------------------------------------- main

@@ -276,12 +276,8 @@ def targets(rows: list[Row]) -> list[str]:
     ]
     w, m = TARGET_CELL
     cell = next((r for r in rows if (r.world_size, r.metrics) == TARGET_CELL), None)
-    verdict = (
-        "not measured in this run"
-        if cell is None
-        else f"{cell.ratio:.1f}x — {report.verdict(cell.ratio >= TARGET_RATIO)}"
-    )
-    return [*lines, f"target >= {TARGET_RATIO:.0f}x the naive baseline at W={w}, M={m}: {verdict}"]
+    ratio = None if cell is None else cell.ratio
+    return [*lines, report.ratio_target(f"the naive baseline at W={w}, M={m}", ratio, TARGET_RATIO)]
 
 
 def main(argv: list[str] | None = None) -> list[Row]:

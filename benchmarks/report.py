@@ -66,6 +66,12 @@ def verdict(ok: bool) -> str:
     return "MET" if ok else "NOT MET"
 
 
+def ratio_target(what: str, ratio: float | None, target: float, digits: int = 1) -> str:
+    """``target >= {target}x {what}: {ratio}x — MET`` (or "not measured in this run" for None)."""
+    got = "not measured in this run" if ratio is None else f"{ratio:.{digits}f}x — {verdict(ratio >= target)}"
+    return f"target >= {target:g}x {what}: {got}"
+
+
 def emit(head: str, body: str, notes: Sequence[str], markdown: Path | None) -> None:
     """Print the report (and write it to ``markdown`` when given)."""
     text = body + "\n\n" + "\n".join(notes)

@@ -99,6 +99,20 @@ def siirl_final(worker) -> dict:
     return ray.get(worker.wait_final_res.remote(), timeout=TIMEOUT)
 
 
+def both_final(siirl_worker, local_name: str, subs: list[dict], world: int) -> tuple[dict, dict]:
+    """The same submissions, in order, through siiRL's worker and our in-process one (seed calls)."""
+    theirs = siirl_mw.MetricClient(siirl_worker)
+    ours = rlmetrics.MetricClient(local.get_worker(local_name))
+    for sub in subs:
+        theirs.submit_metric(sub, world)
+        ours.submit_metric(sub, world)
+    ray.get(theirs.fut, timeout=TIMEOUT)
+    ours.wait_submit()
+    result = dict(ours.wait_final_res())
+    ours.stop()  # done: later steps do not wait for this client
+    return siirl_final(siirl_worker), result
+
+
 def reduce_flat(kind: str, values: list[float]) -> float:
     return {"mean": np.mean, "min": np.min, "max": np.max, "sum": np.sum}[kind](values)
 
@@ -193,16 +207,7 @@ def test_name_traps_siirl_min_or_sum_we_mean(siirl_worker, local_name):
     world, rng = 3, np.random.default_rng(2)
     traps = {**NAME_TRAPS, **TIMING_TRAPS}
     subs = random_submissions(rng, traps, world)
-    client = siirl_mw.MetricClient(siirl_worker)
-    for sub in subs:
-        client.submit_metric(sub, world)
-    ray.get(client.fut, timeout=TIMEOUT)
-    theirs = siirl_final(siirl_worker)
-    ours = rlmetrics.MetricClient(local.get_worker(local_name))
-    for sub in subs:
-        ours.submit_metric(sub, world)
-    ours.wait_submit()
-    ours = ours.wait_final_res()
+    theirs, ours = both_final(siirl_worker, local_name, subs, world)
     assert set(ours) == set(theirs) == {renamed(name) for name in traps}
     for name, kind in traps.items():
         values, out = flat(subs, name), renamed(name)
@@ -215,17 +220,10 @@ def test_count_names_siirl_mean_we_sum(siirl_worker, local_name):
     """Difference found here (our ``count`` token): ``tool_calls/count`` has no ``min``/``max``/
     ``sum``/``total`` substring, so siiRL averages the ranks' counts; we sum them."""
     counts = [3.0, 5.0, 10.0]
-    client = siirl_mw.MetricClient(siirl_worker)
-    for c in counts:
-        client.submit_metric({"tool_calls/count": c}, len(counts))
-    ray.get(client.fut, timeout=TIMEOUT)
-    theirs = siirl_final(siirl_worker)["tool_calls/count"]
-    ours = rlmetrics.MetricClient(local.get_worker(local_name))
-    for c in counts:
-        ours.submit_metric({"tool_calls/count": c}, len(counts))
-    ours.wait_submit()
-    assert theirs == 6.0
-    assert ours.wait_final_res()["tool_calls/count"] == 18.0
+    subs = [{"tool_calls/count": c} for c in counts]
+    theirs, ours = both_final(siirl_worker, local_name, subs, len(counts))
+    assert theirs["tool_calls/count"] == 6.0
+    assert ours["tool_calls/count"] == 18.0
 
 
 def test_graph_output_handling_siirl_actor_means_it_we_max(siirl_worker, local_name):
@@ -234,17 +232,10 @@ def test_graph_output_handling_siirl_actor_means_it_we_max(siirl_worker, local_n
     real actor reports the mean; we apply the declared max (built-in exact-name rule)."""
     assert siirl_mw.Special_Metric["graph_output_handling"].__name__ == "MaxMetric"
     values = [0.0, 1.0, 0.0, 0.0]
-    client = siirl_mw.MetricClient(siirl_worker)
-    for v in values:
-        client.submit_metric({"graph_output_handling": v}, len(values))
-    ray.get(client.fut, timeout=TIMEOUT)
-    theirs = siirl_final(siirl_worker)["graph_output_handling"]
-    ours = rlmetrics.MetricClient(local.get_worker(local_name))
-    for v in values:
-        ours.submit_metric({"graph_output_handling": v}, len(values))
-    ours.wait_submit()
-    assert theirs == 0.25
-    assert ours.wait_final_res()["graph_output_handling"] == 1.0
+    subs = [{"graph_output_handling": v} for v in values]
+    theirs, ours = both_final(siirl_worker, local_name, subs, len(values))
+    assert theirs["graph_output_handling"] == 0.25
+    assert ours["graph_output_handling"] == 1.0
 
 
 def random_batch(seed: int, b: int, p: int = 6, r: int = 10) -> dict:
@@ -308,18 +299,11 @@ def test_weighted_scalar_submissions_versus_siirl_plain_mean(siirl_worker, local
     of means in both systems when sent as plain numbers; ours also takes ``(mean, batch size)`` and
     then reports the mean over all sequences, which siiRL cannot express."""
     sizes, means = [2, 30, 5], [1.0, 4.0, -2.0]
-    client = siirl_mw.MetricClient(siirl_worker)
-    for m in means:
-        client.submit_metric({"critic/score/mean": m}, len(means))
-    ray.get(client.fut, timeout=TIMEOUT)
-    theirs = siirl_final(siirl_worker)["critic/score/mean"]
+    theirs, ours_plain = both_final(siirl_worker, local_name, [{"critic/score/mean": m} for m in means], 3)
+    theirs, plain = theirs["critic/score/mean"], ours_plain["critic/score/mean"]
     ours = rlmetrics.MetricClient(local.get_worker(local_name))
-    for m in means:
-        ours.submit_metric({"critic/score/mean": m}, len(means))
-    ours.wait_submit()
-    plain = ours.wait_final_res()["critic/score/mean"]
-    for m, n in zip(means, sizes):
-        ours.submit_metric({"critic/score/mean": (m, n)}, len(means))
+    for m, n in zip(means, sizes):  # step 1: step 0 (the plain numbers) is finalized
+        ours.submit_metric({"critic/score/mean": (m, n)}, len(means), step=1)
     ours.wait_submit()
     weighted = ours.wait_final_res()["critic/score/mean"]
     assert theirs == pytest.approx(np.mean(means), rel=REL)
