@@ -4,8 +4,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # The CPU build of torch that lies on this machine's disk; any other spec may pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
-DEMO_EXTRAS := ray,torch,plot
-TEST_EXTRAS := ray,torch,plot,dev
+DEMO_EXTRAS := ray,torch,console,tensorboard,plot
+TEST_EXTRAS := ray,torch,console,trackers,plot,dev
 
 .PHONY: demo test lint bench bench-peers install install-test install-peers clean
 

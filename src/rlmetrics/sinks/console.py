@@ -1,0 +1,108 @@
+r"""Rich tables on the terminal: one per logged step, rows grouped by the first path segment.
+
+Needs the ``console`` extra (rich). Names are shown as plain text (``[x]`` is not rich markup) and
+values with 4 significant digits.
+
+>>> import io
+>>> out = io.StringIO()
+>>> with ConsoleSink(file=out) as sink:
+...     sink.log({"critic/score/mean": 0.123456, "perf/throughput": 12345.6, "critic/score/max": 1.0}, 7)
+>>> print("\n".join(line.rstrip() for line in out.getvalue().strip("\n").splitlines()))
+             step 7
+┏━━━━━━━━━━━━━━━━━━━┳━━━━━━━━━━━┓
+┃ metric            ┃     value ┃
+┡━━━━━━━━━━━━━━━━━━━╇━━━━━━━━━━━┩
+│ critic/score/max  │         1 │
+│ critic/score/mean │    0.1235 │
+├───────────────────┼───────────┤
+│ perf/throughput   │ 1.235e+04 │
+└───────────────────┴───────────┘
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import IO, Any
+
+from rlmetrics.extras import require
+from rlmetrics.sinks.names import Sink, as_floats, as_step
+
+
+def format_value(value: float) -> str:
+    """4 significant digits, compact: ``0.1235``, ``1.235e+04``, ``3``, ``nan``, ``-inf``.
+
+    >>> [format_value(v) for v in (0.123456, 12345.6, 3.0, float("nan"), float("-inf"), 1e-7)]
+    ['0.1235', '1.235e+04', '3', 'nan', '-inf', '1e-07']
+    """
+    if math.isnan(value):
+        return "nan"
+    return f"{value:.4g}"
+
+
+def prefix(name: str) -> str:
+    """The group of a metric: its first path segment (``critic/score/mean`` → ``critic``)."""
+    return name.split("/", 1)[0] if "/" in name else ""
+
+
+def summary_table(
+    rows: Sequence[Sequence[Any]],
+    columns: Sequence[str],
+    title: str | None = None,
+    max_rows: int | None = None,
+):
+    """A rich Table of ``rows`` (cells as plain text), one section per prefix of the first column.
+
+    Groups appear in the order of their first row, rows keep their order within a group; with
+    ``max_rows``, the rows after it are replaced by one ``… N more`` row.
+    """
+    rich_table = require("rich.table", "console")
+    text = require("rich.text", "console")
+    table = rich_table.Table(title=title)
+    for i, column in enumerate(columns):
+        table.add_column(column, justify="left" if i == 0 else "right", overflow="fold")
+    groups: dict[str, list[Sequence[Any]]] = {}
+    for row in rows:
+        groups.setdefault(prefix(str(row[0])), []).append(row)
+    ordered = [row for group in groups.values() for row in group]
+    shown = ordered if max_rows is None else ordered[:max_rows]
+    for i, row in enumerate(shown):
+        last_of_group = i + 1 < len(shown) and prefix(str(shown[i + 1][0])) != prefix(str(row[0]))
+        table.add_row(*(text.Text(str(cell)) for cell in row), end_section=last_of_group)
+    if len(shown) < len(ordered):
+        table.add_row(text.Text(f"… {len(ordered) - len(shown)} more"), *[""] * (len(columns) - 1))
+    return table
+
+
+def render_table(metrics: Mapping[str, float], title: str | None = None, max_rows: int | None = None):
+    """``{name: value}`` as a two-column table, names sorted and grouped by prefix."""
+    values = as_floats(metrics)
+    rows = [(name, format_value(values[name])) for name in sorted(values)]
+    return summary_table(rows, ["metric", "value"], title, max_rows)
+
+
+class ConsoleSink(Sink):
+    """Print a table every ``every`` steps (steps divisible by ``every``) to ``file`` (stdout)."""
+
+    def __init__(self, every: int = 1, file: IO[str] | None = None, max_rows: int | None = None) -> None:
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        self.every = every
+        self.max_rows = max_rows
+        self.console = require("rich.console", "console").Console(file=file)
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        step = as_step(step)
+        if step % self.every:
+            return
+        table = render_table(metrics, f"step {step}", self.max_rows)
+        meta = getattr(metrics, "meta", None) or {}
+        if meta.get("complete") is False:
+            table.caption = f"partial step: missing ranks {meta.get('missing_ranks')}"
+        self.console.print(table)
+
+    def close(self) -> None:
+        self.console.file.flush()
+
+    def __repr__(self) -> str:
+        return f"ConsoleSink(every={self.every})"

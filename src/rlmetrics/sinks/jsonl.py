@@ -1,0 +1,222 @@
+"""JSON Lines: one object per step, the format every other rlmetrics tool reads back.
+
+Each line is ``{"step": 3, "time": <unix seconds>, "metrics": {name: value, ...}}``, plus ``"meta"``
+when the logged mapping has a ``meta`` of a step that is not complete (a partial
+:class:`~rlmetrics.StepResult`: missing ranks and metrics, contributors), made JSON-safe (tuples
+and sets → lists, other objects → ``str``).
+
+- Non-finite values are written as Python's ``NaN``, ``Infinity``, ``-Infinity``: ``json.loads``
+  (and pandas, and :func:`read_jsonl`) read them back as floats, so a diverging run stays visible as
+  numbers. Strict JSON parsers (``jq``) reject them.
+- Every step is written with one ``write`` and flushed, so a process that dies (OOM kill, preemption)
+  loses nothing it logged. ``fsync=True`` also survives a machine crash, at the cost of a disk
+  round-trip per step (slow on network file systems); it is off by default.
+- A step is logged once: a second ``log`` of the same step (in this session or, with
+  ``append=True``, already in the file) raises ``ValueError`` unless ``overwrite=True``; then both
+  records stay in the file and the later one wins when read (:meth:`JsonlRun.series`).
+- A crash mid-write leaves an incomplete last line: :func:`read_jsonl` ignores it with a warning and
+  reports it in :attr:`JsonlRun.truncated`; ``JsonlSink(path, append=True)`` cuts it off before
+  appending. A corrupt line anywhere else is an error naming the line.
+
+>>> import os, tempfile
+>>> path = os.path.join(tempfile.mkdtemp(), "run", "metrics.jsonl")
+>>> with JsonlSink(path) as sink:
+...     sink.log({"critic/score/mean": 0.5, "perf/throughput": 1200.0}, step=1)
+...     sink.log({"critic/score/mean": 0.75}, step=2)
+>>> run = read_jsonl(path)
+>>> run.steps, run.names()
+([1, 2], ['critic/score/mean', 'perf/throughput'])
+>>> run.series("perf/throughput")
+(array([1, 2]), array([1200.,   nan]))
+>>> with JsonlSink(path, append=True) as sink:  # doctest: +ELLIPSIS
+...     sink.log({"critic/score/mean": 0.1}, step=2)
+Traceback (most recent call last):
+...
+ValueError: step 2 is already in .../metrics.jsonl; pass overwrite=True to log it again ...
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import numbers
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rlmetrics.sinks.names import Sink, as_floats, as_step
+
+logger = logging.getLogger(__name__)
+
+
+def json_safe(obj: Any) -> Any:
+    """``obj`` with only JSON types: mappings (str keys), lists, str, int, float, bool, None.
+
+    >>> json_safe({"missing_ranks": ("rank1",), 3: {2, 1}, "n": np.int64(4)})
+    {'missing_ranks': ['rank1'], '3': [1, 2], 'n': 4}
+    """
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, numbers.Integral):
+        return int(obj)
+    if isinstance(obj, numbers.Real):
+        return float(obj)
+    if isinstance(obj, Mapping):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if isinstance(obj, (set, frozenset)):
+        return sorted((json_safe(v) for v in obj), key=lambda v: (type(v).__name__, repr(v)))
+    if isinstance(obj, np.ndarray):
+        return json_safe(obj.tolist())
+    return str(obj)
+
+
+def _dumps(record: dict) -> bytes:
+    try:
+        return (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate in a name: \u-escaped, still read back exactly
+        return (json.dumps(record) + "\n").encode("ascii")
+
+
+def _parse(line: bytes) -> dict:
+    record = json.loads(line.decode("utf-8"))
+    if not (
+        isinstance(record, dict)
+        and isinstance(record.get("step"), int)
+        and not isinstance(record["step"], bool)
+        and isinstance(record.get("metrics"), dict)
+    ):
+        raise ValueError("not an object with an integer 'step' and a 'metrics' object")
+    return record
+
+
+def _scan(path: Path) -> tuple[list[dict], str | None, int]:
+    """Records, the truncation note, and the byte offset just after the last good record."""
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    records: list[dict] = []
+    truncated = None
+    pos = good_end = 0
+    for i, line in enumerate(lines):
+        end = pos + len(line) + (i < len(lines) - 1)
+        if line.strip():
+            try:
+                records.append(_parse(line))
+            except ValueError as exc:
+                if i != last:
+                    raise ValueError(f"{path}: line {i + 1} is not a metrics record: {exc}") from None
+                truncated = f"{path}: line {i + 1} (the last, {len(line)} bytes) is incomplete: {exc}"
+                logger.warning("%s; ignored", truncated)
+                break
+            good_end = end
+        pos = end
+    return records, truncated, good_end
+
+
+@dataclass
+class JsonlRun:
+    """The records of a JSONL file, in file order."""
+
+    path: Path
+    records: list[dict]
+    truncated: str | None = None
+
+    @property
+    def steps(self) -> list[int]:
+        """The step of every record, in file order (a step logged with ``overwrite`` appears twice)."""
+        return [r["step"] for r in self.records]
+
+    def names(self) -> list[str]:
+        """Every metric name in the file, sorted."""
+        return sorted({name for r in self.records for name in r["metrics"]})
+
+    def series(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(steps, values)`` over all distinct steps, ascending; NaN where a step lacks ``name``.
+
+        For a step present more than once, the later record wins.
+        """
+        latest = {r["step"]: r["metrics"] for r in self.records}
+        steps = np.array(sorted(latest), dtype=np.int64)
+        values = np.array([_as_float(latest[s].get(name)) for s in steps.tolist()], dtype=np.float64)
+        return steps, values
+
+
+def _as_float(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def _ends_with_newline(path: Path, end: int) -> bool:
+    with open(path, "rb") as f:
+        f.seek(end - 1)
+        return f.read(1) == b"\n"
+
+
+def read_jsonl(path: str | os.PathLike) -> JsonlRun:
+    """Parse a metrics JSONL file (``json.loads`` only); see the module doc for truncated files."""
+    path = Path(path)
+    records, truncated, _ = _scan(path)
+    return JsonlRun(path, records, truncated)
+
+
+class JsonlSink(Sink):
+    """Write one JSON line per step to ``path`` (parent directories are created).
+
+    ``append=False`` creates or truncates the file; ``append=True`` continues an existing one.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike, *, append: bool = False, overwrite: bool = False, fsync: bool = False
+    ) -> None:
+        self.path = Path(path)
+        self.overwrite = overwrite
+        self.fsync = fsync
+        self._steps: set[int] = set()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if append and self.path.exists():
+            records, truncated, good_end = _scan(self.path)
+            self._steps.update(r["step"] for r in records)
+            if truncated:
+                os.truncate(self.path, good_end)
+            self._file = open(self.path, "ab")
+            if good_end and not _ends_with_newline(self.path, good_end):
+                self._file.write(b"\n")
+        else:
+            self._file = open(self.path, "wb")
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        if self._file is None:
+            raise ValueError(f"{self!r} is closed")
+        step = as_step(step)
+        values = as_floats(metrics)
+        if step in self._steps and not self.overwrite:
+            raise ValueError(
+                f"step {step} is already in {self.path}; pass overwrite=True to log it again "
+                "(the later record wins)"
+            )
+        record: dict[str, Any] = {"step": step, "time": time.time(), "metrics": values}
+        meta = getattr(metrics, "meta", None)
+        if meta and meta.get("complete") is not True:  # a partial step says what it lacks
+            record["meta"] = json_safe(meta)
+        self._file.write(_dumps(record))
+        self._file.flush()
+        if self.fsync:
+            os.fsync(self._file.fileno())
+        self._steps.add(step)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __repr__(self) -> str:
+        return f"JsonlSink({str(self.path)!r})"

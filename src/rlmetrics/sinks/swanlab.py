@@ -1,0 +1,50 @@
+"""SwanLab, offline by default: the run is one ``run-<id>.swanlab`` file under ``logdir``.
+
+Needs the ``trackers`` extra. Upload later with ``swanlab sync <logdir>/run-*``. SwanLab allows one
+active run per process: creating a second SwanLabSink while one is open raises SwanLab's
+RuntimeError. Names are adapted by :func:`rlmetrics.sinks.names.adapt_name` before SwanLab sees
+them, so SwanLab's own silent trimming of leading/trailing ``.`` and ``/`` never merges two metrics.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from rlmetrics.extras import require
+from rlmetrics.sinks.names import NameMap, Sink, as_floats, as_step
+
+
+class SwanLabSink(Sink):
+    """Log each step with ``run.log(metrics, step=step)``; ``close()`` finishes the run."""
+
+    def __init__(
+        self,
+        project: str = "rlmetrics",
+        logdir: str | os.PathLike | None = None,
+        mode: str = "offline",
+        **kw: Any,
+    ) -> None:
+        swanlab = require("swanlab", "trackers")
+        if logdir is not None:
+            Path(logdir).mkdir(parents=True, exist_ok=True)
+            kw["log_dir"] = str(logdir)
+        self.project, self.logdir = project, logdir
+        self.names = NameMap("swanlab")
+        self.run = swanlab.init(project=project, mode=mode, **kw)
+        self._open = True
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        if not self._open:
+            raise ValueError(f"{self!r} is closed")
+        self.run.log(self.names.adapt(as_floats(metrics)), step=as_step(step))
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self.run.finish()
+
+    def __repr__(self) -> str:
+        return f"SwanLabSink(project={self.project!r}, logdir={str(self.logdir)!r})"

@@ -1,0 +1,111 @@
+"""Weights & Biases, offline by default: the run is written under ``<dir>/wandb/offline-run-*``.
+
+Needs the ``trackers`` extra. Upload later with ``wandb sync <dir>/wandb/offline-run-*``. The run is
+started with ``reinit="create_new"`` and logged through its own handle, so a W&B run the user has open
+is left alone. Unless ``settings`` is given, console capture, system metrics, git and code saving are
+off (the sink logs metrics, nothing else). W&B only appends: a step lower than one already logged
+is dropped by W&B with a warning. Names are adapted by :func:`rlmetrics.sinks.names.adapt_name`.
+
+``run.finish()`` can return before W&B's service has written the run file (``run-<id>.wandb``, a
+leveldb-log framed stream of wandb ``Record`` protobufs): ``close()`` then waits, up to
+``close_timeout`` seconds, until the file ends with W&B's ``exit`` record, so the run is complete on
+disk (ready for ``wandb sync``) when ``close()`` returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from rlmetrics.extras import require
+from rlmetrics.sinks.names import NameMap, Sink, as_floats, as_step
+
+logger = logging.getLogger(__name__)
+
+_HEADER, _BLOCK = 7, 32768  # leveldb log format: 7-byte file and record headers, 32 KiB blocks
+
+
+def _last_record(path: Path) -> bytes | None:
+    """The payload of the last complete record of a W&B run file (None if there is none)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    pos, chunks, last = _HEADER, [], None
+    while pos + _HEADER <= len(data):
+        if _BLOCK - pos % _BLOCK < _HEADER:  # block trailer
+            pos += _BLOCK - pos % _BLOCK
+            continue
+        _, length, kind = struct.unpack_from("<IHB", data, pos)
+        if pos + _HEADER + length > len(data):
+            break
+        chunks.append(data[pos + _HEADER : pos + _HEADER + length])
+        pos += _HEADER + length
+        if kind in (1, 4):  # FULL or LAST
+            last, chunks = b"".join(chunks), []
+    return last
+
+
+class WandbSink(Sink):
+    """Log each step with ``run.log(metrics, step=step)``; ``close()`` finishes the run."""
+
+    def __init__(
+        self,
+        project: str = "rlmetrics",
+        name: str | None = None,
+        dir: str | os.PathLike | None = None,
+        mode: str = "offline",
+        close_timeout: float = 30.0,
+        **init_kwargs: Any,
+    ) -> None:
+        wandb = require("wandb", "trackers")
+        self._Record = require("wandb.proto.wandb_internal_pb2", "trackers").Record
+        if dir is not None:
+            Path(dir).mkdir(parents=True, exist_ok=True)
+            dir = str(dir)
+        init_kwargs.setdefault(
+            "settings",
+            wandb.Settings(
+                console="off", silent=True, x_disable_stats=True, disable_git=True, save_code=False
+            ),
+        )
+        init_kwargs.setdefault("reinit", "create_new")
+        self.project, self.mode, self.close_timeout = project, mode, close_timeout
+        self.names = NameMap("wandb")
+        self.run = wandb.init(project=project, name=name, dir=dir, mode=mode, **init_kwargs)
+        self._open = True
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        if not self._open:
+            raise ValueError(f"{self!r} is closed")
+        self.run.log(self.names.adapt(as_floats(metrics)), step=as_step(step))
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            run_file = Path(self.run.settings.sync_file)
+            self.run.finish()
+            if self.mode != "disabled":
+                self._wait_written(run_file)
+
+    def _wait_written(self, run_file: Path) -> None:
+        deadline = time.monotonic() + self.close_timeout
+        while True:
+            payload = _last_record(run_file)
+            if payload is not None:
+                record = self._Record()
+                record.ParseFromString(payload)
+                if record.WhichOneof("record_type") == "exit":
+                    return
+            if time.monotonic() > deadline:
+                logger.warning("W&B run file %s incomplete %.0f s after finish", run_file, self.close_timeout)
+                return
+            time.sleep(0.02)
+
+    def __repr__(self) -> str:
+        return f"WandbSink(project={self.project!r}, id={getattr(self.run, 'id', None)!r})"

@@ -1,0 +1,203 @@
+"""JsonlSink and read_jsonl: round trip, meta, append/overwrite rules, crash tolerance, safety."""
+
+import json
+import logging
+import math
+
+import numpy as np
+import pytest
+
+from rlmetrics import StepResult
+from rlmetrics.sinks import JsonlSink, read_jsonl
+
+NAMES = ["critic/score/mean", "val-core/math/acc/mean@4", "perf/throughput", "pass@k"]
+
+
+def random_steps(seed, n=10):
+    rng = np.random.default_rng(seed)
+    return {
+        step: {name: float(rng.normal() * 10.0 ** rng.integers(-4, 5)) for name in NAMES} for step in range(n)
+    }
+
+
+def test_round_trip_random_values(tmp_path):
+    steps = random_steps(0)
+    path = tmp_path / "a" / "b" / "metrics.jsonl"  # parents are created
+    with JsonlSink(path) as sink:
+        for step, metrics in steps.items():
+            sink.log(metrics, step)
+    run = read_jsonl(path)
+    assert run.truncated is None
+    assert run.steps == list(range(10))
+    assert run.names() == sorted(NAMES)
+    for name in NAMES:
+        s, v = run.series(name)
+        assert s.tolist() == list(range(10))
+        assert v.tolist() == [steps[i][name] for i in range(10)]  # exact: JSON floats round-trip
+    for rec in run.records:
+        assert isinstance(rec["time"], float) and abs(rec["time"] - run.records[0]["time"]) < 60
+        assert "meta" not in rec
+
+
+def test_non_finite_values_and_missing_metrics(tmp_path):
+    path = tmp_path / "m.jsonl"
+    with JsonlSink(path) as sink:
+        sink.log({"x": float("nan"), "y": float("inf")}, 0)
+        sink.log({"x": -math.inf}, 5)
+    text = path.read_text()
+    assert "NaN" in text and "Infinity" in text and "-Infinity" in text
+    run = read_jsonl(path)
+    steps, x = run.series("x")
+    assert steps.tolist() == [0, 5] and math.isnan(x[0]) and x[1] == -math.inf
+    assert run.series("y")[1][0] == math.inf and math.isnan(run.series("y")[1][1])
+    assert np.isnan(run.series("never-logged")[1]).all()
+
+
+def test_meta_of_a_partial_step_is_json_safe(tmp_path):
+    meta = {
+        "complete": False,
+        "missing_ranks": ("rank3",),
+        "missing_metrics": {"critic/score/mean": [3, 4]},
+        "ids": {2, 1},
+        "n": np.int64(7),
+        "obj": object(),
+    }
+    with JsonlSink(tmp_path / "m.jsonl") as sink:
+        sink.log(StepResult({"a": 1.0}, 4, meta), 4)
+        sink.log(StepResult({"a": 2.0}, 5, {}), 5)  # empty meta: no key
+        sink.log(StepResult({"a": 3.0}, 6, {"complete": True, "contributors": ["rank0"]}), 6)
+    first, second, third = read_jsonl(tmp_path / "m.jsonl").records
+    assert first["meta"]["complete"] is False
+    assert first["meta"]["missing_ranks"] == ["rank3"]
+    assert first["meta"]["missing_metrics"] == {"critic/score/mean": [3, 4]}
+    assert first["meta"]["ids"] == [1, 2] and first["meta"]["n"] == 7
+    assert first["meta"]["obj"].startswith("<object object")
+    assert "meta" not in second and "meta" not in third  # a complete step: nothing to say
+
+
+def test_flushed_every_step(tmp_path):
+    path = tmp_path / "m.jsonl"
+    sink = JsonlSink(path)
+    for step in range(3):
+        sink.log({"a": float(step)}, step)
+        assert read_jsonl(path).steps == list(range(step + 1))  # visible before close
+    sink.close()
+
+
+def test_default_mode_truncates(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text("old content\n")
+    with JsonlSink(path) as sink:
+        sink.log({"a": 1.0}, 9)
+    assert read_jsonl(path).steps == [9]
+
+
+def test_step_logged_twice_in_a_session(tmp_path):
+    path = tmp_path / "m.jsonl"
+    with JsonlSink(path) as sink:
+        sink.log({"a": 1.0}, 3)
+        with pytest.raises(ValueError, match=r"step 3 .*m\.jsonl"):
+            sink.log({"a": 2.0}, 3)
+    assert read_jsonl(path).series("a")[1].tolist() == [1.0]
+    with JsonlSink(path, overwrite=True) as sink:
+        sink.log({"a": 1.0}, 3)
+        sink.log({"a": 2.0}, 3)
+    run = read_jsonl(path)
+    assert run.steps == [3, 3]
+    assert run.series("a")[0].tolist() == [3] and run.series("a")[1].tolist() == [2.0]  # later wins
+
+
+def test_append_refuses_steps_already_in_the_file(tmp_path):
+    path = tmp_path / "m.jsonl"
+    with JsonlSink(path) as sink:
+        for step in range(3):
+            sink.log({"a": float(step)}, step)
+    with JsonlSink(path, append=True) as sink:
+        with pytest.raises(ValueError) as err:
+            sink.log({"a": 9.0}, 1)
+        assert "step 1" in str(err.value) and str(path) in str(err.value)
+        sink.log({"a": 3.0}, 3)
+    assert read_jsonl(path).series("a")[1].tolist() == [0.0, 1.0, 2.0, 3.0]
+    with JsonlSink(path, append=True, overwrite=True) as sink:
+        sink.log({"a": 10.0}, 1)
+    steps, values = read_jsonl(path).series("a")
+    assert steps.tolist() == [0, 1, 2, 3] and values.tolist() == [0.0, 10.0, 2.0, 3.0]
+
+
+def test_append_to_missing_file_creates_it(tmp_path):
+    with JsonlSink(tmp_path / "new" / "m.jsonl", append=True) as sink:
+        sink.log({"a": 1.0}, 0)
+    assert read_jsonl(tmp_path / "new" / "m.jsonl").steps == [0]
+
+
+def test_incomplete_last_line_is_tolerated_and_cut_on_append(tmp_path, caplog):
+    path = tmp_path / "m.jsonl"
+    with JsonlSink(path) as sink:
+        sink.log({"a": 1.0}, 0)
+        sink.log({"a": 2.0}, 1)
+    full = path.read_bytes()
+    path.write_bytes(full + full.splitlines(keepends=True)[1][:17])  # a crash mid-write of step 2
+    with caplog.at_level(logging.WARNING, logger="rlmetrics.sinks.jsonl"):
+        run = read_jsonl(path)
+    assert run.steps == [0, 1]
+    assert run.truncated is not None and "line 3" in run.truncated
+    assert any("line 3" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    with JsonlSink(path, append=True) as sink:
+        sink.log({"a": 3.0}, 2)
+    run = read_jsonl(path)
+    assert run.truncated is None and run.series("a")[1].tolist() == [1.0, 2.0, 3.0]
+
+
+def test_last_record_without_newline_is_kept_and_append_adds_one(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 0, "time": 1.0, "metrics": {"a": 1.5}}')
+    assert read_jsonl(path).steps == [0]
+    with JsonlSink(path, append=True) as sink:
+        sink.log({"a": 2.5}, 1)
+    assert read_jsonl(path).series("a")[1].tolist() == [1.5, 2.5]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["not json", '{"step": "1", "metrics": {}}', '{"step": 1}', "[1, 2]", '{"step": true, "metrics": {}}'],
+)
+def test_corrupt_middle_line_is_an_error_naming_it(tmp_path, bad):
+    path = tmp_path / "m.jsonl"
+    good = '{"step": %d, "time": 0.0, "metrics": {"a": 1.0}}\n'
+    path.write_text(good % 0 + bad + "\n" + good % 2)
+    with pytest.raises(ValueError, match=r"line 2\b"):
+        read_jsonl(path)
+    with pytest.raises(ValueError, match=r"line 2\b"):
+        JsonlSink(path, append=True)
+
+
+def test_reader_treats_code_as_data(tmp_path):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "m.jsonl"
+    key = f"__import__('os').system('touch {marker}')"
+    path.write_text(json.dumps({"step": 1, "metrics": {key: 1}}) + "\n")
+    run = read_jsonl(path)
+    assert run.names() == [key] and run.series(key)[1].tolist() == [1.0]
+    assert not marker.exists()
+
+
+def test_unusual_names_are_just_strings(tmp_path):
+    names = ["../../escape", "/abs/x", "ü" * 300 + "/λ@k", "bad\ud800surrogate", "tab\tname"]
+    with JsonlSink(tmp_path / "m.jsonl") as sink:
+        sink.log({n: float(i) for i, n in enumerate(names)}, 0)
+    run = read_jsonl(tmp_path / "m.jsonl")
+    assert run.names() == sorted(names)
+    assert [run.series(n)[1][0] for n in names] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.jsonl"]
+
+
+def test_bad_values_and_steps_are_refused(tmp_path):
+    with JsonlSink(tmp_path / "m.jsonl") as sink:
+        with pytest.raises(TypeError, match="'a'"):
+            sink.log({"a": "1.0"}, 0)
+        with pytest.raises(TypeError):
+            sink.log({"a": 1.0}, 1.5)
+        sink.log({"a": np.float32(0.25), "b": np.int64(3)}, np.int64(2))
+    assert read_jsonl(tmp_path / "m.jsonl").records[0]["metrics"] == {"a": 0.25, "b": 3.0}
+    with pytest.raises(ValueError, match="closed"):
+        sink.log({"a": 1.0}, 3)

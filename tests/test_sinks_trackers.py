@@ -1,0 +1,240 @@
+"""Each tracker sink logs 10 steps offline; the values are read back with the tracker's own format
+(TensorBoard's EventAccumulator, the W&B transaction log parsed with wandb's protobufs, MLflow's
+client on a sqlite store, SwanLab's own DataStoreReader) and compared with the random numbers sent."""
+
+import json
+import math
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rlmetrics.sinks import (
+    JsonlSink,
+    MLflowSink,
+    SwanLabSink,
+    TensorBoardSink,
+    WandbSink,
+    make_sinks,
+    read_jsonl,
+)
+
+# name -> the name each tracker shows (written out by hand, independent of adapt_name)
+NAMES = {
+    "critic/score/mean": {},
+    "val-core/math/acc/mean@4": {"mlflow": "val-core/math/acc/mean_at_4"},
+    "pass@k": {"mlflow": "pass_at_k"},
+    "perf/throughput": {},
+    "_step": {"wandb": "metric_step"},
+}
+
+
+def shown(name, tracker):
+    return NAMES[name].get(tracker, name)
+
+
+def random_steps(seed, n=10):
+    rng = np.random.default_rng(seed)
+    steps = {s: {name: float(rng.normal() * 10.0 ** rng.integers(-4, 5)) for name in NAMES} for s in range(n)}
+    steps[4]["critic/score/mean"] = math.nan  # a diverging step stays visible
+    return steps
+
+
+def same(a, b, rel=0.0):
+    return (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=rel, abs=0)
+
+
+def one(pattern_root: Path, pattern: str) -> Path:
+    found = sorted(pattern_root.glob(pattern))
+    assert len(found) == 1, found
+    return found[0]
+
+
+# ------------------------------------------------------------------------------------- readers
+def read_tensorboard(log_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+def read_wandb(run_file):
+    """History of a ``.wandb`` file: a leveldb-log framed stream of wandb ``Record`` protobufs."""
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    data = Path(run_file).read_bytes()
+    assert data[:4] == b":W&B"
+    block, pos, buf, history = 32768, 7, b"", {}
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # block trailer
+            pos += block - pos % block
+            continue
+        _checksum, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        buf += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST
+            record = Record()
+            record.ParseFromString(buf)
+            buf = b""
+            if record.WhichOneof("record_type") == "history":
+                items = record.history.item
+                history[record.history.step.num] = {
+                    (i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in items
+                }
+    return history
+
+
+def read_swanlab(run_file):
+    from swanlab.proto.swanlab.record.v1.record_pb2 import Record
+    from swanlab.sdk.internal.core_python.store import DataStoreReader
+
+    reader = DataStoreReader()
+    reader.open(run_file)
+    series = {}
+    try:
+        for raw in reader:
+            record = Record()
+            record.ParseFromString(raw)
+            if record.HasField("scalar"):
+                series.setdefault(record.scalar.key, {})[record.scalar.step] = record.scalar.value.number
+    finally:
+        reader.close()
+    return series
+
+
+def read_mlflow(uri, run_id, key):
+    from mlflow.tracking import MlflowClient
+
+    return {m.step: m.value for m in MlflowClient(uri).get_metric_history(run_id, key)}
+
+
+# ---------------------------------------------------------------------------------- per tracker
+def test_tensorboard(tmp_path):
+    steps = random_steps(10)
+    with TensorBoardSink(tmp_path / "tb") as sink:
+        for step, metrics in steps.items():
+            sink.log(metrics, step)
+    got = read_tensorboard(tmp_path / "tb")
+    assert set(got) == {shown(n, "tensorboard") for n in NAMES}
+    for name in NAMES:
+        series = got[shown(name, "tensorboard")]
+        assert sorted(series) == list(range(10))
+        for step, metrics in steps.items():  # float32 on disk (simple_value)
+            assert same(series[step], float(np.float32(metrics[name])))
+
+
+def test_wandb_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    steps = random_steps(11)
+    with WandbSink(project="rlmetrics-test", name="t", dir=tmp_path) as sink:
+        for step, metrics in steps.items():
+            sink.log(metrics, step)
+    history = read_wandb(one(tmp_path, "wandb/offline-run-*/run-*.wandb"))
+    assert sorted(history) == list(range(10))
+    for step, metrics in steps.items():
+        row = history[step]
+        assert row["_step"] == step  # W&B's own step, not overwritten by the metric "_step"
+        for name, value in metrics.items():
+            assert same(float(row[shown(name, "wandb")]), value)
+
+
+def test_mlflow_sqlite(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    steps = random_steps(12)
+    with MLflowSink(uri, experiment="rlmetrics-test", run_name="t") as sink:
+        for step, metrics in steps.items():
+            sink.log(metrics, step)
+        sink.log({"x": math.inf}, 10)
+    from mlflow.tracking import MlflowClient
+
+    run = MlflowClient(uri).get_run(sink.run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "t"
+    assert set(run.data.metrics) == {shown(n, "mlflow") for n in NAMES} | {"x"}
+    for name in NAMES:
+        series = read_mlflow(uri, sink.run_id, shown(name, "mlflow"))
+        assert sorted(series) == list(range(10))
+        for step, metrics in steps.items():
+            assert same(series[step], metrics[name])
+    assert read_mlflow(uri, sink.run_id, "x") == {10: 1.7976931348623157e308}  # MLflow clips infinities
+    with MLflowSink(uri, experiment="rlmetrics-test") as second:  # the experiment is reused
+        assert second.run_id != sink.run_id
+
+
+def test_swanlab_offline(tmp_path):
+    steps = random_steps(13)
+    with SwanLabSink(project="rlmetrics-test", logdir=tmp_path / "sw") as sink:
+        for step, metrics in steps.items():
+            sink.log(metrics, step)
+    got = read_swanlab(one(tmp_path, "sw/run-*/run-*.swanlab"))
+    assert set(got) == {shown(n, "swanlab") for n in NAMES}
+    for name in NAMES:
+        series = got[shown(name, "swanlab")]
+        assert sorted(series) == list(range(10))
+        for step, metrics in steps.items():
+            assert same(series[step], metrics[name])
+
+
+# ------------------------------------------------------------------------------------- safety
+UNSAFE = {
+    "../../escape": "__/__/escape",
+    "/abs/x": "abs/x",
+    "a/../../b": "a/__/__/b",
+    "ü" * 600 + "/λ@k": None,  # long: adapted per tracker
+}
+
+
+def test_metric_names_never_become_paths(tmp_path):
+    root = tmp_path / "root"
+    out = root / "deep" / "out"
+    out.mkdir(parents=True)
+    values = {name: float(i) + 0.5 for i, name in enumerate(UNSAFE)}
+    with JsonlSink(out / "m.jsonl") as jsonl, TensorBoardSink(out / "tb") as tb:
+        with SwanLabSink(project="rlmetrics-test", logdir=out / "sw") as sw:
+            for sink in (jsonl, tb, sw):
+                sink.log(values, 0)
+    outside = [
+        Path(d, f) for d, _, files in os.walk(root) for f in files if not Path(d, f).is_relative_to(out)
+    ]
+    assert outside == [] and not (tmp_path / "escape").exists() and not Path("/abs/x").exists()
+    assert set(os.listdir(out)) == {"m.jsonl", "tb", "sw"}
+
+    run = read_jsonl(out / "m.jsonl")
+    assert {n: run.series(n)[1][0] for n in UNSAFE} == values
+    tb_got = read_tensorboard(out / "tb")
+    sw_got = read_swanlab(one(out, "sw/run-*/run-*.swanlab"))
+    long_name = "ü" * 600 + "/λ@k"
+    for name, value in values.items():
+        if name == long_name:
+            assert tb_got[long_name] == {0: value}  # tags have no length limit
+            (key,) = [k for k in sw_got if k.startswith("ü" * 500)]
+            assert len(key) <= 512 and sw_got[key] == {0: value}
+        else:
+            assert tb_got[UNSAFE[name]] == {0: value} and sw_got[UNSAFE[name]] == {0: value}
+
+
+# ---------------------------------------------------------------------------------- make_sinks
+def test_make_sinks_all_trackers_offline(tmp_path):
+    out = tmp_path / "out"
+    rng = np.random.default_rng(14)
+    steps = [{"critic/score/mean": float(rng.normal()), "pass@k": float(rng.random())} for _ in range(3)]
+    names = ["jsonl", "tensorboard", "wandb", "mlflow", "swanlab"]
+    with make_sinks(names, out, project="rlmetrics-test", run_name="demo") as tracking:
+        for step, metrics in enumerate(steps):
+            tracking.log(metrics, step)
+        assert not tracking.failed
+        mlflow_run = tracking.sinks[3].run_id
+    want = [m["pass@k"] for m in steps]
+    assert read_jsonl(out / "metrics.jsonl").series("pass@k")[1].tolist() == want
+    tb = read_tensorboard(out / "tensorboard")["pass@k"]
+    assert [tb[s] for s in range(3)] == [float(np.float32(v)) for v in want]
+    wb = read_wandb(one(out, "wandb/offline-run-*/run-*.wandb"))
+    assert [wb[s]["pass@k"] for s in range(3)] == want
+    ml = read_mlflow(f"sqlite:///{out / 'mlflow.db'}", mlflow_run, "pass_at_k")
+    assert [ml[s] for s in range(3)] == want
+    sw = read_swanlab(one(out, "swanlab/run-*/run-*.swanlab"))["pass@k"]
+    assert [sw[s] for s in range(3)] == want
+    expected = {"metrics.jsonl", "tensorboard", "wandb", "mlflow.db", "swanlab"}
+    assert {p.name for p in out.iterdir()} >= expected
