@@ -48,6 +48,8 @@ from rlmetrics.stat import MetricValueError, Stat, empty_arrays, merge_arrays, r
 logger = logging.getLogger(__name__)
 
 _BLOCK = 1 << 21  # floats stacked per schema and step before they are folded into one stat array
+MAX_WORLD_SIZE = 1 << 32
+"""Largest ``world_size`` (and node contribution count): the engine counts contributions in int64."""
 
 
 class SubmissionError(ValueError):
@@ -68,7 +70,8 @@ class Schema:
     def of(cls, names: tuple[str, ...], reductions: tuple[str, ...]) -> Schema:
         h = hashlib.blake2b(digest_size=16)
         for n, r in zip(names, reductions):
-            h.update(n.encode("utf-8", "surrogatepass") + b"\0" + r.encode() + b"\0")
+            b = n.encode("utf-8", "surrogatepass")  # length-prefixed: a name may contain NUL bytes
+            h.update(len(b).to_bytes(8, "little") + b + b"\0" + r.encode() + b"\0")
         return cls(names, reductions, h.digest(), any(parse_reduction(r).needs_sketch for r in reductions))
 
 
@@ -88,8 +91,13 @@ class Packed:
 def _scalar(value: Any) -> float | None:
     if isinstance(value, float):
         return value
-    if isinstance(value, numbers.Real) or (isinstance(value, np.ndarray) and value.ndim == 0):
-        return float(value)
+    if isinstance(value, numbers.Real) or (
+        isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "biuf"
+    ):
+        try:
+            return float(value)
+        except OverflowError:  # an int beyond float64: Stat.of refuses it, naming the metric
+            return None
     return None
 
 
@@ -322,6 +330,7 @@ class Aggregator:
         self._out_names: list[str] = []
         self._reductions: list[str] = []
         self._index: dict[str, int] = {}
+        self._by_out: dict[str, str] = {}  # result name -> metric name
         self._schemas: dict[bytes, tuple[Schema, np.ndarray]] = {}
         self._steps: dict[int, _Step] = {}
         self._results: OrderedDict[int, StepResult] = OrderedDict()
@@ -343,6 +352,16 @@ class Aggregator:
             raise SubmissionError("schema repeats a metric name")
         for red in schema.reductions:
             parse_reduction(red)
+        new: dict[str, str] = {}
+        for name in schema.names:
+            if name not in self._index:
+                out = rename(name, self.renames)
+                other = self._by_out.get(out, new.get(out))
+                if other is not None:  # two names, one result key: one value would silently vanish
+                    raise SubmissionError(
+                        f"metric {name!r} and metric {other!r} would both be reported as {out!r}"
+                    )
+                new[out] = name
         cols = np.empty(len(schema.names), np.int64)
         for i, (name, red) in enumerate(zip(schema.names, schema.reductions)):
             col = self._index.get(name)
@@ -350,6 +369,7 @@ class Aggregator:
                 col = self._index[name] = len(self._names)
                 self._names.append(name)
                 self._out_names.append(rename(name, self.renames))
+                self._by_out[self._out_names[-1]] = name
                 self._reductions.append(red)
             elif self._reductions[col] != red:
                 logger.warning(
@@ -376,8 +396,13 @@ class Aggregator:
         """
         if not (type(step) is int or isinstance(step, numbers.Integral)) or step < 0:
             raise SubmissionError(f"step must be a non-negative int, got {step!r}")
-        if not (type(world_size) is int or isinstance(world_size, numbers.Integral)) or world_size < 1:
-            raise SubmissionError(f"world_size must be a positive int, got {world_size!r}")
+        if (
+            not (type(world_size) is int or isinstance(world_size, numbers.Integral))
+            or not 1 <= world_size <= MAX_WORLD_SIZE
+        ):
+            raise SubmissionError(
+                f"world_size must be an int in [1, {MAX_WORLD_SIZE}], got {world_size!r:.80}"
+            )
         step = int(step)
         stats = packed.stats
         m = len(packed.schema.names)
@@ -393,7 +418,7 @@ class Aggregator:
         for col in packed.sketches:
             if not 0 <= col < m:
                 raise SubmissionError(f"sketch for column {col} of {m} metrics")
-        if type(packed.contributions) is not int or packed.contributions < 1:
+        if type(packed.contributions) is not int or not 1 <= packed.contributions <= MAX_WORLD_SIZE:
             raise SubmissionError(f"contributions must be a positive int, got {packed.contributions!r}")
         if self.is_finalized(step):
             self.late += 1
@@ -479,7 +504,7 @@ class Aggregator:
         missing_ranks, missing_metrics = self.missing(step)
         st = self._steps.pop(step, None)
         complete = st is not None and not missing_ranks and not missing_metrics
-        values, empty = self._values(st) if st is not None else ({}, [])
+        values, empty = self._values(st) if st is not None and st.groups else ({}, [])  # closed, no data
         meta = {
             "complete": complete,
             "missing_ranks": missing_ranks,
@@ -627,10 +652,13 @@ class Aggregator:
     def finalize_pending(self, up_to: int | None = None) -> StepResult:
         """Finalize every pending step (``<= up_to`` when given), oldest first; return the newest.
 
-        This is the seed's ``wait_final_res``: everything that arrived is aggregated now.
+        This is the seed's ``wait_final_res``: everything that arrived is aggregated now. With nothing
+        pending, the newest kept result (empty when there is none).
         """
         steps = [s for s in self.pending_steps() if up_to is None or s <= up_to]
         results = [self.finalize(s) for s in steps]
         if results:
             return results[-1]
+        if self._results:
+            return self._results[max(self._results)]
         return StepResult({}, -1, {"complete": True, "missing_ranks": [], "missing_metrics": {}, "empty": []})

@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
-from rlmetrics.aggregator import Aggregator, Packed, StepResult, SubmissionError, pack
+from rlmetrics.aggregator import MAX_WORLD_SIZE, Aggregator, Packed, StepResult, SubmissionError, pack
 from rlmetrics.stat import NAN_STRATEGIES, MetricValueError
 
 Submission = tuple[int, int, int, Packed]  # (step, seq, world_size, packed)
@@ -129,9 +129,13 @@ class ClientCore:
         ws = self.world_size if world_size is None else world_size
         if ws is None:
             raise ValueError("submit_metric needs world_size (or a client created with world_size=...)")
-        if not isinstance(ws, numbers.Integral) or isinstance(ws, bool) or ws < 1:
-            raise ValueError(f"world_size must be a positive int, got {ws!r}")
+        if not isinstance(ws, numbers.Integral) or isinstance(ws, bool) or not 1 <= ws <= MAX_WORLD_SIZE:
+            raise ValueError(f"world_size must be an int in [1, {MAX_WORLD_SIZE}], got {ws!r:.80}")
         ws = int(ws)
+        if step is not None and (
+            not isinstance(step, numbers.Integral) or isinstance(step, bool) or step < 0
+        ):  # refused here, not only at the aggregator (whose reply a Ray client reads a call later)
+            raise ValueError(f"step must be a non-negative int, got {step!r:.80}")
         if not isinstance(metrics, Mapping):
             raise MetricValueError(
                 f"metrics must be a mapping of name to value, got {type(metrics).__name__}"
@@ -231,8 +235,10 @@ class ClientCore:
         """
         with self._lock:
             steps = {item[0] for item in self._buffer} | {self.step}
-            self._flush(sorted(steps))
-            self.step += 1
+            try:
+                self._flush(sorted(steps))
+            finally:  # the step is closed even when the aggregator refused some of its data
+                self.step += 1
 
     def result(self, step: int, timeout: float | None = None) -> StepResult:
         """The result of ``step`` as soon as it is complete; at ``timeout`` (seconds) the partial
@@ -324,18 +330,22 @@ class ClientCore:
         sample_turns: Any = (),
         world_size: int | None = None,
         step: int | None = None,
+        *,
+        exact: bool = False,
     ) -> None:
         """Send this rank's validation samples (a compact record); the aggregator computes
         ``val-core/...``, ``val-aux/...``, ``val/test_score/...`` once over all ranks' samples, so a
         prompt whose samples sit on several ranks gets exactly the single-process values. Ranks are
-        merged in the order of the number in their label (``rank3``), else in arrival order."""
+        merged in the order of the number in their label (``rank3``), else in arrival order.
+        ``exact=True`` adds ``pass@k`` and the exact best/worst/maj@k keys
+        (:mod:`rlmetrics.metrics.validation`)."""
         from rlmetrics.metrics import AUX_PREFIX
         from rlmetrics.metrics.validation import encode_samples
 
         ws = self.world_size if world_size is None else world_size
         if ws is None:
             raise ValueError("process_local_validation_metrics needs world_size")
-        record = encode_samples(data_sources, sample_inputs, infos_dict, sample_turns)
+        record = encode_samples(data_sources, sample_inputs, infos_dict, sample_turns, exact=exact)
         packed = pack({AUX_PREFIX + "validation/samples/total": float(len(data_sources))})
         packed.records.append((self._rank_key(), record))
         self.submit_packed(packed, int(ws), self.step if step is None else int(step))

@@ -84,12 +84,26 @@ def reduce_parts(parts: np.ndarray) -> np.ndarray:
     s = sums.sum(axis=0)
     with np.errstate(invalid="ignore", divide="ignore"):
         mean = np.divide(s, n, out=np.zeros_like(s), where=n > 0)
+    m2 = parts[2].sum(axis=0) + spread(counts, sums, mean).sum(axis=0)
+    return np.stack([n, s, m2, parts[3].min(axis=0), parts[4].max(axis=0)])
+
+
+def spread(counts: np.ndarray, sums: np.ndarray, mean: np.ndarray) -> np.ndarray:
+    """What parts add to the merged M2 beyond their own M2: ``count * (part mean - mean) ** 2``.
+
+    ``mean`` is the overall mean; parts without observations add nothing. Summed over the parts,
+    plus the parts' own M2, this is the exact merged M2 (:func:`reduce_parts`; the torch backend
+    sums it across ranks once the overall mean is known).
+
+    >>> spread(np.array([2.0, 1.0, 0.0]), np.array([2.0, 4.0, 0.0]), np.array(2.0)).tolist()
+    [2.0, 4.0, 0.0]
+    """
+    with np.errstate(invalid="ignore", divide="ignore"):
         dev = np.divide(sums, counts, out=np.zeros_like(sums), where=counts > 0)
         dev -= mean
         np.square(dev, out=dev)
         dev *= counts  # parts without observations add nothing
-    m2 = parts[2].sum(axis=0) + dev.sum(axis=0)
-    return np.stack([n, s, m2, parts[3].min(axis=0), parts[4].max(axis=0)])
+    return dev
 
 
 def stats_of_rows(rows: np.ndarray) -> np.ndarray:
@@ -186,7 +200,13 @@ class Stat:
         if nan_strategy not in NAN_STRATEGIES:
             raise ValueError(f"nan_strategy must be one of {NAN_STRATEGIES}, got {nan_strategy!r}")
         if mask is None and weight is None and not sketch and _is_scalar(values):
-            return cls._of_scalar(float(values), nan_strategy, name)
+            try:
+                v = float(values)
+            except OverflowError:
+                raise MetricValueError(
+                    f"metric {name!r}: {type(values).__name__} value outside the float64 range"
+                ) from None
+            return cls._of_scalar(v, nan_strategy, name)
         if _is_torch(values):
             return cls._of_torch(values, mask, weight, sketch, nan_strategy, name)
         x = _as_float_array(values, name, "values")
@@ -208,6 +228,7 @@ class Stat:
     ) -> Stat:
         import torch
 
+        _refuse_complex(values, name, "values")
         x = values.detach()
         if x.device.type == "mps":  # no float64 there: move first, still one transfer
             x = x.cpu()
@@ -300,6 +321,12 @@ def _is_scalar(value: Any) -> bool:
     return isinstance(value, numbers.Real)
 
 
+def _refuse_complex(tensor: Any, name: str, what: str) -> None:
+    """As for numpy input: a float64 conversion would silently drop the imaginary part."""
+    if tensor.is_complex():
+        raise MetricValueError(f"metric {name!r}: {what} are not numbers (got {tensor.dtype} data)")
+
+
 def _as_float_array(values: Any, name: str, what: str) -> np.ndarray:
     if isinstance(values, (str, bytes)) or values is None:
         raise MetricValueError(f"metric {name!r}: {what} must be numbers, got {type(values).__name__}")
@@ -322,6 +349,7 @@ def _weights(xp: Any, shape: tuple, mask: Any, weight: Any, name: str, device: A
         if xp is np:
             return _as_float_array(v, name, what)
         if _is_torch(v):
+            _refuse_complex(v, name, what)
             return v.detach().to(device=device, dtype=xp.float64)
         return xp.as_tensor(_as_float_array(v, name, what), device=device)
 

@@ -56,11 +56,12 @@ merged value under that name, if any, is kept)."""
 
 def validation_metrics(records: list) -> dict[str, float]:
     """The validation metrics of ``(rank key, sample record)`` pairs from several ranks, merged in
-    rank-key order (the order best/worst/maj depend on, as in one process over the concatenation)."""
+    rank-key order (the order best/worst/maj depend on, as in one process over the concatenation);
+    with the ``exact=True`` keys when any rank asked for them."""
     from rlmetrics.metrics.validation import merge_samples, process_samples
 
-    ordered = [record for _, record in sorted(records, key=lambda pair: pair[0])]
-    return process_samples(merge_samples(ordered))
+    merged = merge_samples([record for _, record in sorted(records, key=lambda pair: pair[0])])
+    return process_samples(merged, exact=merged["exact"])
 
 
 def derive_metrics(values: Mapping[str, float]) -> dict[str, float]:

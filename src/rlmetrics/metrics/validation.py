@@ -245,6 +245,7 @@ def encode_samples(
     sample_turns: Sequence[Any] = (),
     *,
     digest_prompts: bool = False,
+    exact: bool = False,
 ) -> dict[str, Any]:
     """One rank's validation samples as a compact record (plain dict of numpy arrays and lists):
 
@@ -258,7 +259,8 @@ def encode_samples(
       and non-numbers (which samples are numbers);
     - ``pred`` (int32 codes) and ``pred_table`` (distinct preds, order of first appearance), when
       ``infos_dict`` has ``pred`` (preds are compared as dict keys, as the seed does);
-    - ``turns``: the turn counts (float64).
+    - ``turns``: the turn counts (float64);
+    - ``exact``: whether :func:`process_samples` of the merged records adds the ``exact=True`` keys.
 
     >>> r = encode_samples(["a", "b", "a"], ["p", "p", "p"], {"acc": [1, 0, 1], "pred": ["x", "y", "x"]})
     >>> r["sources"], r["group"].tolist(), r["values"]["pred"], r["pred"].tolist(), r["pred_table"]
@@ -293,6 +295,7 @@ def encode_samples(
         "pred": None,
         "pred_table": [],
         "turns": _turns_array(sample_turns),
+        "exact": bool(exact),
     }
     if "pred" in infos_dict:
         col = infos_dict["pred"]
@@ -382,6 +385,7 @@ def merge_samples(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
         "pred": _concat(pred_parts, np.int32) if has_pred else None,
         "pred_table": list(preds),
         "turns": _concat([r["turns"] for r in records], np.float64),
+        "exact": any(r.get("exact", False) for r in records),
     }
 
 
