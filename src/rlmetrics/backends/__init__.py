@@ -2,6 +2,8 @@
 
 - ``"local"``: in-process, threads as ranks (:mod:`rlmetrics.backends.local`).
 - ``"ray"``: a named ``MetricWorker`` actor (:mod:`rlmetrics.backends.ray`, extra ``ray``).
+- ``"torch"``: collectives on a ``torch.distributed`` process group, no central actor
+  (:mod:`rlmetrics.backends.torch_dist`, extra ``torch``).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import Any
 from rlmetrics.backends import local
 from rlmetrics.client import ClientCore
 
-BACKENDS = ("local", "ray")
+BACKENDS = ("local", "ray", "torch")
 
 
 class MetricClient(ClientCore):
@@ -50,10 +52,13 @@ def connect(backend: str = "local", *, world_size: int | None = None, name: str 
     aggregator; each call returns a new client (one per rank/thread). ``"ray"``: every
     ``connect("ray", name=..., namespace=...)`` in the cluster shares one named ``MetricWorker``
     actor; with ``hierarchy="node"`` a client sends to its node's sub-aggregator, which forwards
-    one message per step to the root. With ``world_size`` the client is a rank and registers at
-    once: no step completes before it closed it. Client options: ``nan_strategy``, ``label``; aggregator
-    options on first use: ``renames``, ``keep_results`` (and for Ray ``namespace``, ``num_cpus``,
-    ``recovery_timeout``, ``node_timeout``).
+    one message per step to the root. ``"torch"``: a
+    :class:`~rlmetrics.backends.torch_dist.TorchMetricClient` on ``group=`` (default: the default
+    process group); ``wait_submit()`` is a collective of all its ranks, the result is on every rank
+    (or on ``result_on=`` only), ``name`` is not used. With ``world_size`` the client is a rank and
+    registers at once: no step completes before it closed it. Client options: ``nan_strategy``,
+    ``label``; aggregator options on first use: ``renames``, ``keep_results`` (and for Ray
+    ``namespace``, ``num_cpus``, ``recovery_timeout``, ``node_timeout``).
 
     >>> client = connect("local", world_size=1, name="connect-doc")
     >>> client.submit_metric({"timing_s/gen": 0.5})
@@ -67,6 +72,10 @@ def connect(backend: str = "local", *, world_size: int | None = None, name: str 
         client = MetricClient(local.get_worker(name, **options), world_size=world_size, **client_opts)
     elif backend == "ray":
         client = _connect_ray(name, world_size, client_opts, options)
+    elif backend == "torch":
+        from rlmetrics.backends import torch_dist
+
+        client = torch_dist.TorchMetricClient(world_size=world_size, **client_opts, **options)
     else:
         raise ValueError(f"unknown backend {backend!r}: choose one of {BACKENDS}")
     if world_size is not None:  # a rank: waited for from its first step on
