@@ -1,37 +1,184 @@
-"""The command line, run as a user would."""
+"""The command line, run as a user would: a real demo run, then report / plot / compare / bench on it."""
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from rlmetrics.cli import main
-from rlmetrics.cli.demo import run_local, simulate_batch
+from rlmetrics.cli.demo import PLOTS, SOURCES, simulate_batch, simulate_validation
+
+STEPS, WORKERS, VAL_EVERY = 6, 3, 3
+COMMANDS = ("demo", "report", "plot", "compare", "bench")
 
 
-def test_demo_values_equal_numpy_on_all_ranks_data():
-    steps, workers = 4, 3
-    results = run_local(steps, workers, out=lambda line: None)
-    assert [r.step for r in results] == list(range(steps))
-    for res in results:
-        batches = [simulate_batch(r, res.step, steps) for r in range(workers)]
-        scores = np.concatenate([b["critic/score/mean"] for b in batches])
-        assert res.meta["complete"]
-        assert res["critic/score/mean"] == pytest.approx(scores.mean(), rel=1e-12)
-        assert res["perf/total_num_tokens"] == sum(b["perf/total_num_tokens"] for b in batches)
-        assert res["perf/delta_time/gen"] == pytest.approx(np.mean([b["timing_s/gen"] for b in batches]))
+def rlmetrics_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-m", "rlmetrics", *args], capture_output=True, text=True, cwd=cwd)
+    assert out.returncode == 0, out.stderr
+    return out
 
 
-def test_demo_command_prints_one_line_per_step(capsys):
-    assert main(["demo", "--steps", "3", "--workers", "2"]) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert [line.split()[1] for line in lines] == ["0", "1", "2"]
-    assert all("critic/score/mean=" in line for line in lines)
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """A local-backend demo run (threads as ranks), as ``rlmetrics demo --backend local`` makes it."""
+    out = tmp_path_factory.mktemp("demo")
+    args = [
+        "demo",
+        "--backend",
+        "local",
+        "--steps",
+        str(STEPS),
+        "--workers",
+        str(WORKERS),
+        "--out",
+        str(out),
+        "--val-every",
+        str(VAL_EVERY),
+        "--sinks",
+        "jsonl,tensorboard",
+        "--pace",
+        "0",
+    ]
+    assert main(args) == 0
+    return out
 
 
-def test_help_runs_as_a_module():
-    out = subprocess.run(
-        [sys.executable, "-m", "rlmetrics", "demo", "--help"], capture_output=True, text=True
+def expected_step(step: int) -> dict[str, float]:
+    """Numpy on the concatenated batches of all ranks (not our metric code)."""
+    batches = [simulate_batch(r, step, STEPS) for r in range(WORKERS)]
+    seq_score = np.concatenate([b["token_level_scores"].double().sum(-1).numpy() for b in batches])
+    lengths = np.concatenate([b["response_mask"].sum(-1).numpy() for b in batches])
+    adv = np.concatenate(
+        [b["advantages"].double().numpy()[b["response_mask"].numpy().astype(bool)] for b in batches]
     )
-    assert out.returncode == 0 and "--workers" in out.stdout
+    turns = np.concatenate([b["__num_turns__"].numpy() for b in batches])
+    return {
+        "critic/score/mean": seq_score.mean(),
+        "response/length/mean": lengths.mean(),
+        "response/length/max": lengths.max(),
+        "response/clip_ratio/mean": (lengths == batches[0]["response_mask"].shape[1]).mean(),
+        "critic/advantages/mean": adv.mean(),
+        "critic/advantages/min": adv.min(),
+        "num_turns/mean": turns.mean(),
+    }
+
+
+def expected_validation(step: int) -> dict[str, float]:
+    everything = simulate_validation(0, 1, step, STEPS, 32, 8)  # one rank holds every sample
+    src = np.asarray(everything["data_sources"])
+    acc = np.asarray(everything["infos_dict"]["acc"])
+    return {f"val-core/{s}/acc/mean@8": acc[src == s].mean() for s in SOURCES}
+
+
+def test_demo_logs_every_step_exactly(run_dir):
+    from rlmetrics.sinks import read_jsonl
+
+    run = read_jsonl(run_dir / "metrics.jsonl")
+    assert run.steps == list(range(STEPS)) and run.truncated is None
+    for record in run.records:
+        for name, want in expected_step(record["step"]).items():
+            assert record["metrics"][name] == pytest.approx(want, rel=1e-6), (record["step"], name)
+    val_steps = [s for s in range(STEPS) if (s + 1) % VAL_EVERY == 0]
+    for record in run.records:
+        has_val = any(k.startswith("val-core/") for k in record["metrics"])
+        assert has_val == (record["step"] in val_steps)
+    for step in val_steps:
+        metrics = run.records[step]["metrics"]
+        for name, want in expected_validation(step).items():
+            assert metrics[name] == pytest.approx(want, rel=1e-12)
+        assert any("/pass@" in k for k in metrics) and any("/maj@8/" in k for k in metrics)
+
+
+def test_demo_writes_tensorboard_and_readable_plots(run_dir):
+    import matplotlib.image
+
+    assert list((run_dir / "tensorboard").rglob("events.out.tfevents.*"))
+    for name in PLOTS:
+        png = matplotlib.image.imread(run_dir / f"{name}.png")
+        assert png.shape[0] > 200 and png.shape[1] > 300
+        assert png[..., :3].std() > 0.01, f"{name}.png is blank"
+
+
+def test_report_filters_by_glob_and_matches_the_log(run_dir):
+    out = rlmetrics_cli("report", str(run_dir), "-m", "response/length/*").stdout
+    assert "response/length/mean" in out and "critic/score/mean" not in out
+    lengths = [expected_step(s)["response/length/max"] for s in range(STEPS)]
+    assert f"{max(lengths):.4g}" in out  # the max over steps of response/length/max
+
+
+def test_plot_and_compare_write_pngs(run_dir, tmp_path):
+    import matplotlib.image
+
+    rlmetrics_cli("plot", str(run_dir), "-m", "critic/score/*", "-o", str(tmp_path / "p.png"))
+    out = rlmetrics_cli(
+        "compare",
+        str(run_dir),
+        str(run_dir / "metrics.jsonl"),
+        "-m",
+        "critic/score/mean",
+        "-o",
+        str(tmp_path / "c.png"),
+    ).stdout
+    assert "critic/score/mean" in out
+    for name in ("p.png", "c.png"):
+        png = matplotlib.image.imread(tmp_path / name)
+        assert png.shape[1] > 300 and png[..., :3].std() > 0.01
+
+
+def test_plot_without_a_match_fails_clearly(run_dir, tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlmetrics",
+            "plot",
+            str(run_dir),
+            "-m",
+            "nope/*",
+            "-o",
+            str(tmp_path / "x.png"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode != 0 and "no metric matches" in out.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_demo_on_ray_as_make_demo_runs_it(tmp_path):
+    out = rlmetrics_cli("demo", "--steps", "4", "--workers", "2", "--val-every", "2", "--out", str(tmp_path))
+    for line in ("metrics: ", "tensorboard: ", "plots: "):
+        assert line in out.stdout
+    from rlmetrics.sinks import read_jsonl
+
+    assert read_jsonl(tmp_path / "metrics.jsonl").steps == [0, 1, 2, 3]
+    assert all((tmp_path / f"{name}.png").stat().st_size > 10_000 for name in PLOTS)
+
+
+def test_demo_joins_an_existing_cluster(tmp_path):
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    try:
+        rlmetrics_cli("demo", "--address", cluster.address, "--steps", "3", "--workers", "2",
+                      "--val-every", "0", "--sinks", "jsonl", "--out", str(tmp_path))  # fmt: skip
+    finally:
+        cluster.shutdown()
+    from rlmetrics.sinks import read_jsonl
+
+    run = read_jsonl(tmp_path / "metrics.jsonl")
+    assert run.steps == [0, 1, 2] and not (tmp_path / "tensorboard").exists()
+    assert not any(name.startswith("val-") for name in run.names())
+
+
+def test_bench_runs_a_named_benchmark():
+    out = rlmetrics_cli("bench", "merge", "--quick").stdout
+    assert "## bench_merge" in out and "|" in out
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help(command):
+    out = rlmetrics_cli(command, "--help").stdout
+    assert out.startswith("usage: rlmetrics " + command)

@@ -1,9 +1,16 @@
-"""``rlmetrics demo``: a simulated multi-rank GRPO run, aggregated every step.
+"""``rlmetrics demo``: a simulated multi-worker GRPO run, aggregated every step.
 
-Each rank (a thread, for the in-process backend) draws a batch with its own size, computes
-sequence-level rewards, response lengths and token-level advantages, and submits them as data
-(not pre-averaged means); rank 0 reads every step without a barrier and prints the exact global
-values.
+W worker ranks (Ray actors; threads with ``--backend local``) each draw a GRPO batch as a TensorDict
+(groups of responses per prompt, prompt and response lengths, rewards that improve over the steps,
+responses clipped at the maximum length, multi-turn counts), then compute and submit the data,
+timing and throughput metrics of that batch; every ``--val-every`` steps they also run a validation
+round (``--val-samples`` samples per prompt; pass@k and maj@k). The driver reads each step as soon
+as every rank closed it — no barrier — logs it to the sinks (JSONL and TensorBoard by default) with a
+progress bar, and at the end prints a summary table and writes PNG plots of reward, response
+length, advantages and validation accuracy into ``--out``.
+
+    rlmetrics demo --steps 30 --workers 4 --out runs/demo
+    rlmetrics demo --backend local --sinks jsonl,console
 """
 
 from __future__ import annotations
@@ -11,75 +18,251 @@ from __future__ import annotations
 import argparse
 import threading
 import time
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-import rlmetrics
+from rlmetrics.backends import connect
 
-SHOWN = ("critic/score/mean", "critic/advantages/mean", "response/length/mean", "response/length/max",
-         "response/clip_ratio/mean", "perf/total_num_tokens", "perf/delta_time/gen")  # fmt: skip
+SOURCES = ("gsm8k", "math500")
+PROMPTS_PER_RANK = 8
+GROUP_SIZE = 4  # responses per prompt: GRPO's group
+MAX_PROMPT, MAX_RESPONSE = 256, 512
+PROGRESS = ("critic/score/mean", "response/length/mean")
+PLOTS = {  # file name -> metric globs
+    "reward": ("critic/score/mean", "critic/rewards/mean", "response/correct_length/mean"),
+    "response_length": ("response/length/*", "response/clip_ratio/mean"),
+    "advantages": ("critic/advantages/*",),
+    "validation": ("val-core/*/acc/mean@*", "val-core/*/acc/maj@*/mean", "val-aux/*/acc/pass@*"),
+}
+SUMMARY = (
+    "critic/*/mean",
+    "response/length/*",
+    "response/clip_ratio/mean",
+    "num_turns/mean",
+    "perf/throughput",
+    "perf/delta_time/step",
+    "val-core/*",
+)
 
 
-def simulate_batch(rank: int, step: int, steps: int, max_len: int = 512) -> dict[str, object]:
-    """One rank's metrics for one step: batch sizes differ across ranks, rewards improve over steps."""
-    rng = np.random.default_rng([rank, step])
-    batch = int(rng.integers(4, 16))
-    p_correct = 0.2 + 0.6 * step / max(steps - 1, 1)
-    score = (rng.random(batch) < p_correct).astype(float)
-    length = np.minimum(rng.lognormal(5.0, 0.6, batch).astype(int) + 1, max_len)
-    mask = np.arange(max_len)[None, :] < length[:, None]
-    adv = (score - score.mean())[:, None] * np.ones((1, max_len)) + rng.normal(0, 0.1, (batch, max_len))
-    stat_len = rlmetrics.Stat.of(length)
+def progress(step: int, steps: int) -> float:
+    """Training progress in [0, 1]: the probability of a correct answer grows with it."""
+    return step / max(steps - 1, 1)
+
+
+def simulate_batch(rank: int, step: int, steps: int) -> Any:
+    """One rank's GRPO batch for one step as a TensorDict (token-level tensors, right-padded)."""
+    import torch
+    from tensordict import TensorDict
+
+    rng = np.random.default_rng([rank, step, 1])
+    b = PROMPTS_PER_RANK * GROUP_SIZE
+    prompt_len = np.repeat(
+        np.minimum(rng.lognormal(4.2, 0.5, PROMPTS_PER_RANK).astype(int) + 8, MAX_PROMPT), GROUP_SIZE
+    )
+    p_correct = 0.15 + 0.6 * progress(step, steps)
+    correct = rng.random(b) < p_correct
+    # correct answers get shorter as training goes on; some responses run into the length limit
+    mean_len = np.where(correct, 5.6 - 0.4 * progress(step, steps), 5.9)
+    response_len = np.clip(rng.lognormal(mean_len, 0.45).astype(int), 1, MAX_RESPONSE)
+    cols = np.arange(MAX_RESPONSE)
+    resp_mask = cols[None, :] < response_len[:, None]
+    last = resp_mask & (cols[None, :] == response_len[:, None] - 1)
+    scores = np.where(last, correct[:, None].astype(float), 0.0)
+    kl = np.where(resp_mask, rng.normal(0.0, 0.002, (b, MAX_RESPONSE)), 0.0)
+    group_scores = correct.reshape(PROMPTS_PER_RANK, GROUP_SIZE).astype(float)
+    adv = (group_scores - group_scores.mean(1, keepdims=True)) / (group_scores.std(1, keepdims=True) + 1e-6)
+    advantages = np.where(resp_mask, adv.reshape(b, 1), 0.0)
+    prompt_mask = np.arange(MAX_PROMPT)[None, :] >= MAX_PROMPT - prompt_len[:, None]
+    f32 = torch.float32
+    return TensorDict(
+        {
+            "responses": torch.zeros(b, MAX_RESPONSE, dtype=torch.long),
+            "attention_mask": torch.from_numpy(np.concatenate([prompt_mask, resp_mask], 1).astype(np.int64)),
+            "response_mask": torch.from_numpy(resp_mask.astype(np.int64)),
+            "token_level_scores": torch.tensor(scores, dtype=f32),
+            "token_level_rewards": torch.tensor(scores - kl, dtype=f32),
+            "advantages": torch.tensor(advantages, dtype=f32),
+            "returns": torch.tensor(advantages, dtype=f32),
+            "__num_turns__": torch.from_numpy(rng.integers(1, 4, b)),
+        },
+        batch_size=[b],
+    )
+
+
+def simulate_validation(rank: int, workers: int, step: int, steps: int, prompts: int, samples: int) -> dict:
+    """This rank's share of a validation round: ``prompts`` prompts per data source, ``samples``
+    samples each, dealt to ranks sample by sample (a prompt's samples sit on several ranks)."""
+    rng = np.random.default_rng([step, 2])  # the same round on every rank: each keeps its share
+    n = len(SOURCES) * prompts * samples
+    source = np.repeat(np.arange(len(SOURCES)), prompts * samples)
+    prompt = np.repeat(np.arange(len(SOURCES) * prompts), samples)
+    difficulty = rng.random(len(SOURCES) * prompts)[prompt]
+    correct = rng.random(n) < (0.1 + 0.7 * progress(step, steps)) * (1.2 - difficulty)
+    wrong_answer = rng.integers(0, 3, n)
+    mine = np.arange(n) % workers == rank
     return {
-        "critic/score/mean": score,
-        "critic/score/max": score,
-        "critic/advantages/mean": rlmetrics.Stat.of(adv, mask=mask),
-        "response/length/mean": stat_len,
-        "response/length/max": stat_len,
-        "response/clip_ratio/mean": (length >= max_len).astype(float),
-        "perf/total_num_tokens": float(length.sum()),
-        "timing_s/gen": float(rng.uniform(0.5, 1.5)),
+        "data_sources": [SOURCES[s] for s in source[mine]],
+        "sample_inputs": [f"prompt {p}" for p in prompt[mine]],
+        "infos_dict": {
+            "reward": correct[mine].astype(float).tolist(),
+            "acc": correct[mine].astype(float).tolist(),
+            "pred": ["right" if c else f"wrong{w}" for c, w in zip(correct[mine], wrong_answer[mine])],
+        },
     }
 
 
-def run_local(steps: int, workers: int, out=print) -> list[rlmetrics.StepResult]:
-    name = f"demo-{time.monotonic_ns()}"
-    results: list[rlmetrics.StepResult] = []
+class DemoRank:
+    """One simulated training rank: its own client; ``run`` does every step without a barrier."""
 
-    def rank(r: int) -> None:
-        client = rlmetrics.connect("local", world_size=workers, name=name, label=f"rank{r}")
+    def __init__(self, rank: int, workers: int, backend: str, name: str) -> None:
+        import tensordict  # noqa: F401  (imported here, not inside the first step's timings)
+
+        self.rank, self.workers = rank, workers
+        self.client = connect(backend, world_size=workers, name=name, label=f"rank{rank}")
+
+    def run(self, steps: int, val_every: int, val_prompts: int, val_samples: int, pace: float) -> int:
+        rng = np.random.default_rng(self.rank)
         for step in range(steps):
-            time.sleep(0.002 * r)  # ranks run at different speeds; nobody waits at a barrier
-            client.submit_metric(simulate_batch(r, step, steps))
-            client.wait_submit()
-            if r == 0:
-                res = client.result(step, timeout=30)
-                results.append(res)
-                out(f"step {step:3d}  " + "  ".join(f"{k}={res[k]:.4g}" for k in SHOWN if k in res))
-        client.stop()
+            t0 = time.perf_counter()
+            timing: dict[str, float] = {}
+            for stage, scale in (("gen", 4.0), ("ref", 1.0), ("adv", 0.2), ("update_actor", 2.0)):
+                t = time.perf_counter()
+                time.sleep(pace * scale * rng.uniform(0.5, 1.5))  # the work of this stage
+                timing[stage] = time.perf_counter() - t
+            batch = simulate_batch(self.rank, step, steps)
+            timing["step"] = time.perf_counter() - t0
+            self.client.compute_local_data_metric(batch, self.workers, step)
+            self.client.compute_local_timing_metrics(batch, timing, self.workers, step)
+            self.client.compute_local_throughout_metrics(batch, timing, 1, self.workers, step)
+            if val_every and (step + 1) % val_every == 0:
+                val = simulate_validation(self.rank, self.workers, step, steps, val_prompts, val_samples)
+                self.client.process_local_validation_metrics(
+                    **val, world_size=self.workers, step=step, exact=True
+                )
+            self.client.wait_submit()
+        self.client.stop()
+        return steps
 
-    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    rlmetrics.backends.local.drop_worker(name)
-    return results
+
+def start_ranks(args: argparse.Namespace, name: str) -> tuple[list, Any]:
+    """Start the ranks; returns (handles, join) where join() waits for all of them to finish."""
+    run_args = (args.steps, args.val_every, args.val_prompts, args.val_samples, args.pace)
+    if args.backend == "local":
+        ranks = [DemoRank(r, args.workers, "local", name) for r in range(args.workers)]
+        threads = [threading.Thread(target=r.run, args=run_args, daemon=True) for r in ranks]
+        for t in threads:
+            t.start()
+        return threads, lambda: [t.join() for t in threads]
+    import ray
+
+    actor = ray.remote(num_cpus=0)(DemoRank)
+    ranks = [actor.remote(r, args.workers, "ray", name) for r in range(args.workers)]
+    refs = [r.run.remote(*run_args) for r in ranks]
+    return ranks, lambda: ray.get(refs)
+
+
+def run(args: argparse.Namespace) -> Path:
+    """The whole demo; returns the output folder."""
+    from rlmetrics.cli import plot, report
+    from rlmetrics.sinks import make_sinks, read_jsonl
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"demo-{time.time_ns()}"
+    started_ray = False
+    if args.backend == "ray":
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(
+                address=args.address,
+                include_dashboard=False,
+                logging_level="ERROR",
+                log_to_driver=False,
+                namespace="rlmetrics-demo",
+            )
+            started_ray = True
+    sinks = [s for s in args.sinks.split(",") if s]
+    tracking = make_sinks(["jsonl", *(s for s in sinks if s != "jsonl")], out, run_name=name)
+    driver = connect(args.backend, name=name)  # a reader; creates the aggregator first
+    try:
+        _, join = start_ranks(args, name)
+        _log_steps(driver, tracking, args.steps)
+        join()
+    finally:
+        tracking.close()
+        if args.backend == "local":
+            from rlmetrics.backends import local
+
+            local.drop_worker(name)
+        elif started_ray:
+            import ray
+
+            ray.shutdown()
+    run_log = read_jsonl(out / "metrics.jsonl")
+    report.print_table(
+        report.summarize(run_log, SUMMARY), title=f"{args.workers} workers, {args.steps} steps"
+    )
+    written = [
+        plot.plot_runs([("demo", run_log)], globs, out / f"{fname}.png", title=fname.replace("_", " "))
+        for fname, globs in PLOTS.items()
+    ]
+    print(f"metrics: {out / 'metrics.jsonl'}")
+    if "tensorboard" in sinks:
+        print(f"tensorboard: {out / 'tensorboard'}   (tensorboard --logdir {out / 'tensorboard'})")
+    print("plots: " + "  ".join(str(p) for p in written if p is not None))
+    return out
+
+
+def _log_steps(driver: Any, tracking: Any, steps: int) -> None:
+    from tqdm import tqdm
+
+    with tqdm(range(steps), desc="steps", unit="step") as bar:
+        for step in bar:
+            res = driver.result(step, timeout=120)
+            tracking.log(res, step)
+            bar.set_postfix({k.split("/")[1]: f"{res[k]:.3g}" for k in PROGRESS if k in res})
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo",
-        help="simulate a multi-rank GRPO run and print the aggregated metrics per step",
+        help="simulate a multi-worker GRPO run; log, summarize and plot its metrics",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--steps", type=int, default=10, help="training steps to simulate (default 10)")
-    p.add_argument("--workers", type=int, default=4, help="simulated ranks (default 4)")
-    p.add_argument("--backend", choices=["local"], default="local", help="where the aggregator runs")
-    p.set_defaults(run=_run)
+    p.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
+    p.add_argument("--workers", type=int, default=4, help="worker ranks (default 4)")
+    p.add_argument(
+        "--backend",
+        choices=["ray", "local"],
+        default="ray",
+        help="ray: an embedded local Ray instance (or --address); local: threads, no Ray",
+    )
+    p.add_argument(
+        "--address",
+        default=None,
+        help="join an existing Ray cluster, e.g. 'auto' (default: start a local instance)",
+    )
+    p.add_argument(
+        "--sinks",
+        default="jsonl,tensorboard",
+        help="comma-separated: jsonl,console,tensorboard,wandb,mlflow,swanlab (offline; "
+        "JSONL is always written) (default jsonl,tensorboard)",
+    )
+    p.add_argument("--out", default="runs/demo", help="folder for metrics.jsonl, event files, PNGs")
+    p.add_argument("--val-every", type=int, default=10, help="validation round every N steps (0: none)")
+    p.add_argument("--val-prompts", type=int, default=32, help="validation prompts per data source")
+    p.add_argument("--val-samples", type=int, default=8, help="samples per validation prompt (the k)")
+    p.add_argument("--pace", type=float, default=0.02, help="seconds of simulated work per stage unit")
+    p.set_defaults(handler=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    run_local(args.steps, args.workers)
+    if args.steps < 1 or args.workers < 1:
+        raise SystemExit("rlmetrics demo: --steps and --workers must be >= 1")
+    run(args)
     return 0

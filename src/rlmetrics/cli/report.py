@@ -1,0 +1,103 @@
+"""``rlmetrics report RUN``: last, min, max and mean of every metric of a run, filtered by globs.
+
+RUN is a ``metrics.jsonl`` written by :class:`~rlmetrics.sinks.JsonlSink` or the folder holding it.
+
+    rlmetrics report runs/demo
+    rlmetrics report runs/demo -m 'critic/*' -m 'val-core/*'
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import math
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+COLUMNS = ["metric", "last", "min", "max", "mean", "steps"]
+
+
+def load_run(path: str | Path):
+    """The :class:`~rlmetrics.sinks.JsonlRun` of a ``metrics.jsonl`` file or of a folder holding one."""
+    from rlmetrics.sinks import read_jsonl
+
+    path = Path(path)
+    file = path / "metrics.jsonl" if path.is_dir() else path
+    if not file.is_file():
+        raise SystemExit(f"rlmetrics: no metrics.jsonl at {path}")
+    return read_jsonl(file)
+
+
+def matching(names: Sequence[str], globs: Sequence[str]) -> list[str]:
+    """The names matching any glob (all names without globs), in the order of ``names``.
+
+    >>> matching(["critic/score/mean", "perf/throughput", "val-core/a/acc/mean@4"], ["critic/*", "val-*"])
+    ['critic/score/mean', 'val-core/a/acc/mean@4']
+    """
+    return [n for n in names if not globs or any(fnmatch.fnmatchcase(n, g) for g in globs)]
+
+
+def summarize(run, globs: Sequence[str] = ()) -> list[tuple[str, float, float, float, float, int]]:
+    """One row per matching metric: (name, last, min, max, mean, number of steps with a finite value)."""
+    rows = []
+    for name in matching(run.names(), globs):
+        _, values = run.series(name)
+        finite = values[np.isfinite(values)]
+        last = values[~np.isnan(values)]
+        if not len(finite):
+            rows.append((name, last[-1] if len(last) else math.nan, math.nan, math.nan, math.nan, 0))
+            continue
+        rows.append(
+            (
+                name,
+                float(last[-1]),
+                float(finite.min()),
+                float(finite.max()),
+                float(finite.mean()),
+                len(finite),
+            )
+        )
+    return rows
+
+
+def print_table(rows: Sequence[tuple], title: str, columns: Sequence[str] = COLUMNS) -> None:
+    """Print rows as one rich table (floats to 4 significant digits), grouped by the first segment of
+    the metric name; at least 110 columns wide, so that names are not folded in a pipe or a log."""
+    from rich.console import Console
+
+    from rlmetrics.sinks.console import format_value, summary_table
+
+    cells = [tuple(format_value(c) if isinstance(c, float) else c for c in row) for row in rows]
+    width = max(shutil.get_terminal_size().columns, 110)
+    Console(width=width).print(summary_table(cells, list(columns), title))
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "report",
+        help="table of last/min/max/mean per metric of a run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("run", help="a metrics.jsonl, or the folder holding one (e.g. runs/demo)")
+    p.add_argument(
+        "-m",
+        "--metric",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="only metrics matching GLOB (repeatable; * matches across '/')",
+    )
+    p.set_defaults(handler=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    run = load_run(args.run)
+    rows = summarize(run, args.metric)
+    if not rows:
+        raise SystemExit(f"rlmetrics report: no metric matches {args.metric} in {args.run}")
+    print_table(rows, f"{args.run}: {len(run.steps)} steps")
+    return 0

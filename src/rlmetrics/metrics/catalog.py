@@ -1,0 +1,133 @@
+"""The metric reference: every built-in metric name, what it means and how ranks are merged.
+
+README's "Metric reference" is :func:`markdown_table` verbatim (a test keeps them equal, and another
+that every name the metric functions produce is listed here). Patterns: ``{a,b}`` stands for each
+alternative, ``<x>`` for any segment. The merge column is computed from the name rules
+(:func:`rlmetrics.resolve`), except for validation metrics, computed once over all ranks' samples.
+
+>>> expand("critic/score/{mean,max}")
+['critic/score/mean', 'critic/score/max']
+>>> merge_of("response/length/{mean,max,min}")
+'mean / max / min'
+>>> covers("timing_s/<stage>", "timing_s/update_actor")
+True
+
+Print the table: ``python -m rlmetrics.metrics.catalog``.
+"""
+
+from __future__ import annotations
+
+import re
+
+from rlmetrics.reduce import resolve
+
+SAMPLES = "all ranks' samples"
+_SEQ, _TOK = "sequence-weighted", "token-weighted"
+
+CATALOG: tuple[tuple[str, str], ...] = (
+    # compute_data_metric (rlmetrics.metrics.data)
+    ("critic/score/{mean,max,min}", f"sequence score: sum of token_level_scores per response ({_SEQ})"),
+    ("critic/rewards/{mean,max,min}", f"sequence reward: sum of token_level_rewards per response ({_SEQ})"),
+    ("critic/advantages/{mean,max,min}", f"advantages over response tokens ({_TOK})"),
+    ("critic/returns/{mean,max,min}", f"returns over response tokens ({_TOK})"),
+    ("critic/values/{mean,max,min}", f"value estimates over response tokens ({_TOK})"),
+    ("critic/vf_explained_var", "1 - Var(returns - values) / Var(returns), exact over all ranks' tokens"),
+    ("response/length/{mean,max,min}", "response length in tokens"),
+    ("response/clip_ratio/mean", "share of responses that reach the maximum response length"),
+    ("response/aborted_ratio", "share of responses without tokens"),
+    ("response/correct_length/{mean,max,min}", "length of responses whose sequence reward is > 0.5"),
+    ("response/wrong_length/{mean,max,min}", "length of responses whose sequence reward is <= 0.5"),
+    ("prompt/length/{mean,max,min}", "prompt length in tokens"),
+    ("prompt/clip_ratio/mean", "share of prompts that fill the prompt width"),
+    ("num_turns/{mean,max,min}", "turns per sample (__num_turns__, multi-turn rollouts)"),
+    ("tool_call_counts/{mean,max,min}", "tool calls per sample (tool_call_counts)"),
+    ("perf/process_cpu_mem_used_gb", "resident memory of the rank's process, GB"),
+    # compute_timing_metrics / compute_throughput_metrics (rlmetrics.metrics.timing)
+    ("perf/delta_time/<stage>", "seconds spent in a stage (submitted as timing_s/<stage>, renamed)"),
+    ("timing_per_token_ms/<stage>", "milliseconds per token of a stage (gen: response tokens)"),
+    ("perf/total_num_tokens", "tokens in the step's batches"),
+    ("perf/time_per_step", "seconds per training step"),
+    ("perf/throughput", "tokens per second per GPU"),
+    # process_validation_metrics (rlmetrics.metrics.validation)
+    ("val-core/<source>/<var>/mean@<n>", "mean of the core variable (acc, else reward) over all n samples"),
+    ("val-core/<source>/<var>/{best,worst}@<n>/{mean,std}", "bootstrap best / worst of n samples"),
+    ("val-core/<source>/<var>/maj@<n>/{mean,std}", "bootstrap majority vote of n samples (needs pred)"),
+    ("val-aux/<source>/<var>/{mean,std}@<k>", "mean and std over the first k samples of a prompt"),
+    ("val-aux/<source>/<var>/{best,worst}@<k>/{mean,std}", "bootstrap best / worst of k samples"),
+    ("val-aux/<source>/<var>/maj@<k>/{mean,std}", "bootstrap majority vote of k samples"),
+    ("val-aux/<source>/<var>/pass@<k>", "unbiased pass@k of 0/1 variables (exact=True)"),
+    (
+        "val-aux/<source>/<var>/{best,worst,maj}@<k>/{exact_mean,exact_std}",
+        "exact expectation / std of the bootstrap distribution (exact=True)",
+    ),
+    ("val-aux/num_turns/{min,max,mean}", "turns per validation sample"),
+    ("val/test_score/<source>", "mean reward of a data source"),
+    # the seed's example pack (rlmetrics.metrics.analysis)
+    ("custom/token_accuracy/mean", "share of tokens marked correct (correct_tokens)"),
+    ("custom/response_quality/{mean,max,min}", "distinct tokens per response (vocabulary diversity)"),
+    ("training/policy_entropy/mean", "policy entropy over response tokens"),
+    ("training/grad_norm/mean", "gradient norm"),
+    ("training/loss/{mean,std}", "loss"),
+    ("analysis/coherence/{mean,std,median}", "1 / (1 + variance of the response tokens)"),
+    ("analysis/transition_diversity/mean", "distinct / total token bigrams"),
+    ("analysis/{unique,total}_transitions/total", "distinct / all token bigrams (distinct: sum of ranks')"),
+    ("analysis/reward_distribution/{mean,std,median,min,max,p25,p75}", "sequence rewards"),
+    ("analysis/reward_{positive,negative,zero}_ratio/mean", "share of sequences with reward > 0, < 0, = 0"),
+    ("analysis/reward_nonzero_token_ratio/mean", "share of response tokens with a non-zero reward"),
+    ("model/attention_entropy/mean", "entropy of attention weights"),
+    ("model/prompt_attention_ratio/mean", "attention mass on prompt keys"),
+    ("model/hidden_norm/{mean,std}", "L2 norm of hidden states"),
+    ("conversation/quality/{mean,std,min,max}", "0.3 length fit + 0.3 vocabulary + 0.4 non-repetition"),
+)
+"""(pattern, meaning) of every built-in metric, in README order."""
+
+_ALTERNATIVES = re.compile(r"\{([^}]*)\}")
+_EXAMPLES = {"stage": "gen", "source": "gsm8k", "var": "acc", "n": "8", "k": "4"}
+
+
+def expand(pattern: str) -> list[str]:
+    """Every name of ``{a,b}`` alternatives (``<x>`` placeholders kept)."""
+    match = _ALTERNATIVES.search(pattern)
+    if match is None:
+        return [pattern]
+    head, tail = pattern[: match.start()], pattern[match.end() :]
+    return [name for alt in match.group(1).split(",") for name in expand(head + alt + tail)]
+
+
+def covers(pattern: str, name: str) -> bool:
+    """Whether ``name`` is one of the names of ``pattern`` (a placeholder is one or more characters
+    without ``/``; ``<n>`` and ``<k>`` are numbers)."""
+    for alt in expand(pattern):
+        parts = re.split(r"(<[a-z]+>)", alt)
+        regex = "".join(
+            (r"\d+" if p in ("<n>", "<k>") else r"[^/]+") if p.startswith("<") else re.escape(p)
+            for p in parts
+        )
+        if re.fullmatch(regex, name):
+            return True
+    return False
+
+
+def merge_of(pattern: str) -> str:
+    """How a metric of ``pattern`` is merged over ranks: its reductions, in the order of the names."""
+    if pattern.startswith(("val-core/", "val-aux/", "val/")):
+        return SAMPLES
+    if pattern == "critic/vf_explained_var":
+        return "derived"
+    names = [re.sub(r"<([a-z]+)>", lambda m: _EXAMPLES[m.group(1)], n) for n in expand(pattern)]
+    found: list[str] = []
+    for name in names:
+        reduction = resolve(name).name
+        found += [reduction] if not found or found[-1] != reduction else []
+    return " / ".join(found)
+
+
+def markdown_table() -> str:
+    """The metric reference as a markdown table (README's "Metric reference")."""
+    lines = ["| name | meaning | merged over ranks |", "|---|---|---|"]
+    lines += [f"| `{p}` | {meaning} | {merge_of(p)} |" for p, meaning in CATALOG]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")

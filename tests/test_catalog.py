@@ -1,0 +1,63 @@
+"""The metric reference in README is generated from the code, and covers every name the code makes."""
+
+import re
+from pathlib import Path
+
+import numpy as np
+
+from rlmetrics.metrics import analysis, catalog
+from rlmetrics.metrics.data import compute_data_metric
+from rlmetrics.metrics.timing import compute_throughput_metrics, compute_timing_metrics
+from rlmetrics.metrics.validation import process_validation_metrics
+from rlmetrics.reduce import DEFAULT_RENAMES, rename
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def produced_names() -> set[str]:
+    """Every name the built-in metric functions report for a batch that has every key they read."""
+    from tests.test_metrics_data import make_batch  # the batch builder of the data tests
+
+    batch = make_batch(np.random.default_rng(0), 16, 8, 12, tool_calls=True)
+    names = set(compute_data_metric(batch))
+    timing = {"gen": 1.0, "ref": 0.5, "values": 0.5, "adv": 0.1, "update_actor": 2.0, "step": 4.0}
+    names |= {rename(n, DEFAULT_RENAMES) for n in compute_timing_metrics(batch, timing)}
+    names |= set(compute_throughput_metrics(batch, timing, 1))
+    rng = np.random.default_rng(1)
+    n = 2 * 3 * 8
+    val = process_validation_metrics(
+        ["a"] * (n // 2) + ["b"] * (n // 2),
+        [f"p{i // 8}" for i in range(n)],
+        {
+            "reward": rng.random(n).tolist(),
+            "acc": (rng.random(n) < 0.5).astype(float).tolist(),
+            "pred": rng.integers(0, 3, n).astype(str).tolist(),
+        },
+        sample_turns=rng.integers(1, 4, n),
+        exact=True,
+    )
+    names |= set(val)
+    for value in vars(analysis).values():
+        if isinstance(value, tuple) and value and all(isinstance(v, str) and "/" in v for v in value):
+            names |= set(value)
+    return names
+
+
+def test_every_produced_name_is_in_the_reference():
+    names = produced_names()
+    assert len(names) > 150
+    missing = sorted(n for n in names if not any(catalog.covers(p, n) for p, _ in catalog.CATALOG))
+    assert missing == []
+
+
+def test_every_reference_name_without_placeholders_is_produced():
+    names = produced_names()
+    stale = [n for p, _ in catalog.CATALOG for n in catalog.expand(p) if "<" not in n and n not in names]
+    assert stale == []
+
+
+def test_readme_carries_the_generated_table():
+    text = README.read_text()
+    block = re.search(r"<!-- metric-reference -->\n(.*?)<!-- /metric-reference -->", text, re.S)
+    assert block is not None, "README lacks the metric-reference markers"
+    assert block.group(1) == catalog.markdown_table(), "run: python -m rlmetrics.metrics.catalog"
