@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 DEMO_EXTRAS := ray,torch,console,tensorboard,plot
 TEST_EXTRAS := ray,torch,console,trackers,plot,dev
 
-.PHONY: demo test lint bench bench-peers install install-test install-peers clean
+.PHONY: demo test lint bench bench-peers soak chaos install install-test install-peers clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +67,13 @@ bench: install-test install-peers
 
 bench-peers: install-peers
 	$(BIN)/python benchmarks/bench_peers.py
+
+# Not part of `make test` (which runs 200 and 50 steps of them): the long runs of README's Reliability.
+soak: install-test
+	$(BIN)/python benchmarks/soak.py
+
+chaos: install-test
+	$(BIN)/python benchmarks/chaos.py --seed 0 --steps 200
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache

@@ -631,12 +631,26 @@ class Aggregator:
         """``(done_below, finalized)``: every step below ``done_below`` and those listed are finalized."""
         return self._done_below, sorted(self._finalized)
 
-    def export_state(self) -> dict:
-        """What a restarted aggregator needs to resume: registered clients and finalized steps."""
+    def export_state(self, results: int = 2) -> dict:
+        """What a restarted aggregator needs to resume (JSON-serializable): registered clients,
+        finalized steps, and the newest ``results`` results — a restart between finalizing a step
+        and the reply reaching its reader leaves the step finalized, and the retried read finds it.
+
+        >>> engine = Aggregator()
+        >>> engine.submit("a", 0, 0, 1, pack({"x": 2.0}))  # merged: True
+        True
+        >>> _ = engine.finalize(0)
+        >>> again = Aggregator()
+        >>> again.restore_state(engine.export_state())
+        >>> again.result(0)["x"], again.is_finalized(0)
+        (2.0, True)
+        """
+        newest = list(self._results.items())[-results:] if results > 0 else []
         return {
             "clients": sorted(self.clients),
             "done_below": self._done_below,
             "finalized": sorted(self._finalized),
+            "results": [[step, dict(res), res.meta] for step, res in newest],
         }
 
     def restore_state(self, state: Mapping) -> None:
@@ -644,6 +658,8 @@ class Aggregator:
         self.clients = set(state["clients"])
         self._done_below = int(state["done_below"])
         self._finalized = set(state["finalized"])
+        for step, values, meta in state.get("results", ()):
+            self._results[int(step)] = StepResult(values, int(step), meta)
 
     def result(self, step: int) -> StepResult | None:
         """A kept finalized result, or None."""
