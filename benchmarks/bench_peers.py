@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> tuple[list[RayRow], list[DataRow], li
     )
     print(head, flush=True)
 
-    ray.init(num_cpus=RAY_CPUS, include_dashboard=False, runtime_env=_ray_runtime_env())
+    ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, runtime_env=_ray_runtime_env())
     try:
         ray_rows = [measure_ray(w, m, ray_steps) for w, m in ray_cells]
     finally:

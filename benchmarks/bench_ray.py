@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     versions = (f"numpy {np.__version__}", f"ray {ray.__version__}", f"rlmetrics {rlmetrics.__version__}")
     head = report.header("Ray step", *versions)
     print(head, flush=True)
-    ray.init(num_cpus=HOSTS, include_dashboard=False)
+    ray.init(address="local", num_cpus=HOSTS, include_dashboard=False)
     try:
         rows = [measure(w, m, steps) for w in world_sizes for m in metric_counts]
     finally:

@@ -440,7 +440,7 @@ def test_local_100k_names_in_one_submit_are_accepted():
 @pytest.fixture(scope="module")
 def ray_worker():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     worker = rlmetrics.get_metric_worker(name=f"fuzz-{uuid.uuid4().hex[:8]}")  # the driver owns it
     incarnation = ray.get(worker.ping.remote())
     yield worker, incarnation

@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> Path:
 
         if not ray.is_initialized():
             ray.init(
-                address=args.address,
+                address=args.address or "local",  # a new instance, whatever else runs here
                 include_dashboard=False,
                 logging_level="ERROR",
                 log_to_driver=False,
