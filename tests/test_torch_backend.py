@@ -230,14 +230,10 @@ def _worker(rank: int, out_dir: str) -> None:
 
 
 def _spawn(out_dir: str) -> None:
-    """Start the 4 ranks. On Linux they fork from this fresh script process (torch and rlmetrics are
-    imported once, not in every rank: seconds on a 2-core machine); elsewhere they spawn."""
+    """Start the 4 ranks with ``torch.multiprocessing.spawn``: fresh interpreters, as torchrun's."""
     import torch.multiprocessing as mp
 
-    import rlmetrics  # noqa: F401 - imported before the fork
-
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    mp.start_processes(_worker, args=(out_dir,), nprocs=WORLD, join=True, start_method=method)
+    mp.spawn(_worker, args=(out_dir,), nprocs=WORLD, join=True)
 
 
 # ----------------------------------------------------------------------------------------- the tests
