@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rlmetrics.cli.report import load_run, matching, print_table
+from rlmetrics.cli.report import add_metric_option, load_run, matching, print_table
 from rlmetrics.extras import require
 
 MAX_PANELS = 24
@@ -100,15 +100,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_common(p: argparse.ArgumentParser, default_out: str) -> None:
-    p.add_argument(
-        "-m",
-        "--metric",
-        action="append",
-        default=[],
-        metavar="GLOB",
-        required=True,
-        help="metrics matching GLOB (repeatable; * matches across '/')",
-    )
+    add_metric_option(p, "metrics", required=True)
     p.add_argument("-o", "--output", default=default_out, help=f"PNG file to write (default {default_out})")
 
 

@@ -83,15 +83,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("run", help="a metrics.jsonl, or the folder holding one (e.g. runs/demo)")
-    p.add_argument(
-        "-m",
-        "--metric",
-        action="append",
-        default=[],
-        metavar="GLOB",
-        help="only metrics matching GLOB (repeatable; * matches across '/')",
-    )
+    add_metric_option(p, "only metrics", required=False)
     p.set_defaults(handler=_run)
+
+
+def add_metric_option(p: argparse.ArgumentParser, what: str, required: bool) -> None:
+    """``-m/--metric GLOB``, repeatable."""
+    p.add_argument("-m", "--metric", action="append", default=[], metavar="GLOB", required=required,
+                   help=f"{what} matching GLOB (repeatable; * matches across '/')")  # fmt: skip
 
 
 def _run(args: argparse.Namespace) -> int:

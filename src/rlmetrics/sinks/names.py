@@ -175,3 +175,26 @@ class Sink:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class RunSink(Sink):
+    """A sink around a tracker's run object with ``run.log(dict, step=...)`` (W&B, SwanLab): names
+    adapted for ``tracker``; ``close()`` runs :meth:`finish` once."""
+
+    def __init__(self, tracker: str, run: Any) -> None:
+        self.names = NameMap(tracker)
+        self.run = run
+        self._open = True
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        if not self._open:
+            raise ValueError(f"{self!r} is closed")
+        self.run.log(self.names.adapt(as_floats(metrics)), step=as_step(step))
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self.finish()
+
+    def finish(self) -> None:
+        self.run.finish()

@@ -9,15 +9,14 @@ them, so SwanLab's own silent trimming of leading/trailing ``.`` and ``/`` never
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from rlmetrics.extras import require
-from rlmetrics.sinks.names import NameMap, Sink, as_floats, as_step
+from rlmetrics.sinks.names import RunSink
 
 
-class SwanLabSink(Sink):
+class SwanLabSink(RunSink):
     """Log each step with ``run.log(metrics, step=step)``; ``close()`` finishes the run."""
 
     def __init__(
@@ -32,19 +31,7 @@ class SwanLabSink(Sink):
             Path(logdir).mkdir(parents=True, exist_ok=True)
             kw["log_dir"] = str(logdir)
         self.project, self.logdir = project, logdir
-        self.names = NameMap("swanlab")
-        self.run = swanlab.init(project=project, mode=mode, **kw)
-        self._open = True
-
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        if not self._open:
-            raise ValueError(f"{self!r} is closed")
-        self.run.log(self.names.adapt(as_floats(metrics)), step=as_step(step))
-
-    def close(self) -> None:
-        if self._open:
-            self._open = False
-            self.run.finish()
+        super().__init__("swanlab", swanlab.init(project=project, mode=mode, **kw))
 
     def __repr__(self) -> str:
         return f"SwanLabSink(project={self.project!r}, logdir={str(self.logdir)!r})"

@@ -18,12 +18,11 @@ import logging
 import os
 import struct
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from rlmetrics.extras import require
-from rlmetrics.sinks.names import NameMap, Sink, as_floats, as_step
+from rlmetrics.sinks.names import RunSink
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +50,7 @@ def _last_record(path: Path) -> bytes | None:
     return last
 
 
-class WandbSink(Sink):
+class WandbSink(RunSink):
     """Log each step with ``run.log(metrics, step=step)``; ``close()`` finishes the run."""
 
     def __init__(
@@ -76,22 +75,13 @@ class WandbSink(Sink):
         )
         init_kwargs.setdefault("reinit", "create_new")
         self.project, self.mode, self.close_timeout = project, mode, close_timeout
-        self.names = NameMap("wandb")
-        self.run = wandb.init(project=project, name=name, dir=dir, mode=mode, **init_kwargs)
-        self._open = True
+        super().__init__("wandb", wandb.init(project=project, name=name, dir=dir, mode=mode, **init_kwargs))
 
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        if not self._open:
-            raise ValueError(f"{self!r} is closed")
-        self.run.log(self.names.adapt(as_floats(metrics)), step=as_step(step))
-
-    def close(self) -> None:
-        if self._open:
-            self._open = False
-            run_file = Path(self.run.settings.sync_file)
-            self.run.finish()
-            if self.mode != "disabled":
-                self._wait_written(run_file)
+    def finish(self) -> None:
+        run_file = Path(self.run.settings.sync_file)
+        self.run.finish()
+        if self.mode != "disabled":
+            self._wait_written(run_file)
 
     def _wait_written(self, run_file: Path) -> None:
         deadline = time.monotonic() + self.close_timeout
