@@ -189,6 +189,7 @@ def test_rank_killed_mid_run_gives_partial_then_continues_with_new_world_size(na
     ray.get(ranks[3].flush.remote())  # rank 3 delivered steps 0 and 1, then dies
     ray.kill(ranks[3])
     ray.get([a.step.remote(2) for a in ranks[:3]])
+    ray.get([a.flush.remote() for a in ranks[:3]])  # delivered: the 2 s below wait for rank 3 only
     reader = rlmetrics.connect("ray", name=name)
     with pytest.warns(RuntimeWarning, match="partial"):
         res = reader.result(2, timeout=2)
