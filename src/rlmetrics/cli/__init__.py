@@ -1,4 +1,4 @@
-"""The ``rlmetrics`` command line: ``demo``, ``report``, ``plot``, ``compare``, ``bench``.
+"""The rlmetrics command line: demo, report, plot, compare, bench (each has --help).
 
 rlmetrics demo                     # a simulated GRPO run on an embedded Ray instance
 rlmetrics report runs/demo         # last/min/max/mean per metric

@@ -253,7 +253,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="comma-separated: jsonl,console,tensorboard,wandb,mlflow,swanlab (offline; "
         "JSONL is always written) (default jsonl,tensorboard)",
     )
-    p.add_argument("--out", default="runs/demo", help="folder for metrics.jsonl, event files, PNGs")
+    p.add_argument(
+        "--out", default="runs/demo", help="folder for metrics.jsonl, event files, PNGs (default runs/demo)"
+    )
     p.add_argument("--val-every", type=int, default=10, help="validation round every N steps (0: none)")
     p.add_argument("--val-prompts", type=int, default=32, help="validation prompts per data source")
     p.add_argument("--val-samples", type=int, default=8, help="samples per validation prompt (the k)")
