@@ -1,5 +1,6 @@
 """The Ray backend on a real local Ray instance: seed API, steps without a barrier, wire, faults."""
 
+import gc
 import pickle
 import random
 import time
@@ -178,6 +179,16 @@ def test_schema_lost_in_a_restart_is_resent_transparently(name):
     client.wait_submit()
     assert client.result(1, timeout=60) == {"a/mean": 3.0, "b/max": 4.0}
     assert client.result(0, timeout=60) == {"a/mean": 1.0, "b/max": 2.0}
+
+
+def test_the_aggregator_outlives_its_creator_dropping_the_handle(name):
+    """Ray ends a non-detached actor when its creator drops the last handle; README's pattern (a bare
+    get_metric_worker in the driver) relies on rlmetrics keeping one, or the ranks would create
+    their own aggregator, owned by one of them and dying with it."""
+    first = ray.get(rlmetrics.get_metric_worker(name=name).ping.remote())  # the handle is dropped
+    gc.collect()
+    time.sleep(3)
+    assert ray.get(ray.get_actor(name).ping.remote(), timeout=30) == first
 
 
 def test_rank_killed_mid_run_gives_partial_then_continues_with_new_world_size(name):

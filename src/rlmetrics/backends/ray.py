@@ -303,14 +303,18 @@ def get_metric_worker(
     """Get the named aggregator actor, or create it (``options`` apply on creation).
 
     Create it from the driver first: a non-detached actor lives as long as its creator (pass
-    ``lifetime="detached"`` to let it outlive the driver). ``hierarchy="node"`` also creates one
-    sub-aggregator on every alive node now (see :func:`node_worker`).
+    ``lifetime="detached"`` to let it outlive the driver). This process keeps a handle to it (Ray
+    kills a non-detached actor as soon as its creator drops the last handle), so a bare
+    ``get_metric_worker(name)`` in the driver is enough; ``ray.kill(handle)`` ends it.
+    ``hierarchy="node"`` also creates one sub-aggregator on every alive node now (see
+    :func:`node_worker`).
     """
     actor_opts = {k: options.pop(k) for k in ("lifetime",) if k in options}
     node_opts = {k: options.pop(k) for k in ("node_timeout",) if k in options}
     root = MetricWorker.options(
         name=name, namespace=namespace, get_if_exists=True, num_cpus=num_cpus, **actor_opts
     ).remote(**options)
+    _keep(root)
     if hierarchy == "node":
         ray.get(root.ping.remote())
         nodes = [
@@ -322,6 +326,16 @@ def get_metric_worker(
     elif hierarchy is not None:
         raise ValueError(f"hierarchy must be None or 'node', got {hierarchy!r}")
     return root
+
+
+_KEPT: dict[str, Any] = {}
+"""The first handle this process got to each aggregator, by actor id, kept for the process's life:
+only the creator's own handle keeps a non-detached actor alive (not one looked up by name later)."""
+
+
+def _keep(handle: Any) -> Any:
+    _KEPT.setdefault(handle._actor_id.hex(), handle)
+    return handle
 
 
 def node_worker(name: str, namespace: str | None, node_id: str | None = None, **options: Any) -> Any:
@@ -338,14 +352,16 @@ def node_worker(name: str, namespace: str | None, node_id: str | None = None, **
     actor_opts = {k: options.pop(k) for k in ("lifetime",) if k in options}
     for _ in range(50):  # processes of one node may race to create it: one wins, the others look it up
         try:
-            return NodeWorker.options(
-                name=actor_name,
-                namespace=namespace,
-                get_if_exists=True,
-                num_cpus=0,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-                **actor_opts,
-            ).remote(name, namespace, node_id, **options)
+            return _keep(
+                NodeWorker.options(
+                    name=actor_name,
+                    namespace=namespace,
+                    get_if_exists=True,
+                    num_cpus=0,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+                    **actor_opts,
+                ).remote(name, namespace, node_id, **options)
+            )
         except ValueError:
             time.sleep(0.1)
     return ray.get_actor(actor_name, namespace=namespace)
