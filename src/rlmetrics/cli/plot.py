@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rlmetrics.cli.report import add_metric_option, load_run, matching, print_table
+from rlmetrics.cli.report import add_metric_option, last_value, load_run, matching, print_table
 from rlmetrics.extras import require
 
 MAX_PANELS = 24
@@ -114,19 +114,11 @@ def _compare(args: argparse.Namespace) -> int:
     if runs[0][0] == runs[1][0]:
         runs = [(args.run_a, runs[0][1]), (args.run_b, runs[1][1])]
     out = plot_runs(runs, args.metric, args.output, title=f"{runs[0][0]} vs {runs[1][0]}")
-    names = [n for n in matching(sorted(set(runs[0][1].names()) | set(runs[1][1].names())), args.metric)]
-    rows = [(n, *(_last(run, n) for _, run in runs)) for n in names]
+    names = matching(sorted(set(runs[0][1].names()) | set(runs[1][1].names())), args.metric)
+    rows = [(n, *(last_value(run.series(n)[1]) for _, run in runs)) for n in names]
     rows = [(n, a, b, b - a) for n, a, b in rows]
     print_table(rows, "last values", ["metric", runs[0][0], runs[1][0], "b - a"])
     return _written(out, args)
-
-
-def _last(run, name: str) -> float:
-    if name not in run.names():
-        return math.nan
-    values = run.series(name)[1]
-    values = values[~np.isnan(values)]
-    return float(values[-1]) if len(values) else math.nan
 
 
 def _written(out: Path | None, args: argparse.Namespace) -> int:

@@ -40,27 +40,27 @@ def matching(names: Sequence[str], globs: Sequence[str]) -> list[str]:
     return [n for n in names if not globs or any(fnmatch.fnmatchcase(n, g) for g in globs)]
 
 
+def last_value(values: np.ndarray) -> float:
+    """The last logged value of a series (NaN where a step lacks the metric; a logged NaN counts).
+
+    >>> last_value(np.array([1.0, 2.0, np.nan])), last_value(np.array([np.nan]))
+    (2.0, nan)
+    """
+    logged = values[~np.isnan(values)]
+    return float(logged[-1]) if len(logged) else math.nan
+
+
 def summarize(run, globs: Sequence[str] = ()) -> list[tuple[str, float, float, float, float, int]]:
     """One row per matching metric: (name, last, min, max, mean, number of steps with a finite value)."""
     rows = []
     for name in matching(run.names(), globs):
-        _, values = run.series(name)
+        values = run.series(name)[1]
         finite = values[np.isfinite(values)]
-        last = values[~np.isnan(values)]
-        if not len(finite):
-            rows.append((name, last[-1] if len(last) else math.nan, math.nan, math.nan, math.nan, 0))
-            continue
-        rows.append(
-            (
-                name,
-                float(last[-1]),
-                float(finite.min()),
-                float(finite.max()),
-                float(finite.mean()),
-                len(finite),
-            )
-        )
-    return rows
+        if len(finite):
+            rows.append((name, last_value(values), finite.min(), finite.max(), finite.mean(), len(finite)))
+        else:
+            rows.append((name, last_value(values), math.nan, math.nan, math.nan, 0))
+    return [(name, *map(float, stats), n) for name, *stats, n in rows]
 
 
 def print_table(rows: Sequence[tuple], title: str, columns: Sequence[str] = COLUMNS) -> None:

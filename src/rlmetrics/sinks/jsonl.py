@@ -44,6 +44,7 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -135,17 +136,26 @@ class JsonlRun:
 
     def names(self) -> list[str]:
         """Every metric name in the file, sorted."""
-        return sorted({name for r in self.records for name in r["metrics"]})
+        return list(self._names)
 
     def series(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """``(steps, values)`` over all distinct steps, ascending; NaN where a step lacks ``name``.
 
         For a step present more than once, the later record wins.
         """
+        steps, latest = self._latest
+        return steps, np.array([_as_float(m.get(name)) for m in latest], dtype=np.float64)
+
+    # Built once per run (records are not changed after reading): a report or plot asks per name.
+    @cached_property
+    def _names(self) -> tuple[str, ...]:
+        return tuple(sorted({name for r in self.records for name in r["metrics"]}))
+
+    @cached_property
+    def _latest(self) -> tuple[np.ndarray, list[dict]]:
         latest = {r["step"]: r["metrics"] for r in self.records}
-        steps = np.array(sorted(latest), dtype=np.int64)
-        values = np.array([_as_float(latest[s].get(name)) for s in steps.tolist()], dtype=np.float64)
-        return steps, values
+        steps = sorted(latest)
+        return np.array(steps, dtype=np.int64), [latest[s] for s in steps]
 
 
 def _as_float(value: Any) -> float:
