@@ -5,8 +5,6 @@ except ``perf/process_cpu_mem_used_gb`` (the process RSS at call time). The inte
 :mod:`rlmetrics.metrics.data` are asserted with both behaviours.
 """
 
-import math
-
 import pytest
 
 pytest.importorskip("siirl.utils.metrics.metric_utils")
@@ -16,6 +14,7 @@ TensorDict = pytest.importorskip("tensordict").TensorDict
 from siirl.utils.metrics.metric_utils import compute_data_metric as siirl_data_metric  # noqa: E402
 
 from rlmetrics.metrics.data import compute_data_metric  # noqa: E402
+from tests.peers.parity import assert_close  # noqa: E402
 
 REL = 1e-5
 VOLATILE = {"perf/process_cpu_mem_used_gb"}
@@ -55,15 +54,6 @@ def random_batch(seed: int, b: int = 32, p: int = 12, r: int = 16, *, num_turns:
     return TensorDict(data, batch_size=[b])
 
 
-def assert_close(ours: dict, theirs: dict, keys) -> None:
-    bad = {
-        k: (ours[k], float(theirs[k]))
-        for k in keys
-        if not math.isclose(ours[k], float(theirs[k]), rel_tol=REL, abs_tol=REL)
-    }
-    assert not bad, bad
-
-
 @pytest.mark.parametrize("seed", range(6))
 def test_every_key_matches_siirl(seed):
     """Every key siiRL reports has our value (1e-5 relative), on random batches with values,
@@ -73,7 +63,7 @@ def test_every_key_matches_siirl(seed):
     ours = compute_data_metric(batch)
     assert set(ours) - set(theirs) == OURS_ONLY
     assert set(theirs) - set(ours) == set()
-    assert_close(ours, theirs, set(theirs) - VOLATILE)
+    assert_close(ours, theirs, REL, set(theirs) - VOLATILE)
     lengths = batch["response_mask"].sum(-1)
     assert ours["response/aborted_ratio"] == pytest.approx((lengths == 0).float().mean().item())
 
@@ -86,7 +76,7 @@ def test_without_values_and_turns_matches_siirl():
     theirs, ours = siirl_data_metric(batch), compute_data_metric(batch)
     assert not any(k.startswith("critic/values") or k == "critic/vf_explained_var" for k in theirs)
     assert set(ours) == set(theirs) | OURS_ONLY
-    assert_close(ours, theirs, set(theirs) - VOLATILE)
+    assert_close(ours, theirs, REL, set(theirs) - VOLATILE)
 
 
 def test_vf_explained_var_unbiased_variances_as_siirl():
@@ -116,7 +106,7 @@ def test_empty_correct_or_wrong_siirl_reports_zero_we_omit(side):
     assert all(theirs[n] == 0 for n in names)
     assert not any(n in ours for n in names)
     other = "wrong" if side == "correct" else "correct"
-    assert_close(ours, theirs, [f"response/{other}_length/{s}" for s in ("mean", "max", "min")])
+    assert_close(ours, theirs, REL, [f"response/{other}_length/{s}" for s in ("mean", "max", "min")])
 
 
 def test_integer_num_turns_siirl_raises_we_report():
@@ -130,5 +120,5 @@ def test_integer_num_turns_siirl_raises_we_report():
     ours = compute_data_metric(batch)
     batch["__num_turns__"] = turns
     theirs = siirl_data_metric(batch)
-    assert_close(ours, theirs, ["num_turns/mean", "num_turns/max", "num_turns/min"])
+    assert_close(ours, theirs, REL, ["num_turns/mean", "num_turns/max", "num_turns/min"])
     assert ours["num_turns/mean"] == pytest.approx(turns.double().mean().item(), rel=1e-12)

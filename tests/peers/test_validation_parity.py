@@ -4,8 +4,6 @@ Same bootstrap indices (``np.random.seed(seed)`` reseeded per call in siiRL, a p
 ``RandomState`` with the same draws here), so every key agrees to float rounding.
 """
 
-import math
-
 import numpy as np
 import pytest
 
@@ -16,6 +14,7 @@ from siirl.utils.metrics.metric_utils import (  # noqa: E402
 )
 
 from rlmetrics.metrics.validation import process_validation_metrics  # noqa: E402
+from tests.peers.parity import assert_close  # noqa: E402
 
 REL = 1e-12
 
@@ -46,16 +45,6 @@ def random_validation(seed: int, *, reward: bool = True):
     return sources, prompts, infos, turns
 
 
-def assert_same(ours: dict, theirs: dict) -> None:
-    assert set(ours) == set(theirs)
-    bad = {
-        k: (ours[k], float(theirs[k]))
-        for k in theirs
-        if not math.isclose(ours[k], float(theirs[k]), rel_tol=REL, abs_tol=REL)
-    }
-    assert not bad, bad
-
-
 @pytest.mark.parametrize("seed", range(3))
 def test_every_key_matches_siirl(seed):
     """Every key (``val-core``/``val-aux`` mean/std/best/worst/maj@k, ``val/test_score/*``,
@@ -64,7 +53,7 @@ def test_every_key_matches_siirl(seed):
     theirs = siirl_validation_metrics(sources, prompts, infos, turns)
     ours = process_validation_metrics(sources, prompts, infos, turns)
     assert any(k.startswith("val-core/minerva_math/acc/maj@") for k in theirs)
-    assert_same(ours, theirs)
+    assert_close(ours, theirs, REL)
 
 
 def test_other_seed_and_reward_as_core_variable_match_siirl():
@@ -75,7 +64,7 @@ def test_other_seed_and_reward_as_core_variable_match_siirl():
     theirs = siirl_validation_metrics(sources, prompts, infos, turns, seed=7)
     ours = process_validation_metrics(sources, prompts, infos, turns, seed=7)
     assert any(k.startswith("val-core/gsm8k/reward/") for k in theirs)
-    assert_same(ours, theirs)
+    assert_close(ours, theirs, REL)
 
 
 def test_without_reward_siirl_raises_keyerror_we_report():
@@ -90,4 +79,4 @@ def test_without_reward_siirl_raises_keyerror_we_report():
     with_reward = dict(infos, reward=[0.0] * len(sources))  # siiRL's value of every other key
     theirs = siirl_validation_metrics(sources, prompts, with_reward, turns)
     theirs = {k: v for k, v in theirs.items() if "/reward/" not in k and not k.startswith("val/test_score/")}
-    assert_same(ours, theirs)
+    assert_close(ours, theirs, REL)

@@ -24,6 +24,7 @@ from siirl.execution.metric_worker.utils import MetricFunc as siirl_metric_func 
 import rlmetrics  # noqa: E402
 from rlmetrics.backends import local  # noqa: E402
 from rlmetrics.metrics.data import compute_data_metric  # noqa: E402
+from tests.peers.parity import assert_close  # noqa: E402
 
 TIMEOUT = 20.0
 REL = 1e-12
@@ -135,16 +136,6 @@ def flat(subs: list[dict], name: str) -> list[float]:
     return [v for sub in subs for v in (sub[name] if isinstance(sub[name], list) else [sub[name]])]
 
 
-def assert_same(ours: dict, theirs: dict) -> None:
-    assert set(ours) == set(theirs)
-    bad = {
-        k: (ours[k], theirs[k])
-        for k in theirs
-        if not math.isclose(ours[k], theirs[k], rel_tol=REL, abs_tol=REL)
-    }
-    assert not bad, bad
-
-
 def test_substring_rules_agree_on_parity_names():
     """The parity names resolve to the same reduction under siiRL's ``MetricFunc`` and ours, and the
     trap names do not (the premise of the tests below)."""
@@ -177,9 +168,9 @@ def test_ray_workers_agree_on_scalars_and_lists(siirl_worker, our_worker):
             client.wait_submit()
         ours = our_clients[0].result(step, timeout=TIMEOUT)
         assert ours.meta["complete"]
-        assert_same(dict(ours), theirs)
+        assert_close(dict(ours), theirs, REL)
         expected = {name: reduce_flat(kind, flat(subs, name)) for name, kind in PARITY_NAMES.items()}
-        assert_same(dict(ours), expected)
+        assert_close(dict(ours), expected, REL)
 
 
 def test_seed_spelling_wait_final_res_agrees(siirl_worker, our_worker):
@@ -195,7 +186,7 @@ def test_seed_spelling_wait_final_res_agrees(siirl_worker, our_worker):
         ray.get(theirs_client.fut, timeout=TIMEOUT)
         theirs_client.fut = []
         our_client.wait_submit()
-        assert_same(dict(our_client.wait_final_res()), siirl_final(siirl_worker))
+        assert_close(dict(our_client.wait_final_res()), siirl_final(siirl_worker), REL)
 
 
 def test_name_traps_siirl_min_or_sum_we_mean(siirl_worker, local_name):
