@@ -560,17 +560,14 @@ class TorchMetricClient(ClientCore):
         self,
         group: Any = None,
         *,
-        result_on: int | None = None,
-        renames: Mapping[str, str] | None = None,
-        keep_results: int = 64,
-        device: Any = None,
         world_size: int | None = None,
         nan_strategy: str = "propagate",
         label: str | None = None,
+        **transport_options: Any,
     ) -> None:
-        transport = TorchDistTransport(
-            group, result_on=result_on, renames=renames, keep_results=keep_results, device=device
-        )
+        """``transport_options`` go to :class:`TorchDistTransport`: ``result_on``, ``renames``,
+        ``keep_results``, ``device`` (above), ``memory``."""
+        transport = TorchDistTransport(group, **transport_options)
         super().__init__(
             transport,
             world_size=world_size or transport.world_size,
