@@ -182,3 +182,17 @@ def test_bench_runs_a_named_benchmark():
 def test_every_command_has_help(command):
     out = rlmetrics_cli(command, "--help").stdout
     assert out.startswith("usage: rlmetrics " + command)
+
+
+def test_plot_never_turns_a_metric_name_into_a_path(tmp_path):
+    from rlmetrics.sinks import JsonlSink
+
+    run_dir = tmp_path / "runs" / "evil"
+    with JsonlSink(run_dir / "metrics.jsonl") as sink:
+        for step in range(3):
+            sink.log({"../../escape": float(step), "/abs/x": 2.0 * step}, step)
+    cwd = tmp_path / "a" / "b"  # where "../../escape" would land: inside tmp_path, seen below
+    cwd.mkdir(parents=True)
+    before = {p for p in tmp_path.rglob("*")}
+    rlmetrics_cli("plot", str(run_dir), "-m", "*", "-o", str(tmp_path / "out.png"), cwd=cwd)
+    assert {p for p in tmp_path.rglob("*")} - before == {tmp_path / "out.png"}
