@@ -3,17 +3,22 @@
 A message is a plain tuple of ints, bytes and small tuples (cheap for pickle and Ray)::
 
     (VERSION, items, close, schemas, resync)
-    items   = [(step, seq, world_size, schema_id, (codec, stats_bytes), {column: sketch_bytes},
+    items   = [(step, seq, world_size, schema_id, stats, {column: sketch_bytes},
                 contributions, validation_records), ...]
     schemas = {schema_id: (names, reductions)}   # only for schemas the receiver does not know yet
 
-``stats_bytes`` holds float64s: ``M`` values (one observation per metric) or a ``(5, M)`` stat
-array; codec 0 is the raw buffer, codec 1 the same bytes byte-shuffled (all first bytes, then all
-second bytes, ...) and zlib-compressed, used when every value is exact in float32 and that saves at
-least 1/16 — lossless; it shrinks the counts and small fractions that metrics often are several
-times, while other doubles go raw. The receiver keeps a
-:class:`SchemaTable`; an item whose schema it lacks (say, after a restart) is reported back by id,
-and the sender repeats it with the names.
+``seq`` is a client's sequence number, or, in an item that pre-merges several clients' submissions
+(Ray's per-process sender), the tuple of their ``(client_id, seq)`` keys.
+
+``stats`` holds float64s, ``M`` values (one observation per metric) or a ``(5, M)`` stat array, as
+``(0, raw_bytes)`` or, losslessly packed by byte plane, ``(1, k, zlib_bytes, rest_bytes)``: the top
+``k`` bytes of every value plane by plane (all top bytes, then all second bytes, ...) compressed,
+then the other ``8 - k`` bytes of each value raw. ``k`` is 8 when many values are exact in float32
+(what ``tensor.item()`` gives: their low bytes are zero), else 2 (sign and exponent, which metrics
+share: random doubles still shrink by ~1/7); packing is used when it saves at least 1/16.
+
+The receiver keeps a :class:`SchemaTable`; an item whose schema it lacks (say, after a restart) is
+reported back by id, and the sender repeats it with the names.
 
 >>> from rlmetrics.aggregator import pack
 >>> p = pack({"a/mean": 1.0, "b/max": 2.0})
@@ -36,7 +41,7 @@ import numpy as np
 from rlmetrics.aggregator import Packed, Schema, SubmissionError
 from rlmetrics.sketch import Sketch
 
-VERSION = 1
+VERSION = 2
 Item = tuple[int, int, int, Packed]  # (step, seq, world_size, packed)
 
 
@@ -59,32 +64,36 @@ def encode(items: list[Item], close: list[int], send_names: Any, resync: bool = 
     return (VERSION, out, list(close), schemas, resync)
 
 
-def _float_bytes(arr: np.ndarray) -> tuple[int, bytes]:
-    raw = arr.tobytes()
-    # Values that float32 holds exactly (counts, small fractions) end in zero bytes and compress many
-    # times; other doubles barely compress, and trying costs more than packing them. The first
-    # values decide cheaply for most arrays (random doubles: the first one already fails).
-    head = arr.ravel()[:8]
-    if (
-        arr.size >= 64
-        and np.array_equal(head, head.astype(np.float32), equal_nan=True)
-        and np.array_equal(arr, arr.astype(np.float32), equal_nan=True)
-    ):
-        packed = zlib.compress(np.frombuffer(raw, np.uint8).reshape(-1, 8).T.tobytes(), 1)
-        if len(packed) <= len(raw) - len(raw) // 16:
-            return (1, packed)
+def _float_bytes(arr: np.ndarray) -> tuple:
+    raw = arr.astype("<f8", copy=False).tobytes()
+    n = len(raw) // 8
+    if n < 64:
+        return (0, raw)
+    low_bits = np.frombuffer(raw, "<u8") & 0x1FFFFFFF  # the mantissa bits float32 lacks
+    k = 8 if np.count_nonzero(low_bits == 0) * 8 >= n else 2  # >= 1/8 of the values float32-exact
+    planes = np.frombuffer(raw, np.uint8).reshape(n, 8)
+    packed = zlib.compress(planes[:, 8 - k :].T.tobytes(), 1)
+    rest = planes[:, : 8 - k].tobytes()
+    if len(packed) + len(rest) <= len(raw) - len(raw) // 16:
+        return (1, k, packed, rest)
     return (0, raw)
 
 
-def _floats(codec: int, data: bytes, max_values: int) -> np.ndarray:
-    if codec == 0:
-        return np.frombuffer(data, dtype=np.float64)
-    if codec != 1:
-        raise SubmissionError(f"unknown codec {codec!r}")
-    raw = zlib.decompressobj().decompress(data, 8 * max_values + 1)  # bounded: no decompression bomb
-    if len(raw) % 8 or len(raw) > 8 * max_values:
+def _floats(data: tuple, max_values: int) -> np.ndarray:
+    codec = data[0]
+    if codec == 0 and len(data) == 2:
+        return np.frombuffer(data[1], dtype="<f8")
+    if codec != 1 or len(data) != 4 or data[1] not in (2, 8):
+        raise SubmissionError(f"unknown codec {data[:2]!r:.40}")
+    _, k, packed, rest = data
+    top = zlib.decompressobj().decompress(packed, k * max_values + 1)  # bounded: no decompression bomb
+    n = len(top) // k
+    if len(top) % k or n > max_values or len(rest) != (8 - k) * n:
         raise SubmissionError("compressed stats of the wrong size")
-    return np.frombuffer(np.frombuffer(raw, np.uint8).reshape(8, -1).T.tobytes(), dtype=np.float64)
+    planes = np.empty((n, 8), np.uint8)
+    planes[:, 8 - k :] = np.frombuffer(top, np.uint8).reshape(k, n).T
+    planes[:, : 8 - k] = np.frombuffer(rest, np.uint8).reshape(n, 8 - k)
+    return planes.view("<f8").ravel()
 
 
 class SchemaTable:
@@ -124,7 +133,7 @@ def decode(msg: tuple, table: SchemaTable) -> tuple[list[Item], list[int], list[
                     unknown.append(sid)
                 continue
             m = len(schema.names)
-            stats = _floats(*data, 5 * m)
+            stats = _floats(data, 5 * m)
             if stats.size == 5 * m and m:
                 stats = stats.reshape(5, m)
             sk = {int(c): Sketch.from_array(np.frombuffer(b, dtype=np.float64)) for c, b in sketches.items()}
