@@ -7,6 +7,7 @@ import pytest
 
 from rlmetrics import Stat, register_reduction
 from rlmetrics.aggregator import Aggregator, Packed, Schema, SubmissionError, pack
+from rlmetrics.stat import stats_of_rows
 
 
 def _feed(agg, step, parts, names=("x/mean", "x/max", "x/min", "x/std", "x/sum", "x/observations")):
@@ -86,6 +87,22 @@ def test_retries_are_merged_once_and_late_data_is_dropped():
     assert agg.finalize(0)["a"] == 2.0
     assert agg.submit("r0", 0, 2, 1, p) is False and agg.late == 1
     assert agg.finalize(0)["a"] == 2.0  # kept result, unchanged
+
+
+def test_a_premerged_contribution_counts_every_client_once():
+    agg = Aggregator()
+    rows = np.array([[1.0, 10.0], [3.0, 30.0], [8.0, 80.0]])
+    schema = pack({"a/mean": 0.0, "b/max": 0.0}).schema
+    both = Packed(schema, stats_of_rows(rows[:2]), contributions=2)
+    assert agg.submit_merged((("r0", 0), ("r1", 0)), 0, 3, both) is True
+    assert agg.submit_merged((("r0", 0), ("r1", 0)), 0, 3, both) is False  # a retry
+    with pytest.raises(SubmissionError, match="partly merged"):
+        agg.submit_merged((("r1", 0), ("r2", 0)), 0, 3, both)
+    assert agg.submit("r2", 0, 0, 3, Packed(schema, rows[2])) is True
+    for r in ("r0", "r1", "r2"):
+        agg.close(r, 0)
+    assert agg.is_complete(0)
+    assert agg.finalize(0) == {"a/mean": rows[:, 0].mean(), "b/max": 80.0}
 
 
 @pytest.mark.parametrize(

@@ -486,7 +486,7 @@ def test_ray_malformed_and_oversized_contributions_are_refused_and_others_comple
     import ray
 
     from rlmetrics.aggregator import pack
-    from rlmetrics.wire import encode
+    from rlmetrics.wire import VERSION, encode
 
     worker, incarnation = ray_worker
     base = next(_BASES) * 100
@@ -495,10 +495,14 @@ def test_ray_malformed_and_oversized_contributions_are_refused_and_others_comple
         (encode([(base, 0, 10**30, packed)], [], True), "world_size must be an int"),
         (encode([(-1, 0, 1, packed)], [], True), "step must be a non-negative int"),
         (("not", "a", "message"), "malformed message"),
-        ((1, [("x",)], [], {}, False), "malformed item"),
+        ((VERSION, [("x",)], [], {}, False), "malformed item"),
     ]:
         reply = ray.get(worker.send.remote("evil", msg))
         assert needle in " ".join(reply["errors"].values()), reply
+    for keys in [(), (("evil", "x"),), "evil", ((1, 0), ("evil", 0))]:  # pre-merged items need keys
+        merged = encode([(base, keys, 2, packed)], [], True)
+        [reply] = ray.get(worker.send_many.remote([("evil", encode([], [base], False))], merged))
+        assert "keys" in " ".join(reply["errors"].values()), (keys, reply)
     good = MetricClient(worker, world_size=1, label="good")
     good.submit_metric({"z/mean": [2.0, 4.0]}, step=base)
     good.close_step(base)

@@ -394,6 +394,29 @@ class Aggregator:
 
         ``register=False`` leaves the sender out of the clients whose step closing is awaited.
         """
+        return self.submit_merged(((client_id, seq),), step, world_size, packed, register=register)
+
+    def submit_merged(
+        self,
+        keys: tuple[tuple[str, int], ...],
+        step: int,
+        world_size: int,
+        packed: Packed,
+        *,
+        register: bool = True,
+    ) -> bool:
+        """Merge a contribution that already merges the submissions ``keys`` (``(client_id, seq)``
+        pairs) of one step, as a process pre-merges its clients'. All of them are new, or all were
+        merged before (False); a mix is refused.
+
+        >>> engine = Aggregator()
+        >>> rows = stats_of_rows(np.array([[1.0], [3.0]]))  # two clients' values, pre-merged
+        >>> both = Packed(pack({"r/mean": 1.0}).schema, rows, contributions=2)
+        >>> engine.submit_merged((("a", 0), ("b", 0)), 0, 2, both), engine.submit("a", 0, 0, 2, both)
+        (True, False)
+        >>> engine.finalize(0)["r/mean"]
+        2.0
+        """
         if not (type(step) is int or isinstance(step, numbers.Integral)) or step < 0:
             raise SubmissionError(f"step must be a non-negative int, got {step!r}")
         if (
@@ -422,18 +445,22 @@ class Aggregator:
             raise SubmissionError(f"contributions must be a positive int, got {packed.contributions!r}")
         if self.is_finalized(step):
             self.late += 1
-            logger.warning("step %d is finalized; dropped a late contribution of %s", step, client_id)
+            logger.warning("step %d is finalized; dropped a late contribution of %s", step, keys[0][0])
             return False
         cols = self._columns(packed.schema)
         st = self._steps.get(step)
         if st is None:
             st = self._steps[step] = _Step()
-        if (client_id, seq) in st.seen:
+        seen = [key in st.seen for key in keys]
+        if all(seen):
             return False
-        st.seen.add((client_id, seq))
+        if any(seen):
+            raise SubmissionError(f"merged contribution of {len(keys)} submissions was partly merged before")
+        st.seen.update(keys)
+        clients = {client_id for client_id, _ in keys}
         if register:
-            self.clients.add(client_id)
-        st.contributors.add(client_id)
+            self.clients.update(clients)
+        st.contributors.update(clients)
         group = st.groups.get(packed.schema.id)
         if group is None:
             group = st.groups[packed.schema.id] = _Group(cols)

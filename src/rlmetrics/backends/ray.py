@@ -28,9 +28,12 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from rlmetrics.aggregator import Aggregator, StepResult, SubmissionError, pack
+import numpy as np
+
+from rlmetrics.aggregator import Aggregator, Packed, StepResult, SubmissionError, pack
 from rlmetrics.client import AggregatorRestarted, Submission, make_reply, receive
 from rlmetrics.extras import require
+from rlmetrics.stat import stats_of_rows
 from rlmetrics.wire import SchemaTable, decode, encode
 
 ray = require("ray", "ray")
@@ -140,25 +143,67 @@ class _MetricWorker:
         self._after_receive()
         return reply
 
-    async def send_many(self, batch: list[tuple[str, tuple]]) -> list[dict]:
-        """Messages of several clients of one process, posted while its previous call was in flight."""
+    async def send_many(self, batch: list[tuple[str, tuple]], merged: tuple | None = None) -> list[dict]:
+        """Messages of several clients of one process, posted while its previous call was in flight.
+
+        ``merged``: a message whose items each pre-merge submissions of several of those clients
+        (their seq is the tuple of ``(client_id, seq)`` keys), merged before the clients' own
+        messages, whose closes may follow them. If any schema is unknown nothing is merged: each
+        client repeats its whole message with names.
+        """
         self.calls["send_many"] += 1
-        replies = [self._receive(client_id, msg) for client_id, msg in batch]
+        self.calls["messages"] += len(batch)
+        decoded = [self._decode(client_id, msg) for client_id, msg in batch]
+        pre = self._decode("merged", merged) if merged is not None else ([], [], [])
+        unknown = [sid for d in (*decoded, pre) if isinstance(d, tuple) for sid in d[2]]
+        if unknown:
+            return [{"unknown": unknown, "incarnation": self.incarnation}] * len(batch)
+        pre_errors = self._merge_premerged(pre[0]) if isinstance(pre, tuple) else {"": pre["errors"]}
+        replies = []
+        for (client_id, msg), d in zip(batch, decoded):
+            reply = d if isinstance(d, dict) else self._merge(client_id, d[0], d[1], msg[4])
+            reply["errors"].update(pre_errors.get(client_id, pre_errors.get("", {})))
+            replies.append(reply)
         self._after_receive()
         return replies
 
-    def _receive(self, client_id: str, msg: tuple) -> dict:
-        self.calls["messages"] += 1
+    def _decode(self, client_id: str, msg: tuple) -> tuple | dict:
+        """``decode``'s (items, close, unknown), or the error reply for a malformed message."""
         try:
-            items, close, unknown = decode(msg, self.table)
+            return decode(msg, self.table)
         except SubmissionError as exc:
             return make_reply(self.engine, {client_id: str(exc)}, self.incarnation)
+
+    def _receive(self, client_id: str, msg: tuple) -> dict:
+        self.calls["messages"] += 1
+        decoded = self._decode(client_id, msg)
+        if isinstance(decoded, dict):
+            return decoded
+        items, close, unknown = decoded
         if unknown:  # merge nothing (a close must not overtake its data): the client repeats with names
             return {"unknown": unknown, "incarnation": self.incarnation}
+        return self._merge(client_id, items, close, msg[4])
+
+    def _merge(self, client_id: str, items: list, close: list[int], resync: bool) -> dict:
         reply = receive(self.engine, client_id, items, close, self.incarnation)
-        if msg[4]:  # a resend after a restart
+        if resync:  # a resend after a restart
             self._awaiting.discard(client_id)
         return reply
+
+    def _merge_premerged(self, items: list) -> dict[str, dict[str, str]]:
+        """Merge pre-merged items; their errors by client."""
+        errors: dict[str, dict[str, str]] = {}
+        for step, keys, world_size, packed in items:
+            try:
+                if not (isinstance(keys, tuple) and keys and all(_is_key(k) for k in keys)):
+                    errors[""] = {"merged": "a merged item needs (client_id, seq) keys"}
+                    continue
+                self.engine.submit_merged(keys, step, world_size, packed)
+                self.calls["premerged"] += len(keys)
+            except (SubmissionError, ValueError) as exc:
+                for client_id, seq in keys:
+                    errors.setdefault(client_id, {})[f"{client_id}/{step}/{seq}"] = f"step {step}: {exc}"
+        return errors
 
     def _after_receive(self) -> None:
         if self.engine.clients != self._saved_clients:
@@ -229,10 +274,9 @@ class _NodeWorker(_MetricWorker):
     def _export_state(self) -> dict:  # finalized steps are the root's business
         return {"clients": sorted(self.engine.clients), "done_below": 0, "finalized": []}
 
-    def _receive(self, client_id: str, msg: tuple) -> dict:
-        reply = super()._receive(client_id, msg)
-        if "done_below" in reply:
-            reply["done_below"], reply["finalized"] = self.upstream.finalized_state
+    def _merge(self, client_id: str, items: list, close: list[int], resync: bool) -> dict:
+        reply = super()._merge(client_id, items, close, resync)
+        reply["done_below"], reply["finalized"] = self.upstream.finalized_state
         return reply
 
     def _after_receive(self) -> None:
@@ -286,6 +330,10 @@ class _NodeWorker(_MetricWorker):
 
     async def final(self) -> StepResult:
         return await asyncio.get_running_loop().run_in_executor(self._forwarder, self.upstream.wait_final_res)
+
+
+def _is_key(key: Any) -> bool:
+    return isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str) and type(key[1]) is int
 
 
 MetricWorker = ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=100_000)(_MetricWorker)
@@ -394,6 +442,10 @@ class RayTransport:
         """Block until the actor answers (its next incarnation); ConnectionError after the timeout."""
         return _wait_alive(self.handle, self.reconnect_timeout)
 
+    def knows(self, packed: Packed) -> bool:
+        """The actor has the names of ``packed``'s schema (as far as this client knows)."""
+        return packed.schema.id in self._known
+
     def _encode(self, items: list[Submission], close: list[int], resync: bool = False) -> tuple:
         msg = encode(items, close, lambda sid: sid not in self._known, resync)
         self._known.update(item[3].schema.id for item in items)
@@ -415,7 +467,7 @@ class RayTransport:
 
     def post(self, client_id: str, items: list[Submission], close: list[int]) -> tuple:
         """Send without waiting; :meth:`collect` gives the reply (or raises AggregatorRestarted)."""
-        return (self._sender.post(client_id, self._encode(items, close)), client_id, items, close)
+        return (self._sender.post(self, client_id, items, close), client_id, items, close)
 
     def collect(self, posted: tuple, block: bool = True) -> dict | None:
         future, client_id, items, close = posted
@@ -466,7 +518,9 @@ def _per_actor(cls: Any, transport: RayTransport) -> Any:
 
 class _Sender:
     """Group commit: a ``send_many`` call carries every message posted while the previous call was
-    in flight, so no message waits for a timer and a busy process makes few calls."""
+    in flight, so no message waits for a timer and a busy process makes few calls; the steady
+    scalar submissions of several clients for one step and schema travel pre-merged
+    (:func:`_premerge`), so the aggregator's work per step follows processes, not ranks."""
 
     _by_actor: dict[str, _Sender] = {}
     _lock = threading.Lock()
@@ -482,10 +536,12 @@ class _Sender:
     def of(cls, transport: RayTransport) -> _Sender:
         return _per_actor(cls, transport)
 
-    def post(self, client_id: str, msg: tuple) -> Future:
+    def post(
+        self, transport: RayTransport, client_id: str, items: list[Submission], close: list[int]
+    ) -> Future:
         future: Future = Future()
         with self._cond:
-            self._queue.append((client_id, msg, future))
+            self._queue.append((transport, client_id, items, close, future))
             self._cond.notify()
         return future
 
@@ -498,24 +554,59 @@ class _Sender:
             try:
                 if not ray.is_initialized():
                     raise ConnectionError("Ray is shut down")
-                replies = ray.get(self.handle.send_many.remote([(c, m) for c, m, _ in batch]))
+                replies = ray.get(self.handle.send_many.remote(*_premerge(batch)))
             except _UNAVAILABLE:
                 try:
                     _wait_alive(self.handle, self.reconnect_timeout)
                     error: BaseException = AggregatorRestarted("aggregator restarted during a send")
                 except ConnectionError as exc:
                     error = exc
-                for _, _, future in batch:
+                for *_, future in batch:
                     future.set_exception(error)
                 continue
             except (Exception, SystemExit) as exc:  # Ray shut down
-                for _, _, future in batch:
+                for *_, future in batch:
                     future.set_exception(ConnectionError(f"send failed: {exc}"))
                 if not ray.is_initialized():
                     return
                 continue
-            for (_, _, future), reply in zip(batch, replies):
+            for (*_, future), reply in zip(batch, replies):
                 future.set_result(reply)
+
+
+def _premerge(batch: list[tuple]) -> tuple[list[tuple[str, tuple]], tuple | None]:
+    """The clients' messages of a batch, and one message with the items merged across clients:
+    1-D submissions (one value per metric) of one step, world size and known schema become one
+    ``(5, M)`` stat array keyed by every ``(client_id, seq)`` (:meth:`Aggregator.submit_merged`)."""
+    own: list[list[Submission]] = []
+    groups: dict[tuple, list[tuple[str, Submission, list]]] = {}
+    for transport, client_id, items, _close, _future in batch:
+        mine: list[Submission] = []
+        for item in items:
+            step, _seq, world_size, packed = item
+            if (
+                packed.stats.ndim == 1
+                and not packed.sketches
+                and not packed.records
+                and transport.knows(packed)
+            ):
+                groups.setdefault((step, world_size, packed.schema.id), []).append((client_id, item, mine))
+            else:
+                mine.append(item)
+        own.append(mine)
+    merged = []
+    for (step, world_size, _), members in groups.items():
+        if len(members) == 1:
+            _, item, mine = members[0]
+            mine.append(item)
+            continue
+        packs = [item[3] for _, item, _ in members]
+        stats = stats_of_rows(np.stack([p.stats for p in packs]))
+        keys = tuple((client_id, item[1]) for client_id, item, _ in members)
+        contributions = sum(p.contributions for p in packs)
+        merged.append((step, keys, world_size, Packed(packs[0].schema, stats, contributions=contributions)))
+    messages = [(b[1], b[0]._encode(mine, b[3])) for b, mine in zip(batch, own)]
+    return messages, (encode(merged, [], False) if merged else None)
 
 
 class _Watcher:
