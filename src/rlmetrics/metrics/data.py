@@ -29,10 +29,13 @@ abort flag in siiRL 0.2.0), so it comes with the response lengths; ``tool_call_c
 ``tool_call_counts`` key (verl's) and ``num_turns/*`` the ``__num_turns__`` key, any numeric dtype.
 
 Everything is computed on the batch's device with fixed shapes (no masked_select, no ``.item()``)
-and the summaries of all metrics reach the host in one transfer. Missing keys skip the metrics that
-need them. Batch keys: ``responses``, ``attention_mask``, ``response_mask``, ``token_level_scores``,
-``token_level_rewards``, ``advantages``, ``returns``, ``values``, ``__num_turns__``,
-``tool_call_counts`` (tensors, numpy arrays or lists; a TensorDict or a plain dict).
+and the summaries of all metrics reach the host in one transfer. On CPU the token summaries work in
+scratch memory each thread keeps between calls (up to :data:`_SCRATCH_LIMIT` bytes, three
+mask-sized tensors) rather than in fresh temporaries, whose page faults cost more than the
+arithmetic. Missing keys skip the metrics that need them. Batch keys: ``responses``,
+``attention_mask``, ``response_mask``, ``token_level_scores``, ``token_level_rewards``, ``advantages``,
+``returns``, ``values``, ``__num_turns__``, ``tool_call_counts`` (tensors, numpy arrays or lists;
+a TensorDict or a plain dict).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -97,7 +101,7 @@ def compute_data_stats(batch: Batch, *, aux: bool = True) -> dict[str, Stat]:
         if not aux:
             for name in _VF_AUX:
                 del stats[name]
-    rss_gb = psutil.Process(os.getpid()).memory_info().rss / 1024**3
+    rss_gb = _process().memory_info().rss / 1024**3
     stats["perf/process_cpu_mem_used_gb"] = Stat(1.0, rss_gb, 0.0, rss_gb, rss_gb)
     return stats
 
@@ -149,6 +153,18 @@ def data_metrics_from_stats(stats: Mapping[str, Stat]) -> dict[str, float]:
 
 
 # -------------------------------------------------------------------------------------- internals
+_PROCESSES: dict[int, Any] = {}
+
+
+def _process() -> Any:
+    """This process's ``psutil.Process``, made once per pid (making one reads ``/proc`` twice)."""
+    pid = os.getpid()
+    if pid not in _PROCESSES:
+        _PROCESSES.clear()
+        _PROCESSES[pid] = psutil.Process(pid)
+    return _PROCESSES[pid]
+
+
 class _Tensors:
     """The batch's tensors (missing or unusable keys are None) and the response / prompt masks."""
 
@@ -279,26 +295,43 @@ def _summarize_rows(values: Any, weights: Any) -> Any:
 
 
 class _TokenMask:
-    """The response mask as the token summaries of float ``dtype`` data use it, built once per batch.
+    """The response mask as the token summaries use it, built once per batch into ``out``.
 
-    ``bits`` is an integer tensor as wide as ``dtype``, 0 off the response and all ones on it
-    (``mask != 0``, as masked_select reads a mask): ``x & bits`` keeps response tokens exactly and
-    zeroes the padding whatever it holds (nan or inf too, which a multiplication by the mask would
-    spread), at the speed of arithmetic (boolean kernels such as ``torch.where`` are several times
-    slower on CPU). Large temporaries are few on purpose: on CPU each fresh one costs page faults.
+    Two integer tensors as wide as the float data summarized (``out`` is ``(2, *mask.shape)``): ``on``
+    is 1 on the response (``mask != 0``, as masked_select reads a mask) and 0 off it, ``off`` the
+    reverse. Multiplying the integers of float data by ``on`` keeps response tokens exactly and
+    zeroes the padding whatever it holds (nan or inf too, which a float multiplication would
+    spread); adding ``off * v`` then sets the padding to the bits of ``v``. Integer arithmetic runs
+    several times faster than boolean kernels such as ``torch.where`` on CPU.
     """
 
-    def __init__(self, mask: Any, dtype: Any) -> None:
-        int_type = torch.int64 if dtype == torch.float64 else torch.int32
-        if mask.dtype == torch.bool:
-            bits = mask.view(torch.uint8).to(int_type)
-        elif mask.is_floating_point():
-            bits = mask.ne(0).view(torch.uint8).to(int_type)
-        else:  # integers: |m| clamped to 1 is m != 0, without a boolean temporary
-            bits = mask.to(int_type, copy=True).abs_().clamp_(max=1)
-        self.count = bits.sum(dtype=int_type).to(torch.float64)  # (a float64 sum of ints is slower)
+    def __init__(self, mask: Any, out: Any) -> None:
+        self.on, self.off = out
+        self.on.copy_(mask.ne(0) if mask.is_floating_point() else mask).ne_(0)
+        self.count = self.on.sum(dtype=self.on.dtype).to(torch.float64)  # (a float64 sum of ints is slower)
         self.divisor = self.count.clamp(min=1.0)
-        self.bits = bits.neg_()
+        torch.bitwise_xor(self.on, 1, out=self.off)
+
+
+_SCRATCH_LIMIT = 32 * 2**20
+"""Bytes of scratch memory a thread keeps between calls on CPU (see :func:`_scratch`)."""
+
+_kept = threading.local()
+
+
+def _scratch(shape: tuple[int, ...], dtype: Any, device: Any) -> Any:
+    """An uninitialised tensor: on CPU a view of the calling thread's kept scratch memory (up to
+    :data:`_SCRATCH_LIMIT` bytes), as there a fresh multi-megabyte temporary costs a page fault every
+    4 KiB whenever the allocator has handed freed memory back to the system. Accelerator allocators
+    keep their memory themselves. Nothing derived from the result may outlive the caller's use."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if device.type != "cpu" or nbytes > _SCRATCH_LIMIT:
+        return torch.empty(shape, dtype=dtype, device=device)
+    kept = getattr(_kept, "memory", None)
+    if kept is None or kept.numel() < nbytes:
+        with torch.inference_mode(False):  # a normal tensor: later calls may run outside inference mode
+            kept = _kept.memory = torch.empty(nbytes, dtype=torch.uint8)
+    return kept[:nbytes].view(dtype).view(shape)
 
 
 def _summarize_tokens(x: Any, mask: _TokenMask, buf: Any) -> tuple[Any, Any, Any, Any]:
@@ -310,13 +343,11 @@ def _summarize_tokens(x: Any, mask: _TokenMask, buf: Any) -> tuple[Any, Any, Any
     neither, and no shape depends on the data (no sync).
     """
     f64 = torch.float64
-    bits = mask.bits
-    torch.bitwise_and(x.view(bits.dtype), bits, out=buf)
+    torch.mul(x.view(buf.dtype), mask.on, out=buf)
     vals = buf.view(x.dtype)  # x on response tokens, +0.0 (all bits 0) on padding
     total = vals.sum(-1).sum(dtype=f64)
     mean = (total / mask.divisor).to(x.dtype)
-    mean_bits = mean.view(bits.dtype)
-    buf.bitwise_xor_(mean_bits).bitwise_and_(bits).bitwise_xor_(mean_bits)  # padding := mean, in place
+    buf.addcmul_(mask.off, mean.view(buf.dtype))  # padding := mean, in place
     mn, mx = torch.aminmax(vals)
     vals.sub_(mean)
     m2 = vals.mul_(vals).sum(-1).sum(dtype=f64)
@@ -384,19 +415,19 @@ def _add_token_metrics(t: _Tensors, plan: _Plan, mask: Any) -> None:
         plan.token_block(names, empty[:, None].expand(5, len(names)))
         return
     dtype = torch.float64 if any(x.dtype == torch.float64 for x in found.values()) else torch.float32
-    token_mask = _TokenMask(mask, dtype)
-    buf = torch.empty_like(token_mask.bits)
+    scratch = _scratch((3, *mask.shape), torch.int64 if dtype == f64 else torch.int32, mask.device)
+    token_mask = _TokenMask(mask, out=scratch[:2])
+    buf = scratch[2]
     parts = [
         _summarize_tokens(found[key].to(dtype), token_mask, buf) for key, _ in _TOKEN_METRICS if key in found
     ]
     if vf:  # the residual is computed into the scratch buffer and summarized in place
         residual = torch.sub(found["returns"].to(dtype), found["values"].to(dtype), out=buf.view(dtype))
         parts.append(_summarize_tokens(residual, token_mask, buf))
-    totals, m2s, mins, maxs = (torch.stack(column) for column in zip(*parts))
+    sums, m2s, mins, maxs = torch.stack([v for part in parts for v in part]).view(-1, 4).T  # float64
     has = token_mask.count > 0
-    mins = torch.where(has, mins.to(f64), math.inf)
-    maxs = torch.where(has, maxs.to(f64), -math.inf)
-    plan.token_block(names, torch.stack([token_mask.count.expand(len(parts)), totals, m2s, mins, maxs]))
+    mins, maxs = torch.where(has, mins, math.inf), torch.where(has, maxs, -math.inf)
+    plan.token_block(names, torch.stack([token_mask.count.expand(len(parts)), sums, m2s, mins, maxs]))
 
 
 __all__ = ["CORRECT_THRESHOLD", "compute_data_metric", "compute_data_stats", "data_metrics_from_stats"]
