@@ -242,14 +242,9 @@ class ClientCore:
 
     def result(self, step: int, timeout: float | None = None) -> StepResult:
         """The result of ``step`` as soon as it is complete; at ``timeout`` (seconds) the partial
-        result, whose ``meta`` names the missing ranks and metrics (and a RuntimeWarning says so).
-
-        What this client queued is sent first; with a transport that posts (Ray) the wait for the
-        result overlaps the delivery, and a refusal in those replies is raised afterwards."""
-        self._flush([])
-        res = self._retrying(lambda: self.transport.result(step, timeout))
-        self._collect(block=True)
-        return self._checked(res)
+        result, whose ``meta`` names the missing ranks and metrics (and a RuntimeWarning says so)."""
+        self.flush()
+        return self._checked(self._retrying(lambda: self.transport.result(step, timeout)))
 
     def wait_final_res(self) -> StepResult:
         """Aggregate everything pending now and return the newest step's result (seed semantics)."""
