@@ -364,10 +364,15 @@ class ClientCore:
 def receive(
     engine: Aggregator, client_id: str, items: list[Submission], close: list[int], incarnation: str = "local"
 ) -> dict:
-    """The receiving side of :meth:`Transport.send`: merge into ``engine`` and build the reply.
+    """The receiving side of :meth:`Transport.send`: merge into ``engine`` and build the reply."""
+    return make_reply(engine, merge_items(engine, client_id, items, close), incarnation)
 
-    A rejected item does not stop the others; its error is in the reply, keyed by step and seq.
-    """
+
+def merge_items(
+    engine: Aggregator, client_id: str, items: list[Submission], close: list[int]
+) -> dict[str, str]:
+    """Merge a client's items, then its step closings; the errors, keyed by client, step and seq
+    (a rejected item does not stop the others)."""
     errors: dict[str, str] = {}
     for step, seq, world_size, packed in items:
         try:
@@ -376,7 +381,7 @@ def receive(
             errors[f"{client_id}/{step}/{seq}"] = f"step {step}: {exc}"
     for step in close:
         engine.close(client_id, step)
-    return make_reply(engine, errors, incarnation)
+    return errors
 
 
 def make_reply(engine: Aggregator, errors: dict[str, str], incarnation: str = "local") -> dict:

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from rlmetrics.aggregator import Aggregator, Packed, StepResult, SubmissionError, pack
-from rlmetrics.client import AggregatorRestarted, Submission, make_reply, receive
+from rlmetrics.client import AggregatorRestarted, Submission, make_reply, merge_items
 from rlmetrics.extras import require
 from rlmetrics.stat import stats_of_rows
 from rlmetrics.wire import SchemaTable, decode, encode
@@ -69,7 +69,8 @@ class _MetricWorker:
             self._awaiting = set(state["clients"])
             self._recovery_deadline = time.monotonic() + recovery_timeout
         self._saved_clients = set(self.engine.clients)
-        self._state = b""
+        self._state: dict = {}
+        self._encoded: dict[int, str] = {}  # JSON of kept results by step (a result never changes)
         self._save_scheduled = False
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlmetrics-save")
 
@@ -82,9 +83,10 @@ class _MetricWorker:
         self._changed = asyncio.Event()
 
     def _save(self) -> None:
-        """Record registered clients and finalized steps for a next incarnation, off the event loop
-        (a restart in the moment before the write lands may finalize a step a second time)."""
-        self._state = json.dumps(self._export_state()).encode()
+        """Record registered clients and finalized steps for a next incarnation; encoding and writing
+        happen off the event loop (a restart in the moment before the write lands may finalize a
+        step a second time)."""
+        self._state = self._export_state()
         self._saved_clients = set(self.engine.clients)
         if not self._save_scheduled:
             self._save_scheduled = True
@@ -95,7 +97,12 @@ class _MetricWorker:
 
     def _write_state(self) -> None:
         self._save_scheduled = False
-        internal_kv._internal_kv_put(self._kv_key, self._state, overwrite=True)
+        state = self._state
+        results = {step: [step, values, meta] for step, values, meta in state.get("results", ())}
+        self._encoded = {step: self._encoded.get(step) or json.dumps(r) for step, r in results.items()}
+        head = json.dumps({k: v for k, v in state.items() if k != "results"})
+        body = f'{head[:-1]}, "results": [{", ".join(self._encoded.values())}]}}'
+        internal_kv._internal_kv_put(self._kv_key, body.encode(), overwrite=True)
 
     async def _wait(self, ready: Any, timeout: float | None) -> None:
         """Until ``ready()`` holds and no recovery is under way, or the deadline."""
@@ -158,37 +165,41 @@ class _MetricWorker:
         unknown = [sid for d in (*decoded, pre) if isinstance(d, tuple) for sid in d[2]]
         if unknown:
             return [{"unknown": unknown, "incarnation": self.incarnation}] * len(batch)
-        pre_errors = self._merge_premerged(pre[0]) if isinstance(pre, tuple) else {"": pre["errors"]}
-        replies = []
+        pre_errors = self._merge_premerged(pre[0]) if isinstance(pre, tuple) else {"": pre}
+        errors = []
         for (client_id, msg), d in zip(batch, decoded):
-            reply = d if isinstance(d, dict) else self._merge(client_id, d[0], d[1], msg[4])
-            reply["errors"].update(pre_errors.get(client_id, pre_errors.get("", {})))
-            replies.append(reply)
+            errs = d if isinstance(d, dict) else self._merge(client_id, d[0], d[1], msg[4])
+            errors.append({**errs, **pre_errors.get(client_id, pre_errors.get("", {}))})
         self._after_receive()
-        return replies
+        shared = self._reply({})  # one object for every client without errors: pickled once
+        return [self._reply(errs) if errs else shared for errs in errors]
+
+    def _reply(self, errors: dict[str, str]) -> dict:
+        return make_reply(self.engine, errors, self.incarnation)
 
     def _decode(self, client_id: str, msg: tuple) -> tuple | dict:
-        """``decode``'s (items, close, unknown), or the error reply for a malformed message."""
+        """``decode``'s (items, close, unknown), or the errors of a malformed message."""
         try:
             return decode(msg, self.table)
         except SubmissionError as exc:
-            return make_reply(self.engine, {client_id: str(exc)}, self.incarnation)
+            return {client_id: str(exc)}
 
     def _receive(self, client_id: str, msg: tuple) -> dict:
         self.calls["messages"] += 1
         decoded = self._decode(client_id, msg)
         if isinstance(decoded, dict):
-            return decoded
+            return self._reply(decoded)
         items, close, unknown = decoded
         if unknown:  # merge nothing (a close must not overtake its data): the client repeats with names
             return {"unknown": unknown, "incarnation": self.incarnation}
-        return self._merge(client_id, items, close, msg[4])
+        return self._reply(self._merge(client_id, items, close, msg[4]))
 
-    def _merge(self, client_id: str, items: list, close: list[int], resync: bool) -> dict:
-        reply = receive(self.engine, client_id, items, close, self.incarnation)
+    def _merge(self, client_id: str, items: list, close: list[int], resync: bool) -> dict[str, str]:
+        """Merge one client's items and closes; the errors."""
+        errors = merge_items(self.engine, client_id, items, close)
         if resync:  # a resend after a restart
             self._awaiting.discard(client_id)
-        return reply
+        return errors
 
     def _merge_premerged(self, items: list) -> dict[str, dict[str, str]]:
         """Merge pre-merged items; their errors by client."""
@@ -274,8 +285,8 @@ class _NodeWorker(_MetricWorker):
     def _export_state(self) -> dict:  # finalized steps are the root's business
         return {"clients": sorted(self.engine.clients), "done_below": 0, "finalized": []}
 
-    def _merge(self, client_id: str, items: list, close: list[int], resync: bool) -> dict:
-        reply = super()._merge(client_id, items, close, resync)
+    def _reply(self, errors: dict[str, str]) -> dict:
+        reply = super()._reply(errors)
         reply["done_below"], reply["finalized"] = self.upstream.finalized_state
         return reply
 
