@@ -13,7 +13,7 @@ A message is a plain tuple of ints, bytes and small tuples (cheap for pickle and
 ``stats`` holds float64s, ``M`` values (one observation per metric) or a ``(5, M)`` stat array, as
 ``(0, raw_bytes)`` or, losslessly packed by byte plane, ``(1, k, zlib_bytes, rest_bytes)``: the top
 ``k`` bytes of every value plane by plane (all top bytes, then all second bytes, ...) compressed,
-then the other ``8 - k`` bytes of each value raw. ``k`` is 8 when many values are exact in float32
+then the other ``8 - k`` bytes of each value raw. ``k`` is 8 when most values are exact in float32
 (what ``tensor.item()`` gives: their low bytes are zero), else 2 (sign and exponent, which metrics
 share: random doubles still shrink by ~1/7); packing is used when it saves at least 1/16.
 
@@ -70,7 +70,7 @@ def _float_bytes(arr: np.ndarray) -> tuple:
     if n < 64:
         return (0, raw)
     low_bits = np.frombuffer(raw, "<u8") & 0x1FFFFFFF  # the mantissa bits float32 lacks
-    k = 8 if np.count_nonzero(low_bits == 0) * 8 >= n else 2  # >= 1/8 of the values float32-exact
+    k = 8 if np.count_nonzero(low_bits == 0) * 2 >= n else 2  # most values float32-exact
     planes = np.frombuffer(raw, np.uint8).reshape(n, 8)
     packed = zlib.compress(planes[:, 8 - k :].T.tobytes(), 1)
     rest = planes[:, : 8 - k].tobytes()
