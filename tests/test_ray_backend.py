@@ -178,6 +178,26 @@ def test_clients_of_one_process_travel_premerged_and_stay_exact(name, restart):
     assert ray.get(worker.stats.remote())["calls"].get("premerged", 0) > 0
 
 
+def test_a_merged_item_a_resend_overtook_is_repeated_one_by_one_and_counted_once(name):
+    """After a restart a client's own resend can reach the actor before the pre-merged item that holds
+    the same submission: the actor leaves the item out and asks every client of the batch to repeat
+    its message alone (what RayTransport does with an "unknown" reply)."""
+    from rlmetrics.aggregator import Packed
+    from rlmetrics.stat import stats_of_rows
+
+    worker = rlmetrics.get_metric_worker(name=name)
+    mine = {"c1": pack({"r/mean": 1.0}), "c2": pack({"r/mean": 3.0})}
+    ray.get(worker.send.remote("c1", encode([(0, 0, 2, mine["c1"])], [], True)))  # c1's resend, first
+    both = Packed(mine["c1"].schema, stats_of_rows(np.array([[1.0], [3.0]])), contributions=2)
+    merged = encode([(0, (("c1", 0), ("c2", 0)), 2, both)], [], False)
+    batch = [(c, encode([], [0], False)) for c in mine]
+    assert all("unknown" in r for r in ray.get(worker.send_many.remote(batch, merged)))
+    for c, packed in mine.items():
+        assert not ray.get(worker.send.remote(c, encode([(0, 0, 2, packed)], [0], True)))["errors"]
+    got = rlmetrics.MetricClient(worker).result(0, timeout=30)
+    assert got == {"r/mean": 2.0} and got.meta["complete"]  # c1 once, c2 once
+
+
 def seed_style_names(m):
     """Names as the seed's conventions produce them; at M=1000 most are validation metrics."""
     sources = ["openai/gsm8k", "lighteval/MATH", "aime_2024", "minerva_math", "olympiadbench", "amc23",

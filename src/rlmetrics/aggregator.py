@@ -56,6 +56,11 @@ class SubmissionError(ValueError):
     """A contribution the engine refuses; the message says which and why. Nothing of it was merged."""
 
 
+class PartlyMergedError(SubmissionError):
+    """A pre-merged contribution some of whose submissions were merged before (a client resent them
+    on its own): the senders must resend theirs one by one, each merged once."""
+
+
 # ----------------------------------------------------------------------------------------- packing
 @dataclass(frozen=True)
 class Schema:
@@ -455,7 +460,9 @@ class Aggregator:
         if all(seen):
             return False
         if any(seen):
-            raise SubmissionError(f"merged contribution of {len(keys)} submissions was partly merged before")
+            raise PartlyMergedError(
+                f"merged contribution of {len(keys)} submissions was partly merged before"
+            )
         st.seen.update(keys)
         clients = {client_id for client_id, _ in keys}
         if register:

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from rlmetrics.aggregator import Aggregator, Packed, StepResult, SubmissionError, pack
+from rlmetrics.aggregator import Aggregator, Packed, PartlyMergedError, StepResult, SubmissionError, pack
 from rlmetrics.client import AggregatorRestarted, Submission, make_reply, merge_items
 from rlmetrics.extras import require
 from rlmetrics.stat import stats_of_rows
@@ -155,8 +155,10 @@ class _MetricWorker:
 
         ``merged``: a message whose items each pre-merge submissions of several of those clients
         (their seq is the tuple of ``(client_id, seq)`` keys), merged before the clients' own
-        messages, whose closes may follow them. If any schema is unknown nothing is merged: each
-        client repeats its whole message with names.
+        messages, whose closes may follow them. If any schema is unknown nothing is merged, and if
+        an item was partly merged before (a client's resend after a restart overtook it) it is not:
+        either way each client repeats its whole message on its own, where every submission merges
+        once (``{"unknown": ...}`` replies).
         """
         self.calls["send_many"] += 1
         self.calls["messages"] += len(batch)
@@ -165,12 +167,19 @@ class _MetricWorker:
         unknown = [sid for d in (*decoded, pre) if isinstance(d, tuple) for sid in d[2]]
         if unknown:
             return [{"unknown": unknown, "incarnation": self.incarnation}] * len(batch)
-        pre_errors = self._merge_premerged(pre[0]) if isinstance(pre, tuple) else {"": pre}
+        clients = [client_id for client_id, _ in batch]
+        resend = False
+        if isinstance(pre, tuple):
+            pre_errors, resend = self._merge_premerged(pre[0], clients)
+        else:  # a malformed merged message concerns every client of the batch
+            pre_errors = {client_id: pre for client_id in clients}
         errors = []
         for (client_id, msg), d in zip(batch, decoded):
             errs = d if isinstance(d, dict) else self._merge(client_id, d[0], d[1], msg[4])
-            errors.append({**errs, **pre_errors.get(client_id, pre_errors.get("", {}))})
+            errors.append({**errs, **pre_errors.get(client_id, {})})
         self._after_receive()
+        if resend:
+            return [{"unknown": [], "incarnation": self.incarnation}] * len(batch)
         shared = self._reply({})  # one object for every client without errors: pickled once
         return [self._reply(errs) if errs else shared for errs in errors]
 
@@ -201,20 +210,27 @@ class _MetricWorker:
             self._awaiting.discard(client_id)
         return errors
 
-    def _merge_premerged(self, items: list) -> dict[str, dict[str, str]]:
-        """Merge pre-merged items; their errors by client."""
+    def _merge_premerged(self, items: list, clients: list[str]) -> tuple[dict[str, dict[str, str]], bool]:
+        """Merge pre-merged items; their errors by client (malformed keys: every client's), and
+        whether one was partly merged before (left out: the clients must resend one by one)."""
         errors: dict[str, dict[str, str]] = {}
+        resend = False
         for step, keys, world_size, packed in items:
             try:
                 if not (isinstance(keys, tuple) and keys and all(_is_key(k) for k in keys)):
-                    errors[""] = {"merged": "a merged item needs (client_id, seq) keys"}
+                    for client_id in clients:
+                        errors.setdefault(client_id, {})["merged"] = (
+                            "a merged item needs (client_id, seq) keys"
+                        )
                     continue
                 self.engine.submit_merged(keys, step, world_size, packed)
                 self.calls["premerged"] += len(keys)
+            except PartlyMergedError:
+                resend = True
             except (SubmissionError, ValueError) as exc:
                 for client_id, seq in keys:
                     errors.setdefault(client_id, {})[f"{client_id}/{step}/{seq}"] = f"step {step}: {exc}"
-        return errors
+        return errors, resend
 
     def _after_receive(self) -> None:
         if self.engine.clients != self._saved_clients:
@@ -465,7 +481,7 @@ class RayTransport:
     def _track(
         self, reply: dict, client_id: str, items: list[Submission], close: list[int], resync: bool
     ) -> dict:
-        if "unknown" in reply:  # the actor lost (or never had) some schemas: repeat with all names
+        if "unknown" in reply:  # the actor lost some schemas (or asks for it): repeat alone, with names
             reply = self._call("send", client_id, encode(items, close, True, resync))
         if reply["incarnation"] != self._incarnation:
             self._known = {item[3].schema.id for item in items}
