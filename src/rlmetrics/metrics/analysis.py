@@ -81,6 +81,7 @@ from typing import Any
 import numpy as np
 
 from rlmetrics.extras import require
+from rlmetrics.metrics.data import to_host
 from rlmetrics.reduce import resolve
 from rlmetrics.sketch import Sketch
 from rlmetrics.stat import Stat
@@ -303,12 +304,7 @@ class _Plan:
     def run(self) -> list[_Out]:
         if not self._tensors:
             return []
-        # gather on the accelerator if any (host tensors go there cheaply), then copy once; mps has no
-        # float64, so its tensors come over one by one
-        device = next((t.device for t in self._tensors if t.device.type not in ("cpu", "mps")), "cpu")
-        flat = [t.detach().reshape(-1).to(device=device, dtype=torch.float64) for t in self._tensors]
-        host = torch.cat(flat).cpu().numpy()  # the one device-to-host copy
-        arrays = np.split(host, np.cumsum([t.numel() for t in flat])[:-1])
+        arrays = to_host([t.detach() for t in self._tensors])
         outs: list[_Out] = []
         i = 0
         for n, read in self._readers:

@@ -28,8 +28,10 @@ response is correct when its summed ``token_level_rewards`` exceed :data:`CORREC
 abort flag in siiRL 0.2.0), so it comes with the response lengths; ``tool_call_counts/*`` read the
 ``tool_call_counts`` key (verl's) and ``num_turns/*`` the ``__num_turns__`` key, any numeric dtype.
 
-Everything is computed on the batch's device with fixed shapes (no masked_select, no ``.item()``)
-and the summaries of all metrics reach the host in one transfer. On CPU the token summaries work in
+The token summaries and the per-sequence sums (scores, rewards, lengths) are computed on the
+batch's device with fixed shapes (no masked_select, no ``.item()``); they reach the host in one
+transfer, where the per-sequence metrics are summarized with numpy (a few hundred numbers: small
+operations cost less there than as device kernels). On CPU the token summaries work in
 scratch memory each thread keeps between calls (up to :data:`_SCRATCH_LIMIT` bytes, three
 mask-sized tensors) rather than in fresh temporaries, whose page faults cost more than the
 arithmetic. Missing keys skip the metrics that need them. Batch keys: ``responses``,
@@ -40,11 +42,13 @@ a TensorDict or a plain dict).
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
 import math
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -53,7 +57,7 @@ import psutil
 from rlmetrics.extras import require
 from rlmetrics.metrics import VF_RESIDUAL_STD, VF_RETURNS_STD, VF_TOKENS, derive_metrics, vf_explained_var
 from rlmetrics.reduce import resolve
-from rlmetrics.stat import Stat
+from rlmetrics.stat import Stat, empty_arrays
 
 torch = require("torch", "torch")
 
@@ -67,6 +71,15 @@ _TOKEN_METRICS = (
     ("advantages", "critic/advantages"),
     ("returns", "critic/returns"),
     ("values", "critic/values"),
+)
+
+_SEQUENCE_METRICS = (  # batch key (the response / prompt mask: its lengths) and metric prefix
+    ("token_level_scores", "critic/score"),
+    ("token_level_rewards", "critic/rewards"),
+    ("response_mask", "response/length"),
+    ("prompt_mask", "prompt/length"),
+    ("__num_turns__", "num_turns"),
+    ("tool_call_counts", "tool_call_counts"),
 )
 
 _VF_AUX = (VF_RETURNS_STD, VF_RESIDUAL_STD, VF_TOKENS)
@@ -89,20 +102,11 @@ def compute_data_stats(batch: Batch, *, aux: bool = True) -> dict[str, Stat]:
     >>> (s.count, s.mean, stats["response/length/mean"].count)
     (5.0, 3.0, 2.0)
     """
-    plan = _Plan()
-    _add_metrics(_Tensors(batch), plan)
-    stats = plan.run()
-    if VF_RETURNS_STD in stats and VF_RESIDUAL_STD in stats:
-        n = stats[VF_RETURNS_STD].count
-        stats[VF_TOKENS] = Stat(1.0, n, 0.0, n, n)  # one observation: the rank's token count
-        ev = vf_explained_var({k: resolve(k).apply(stats[k]) for k in _VF_AUX})
-        # fallback value for merges without derive_metrics: this rank's value, weighted by its tokens
-        stats["critic/vf_explained_var"] = Stat() if ev is None else Stat(n, ev * n, 0.0, ev, ev)
-        if not aux:
-            for name in _VF_AUX:
-                del stats[name]
-    rss_gb = _process().memory_info().rss / 1024**3
-    stats["perf/process_cpu_mem_used_gb"] = Stat(1.0, rss_gb, 0.0, rss_gb, rss_gb)
+    names, arrays = _data_arrays(batch)
+    stats = {name: Stat(*column) for name, column in zip(names, arrays.T.tolist())}
+    if not aux:
+        for name in _VF_AUX:
+            stats.pop(name, None)
     return stats
 
 
@@ -120,7 +124,7 @@ def compute_data_metric(batch: Batch) -> dict[str, float]:
     >>> m["critic/rewards/mean"], m["response/correct_length/mean"], m["response/wrong_length/mean"]
     (0.5, 3.0, 2.0)
     """
-    return data_metrics_from_stats(compute_data_stats(batch))
+    return _metrics_of_arrays(*_data_arrays(batch))
 
 
 def data_metrics_from_stats(stats: Mapping[str, Stat]) -> dict[str, float]:
@@ -134,22 +138,11 @@ def data_metrics_from_stats(stats: Mapping[str, Stat]) -> dict[str, float]:
     >>> data_metrics_from_stats(merged)["critic/advantages/mean"]
     3.0
     """
-    names = [name for name, s in stats.items() if s.count > 0]
-    if not names:
-        return {}
-    arrays = np.array(
-        [[stats[n].count, stats[n].sum, stats[n].m2, stats[n].min, stats[n].max] for n in names]
-    ).T
-    groups: dict[Any, list[int]] = {}
-    for i, name in enumerate(names):
-        groups.setdefault(resolve(name), []).append(i)
-    values = np.empty(len(names))
-    for reduction, idx in groups.items():  # one vectorised reduction per kind, as the aggregator does
-        if reduction.needs_sketch:
-            values[idx] = [reduction.apply(stats[names[i]]) for i in idx]
-        else:
-            values[idx] = reduction.apply_arrays(arrays[:, idx])
-    return derive_metrics(dict(zip(names, values.tolist())))
+    if any(resolve(name).needs_sketch for name in stats):  # not among the data metrics; a user's merge
+        return derive_metrics({n: resolve(n).apply(s) for n, s in stats.items() if s.count > 0})
+    names = list(stats)
+    arrays = np.array([[s.count, s.sum, s.m2, s.min, s.max] for s in stats.values()]).T
+    return _metrics_of_arrays(names, arrays.reshape(5, len(names)))
 
 
 # -------------------------------------------------------------------------------------- internals
@@ -220,78 +213,132 @@ def _float(t: Any) -> Any:
     return t if t.dtype in (torch.float32, torch.float64) else t.to(torch.float32)
 
 
+def to_host(tensors: Sequence[Any]) -> list[np.ndarray]:
+    """``tensors`` as flat float64 host arrays, in one device-to-host copy.
+
+    They are gathered on an accelerator if any of them lives on one (host tensors go there
+    cheaply); mps has no float64, so its tensors come over one by one.
+
+    >>> [a.tolist() for a in to_host([torch.tensor([1, 2]), torch.ones(1, 2)])]
+    [[1.0, 2.0], [1.0, 1.0]]
+    """
+    if not tensors:
+        return []
+    device = next((t.device for t in tensors if t.device.type not in ("cpu", "mps")), torch.device("cpu"))
+    flat = [(t if t.device == device else t.to(device)).reshape(-1).to(torch.float64) for t in tensors]
+    host = torch.cat(flat).numpy(force=True)  # the one copy
+    ends = itertools.accumulate(t.numel() for t in flat)
+    return [host[end - t.numel() : end] for t, end in zip(flat, ends)]
+
+
 class _Plan:
-    """Summaries to compute on the device; :meth:`run` moves them to the host in one transfer."""
+    """Device tensors of one call: per-sequence vectors and one block of token summaries."""
 
     def __init__(self) -> None:
-        self.rows: list[tuple[tuple[str, ...], Any, Any]] = []  # per-sequence values and weights
-        self.tokens: list[tuple[list[tuple[str, ...]], Any]] = []  # (5, K) blocks of token summaries
+        self.sequences: dict[str, Any] = {}  # 1-D per-sequence values, by batch key
+        self.token_names: list[tuple[str, ...]] = []
+        self.token_block: Any = None  # (5, K) summaries, column k for the names token_names[k]
 
-    def sequence(self, names: tuple[str, ...], values: Any, weights: Any = None) -> None:
-        self.rows.append((names, values.reshape(-1), None if weights is None else weights.reshape(-1)))
-
-    def token_block(self, names: list[tuple[str, ...]], block: Any) -> None:
-        """A ``(5, K)`` float64 block of summaries, column ``k`` for the names ``names[k]``."""
-        self.tokens.append((names, block))
-
-    def run(self) -> dict[str, Stat]:
-        parts, names = [], []
-        device = _common_device([v for _, v, _ in self.rows] + [b for _, b in self.tokens])
-        if self.rows:
-            lengths = {v.shape[0] for _, v, _ in self.rows}
-            if len(lengths) > 1:  # inconsistent batch sizes: keep the metrics of the most common size
-                sizes = [v.shape[0] for _, v, _ in self.rows]
-                keep = max(lengths, key=sizes.count)
-                dropped = [n[0] for n, v, _ in self.rows if v.shape[0] != keep]
-                logger.warning("batch tensors disagree on the batch size; skipped %s", dropped)
-                self.rows = [r for r in self.rows if r[1].shape[0] == keep]
-            values = torch.stack([_on(v, device) for _, v, _ in self.rows])
-            ones = torch.ones(values.shape[1], dtype=torch.float64, device=device)
-            weights = torch.stack([ones if w is None else _on(w, device) for _, _, w in self.rows])
-            parts.append(_summarize_rows(values, weights))
-            names += [n for n, _, _ in self.rows]
-        for block_names, block in self.tokens:
-            parts.append(_on(block, device))
-            names += block_names
-        if not parts:
-            return {}
-        columns = torch.cat(parts, dim=1).T.tolist()  # the one transfer: (count, sum, m2, min, max) each
-        return {name: Stat(*column) for group, column in zip(names, columns) for name in group}
+    def run(self) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """The sequences as host arrays and the ``(5, K)`` token block, moved in one copy."""
+        tensors = list(self.sequences.values())
+        if self.token_block is not None:
+            tensors.append(self.token_block)
+        arrays = to_host(tensors)
+        block = arrays.pop().reshape(5, -1) if self.token_block is not None else empty_arrays(0)
+        return dict(zip(self.sequences, arrays)), block
 
 
-def _on(t: Any, device: Any) -> Any:
-    """``t`` as float64 on ``device``, moved only when it lives elsewhere (host arrays to the device)."""
-    if t.device != device:
-        t = t.to(device)
-    return t if t.dtype == torch.float64 else t.to(torch.float64)
+def _data_arrays(batch: Batch) -> tuple[list[str], np.ndarray]:
+    """The data metrics' names and their ``(5, K)`` stat array: count, sum, m2, min, max."""
+    t = _Tensors(batch)
+    plan = _Plan()
+    _add_metrics(t, plan)
+    sequences, block = plan.run()
+    groups, arrays = _sequence_summaries(sequences, t)
+    groups += plan.token_names
+    arrays = np.concatenate([arrays, block], axis=1)[
+        :, np.repeat(np.arange(len(groups)), [len(g) for g in groups])
+    ]
+    names = [name for group in groups for name in group]
+    extra = []
+    if VF_RETURNS_STD in names and VF_RESIDUAL_STD in names:
+        n = arrays[0, names.index(VF_RETURNS_STD)]
+        stds = resolve(VF_RETURNS_STD).apply_arrays(arrays[:, [names.index(k) for k in _VF_AUX[:2]]])
+        ev = vf_explained_var(dict(zip(_VF_AUX, [*stds.tolist(), n])))
+        names += [VF_TOKENS, "critic/vf_explained_var"]
+        extra += [(1.0, n, 0.0, n, n)]  # one observation: the rank's token count
+        # fallback value for merges without derive_metrics: this rank's value, weighted by its tokens
+        extra += [(0.0, 0.0, 0.0, math.inf, -math.inf) if ev is None else (n, ev * n, 0.0, ev, ev)]
+    rss_gb = _process().memory_info().rss / 1024**3
+    names.append("perf/process_cpu_mem_used_gb")
+    extra.append((1.0, rss_gb, 0.0, rss_gb, rss_gb))
+    return names, np.concatenate([arrays, np.array(extra).T], axis=1)
 
 
-def _common_device(tensors: list[Any]) -> Any:
-    """An accelerator device when any tensor lives on one (so nothing moves to the host early)."""
-    for t in tensors:
-        if t.device.type != "cpu":
-            return t.device
-    return torch.device("cpu")
+@functools.lru_cache(maxsize=256)
+def _reductions(names: tuple[str, ...]) -> list[tuple[Any, np.ndarray]]:
+    """The names' reductions and the indices of the names each one reduces (names repeat per call)."""
+    groups: dict[Any, list[int]] = {}
+    for i, name in enumerate(names):
+        groups.setdefault(resolve(name), []).append(i)
+    return [(reduction, np.array(idx)) for reduction, idx in groups.items()]
 
 
-def _summarize_rows(values: Any, weights: Any) -> Any:
-    """``(5, K)`` count, sum, m2, min, max of ``K`` weighted rows, with fixed shapes (no sync).
+def _metrics_of_arrays(names: list[str], arrays: np.ndarray) -> dict[str, float]:
+    """``{name: float}`` of a ``(5, K)`` stat array as the aggregator reports it: each name by its
+    reduction (one vectorised reduction per kind), names without observations left out, then
+    :func:`rlmetrics.metrics.derive_metrics`."""
+    values = np.empty(len(names))
+    for reduction, idx in _reductions(tuple(names)):
+        values[idx] = reduction.apply_arrays(arrays[:, idx])
+    has = (arrays[0] > 0).tolist()
+    return derive_metrics({name: v for name, v, h in zip(names, values.tolist(), has) if h})
 
-    A zero-weight column is appended, so empty rows (batch of zero) reduce without error.
-    """
-    k = values.shape[0]
-    values = torch.cat([values, values.new_zeros(k, 1)], dim=1)
-    weights = torch.cat([weights, weights.new_zeros(k, 1)], dim=1)
-    keep = weights > 0
-    xs = torch.where(keep, values, 0.0)
-    n = weights.sum(1)
-    s = (weights * xs).sum(1)
-    mean = s / torch.where(n > 0, n, 1.0)
-    dev = torch.where(keep, xs - mean[:, None], 0.0)
-    m2 = (weights * dev * dev).sum(1)
-    mn = torch.where(keep, values, math.inf).amin(1)
-    mx = torch.where(keep, values, -math.inf).amax(1)
-    return torch.stack([n, s, m2, mn, mx])
+
+def _summaries(values: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """``(5, K)`` count, sum, m2, min, max of the rows of ``values`` ``(K, N)`` where ``keep``."""
+    n = keep.sum(1, dtype=np.float64)
+    s = np.where(keep, values, 0.0).sum(1)
+    dev = np.where(keep, values - (s / np.maximum(n, 1.0))[:, None], 0.0)  # nan in a kept value propagates
+    m2 = np.einsum("ij,ij->i", dev, dev)
+    mn = np.where(keep, values, np.inf).min(1, initial=np.inf)
+    mx = np.where(keep, values, -np.inf).max(1, initial=-np.inf)
+    return np.stack([n, s, m2, mn, mx])
+
+
+def _sequence_summaries(
+    seq: Mapping[str, np.ndarray], t: _Tensors
+) -> tuple[list[tuple[str, ...]], np.ndarray]:
+    """The per-sequence metrics' name groups and ``(5, K)`` summaries, from the sequence vectors on
+    the host (:func:`_add_metrics` queues them)."""
+    parts: list[tuple[tuple[str, ...], np.ndarray, Any]] = [  # names, values, which to keep (None: all)
+        (_triple(prefix), seq[key], None) for key, prefix in _SEQUENCE_METRICS if key in seq
+    ]
+    lengths = seq.get("response_mask")
+    if lengths is not None:
+        parts.append((("response/clip_ratio/mean",), (lengths == t.response_width) * 1.0, None))
+        parts.append((("response/aborted_ratio",), (lengths == 0) * 1.0, None))
+        reward = seq.get("token_level_rewards")
+        if reward is not None and reward.shape == lengths.shape:
+            correct = reward > CORRECT_THRESHOLD
+            parts.append((_triple("response/correct_length"), lengths, correct))
+            parts.append((_triple("response/wrong_length"), lengths, ~correct))
+    prompt = seq.get("prompt_mask")
+    if prompt is not None:
+        parts.append((("prompt/clip_ratio/mean",), (prompt == t.prompt_width) * 1.0, None))
+    out = empty_arrays(len(parts))
+    by_size: dict[int, list[int]] = {}  # vectors of one size are summarized together
+    for i, (_, values, _) in enumerate(parts):
+        by_size.setdefault(values.size, []).append(i)
+    for idx in by_size.values():
+        values = np.stack([parts[i][1] for i in idx])
+        keep = np.ones(values.shape, dtype=bool)
+        for row, i in enumerate(idx):
+            if parts[i][2] is not None:
+                keep[row] = parts[i][2]
+        out[:, idx] = _summaries(values, keep)
+    return [names for names, _, _ in parts], out
 
 
 class _TokenMask:
@@ -334,24 +381,25 @@ def _scratch(shape: tuple[int, ...], dtype: Any, device: Any) -> Any:
     return kept[:nbytes].view(dtype).view(shape)
 
 
-def _summarize_tokens(x: Any, mask: _TokenMask, buf: Any) -> tuple[Any, Any, Any, Any]:
-    """Sum, m2 (float64) and min, max (``x``'s dtype) of the response tokens of ``x``, on its device.
+def _summarize_tokens(x: Any, mask: _TokenMask, buf: Any, out: Any, extremes: Any) -> None:
+    """Sum and m2 (into ``out``, float64) and min and max (into ``extremes``, ``x``'s dtype) of the
+    response tokens of ``x``, on its device.
 
     ``x`` is float32 or float64; ``buf`` an integer scratch tensor as wide, of the mask's shape (it
     may be ``x`` itself viewed as integers). Sums run per row in ``x``'s precision and across rows
     in float64. Padding is replaced with the mean before min/max and centering, so it changes
-    neither, and no shape depends on the data (no sync).
+    neither, and no shape depends on the data (no sync). One tensor at a time keeps the working
+    set in cache: stacking the tensors and reducing them together is slower on CPU.
     """
     f64 = torch.float64
     torch.mul(x.view(buf.dtype), mask.on, out=buf)
     vals = buf.view(x.dtype)  # x on response tokens, +0.0 (all bits 0) on padding
-    total = vals.sum(-1).sum(dtype=f64)
-    mean = (total / mask.divisor).to(x.dtype)
+    torch.sum(vals.sum(-1), 0, dtype=f64, out=out[0])
+    mean = (out[0] / mask.divisor).to(x.dtype)
     buf.addcmul_(mask.off, mean.view(buf.dtype))  # padding := mean, in place
-    mn, mx = torch.aminmax(vals)
+    torch.aminmax(vals, out=(extremes[0], extremes[1]))
     vals.sub_(mean)
-    m2 = vals.mul_(vals).sum(-1).sum(dtype=f64)
-    return total, m2, mn, mx
+    torch.sum(vals.mul_(vals).sum(-1), 0, dtype=f64, out=out[1])
 
 
 def _triple(prefix: str) -> tuple[str, ...]:
@@ -359,39 +407,20 @@ def _triple(prefix: str) -> tuple[str, ...]:
 
 
 def _add_metrics(t: _Tensors, plan: _Plan) -> None:
-    """Queue every metric the batch has the keys for."""
-    f64 = torch.float64
-    # sequence scores and rewards: sums over the whole row, as siiRL (token-level tensors are 0 off-response)
-    seq_reward = None
-    for key, prefix in (("token_level_scores", "critic/score"), ("token_level_rewards", "critic/rewards")):
+    """Queue what the metrics need of every key the batch has; the rest happens on the host."""
+    for key, _ in _SEQUENCE_METRICS[:2]:  # sequence scores and rewards: sums over the whole row, as siiRL
         x = t.get(key)
         if x is not None and x.dim() >= 1:
-            seq = _float(x).sum(-1).to(f64) if x.dim() >= 2 else x.to(f64)
-            plan.sequence(_triple(prefix), seq)
-            if key == "token_level_rewards":
-                seq_reward = seq
-
-    mask = t.response_mask
-    if mask is not None:
-        lengths = mask.sum(-1).to(f64)
-        plan.sequence(_triple("response/length"), lengths)
-        plan.sequence(("response/clip_ratio/mean",), (lengths == t.response_width).to(f64))
-        plan.sequence(("response/aborted_ratio",), (lengths == 0).to(f64))
-        if seq_reward is not None and seq_reward.shape[0] == lengths.shape[0]:
-            correct = (seq_reward > CORRECT_THRESHOLD).to(f64)
-            plan.sequence(_triple("response/correct_length"), lengths, correct)
-            plan.sequence(_triple("response/wrong_length"), lengths, 1.0 - correct)
-        _add_token_metrics(t, plan, mask)
-
+            plan.sequences[key] = _float(x).sum(-1) if x.dim() >= 2 else x
+    if t.response_mask is not None:
+        plan.sequences["response_mask"] = t.response_mask.sum(-1)
+        _add_token_metrics(t, plan, t.response_mask)
     if t.prompt_mask is not None:
-        prompt_lengths = t.prompt_mask.sum(-1).to(f64)
-        plan.sequence(_triple("prompt/length"), prompt_lengths)
-        plan.sequence(("prompt/clip_ratio/mean",), (prompt_lengths == t.prompt_width).to(f64))
-
-    for key, prefix in (("__num_turns__", "num_turns"), ("tool_call_counts", "tool_call_counts")):
+        plan.sequences["prompt_mask"] = t.prompt_mask.sum(-1)
+    for key, _ in _SEQUENCE_METRICS[4:]:
         x = t.get(key)
         if x is not None and x.numel() > 0:
-            plan.sequence(_triple(prefix), x.to(f64))
+            plan.sequences[key] = x
 
 
 def _add_token_metrics(t: _Tensors, plan: _Plan, mask: Any) -> None:
@@ -404,30 +433,40 @@ def _add_token_metrics(t: _Tensors, plan: _Plan, mask: Any) -> None:
     if not found:
         return
     vf = "returns" in found and "values" in found
-    names = [
+    plan.token_names = [
         _triple(prefix) + ((VF_RETURNS_STD,) if vf and key == "returns" else ())
         for key, prefix in _TOKEN_METRICS
         if key in found
     ] + ([(VF_RESIDUAL_STD,)] if vf else [])
     f64 = torch.float64
+    k = len(plan.token_names)
     if mask.numel() == 0:
         empty = torch.tensor([0.0, 0.0, 0.0, math.inf, -math.inf], dtype=f64, device=mask.device)
-        plan.token_block(names, empty[:, None].expand(5, len(names)))
+        plan.token_block = empty[:, None].expand(5, k)
         return
-    dtype = torch.float64 if any(x.dtype == torch.float64 for x in found.values()) else torch.float32
+    dtype = f64 if any(x.dtype == f64 for x in found.values()) else torch.float32
     scratch = _scratch((3, *mask.shape), torch.int64 if dtype == f64 else torch.int32, mask.device)
     token_mask = _TokenMask(mask, out=scratch[:2])
     buf = scratch[2]
-    parts = [
-        _summarize_tokens(found[key].to(dtype), token_mask, buf) for key, _ in _TOKEN_METRICS if key in found
-    ]
+    block = torch.empty(5, k, dtype=f64, device=mask.device)  # count, sum, m2, min, max
+    extremes = torch.empty(2, k, dtype=dtype, device=mask.device)
+    for i, x in enumerate(found.values()):
+        _summarize_tokens(x.to(dtype), token_mask, buf, block[1:3, i], extremes[:, i])
     if vf:  # the residual is computed into the scratch buffer and summarized in place
         residual = torch.sub(found["returns"].to(dtype), found["values"].to(dtype), out=buf.view(dtype))
-        parts.append(_summarize_tokens(residual, token_mask, buf))
-    sums, m2s, mins, maxs = torch.stack([v for part in parts for v in part]).view(-1, 4).T  # float64
-    has = token_mask.count > 0
-    mins, maxs = torch.where(has, mins, math.inf), torch.where(has, maxs, -math.inf)
-    plan.token_block(names, torch.stack([token_mask.count.expand(len(parts)), sums, m2s, mins, maxs]))
+        _summarize_tokens(residual, token_mask, buf, block[1:3, -1], extremes[:, -1])
+    block[0] = token_mask.count
+    block[3:] = extremes
+    empty = token_mask.count == 0
+    block[3].masked_fill_(empty, math.inf)
+    block[4].masked_fill_(empty, -math.inf)
+    plan.token_block = block
 
 
-__all__ = ["CORRECT_THRESHOLD", "compute_data_metric", "compute_data_stats", "data_metrics_from_stats"]
+__all__ = [
+    "CORRECT_THRESHOLD",
+    "compute_data_metric",
+    "compute_data_stats",
+    "data_metrics_from_stats",
+    "to_host",
+]
