@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import rlmetrics
 from rlmetrics.backends import local
 from rlmetrics.metrics import AUX_PREFIX, VF_TOKENS, derive_metrics
+from rlmetrics.metrics import data as data_module
 from rlmetrics.metrics.data import compute_data_metric, compute_data_stats, data_metrics_from_stats
 from rlmetrics.stat import Stat
 
@@ -246,6 +247,30 @@ def test_exact_values_by_hand():
     returns, residual = [1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 1.0, 2.0]
     ev = 1 - statistics.variance(residual) / (statistics.variance(returns) + 1e-5)
     assert m["critic/vf_explained_var"] == pytest.approx(ev, rel=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_token_tensors_summarized_together_or_one_at_a_time_agree(monkeypatch, dtype):
+    """Small batches take the token summaries of all tensors in one group, large ones one at a time;
+    both give the same bits, and the loop reference's numbers (garbage padding included)."""
+    for seed in range(5):
+        batch = make_batch(np.random.default_rng(seed), 9, 4, 13, dtype=dtype)
+        monkeypatch.setattr(data_module, "_STACK_BYTES", 2**40)
+        together = compute_data_stats(batch)
+        monkeypatch.setattr(data_module, "_STACK_BYTES", 0)
+        alone = compute_data_stats(batch)
+        assert together.keys() == alone.keys()
+        for name in together.keys() - {MEM}:
+            assert together[name].to_array().tobytes() == alone[name].to_array().tobytes(), name
+        assert_matches(compute_data_metric(batch), reference(batch))
+
+
+def test_per_sequence_vectors_of_another_length_are_summarized_on_their_own():
+    batch = make_batch(np.random.default_rng(8), 5, 3, 4)
+    batch["__num_turns__"] = np.array([1, 2, 3, 4, 5, 6, 7], dtype=np.int32)  # 7 values for 5 sequences
+    got = compute_data_metric(batch)
+    assert (got["num_turns/mean"], got["num_turns/min"], got["num_turns/max"]) == (4.0, 1.0, 7.0)
+    assert_matches(got, reference(batch))
 
 
 # ------------------------------------------------------------------------------------ robustness

@@ -30,14 +30,14 @@ abort flag in siiRL 0.2.0), so it comes with the response lengths; ``tool_call_c
 
 The token summaries and the per-sequence sums (scores, rewards, lengths) are computed on the
 batch's device with fixed shapes (no masked_select, no ``.item()``); they reach the host in one
-transfer, where the per-sequence metrics are summarized with numpy (a few hundred numbers: small
-operations cost less there than as device kernels). On CPU the token summaries work in
-scratch memory each thread keeps between calls (up to :data:`_SCRATCH_LIMIT` bytes, three
-mask-sized tensors) rather than in fresh temporaries, whose page faults cost more than the
-arithmetic. Missing keys skip the metrics that need them. Batch keys: ``responses``,
-``attention_mask``, ``response_mask``, ``token_level_scores``, ``token_level_rewards``, ``advantages``,
-``returns``, ``values``, ``__num_turns__``, ``tool_call_counts`` (tensors, numpy arrays or lists;
-a TensorDict or a plain dict).
+transfer, where the per-sequence metrics are summarized with numpy (a few numbers per sequence:
+small operations cost less there than as device kernels). On CPU the token summaries work in
+scratch memory each thread keeps between calls (up to :data:`_SCRATCH_LIMIT` bytes: two masks and
+the tensors summarized together, all of the mask's shape) rather than in fresh temporaries, whose
+page faults cost more than the arithmetic. Missing keys skip the metrics that need them. Batch
+keys: ``responses``, ``attention_mask``, ``response_mask``, ``token_level_scores``,
+``token_level_rewards``, ``advantages``, ``returns``, ``values``, ``__num_turns__``,
+``tool_call_counts`` (tensors, numpy arrays or lists; a TensorDict or a plain dict).
 """
 
 from __future__ import annotations
@@ -363,6 +363,10 @@ class _TokenMask:
 _SCRATCH_LIMIT = 32 * 2**20
 """Bytes of scratch memory a thread keeps between calls on CPU (see :func:`_scratch`)."""
 
+_STACK_BYTES = 4 * 2**20
+"""Token tensors whose data take at most this many bytes in all are summarized together (on this
+2-core machine together is faster up to 1 MiB per tensor, one at a time from 2 MiB)."""
+
 _kept = threading.local()
 
 
@@ -381,25 +385,29 @@ def _scratch(shape: tuple[int, ...], dtype: Any, device: Any) -> Any:
     return kept[:nbytes].view(dtype).view(shape)
 
 
-def _summarize_tokens(x: Any, mask: _TokenMask, buf: Any, out: Any, extremes: Any) -> None:
-    """Sum and m2 (into ``out``, float64) and min and max (into ``extremes``, ``x``'s dtype) of the
-    response tokens of ``x``, on its device.
+def _summarize_tokens(buf: Any, mask: _TokenMask, out: Any, extremes: Any) -> None:
+    """Sum and m2 (into ``out``, ``(2, K)`` float64) and min and max (into ``extremes``, ``(2, K)``)
+    of ``K`` float tensors held as integer bits in ``buf`` ``(K, *mask.shape)``, 0 on padding.
 
-    ``x`` is float32 or float64; ``buf`` an integer scratch tensor as wide, of the mask's shape (it
-    may be ``x`` itself viewed as integers). Sums run per row in ``x``'s precision and across rows
-    in float64. Padding is replaced with the mean before min/max and centering, so it changes
-    neither, and no shape depends on the data (no sync). One tensor at a time keeps the working
-    set in cache: stacking the tensors and reducing them together is slower on CPU.
+    All ``K`` go through each step together (fewer, larger kernels). Sums run per row in the data's
+    precision and across rows in float64. Padding is replaced with its tensor's mean before min/max
+    and centering, so it changes neither, and no shape depends on the data (no sync). ``buf`` is
+    overwritten.
     """
     f64 = torch.float64
-    torch.mul(x.view(buf.dtype), mask.on, out=buf)
-    vals = buf.view(x.dtype)  # x on response tokens, +0.0 (all bits 0) on padding
-    torch.sum(vals.sum(-1), 0, dtype=f64, out=out[0])
-    mean = (out[0] / mask.divisor).to(x.dtype)
-    buf.addcmul_(mask.off, mean.view(buf.dtype))  # padding := mean, in place
-    torch.aminmax(vals, out=(extremes[0], extremes[1]))
-    vals.sub_(mean)
-    torch.sum(vals.mul_(vals).sum(-1), 0, dtype=f64, out=out[1])
+    k = buf.shape[0]
+    vals = buf.view(extremes.dtype)
+    torch.sum(vals.sum(-1), 1, dtype=f64, out=out[0])
+    means = (out[0] / mask.divisor).to(vals.dtype)
+    buf.addcmul_(mask.off, means.view(buf.dtype)[:, None, None])  # padding := mean, in place
+    flat = vals.view(k, -1)
+    if k == 1:  # one pass for both (torch.aminmax over a dim is many times slower on CPU)
+        torch.aminmax(flat[0], out=(extremes[0, 0], extremes[1, 0]))
+    else:
+        torch.amin(flat, 1, out=extremes[0])
+        torch.amax(flat, 1, out=extremes[1])
+    vals.sub_(means[:, None, None])
+    torch.sum(vals.mul_(vals).sum(-1), 1, dtype=f64, out=out[1])
 
 
 def _triple(prefix: str) -> tuple[str, ...]:
@@ -445,16 +453,24 @@ def _add_token_metrics(t: _Tensors, plan: _Plan, mask: Any) -> None:
         plan.token_block = empty[:, None].expand(5, k)
         return
     dtype = f64 if any(x.dtype == f64 for x in found.values()) else torch.float32
-    scratch = _scratch((3, *mask.shape), torch.int64 if dtype == f64 else torch.int32, mask.device)
+    keys = list(found)
+    # small batches go through the summaries together (fewer kernels), large ones one tensor at a
+    # time (a smaller working set stays in cache)
+    group = k if k * mask.numel() * dtype.itemsize <= _STACK_BYTES else 1
+    scratch = _scratch((2 + group, *mask.shape), torch.int64 if dtype == f64 else torch.int32, mask.device)
     token_mask = _TokenMask(mask, out=scratch[:2])
-    buf = scratch[2]
     block = torch.empty(5, k, dtype=f64, device=mask.device)  # count, sum, m2, min, max
     extremes = torch.empty(2, k, dtype=dtype, device=mask.device)
-    for i, x in enumerate(found.values()):
-        _summarize_tokens(x.to(dtype), token_mask, buf, block[1:3, i], extremes[:, i])
-    if vf:  # the residual is computed into the scratch buffer and summarized in place
-        residual = torch.sub(found["returns"].to(dtype), found["values"].to(dtype), out=buf.view(dtype))
-        _summarize_tokens(residual, token_mask, buf, block[1:3, -1], extremes[:, -1])
+    for start in range(0, k, group):
+        bufs = scratch[2 : 2 + min(group, k - start)]
+        for i, buf in enumerate(bufs, start):
+            if i < len(keys):
+                x = found[keys[i]].to(dtype)
+            else:  # the residual returns - values, into its scratch slot
+                x = torch.sub(found["returns"].to(dtype), found["values"].to(dtype), out=buf.view(dtype))
+            torch.mul(x.view(buf.dtype), token_mask.on, out=buf)  # x on the response, 0 (bits) elsewhere
+        cols = slice(start, start + len(bufs))
+        _summarize_tokens(bufs, token_mask, block[1:3, cols], extremes[:, cols])
     block[0] = token_mask.count
     block[3:] = extremes
     empty = token_mask.count == 0
