@@ -6,6 +6,7 @@ import math
 import statistics
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -516,6 +517,62 @@ def test_merging_through_local_clients(request):
     for batch in batches:
         fallback = fallback.merge(compute_data_stats(batch)["critic/vf_explained_var"])
     assert fallback.mean != pytest.approx(want["critic/vf_explained_var"], rel=1e-4)
+
+
+# -------------------------------------------------------------------------------- torch.compile
+def assert_same_stats(got: dict, want: dict, rtol: float = 0.0) -> None:
+    """Counts, min and max equal; sums and sums of squares (and the explained variance, a function of
+    them) to ``rtol`` (0: the same bits)."""
+    assert got.keys() == want.keys()
+    for name in want.keys() - {MEM}:
+        g, w = got[name].to_array(), want[name].to_array()
+        rounded = [1, 2, 3, 4] if name == "critic/vf_explained_var" else [1, 2]
+        exact = [i for i in range(5) if i not in rounded]
+        assert np.array_equal(g[exact], w[exact], equal_nan=True), name
+        assert np.allclose(g[rounded], w[rounded], rtol=rtol, atol=0.0, equal_nan=True), name
+
+
+def test_torch_compile_gives_the_eager_numbers(request):
+    """Compiled token summaries: exact counts and extremes, sums to float32 rounding (the row sums
+    accumulate in another order); a second shape runs without recompiling (dynamic shapes)."""
+    rng = np.random.default_rng(21)
+    for dtype, values in ((torch.float32, True), (torch.float64, False)):
+        for b, p, r in ((9, 4, 13), (33, 7, 50)):
+            batch = make_batch(rng, b, p, r, dtype=dtype, values=values)
+            compiled = compute_data_stats(batch, torch_compile=True)
+            assert_same_stats(
+                compiled, compute_data_stats(batch), rtol=1e-6 if dtype == torch.float32 else 1e-12
+            )
+            assert_matches(compute_data_metric(batch, torch_compile=True), reference(batch))
+    batch = make_batch(rng, 6, 3, 8)
+    try:
+        client = rlmetrics.connect("local", world_size=1, name=request.node.name)
+        client.compute_local_data_metric(batch, torch_compile=True)
+        client.wait_submit()
+        result = client.result(0, timeout=10)
+    finally:
+        local.drop_worker(request.node.name)
+    assert_matches(dict(result), reference(batch))
+
+
+def test_torch_compile_falls_back_to_eager_with_a_warning_when_compiling_fails(monkeypatch):
+    """On a machine without a C++ compiler the first call warns once; every call computes eagerly."""
+    torch._dynamo.reset()  # compile afresh, from no cache, with a compiler that is not there
+    monkeypatch.setattr(data_module, "_compiled", {})
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("/nonexistent/c++",))
+    batch = make_batch(np.random.default_rng(3), 5, 3, 6)
+    try:
+        with pytest.warns(RuntimeWarning, match="compiling the token summaries failed"):
+            first = compute_data_stats(batch, torch_compile=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            again = compute_data_stats(batch, torch_compile=True)
+    finally:
+        torch._dynamo.reset()
+    eager = compute_data_stats(batch)
+    assert_same_stats(first, eager)
+    assert_same_stats(again, eager)
 
 
 def test_derive_metrics_keeps_the_fallback_without_ingredients():

@@ -280,15 +280,21 @@ class ClientCore:
 
     # ------------------------------------------------------------- the seed's compute_local_*
     def compute_local_data_metric(
-        self, data: Any, world_size: int | None = None, step: int | None = None
+        self,
+        data: Any,
+        world_size: int | None = None,
+        step: int | None = None,
+        *,
+        torch_compile: bool = False,
     ) -> None:
         """Compute the seed's data metrics of this rank's batch (plus every function added with
         :func:`~rlmetrics.metrics.custom.register_metric`) and submit them as mergeable Stats, so
-        token- and sequence-weighted global values are exact. ``DEBUG_METRICS=1`` logs them."""
+        token- and sequence-weighted global values are exact. ``DEBUG_METRICS=1`` logs them.
+        ``torch_compile``: see :func:`~rlmetrics.metrics.data.compute_data_stats`."""
         from rlmetrics.metrics.custom import debug_enabled, debug_report, run_custom_metrics
         from rlmetrics.metrics.data import compute_data_stats
 
-        metrics: dict[str, Any] = dict(compute_data_stats(data))
+        metrics: dict[str, Any] = dict(compute_data_stats(data, torch_compile=torch_compile))
         metrics.update(run_custom_metrics(data))
         if debug_enabled():
             debug_report(data, metrics)
