@@ -64,6 +64,9 @@ def test_every_key_matches_siirl(seed):
     assert set(ours) - set(theirs) == OURS_ONLY
     assert set(theirs) - set(ours) == set()
     assert_close(ours, theirs, REL, set(theirs) - VOLATILE)
+    compiled = compute_data_metric(batch, torch_compile=True)  # the same keys and numbers compiled
+    assert set(compiled) == set(ours)
+    assert_close(compiled, theirs, REL, set(theirs) - VOLATILE)
     lengths = batch["response_mask"].sum(-1)
     assert ours["response/aborted_ratio"] == pytest.approx((lengths == 0).float().mean().item())
 
