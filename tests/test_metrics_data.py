@@ -575,6 +575,17 @@ def test_torch_compile_falls_back_to_eager_with_a_warning_when_compiling_fails(m
     assert_same_stats(again, eager)
 
 
+def test_data_metrics_from_stats_reduces_quantile_names_from_their_sketches():
+    """Merged Stats a user adds to the data metrics may carry sketches (a quantile name)."""
+    values = np.random.default_rng(0).normal(size=101)
+    stats = {"x/p50": Stat.of(values, sketch=True), "critic/score/mean": Stat.of(values)}
+    got = data_metrics_from_stats(stats)
+    assert got == {
+        "x/p50": pytest.approx(float(np.median(values))),
+        "critic/score/mean": pytest.approx(values.mean()),
+    }
+
+
 def test_derive_metrics_keeps_the_fallback_without_ingredients():
     assert derive_metrics({"critic/vf_explained_var": 0.5, "a/mean": 1.0}) == {
         "critic/vf_explained_var": 0.5,
