@@ -198,6 +198,40 @@ def test_a_merged_item_a_resend_overtook_is_repeated_one_by_one_and_counted_once
     assert got == {"r/mean": 2.0} and got.meta["complete"]  # c1 once, c2 once
 
 
+def test_a_batch_the_actor_asks_to_repeat_is_repeated_at_once_not_at_the_clients_next_call(name):
+    """Two clients of one process post in one batch; c1's resend had reached the actor first, so the
+    actor cannot merge the batch's pre-merged item and asks both to repeat alone. The sender does
+    that itself: a reader gets the whole step although neither client makes another call (before,
+    the repeat waited for the client's next call, and a reader waiting for the step timed out
+    with it partial)."""
+    from concurrent.futures import Future
+
+    from rlmetrics.backends.ray import RayTransport
+
+    worker = rlmetrics.get_metric_worker(name=name)
+    clients = ("c1", "c2")
+    ray.get([worker.register.remote(c) for c in clients])
+    transports = {c: RayTransport(worker) for c in clients}  # one process: one sender for both
+    values = {"c1": 1.0, "c2": 3.0}
+    for (
+        c,
+        t,
+    ) in transports.items():  # step 0 teaches the actor the names (and each transport that it has them)
+        assert not t.send(c, [(0, 0, 2, pack({"r/mean": values[c]}))], [0])["errors"]
+    items = {c: [(1, 1, 2, pack({"r/mean": values[c] + 1}))] for c in clients}
+    ray.get(worker.send.remote("c1", encode(items["c1"], [], True, True)))  # c1's resend, first
+    sender = transports["c1"]._sender
+    posted = {c: Future() for c in clients}
+    with sender._cond:  # both messages in one batch: their step-1 values travel pre-merged
+        sender._queue.extend((transports[c], c, items[c], [1], posted[c]) for c in clients)
+        sender._cond.notify()
+    got = rlmetrics.MetricClient(worker).result(1, timeout=20)
+    assert got == {"r/mean": 3.0} and got.meta["complete"], (dict(got), got.meta)  # (2 + 4) / 2
+    for c in clients:
+        assert not posted[c].result(timeout=10)["errors"]
+    assert ray.get(worker.stats.remote())["calls"]["send_many"] == 1
+
+
 def seed_style_names(m):
     """Names as the seed's conventions produce them; at M=1000 most are validation metrics."""
     sources = ["openai/gsm8k", "lighteval/MATH", "aime_2024", "minerva_math", "olympiadbench", "amc23",

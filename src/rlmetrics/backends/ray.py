@@ -481,12 +481,17 @@ class RayTransport:
     def _track(
         self, reply: dict, client_id: str, items: list[Submission], close: list[int], resync: bool
     ) -> dict:
-        if "unknown" in reply:  # the actor lost some schemas (or asks for it): repeat alone, with names
-            reply = self._call("send", client_id, encode(items, close, True, resync))
+        if "unknown" in reply:
+            reply = self.repeat(client_id, items, close, resync)
         if reply["incarnation"] != self._incarnation:
             self._known = {item[3].schema.id for item in items}
             self._incarnation = reply["incarnation"]
         return reply
+
+    def repeat(self, client_id: str, items: list[Submission], close: list[int], resync: bool) -> dict:
+        """Send a message again on its own, with every schema's names: the answer to an "unknown"
+        reply (the actor lost some schemas, or could not merge a pre-merged item)."""
+        return self._call("send", client_id, encode(items, close, True, resync))
 
     def send(self, client_id: str, items: list[Submission], close: list[int], resync: bool = False) -> dict:
         reply = self._call("send", client_id, self._encode(items, close, resync))
@@ -597,7 +602,13 @@ class _Sender:
                 if not ray.is_initialized():
                     return
                 continue
-            for (*_, future), reply in zip(batch, replies):
+            for (transport, client_id, items, close, future), reply in zip(batch, replies):
+                if "unknown" in reply:  # repeat now, not at the client's next call: a reader may wait for it
+                    try:
+                        reply = transport.repeat(client_id, items, close, False)
+                    except (Exception, SystemExit) as exc:  # AggregatorRestarted: the client resends
+                        future.set_exception(exc)
+                        continue
                 future.set_result(reply)
 
 
