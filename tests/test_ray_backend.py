@@ -407,3 +407,40 @@ def test_validation_records_travel_and_merge_in_rank_order(name):
         )
         clients[r].wait_submit()
     assert clients[0].result(0, timeout=30) == process_validation_metrics(sources, prompts, infos)
+
+
+AFTER_SHUTDOWN = """
+import ray
+import rlmetrics
+
+ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+worker = rlmetrics.get_metric_worker(name="after")
+client = rlmetrics.connect("ray", name="after", world_size=1)
+client.submit_metric({"x/mean": 1.0})
+client.wait_submit()
+assert client.result(0, timeout=30) == {"x/mean": 1.0}
+ray.shutdown()
+for call in (lambda: client.result(1, timeout=1), client.flush, lambda: client.transport.wait_alive()):
+    try:
+        call()
+    except ConnectionError:
+        pass
+    assert not ray.is_initialized(), "a call on the client started a new Ray instance"
+print("ok")
+"""
+
+
+def test_a_client_used_after_ray_shut_down_raises_and_starts_no_ray(tmp_path):
+    """Ray's own calls start a local Ray instance when Ray is not initialized; the client's calls
+    (and its threads, which may still wait for an aggregator while the user shuts Ray down) raise
+    ConnectionError instead. A stray instance started so during a shutdown once made the next
+    ``ray.init`` of a process fail."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "after_shutdown.py"
+    script.write_text(AFTER_SHUTDOWN)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (
+        proc.stdout[-2000:] + proc.stderr[-3000:]
+    )

@@ -460,7 +460,7 @@ class RayTransport:
     def _call(self, method: str, *args: Any, actor: Any = None) -> Any:
         actor = self.handle if actor is None else actor
         try:
-            return ray.get(getattr(actor, method).remote(*args))
+            return _get(_remote(getattr(actor, method), *args))
         except _UNAVAILABLE as exc:
             _wait_alive(actor, self.reconnect_timeout)
             raise AggregatorRestarted(f"aggregator restarted during {method}") from exc
@@ -524,13 +524,40 @@ class RayTransport:
         _Watcher.of(self).clients.add(client)
 
 
+def _remote(method: Any, *args: Any) -> Any:
+    """``method.remote(*args)`` on an existing actor handle, raising ConnectionError where Ray's
+    ``.remote()`` would start a new local Ray instance (Ray not initialized).
+
+    A client used after ``ray.shutdown()``, or one of its threads still waiting for an aggregator
+    while the user shuts Ray down, must not start a stray Ray instance in the user's process (one
+    started so during a shutdown made the next ``ray.init`` fail).
+    """
+    if not ray.is_initialized():
+        raise ConnectionError("Ray is shut down")
+    submit = getattr(type(method)._remote, "__wrapped__", None)  # Ray's _remote without that step
+    try:
+        return method.remote(*args) if submit is None else submit(method, args, {})
+    except ray.exceptions.RaySystemError as exc:  # shut down meanwhile
+        raise ConnectionError(f"Ray is shut down: {exc}") from exc
+
+
+_ray_get = getattr(ray.get, "__wrapped__", ray.get)  # ray.get without starting Ray
+
+
+def _get(ref: Any, timeout: float | None = None) -> Any:
+    """``ray.get(ref, timeout=timeout)``, raising ConnectionError where Ray's would start a new
+    local Ray instance (see :func:`_remote`)."""
+    try:
+        return _ray_get(ref, timeout=timeout)
+    except ray.exceptions.RaySystemError as exc:
+        raise ConnectionError(f"Ray is shut down: {exc}") from exc
+
+
 def _wait_alive(handle: Any, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     while True:
-        if not ray.is_initialized():  # never let a background thread start a new Ray instance
-            raise ConnectionError("Ray is shut down")
         try:
-            return ray.get(handle.ping.remote(), timeout=10)
+            return _get(_remote(handle.ping), timeout=10)
         except (*_UNAVAILABLE, ray.exceptions.GetTimeoutError):
             if time.monotonic() > deadline:
                 raise ConnectionError(f"metric worker unreachable for {timeout} s") from None
@@ -584,9 +611,7 @@ class _Sender:
                     self._cond.wait()
                 batch, self._queue = self._queue, []
             try:
-                if not ray.is_initialized():
-                    raise ConnectionError("Ray is shut down")
-                replies = ray.get(self.handle.send_many.remote(*_premerge(batch)))
+                replies = _get(_remote(self.handle.send_many, *_premerge(batch)))
             except _UNAVAILABLE:
                 try:
                     _wait_alive(self.handle, self.reconnect_timeout)
@@ -668,8 +693,10 @@ class _Watcher:
         return _per_actor(cls, transport)
 
     def _arm(self) -> None:
-        if ray.is_initialized():
-            self.handle.watch.remote().future().add_done_callback(self._fired)
+        try:
+            _remote(self.handle.watch).future().add_done_callback(self._fired)
+        except ConnectionError:  # Ray is shut down: nothing to watch
+            pass
 
     def _fired(self, future: Future) -> None:
         if isinstance(future.exception(), _UNAVAILABLE) and ray.is_initialized():
