@@ -142,11 +142,9 @@ def data_metrics_from_stats(stats: Mapping[str, Stat]) -> dict[str, float]:
     >>> data_metrics_from_stats(merged)["critic/advantages/mean"]
     3.0
     """
-    if any(resolve(name).needs_sketch for name in stats):  # not among the data metrics; a user's merge
-        return derive_metrics({n: resolve(n).apply(s) for n, s in stats.items() if s.count > 0})
     names = list(stats)
     arrays = np.array([[s.count, s.sum, s.m2, s.min, s.max] for s in stats.values()]).T
-    return _metrics_of_arrays(names, arrays.reshape(5, len(names)))
+    return _metrics_of_arrays(names, arrays.reshape(5, len(names)), stats)
 
 
 # -------------------------------------------------------------------------------------- internals
@@ -289,13 +287,19 @@ def _reductions(names: tuple[str, ...]) -> list[tuple[Any, np.ndarray]]:
     return [(reduction, np.array(idx)) for reduction, idx in groups.items()]
 
 
-def _metrics_of_arrays(names: list[str], arrays: np.ndarray) -> dict[str, float]:
+def _metrics_of_arrays(
+    names: list[str], arrays: np.ndarray, stats: Mapping[str, Stat] | None = None
+) -> dict[str, float]:
     """``{name: float}`` of a ``(5, K)`` stat array as the aggregator reports it: each name by its
-    reduction (one vectorised reduction per kind), names without observations left out, then
+    reduction (one vectorised reduction per kind; quantiles from the sketches of ``stats``, the
+    Stats of the array), names without observations left out, then
     :func:`rlmetrics.metrics.derive_metrics`."""
     values = np.empty(len(names))
     for reduction, idx in _reductions(tuple(names)):
-        values[idx] = reduction.apply_arrays(arrays[:, idx])
+        if reduction.needs_sketch:  # only a user's merged Stats carry sketches
+            values[idx] = [reduction.apply(stats[names[i]]) for i in idx]
+        else:
+            values[idx] = reduction.apply_arrays(arrays[:, idx])
     has = (arrays[0] > 0).tolist()
     return derive_metrics({name: v for name, v, h in zip(names, values.tolist(), has) if h})
 
@@ -435,9 +439,8 @@ def _token_block(
                 x = xs[i]
             else:  # the residual, into its slot
                 x = torch.sub(xs[residual[0]], xs[residual[1]], out=None if out is None else out.view(dtype))
-            bufs.append(
-                torch.mul(x.view(itype), token_mask.on, out=out)
-            )  # x on the response, 0 (bits) elsewhere
+            # x on the response, 0 (all bits) elsewhere
+            bufs.append(torch.mul(x.view(itype), token_mask.on, out=out))
         stacked = scratch[2 : 2 + len(bufs)] if scratch is not None else torch.stack(bufs)
         parts.append(_summarize_tokens(stacked, token_mask, dtype))
     sums, m2s, mins, maxs = (torch.cat(column) for column in zip(*parts))
