@@ -204,16 +204,6 @@ def test_empty_names_are_left_out_and_listed():
     assert res == {"b": 1.0} and res.meta["empty"] == ["a"]
 
 
-def test_finalize_pending_is_the_seeds_wait_final_res():
-    agg = Aggregator()
-    agg.submit("r", 0, 0, 1, pack({"a": 1.0}))
-    agg.submit("r", 1, 1, 1, pack({"a": 5.0}))
-    newest = agg.finalize_pending()
-    assert newest.step == 1 and newest == {"a": 5.0}
-    assert agg.result(0) == {"a": 1.0}  # older steps stay readable
-    assert agg.pending_steps() == []
-
-
 def test_departed_client_is_not_waited_for():
     agg = Aggregator()
     agg.submit("r0", 0, 0, 1, pack({"a": 1.0}))
@@ -262,6 +252,6 @@ def test_std_names_pool_data_but_average_per_rank_numbers():
         with pytest.warns(UserWarning, match="rank's std"):
             p = pack({"scalar/std": float(d.std())})
         agg.submit(f"r{r}", 0, 1, 3, p, register=False)
-    res = agg.finalize_pending()
+    res = agg.finalize(0)
     assert res["loss/std"] == pytest.approx(np.concatenate(data).std(), rel=1e-12)
     assert res["scalar/std"] == pytest.approx(np.mean([d.std() for d in data]), rel=1e-12)

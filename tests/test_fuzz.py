@@ -381,6 +381,7 @@ def test_every_invalid_value_is_refused_naming_the_metric_and_the_rest_goes_thro
 def test_names_with_nul_bytes_do_not_share_a_schema_id():
     worker = LocalMetricWorker()
     a, b = MetricClient(worker, world_size=1), MetricClient(worker, world_size=1)
+    a.register(), b.register()  # ranks: the step waits for both
     a.submit_metric({"a": [1.0], "b": [2.0]})
     b.submit_metric({"a\x00mean\x00b": [5.0]})  # hashed naively, the same bytes as the two names above
     for c in (a, b):

@@ -137,11 +137,13 @@ def test_one_rpc_per_step_per_client(name):
 
 @ray.remote(num_cpus=0)
 class Host:
-    """Several ranks' clients in one process: their scalar submissions travel pre-merged."""
+    """Several ranks' clients in one process, not blocking in ``wait_submit`` (the reader uses
+    ``result(step)``): their scalar submissions travel pre-merged."""
 
     def __init__(self, ranks, world, name):
         self.clients = {
-            r: rlmetrics.connect("ray", name=name, world_size=world, label=f"rank{r}") for r in ranks
+            r: rlmetrics.connect("ray", name=name, world_size=world, label=f"rank{r}", blocking=False)
+            for r in ranks
         }
 
     def step(self, step):

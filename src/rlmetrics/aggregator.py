@@ -324,35 +324,64 @@ class Aggregator:
 
     ``renames``: result-name prefix renames (default ``timing_s/`` → ``perf/delta_time/``).
     ``keep_results``: how many finalized results stay readable with :meth:`result`.
+    ``forget_after``: schemas not submitted for this many steps are dropped, and names no kept
+    schema uses with them (a name that comes back is learned again).
+    ``max_pending``: at most this many steps are pending; beyond, the oldest is finalized partial
+    (``meta["stale"]``, with a warning), so a step whose rank died does not stay forever.
     """
 
-    def __init__(self, *, renames: Mapping[str, str] | None = None, keep_results: int = 64) -> None:
+    def __init__(
+        self,
+        *,
+        renames: Mapping[str, str] | None = None,
+        keep_results: int = 64,
+        forget_after: int = 128,
+        max_pending: int = 128,
+    ) -> None:
         self.renames = dict(DEFAULT_RENAMES if renames is None else renames)
         self.keep_results = keep_results
+        self.forget_after = forget_after
+        self.max_pending = max_pending
         self.clients: set[str] = set()
         self.late = 0  # contributions that arrived after their step was finalized (dropped)
-        self._names: list[str] = []
+        self.newest_closed: int | None = None  # the newest step any client closed
+        self._newest_final = -1  # the newest finalized step
+        self._names: list[str | None] = []  # by column; None: a free column
+        self._free: list[int] = []
         self._out_names: list[str] = []
         self._reductions: list[str] = []
         self._index: dict[str, int] = {}
         self._by_out: dict[str, str] = {}  # result name -> metric name
         self._schemas: dict[bytes, tuple[Schema, np.ndarray]] = {}
+        self._used: dict[bytes, int] = {}  # schema id -> newest step it was submitted for
         self._steps: dict[int, _Step] = {}
         self._results: OrderedDict[int, StepResult] = OrderedDict()
         self._finalized: set[int] = set()  # finalized steps >= _done_below
-        self._done_below = 0  # every step below it counts as finalized
+        self._done_below = 0  # every step below it is finalized
         self._nan_warned: set[str] = set()
         self._layouts: dict[tuple[bytes, ...], _Layout] = {}
 
     # -------------------------------------------------------------------------------- intake
-    def _columns(self, schema: Schema) -> np.ndarray:
+    def _columns(self, schema: Schema, step: int) -> np.ndarray:
+        self._used[schema.id] = max(step, self._used.get(schema.id, step))
         known = self._schemas.get(schema.id)
         if known is not None:
             return known[1]
         if len(schema.names) != len(schema.reductions):
+            del self._used[schema.id]
             raise SubmissionError(
                 f"schema has {len(schema.names)} names but {len(schema.reductions)} reductions"
             )
+        try:
+            cols = self._learn(schema)
+        except (SubmissionError, ValueError):
+            del self._used[schema.id]
+            raise
+        self._schemas[schema.id] = (schema, cols)
+        return cols
+
+    def _learn(self, schema: Schema) -> np.ndarray:
+        """Columns for a new schema's names (new names get a column)."""
         if len(set(schema.names)) != len(schema.names):
             raise SubmissionError("schema repeats a metric name")
         for red in schema.reductions:
@@ -371,18 +400,59 @@ class Aggregator:
         for i, (name, red) in enumerate(zip(schema.names, schema.reductions)):
             col = self._index.get(name)
             if col is None:
-                col = self._index[name] = len(self._names)
-                self._names.append(name)
-                self._out_names.append(rename(name, self.renames))
-                self._by_out[self._out_names[-1]] = name
-                self._reductions.append(red)
+                out = rename(name, self.renames)
+                if self._free:
+                    col = self._free.pop()
+                    self._names[col], self._out_names[col], self._reductions[col] = name, out, red
+                else:
+                    col = len(self._names)
+                    self._names.append(name)
+                    self._out_names.append(out)
+                    self._reductions.append(red)
+                self._index[name] = col
+                self._by_out[out] = name
             elif self._reductions[col] != red:
                 logger.warning(
                     "metric %r: reduction %r requested, keeping %r", name, red, self._reductions[col]
                 )
             cols[i] = col
-        self._schemas[schema.id] = (schema, cols)
         return cols
+
+    def _forget(self, step: int) -> None:
+        """Drop schemas not submitted since ``step - forget_after`` and no pending step uses, and
+        the names no kept schema has: memory stays bounded when names change over a run."""
+        horizon = step - self.forget_after
+        busy = {sid for st in self._steps.values() for sid in st.groups}
+        old = [sid for sid, used in self._used.items() if used < horizon and sid not in busy]
+        if not old:
+            return
+        for sid in old:
+            del self._used[sid]
+            self._schemas.pop(sid, None)
+        kept = set()
+        for _, cols in self._schemas.values():
+            kept.update(cols.tolist())
+        for name, col in list(self._index.items()):
+            if col not in kept:
+                del self._index[name]
+                self._by_out.pop(self._out_names[col], None)
+                self._nan_warned.discard(self._out_names[col])
+                self._names[col] = None
+                self._free.append(col)
+        self._layouts.clear()
+
+    def memory(self) -> dict[str, int]:
+        """What the engine holds now (for monitoring and the soak tests): names, schemas, layouts,
+        pending steps, kept results and finalized steps it tracks beyond ``done_below``."""
+        return {
+            "names": len(self._index),
+            "columns": len(self._names),
+            "schemas": len(self._schemas),
+            "layouts": len(self._layouts),
+            "pending": len(self._steps),
+            "results": len(self._results),
+            "finalized": len(self._finalized),
+        }
 
     def submit(
         self,
@@ -452,10 +522,8 @@ class Aggregator:
             self.late += 1
             logger.warning("step %d is finalized; dropped a late contribution of %s", step, keys[0][0])
             return False
-        cols = self._columns(packed.schema)
-        st = self._steps.get(step)
-        if st is None:
-            st = self._steps[step] = _Step()
+        cols = self._columns(packed.schema, step)
+        st = self._step(step)
         seen = [key in st.seen for key in keys]
         if all(seen):
             return False
@@ -480,12 +548,27 @@ class Aggregator:
 
     def close(self, client_id: str, step: int) -> None:
         """``client_id`` will send nothing more for ``step`` (a client's ``wait_submit``)."""
+        self.note_closed(step)
         if self.is_finalized(step):
             return
+        self._step(step).closed.add(client_id)
+
+    def note_closed(self, step: int) -> None:
+        """Some client closed ``step`` (here or below a node sub-aggregator)."""
+        if self.newest_closed is None or step > self.newest_closed:
+            self.newest_closed = step
+
+    def _step(self, step: int) -> _Step:
+        """The pending state of ``step``, new if needed; beyond ``max_pending`` pending steps the
+        oldest is finalized as it stands."""
         st = self._steps.get(step)
         if st is None:
             st = self._steps[step] = _Step()
-        st.closed.add(client_id)
+            while len(self._steps) > self.max_pending:
+                oldest = min(s for s in self._steps if s != step)
+                logger.warning("step %d finalized partial: %d newer steps pending", oldest, self.max_pending)
+                self.finalize(oldest).meta["stale"] = True
+        return st
 
     def register(self, client_id: str) -> None:
         """Wait for ``client_id`` to close every step from now on, before its first submission."""
@@ -506,6 +589,11 @@ class Aggregator:
         """Every registered client closed ``step`` (what a node aggregator waits for)."""
         st = self._steps.get(step)
         return st is not None and self.clients <= st.closed
+
+    def has_closed_data(self, step: int) -> bool:
+        """``step`` is pending, holds data and some client closed it."""
+        st = self._steps.get(step)
+        return st is not None and bool(st.closed) and bool(st.groups or st.records)
 
     def is_complete(self, step: int) -> bool:
         """All names have their expected contributions and every registered client closed the step."""
@@ -530,11 +618,16 @@ class Aggregator:
     def finalize(self, step: int) -> StepResult:
         """The step's result (partial when incomplete, with a warning); frees the step's state.
 
-        A step finalized before returns its kept result (or an empty one when no longer kept).
+        A step finalized before returns its kept result, or an empty one with ``meta["evicted"]``
+        when it is no longer kept (more than ``keep_results`` newer results).
         """
         if self.is_finalized(step):
             kept = self._results.get(step)
-            return kept if kept is not None else StepResult({}, step, {"complete": False, "evicted": True})
+            if kept is not None:
+                return kept
+            return StepResult(
+                {}, step, {"complete": False, "evicted": True, "keep_results": self.keep_results}
+            )
         missing_ranks, missing_metrics = self.missing(step)
         st = self._steps.pop(step, None)
         complete = st is not None and not missing_ranks and not missing_metrics
@@ -561,6 +654,9 @@ class Aggregator:
         self._results[step] = result
         while len(self._results) > self.keep_results:
             self._results.popitem(last=False)
+        if step > self._newest_final:
+            self._newest_final = step
+            self._forget(step)
         return result
 
     def closed_by_contributors(self, step: int) -> bool:
@@ -620,13 +716,20 @@ class Aggregator:
         self._layouts[key] = lay
         return lay
 
+    _FINALIZED_CAP = 4096
+
     def _mark_finalized(self, step: int) -> None:
+        """Steps finalized below the lowest one that is not count as ``done_below``; a step nobody
+        used stops that, so beyond ``_FINALIZED_CAP`` tracked steps every unused step below the
+        oldest pending one counts as finalized too."""
         self._finalized.add(step)
-        # Steps below every pending step count as finalized: the set of finalized steps stays small.
-        floor = min(self._steps) if self._steps else max(self._finalized) + 1
-        if floor > self._done_below:
-            self._done_below = floor
+        while self._done_below in self._finalized:
+            self._finalized.discard(self._done_below)
+            self._done_below += 1
+        if len(self._finalized) > self._FINALIZED_CAP:
+            floor = min(self._steps) if self._steps else max(self._finalized) + 1
             self._finalized = {s for s in self._finalized if s >= floor}
+            self._done_below = max(self._done_below, floor)
 
     def _values(self, st: _Step) -> tuple[dict[str, float], list[str]]:
         lay = self._layout(st)
@@ -684,6 +787,8 @@ class Aggregator:
             "clients": sorted(self.clients),
             "done_below": self._done_below,
             "finalized": sorted(self._finalized),
+            "newest_closed": self.newest_closed,
+            "newest_final": self._newest_final,
             "results": [[step, dict(res), res.meta] for step, res in newest],
         }
 
@@ -692,6 +797,8 @@ class Aggregator:
         self.clients = set(state["clients"])
         self._done_below = int(state["done_below"])
         self._finalized = set(state["finalized"])
+        self.newest_closed = state.get("newest_closed")
+        self._newest_final = int(state.get("newest_final", self._done_below - 1))
         for step, values, meta in state.get("results", ()):
             self._results[int(step)] = StepResult(values, int(step), meta)
 
@@ -699,16 +806,8 @@ class Aggregator:
         """A kept finalized result, or None."""
         return self._results.get(step)
 
-    def finalize_pending(self, up_to: int | None = None) -> StepResult:
-        """Finalize every pending step (``<= up_to`` when given), oldest first; return the newest.
-
-        This is the seed's ``wait_final_res``: everything that arrived is aggregated now. With nothing
-        pending, the newest kept result (empty when there is none).
-        """
-        steps = [s for s in self.pending_steps() if up_to is None or s <= up_to]
-        results = [self.finalize(s) for s in steps]
-        if results:
-            return results[-1]
-        if self._results:
-            return self._results[max(self._results)]
-        return StepResult({}, -1, {"complete": True, "missing_ranks": [], "missing_metrics": {}, "empty": []})
+    def direct_step(self) -> int:
+        """Where a submission without a client and without a step goes (the seed's
+        ``MetricWorker.submit_metric``): the newest pending step, else the step after the newest
+        finalized one — so each ``wait_final_res`` starts a new round, as in siiRL."""
+        return max(self._steps) if self._steps else self._newest_final + 1

@@ -2,7 +2,8 @@
 
 A client summarizes each ``submit_metric`` call at once (so a bad value raises in the caller, naming
 the metric), buffers the result, and sends everything of a step in one call to its
-:class:`Transport` when the step is closed by ``wait_submit()``. It keeps what it sent until the
+:class:`Transport` when the step is closed by ``wait_submit()``, which by default returns once the
+aggregator holds it (siiRL's ``ray.get`` of its submissions). It keeps what it sent until the
 aggregator reports the step finalized; if the aggregator restarted (a new ``incarnation`` in a
 reply, or :class:`AggregatorRestarted` from the transport) it resends what it keeps, which the
 aggregator merges once thanks to ``(client_id, step, seq)``.
@@ -22,11 +23,12 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
-from rlmetrics.aggregator import MAX_WORLD_SIZE, Aggregator, Packed, StepResult, SubmissionError, pack
+from rlmetrics.aggregator import MAX_WORLD_SIZE, Packed, StepResult, pack
+from rlmetrics.server import Submission
 from rlmetrics.stat import NAN_STRATEGIES, MetricValueError
 
-Submission = tuple[int, int, int, Packed]  # (step, seq, world_size, packed)
 T = TypeVar("T")
+_SCHEMA_CACHE = 512  # schemas a client remembers; beyond, it forgets them all (names that change)
 
 
 class AggregatorRestarted(ConnectionError):
@@ -48,7 +50,7 @@ class Transport(Protocol):
 
     def result(self, step: int, timeout: float | None) -> StepResult: ...
 
-    def final(self) -> StepResult: ...
+    def final(self, timeout: float | None = None) -> StepResult: ...
 
     def register(self, client_id: str) -> None: ...
 
@@ -68,6 +70,9 @@ class ClientCore:
     with :meth:`set_world_size`, e.g. after a rank died). ``nan_strategy``: ``"propagate"``
     (default), ``"drop"`` or ``"error"`` for non-finite values. ``label``: leads the client id;
     ``client_id``: a fixed id instead (for a client that must keep its identity across restarts).
+    ``blocking``: ``wait_submit()`` returns once the aggregator holds the step (default, the seed's
+    behaviour, needed before a ``wait_final_res()``); ``False`` returns at once and raises an error
+    about the data at this client's next call (for ranks whose driver reads with ``result(step)``).
     """
 
     max_restarts_per_call = 5
@@ -80,6 +85,7 @@ class ClientCore:
         nan_strategy: str = "propagate",
         label: str | None = None,
         client_id: str | None = None,
+        blocking: bool = True,
     ) -> None:
         if nan_strategy not in NAN_STRATEGIES:
             raise ValueError(f"nan_strategy must be one of {NAN_STRATEGIES}, got {nan_strategy!r}")
@@ -87,6 +93,7 @@ class ClientCore:
         self.world_size = world_size
         self.nan_strategy = nan_strategy
         self.client_id = client_id or new_client_id(label)
+        self.blocking = blocking
         self.step = 0
         self._seq = 0
         self._buffer: list[Submission] = []
@@ -132,19 +139,18 @@ class ClientCore:
         if not isinstance(ws, numbers.Integral) or isinstance(ws, bool) or not 1 <= ws <= MAX_WORLD_SIZE:
             raise ValueError(f"world_size must be an int in [1, {MAX_WORLD_SIZE}], got {ws!r:.80}")
         ws = int(ws)
-        if step is not None and (
-            not isinstance(step, numbers.Integral) or isinstance(step, bool) or step < 0
-        ):  # refused here, not only at the aggregator (whose reply a Ray client reads a call later)
-            raise ValueError(f"step must be a non-negative int, got {step!r:.80}")
+        step = self.step if step is None else _step_arg(step)  # refused here, before anything is sent
         if not isinstance(metrics, Mapping):
             raise MetricValueError(
                 f"metrics must be a mapping of name to value, got {type(metrics).__name__}"
             )
         errors: dict[str, str] = {}
+        if len(self._schemas) > _SCHEMA_CACHE:
+            self._schemas.clear()
         packed = pack(metrics, self.nan_strategy, self._schemas, errors)
         with self._lock:
             if packed.schema.names:
-                self._buffer.append((self.step if step is None else int(step), self._next_seq(), ws, packed))
+                self._buffer.append((step, self._next_seq(), ws, packed))
         if errors:
             raise MetricValueError("; ".join(errors.values()))
 
@@ -227,18 +233,31 @@ class ClientCore:
         raise ConnectionError(f"aggregator restarted {self.max_restarts_per_call} times during one call")
 
     # ------------------------------------------------------------------------------ the API
-    def wait_submit(self) -> None:
-        """Send everything queued in one message, close the current step and advance to the next.
+    def wait_submit(self, step: int | None = None, block: bool | None = None) -> None:
+        """Send everything queued in one message, close this client's current step (or ``step``)
+        and advance to the step after it.
 
-        With a transport that posts (Ray) it does not wait for the reply: an error in it (a value
-        the aggregator refused) is raised by the next call of this client.
+        Blocking (the default, see ``blocking``) it returns once the aggregator holds the message,
+        and raises :class:`~rlmetrics.stat.MetricValueError` if it refused some of the data (the
+        rest is merged). Data queued for a later step (``submit_metric(..., step=)``) travels now
+        and is merged, but that step is closed only by the ``wait_submit`` that reaches it.
         """
         with self._lock:
-            steps = {item[0] for item in self._buffer} | {self.step}
+            current = self.step if step is None else _step_arg(step)
+            ahead = {item[0] for item in self._buffer} - {current}
+            if ahead and min(ahead) > current and not any(item[0] == current for item in self._buffer):
+                warnings.warn(
+                    f"rlmetrics: wait_submit() closes step {current}, but the data queued since the last "
+                    f"one is for step(s) {sorted(ahead)[:5]}; pass step= to wait_submit to close those",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             try:
-                self._flush(sorted(steps))
+                self._flush([current])
             finally:  # the step is closed even when the aggregator refused some of its data
-                self.step += 1
+                self.step = current + 1
+            if self.blocking if block is None else block:
+                self._collect(block=True)
 
     def result(self, step: int, timeout: float | None = None) -> StepResult:
         """The result of ``step`` as soon as it is complete; at ``timeout`` (seconds) the partial
@@ -246,15 +265,25 @@ class ClientCore:
         self.flush()
         return self._checked(self._retrying(lambda: self.transport.result(step, timeout)))
 
-    def wait_final_res(self) -> StepResult:
-        """Aggregate everything pending now and return the newest step's result (seed semantics)."""
+    def wait_final_res(self, timeout: float | None = None) -> StepResult:
+        """The seed's read: the newest step any rank closed, once every registered rank closed it
+        and every metric has its contributions — at most ``timeout`` seconds (default: the
+        aggregator's ``final_timeout``, 60 s), then partial with ``meta`` and a RuntimeWarning.
+        Without clients (bare ``MetricWorker.submit_metric`` calls) this round's metrics."""
         self.flush()
-        return self._checked(self._retrying(self.transport.final))
+        return self._checked(self._retrying(lambda: self.transport.final(timeout)))
 
     def _checked(self, res: StepResult) -> StepResult:
         """Warn once per partial result, and once per metric name that turned non-finite."""
         meta = res.meta
-        if not meta.get("complete", True) and not meta.get("evicted"):
+        if meta.get("evicted"):
+            warnings.warn(
+                f"rlmetrics: step {res.step} is no longer kept (keep_results={meta.get('keep_results')} "
+                "newer results were); its values are lost to this read",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        elif not meta.get("complete", True):
             missing = meta["missing_metrics"]
             warnings.warn(
                 f"rlmetrics: step {res.step} is partial: missing ranks {meta['missing_ranks']}, "
@@ -367,30 +396,7 @@ class ClientCore:
         self._retrying(lambda: self.transport.depart(self.client_id))
 
 
-def receive(
-    engine: Aggregator, client_id: str, items: list[Submission], close: list[int], incarnation: str = "local"
-) -> dict:
-    """The receiving side of :meth:`Transport.send`: merge into ``engine`` and build the reply."""
-    return make_reply(engine, merge_items(engine, client_id, items, close), incarnation)
-
-
-def merge_items(
-    engine: Aggregator, client_id: str, items: list[Submission], close: list[int]
-) -> dict[str, str]:
-    """Merge a client's items, then its step closings; the errors, keyed by client, step and seq
-    (a rejected item does not stop the others)."""
-    errors: dict[str, str] = {}
-    for step, seq, world_size, packed in items:
-        try:
-            engine.submit(client_id, step, seq, world_size, packed)
-        except (SubmissionError, ValueError) as exc:
-            errors[f"{client_id}/{step}/{seq}"] = f"step {step}: {exc}"
-    for step in close:
-        engine.close(client_id, step)
-    return errors
-
-
-def make_reply(engine: Aggregator, errors: dict[str, str], incarnation: str = "local") -> dict:
-    """The reply to a send: errors, and what the client may stop keeping."""
-    done_below, finalized = engine.finalized_state()
-    return {"errors": errors, "incarnation": incarnation, "done_below": done_below, "finalized": finalized}
+def _step_arg(step: Any) -> int:
+    if not isinstance(step, numbers.Integral) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r:.80}")
+    return int(step)

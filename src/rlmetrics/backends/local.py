@@ -1,4 +1,4 @@
-"""In-process backend: one :class:`~rlmetrics.aggregator.Aggregator` shared by threads.
+"""In-process backend: one :class:`~rlmetrics.server.Server` shared by threads.
 
 >>> import threading, rlmetrics
 >>> def rank(r):
@@ -9,21 +9,20 @@
 >>> for t in threads: t.start()
 >>> for t in threads: t.join()
 >>> reader = rlmetrics.connect("local", name="doc")
->>> round(reader.result(0, timeout=5)["reward/mean"], 6)  # (0*1 + 1*2) / 3 observations
+>>> round(reader.wait_final_res()["reward/mean"], 6)  # (0*1 + 1*2) / 3 observations
 0.666667
 >>> rlmetrics.backends.local.drop_worker("doc")
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from rlmetrics.aggregator import Aggregator, StepResult, pack
-from rlmetrics.client import Submission, receive
+from rlmetrics.aggregator import StepResult
+from rlmetrics.server import Server, Submission
 
 _WORKERS: dict[str, LocalMetricWorker] = {}  # named in-process aggregators, like Ray's named actors
 _WORKERS_LOCK = threading.Lock()
@@ -32,13 +31,14 @@ _WORKERS_LOCK = threading.Lock()
 class LocalMetricWorker:
     """The seed's ``MetricWorker`` in-process and thread-safe; blocking methods instead of ``.remote``.
 
-    Keyword options go to :class:`~rlmetrics.aggregator.Aggregator` (``renames``, ``keep_results``).
+    Keyword options go to :class:`~rlmetrics.server.Server` (``final_timeout``, ``renames``,
+    ``keep_results``, ``forget_after``, ``max_pending``).
     """
 
     def __init__(self, **options: Any) -> None:
-        self.engine = Aggregator(**options)
+        self.server = Server(incarnation="local", **options)
+        self.engine = self.server.engine
         self._cond = threading.Condition()
-        self._direct = itertools.count()
         self.running = True
 
     # ----------------------------------------------------------------- the seed's worker API
@@ -49,46 +49,55 @@ class LocalMetricWorker:
         self.running = False
 
     def submit_metric(self, metrics: Mapping[str, Any], world_size: int, step: int | None = None) -> None:
-        """A submission without a client: into ``step`` (default: the newest pending step, or 0)."""
-        packed = pack(metrics)
+        """A submission without a client: into ``step`` (default: the current round, see
+        :meth:`~rlmetrics.server.Server.submit_direct`)."""
         with self._cond:
-            pending = self.engine.pending_steps()
-            target = step if step is not None else (pending[-1] if pending else 0)
-            self.engine.submit("direct", target, next(self._direct), world_size, packed, register=False)
+            self.server.submit_direct(metrics, world_size, step)
             self._cond.notify_all()
 
-    def wait_final_res(self) -> StepResult:
+    def wait_final_res(self, timeout: float | None = None) -> StepResult:
+        """The newest step any client closed, once complete (at most ``timeout`` seconds, default
+        the server's ``final_timeout``; then partial); without clients, this round's metrics."""
         with self._cond:
-            return self.engine.finalize_pending()
+            target = self.server.final_target()
+            self._wait(lambda: self.server.final_ready(target), self._deadline(timeout))
+            return self.server.final(target)
 
     # ----------------------------------------------------------------- transport for clients
     def send(self, client_id: str, items: list[Submission], close: list[int], resync: bool = False) -> dict:
         with self._cond:
-            reply = receive(self.engine, client_id, items, close)
+            reply = self.server.receive(client_id, items, close, resync)
             self._cond.notify_all()
         return reply
 
     def result(self, step: int, timeout: float | None = None) -> StepResult:
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while not (self.engine.is_finalized(step) or self.engine.is_complete(step)):
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    break
-                self._cond.wait(left)
-            return self.engine.finalize(step)
+            self._wait(lambda: self.server.result_ready(step), timeout)
+            return self.server.result(step)
 
-    def final(self) -> StepResult:
-        return self.wait_final_res()
+    def final(self, timeout: float | None = None) -> StepResult:
+        return self.wait_final_res(timeout)
 
     def register(self, client_id: str) -> None:
         with self._cond:
-            self.engine.register(client_id)
+            self.server.register(client_id)
 
     def depart(self, client_id: str) -> None:
         with self._cond:
-            self.engine.depart(client_id)
+            self.server.depart(client_id)
             self._cond.notify_all()
+
+    def _deadline(self, timeout: float | None) -> float:
+        return self.server.final_timeout if timeout is None else timeout
+
+    def _wait(self, ready: Callable[[], bool], timeout: float | None) -> None:
+        """Until ``ready()`` (called with the lock held) or ``timeout`` seconds (None: no limit)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not ready():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return
+            self._cond.wait(left)
 
 
 def get_worker(name: str = "default", **options: Any) -> LocalMetricWorker:

@@ -16,12 +16,10 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import threading
 import time
-import uuid
 import weakref
 from collections import Counter
 from collections.abc import Mapping
@@ -30,9 +28,10 @@ from typing import Any
 
 import numpy as np
 
-from rlmetrics.aggregator import Aggregator, Packed, PartlyMergedError, StepResult, SubmissionError, pack
-from rlmetrics.client import AggregatorRestarted, Submission, make_reply, merge_items
+from rlmetrics.aggregator import Packed, PartlyMergedError, StepResult, SubmissionError
+from rlmetrics.client import AggregatorRestarted
 from rlmetrics.extras import require
+from rlmetrics.server import Server, Submission
 from rlmetrics.stat import stats_of_rows
 from rlmetrics.wire import SchemaTable, decode, encode
 
@@ -45,49 +44,67 @@ logger = logging.getLogger(__name__)
 
 
 class _MetricWorker:
-    """The actor body: the engine, the schema table, waiting for steps, and restart recovery.
+    """The actor body: a :class:`~rlmetrics.server.Server` (the engine and the rules of every
+    call), the schema table, waiting on asyncio, and the state a restarted incarnation resumes from
+    (saved in Ray's internal KV store).
 
     Options: ``recovery_timeout`` (seconds a restarted incarnation waits for clients to resend);
-    the rest goes to :class:`~rlmetrics.aggregator.Aggregator` (``renames``, ``keep_results``).
+    the rest goes to the Server (``final_timeout``, ``renames``, ``keep_results``,
+    ``forget_after``, ``max_pending``).
     """
 
+    _auto_finalize = True
+
     def __init__(self, recovery_timeout: float = 30.0, **options: Any) -> None:
-        self.engine = Aggregator(**options)
-        self.incarnation = uuid.uuid4().hex
+        self.server = Server(auto_finalize=self._auto_finalize, **options)
+        self.engine = self.server.engine
         self.table = SchemaTable()
         self.calls: Counter[str] = Counter()
         self.running = True
-        self._direct = itertools.count()
         self._changed = asyncio.Event()
         self._kv_key = f"rlmetrics/state/{ray.get_runtime_context().get_actor_id()}".encode()
-        self._awaiting: set[str] = set()
-        self._recovery_deadline = 0.0
         saved = internal_kv._internal_kv_get(self._kv_key)
         if saved:  # an earlier incarnation of this actor: resume and wait for the clients' resends
-            state = json.loads(saved)
-            self.engine.restore_state(state)
-            self._awaiting = set(state["clients"])
-            self._recovery_deadline = time.monotonic() + recovery_timeout
-        self._saved_clients = set(self.engine.clients)
+            self.server.restore(json.loads(saved), recovery_timeout)
+        self._saved: tuple = self._marker()
         self._state: dict = {}
         self._encoded: dict[int, str] = {}  # JSON of kept results by step (a result never changes)
         self._save_scheduled = False
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlmetrics-save")
 
-    # ------------------------------------------------------------------------------ helpers
-    def _recovering(self) -> bool:
-        return bool(self._awaiting) and time.monotonic() < self._recovery_deadline
+    @property
+    def incarnation(self) -> str:
+        return self.server.incarnation
 
+    # ------------------------------------------------------------------------------ helpers
     def _wake(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+
+    def _marker(self) -> tuple:
+        """What the saved state depends on: registered clients and finalized steps."""
+        engine = self.engine
+        return (
+            frozenset(engine.clients),
+            engine.finalized_state()[0],
+            len(engine.finalized_state()[1]),
+            engine.newest_closed,
+            engine.memory()["results"] and max(engine._results),
+        )
+
+    def _changed_state(self) -> None:
+        """Wake the waiting readers; save the state when what it records changed."""
+        marker = self._marker()
+        if marker != self._saved:
+            self._saved = marker
+            self._save()
+        self._wake()
 
     def _save(self) -> None:
         """Record registered clients and finalized steps for a next incarnation; encoding and writing
         happen off the event loop (a restart in the moment before the write lands may finalize a
         step a second time)."""
         self._state = self._export_state()
-        self._saved_clients = set(self.engine.clients)
         if not self._save_scheduled:
             self._save_scheduled = True
             self._saver.submit(self._write_state)
@@ -105,18 +122,15 @@ class _MetricWorker:
         internal_kv._internal_kv_put(self._kv_key, body.encode(), overwrite=True)
 
     async def _wait(self, ready: Any, timeout: float | None) -> None:
-        """Until ``ready()`` holds and no recovery is under way, or the deadline."""
+        """Until ``ready()`` holds or the deadline; woken by every change and at the end of a
+        recovery."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            recovering = self._recovering()
-            if ready() and not recovering:
-                return
+        while not ready():
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 return
-            limits = [
-                t - now for t in (deadline, self._recovery_deadline if recovering else None) if t is not None
-            ]
+            recovery = self.server.recovery_deadline if self.server.recovering() else None
+            limits = [t - now for t in (deadline, recovery) if t is not None]
             try:
                 await asyncio.wait_for(self._changed.wait(), min(limits) if limits else None)
             except asyncio.TimeoutError:
@@ -132,23 +146,31 @@ class _MetricWorker:
     async def submit_metric(
         self, metrics: Mapping[str, Any], world_size: int, step: int | None = None
     ) -> None:
-        """A submission without a client: into ``step`` (default: the newest pending step, or 0)."""
+        """A submission without a client: into ``step`` (default: the current round, see
+        :meth:`~rlmetrics.server.Server.submit_direct`)."""
         self.calls["submit_metric"] += 1
-        pending = self.engine.pending_steps()
-        target = step if step is not None else (pending[-1] if pending else 0)
-        self.engine.submit("direct", target, next(self._direct), world_size, pack(metrics), register=False)
+        self.server.submit_direct(metrics, world_size, step)
         self._wake()
 
-    async def wait_final_res(self) -> StepResult:
-        return await self.final()
+    async def wait_final_res(self, timeout: float | None = None) -> StepResult:
+        return await self.final(timeout)
 
     # ------------------------------------------------------------------------ client calls
     async def send(self, client_id: str, msg: tuple) -> dict:
         """One client's message (:mod:`rlmetrics.wire`)."""
         self.calls["send"] += 1
-        reply = self._receive(client_id, msg)
-        self._after_receive()
-        return reply
+        self.calls["messages"] += 1
+        decoded = self._decode(client_id, msg)
+        if isinstance(decoded, dict):
+            return self._reply(decoded)
+        items, close, unknown = decoded
+        if unknown:  # merge nothing (a close must not overtake its data): the client repeats with names
+            return {"unknown": unknown, "incarnation": self.incarnation}
+        await self._announce(close)
+        errors = self.server.merge(client_id, items, close, msg[4])
+        self.server.finalize_complete(_steps(items, close))
+        self._changed_state()
+        return self._reply(errors)
 
     async def send_many(self, batch: list[tuple[str, tuple]], merged: tuple | None = None) -> list[dict]:
         """Messages of several clients of one process, posted while its previous call was in flight.
@@ -167,24 +189,35 @@ class _MetricWorker:
         unknown = [sid for d in (*decoded, pre) if isinstance(d, tuple) for sid in d[2]]
         if unknown:
             return [{"unknown": unknown, "incarnation": self.incarnation}] * len(batch)
+        await self._announce([step for d in decoded if isinstance(d, tuple) for step in d[1]])
         clients = [client_id for client_id, _ in batch]
         resend = False
+        steps: set[int] = set()
         if isinstance(pre, tuple):
             pre_errors, resend = self._merge_premerged(pre[0], clients)
+            steps |= _steps(pre[0], [])
         else:  # a malformed merged message concerns every client of the batch
             pre_errors = {client_id: pre for client_id in clients}
         errors = []
         for (client_id, msg), d in zip(batch, decoded):
-            errs = d if isinstance(d, dict) else self._merge(client_id, d[0], d[1], msg[4])
+            if isinstance(d, dict):
+                errs = d
+            else:
+                errs = self.server.merge(client_id, d[0], d[1], msg[4])
+                steps |= _steps(d[0], d[1])
             errors.append({**errs, **pre_errors.get(client_id, {})})
-        self._after_receive()
+        self.server.finalize_complete(steps)
+        self._changed_state()
         if resend:
             return [{"unknown": [], "incarnation": self.incarnation}] * len(batch)
         shared = self._reply({})  # one object for every client without errors: pickled once
         return [self._reply(errs) if errs else shared for errs in errors]
 
     def _reply(self, errors: dict[str, str]) -> dict:
-        return make_reply(self.engine, errors, self.incarnation)
+        return self.server.reply(errors)
+
+    async def _announce(self, close: list[int]) -> None:
+        """Nothing here: a node sub-aggregator tells the root of new closes before it replies."""
 
     def _decode(self, client_id: str, msg: tuple) -> tuple | dict:
         """``decode``'s (items, close, unknown), or the errors of a malformed message."""
@@ -192,23 +225,6 @@ class _MetricWorker:
             return decode(msg, self.table)
         except SubmissionError as exc:
             return {client_id: str(exc)}
-
-    def _receive(self, client_id: str, msg: tuple) -> dict:
-        self.calls["messages"] += 1
-        decoded = self._decode(client_id, msg)
-        if isinstance(decoded, dict):
-            return self._reply(decoded)
-        items, close, unknown = decoded
-        if unknown:  # merge nothing (a close must not overtake its data): the client repeats with names
-            return {"unknown": unknown, "incarnation": self.incarnation}
-        return self._reply(self._merge(client_id, items, close, msg[4]))
-
-    def _merge(self, client_id: str, items: list, close: list[int], resync: bool) -> dict[str, str]:
-        """Merge one client's items and closes; the errors."""
-        errors = merge_items(self.engine, client_id, items, close)
-        if resync:  # a resend after a restart
-            self._awaiting.discard(client_id)
-        return errors
 
     def _merge_premerged(self, items: list, clients: list[str]) -> tuple[dict[str, dict[str, str]], bool]:
         """Merge pre-merged items; their errors by client (malformed keys: every client's), and
@@ -232,34 +248,37 @@ class _MetricWorker:
                     errors.setdefault(client_id, {})[f"{client_id}/{step}/{seq}"] = f"step {step}: {exc}"
         return errors, resend
 
-    def _after_receive(self) -> None:
-        if self.engine.clients != self._saved_clients:
-            self._save()
-        self._wake()
-
     async def result(self, step: int, timeout: float | None = None) -> StepResult:
         self.calls["result"] += 1
-        engine = self.engine
-        await self._wait(lambda: engine.is_finalized(step) or engine.is_complete(step), timeout)
-        out = engine.finalize(step)
-        self._save()
+        await self._wait(lambda: self.server.result_ready(step), timeout)
+        out = self.server.result(step)
+        self._changed_state()
         return out
 
-    async def final(self) -> StepResult:
+    async def final(self, timeout: float | None = None) -> StepResult:
+        """The seed's ``wait_final_res`` (:meth:`~rlmetrics.server.Server.final_target`): after a
+        recovery, about the newest step closed once the clients resent theirs."""
         self.calls["final"] += 1
-        await self._wait(lambda: True, None)
-        out = self.engine.finalize_pending()
-        self._save()
+        deadline = time.monotonic() + (self.server.final_timeout if timeout is None else timeout)
+        await self._wait(lambda: not self.server.recovering(), None)
+        target = self.server.final_target()
+        await self._wait(lambda: self.server.final_ready(target), max(0.0, deadline - time.monotonic()))
+        out = self.server.final(target)
+        self._changed_state()
         return out
+
+    async def announce(self, client_id: str, step: int) -> None:
+        """A node sub-aggregator's client ``client_id`` will close ``step`` (one of its ranks did)."""
+        self.server.announce(client_id, step)
+        self._changed_state()
 
     async def register(self, client_id: str) -> None:
-        self.engine.register(client_id)
-        self._save()
+        self.server.register(client_id)
+        self._changed_state()
 
     async def depart(self, client_id: str) -> None:
-        self.engine.depart(client_id)
-        self._save()
-        self._wake()
+        self.server.depart(client_id)
+        self._changed_state()
 
     async def watch(self) -> None:
         """Never returns: a client's watcher learns of this incarnation's death when it fails."""
@@ -269,12 +288,9 @@ class _MetricWorker:
         return self.incarnation
 
     async def stats(self) -> dict:
-        """Calls received by method, registered clients, pending steps (for tests and monitoring)."""
-        return {
-            "calls": dict(self.calls),
-            "clients": sorted(self.engine.clients),
-            "pending": self.engine.pending_steps(),
-        }
+        """Calls received by method, registered clients, pending steps and what the engine holds
+        (for tests and monitoring)."""
+        return {"calls": dict(self.calls), **self.server.stats()}
 
 
 class _NodeWorker(_MetricWorker):
@@ -282,38 +298,51 @@ class _NodeWorker(_MetricWorker):
     one message, once every local client closed it (or ``node_timeout`` seconds after the step's
     first data, leaving out the local clients that did not close it).
 
+    Before it answers a message that closes a step, it tells the root that its client will close
+    that step (:meth:`_MetricWorker.announce`), so a ``wait_final_res`` at the root after the ranks'
+    blocking ``wait_submit`` is about that step and waits for this node's forward.
+
     Clients keep their data until the root finalized the step (the node relays the root's finalized
     steps), and the node forwards with a fixed client id and fixed sequence numbers, so a restarted
     node re-forwards what its clients resend and the root merges it once.
     """
+
+    _auto_finalize = False
 
     def __init__(self, root: str, namespace: str | None, node_id: str, node_timeout: float = 30.0, **options):
         super().__init__(**options)
         self.node_timeout = node_timeout
         self._first_seen: dict[int, float] = {}
         self._forwards: dict[int, int] = {}  # messages forwarded per step not yet finalized upstream
+        self._announced = -1
         self._forwarder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlmetrics-forward")
         from rlmetrics.backends import MetricClient
 
-        self.upstream = MetricClient(ray.get_actor(root, namespace=namespace), client_id=f"node:{node_id}")
+        self.upstream = MetricClient(
+            ray.get_actor(root, namespace=namespace), client_id=f"node:{node_id}", blocking=False
+        )
         self._timer: asyncio.Task | None = None
 
     def _export_state(self) -> dict:  # finalized steps are the root's business
         return {"clients": sorted(self.engine.clients), "done_below": 0, "finalized": []}
 
-    def _reply(self, errors: dict[str, str]) -> dict:
-        reply = super()._reply(errors)
-        reply["done_below"], reply["finalized"] = self.upstream.finalized_state
-        return reply
+    async def _announce(self, close: list[int]) -> None:
+        step = max(close, default=-1)
+        if step > self._announced:
+            self._announced = step
+            await _remote(self.upstream.transport.handle.announce, self.upstream.client_id, step)
 
-    def _after_receive(self) -> None:
-        super()._after_receive()
+    def _changed_state(self) -> None:
+        super()._changed_state()
         now = time.monotonic()
         for step in self.engine.pending_steps():
             self._first_seen.setdefault(step, now)
         self._forward_ready()
         if self._timer is None:
             self._timer = asyncio.get_running_loop().create_task(self._tick())
+
+    def _marker(self) -> tuple:
+        return (frozenset(self.engine.clients),)
 
     async def _tick(self) -> None:
         while True:
@@ -323,7 +352,7 @@ class _NodeWorker(_MetricWorker):
     def _forward_ready(self) -> None:
         """Forward each step once every local client closed it; data of a client that joins after
         that (its first submission) follows in another message, which the root merges too."""
-        if self._recovering():
+        if self.server.recovering():
             return
         now = time.monotonic()
         done_below = self.upstream.finalized_state[0]
@@ -350,13 +379,24 @@ class _NodeWorker(_MetricWorker):
         except Exception:  # the upstream client resends what it keeps once the root answers
             logger.exception("forwarding step %d upstream failed", step)
 
+    def _reply(self, errors: dict[str, str]) -> dict:
+        reply = super()._reply(errors)
+        reply["done_below"], reply["finalized"] = self.upstream.finalized_state
+        return reply
+
     async def result(self, step: int, timeout: float | None = None) -> StepResult:
         return await asyncio.get_running_loop().run_in_executor(
             self._forwarder, lambda: self.upstream.result(step, timeout)
         )
 
-    async def final(self) -> StepResult:
-        return await asyncio.get_running_loop().run_in_executor(self._forwarder, self.upstream.wait_final_res)
+    async def final(self, timeout: float | None = None) -> StepResult:
+        return await asyncio.get_running_loop().run_in_executor(
+            self._forwarder, lambda: self.upstream.wait_final_res(timeout)
+        )
+
+
+def _steps(items: list, close: list[int]) -> set[int]:
+    return {item[0] for item in items} | set(close)
 
 
 def _is_key(key: Any) -> bool:
@@ -510,8 +550,8 @@ class RayTransport:
     def result(self, step: int, timeout: float | None) -> StepResult:
         return self._call("result", step, timeout, actor=self.root)
 
-    def final(self) -> StepResult:
-        return self._call("final", actor=self.root)
+    def final(self, timeout: float | None = None) -> StepResult:
+        return self._call("final", timeout, actor=self.root)
 
     def register(self, client_id: str) -> None:
         self._call("register", client_id)

@@ -64,8 +64,9 @@ from typing import Any
 import numpy as np
 
 from rlmetrics.aggregator import Aggregator, Packed, Schema, StepResult
-from rlmetrics.client import ClientCore, Submission, make_reply, receive
+from rlmetrics.client import ClientCore
 from rlmetrics.reduce import parse_reduction
+from rlmetrics.server import Submission, make_reply, merge_items
 from rlmetrics.sketch import Sketch
 from rlmetrics.stat import empty_arrays, merge_arrays, spread
 
@@ -210,8 +211,7 @@ class TorchDistTransport:
         """Merge this rank's submissions locally; ``close`` is ignored (steps close in the collective)."""
         with self._cond:
             late = [it for it in items if it[0] < self.next_step]
-            reply = receive(self._local, client_id, [it for it in items if it[0] >= self.next_step], [])
-            errors = dict(reply["errors"])
+            errors = merge_items(self._local, client_id, [it for it in items if it[0] >= self.next_step], [])
             for step, seq, _, _ in late:
                 errors[f"{client_id}/{step}/{seq}"] = (
                     f"step {step}: already collected by wait_submit() (now at step {self.next_step})"
@@ -236,7 +236,7 @@ class TorchDistTransport:
                 self._cond.wait(left)
             return self._engine.finalize(step)
 
-    def final(self) -> StepResult:
+    def final(self, timeout: float | None = None) -> StepResult:
         """The newest collected step's result (no collective: any subset of ranks may call it)."""
         with self._cond:
             if self._last is None:
