@@ -52,7 +52,14 @@ class Rank:
         return ray.get_runtime_context().get_node_id()
 
 
-def run(node_ids, hierarchy):
+def _stall_forwarder(node_actor, seconds):
+    """Run inside a node sub-aggregator: its next forward upstream waits ``seconds`` (a slow link)."""
+    import time
+
+    node_actor._forwarder.submit(time.sleep, seconds)
+
+
+def run(node_ids, hierarchy, read="result", stall=0.0):
     name = f"h-{uuid.uuid4().hex[:8]}"
     root = rlmetrics.get_metric_worker(name=name, hierarchy=hierarchy)
     ranks = [
@@ -63,10 +70,13 @@ def run(node_ids, hierarchy):
     ]
     reader = rlmetrics.connect("ray", name=name)
     ray.get([a.ready.remote() for a in ranks])  # every rank connected (registered) before step 0
+    nodes = [rlmetrics.backends.ray.node_worker(name, None, n) for n in node_ids] if hierarchy else []
     results = []
     for s in range(STEPS):
+        if stall:
+            ray.get([n.__ray_call__.remote(_stall_forwarder, stall) for n in nodes])
         placed = ray.get([a.step.remote(s) for a in ranks])
-        results.append(reader.result(s, timeout=60))
+        results.append(reader.result(s, timeout=60) if read == "result" else reader.wait_final_res())
     assert sorted(set(placed)) == sorted(node_ids)  # ranks really spread over the three nodes
     stats = ray.get(root.stats.remote())
     for a in ranks:
@@ -74,18 +84,31 @@ def run(node_ids, hierarchy):
     return results, stats
 
 
+def check_step(res, s):
+    allv = np.concatenate([rank_data(r, s) for r in range(RANKS)])
+    assert res.step == s and res.meta["complete"], (res.step, res.meta)
+    assert res["x/mean"] == pytest.approx(allv.mean(), rel=1e-12)
+    assert res["x/std"] == pytest.approx(allv.std(), rel=1e-12)
+    assert res["x/max"] == allv.max() and res["n/total"] == RANKS
+    assert res["x/p50"] == pytest.approx(np.quantile(allv, 0.5), rel=1e-12)
+
+
 def test_node_hierarchy_equals_flat_and_root_gets_one_message_per_node_per_step(cluster):
     flat, flat_stats = run(cluster, None)
     tree, tree_stats = run(cluster, "node")
     for s in range(STEPS):
-        allv = np.concatenate([rank_data(r, s) for r in range(RANKS)])
         for res in (flat[s], tree[s]):
-            assert res.meta["complete"], res.meta
-            assert res["x/mean"] == pytest.approx(allv.mean(), rel=1e-12)
-            assert res["x/std"] == pytest.approx(allv.std(), rel=1e-12)
-            assert res["x/max"] == allv.max() and res["n/total"] == RANKS
-            assert res["x/p50"] == pytest.approx(np.quantile(allv, 0.5), rel=1e-12)
+            check_step(res, s)
         assert tree[s].keys() == flat[s].keys()
     assert flat_stats["calls"]["messages"] == RANKS * STEPS
     assert tree_stats["calls"]["messages"] == NODES * STEPS
     assert len(tree_stats["clients"]) == NODES and all(c.startswith("node:") for c in tree_stats["clients"])
+
+
+def test_seed_loop_through_node_sub_aggregators_reads_each_steps_own_numbers(cluster):
+    """The driver reads with ``wait_final_res()`` right after the ranks' blocking ``wait_submit``,
+    while the nodes' forwards upstream are slow: each node announced the step to the root before it
+    answered its ranks, so the root waits for the forwards and the read is that step, complete."""
+    tree, _ = run(cluster, "node", read="final", stall=0.5)
+    for s in range(STEPS):
+        check_step(tree[s], s)

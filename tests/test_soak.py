@@ -1,8 +1,11 @@
-"""A 200-step soak on real Ray (``benchmarks/soak.py --quick``): 16 ranks x 500 metrics.
+"""Soaks on real Ray (``benchmarks/soak.py``): memory flat after warm-up, every step read logged.
 
-The script's own checks must pass (aggregator RSS flat after warm-up, finalized steps freed, every
-step complete and equal to numpy); its JSONL is then checked again here against numpy on the
-regenerated data.
+Three patterns: the steady run (16 ranks x 500 metrics, 200 steps); 2000 steps whose 200 names
+change every step (the aggregator and the clients must forget what no step uses any more); and a
+driver that reads only every 10th step (the other steps must be finalized all the same). The
+script's own checks must pass (RSS of the aggregator and of the rank hosts, the engine's and the
+clients' counters, every step complete and equal to numpy); its JSONL is then checked again here
+against numpy on the regenerated data.
 """
 
 import subprocess
@@ -17,28 +20,41 @@ pytest.importorskip("ray")
 from rlmetrics.sinks import read_jsonl  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
-STEPS, RANKS, METRICS, SEED = 200, 16, 500, 7
+SEED = 7
+PATTERNS = {  # name: (steps, ranks, metrics, new names per step, read every, warm-up)
+    "steady": (200, 16, 500, 0, 1, 100),
+    "new-names": (2000, 2, 10, 200, 1, 1000),
+    "sparse-reads": (300, 4, 50, 0, 10, 150),
+}
 
 
-def test_soak_quick_memory_flat_every_step_logged_and_exact(tmp_path):
-    args = ["--quick", "--ranks", RANKS, "--metrics", METRICS, "--seed", SEED, "--out", tmp_path]
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_soak_memory_flat_every_step_read_logged_and_exact(tmp_path, pattern):
+    steps, ranks, metrics, new, every, warmup = PATTERNS[pattern]
+    args = ["--steps", steps, "--ranks", ranks, "--metrics", metrics, "--new-names", new]
+    args += ["--read-every", every, "--warmup", warmup, "--seed", SEED, "--out", tmp_path]
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, timeout=280
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("— MET") == 5 and "NOT MET" not in proc.stdout, proc.stdout
+    assert proc.stdout.count("— MET") == 6 and "NOT MET" not in proc.stdout, proc.stdout
 
     run = read_jsonl(tmp_path / "soak.jsonl")
-    assert run.steps == list(range(STEPS)) and run.truncated is None
-    for step in (0, 99, 137, STEPS - 1):
-        rec = run.records[step]
+    assert run.steps == list(range(0, steps, every)) and run.truncated is None
+    for step in run.steps[:: max(1, len(run.steps) // 4)]:
+        rec = run.records[run.steps.index(step)]
         assert rec.get("meta", {}).get("complete", True), rec.get("meta")  # meta: on partial steps only
         data = np.stack(
-            [np.random.default_rng((SEED, r, step)).uniform(0.5, 1.5, size=METRICS) for r in range(RANKS)]
+            [
+                np.random.default_rng((SEED, r, step)).uniform(0.5, 1.5, size=metrics + new)
+                for r in range(ranks)
+            ]
         )
         got = rec["metrics"]
-        assert len(got) == METRICS
-        for k in (0, 1, 2, 3, METRICS - 1):  # the names cycle through mean, max, min, total
-            name = ("soak/m{}/mean", "soak/m{}/max", "soak/m{}/min", "soak/m{}/total")[k % 4].format(k // 4)
-            want = (np.mean, np.max, np.min, np.sum)[k % 4](data[:, k])
+        assert len(got) == metrics + new
+        for k in (0, 1, 2, 3, metrics + new - 1):  # the names cycle through mean, max, min, total
+            kind = k % 4 if k < metrics else (k - metrics) % 4
+            base = ("soak/m{}/mean", "soak/m{}/max", "soak/m{}/min", "soak/m{}/total")[kind]
+            name = base.format(k // 4) if k < metrics else f"soak/s{step}/" + base.format((k - metrics) // 4)
+            want = (np.mean, np.max, np.min, np.sum)[kind](data[:, k])
             assert got[name] == pytest.approx(want, rel=1e-12), name

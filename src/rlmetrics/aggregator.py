@@ -347,6 +347,7 @@ class Aggregator:
         self.newest_closed: int | None = None  # the newest step any client closed
         self._newest_final = -1  # the newest finalized step
         self._names: list[str | None] = []  # by column; None: a free column
+        self._refs: list[int] = []  # by column: how many kept schemas have it
         self._free: list[int] = []
         self._out_names: list[str] = []
         self._reductions: list[str] = []
@@ -354,6 +355,7 @@ class Aggregator:
         self._by_out: dict[str, str] = {}  # result name -> metric name
         self._schemas: dict[bytes, tuple[Schema, np.ndarray]] = {}
         self._used: dict[bytes, int] = {}  # schema id -> newest step it was submitted for
+        self._forgotten: list[bytes] = []  # schema ids dropped since the last drain_forgotten()
         self._steps: dict[int, _Step] = {}
         self._results: OrderedDict[int, StepResult] = OrderedDict()
         self._finalized: set[int] = set()  # finalized steps >= _done_below
@@ -378,6 +380,8 @@ class Aggregator:
             del self._used[schema.id]
             raise
         self._schemas[schema.id] = (schema, cols)
+        for c in cols.tolist():
+            self._refs[c] += 1
         return cols
 
     def _learn(self, schema: Schema) -> np.ndarray:
@@ -409,6 +413,7 @@ class Aggregator:
                     self._names.append(name)
                     self._out_names.append(out)
                     self._reductions.append(red)
+                    self._refs.append(0)
                 self._index[name] = col
                 self._by_out[out] = name
             elif self._reductions[col] != red:
@@ -428,18 +433,23 @@ class Aggregator:
             return
         for sid in old:
             del self._used[sid]
-            self._schemas.pop(sid, None)
-        kept = set()
-        for _, cols in self._schemas.values():
-            kept.update(cols.tolist())
-        for name, col in list(self._index.items()):
-            if col not in kept:
-                del self._index[name]
-                self._by_out.pop(self._out_names[col], None)
-                self._nan_warned.discard(self._out_names[col])
-                self._names[col] = None
-                self._free.append(col)
+            _, cols = self._schemas.pop(sid)
+            for col in cols.tolist():
+                self._refs[col] -= 1
+                if not self._refs[col]:  # no kept schema has the name: free its column
+                    name = self._names[col]
+                    del self._index[name]
+                    self._by_out.pop(self._out_names[col], None)
+                    self._nan_warned.discard(self._out_names[col])
+                    self._names[col] = None
+                    self._free.append(col)
+        self._forgotten.extend(old)
         self._layouts.clear()
+
+    def drain_forgotten(self) -> list[bytes]:
+        """Schema ids dropped since the last call (a receiver drops their names from its table)."""
+        out, self._forgotten = self._forgotten, []
+        return out
 
     def memory(self) -> dict[str, int]:
         """What the engine holds now (for monitoring and the soak tests): names, schemas, layouts,
@@ -669,6 +679,7 @@ class Aggregator:
         contribution count, and the largest world_size given; the step starts afresh (a node
         forwards them upstream, and forwards what arrives later the same way)."""
         st = self._steps.pop(step, None)
+        self._forget(step)
         if st is None:
             return []
         out = []

@@ -293,6 +293,8 @@ class ClientCore:
             )
         bad = [n for n, v in res.items() if not math.isfinite(v) and n not in self._nan_warned]
         if bad:
+            if len(self._nan_warned) > _SCHEMA_CACHE * 64:
+                self._nan_warned.clear()
             self._nan_warned.update(bad)
             warnings.warn(
                 f"rlmetrics: non-finite value in metric(s) {bad[:10]}", RuntimeWarning, stacklevel=3

@@ -40,6 +40,7 @@ from ray.experimental import internal_kv  # noqa: E402  (after the extra check)
 
 _UNAVAILABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 DEFAULT_NAME = "rlmetrics"
+_KNOWN_LIMIT = 512  # schema ids a transport remembers the actor has
 logger = logging.getLogger(__name__)
 
 
@@ -93,7 +94,10 @@ class _MetricWorker:
         )
 
     def _changed_state(self) -> None:
-        """Wake the waiting readers; save the state when what it records changed."""
+        """Wake the waiting readers; forget the schemas the engine forgot; save the state when what
+        it records changed."""
+        for sid in self.engine.drain_forgotten():
+            self.table.schemas.pop(sid, None)
         marker = self._marker()
         if marker != self._saved:
             self._saved = marker
@@ -515,6 +519,8 @@ class RayTransport:
 
     def _encode(self, items: list[Submission], close: list[int], resync: bool = False) -> tuple:
         msg = encode(items, close, lambda sid: sid not in self._known, resync)
+        if len(self._known) > _KNOWN_LIMIT:  # names that change over a run: send names again
+            self._known.clear()
         self._known.update(item[3].schema.id for item in items)
         return msg
 
