@@ -2,13 +2,15 @@
 
 Three tables, each side measured right after the other on the same inputs, results asserted equal:
 
-1. **Ray step** (the harness of ``bench_ray.py``: 4 rank-host processes simulating W ranks, each rank
-   submitting one dict of M scalar floats per step). Baseline: siiRL's own ``MetricWorker`` actor
-   (``siirl.execution.metric_worker.metric_worker``), started with ``worker.start``, one siiRL
-   ``MetricClient`` per simulated rank calling ``submit_metric(d, W)`` then ``wait_submit()``; once
-   every host has submitted, the driver calls ``MetricClient.wait_final_res()`` (siiRL needs all
-   submissions in before that call). rlmetrics: ``bench_ray``'s flat ``MetricWorker`` side (rank 0
-   waits for ``result(step)``). Timed per step: from telling the hosts to go until the result is in.
+1. **Ray step** (the harness of ``bench_ray.py``: 4 rank-host processes simulating W ranks, a thread
+   per rank, each rank submitting one dict of M scalar floats per step). Baseline: siiRL's own
+   ``MetricWorker`` actor (``siirl.execution.metric_worker.metric_worker``), started with
+   ``worker.start``, one siiRL ``MetricClient`` per simulated rank calling ``submit_metric(d, W)``
+   then ``wait_submit()``; once every host has returned, the driver calls
+   ``MetricClient.wait_final_res()``. rlmetrics in the same seed mode (``wait_submit()`` returns once
+   the aggregator holds the step; the driver reads with ``wait_final_res()``), and beside it with
+   ``blocking=False`` clients whose rank 0 waits for ``result(step)``. Timed per step: from telling
+   the hosts to go until the result is in.
 2. **compute_data_metric** on ``bench_data.make_batch`` as one ``TensorDict``, both sides on the same
    object; ``__num_turns__`` is float32 here because siiRL raises on integer turns. rlmetrics runs
    eagerly and with ``torch_compile=True`` (compiled by one call before any timing, reported apart).
@@ -34,7 +36,6 @@ import os
 import statistics
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -92,68 +93,27 @@ def _siirl_client(worker: Any) -> Any:
     return mw.MetricClient(worker)
 
 
-@dataclass
-class RayRow:
-    world_size: int
-    metrics: int
-    siirl_s: float  # median seconds per step
-    ours_s: float
-
-    @property
-    def ratio(self) -> float:
-        return self.siirl_s / self.ours_s
-
-
-def measure_ray(world_size: int, m: int, steps: int) -> RayRow:
+def _start_siirl() -> tuple[Any, Any]:
+    """siiRL's MetricWorker, started; its driver reads with ``MetricClient.wait_final_res``."""
     mw, _ = siirl_modules()
-    names = (f"bench-peers-{uuid.uuid4().hex[:12]}", f"bench-peers-node-{uuid.uuid4().hex[:12]}")
-    ours = rlmetrics.get_metric_worker(name=names[0])
-    tree = rlmetrics.get_metric_worker(name=names[1], hierarchy="node")  # RankHost connects to both
     peer = mw.MetricWorker.remote()
     ray.get(peer.start.remote())
-    driver = mw.MetricClient(peer)
-    hosts = [
-        bench_ray.RankHost.remote(h, world_size, m, names, peer, _siirl_client)
-        for h in range(bench_ray.HOSTS)
-    ]
-    siirl_s: list[float] = []
-    ours_s: list[float] = []
-    try:
-        for step in range(bench_ray.WARMUP_STEPS + steps):
-            ray.get([h.prepare.remote(step) for h in hosts])
-            t0 = time.perf_counter()
-            ray.get([h.step_naive.remote() for h in hosts])
-            siirl_res = driver.wait_final_res()
-            t1 = time.perf_counter()
-            outs = ray.get([h.step_ours.remote(step, "flat") for h in hosts])
-            t2 = time.perf_counter()
-            bench_ray.check(world_size, m, step, outs[0][1], siirl_res)
-            if step >= bench_ray.WARMUP_STEPS:
-                siirl_s.append(t1 - t0)
-                ours_s.append(t2 - t1)
-    finally:  # hosts first: their clients watch the workers
-        node = rlmetrics.backends.ray.node_worker(names[1], None)
-        for actor in (*hosts, peer, ours, tree, node):
-            if actor is not None:
-                ray.kill(actor)
-    return RayRow(world_size, m, statistics.median(siirl_s), statistics.median(ours_s))
+    return peer, mw.MetricClient(peer).wait_final_res
 
 
-def render_ray(rows: list[RayRow]) -> str:
-    return report.table(
-        ["W", "M", "siiRL MetricWorker ms/step", "rlmetrics ms/step", "speed-up"],
-        [
-            [r.world_size, r.metrics, f"{r.siirl_s * 1e3:.1f}", f"{r.ours_s * 1e3:.1f}", f"{r.ratio:.1f}x"]
-            for r in rows
-        ],
-    )
+SIIRL = bench_ray.Baseline("siiRL MetricWorker", _start_siirl, _siirl_client)
 
 
-def target_ray(rows: list[RayRow]) -> str:
-    w, m = RAY_TARGET_CELL
-    cell = next((r for r in rows if (r.world_size, r.metrics) == RAY_TARGET_CELL), None)
-    ratio = None if cell is None else cell.ratio
-    return report.ratio_target(f"siiRL's MetricWorker at W={w}, M={m}", ratio, RAY_TARGET)
+def measure_ray(world_size: int, m: int, steps: int) -> bench_ray.Row:
+    return bench_ray.measure(world_size, m, steps, SIIRL, kinds=("seed", "posted"))
+
+
+def render_ray(rows: list[bench_ray.Row]) -> str:
+    return bench_ray.render(rows, SIIRL.name)
+
+
+def target_ray(rows: list[bench_ray.Row]) -> str:
+    return bench_ray.target(rows, RAY_TARGET_CELL, RAY_TARGET, "siiRL's MetricWorker")
 
 
 # ------------------------------------------------------------------------- 2. compute_data_metric
@@ -322,7 +282,7 @@ def _ray_runtime_env() -> dict[str, Any]:
     return {"env_vars": env}
 
 
-def main(argv: list[str] | None = None) -> tuple[list[RayRow], list[DataRow], list[ValRow]]:
+def main(argv: list[str] | None = None) -> tuple[list[bench_ray.Row], list[DataRow], list[ValRow]]:
     parser = report.parser(__doc__, "W=8, M=100; a small batch; 32 prompts (siiRL timed on 8)")
     parser.add_argument("--siirl-prompts", type=int, help="prompts siiRL's validation is timed on")
     args = parser.parse_args(argv)
@@ -357,7 +317,7 @@ def main(argv: list[str] | None = None) -> tuple[list[RayRow], list[DataRow], li
 
     body = "\n\n".join(
         [
-            "Ray step: siiRL's MetricWorker vs rlmetrics (flat)",
+            "Ray step: siiRL's MetricWorker vs rlmetrics (seed mode, and non-blocking)",
             render_ray(ray_rows),
             "compute_data_metric: siiRL vs rlmetrics",
             render_data(data_rows),

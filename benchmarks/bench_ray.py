@@ -4,28 +4,32 @@ One step: each of W ranks submits one dict of M scalar floats, then rank 0 gets 
 Ranks are simulated by 4 Ray actor processes ("rank hosts"), each hosting W/4 clients labelled
 ``rank{r}``; rank ``r`` submits values drawn from ``(r, step)``, so the driver can recompute them.
 The dicts of a step are built before it starts (the application's work, not the metrics system's).
-Timed: from telling all hosts to go (one ``ray.get([host.step.remote() ...])`` round) until rank 0
-has the result. Every host, for each of its clients in turn, calls ``submit_metric(d, W)`` then
-``wait_submit()``.
+Timed: from telling all hosts to go (one ``ray.get([host.step.remote() ...])`` round) until the
+step's result is in. In every host each rank, in a thread of its own (ranks are concurrent processes
+in a real run), calls ``submit_metric(d, W)`` then ``wait_submit()``.
 
-- **rlmetrics flat**: one ``MetricWorker`` (``rlmetrics.get_metric_worker``); clients from
-  ``rlmetrics.connect("ray", ...)``; host 0's rank-0 client calls ``result(step, timeout=60)``.
+- **rlmetrics seed mode**: one ``MetricWorker`` (``rlmetrics.get_metric_worker``); clients from
+  ``rlmetrics.connect("ray", ...)``, whose ``wait_submit()`` returns once the aggregator holds the
+  step; once every host returned, the driver reads with ``wait_final_res()`` (the seed's loop).
   ``submit µs`` is the median client-side cost of ``submit_metric`` (``perf_counter`` around that
   call only, in the hosts).
+- **rlmetrics non-blocking**: clients with ``blocking=False`` (``wait_submit()`` returns at once; a
+  host's clients' messages travel together, pre-merged); host 0's rank-0 client calls
+  ``result(step, timeout=60)``.
 - **naive**: an async actor written from the seed's description of its MetricWorker:
   ``working[name].append(value)`` per key; once a name holds ``world_size`` values, the reduction
   picked by substring rules (min, max, sum/total, else ``statistics.mean``) goes to ``final[name]``;
   ``wait_final_res()`` returns and resets ``final``. A client sends one ``submit_metric.remote(dict,
   W)`` per submit; ``wait_submit`` is ``ray.get`` on the pending refs; the driver calls
   ``wait_final_res`` once all hosts finished the step.
-- **rlmetrics hierarchical** (``hierarchy="node"``): the same clients sending to the node's
-  sub-aggregator, which forwards one message per step to the root (one node here, so this shows
-  the cost of the extra hop; the gain is at the root of a multi-node cluster).
+- **rlmetrics hierarchical** (``hierarchy="node"``, seed mode): the same clients sending to the
+  node's sub-aggregator, which forwards one message per step to the root (one node here, so this
+  shows the cost of the extra hop; the gain is at the root of a multi-node cluster).
 
-Both run side by side on the same hosts, one after the other in every step (naive first); the median
+All run side by side on the same hosts, one after the other in every step (naive first); the median
 over the steps after one warm-up step is reported (7 steps; 2 with ``--quick``). Each step asserts:
-rlmetrics ``.../mean`` names equal the numpy mean over all ranks' values, and every name equals the
-naive result (relative 1e-9).
+the result is that step's, rlmetrics ``.../mean`` names equal the numpy mean over all ranks' values,
+and every name equals the naive result (relative 1e-9).
 
 Run: ``python benchmarks/bench_ray.py [--quick] [--markdown PATH]`` (needs the ``ray`` extra).
 """
@@ -37,6 +41,7 @@ import statistics
 import time
 import uuid
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,14 +127,15 @@ class NaiveClient:
 # ------------------------------------------------------------------------------------------ rank hosts
 @ray.remote(num_cpus=1)
 class RankHost:
-    """One process simulating W/HOSTS ranks, each with an rlmetrics client and a naive client."""
+    """One process simulating W/HOSTS ranks, each with rlmetrics clients and a naive client; the
+    ranks of a step run concurrently, one thread each (in a real run they are processes)."""
 
     def __init__(
         self,
         host: int,
         world_size: int,
         m: int,
-        worker_names: tuple[str, str],
+        worker_names: tuple[str, str, str],
         naive: Any,
         baseline_client: Any = None,
     ) -> None:
@@ -139,10 +145,14 @@ class RankHost:
         self.ranks = range(host * per_host, (host + 1) * per_host)
         self.world_size = world_size
         self.names = metric_names(m)
-        flat, tree = worker_names
+        seed, posted, tree = worker_names
         self.clients = {
-            "flat": [
-                rlmetrics.connect("ray", name=flat, world_size=world_size, label=f"rank{r}")
+            "seed": [
+                rlmetrics.connect("ray", name=seed, world_size=world_size, label=f"rank{r}")
+                for r in self.ranks
+            ],
+            "posted": [
+                rlmetrics.connect("ray", name=posted, world_size=world_size, label=f"rank{r}", blocking=False)
                 for r in self.ranks
             ],
             "node": [
@@ -152,29 +162,77 @@ class RankHost:
         }
         self.naive_clients = [(baseline_client or NaiveClient)(naive) for _ in self.ranks]
         self.dicts: list[dict[str, float]] = []
+        self.pool = ThreadPoolExecutor(max_workers=per_host)
 
     def prepare(self, step: int) -> None:
         """Build this step's dicts (untimed)."""
         m = len(self.names)
         self.dicts = [dict(zip(self.names, rank_values(r, step, m).tolist())) for r in self.ranks]
 
+    def _each_rank(self, run: Any, clients: list[Any]) -> list[Any]:
+        """``run(client, d)`` for every rank at once, one thread per rank."""
+        return list(self.pool.map(run, clients, self.dicts))
+
     def step_naive(self) -> None:
-        for client, d in zip(self.naive_clients, self.dicts):
+        def run(client: Any, d: dict[str, float]) -> None:
             client.submit_metric(d, self.world_size)
             client.wait_submit()
 
+        self._each_rank(run, self.naive_clients)
+
     def step_ours(self, step: int, kind: str) -> tuple[list[float], rlmetrics.StepResult | None]:
-        """Submit every rank's dict (``kind``: "flat" or "node" clients); rank 0 (on host 0) then
-        waits for the result. Also the seconds each ``submit_metric`` call took."""
-        submit_s = []
-        clients = self.clients[kind]
-        for client, d in zip(clients, self.dicts):
+        """Submit every rank's dict with ``kind``'s clients: ``"seed"`` and ``"node"`` block in
+        ``wait_submit`` until the aggregator holds the step (the driver then reads with
+        ``wait_final_res``); ``"posted"`` do not block, and rank 0 (on host 0) waits for
+        ``result(step)``. Also the seconds each ``submit_metric`` call took."""
+
+        def run(client: Any, d: dict[str, float]) -> float:
             t0 = time.perf_counter()
             client.submit_metric(d, self.world_size)
-            submit_s.append(time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
             client.wait_submit()
-        result = clients[0].result(step, timeout=RESULT_TIMEOUT_S) if self.ranks[0] == 0 else None
-        return submit_s, result
+            return seconds
+
+        clients = self.clients[kind]
+        submit_s = self._each_rank(run, clients)
+        read = kind == "posted" and self.ranks[0] == 0
+        return submit_s, clients[0].result(step, timeout=RESULT_TIMEOUT_S) if read else None
+
+
+@dataclass
+class OurWorkers:
+    """rlmetrics' aggregators of one measurement, one per way of using it (see
+    :meth:`RankHost.step_ours`): ``seed``, ``posted`` and ``node`` (hierarchical)."""
+
+    names: tuple[str, str, str]
+    handles: list[Any]
+    readers: dict[str, Any]
+
+    @classmethod
+    def start(cls, prefix: str) -> OurWorkers:
+        tag = uuid.uuid4().hex[:12]
+        names = (f"{prefix}-seed-{tag}", f"{prefix}-posted-{tag}", f"{prefix}-node-{tag}")
+        handles = [
+            rlmetrics.get_metric_worker(name=names[0]),
+            rlmetrics.get_metric_worker(name=names[1]),
+            rlmetrics.get_metric_worker(name=names[2], hierarchy="node"),
+        ]
+        readers = {"seed": rlmetrics.MetricClient(handles[0]), "node": rlmetrics.MetricClient(handles[2])}
+        return cls(names, handles, readers)
+
+    def step(self, hosts: list[Any], step: int, kind: str) -> tuple[list[float], rlmetrics.StepResult]:
+        """One step of ``kind`` on every host, and its result: the seed's read (``wait_final_res``
+        once every host returned) or rank 0's ``result(step)``."""
+        outs = ray.get([h.step_ours.remote(step, kind) for h in hosts])
+        res = outs[0][1] if kind == "posted" else self.readers[kind].wait_final_res()
+        assert res.step == step, (kind, res.step, step)
+        return [t for times, _ in outs for t in times], res
+
+    def kill(self) -> None:
+        """The aggregators and this node's sub-aggregator (kill the hosts first: their clients
+        watch the aggregators)."""
+        for actor in (*self.handles, rlmetrics.backends.ray.node_worker(self.names[2], None)):
+            ray.kill(actor)
 
 
 # ---------------------------------------------------------------------------------------- measuring
@@ -182,14 +240,33 @@ class RankHost:
 class Row:
     world_size: int
     metrics: int
-    naive_s: float  # median seconds per step
-    ours_s: float
-    hier_s: float
-    submit_us: float  # median rlmetrics submit_metric call, µs
+    seconds: dict[str, float]  # median seconds per step: "baseline" and each kind of ours
+    submit_us: float  # median rlmetrics submit_metric call (seed mode), µs
 
-    @property
-    def ratio(self) -> float:
-        return self.naive_s / self.ours_s
+    def ratio(self, kind: str = "seed") -> float:
+        return self.seconds["baseline"] / self.seconds[kind]
+
+
+KINDS = {"seed": "rlmetrics seed mode", "posted": "rlmetrics non-blocking", "node": "hierarchical"}
+
+
+@dataclass
+class Baseline:
+    """What rlmetrics is measured against: ``start()`` gives the worker actor the hosts' baseline
+    clients use and a function that reads a step's result on the driver; ``client(worker)`` makes a
+    rank's client (inside a host)."""
+
+    name: str
+    start: Any
+    client: Any = None
+
+
+def _start_naive() -> tuple[Any, Any]:
+    naive = NaiveMetricWorker.remote()
+    return naive, lambda: ray.get(naive.wait_final_res.remote())
+
+
+NAIVE = Baseline("naive", _start_naive)
 
 
 def check(world_size: int, m: int, step: int, ours: rlmetrics.StepResult, naive: dict[str, float]) -> None:
@@ -205,67 +282,61 @@ def check(world_size: int, m: int, step: int, ours: rlmetrics.StepResult, naive:
         assert math.isclose(ours[name], naive[name], rel_tol=1e-9), (name, ours[name], naive[name])
 
 
-def measure(world_size: int, m: int, steps: int) -> Row:
-    names = (f"bench-ray-{uuid.uuid4().hex[:12]}", f"bench-ray-node-{uuid.uuid4().hex[:12]}")
-    worker = rlmetrics.get_metric_worker(name=names[0])
-    tree = rlmetrics.get_metric_worker(name=names[1], hierarchy="node")
-    naive = NaiveMetricWorker.remote()
-    hosts = [RankHost.remote(h, world_size, m, names, naive) for h in range(HOSTS)]
-    naive_s: list[float] = []
-    ours_s: list[float] = []
-    hier_s: list[float] = []
+def measure(
+    world_size: int, m: int, steps: int, baseline: Baseline = NAIVE, kinds: tuple[str, ...] = tuple(KINDS)
+) -> Row:
+    """Median seconds per step of ``baseline`` and of each of our ``kinds``, side by side in every
+    step (baseline first), each step's results checked."""
+    ours = OurWorkers.start(f"bench-{baseline.name}")
+    worker, read = baseline.start()
+    hosts = [RankHost.remote(h, world_size, m, ours.names, worker, baseline.client) for h in range(HOSTS)]
+    times: dict[str, list[float]] = defaultdict(list)
     submit_s: list[float] = []
     try:
         for step in range(WARMUP_STEPS + steps):
             ray.get([h.prepare.remote(step) for h in hosts])
             t0 = time.perf_counter()
             ray.get([h.step_naive.remote() for h in hosts])
-            naive_res = ray.get(naive.wait_final_res.remote())
-            t1 = time.perf_counter()
-            outs = ray.get([h.step_ours.remote(step, "flat") for h in hosts])
-            t2 = time.perf_counter()
-            tree_outs = ray.get([h.step_ours.remote(step, "node") for h in hosts])
-            t3 = time.perf_counter()
-            check(world_size, m, step, outs[0][1], naive_res)
-            check(world_size, m, step, tree_outs[0][1], naive_res)
+            base_res = read()
+            step_s = {"baseline": time.perf_counter() - t0}
+            for kind in kinds:
+                t0 = time.perf_counter()
+                submits, res = ours.step(hosts, step, kind)
+                step_s[kind] = time.perf_counter() - t0
+                check(world_size, m, step, res, base_res)
+                submit_s += submits if kind == kinds[0] else []
             if step >= WARMUP_STEPS:
-                naive_s.append(t1 - t0)
-                ours_s.append(t2 - t1)
-                hier_s.append(t3 - t2)
-                submit_s += [t for times, _ in outs for t in times]
-    finally:  # hosts first: their clients watch the workers
-        node = rlmetrics.backends.ray.node_worker(names[1], None)
-        for actor in (*hosts, naive, worker, tree, node):
+                for kind, seconds in step_s.items():
+                    times[kind].append(seconds)
+    finally:
+        for actor in (*hosts, worker):
             ray.kill(actor)
-    return Row(
-        world_size,
-        m,
-        statistics.median(naive_s),
-        statistics.median(ours_s),
-        statistics.median(hier_s),
-        statistics.median(submit_s) * 1e6,
-    )
+        ours.kill()
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    return Row(world_size, m, medians, statistics.median(submit_s) * 1e6)
 
 
 # ---------------------------------------------------------------------------------------- reporting
-def render(rows: list[Row]) -> str:
-    columns = [
-        "W",
-        "M",
-        "naive ms/step",
-        "rlmetrics ms/step",
-        "ratio",
-        "hierarchical ms/step",
-        "submit µs/call",
-    ]
-    return report.table(
-        columns,
-        [
-            [r.world_size, r.metrics, f"{r.naive_s * 1e3:.1f}", f"{r.ours_s * 1e3:.1f}", f"{r.ratio:.1f}x",
-             f"{r.hier_s * 1e3:.1f}", f"{r.submit_us:.0f}"]
-            for r in rows
-        ],
-    )  # fmt: skip
+def render(rows: list[Row], baseline: str = "naive") -> str:
+    """A row per cell: the baseline's ms/step, then each kind's ms/step and ratio, submit µs."""
+    kinds = [k for k in KINDS if k in rows[0].seconds]
+    columns = ["W", "M", f"{baseline} ms/step"]
+    for kind in kinds:
+        columns += [f"{KINDS[kind]} ms/step", "speed-up"]
+    body = []
+    for r in rows:
+        cells = [r.world_size, r.metrics, f"{r.seconds['baseline'] * 1e3:.1f}"]
+        for kind in kinds:
+            cells += [f"{r.seconds[kind] * 1e3:.1f}", f"{r.ratio(kind):.1f}x"]
+        body.append([*cells, f"{r.submit_us:.0f}"])
+    return report.table([*columns, "submit µs/call"], body)
+
+
+def target(rows: list[Row], cell: tuple[int, int], ratio: float, what: str) -> str:
+    """The seed-mode ratio target of ``cell`` (W, M)."""
+    row = next((r for r in rows if (r.world_size, r.metrics) == cell), None)
+    got = None if row is None else row.ratio("seed")
+    return report.ratio_target(f"{what} at W={cell[0]}, M={cell[1]} (seed mode)", got, ratio)
 
 
 def targets(rows: list[Row]) -> list[str]:
@@ -274,10 +345,7 @@ def targets(rows: list[Row]) -> list[str]:
         f"target submit_metric < {TARGET_SUBMIT_US:.0f} µs (median) in every cell: at most {slowest:.0f} µs "
         f"— {report.verdict(slowest < TARGET_SUBMIT_US)}"
     ]
-    w, m = TARGET_CELL
-    cell = next((r for r in rows if (r.world_size, r.metrics) == TARGET_CELL), None)
-    ratio = None if cell is None else cell.ratio
-    return [*lines, report.ratio_target(f"the naive baseline at W={w}, M={m}", ratio, TARGET_RATIO)]
+    return [*lines, target(rows, TARGET_CELL, TARGET_RATIO, "the naive baseline")]
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
