@@ -393,13 +393,31 @@ def test_two_names_with_one_result_key_are_refused_not_overwritten():
     worker = LocalMetricWorker()
     client = MetricClient(worker, world_size=1)
     client.submit_metric({"timing_s/gen": 1.0, "perf/delta_time/gen": 2.0})
-    with pytest.raises(
-        MetricValueError, match="'perf/delta_time/gen'.*'timing_s/gen'|'timing_s/gen'.*'perf/"
-    ):
+    with pytest.raises(MetricValueError, match="'perf/delta_time/gen' and metric 'timing_s/gen'"):
         client.wait_submit()
+    res = client.result(0, timeout=5)
+    assert res == {"perf/delta_time/gen": 1.0} and list(res.meta["refused"]) == ["perf/delta_time/gen"]
     client.submit_metric({"timing_s/gen": 3.0})
     client.wait_submit()
     assert client.result(1, timeout=5) == {"perf/delta_time/gen": 3.0}
+
+
+def test_a_colliding_name_is_refused_alone_and_the_step_lists_it():
+    """Rank 1 sends ``perf/delta_time/gen`` beside rank 0's ``timing_s/gen``: only that name is
+    refused (raised by rank 1's wait_submit, listed in the step's meta); rank 1's other metrics merge."""
+    worker = LocalMetricWorker()
+    a, b = MetricClient(worker, world_size=2), MetricClient(worker, world_size=2)
+    a.register(), b.register()
+    a.submit_metric({"timing_s/gen": 1.0, "actor/pg_loss": 0.5, "critic/score/mean": [1.0, 2.0]})
+    b.submit_metric({"perf/delta_time/gen": 2.0, "actor/pg_loss": 1.5, "critic/score/mean": [3.0]})
+    a.wait_submit()
+    with pytest.raises(MetricValueError, match=r"'perf/delta_time/gen'.*other 2 metric\(s\) were merged"):
+        b.wait_submit()
+    with pytest.warns(RuntimeWarning, match="step 0 is partial"):  # rank 1's gen time never came
+        res = a.result(0, timeout=0.5)
+    assert dict(res) == {"perf/delta_time/gen": 1.0, "actor/pg_loss": 1.0, "critic/score/mean": 2.0}
+    assert res.meta["missing_metrics"] == {"timing_s/gen": [1, 2]}
+    assert "would both be reported as 'perf/delta_time/gen'" in res.meta["refused"]["perf/delta_time/gen"]
 
 
 def test_a_step_closed_without_data_finalizes_empty():

@@ -56,6 +56,11 @@ class SubmissionError(ValueError):
     """A contribution the engine refuses; the message says which and why. Nothing of it was merged."""
 
 
+class RefusedNamesError(SubmissionError):
+    """Some names of a contribution were refused (the message says which and why); the rest of it
+    was merged."""
+
+
 class PartlyMergedError(SubmissionError):
     """A pre-merged contribution some of whose submissions were merged before (a client resent them
     on its own): the senders must resend theirs one by one, each merged once."""
@@ -291,6 +296,25 @@ class _Group:
 
 
 @dataclass
+class _Known:
+    """A schema the engine learned: the column of each name it accepted, and the names it refused
+    (a name whose result key another name already has)."""
+
+    schema: Schema
+    cols: np.ndarray  # columns of the accepted names, in schema order
+    at: np.ndarray  # column of every name of the schema, -1 where refused
+    keep: np.ndarray | None  # positions of the accepted names; None: all of them
+    refused: dict[str, str]
+
+    def accepted(self) -> Schema:
+        """The schema of the accepted names alone."""
+        if self.keep is None:
+            return self.schema
+        names = [self.schema.names[i] for i in self.keep.tolist()]
+        return Schema.of(tuple(names), tuple(self.schema.reductions[i] for i in self.keep.tolist()))
+
+
+@dataclass
 class _Layout:
     cols: np.ndarray  # the step's global columns
     positions: list[np.ndarray] | None  # per group: its columns' positions in cols (None: one group)
@@ -308,6 +332,7 @@ class _Step:
     contributors: set = field(default_factory=set)
     closed: set = field(default_factory=set)
     records: list = field(default_factory=list)  # validation samples: (rank key, record)
+    refused: dict = field(default_factory=dict)  # names refused in this step: their reason
 
     def counts(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Contributions received and expected per column (expected: the largest world_size given)."""
@@ -353,7 +378,7 @@ class Aggregator:
         self._reductions: list[str] = []
         self._index: dict[str, int] = {}
         self._by_out: dict[str, str] = {}  # result name -> metric name
-        self._schemas: dict[bytes, tuple[Schema, np.ndarray]] = {}
+        self._schemas: dict[bytes, _Known] = {}
         self._used: dict[bytes, int] = {}  # schema id -> newest step it was submitted for
         self._forgotten: list[bytes] = []  # schema ids dropped since the last drain_forgotten()
         self._steps: dict[int, _Step] = {}
@@ -364,44 +389,47 @@ class Aggregator:
         self._layouts: dict[tuple[bytes, ...], _Layout] = {}
 
     # -------------------------------------------------------------------------------- intake
-    def _columns(self, schema: Schema, step: int) -> np.ndarray:
+    def _columns(self, schema: Schema, step: int) -> _Known:
         self._used[schema.id] = max(step, self._used.get(schema.id, step))
         known = self._schemas.get(schema.id)
         if known is not None:
-            return known[1]
+            return known
         if len(schema.names) != len(schema.reductions):
             del self._used[schema.id]
             raise SubmissionError(
                 f"schema has {len(schema.names)} names but {len(schema.reductions)} reductions"
             )
         try:
-            cols = self._learn(schema)
+            known = self._learn(schema)
         except (SubmissionError, ValueError):
             del self._used[schema.id]
             raise
-        self._schemas[schema.id] = (schema, cols)
-        for c in cols.tolist():
+        self._schemas[schema.id] = known
+        for c in known.cols.tolist():
             self._refs[c] += 1
-        return cols
+        return known
 
-    def _learn(self, schema: Schema) -> np.ndarray:
-        """Columns for a new schema's names (new names get a column)."""
+    def _learn(self, schema: Schema) -> _Known:
+        """Columns for a new schema's names (new names get a column). A name whose result key
+        another name has is refused alone: one of the two values would silently vanish."""
         if len(set(schema.names)) != len(schema.names):
             raise SubmissionError("schema repeats a metric name")
         for red in schema.reductions:
             parse_reduction(red)
         new: dict[str, str] = {}
+        refused: dict[str, str] = {}
         for name in schema.names:
             if name not in self._index:
                 out = rename(name, self.renames)
                 other = self._by_out.get(out, new.get(out))
-                if other is not None:  # two names, one result key: one value would silently vanish
-                    raise SubmissionError(
-                        f"metric {name!r} and metric {other!r} would both be reported as {out!r}"
-                    )
-                new[out] = name
-        cols = np.empty(len(schema.names), np.int64)
+                if other is not None:
+                    refused[name] = f"metric {name!r} and metric {other!r} would both be reported as {out!r}"
+                else:
+                    new[out] = name
+        at = np.full(len(schema.names), -1, np.int64)
         for i, (name, red) in enumerate(zip(schema.names, schema.reductions)):
+            if name in refused:
+                continue
             col = self._index.get(name)
             if col is None:
                 out = rename(name, self.renames)
@@ -420,8 +448,9 @@ class Aggregator:
                 logger.warning(
                     "metric %r: reduction %r requested, keeping %r", name, red, self._reductions[col]
                 )
-            cols[i] = col
-        return cols
+            at[i] = col
+        keep = np.nonzero(at >= 0)[0] if refused else None
+        return _Known(schema, at if keep is None else at[keep], at, keep, refused)
 
     def _forget(self, step: int) -> None:
         """Drop schemas not submitted since ``step - forget_after`` and no pending step uses, and
@@ -433,8 +462,7 @@ class Aggregator:
             return
         for sid in old:
             del self._used[sid]
-            _, cols = self._schemas.pop(sid)
-            for col in cols.tolist():
+            for col in self._schemas.pop(sid).cols.tolist():
                 self._refs[col] -= 1
                 if not self._refs[col]:  # no kept schema has the name: free its column
                     name = self._names[col]
@@ -532,7 +560,7 @@ class Aggregator:
             self.late += 1
             logger.warning("step %d is finalized; dropped a late contribution of %s", step, keys[0][0])
             return False
-        cols = self._columns(packed.schema, step)
+        known = self._columns(packed.schema, step)
         st = self._step(step)
         seen = [key in st.seen for key in keys]
         if all(seen):
@@ -546,14 +574,24 @@ class Aggregator:
         if register:
             self.clients.update(clients)
         st.contributors.update(clients)
-        group = st.groups.get(packed.schema.id)
-        if group is None:
-            group = st.groups[packed.schema.id] = _Group(cols)
-        group.add(stats, int(world_size), packed.contributions)
+        if len(known.cols):
+            group = st.groups.get(packed.schema.id)
+            if group is None:
+                group = st.groups[packed.schema.id] = _Group(known.cols)
+            group.add(
+                stats if known.keep is None else stats[..., known.keep], int(world_size), packed.contributions
+            )
         st.records.extend(packed.records)
         for i, sk in packed.sketches.items():
-            col = int(cols[i])
-            st.sketches[col] = sk if col not in st.sketches else st.sketches[col].merge(sk)
+            col = int(known.at[i])
+            if col >= 0:
+                st.sketches[col] = sk if col not in st.sketches else st.sketches[col].merge(sk)
+        if known.refused:
+            st.refused.update(known.refused)
+            raise RefusedNamesError(
+                "; ".join(known.refused.values())
+                + f" (refused; the submission's other {len(known.cols)} metric(s) were merged)"
+            )
         return True
 
     def close(self, client_id: str, step: int) -> None:
@@ -649,6 +687,8 @@ class Aggregator:
             "empty": empty,
             "contributors": sorted(st.contributors) if st is not None else [],
         }
+        if st is not None and st.refused:
+            meta["refused"] = dict(st.refused)
         if not complete:
             # A rank missing at a deadline is not waited for again until it submits again.
             self.clients.difference_update(missing_ranks)
@@ -688,7 +728,7 @@ class Aggregator:
             for i, col in enumerate(group.cols.tolist()):
                 if col in st.sketches:  # a name in several schemas: its merged sketch goes once
                     sketches[i] = st.sketches.pop(col)
-            packed = Packed(self._schemas[sid][0], group.fold().copy(), sketches, group.received)
+            packed = Packed(self._schemas[sid].accepted(), group.fold().copy(), sketches, group.received)
             out.append((packed, group.world_size))
         if out:
             out[0][0].records.extend(st.records)
