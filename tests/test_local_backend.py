@@ -140,7 +140,7 @@ def test_unknown_backend_and_missing_world_size():
     client = rlmetrics.MetricClient(rlmetrics.LocalMetricWorker())
     with pytest.raises(ValueError, match="world_size"):
         client.submit_metric({"a": 1.0})
-    with pytest.raises(TypeError, match="metric worker"):
+    with pytest.raises(TypeError, match="MetricWorker actor handle"):
         rlmetrics.MetricClient(object())
 
 

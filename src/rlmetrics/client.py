@@ -21,7 +21,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from rlmetrics.aggregator import MAX_WORLD_SIZE, Packed, StepResult, pack
 from rlmetrics.server import Submission
@@ -35,18 +35,24 @@ class AggregatorRestarted(ConnectionError):
     """The aggregator restarted during a call; it is reachable again. The client resends and retries."""
 
 
+@runtime_checkable
 class Transport(Protocol):
     """What a backend provides to a client.
 
     ``send`` replies ``{"errors": {...}, "incarnation": str, "done_below": int, "finalized": [...]}``
-    (steps below ``done_below`` and those listed are finalized). Any call may raise
-    :class:`AggregatorRestarted`. A transport may also offer ``post(client_id, items, close)``, a
-    send that does not wait, and ``collect(posted, block)`` for its reply (None if not yet there).
+    (steps below ``done_below`` and those listed are finalized); ``post`` sends without waiting
+    and ``collect(posted, block)`` gives its reply (None while not there and not ``block``);
+    ``watch(client)`` makes the transport call ``client.resync()`` when the aggregator restarts.
+    Any call may raise :class:`AggregatorRestarted`.
     """
 
     def send(
         self, client_id: str, items: list[Submission], close: list[int], resync: bool = False
     ) -> dict: ...
+
+    def post(self, client_id: str, items: list[Submission], close: list[int]) -> Any: ...
+
+    def collect(self, posted: Any, block: bool = True) -> dict | None: ...
 
     def result(self, step: int, timeout: float | None) -> StepResult: ...
 
@@ -55,6 +61,22 @@ class Transport(Protocol):
     def register(self, client_id: str) -> None: ...
 
     def depart(self, client_id: str) -> None: ...
+
+    def watch(self, client: ClientCore) -> None: ...
+
+
+class SyncTransport:
+    """The :class:`Transport` methods of a transport whose ``send`` returns at once (in-process
+    ones): ``post`` is ``send``, nothing restarts."""
+
+    def post(self, client_id: str, items: list[Submission], close: list[int]) -> dict:
+        return self.send(client_id, items, close)  # type: ignore[attr-defined]
+
+    def collect(self, posted: dict, block: bool = True) -> dict:
+        return posted
+
+    def watch(self, client: ClientCore) -> None:
+        """Nothing restarts in-process."""
 
 
 def new_client_id(label: str | None = None) -> str:
@@ -163,17 +185,12 @@ class ClientCore:
             for item in items:
                 self._kept.setdefault(item[0], []).append(item)
             self._closed.update(close)
-            post = getattr(self.transport, "post", None)
-            if post is not None:  # non-blocking: replies are handled at the next call
-                self._inflight.append(post(self.client_id, items, close))
-                self._collect(block=False)
-                return
             try:
-                reply = self.transport.send(self.client_id, items, close)
+                self._inflight.append(self.transport.post(self.client_id, items, close))
             except AggregatorRestarted:
                 self.resync()  # what was just sent is kept, so it goes with the resend
                 return
-            self._handle(reply)
+            self._collect(block=False)  # the replies there are; the others at a later call
 
     def _collect(self, block: bool) -> None:
         """Handle the replies of posted sends (all of them when ``block``)."""

@@ -8,10 +8,11 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from rlmetrics.backends import local
-from rlmetrics.client import ClientCore
+from rlmetrics.client import ClientCore, Transport
 
 BACKENDS = ("local", "ray", "torch")
 
@@ -34,15 +35,18 @@ class MetricClient(ClientCore):
 
     def __init__(self, metric_worker: Any, **options: Any) -> None:
         transport = metric_worker
-        if type(metric_worker).__name__ == "ActorHandle":
+        ray = sys.modules.get("ray")  # a Ray actor handle exists only where Ray was imported
+        if ray is not None and isinstance(metric_worker, ray.actor.ActorHandle):
             from rlmetrics.backends import ray as ray_backend
 
             transport = ray_backend.RayTransport(metric_worker)
-        elif not callable(getattr(metric_worker, "send", None)):
-            raise TypeError(f"MetricClient needs a metric worker, got {type(metric_worker).__name__}")
+        elif not isinstance(metric_worker, Transport):
+            raise TypeError(
+                f"MetricClient needs a MetricWorker actor handle, a LocalMetricWorker or a transport, "
+                f"got {type(metric_worker).__name__}"
+            )
         super().__init__(transport, **options)
-        if hasattr(transport, "watch"):
-            transport.watch(self)
+        transport.watch(self)
 
 
 def connect(backend: str = "local", *, world_size: int | None = None, name: str = "default", **options: Any):

@@ -22,13 +22,14 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from rlmetrics.aggregator import StepResult
+from rlmetrics.client import SyncTransport
 from rlmetrics.server import Server, Submission
 
 _WORKERS: dict[str, LocalMetricWorker] = {}  # named in-process aggregators, like Ray's named actors
 _WORKERS_LOCK = threading.Lock()
 
 
-class LocalMetricWorker:
+class LocalMetricWorker(SyncTransport):
     """The seed's ``MetricWorker`` in-process and thread-safe; blocking methods instead of ``.remote``.
 
     Keyword options go to :class:`~rlmetrics.server.Server` (``final_timeout``, ``renames``,

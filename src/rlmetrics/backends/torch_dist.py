@@ -64,7 +64,7 @@ from typing import Any
 import numpy as np
 
 from rlmetrics.aggregator import Aggregator, Packed, Schema, StepResult
-from rlmetrics.client import ClientCore
+from rlmetrics.client import ClientCore, SyncTransport
 from rlmetrics.reduce import parse_reduction
 from rlmetrics.server import Submission, make_reply, merge_items
 from rlmetrics.sketch import Sketch
@@ -157,7 +157,7 @@ def _fold(offset: int, counts: np.ndarray, lo: int, width: int) -> np.ndarray:
     return np.bincount(idx, weights=counts, minlength=width)
 
 
-class TorchDistTransport:
+class TorchDistTransport(SyncTransport):
     """The transport of :class:`TorchMetricClient`: merges this rank's submissions of a step in a
     local :class:`~rlmetrics.aggregator.Aggregator`, runs the collective of
     :meth:`close_step`, and finalizes the merged step with a second Aggregator (renames, derived

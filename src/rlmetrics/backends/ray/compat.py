@@ -1,0 +1,77 @@
+"""Every Ray API outside Ray's public surface that the Ray backend uses, in one place.
+
+- ``kv_get`` / ``kv_put``: Ray's internal KV store (``ray.experimental.internal_kv``), where an
+  aggregator saves what its next incarnation resumes from (the GCS keeps it across actor restarts).
+- ``remote`` / ``get``: ``.remote()`` and ``ray.get`` on an existing handle *without* the step that
+  starts a new local Ray instance when Ray is not initialized (Ray wraps both in an auto-init
+  decorator and keeps the undecorated function as ``__wrapped__``). A client used after
+  ``ray.shutdown()``, or one of its threads still waiting for an aggregator while the user shuts Ray
+  down, must not start a stray Ray instance in the user's process (one started so during a shutdown
+  made the next ``ray.init`` fail). Without ``__wrapped__`` they fall back to Ray's own calls:
+  correct, but racy again.
+- ``actor_key``: a stable key of an actor handle (``ActorHandle._actor_id``).
+
+:func:`check` says which of them the installed Ray lacks; ``tests/test_ray_compat.py`` fails loudly
+when a Ray upgrade removes one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlmetrics.extras import require
+
+ray = require("ray", "ray")
+from ray.experimental import internal_kv  # noqa: E402  (after the extra check)
+
+UNAVAILABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+"""What a call raises when its actor died or is restarting."""
+
+_ray_get = getattr(ray.get, "__wrapped__", ray.get)
+
+
+def kv_get(key: bytes) -> bytes | None:
+    return internal_kv._internal_kv_get(key)
+
+
+def kv_put(key: bytes, value: bytes) -> None:
+    internal_kv._internal_kv_put(key, value, overwrite=True)
+
+
+def remote(method: Any, *args: Any) -> Any:
+    """``method.remote(*args)``; ConnectionError instead of starting Ray."""
+    if not ray.is_initialized():
+        raise ConnectionError("Ray is shut down")
+    submit = getattr(type(method)._remote, "__wrapped__", None)
+    try:
+        return method.remote(*args) if submit is None else submit(method, args, {})
+    except ray.exceptions.RaySystemError as exc:  # shut down meanwhile
+        raise ConnectionError(f"Ray is shut down: {exc}") from exc
+
+
+def get(ref: Any, timeout: float | None = None) -> Any:
+    """``ray.get(ref, timeout=timeout)``; ConnectionError instead of starting Ray."""
+    try:
+        return _ray_get(ref, timeout=timeout)
+    except ray.exceptions.RaySystemError as exc:
+        raise ConnectionError(f"Ray is shut down: {exc}") from exc
+
+
+def actor_key(handle: Any) -> str:
+    """A key of the actor behind ``handle``, the same in every process."""
+    return handle._actor_id.hex()
+
+
+def check() -> list[str]:
+    """The private Ray APIs above that the installed Ray does not have (empty: all present)."""
+    from ray.actor import ActorHandle, ActorMethod
+
+    missing = [f"ray.experimental.internal_kv.{f}" for f in ("_internal_kv_get", "_internal_kv_put")
+               if not callable(getattr(internal_kv, f, None))]  # fmt: skip
+    if not hasattr(ray.get, "__wrapped__"):
+        missing.append("ray.get.__wrapped__")
+    if not hasattr(getattr(ActorMethod, "_remote", None), "__wrapped__"):
+        missing.append("ray.actor.ActorMethod._remote.__wrapped__")
+    if not isinstance(getattr(ActorHandle, "_actor_id", None), property):
+        missing.append("ray.actor.ActorHandle._actor_id")
+    return missing

@@ -1,0 +1,269 @@
+"""A client's link to an aggregator actor: sends, the per-process sender that batches the posts of
+every client of an actor (pre-merging their scalar submissions), and the watcher that resends what
+the clients keep when the actor restarts."""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+
+from rlmetrics.aggregator import Packed, StepResult
+from rlmetrics.backends.ray import compat
+from rlmetrics.backends.ray.compat import ray
+from rlmetrics.client import AggregatorRestarted
+from rlmetrics.server import Submission
+from rlmetrics.stat import stats_of_rows
+from rlmetrics.wire import encode
+
+_KNOWN_LIMIT = 512  # schema ids a transport remembers the actor has
+
+
+class RayTransport:
+    """A client's link to a ``MetricWorker`` actor handle.
+
+    ``post`` is the non-blocking send: every client of the same actor in this process shares one
+    :class:`_Sender`, so messages posted while a call is in flight travel together in the next one.
+    """
+
+    def __init__(self, handle: Any, reconnect_timeout: float = 120.0, root: Any = None) -> None:
+        self.handle = handle  # where sends go: the root, or this node's sub-aggregator
+        self.root = root if root is not None else handle  # where results come from
+        self.reconnect_timeout = reconnect_timeout
+        self._known: set[bytes] = set()  # schema ids the current incarnation has
+        self._incarnation: str | None = None
+        self._sender = _Sender.of(self)
+
+    def _call(self, method: str, *args: Any, actor: Any = None) -> Any:
+        actor = self.handle if actor is None else actor
+        try:
+            return compat.get(compat.remote(getattr(actor, method), *args))
+        except compat.UNAVAILABLE as exc:
+            _wait_alive(actor, self.reconnect_timeout)
+            raise AggregatorRestarted(f"aggregator restarted during {method}") from exc
+
+    def wait_alive(self) -> str:
+        """Block until the actor answers (its next incarnation); ConnectionError after the timeout."""
+        return _wait_alive(self.handle, self.reconnect_timeout)
+
+    def knows(self, packed: Packed) -> bool:
+        """The actor has the names of ``packed``'s schema (as far as this client knows)."""
+        return packed.schema.id in self._known
+
+    def _encode(self, items: list[Submission], close: list[int], resync: bool = False) -> tuple:
+        msg = encode(items, close, lambda sid: sid not in self._known, resync)
+        if len(self._known) > _KNOWN_LIMIT:  # names that change over a run: send names again
+            self._known.clear()
+        self._known.update(item[3].schema.id for item in items)
+        return msg
+
+    def _track(
+        self, reply: dict, client_id: str, items: list[Submission], close: list[int], resync: bool
+    ) -> dict:
+        if "unknown" in reply:
+            reply = self.repeat(client_id, items, close, resync)
+        if reply["incarnation"] != self._incarnation:
+            self._known = {item[3].schema.id for item in items}
+            self._incarnation = reply["incarnation"]
+        return reply
+
+    def repeat(self, client_id: str, items: list[Submission], close: list[int], resync: bool) -> dict:
+        """Send a message again on its own, with every schema's names: the answer to an "unknown"
+        reply (the actor lost some schemas, or could not merge a pre-merged item)."""
+        return self._call("send", client_id, encode(items, close, True, resync))
+
+    def send(self, client_id: str, items: list[Submission], close: list[int], resync: bool = False) -> dict:
+        reply = self._call("send", client_id, self._encode(items, close, resync))
+        return self._track(reply, client_id, items, close, resync)
+
+    def post(self, client_id: str, items: list[Submission], close: list[int]) -> tuple:
+        """Send without waiting; :meth:`collect` gives the reply (or raises AggregatorRestarted)."""
+        return (self._sender.post(self, client_id, items, close), client_id, items, close)
+
+    def collect(self, posted: tuple, block: bool = True) -> dict | None:
+        future, client_id, items, close = posted
+        if not block and not future.done():
+            return None
+        return self._track(future.result(), client_id, items, close, False)
+
+    def result(self, step: int, timeout: float | None) -> StepResult:
+        return self._call("result", step, timeout, actor=self.root)
+
+    def final(self, timeout: float | None = None) -> StepResult:
+        return self._call("final", timeout, actor=self.root)
+
+    def register(self, client_id: str) -> None:
+        self._call("register", client_id)
+
+    def depart(self, client_id: str) -> None:
+        self._call("depart", client_id)
+
+    def watch(self, client: Any) -> None:
+        """Resend ``client``'s kept submissions whenever the actor restarts (one thread per actor)."""
+        _Watcher.of(self).clients.add(client)
+
+
+def _wait_alive(handle: Any, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return compat.get(compat.remote(handle.ping), timeout=10)
+        except (*compat.UNAVAILABLE, ray.exceptions.GetTimeoutError):
+            if time.monotonic() > deadline:
+                raise ConnectionError(f"metric worker unreachable for {timeout} s") from None
+            time.sleep(0.1)
+        except Exception as exc:  # Ray refuses to even submit: the actor is gone for good
+            raise ConnectionError(f"metric worker is gone: {exc}") from exc
+
+
+def _per_actor(cls: Any, transport: RayTransport) -> Any:
+    """The one ``cls`` instance of this process for the transport's actor."""
+    key = compat.actor_key(transport.handle)
+    with cls._lock:
+        if key not in cls._by_actor:
+            cls._by_actor[key] = cls(transport)
+        return cls._by_actor[key]
+
+
+class _Sender:
+    """Group commit: a ``send_many`` call carries every message posted while the previous call was
+    in flight, so no message waits for a timer and a busy process makes few calls; the steady
+    scalar submissions of several clients for one step and schema travel pre-merged
+    (:func:`_premerge`), so the aggregator's work per step follows processes, not ranks."""
+
+    _by_actor: dict[str, _Sender] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, transport: RayTransport) -> None:
+        self.handle = transport.handle
+        self.reconnect_timeout = transport.reconnect_timeout
+        self._queue: list[tuple[str, tuple, Future]] = []
+        self._cond = threading.Condition()
+        threading.Thread(target=self._run, name="rlmetrics-send", daemon=True).start()
+
+    @classmethod
+    def of(cls, transport: RayTransport) -> _Sender:
+        return _per_actor(cls, transport)
+
+    def post(
+        self, transport: RayTransport, client_id: str, items: list[Submission], close: list[int]
+    ) -> Future:
+        future: Future = Future()
+        with self._cond:
+            self._queue.append((transport, client_id, items, close, future))
+            self._cond.notify()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                batch, self._queue = self._queue, []
+            try:
+                replies = compat.get(compat.remote(self.handle.send_many, *_premerge(batch)))
+            except compat.UNAVAILABLE:
+                try:
+                    _wait_alive(self.handle, self.reconnect_timeout)
+                    error: BaseException = AggregatorRestarted("aggregator restarted during a send")
+                except ConnectionError as exc:
+                    error = exc
+                for *_, future in batch:
+                    future.set_exception(error)
+                continue
+            except (Exception, SystemExit) as exc:  # Ray shut down
+                for *_, future in batch:
+                    future.set_exception(ConnectionError(f"send failed: {exc}"))
+                if not ray.is_initialized():
+                    return
+                continue
+            for (transport, client_id, items, close, future), reply in zip(batch, replies):
+                if "unknown" in reply:  # repeat now, not at the client's next call: a reader may wait for it
+                    try:
+                        reply = transport.repeat(client_id, items, close, False)
+                    except (Exception, SystemExit) as exc:  # AggregatorRestarted: the client resends
+                        future.set_exception(exc)
+                        continue
+                future.set_result(reply)
+
+
+def _premerge(batch: list[tuple]) -> tuple[list[tuple[str, tuple]], tuple | None]:
+    """The clients' messages of a batch, and one message with the items merged across clients:
+    1-D submissions (one value per metric) of one step, world size and known schema become one
+    ``(5, M)`` stat array keyed by every ``(client_id, seq)`` (:meth:`Aggregator.submit_merged`)."""
+    own: list[list[Submission]] = []
+    groups: dict[tuple, list[tuple[str, Submission, list]]] = {}
+    for transport, client_id, items, _close, _future in batch:
+        mine: list[Submission] = []
+        for item in items:
+            step, _seq, world_size, packed = item
+            if (
+                packed.stats.ndim == 1
+                and not packed.sketches
+                and not packed.records
+                and transport.knows(packed)
+            ):
+                groups.setdefault((step, world_size, packed.schema.id), []).append((client_id, item, mine))
+            else:
+                mine.append(item)
+        own.append(mine)
+    merged = []
+    for (step, world_size, _), members in groups.items():
+        if len(members) == 1:
+            _, item, mine = members[0]
+            mine.append(item)
+            continue
+        packs = [item[3] for _, item, _ in members]
+        stats = stats_of_rows(np.stack([p.stats for p in packs]))
+        keys = tuple((client_id, item[1]) for client_id, item, _ in members)
+        contributions = sum(p.contributions for p in packs)
+        merged.append((step, keys, world_size, Packed(packs[0].schema, stats, contributions=contributions)))
+    messages = [(b[1], b[0]._encode(mine, b[3])) for b, mine in zip(batch, own)]
+    return messages, (encode(merged, [], False) if merged else None)
+
+
+class _Watcher:
+    """One outstanding ``watch`` call per process and actor; when it fails (the actor died), every
+    client of this process resends what it keeps to the next incarnation.
+
+    No thread waits on the call: Ray resolves it, and only then a short-lived thread does the work.
+    """
+
+    _by_actor: dict[str, _Watcher] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, transport: RayTransport) -> None:
+        self.handle = transport.handle
+        self.reconnect_timeout = transport.reconnect_timeout
+        self.clients: weakref.WeakSet = weakref.WeakSet()
+        self._arm()
+
+    @classmethod
+    def of(cls, transport: RayTransport) -> _Watcher:
+        return _per_actor(cls, transport)
+
+    def _arm(self) -> None:
+        try:
+            compat.remote(self.handle.watch).future().add_done_callback(self._fired)
+        except ConnectionError:  # Ray is shut down: nothing to watch
+            pass
+
+    def _fired(self, future: Future) -> None:
+        if isinstance(future.exception(), compat.UNAVAILABLE) and ray.is_initialized():
+            threading.Thread(target=self._recover, name="rlmetrics-watch", daemon=True).start()
+
+    def _recover(self) -> None:
+        try:
+            _wait_alive(self.handle, self.reconnect_timeout)
+        except ConnectionError:
+            return
+        self._arm()
+        for client in list(self.clients):
+            try:
+                client.resync()
+            except Exception:  # noqa: BLE001 - the client's own next call reports the problem
+                pass

@@ -1,0 +1,150 @@
+"""The client state machine against an in-memory transport of ours: resends, retries and restarts.
+
+:class:`RestartingTransport` is a real :class:`~rlmetrics.server.Server` behind a transport that can
+lose its aggregator at a chosen moment, as a Ray actor restart does: the next call raises
+:class:`~rlmetrics.client.AggregatorRestarted`, and a new incarnation resumes from the state the old
+one saved (registered clients, finalized steps, kept results) and waits for the clients' resends.
+Posted messages stay in flight until collected, and can be delivered twice. (The Ray backend is
+tested with real Ray in ``tests/test_ray_backend.py`` and ``tests/test_chaos.py``.)
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from rlmetrics.aggregator import StepResult
+from rlmetrics.client import AggregatorRestarted, ClientCore, Transport
+from rlmetrics.server import Server
+
+
+class RestartingTransport:
+    """One aggregator for several clients (each gets a view with :meth:`client`)."""
+
+    def __init__(self) -> None:
+        self.server = Server(final_timeout=0.0)
+        self.saved = self.server.engine.export_state()
+        self.died = False
+        self.incarnations = 1
+        self.duplicate = False  # deliver every posted message twice
+
+    def restart(self) -> None:
+        """The aggregator dies now: the next call fails; a new incarnation resumes from the save."""
+        self.died = True
+
+    def _live(self) -> Server:
+        if self.died:
+            self.died = False
+            self.incarnations += 1
+            self.server = Server(final_timeout=0.0)
+            self.server.restore(self.saved, recovery_timeout=5.0)
+            raise AggregatorRestarted("the aggregator restarted")
+        return self.server
+
+    def _save(self) -> None:  # what a Ray actor writes to Ray's KV store after a change
+        self.saved = self.server.engine.export_state()
+
+    def send(self, client_id, items, close, resync=False) -> dict:
+        server = self._live()
+        errors = server.merge(client_id, items, close, resync)
+        server.finalize_complete({it[0] for it in items} | set(close))
+        self._save()
+        return server.reply(errors)
+
+    def post(self, client_id, items, close):
+        self._live()
+        return (client_id, items, close)
+
+    def collect(self, posted, block=True) -> dict:
+        reply = self.send(*posted)
+        if self.duplicate:
+            reply = self.send(*posted)
+        return reply
+
+    def result(self, step, timeout) -> StepResult:
+        server = self._live()
+        out = server.result(step)
+        self._save()
+        return out
+
+    def final(self, timeout=None) -> StepResult:
+        server = self._live()
+        out = server.final(server.final_target())
+        self._save()
+        return out
+
+    def register(self, client_id) -> None:
+        self._live().register(client_id)
+        self._save()
+
+    def depart(self, client_id) -> None:
+        self._live().depart(client_id)
+        self._save()
+
+    def watch(self, client) -> None:
+        """The clients learn of a restart from their calls only."""
+
+
+def test_the_in_memory_transport_is_a_complete_transport():
+    assert isinstance(RestartingTransport(), Transport)
+
+
+def ranks(transport: RestartingTransport, n: int) -> list[ClientCore]:
+    out = [ClientCore(transport, world_size=n, label=f"rank{r}") for r in range(n)]
+    for client in out:
+        client.register()
+    return out
+
+
+def test_a_restart_between_a_send_and_its_reply_loses_and_doubles_nothing():
+    transport = RestartingTransport()
+    a, b = ranks(transport, 2)
+    a.submit_metric({"x/mean": [1.0, 2.0]})
+    a.wait_submit()
+    transport.restart()  # a's step 0 was in the old incarnation only (never finalized)
+    b.submit_metric({"x/mean": [6.0]})
+    b.wait_submit()  # fails, resends its own data; a's data must come from a's resend
+    assert transport.incarnations == 2 and transport.server.recovering()
+    a.submit_metric({"x/mean": [0.0]})
+    a.wait_submit()  # a learns of the restart from the new incarnation id: resends step 0 too
+    b.submit_metric({"x/mean": [2.0]})
+    b.wait_submit()
+    assert not transport.server.recovering()
+    assert dict(a.result(0)) == {"x/mean": 3.0} and dict(a.result(1)) == {"x/mean": 1.0}
+    assert a.result(0).meta["complete"]
+
+
+def test_a_message_delivered_twice_is_merged_once():
+    transport = RestartingTransport()
+    transport.duplicate = True
+    (a,) = ranks(transport, 1)
+    for step in range(3):
+        a.submit_metric({"n/total": 1.0, "x/mean": [float(step)] * 3})
+        a.wait_submit()
+        assert dict(a.result(step)) == {"n/total": 1.0, "x/mean": float(step)}
+
+
+def test_a_finalized_step_survives_the_restart_and_is_not_kept_by_clients():
+    transport = RestartingTransport()
+    a, b = ranks(transport, 2)
+    for client in (a, b):
+        client.submit_metric({"x": 1.0})
+        client.wait_submit()
+    assert transport.server.engine.is_finalized(0)
+    a.submit_metric({"x": 2.0})
+    a.wait_submit()  # the reply tells a that step 0 is finalized: a keeps only step 1
+    assert list(a._kept) == [1]
+    transport.restart()
+    with pytest.warns(RuntimeWarning, match="step 1 is partial"):
+        res = a.result(1, timeout=0)  # the retried read finds the new incarnation, a resent step 1
+    assert transport.incarnations == 2 and dict(res) == {"x": 2.0} and res.meta["missing_ranks"]
+    assert dict(a.result(0)) == {"x": 1.0}  # kept across the restart
+
+
+def test_the_restart_limit_of_one_call_raises():
+    class AlwaysRestarting(RestartingTransport):
+        def _live(self) -> Server:
+            raise AggregatorRestarted("again")
+
+    client = ClientCore(AlwaysRestarting(), world_size=1)
+    with pytest.raises(ConnectionError, match="restarted 5 times"):
+        client.result(0)
