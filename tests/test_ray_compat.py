@@ -13,7 +13,7 @@ from rlmetrics.backends.ray import compat  # noqa: E402
 
 def test_every_private_ray_api_the_backend_uses_exists():
     missing = compat.check()
-    assert not missing, f"Ray {compat.ray.__version__} lacks {missing}: adapt rlmetrics/backends/ray/compat.py"
+    assert not missing, f"Ray {compat.ray.__version__} lacks {missing}: adapt backends/ray/compat.py"
 
 
 def test_calls_on_a_shut_down_ray_raise_instead_of_starting_ray():
