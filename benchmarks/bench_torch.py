@@ -4,18 +4,20 @@ One step: each of W gloo processes (``torch.multiprocessing``, one machine) hold
 floats under the same M realistic names (:func:`bench_merge.rank_dicts`) and every rank gets the
 merged result. For every W in {2, 4, 8} and M in {100, 1000, 10000}:
 
-- **rlmetrics** in each exchange form (``connect("torch", exchange=...)``, see
-  :mod:`rlmetrics.backends.torch_dist`): ``auto`` (what a user gets), ``gather`` (one ``all_gather``
-  of every rank's packed state) and ``reduce`` (all-reduces). Timed: ``submit_metric(d)``,
-  ``wait_submit()`` (the collectives) and ``result(step)``, so packing and the final reduction into
-  ``{name: value}`` are included. Step 0 agrees on the layout (the one ``all_gather_object`` of
-  names) and is a warm-up, not timed.
+- **rlmetrics** in both exchange forms (``connect("torch", exchange=...)``, see
+  :mod:`rlmetrics.backends.torch_dist`): ``gather`` (one ``all_gather`` of every rank's packed
+  state) and ``reduce`` (all-reduces). Timed: ``submit_metric(d)``, ``wait_submit()`` (the
+  collectives) and ``result(step)``, so packing and the final reduction into ``{name: value}`` are
+  included. Step 0 agrees on the layout (the one ``all_gather_object`` of names) and is a warm-up,
+  not timed. What a user gets, ``exchange="auto"``, runs the very code of the form it picks (the
+  ``auto`` column, read from an untimed step of an ``auto`` client; its ratio is that form's).
 - **all_gather_object**: ``dist.all_gather_object(out, d)`` of the dict alone (the target's baseline:
   no reduction at all), and followed by the seed's per-name reduction of the gathered dicts on every
   rank (:class:`bench_merge.NaiveMerger`: substring rules, ``statistics.mean``).
 
-The sides take turns within every step (each timed call started by a ``dist.barrier``), so a noisy
-neighbour slows all alike; times are the median over the steps of rank 0. ``bytes out`` is what a
+The sides take turns within every step (each timed call started by a ``dist.barrier``, the order
+rotating from step to step, the garbage collector paused), so a noisy neighbour slows all alike;
+times are the median over the steps of rank 0. ``bytes out`` is what a
 rank receives per step: ``all_reduce`` returns a vector of its input's size, ``all_gather`` and
 ``all_gather_object`` return W of them (padded pickles for the latter, plus the sizes). Each form's
 result is asserted equal to the seed's merge (relative 1e-9) wherever the seed's rules pick the same
@@ -26,6 +28,7 @@ Run: ``python benchmarks/bench_torch.py [--quick] [--markdown PATH]`` (needs the
 
 from __future__ import annotations
 
+import gc
 import pickle
 import statistics
 import tempfile
@@ -40,7 +43,7 @@ from bench_merge import NaiveMerger, _check_same, rank_dicts
 
 WORLD_SIZES = (2, 4, 8)
 METRIC_COUNTS = (100, 1000, 10000)
-FORMS = ("auto", "gather", "reduce")
+FORMS = ("gather", "reduce")
 TARGET_RATIO = 1.0  # against the bare all_gather_object, in every cell
 
 
@@ -49,22 +52,31 @@ class Row:
     world: int
     metrics: int
     ours_ms: dict[str, float]  # by exchange form
-    chosen: str  # the form "auto" picked
+    chosen: str  # the form exchange="auto" picks
     bare_ms: float  # all_gather_object alone
     merge_ms: float  # all_gather_object + the seed's merge
     ours_out: dict[str, int] = field(default_factory=dict)  # bytes received per rank, by form
     bare_out: int = 0
 
-    def ratio(self, form: str = "auto") -> float:
-        return self.bare_ms / self.ours_ms[form]
+    def ratio(self, form: str | None = None) -> float:
+        return self.bare_ms / self.ours_ms[form or self.chosen]
 
 
 def _timed_round(dist, calls: dict, times: dict, step: int) -> None:
-    for name, fn in calls.items():
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn(step)
-        times[name].append(time.perf_counter() - t0)
+    """One timed call of each side, the order rotating from step to step, the garbage collector
+    paused (it would run in whichever call follows the seed's merge and its many small objects)."""
+    names = list(calls)
+    names = names[step % len(names) :] + names[: step % len(names)]
+    gc.collect()
+    gc.disable()
+    try:
+        for name in names:
+            dist.barrier()
+            t0 = time.perf_counter()
+            calls[name](step)
+            times[name].append(time.perf_counter() - t0)
+    finally:
+        gc.enable()
 
 
 def _worker(rank: int, world: int, out_dir: str, metric_counts: tuple[int, ...], steps: int) -> None:
@@ -84,8 +96,8 @@ def _worker(rank: int, world: int, out_dir: str, metric_counts: tuple[int, ...],
         for m in metric_counts:
             dicts = rank_dicts(world, m, seed=m)
             mine = dicts[rank]
-            clients = {form: rlmetrics.connect("torch", exchange=form) for form in FORMS}
-            results: dict = {form: {} for form in FORMS}
+            clients = {form: rlmetrics.connect("torch", exchange=form) for form in (*FORMS, "auto")}
+            results: dict = {form: {} for form in clients}
             gathered: list = [None] * world
             naive: dict = {}
 
@@ -107,7 +119,7 @@ def _worker(rank: int, world: int, out_dir: str, metric_counts: tuple[int, ...],
 
             calls = {form: (lambda s, form=form, ours=ours: ours(s + 1, form)) for form in FORMS}
             calls.update(bare=bare, merge=merge)
-            for form in FORMS:  # layout agreement: the warm-up step
+            for form in clients:  # layout agreement: the warm-up step
                 ours(0, form)
             merge(0)
             times: dict = {name: [] for name in calls}
@@ -122,7 +134,7 @@ def _worker(rank: int, world: int, out_dir: str, metric_counts: tuple[int, ...],
                     world,
                     m,
                     {form: statistics.median(times[form]) * 1e3 for form in FORMS},
-                    results["auto"][steps].meta["exchange"],
+                    results["auto"][0].meta["exchange"],
                     statistics.median(times["bare"]) * 1e3,
                     statistics.median(times["merge"]) * 1e3,
                     {form: t.bytes_received_last_step for form, t in transports.items()},
@@ -141,9 +153,9 @@ def render(rows: list[Row]) -> str:
         "M",
         "all_gather_object ms",
         "+ seed's merge ms",
-        "rlmetrics auto ms (form)",
-        "gather ms",
-        "reduce ms",
+        "rlmetrics gather ms",
+        "rlmetrics reduce ms",
+        "auto picks",
         "auto vs all_gather_object",
         "gather / reduce vs all_gather_object",
         "auto vs + merge",
@@ -153,10 +165,9 @@ def render(rows: list[Row]) -> str:
         columns,
         [
             [r.world, r.metrics, f"{r.bare_ms:.2f}", f"{r.merge_ms:.2f}",
-             f"{r.ours_ms['auto']:.2f} ({r.chosen})", f"{r.ours_ms['gather']:.2f}",
-             f"{r.ours_ms['reduce']:.2f}",
+             f"{r.ours_ms['gather']:.2f}", f"{r.ours_ms['reduce']:.2f}", r.chosen,
              f"{r.ratio():.1f}x", f"{r.ratio('gather'):.1f}x / {r.ratio('reduce'):.1f}x",
-             f"{r.merge_ms / r.ours_ms['auto']:.1f}x",
+             f"{r.merge_ms / r.ours_ms[r.chosen]:.1f}x",
              f"{r.bare_out:,} / {r.ours_out['gather']:,} / {r.ours_out['reduce']:,}"]
             for r in rows
         ],
@@ -173,7 +184,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
 
     start = time.perf_counter()
     worlds, metric_counts, steps = (
-        ((2, 4), (100, 1000), 5) if args.quick else (WORLD_SIZES, METRIC_COUNTS, 30)
+        ((2, 4), (100, 1000), 5) if args.quick else (WORLD_SIZES, METRIC_COUNTS, 40)
     )
     head = report.header("torch.distributed (gloo, one machine)", f"torch {torch.__version__}")
     print(head, flush=True)
@@ -185,7 +196,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
             rows += pickle.loads((Path(tmp) / "rows.pkl").read_bytes())
     worst = min(rows, key=lambda r: r.ratio())
     notes = [
-        f"median of {steps} steps on rank 0 after 1 warm-up step, the sides taking turns within each step; "
+        f"median of {steps} steps on rank 0 after 1 warm-up step, the sides taking turns within each step "
+        "(order rotating, gc paused); "
         "every form's result asserted equal to the seed's merge (rel 1e-9) where both rules pick the same "
         f"reduction; auto gathers while W x (5 M + header) <= {GATHER_LIMIT:,} floats",
         report.ratio_target(

@@ -385,11 +385,7 @@ class Sketch:
         """
         if not isinstance(other, Sketch):
             raise TypeError(f"can only merge a Sketch, got {type(other).__name__}")
-        if (self._rel_err, self._exact_limit, self._max_buckets) != (
-            other._rel_err,
-            other._exact_limit,
-            other._max_buckets,
-        ):
+        if self.params != other.params:
             raise ValueError(
                 f"cannot merge sketches with different parameters: {self._params()} vs {other._params()}"
             )
