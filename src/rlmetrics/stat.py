@@ -246,6 +246,8 @@ class Stat:
             values, weight = value if isinstance(value, tuple) and len(value) == 2 else (value, None)
             if isinstance(name, str) and name and _is_torch(values):
                 items.append((name, values, None, weight, needs_sketch(name)))
+        if not items:  # (torch may not even be installed)
+            return {}
         return dict(zip((it[0] for it in items), _tensor_stats(items, nan_strategy)))
 
     @classmethod
