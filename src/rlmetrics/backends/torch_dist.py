@@ -53,7 +53,11 @@ M2, min, max per name), then:
    :meth:`~rlmetrics.sketch.Sketch.from_folded`: the same counts as
    :meth:`~rlmetrics.sketch.Sketch.merge`, so the same relative error.
 
-So a step costs one collective (two with quantile names). A rank without a name sends count 0 and
+So a steady step costs one round trip: one collective in the ``"gather"`` form, two or three
+issued together in the ``"reduce"`` form; plus the ``SUM`` of step 2 with quantile names. Layouts
+change only in the collective re-layout, so every rank's vectors have the same length (ranks whose
+collectives are not paired, a misuse, make the backend raise on a size mismatch). A rank without a
+name sends count 0 and
 neutral extremes, so the name is not reported as zero; a name no rank has in a step is left out of
 that step's values (listed in ``meta["empty"]``). NaN follows ``nan_strategy``; with
 ``"propagate"`` a NaN reaches mean, std, min, max and quantiles. Validation sample records are
