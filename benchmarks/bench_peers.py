@@ -19,6 +19,9 @@ Three tables, each side measured right after the other on the same inputs, resul
    then once more at the end of the run after telling glibc to keep freed memory (``mallopt``): siiRL
    allocates fresh temporaries in every call, whose page faults come and go with the allocator's
    state (rlmetrics reuses scratch memory), and that row shows siiRL without them.
+   The device→host synchronisations of one call are counted for both sides too, on an accelerator
+   emulated on the CPU (``tests/syncs.py``: scalar reads, blocking copies, data-dependent shapes;
+   what a GPU would wait for), with the batch as device tensors.
 3. **process_validation_metrics** on ``bench_validation.make_batch`` (P prompts x 16). rlmetrics:
    median of N calls on the full batch. siiRL (a Python bootstrap loop, about a quarter second per
    prompt): one call on the first ``m`` prompts, scaled by P/m (prompts are independent, so its cost
@@ -30,7 +33,9 @@ Run: ``python benchmarks/bench_peers.py [--quick] [--markdown PATH] [--siirl-pro
 
 from __future__ import annotations
 
+import collections
 import ctypes
+import importlib.util
 import math
 import os
 import statistics
@@ -220,6 +225,46 @@ def target_data(rows: list[DataRow]) -> str:
     return f"target >= {DATA_TARGET:g}x {what}: " + "; ".join(parts)
 
 
+def sync_counter() -> ModuleType:
+    """``tests/syncs.py`` (the emulated accelerator and its sync counter), loaded from its file."""
+    path = Path(__file__).resolve().parents[1] / "tests" / "syncs.py"
+    spec = importlib.util.spec_from_file_location("rlmetrics_bench_syncs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass
+class SyncRow:
+    side: str
+    syncs: int
+    kinds: dict[str, int]
+
+
+def measure_syncs(shape: tuple[int, int, int]) -> list[SyncRow]:
+    """Device→host syncs of one ``compute_data_metric`` call of each side on the emulated device."""
+    syncs = sync_counter()
+    _, siirl_metrics = siirl_modules()
+    batch = bench_data.make_batch(*shape, seed=sum(shape))
+    batch["__num_turns__"] = torch.as_tensor(batch["__num_turns__"]).float()
+    device_batch = syncs.on_device(batch)
+    rows = []
+    for side, fn in (("siiRL", siirl_metrics.compute_data_metric), ("rlmetrics", compute_data_metric)):
+        with syncs.SyncCounter() as counter:
+            fn(device_batch)
+        kinds = collections.Counter(event.split(":")[0] for event in counter.events)
+        rows.append(SyncRow(side, counter.syncs, dict(kinds)))
+    return rows
+
+
+def render_syncs(rows: list[SyncRow]) -> str:
+    kinds = sorted({k for r in rows for k in r.kinds})
+    return report.table(
+        ["compute_data_metric", "device→host syncs per call", *kinds],
+        [[r.side, r.syncs, *(r.kinds.get(k, 0) for k in kinds)] for r in rows],
+    )
+
+
 # ------------------------------------------------------------------- 3. process_validation_metrics
 @dataclass
 class ValRow:
@@ -311,6 +356,7 @@ def main(argv: list[str] | None = None) -> tuple[list[bench_ray.Row], list[DataR
     threads = sorted({bench_data.DEFAULT_THREADS, 1}, reverse=True)
     compile_s = compile_data_metric(data_shape)
     data_rows = [measure_data(data_shape, data_reps, t) for t in threads]
+    sync_rows = measure_syncs(data_shape)
     val_rows = [measure_validation(p, n, val_reps, siirl_prompts) for p, n in val_cells]
     if keep_freed_memory():  # last: it changes the allocator for the rest of the process
         data_rows.append(measure_data(data_shape, data_reps, bench_data.DEFAULT_THREADS, KEPT_MEMORY))
@@ -321,6 +367,9 @@ def main(argv: list[str] | None = None) -> tuple[list[bench_ray.Row], list[DataR
             render_ray(ray_rows),
             "compute_data_metric: siiRL vs rlmetrics",
             render_data(data_rows),
+            f"compute_data_metric: device→host synchronisations of one call (B={data_shape[0]}, "
+            f"prompt {data_shape[1]}, response {data_shape[2]}; emulated accelerator, tests/syncs.py)",
+            render_syncs(sync_rows),
             "process_validation_metrics: siiRL vs rlmetrics",
             render_validation(val_rows),
         ]

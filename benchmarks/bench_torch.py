@@ -1,33 +1,39 @@
-"""Bytes and time per step of the torch.distributed backend against ``all_gather_object`` of the dict.
+"""Time and bytes per step of the torch.distributed backend against ``all_gather_object`` of the dict.
 
-One step: each of W = 4 gloo processes (``torch.multiprocessing``, one machine) holds one dict
-of M scalar floats under the same M realistic names (:func:`bench_merge.rank_dicts`) and every rank
-gets the merged result.
+One step: each of W gloo processes (``torch.multiprocessing``, one machine) holds one dict of M scalar
+floats under the same M realistic names (:func:`bench_merge.rank_dicts`) and every rank gets the
+merged result. For every W in {2, 4, 8} and M in {100, 1000, 10000}:
 
-- **rlmetrics**: ``rlmetrics.connect("torch")``; timed: ``submit_metric(d)``, ``wait_submit()`` (the
-  collectives) and ``result(step)``, so packing and the final reduction are included. Step 0 agrees
-  on the layout (the one ``all_gather_object`` of names) and is a warm-up, not timed.
-- **all_gather_object**: ``dist.all_gather_object(out, d)`` of the dict, then on every rank the seed's
-  per-name reduction of the gathered dicts (:class:`bench_merge.NaiveMerger`: substring rules,
-  ``statistics.mean``); the bare ``all_gather_object`` time is shown as well.
+- **rlmetrics** in both exchange forms (``connect("torch", exchange=...)``, see
+  :mod:`rlmetrics.backends.torch_dist`): ``gather`` (one ``all_gather`` of every rank's packed
+  state) and ``reduce`` (all-reduces). Timed: ``submit_metric(d)``, ``wait_submit()`` (the
+  collectives) and ``result(step)``, so packing and the final reduction into ``{name: value}`` are
+  included. Step 0 agrees on the layout (the one ``all_gather_object`` of names) and is a warm-up,
+  not timed. What a user gets, ``exchange="auto"``, runs the very code of the form it picks (the
+  ``auto`` column, read from an untimed step of an ``auto`` client; its ratio is that form's).
+- **all_gather_object**: ``dist.all_gather_object(out, d)`` of the dict alone (the target's baseline:
+  no reduction at all), and followed by the seed's per-name reduction of the gathered dicts on every
+  rank (:class:`bench_merge.NaiveMerger`: substring rules, ``statistics.mean``).
 
-``bytes in`` is what one rank hands to its collectives per step (rlmetrics: the float64 vectors of
-``all_reduce``; the baseline: its pickled dict plus the 8-byte size that ``all_gather_object`` sends
-first). ``bytes out`` is what every rank receives: ``all_reduce`` returns a vector of the input's
-size, ``all_gather_object`` returns W padded pickles. Times: the median over the steps of rank 0,
-every step started by a ``dist.barrier``. Each step asserts both results agree (relative 1e-9)
-wherever the seed's rules pick the same reduction as ours.
+The sides take turns within every step (each timed call started by a ``dist.barrier``, the order
+rotating from step to step, the garbage collector paused), so a noisy neighbour slows all alike;
+times are the median over the steps of rank 0. ``bytes out`` is what a
+rank receives per step: ``all_reduce`` returns a vector of its input's size, ``all_gather`` and
+``all_gather_object`` return W of them (padded pickles for the latter, plus the sizes). Each form's
+result is asserted equal to the seed's merge (relative 1e-9) wherever the seed's rules pick the same
+reduction as ours.
 
 Run: ``python benchmarks/bench_torch.py [--quick] [--markdown PATH]`` (needs the ``torch`` extra).
 """
 
 from __future__ import annotations
 
+import gc
 import pickle
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -35,44 +41,45 @@ import numpy as np
 import report
 from bench_merge import NaiveMerger, _check_same, rank_dicts
 
-WORLD = 4
-METRIC_COUNTS = (1000, 10000)
-TARGET_M = 10000
-TARGET_TIME_RATIO = 2.0
-TARGET_BYTES_RATIO = 4.0  # bytes received per rank
+WORLD_SIZES = (2, 4, 8)
+METRIC_COUNTS = (100, 1000, 10000)
+FORMS = ("gather", "reduce")
+TARGET_RATIO = 1.0  # against the bare all_gather_object, in every cell
 
 
 @dataclass
 class Row:
+    world: int
     metrics: int
-    ours_ms: float
-    gather_ms: float  # all_gather_object + per-name reduction
+    ours_ms: dict[str, float]  # by exchange form
+    chosen: str  # the form exchange="auto" picks
     bare_ms: float  # all_gather_object alone
-    ours_in: int
-    ours_out: int
-    gather_in: int
-    gather_out: int
+    merge_ms: float  # all_gather_object + the seed's merge
+    ours_out: dict[str, int] = field(default_factory=dict)  # bytes received per rank, by form
+    bare_out: int = 0
 
-    @property
-    def time_ratio(self) -> float:
-        return self.gather_ms / self.ours_ms
-
-    @property
-    def bytes_ratio(self) -> float:
-        return self.gather_out / self.ours_out
+    def ratio(self, form: str | None = None) -> float:
+        return self.bare_ms / self.ours_ms[form or self.chosen]
 
 
-def _timed_steps(dist, steps: int, fn) -> list[float]:
-    times = []
-    for step in range(steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn(step)
-        times.append(time.perf_counter() - t0)
-    return times
+def _timed_round(dist, calls: dict, times: dict, step: int) -> None:
+    """One timed call of each side, the order rotating from step to step, the garbage collector
+    paused (it would run in whichever call follows the seed's merge and its many small objects)."""
+    names = list(calls)
+    names = names[step % len(names) :] + names[: step % len(names)]
+    gc.collect()
+    gc.disable()
+    try:
+        for name in names:
+            dist.barrier()
+            t0 = time.perf_counter()
+            calls[name](step)
+            times[name].append(time.perf_counter() - t0)
+    finally:
+        gc.enable()
 
 
-def _worker(rank: int, out_dir: str, metric_counts: tuple[int, ...], steps: int) -> None:
+def _worker(rank: int, world: int, out_dir: str, metric_counts: tuple[int, ...], steps: int) -> None:
     import torch.distributed as dist
 
     import rlmetrics
@@ -81,54 +88,57 @@ def _worker(rank: int, out_dir: str, metric_counts: tuple[int, ...], steps: int)
         "gloo",
         init_method=f"file://{out_dir}/store",
         rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=120),
+        world_size=world,
+        timeout=timedelta(seconds=300),
     )
     rows = []
     try:
         for m in metric_counts:
-            dicts = rank_dicts(WORLD, m, seed=m)
+            dicts = rank_dicts(world, m, seed=m)
             mine = dicts[rank]
-            client = rlmetrics.connect("torch")
-            results = {}
+            clients = {form: rlmetrics.connect("torch", exchange=form) for form in (*FORMS, "auto")}
+            results: dict = {form: {} for form in clients}
+            gathered: list = [None] * world
+            naive: dict = {}
 
-            def ours(step: int, client=client, mine=mine, results=results) -> None:
+            def ours(step: int, form: str, mine=mine, clients=clients, results=results) -> None:
+                client = clients[form]
                 client.submit_metric(mine)
                 client.wait_submit()
-                results[step] = client.result(step)
-
-            ours(0)  # layout agreement: the warm-up step
-            ours_t = _timed_steps(dist, steps, lambda s, ours=ours: ours(s + 1))
-            ours_bytes = client.transport.bytes_last_step
-            gathered: list = [None] * WORLD
+                results[form][step] = client.result(step)
 
             def bare(_: int, mine=mine, gathered=gathered) -> None:
                 dist.all_gather_object(gathered, mine)
 
-            naive: dict = {}
-
-            def gather(_: int, bare=bare, gathered=gathered, naive=naive) -> None:
+            def merge(_: int, bare=bare, gathered=gathered, naive=naive) -> None:
                 bare(0)
-                merger = NaiveMerger(WORLD)
+                merger = NaiveMerger(world)
                 for d in gathered:
                     merger.submit(d)
                 naive.update(merger.results)
 
-            gather(0)
-            gather_t = _timed_steps(dist, steps, gather)
-            bare_t = _timed_steps(dist, steps, bare)
-            _check_same(results[steps], naive, m)
+            calls = {form: (lambda s, form=form, ours=ours: ours(s + 1, form)) for form in FORMS}
+            calls.update(bare=bare, merge=merge)
+            for form in clients:  # layout agreement: the warm-up step
+                ours(0, form)
+            merge(0)
+            times: dict = {name: [] for name in calls}
+            for step in range(steps):
+                _timed_round(dist, calls, times, step)
+            for form in FORMS:
+                _check_same(results[form][steps], naive, m)
             sizes = [len(pickle.dumps(d)) for d in dicts]
+            transports = {form: clients[form].transport for form in FORMS}
             rows.append(
                 Row(
+                    world,
                     m,
-                    statistics.median(ours_t) * 1e3,
-                    statistics.median(gather_t) * 1e3,
-                    statistics.median(bare_t) * 1e3,
-                    ours_bytes,
-                    ours_bytes,
-                    sizes[rank] + 8,
-                    WORLD * (max(sizes) + 8),
+                    {form: statistics.median(times[form]) * 1e3 for form in FORMS},
+                    results["auto"][0].meta["exchange"],
+                    statistics.median(times["bare"]) * 1e3,
+                    statistics.median(times["merge"]) * 1e3,
+                    {form: t.bytes_received_last_step for form, t in transports.items()},
+                    world * (max(sizes) + 8),
                 )
             )
     finally:
@@ -139,53 +149,61 @@ def _worker(rank: int, out_dir: str, metric_counts: tuple[int, ...], steps: int)
 
 def render(rows: list[Row]) -> str:
     columns = [
+        "W",
         "M",
-        "rlmetrics ms/step",
-        "all_gather_object + merge ms/step",
-        "all_gather_object alone ms",
-        "time ratio (+ merge / alone)",
-        "rlmetrics bytes in / out",
-        "all_gather_object bytes in / out",
-        "bytes out ratio",
+        "all_gather_object ms",
+        "+ seed's merge ms",
+        "rlmetrics gather ms",
+        "rlmetrics reduce ms",
+        "auto picks",
+        "auto vs all_gather_object",
+        "gather / reduce vs all_gather_object",
+        "auto vs + merge",
+        "bytes out: all_gather_object / gather / reduce",
     ]
     return report.table(
         columns,
         [
-            [r.metrics, f"{r.ours_ms:.2f}", f"{r.gather_ms:.2f}", f"{r.bare_ms:.2f}",
-             f"{r.time_ratio:.1f}x / {r.bare_ms / r.ours_ms:.1f}x",
-             f"{r.ours_in:,} / {r.ours_out:,}", f"{r.gather_in:,} / {r.gather_out:,}",
-             f"{r.bytes_ratio:.1f}x"]
+            [r.world, r.metrics, f"{r.bare_ms:.2f}", f"{r.merge_ms:.2f}",
+             f"{r.ours_ms['gather']:.2f}", f"{r.ours_ms['reduce']:.2f}", r.chosen,
+             f"{r.ratio():.1f}x", f"{r.ratio('gather'):.1f}x / {r.ratio('reduce'):.1f}x",
+             f"{r.merge_ms / r.ours_ms[r.chosen]:.1f}x",
+             f"{r.bare_out:,} / {r.ours_out['gather']:,} / {r.ours_out['reduce']:,}"]
             for r in rows
         ],
     )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
-    args = report.parse_args(__doc__, "M in {100, 1000}, 5 steps", argv)
+    args = report.parse_args(__doc__, "W in {2, 4}, M in {100, 1000}, 5 steps", argv)
     import torch
     import torch.multiprocessing as mp
 
     import rlmetrics  # noqa: F401 - imported once, before the ranks fork
+    from rlmetrics.backends.torch_dist import GATHER_LIMIT
 
     start = time.perf_counter()
-    metric_counts, steps = ((100, 1000), 5) if args.quick else (METRIC_COUNTS, 30)
-    head = report.header(f"torch.distributed (gloo, {WORLD} processes)", f"torch {torch.__version__}")
+    worlds, metric_counts, steps = (
+        ((2, 4), (100, 1000), 5) if args.quick else (WORLD_SIZES, METRIC_COUNTS, 40)
+    )
+    head = report.header("torch.distributed (gloo, one machine)", f"torch {torch.__version__}")
     print(head, flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"  # fork: no re-import per rank
-        mp.start_processes(_worker, (tmp, metric_counts, steps), nprocs=WORLD, start_method=method)
-        rows = pickle.loads((Path(tmp) / "rows.pkl").read_bytes())
-    cell = next((r for r in rows if r.metrics == TARGET_M), None)
+    rows: list[Row] = []
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"  # fork: no re-import per rank
+    for world in worlds:
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.start_processes(_worker, (world, tmp, metric_counts, steps), nprocs=world, start_method=method)
+            rows += pickle.loads((Path(tmp) / "rows.pkl").read_bytes())
+    worst = min(rows, key=lambda r: r.ratio())
     notes = [
-        f"median of {steps} steps on rank 0 after 1 warm-up step; results asserted equal (rel 1e-9) where "
-        "both rules pick the same reduction",
+        f"median of {steps} steps on rank 0 after 1 warm-up step, the sides taking turns within each step "
+        "(order rotating, gc paused); "
+        "every form's result asserted equal to the seed's merge (rel 1e-9) where both rules pick the same "
+        f"reduction; auto gathers while W x (5 M + header) <= {GATHER_LIMIT:,} floats",
         report.ratio_target(
-            f"all_gather_object + merge, time at M={TARGET_M}", cell and cell.time_ratio, TARGET_TIME_RATIO
-        ),
-        report.ratio_target(
-            f"all_gather_object, bytes received per rank at M={TARGET_M}",
-            cell and cell.bytes_ratio,
-            TARGET_BYTES_RATIO,
+            f"a bare all_gather_object of the dict in every cell (worst: W={worst.world}, M={worst.metrics})",
+            worst.ratio(),
+            TARGET_RATIO,
         ),
         f"numpy {np.__version__}; total runtime: {time.perf_counter() - start:.1f} s",
     ]

@@ -114,7 +114,7 @@ def test_timing_reads_the_token_counts_in_one_transfer():
     batch = make_batch(np.random.default_rng(0), 4, 3, 5, response_mask=True)
     with CountHostMoves() as moves:
         compute_timing_metrics(batch, {s: 1.0 for s in STAGES})
-    assert moves.moves == ["tolist"]
+    assert moves.moves == ["numpy"]
 
 
 # -------------------------------------------------------------------------------------- throughput

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rlmetrics.sketch as sketch_module
-from rlmetrics.sketch import Sketch
+from rlmetrics.sketch import BucketWindow, Sketch
 
 QS = (0.0, 0.05, 0.25, 0.5, 0.95, 0.99, 0.999, 1.0)
 N_BIG = 1_000_000
@@ -487,6 +487,100 @@ def test_scalar_and_numpy_q() -> None:
     assert Sketch.of([1.0, 3.0]).quantile(np.float64(0.5)) == 2.0
 
 
+# ------------------------------------------------------------------------ public window / fold API
+def _parts(draw_values: list[list[float]], params: dict, weighted: list[bool], rng) -> list[Sketch]:
+    out = []
+    for values, w in zip(draw_values, weighted):
+        weights = rng.integers(0, 4, size=len(values)).astype(float) if w else None  # integers: exact sums
+        out.append(Sketch.of(values, weights, **params))
+    return out
+
+
+wide_floats = st.one_of(
+    st.floats(min_value=-1e30, max_value=1e30),  # NaN and infinities included
+    st.sampled_from([0.0, -0.0, 1e-300, -5e-301]),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.lists(wide_floats, max_size=40), min_size=1, max_size=6),
+    st.integers(0, 30),
+    st.integers(1, 40),
+    st.lists(st.booleans(), min_size=6, max_size=6),
+    st.integers(0, 2**32 - 1),
+)
+def test_summed_folds_are_the_merge(values, exact_limit, max_buckets, weighted, seed) -> None:
+    """Folding every sketch on the covering window and adding the vectors gives the counts of
+    Sketch.merge (in any merge order), with the lower buckets folded exactly as merge folds them."""
+    rng = np.random.default_rng(seed)
+    params = {"rel_err": 0.02, "exact_limit": exact_limit, "max_buckets": max_buckets}
+    parts = _parts(values, params, weighted, rng)
+    merged = _random_merge(parts, rng)
+    window = BucketWindow.of(parts)
+    total = np.sum([p.fold(window) for p in parts], axis=0)
+    assert total.shape == (window.size,)
+    assert np.array_equal(total, merged.fold(window))
+    unfolded = Sketch.from_folded(total, window, **params)
+    assert not unfolded.is_exact and unfolded.params == merged.params
+    assert unfolded.count == merged.count
+    if not merged.is_exact:  # the very same sketch: same window, same counts, no empty end buckets
+        assert BucketWindow.of([merged]) == window
+        assert np.array_equal(unfolded.to_array(), merged.to_array(), equal_nan=True)
+
+
+def test_window_of_spans_folds_like_merge_at_the_limit() -> None:
+    """Three stores 30 buckets apart, max_buckets=16: the window ends at the top bucket, 16 wide."""
+    params = {"rel_err": 0.1, "exact_limit": 0, "max_buckets": 16}
+    gamma = 1.1 / 0.9
+    parts = [Sketch.of([gamma**k * 0.99], **params) for k in (0, 30, 60)]
+    (_, (lo0, hi0)), (_, (lo2, hi2)) = parts[0].bucket_span(), parts[2].bucket_span()
+    assert lo0 == hi0 and lo2 == hi2 == hi0 + 60
+    window = BucketWindow.of(parts)
+    assert window == BucketWindow.covering(None, (lo0, hi2), 16) == BucketWindow(0, 0, hi2 - 15, 16)
+    folded = np.sum([p.fold(window) for p in parts], axis=0)
+    assert folded[4:].tolist() == [2.0] + [0.0] * 14 + [1.0]  # the two lower values share the first bucket
+    merged = parts[0].merge(parts[1]).merge(parts[2])
+    assert np.array_equal(Sketch.from_folded(folded, window, **params).to_array(), merged.to_array())
+
+
+def test_exact_sketch_spans_and_folds_as_its_bucket_form() -> None:
+    v = np.array([-2.0, -0.5, 0.0, 1.0, 3.0, np.inf, np.nan])
+    exact, buckets = Sketch.of(v), Sketch.of(v, exact_limit=0)
+    assert exact.is_exact and not buckets.is_exact
+    assert exact.bucket_span() == buckets.bucket_span()
+    window = BucketWindow.of([exact])
+    assert np.array_equal(exact.fold(window), buckets.fold(window))
+    assert exact.fold(window)[:4].tolist() == [1.0, 0.0, 1.0, 1.0]  # NaN, -inf, +inf, zero
+    assert Sketch().bucket_span() == (None, None) and BucketWindow.of([Sketch()]).size == 4
+    assert BucketWindow.of([]) == BucketWindow()
+
+
+def test_public_parameters_values_and_nan_count() -> None:
+    s = Sketch.of([3.0, np.nan, 1.0], rel_err=0.01, exact_limit=10, max_buckets=7)
+    assert s.params == {"rel_err": 0.01, "exact_limit": 10, "max_buckets": 7}
+    assert (s.exact_limit, s.max_buckets, s.nan_count) == (10, 7, 1.0)
+    assert s.values.tolist() == [1.0, 3.0] and not s.values.flags.writeable
+    assert Sketch.of(s.values, **s.params).merge(s).count == 5.0
+    with pytest.raises(ValueError, match="bucket-mode"):
+        _ = Sketch.of([1.0], weights=[2.0]).values
+
+
+def test_fold_and_from_folded_refuse_what_does_not_fit() -> None:
+    s = Sketch.of([1.0, 100.0], exact_limit=0)
+    (_, (lo, hi)) = s.bucket_span()
+    with pytest.raises(ValueError, match="does not cover"):
+        s.fold(BucketWindow(pos_lo=lo, pos_width=hi - lo))  # one short of the top bucket
+    assert s.fold(BucketWindow(pos_lo=hi, pos_width=1))[4:].tolist() == [2.0]  # all folded into the top
+    window = BucketWindow.of([s])
+    with pytest.raises(ValueError, match="shape"):
+        Sketch.from_folded(np.zeros(window.size + 1), window)
+    with pytest.raises(ValueError, match="max_buckets"):
+        Sketch.from_folded(np.zeros(20), BucketWindow(pos_width=16), max_buckets=8)
+    with pytest.raises(ValueError, match="lowest above highest"):
+        BucketWindow.covering(None, (3, 2), 8)
+
+
 # ---------------------------------------------------------------------------------------- docs, deps
 
 
@@ -505,4 +599,4 @@ def test_module_does_not_import_torch() -> None:
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module.split(".")[0])
     assert "torch" not in names
-    assert names <= {"__future__", "fractions", "math", "numpy"}
+    assert names <= {"__future__", "collections", "dataclasses", "fractions", "math", "numpy"}

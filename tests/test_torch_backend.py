@@ -25,6 +25,7 @@ NEW_KEY_STEP = 3  # rank 2 starts a new name; "early/mean" disappears on every r
 NAN_STEPS = {5: 1, 6: 3}  # step: the rank whose batch holds a NaN
 VALIDATION_STEP = 7
 RELAYOUT_STEPS = {0, NEW_KEY_STEP, VALIDATION_STEP}
+EXCHANGES = ("auto", "reduce")  # auto gathers at these sizes; reduce is the form of large W x M
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -78,12 +79,12 @@ def drop_batch(rank: int, step: int) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- the spawned workers
-def _main_scenario(rank: int) -> dict:
+def _main_scenario(rank: int, exchange: str) -> dict:
     import rlmetrics
     from rlmetrics import Stat
 
-    client = rlmetrics.connect("torch")
-    out: dict = {"results": {}, "relayout": {}, "bytes": {}}
+    client = rlmetrics.connect("torch", exchange=exchange)
+    out: dict = {"results": {}, "relayout": {}, "bytes": {}, "collectives": {}}
     for step in range(STEPS):
         d = batch(rank, step)
         x = d["x"]
@@ -116,6 +117,7 @@ def _main_scenario(rank: int) -> dict:
         out["results"][step] = res
         out["relayout"][step] = res.meta["relayout"]
         out["bytes"][step] = client.transport.bytes_last_step
+        out["collectives"][step] = client.transport.collectives_last_step
     out["final"] = client.wait_final_res()
     out["again"] = client.result(2)
     out["relayouts"] = client.transport.relayouts
@@ -129,10 +131,10 @@ def _main_scenario(rank: int) -> dict:
     return out
 
 
-def _drop_scenario(rank: int) -> dict:
+def _drop_scenario(rank: int, exchange: str) -> dict:
     import rlmetrics
 
-    client = rlmetrics.connect("torch", nan_strategy="drop")
+    client = rlmetrics.connect("torch", nan_strategy="drop", exchange=exchange)
     out = {}
     for step in range(2):
         x = drop_batch(rank, step)
@@ -218,8 +220,8 @@ def _worker(rank: int, out_dir: str) -> None:
     )
     try:
         out = {
-            "main": _main_scenario(rank),
-            "drop": _drop_scenario(rank),
+            "main": {e: _main_scenario(rank, e) for e in EXCHANGES},
+            "drop": {e: _drop_scenario(rank, e) for e in EXCHANGES},
             "result_on": _result_on_scenario(rank),
             "failure": _failure_scenario(rank),
             "subgroup": _subgroup_scenario(rank),
@@ -302,48 +304,69 @@ def expected_main(step: int) -> dict[str, float]:
     return {k: float(v) for k, v in exp.items()}
 
 
+@pytest.mark.parametrize("exchange", EXCHANGES)
 @pytest.mark.parametrize("step", range(STEPS))
-def test_every_rank_gets_numpy_on_the_concatenated_data(ranks, step):
+def test_every_rank_gets_numpy_on_the_concatenated_data(ranks, step, exchange):
     exp = expected_main(step)
     # big/std: values near 1e9 carry ~1e-7 absolute rounding in each rank's mean; a sum of squares
     # would lose everything (test_m2_is_merged_exactly_where_a_sum_of_squares_cancels)
     tolerance = {"reward/std": 1e-12, "big/std": 1e-7, "reward/p95": 1e-12, "w/mean": 1e-12}
     for r in range(WORLD):
-        got = dict(ranks[r]["main"]["results"][step])
+        got = dict(ranks[r]["main"][exchange]["results"][step])
         if step == VALIDATION_STEP:
             got = {k: v for k, v in got.items() if not k.startswith(("val-", "val/"))}
         assert set(got) == set(exp), (r, set(got) ^ set(exp))  # absent names are absent, not zero
         bad = {k: (got[k], exp[k]) for k in exp if not same(got[k], exp[k], tolerance.get(k, 1e-13))}
         assert not bad, (r, bad)
-        assert ranks[r]["main"]["results"][step].meta["complete"]
+        meta = ranks[r]["main"][exchange]["results"][step].meta
+        assert meta["complete"] and meta["exchange"] == ("gather" if exchange == "auto" else exchange)
 
 
-def test_m2_is_merged_exactly_where_a_sum_of_squares_cancels(ranks):
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_m2_is_merged_exactly_where_a_sum_of_squares_cancels(ranks, exchange):
     for step in range(NEW_KEY_STEP):
         big = 1e9 + np.concatenate([batch(r, step)["x"] for r in range(WORLD)])
         naive = math.sqrt(abs((big * big).sum() / len(big) - big.mean() ** 2))
-        got = ranks[0]["main"]["results"][step]["big/std"]
+        got = ranks[0]["main"][exchange]["results"][step]["big/std"]
         assert abs(got / big.std() - 1) < 1e-7 < abs(naive / big.std() - 1)
 
 
-def test_nan_propagates_from_any_rank(ranks):
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_nan_propagates_from_any_rank(ranks, exchange):
     for step, rank in NAN_STEPS.items():
-        res = ranks[0]["main"]["results"][step]
+        res = ranks[0]["main"][exchange]["results"][step]
         for name in ("reward/mean", "reward/std", "reward/max", "reward/min", "reward/p95", "reward/median"):
             assert math.isnan(res[name]), (step, rank, name)
         assert not math.isnan(res["perf/total_num_tokens"]) and not math.isnan(res["lat/p50"])
-    assert not math.isnan(ranks[0]["main"]["results"][0]["reward/max"])
+    assert not math.isnan(ranks[0]["main"][exchange]["results"][0]["reward/max"])
 
 
-def test_relayout_only_when_a_key_set_changes(ranks):
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_relayout_only_when_a_key_set_changes(ranks, exchange):
     for r in range(WORLD):
-        main = ranks[r]["main"]
+        main = ranks[r]["main"][exchange]
         assert {s for s, flag in main["relayout"].items() if flag} == RELAYOUT_STEPS
         assert main["relayouts"] == len(RELAYOUT_STEPS)
     # steady steps: a handful of float64 vectors, the same size on every rank
-    assert len({ranks[r]["main"]["bytes"][4] for r in range(WORLD)}) == 1
+    assert len({ranks[r]["main"][exchange]["bytes"][4] for r in range(WORLD)}) == 1
     # dominated by the 3 wide sketches, folded to 2 x 4096 buckets each; 6 quantile names in all
-    assert 8 * 3 * 4096 < ranks[0]["main"]["bytes"][2] < 8 * (6 * 2 * 4096 + 1000)
+    assert 8 * 3 * 4096 < ranks[0]["main"][exchange]["bytes"][2] < 8 * (6 * 2 * 4096 + 1000)
+
+
+def test_a_steady_step_is_one_exchange_and_one_sketch_sum(ranks):
+    """Gather: one all_gather, then one SUM of the sketches (the layout has quantile names). Reduce:
+    SUM, MAX and the all_gather of the std names issued together, then the sketches; a step with a
+    NaN extreme adds one MAX. A re-layout adds one all_gather_object and the exchange on the old
+    layout (in the reduce form, without the std all_gather while the old layout is empty)."""
+    for r in range(WORLD):
+        gather, reduce = ranks[r]["main"]["auto"]["collectives"], ranks[r]["main"]["reduce"]["collectives"]
+        for step in range(STEPS):
+            relayout = step in RELAYOUT_STEPS
+            records = int(step == VALIDATION_STEP)
+            assert gather[step] == 2 + 2 * relayout + records, (r, step)
+            old_exchange = 2 if step == 0 else 3
+            expected = 4 + relayout * (1 + old_exchange) + records + int(step in NAN_STEPS)
+            assert reduce[step] == expected, (r, step)
 
 
 def test_validation_metrics_equal_the_single_process_result(ranks):
@@ -352,27 +375,29 @@ def test_validation_metrics_equal_the_single_process_result(ranks):
     expected = process_validation_metrics(*validation_split()[0])
     assert any(k.startswith("val-core/gsm8k/acc/maj@") for k in expected)
     for r in range(WORLD):
-        got = ranks[r]["main"]["results"][VALIDATION_STEP]
-        assert {k: got[k] for k in expected} == expected
-        assert not any(k.startswith("_aux/") for k in got)
+        for exchange in EXCHANGES:
+            got = ranks[r]["main"][exchange]["results"][VALIDATION_STEP]
+            assert {k: got[k] for k in expected} == expected
+            assert not any(k.startswith("_aux/") for k in got)
 
 
 def test_reads_of_collected_steps(ranks):
-    main = ranks[1]["main"]
+    main = ranks[1]["main"]["auto"]
     assert main["final"].step == STEPS - 1 and dict(main["final"]) == dict(main["results"][STEPS - 1])
     assert dict(main["again"]) == dict(main["results"][2])
     assert "not collected yet" in main["future"]
     assert main["future_timeout"]["complete"] is False
 
 
-def test_drop_strategy_ignores_non_finite_values(ranks):
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_drop_strategy_ignores_non_finite_values(ranks, exchange):
     for step in range(2):
         x = np.concatenate([drop_batch(r, step) for r in range(WORLD)])
         f = x[np.isfinite(x)]
         exp = {"d/mean": f.mean(), "d/max": f.max(), "d/min": f.min(), "d/std": f.std(),
                "d/p50": np.quantile(f, 0.5), "d/n/sum": float(WORLD)}  # fmt: skip
         for r in range(WORLD):
-            got = ranks[r]["drop"][step]
+            got = ranks[r]["drop"][exchange][step]
             assert set(got) == set(exp)
             assert all(same(got[k], float(v), 1e-12) for k, v in exp.items()), (got, exp)
 

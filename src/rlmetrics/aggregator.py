@@ -158,6 +158,7 @@ def pack(
     sketches: dict[int, Sketch] = {}
     failed: dict[str, str] = {}
     std_numbers: list[str] = []
+    tensors = Stat.of_tensors(metrics, lambda n: resolve(n).needs_sketch, nan_strategy)  # one host copy
     for name, value in metrics.items():
         try:
             if not isinstance(name, str) or not name:
@@ -170,7 +171,13 @@ def pack(
                     reduction = MEAN
                     std_numbers.append(name)
             else:
-                stat = _to_stat(name, value, reduction.needs_sketch, nan_strategy)
+                stat = (
+                    tensors[name]
+                    if name in tensors
+                    else _to_stat(name, value, reduction.needs_sketch, nan_strategy)
+                )
+                if isinstance(stat, MetricValueError):
+                    raise stat
                 if stat.sketch is not None and reduction.needs_sketch:
                     sketches[len(names)] = stat.sketch
                 columns.append(stat.to_array())

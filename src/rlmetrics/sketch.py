@@ -24,6 +24,13 @@ overstate their magnitude. Folding depends only on the largest index, so merging
 associative and commutative for the counts (for integer weights; fractional weights are summed in
 floating point).
 
+Merging by adding vectors: sketches of one parameter set held by different processes merge with a
+sum (an all-reduce) once they agree on a :class:`BucketWindow`: :meth:`Sketch.bucket_span` tells
+where a sketch's buckets lie, :meth:`BucketWindow.covering` turns the spans of all sketches into
+the window :meth:`Sketch.merge` would keep, :meth:`Sketch.fold` writes a sketch on that window as a
+float64 vector, and :meth:`Sketch.from_folded` reads the sum of those vectors back -- the same
+sketch as merging them one by one.
+
 NaN and infinities are counted apart: any NaN weight makes :meth:`Sketch.quantile` return NaN;
 ``-inf`` / ``+inf`` sit below / above every finite value and are returned when the rank falls on them.
 
@@ -40,12 +47,14 @@ True
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from dataclasses import dataclass
 from fractions import Fraction
 
 import numpy as np
 from numpy.typing import ArrayLike
 
-__all__ = ["Sketch"]
+__all__ = ["BucketWindow", "Sketch"]
 
 _TINY = 1e-300
 """Values with smaller magnitude count as zero."""
@@ -129,6 +138,27 @@ def _merge_store(
     return off, _frozen(out)
 
 
+def _fold_store(offset: int, counts: np.ndarray, lo: int, width: int) -> np.ndarray:
+    """Counts of buckets ``offset + i`` on the window ``[lo, lo + width)``, lower ones folded into ``lo``."""
+    if counts.size == 0:
+        return np.zeros(width)
+    if offset + counts.size > lo + width:
+        raise ValueError(
+            f"bucket window [{lo}, {lo + width}) does not cover buckets up to {offset + counts.size - 1}"
+        )
+    idx = np.maximum(np.arange(offset, offset + counts.size), lo) - lo
+    return np.bincount(idx, weights=counts, minlength=width)
+
+
+def _unfold_store(lo: int, counts: np.ndarray) -> tuple[int, np.ndarray]:
+    """A store from window counts, without empty buckets at either end."""
+    nonzero = np.flatnonzero(counts)
+    if nonzero.size == 0:
+        return 0, _EMPTY
+    first, last = int(nonzero[0]), int(nonzero[-1])
+    return lo + first, _frozen(counts[first : last + 1].copy())
+
+
 def _check_params(rel_err: float, exact_limit: int, max_buckets: int) -> tuple[float, int, int]:
     rel_err = float(rel_err)
     if not 0.0 < rel_err < 1.0:
@@ -138,6 +168,73 @@ def _check_params(rel_err: float, exact_limit: int, max_buckets: int) -> tuple[f
     if int(max_buckets) != max_buckets or not 1 <= max_buckets <= _MAX_INT_FLOAT:
         raise ValueError(f"max_buckets must be an integer >= 1, got {max_buckets!r}")
     return rel_err, int(exact_limit), int(max_buckets)
+
+
+Span = tuple[int, int]
+"""Lowest and highest bucket index of a store (inclusive)."""
+
+
+@dataclass(frozen=True)
+class BucketWindow:
+    """The buckets sketches of one parameter set are folded onto, so that they merge by adding the
+    vectors of :meth:`Sketch.fold`: ``neg_width`` buckets from ``neg_lo`` for the negative store
+    (keyed by ``|x|``), ``pos_width`` from ``pos_lo`` for the positive one.
+
+    >>> a, b = Sketch.of([1.0, 2.0], exact_limit=0), Sketch.of([-3.0, 40.0], exact_limit=0)
+    >>> w = BucketWindow.of([a, b])
+    >>> merged = Sketch.from_folded(a.fold(w) + b.fold(w), w, **a.params)
+    >>> merged.to_array().tolist() == a.merge(b).to_array().tolist()
+    True
+    """
+
+    neg_lo: int = 0
+    neg_width: int = 0
+    pos_lo: int = 0
+    pos_width: int = 0
+
+    @classmethod
+    def covering(cls, neg: Span | None, pos: Span | None, max_buckets: int) -> BucketWindow:
+        """The window :meth:`Sketch.merge` keeps for stores whose buckets span ``neg`` and ``pos``
+        (``(lowest, highest)`` over all the sketches, None: empty): up to the highest bucket, at most
+        ``max_buckets`` wide; lower buckets fold into its first one.
+
+        >>> BucketWindow.covering(None, (-5, 20), max_buckets=10)
+        BucketWindow(neg_lo=0, neg_width=0, pos_lo=11, pos_width=10)
+        """
+
+        def window(span: Span | None) -> tuple[int, int]:
+            if span is None:
+                return 0, 0
+            lo, hi = int(span[0]), int(span[1])
+            if lo > hi:
+                raise ValueError(f"bucket span {span!r}: lowest above highest")
+            lo = max(lo, hi - int(max_buckets) + 1)
+            return lo, hi - lo + 1
+
+        return cls(*window(neg), *window(pos))
+
+    @classmethod
+    def of(cls, sketches: Iterable[Sketch]) -> BucketWindow:
+        """The window that covers ``sketches`` (of one parameter set) as their merge does.
+
+        >>> BucketWindow.of([Sketch.of([1.0]), Sketch.of([-1.0, 1.5])])
+        BucketWindow(neg_lo=0, neg_width=1, pos_lo=0, pos_width=42)
+        """
+        sketches = list(sketches)
+        if not sketches:
+            return cls()
+        spans = [sk.bucket_span() for sk in sketches]
+
+        def union(k: int) -> Span | None:
+            s = [sp[k] for sp in spans if sp[k] is not None]
+            return (min(lo for lo, _ in s), max(hi for _, hi in s)) if s else None
+
+        return cls.covering(union(0), union(1), sketches[0].max_buckets)
+
+    @property
+    def size(self) -> int:
+        """Length of a folded vector: NaN, -inf, +inf and zero weights, then both windows."""
+        return 4 + self.neg_width + self.pos_width
 
 
 class Sketch:
@@ -166,6 +263,7 @@ class Sketch:
         "_neg",
         "_pos_off",
         "_pos",
+        "_buckets",
     )
 
     def __init__(self, rel_err: float = 0.005, exact_limit: int = 4096, max_buckets: int = 4096) -> None:
@@ -180,6 +278,7 @@ class Sketch:
         self._neg = _EMPTY
         self._pos_off = 0
         self._pos = _EMPTY
+        self._buckets: Sketch | None = None  # exact mode: the bucket form, made on demand
 
     # ------------------------------------------------------------------ construction
     def _empty_like(self) -> Sketch:
@@ -269,10 +368,12 @@ class Sketch:
     def _as_buckets(self) -> Sketch:
         if not self._exact:
             return self
-        out = self._empty_like()
-        out._fill_buckets(self._values, None)
-        out._nan = self._nan
-        return out
+        if self._buckets is None:
+            out = self._empty_like()
+            out._fill_buckets(self._values, None)
+            out._nan = self._nan
+            self._buckets = out
+        return self._buckets
 
     # ------------------------------------------------------------------ merging
     def merge(self, other: Sketch) -> Sketch:
@@ -284,11 +385,7 @@ class Sketch:
         """
         if not isinstance(other, Sketch):
             raise TypeError(f"can only merge a Sketch, got {type(other).__name__}")
-        if (self._rel_err, self._exact_limit, self._max_buckets) != (
-            other._rel_err,
-            other._exact_limit,
-            other._max_buckets,
-        ):
+        if self.params != other.params:
             raise ValueError(
                 f"cannot merge sketches with different parameters: {self._params()} vs {other._params()}"
             )
@@ -338,6 +435,114 @@ class Sketch:
         0.005
         """
         return self._rel_err
+
+    @property
+    def exact_limit(self) -> int:
+        """Most values held exactly (unit weights) before switching to buckets.
+
+        >>> Sketch().exact_limit
+        4096
+        """
+        return self._exact_limit
+
+    @property
+    def max_buckets(self) -> int:
+        """Most buckets per signed store in bucket mode.
+
+        >>> Sketch().max_buckets
+        4096
+        """
+        return self._max_buckets
+
+    @property
+    def params(self) -> dict[str, float | int]:
+        """The parameters, as keywords of :class:`Sketch` and :meth:`Sketch.of`; sketches merge only
+        when theirs are equal.
+
+        >>> Sketch.of([2.0], **Sketch(rel_err=0.01).params).rel_err
+        0.01
+        """
+        return {"rel_err": self._rel_err, "exact_limit": self._exact_limit, "max_buckets": self._max_buckets}
+
+    @property
+    def nan_count(self) -> float:
+        """Weight of the NaN values seen.
+
+        >>> Sketch.of([1.0, float("nan")]).nan_count
+        1.0
+        """
+        return self._nan
+
+    @property
+    def values(self) -> np.ndarray:
+        """Exact mode: the sorted non-NaN values (read-only). Raises ValueError in bucket mode.
+
+        >>> Sketch.of([3.0, float("nan"), 1.0]).values.tolist()
+        [1.0, 3.0]
+        """
+        if not self._exact:
+            raise ValueError("a bucket-mode sketch does not hold its values")
+        return self._values
+
+    def bucket_span(self) -> tuple[Span | None, Span | None]:
+        """``(negative store, positive store)`` bucket spans ``(lowest, highest)`` of this sketch in
+        bucket mode (an exact one is put into buckets first); None for an empty store.
+
+        >>> Sketch.of([1.0, 2.0]).bucket_span()
+        (None, (0, 70))
+        """
+        b = self._as_buckets()
+        return (
+            (b._neg_off, b._neg_off + b._neg.size - 1) if b._neg.size else None,
+            (b._pos_off, b._pos_off + b._pos.size - 1) if b._pos.size else None,
+        )
+
+    def fold(self, window: BucketWindow) -> np.ndarray:
+        """This sketch's weights on ``window`` (which must reach its highest buckets) as a float64
+        vector of ``window.size``: NaN, -inf, +inf and zero weights, then the negative and the
+        positive store, buckets below a window folded into its first one. The sum of the vectors
+        of several sketches is their merge (:meth:`from_folded`).
+
+        >>> Sketch.of([-0.0, 1.0, 1.0]).fold(BucketWindow(pos_width=1)).tolist()
+        [0.0, 0.0, 0.0, 1.0, 2.0]
+        """
+        b = self._as_buckets()
+        return np.concatenate(
+            [
+                [b._nan, b._neg_inf, b._pos_inf, b._zero],
+                _fold_store(b._neg_off, b._neg, window.neg_lo, window.neg_width),
+                _fold_store(b._pos_off, b._pos, window.pos_lo, window.pos_width),
+            ]
+        )
+
+    @classmethod
+    def from_folded(
+        cls,
+        vector: ArrayLike,
+        window: BucketWindow,
+        *,
+        rel_err: float = 0.005,
+        exact_limit: int = 4096,
+        max_buckets: int = 4096,
+    ) -> Sketch:
+        """The bucket-mode sketch of a (summed) :meth:`fold` vector on ``window``.
+
+        >>> w = BucketWindow(pos_lo=0, pos_width=1)
+        >>> Sketch.from_folded(Sketch.of([1.0]).fold(w) * 3, w).count
+        3.0
+        """
+        v = np.asarray(vector, dtype=np.float64)
+        if v.shape != (window.size,):
+            raise ValueError(f"folded vector of shape {v.shape}, the window needs ({window.size},)")
+        out = cls(rel_err, exact_limit, max_buckets)
+        if max(window.neg_width, window.pos_width) > out._max_buckets:
+            raise ValueError(f"bucket window wider than max_buckets={out._max_buckets}: {window}")
+        out._exact = False
+        out._nan, out._neg_inf, out._pos_inf, out._zero = v[:4].tolist()
+        split = 4 + window.neg_width
+        out._neg_off, out._neg = _unfold_store(window.neg_lo, v[4:split])
+        out._pos_off, out._pos = _unfold_store(window.pos_lo, v[split:])
+        return out
 
     def quantile(self, q: float) -> float:
         """The ``q``-quantile, ``q`` in [0, 1]; NaN when empty or when NaN values were seen.

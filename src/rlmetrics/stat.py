@@ -19,8 +19,11 @@ and :func:`reduce_parts`. :class:`Stat` is the one-metric view of that layout.
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,7 +41,8 @@ class MetricValueError(ValueError):
 
 
 def _is_torch(value: Any) -> bool:
-    return type(value).__module__.startswith("torch") and hasattr(value, "detach")
+    torch = sys.modules.get("torch")  # not imported: no tensor exists
+    return torch is not None and isinstance(value, torch.Tensor)
 
 
 def empty_arrays(m: int) -> np.ndarray:
@@ -223,23 +227,37 @@ class Stat:
         return cls(1.0, v, 0.0 if math.isfinite(v) else math.nan, v, v)
 
     @classmethod
+    def of_tensors(
+        cls, metrics: Mapping[Any, Any], needs_sketch: Callable[[str], bool], nan_strategy: str = "propagate"
+    ) -> dict[str, Stat | MetricValueError]:
+        """The Stats of the torch tensors among ``metrics`` values (also as ``(tensor, weight)``),
+        with one device-to-host copy for all of them; a value that cannot be summarized maps to its
+        error. ``needs_sketch(name)``: whether that name keeps a quantile sketch. Other values are
+        left out.
+
+        >>> import torch
+        >>> metrics = {"a": torch.ones(3), "b": (torch.arange(2.0), 2.0), "c": 1.0}
+        >>> out = Stat.of_tensors(metrics, needs_sketch=lambda name: False)
+        >>> sorted(out), out["a"].count, out["b"].count
+        (['a', 'b'], 3.0, 4.0)
+        """
+        items = []
+        for name, value in metrics.items():
+            values, weight = value if isinstance(value, tuple) and len(value) == 2 else (value, None)
+            if isinstance(name, str) and name and _is_torch(values):
+                items.append((name, values, None, weight, needs_sketch(name)))
+        if not items:  # (torch may not even be installed)
+            return {}
+        return dict(zip((it[0] for it in items), _tensor_stats(items, nan_strategy)))
+
+    @classmethod
     def _of_torch(
         cls, values: Any, mask: Any, weight: Any, sketch: bool, nan_strategy: str, name: str
     ) -> Stat:
-        import torch
-
-        _refuse_complex(values, name, "values")
-        x = values.detach()
-        if x.device.type == "mps":  # no float64 there: move first, still one transfer
-            x = x.cpu()
-        x = x.to(torch.float64).reshape(-1) if x.dim() else x.to(torch.float64).reshape(1)
-        w = _weights(torch, tuple(values.shape) or (1,), mask, weight, name, device=x.device)
-        if x.shape[0] == 0:
-            return cls(sketch=Sketch() if sketch else None)
-        if sketch:  # the sketch needs the values themselves: move values and weights together
-            both = torch.stack([x, w.expand_as(x)]).cpu().numpy()
-            return cls._finish(np, both[0], both[1], True, nan_strategy, name)
-        return cls._from_summary(_summarize(torch, x, w, nan_strategy).cpu().numpy(), nan_strategy, name)
+        (out,) = _tensor_stats([(name, values, mask, weight, sketch)], nan_strategy)
+        if isinstance(out, MetricValueError):
+            raise out
+        return out
 
     @classmethod
     def _finish(cls, xp: Any, x: Any, w: Any, sketch: bool, nan_strategy: str, name: str) -> Stat:
@@ -315,6 +333,95 @@ class Stat:
     __hash__ = None  # type: ignore[assignment]
 
 
+def _tensor_stats(items: Sequence[tuple], nan_strategy: str) -> list[Stat | MetricValueError]:
+    """Stats of ``(name, values, mask, weight, sketch)`` items of torch values: summarized on their
+    device (values and weights themselves for a sketch), then moved to the host in one copy."""
+    import torch
+
+    moved: list[Any] = []  # per item: a device tensor to move, a ready Stat or an error
+    for name, values, mask, weight, sketch in items:
+        try:
+            _refuse_complex(values, name, "values")
+            x = values.detach()
+            if x.device.type == "mps":  # no float64 there
+                x = x.cpu()
+            x = x.to(torch.float64).reshape(-1)
+            w = _weights(torch, tuple(values.shape) or (1,), mask, weight, name, device=x.device)
+        except MetricValueError as exc:
+            moved.append(exc)
+            continue
+        if x.shape[0] == 0:
+            moved.append(Stat(sketch=Sketch() if sketch else None))
+        elif sketch:  # the sketch needs the values themselves: move values and weights together
+            moved.append(torch.stack([x, w.expand_as(x)]).reshape(-1))
+        else:
+            moved.append(_summarize(torch, x, w, nan_strategy))
+    arrays = iter(to_host([m for m in moved if _is_torch(m)]))
+    out: list[Stat | MetricValueError] = []
+    for (name, _, _, _, sketch), m in zip(items, moved):
+        if not _is_torch(m):
+            out.append(m)
+            continue
+        host = next(arrays)
+        try:
+            if sketch:
+                both = host.reshape(2, -1)
+                out.append(Stat._finish(np, both[0], both[1], True, nan_strategy, name))
+            else:
+                out.append(Stat._from_summary(host, nan_strategy, name))
+        except MetricValueError as exc:
+            out.append(exc)
+    return out
+
+
+def to_host(tensors: Sequence[Any]) -> list[np.ndarray]:
+    """``tensors`` as flat float64 host arrays, with one device-to-host copy for all of them.
+
+    Accelerator tensors are concatenated on the first one's device (others join it by a
+    device-to-device copy) and come over at once: on CUDA into pinned memory without blocking, then
+    waiting for the current stream only. Host tensors are concatenated where they are: moving them
+    to the device first would be a blocking copy, a sync of its own. mps has no float64: its
+    tensors come over one by one.
+
+    >>> import torch
+    >>> [a.tolist() for a in to_host([torch.tensor([1, 2]), torch.ones(1, 2)])]
+    [[1.0, 2.0], [1.0, 1.0]]
+    """
+    import torch
+
+    out: list[Any] = [None] * len(tensors)
+    on_device = [i for i, t in enumerate(tensors) if t.device.type not in ("cpu", "mps")]
+    on_host = [i for i, t in enumerate(tensors) if t.device.type in ("cpu", "mps")]
+    for idx, fetch in ((on_device, _device_to_host), (on_host, lambda flat: flat.numpy())):
+        if not idx:
+            continue
+        first = tensors[idx[0]].device if fetch is _device_to_host else torch.device("cpu")
+        moved = [t if t.device == first else t.to(first) for t in (tensors[i].detach() for i in idx)]
+        flat = [t.reshape(-1).to(torch.float64) for t in moved]
+        host = fetch(torch.cat(flat))
+        for i, t, end in zip(idx, flat, itertools.accumulate(t.numel() for t in flat)):
+            out[i] = host[end - t.numel() : end]
+    return out
+
+
+def _device_to_host(flat: Any) -> np.ndarray:
+    """The one copy of :func:`to_host`: pinned and non-blocking on CUDA, else blocking."""
+    if flat.device.type == "cuda":
+        import torch
+
+        return _pinned_to_host(flat, torch.cuda.current_stream(flat.device).synchronize)
+    return flat.numpy(force=True)
+
+
+def _pinned_to_host(flat: Any, wait: Callable[[], None]) -> np.ndarray:
+    """Copy into pinned host memory without blocking (torch pins the destination of a non-blocking
+    copy from CUDA: the DMA engine writes it directly, no staging copy), then ``wait()`` for the
+    stream that queued the copy after the kernels making ``flat``: one sync, and only for them."""
+    host = flat.to("cpu", non_blocking=True)
+    wait()
+    return host.numpy()
+
+
 def _is_scalar(value: Any) -> bool:
     if isinstance(value, np.ndarray):
         return value.ndim == 0 and value.dtype.kind in "biuf"
@@ -351,7 +458,9 @@ def _weights(xp: Any, shape: tuple, mask: Any, weight: Any, name: str, device: A
         if _is_torch(v):
             _refuse_complex(v, name, what)
             return v.detach().to(device=device, dtype=xp.float64)
-        return xp.as_tensor(_as_float_array(v, name, what), device=device)
+        # non-blocking: a blocking copy to an accelerator waits for it (a sync); from pageable memory
+        # the data are staged at once, so the host array may go
+        return xp.as_tensor(_as_float_array(v, name, what)).to(device, non_blocking=True)
 
     w = xp.ones(shape, dtype=xp.float64) if xp is np else xp.ones(shape, dtype=xp.float64, device=device)
     try:

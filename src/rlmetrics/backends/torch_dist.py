@@ -1,4 +1,4 @@
-"""torch.distributed backend: the client API over ``all_reduce``, for runs without a central actor.
+"""torch.distributed backend: the client API over collectives, for runs without a central actor.
 
 Every rank of a process group holds a :class:`TorchMetricClient` (``rlmetrics.connect("torch")``).
 ``submit_metric`` summarizes at once, as with every backend; ``wait_submit()`` is the collective
@@ -19,32 +19,49 @@ gets the merged step back from ``result(step)`` / ``wait_final_res()``, on every
         res = client.result(step)  # the same {name: value} on every rank
 
 **Protocol of one step** (``wait_submit``). The ranks share a *layout*: the sorted names (with their
-reductions) of recent steps, identical on every rank, identified by a blake2b fingerprint.
+reductions) of recent steps, identical on every rank, identified by a blake2b fingerprint. Each rank
+merges its own submissions of the step into one ``(5, L)`` stat array in layout order (count, sum,
+M2, min, max per name), then:
 
-1. ``MAX`` of 5 floats: ``[fingerprint, -fingerprint, step, -step, not covered]``. Ranks that hold
-   different layouts, or a rank with a name outside the layout, make every rank do one
-   ``all_gather_object`` of name lists and build the sorted union (the rare re-layout path; names
-   seen in the last ``memory`` steps stay, so alternating key sets do not re-layout every time).
-   Ranks at different steps raise :class:`RuntimeError` on every rank, instead of hanging.
-2. ``SUM`` of ``[count, sum]`` for the ``L`` layout names (+ 2 flags, + 1 per quantile name)
-   together with (async, overlapped) ``MAX`` of ``max`` for max names and ``-min`` for min names
-   (+ 12 per quantile name: sketch mode, size, bucket range and parameters).
-3. Only when the layout has std or quantile names: ``SUM`` of ``M2_r + n_r (mean_r - mean)^2`` for
-   the std names (exact pooled M2, as :func:`~rlmetrics.stat.reduce_parts`: no sum of squares that
-   cancels) and of the quantile sketches on an aligned layout.
+1. **One exchange of every rank's state**, in one of two forms. Both carry a header (fingerprint,
+   step, whether the rank has a name outside the layout, its number of validation records) and, per
+   quantile name, what the sketches of step 2 need (exact size, bucket spans, parameters). The form
+   depends only on the layout and the group size, so every rank picks the same one (``exchange=``
+   forces one):
 
-A rank without a name sends count 0 and neutral extremes, so the name is not reported as zero; a
-name no rank has in a step is left out of that step's values (listed in ``meta["empty"]``). NaN
-follows ``nan_strategy``; with ``"propagate"`` a NaN reaches mean, std, min, max and quantiles (a
-NaN extreme is flagged in step 2 and fixed by one extra ``MAX`` of a 0/1 mask, since ``MAX`` is
-not NaN-safe in every backend). Validation sample records are gathered with one
-``all_gather_object`` in the steps that have them.
+   * ``"gather"`` (while ``W x (5 L + header)`` is at most :data:`GATHER_LIMIT` floats): one
+     ``all_gather`` of the whole vector; every rank merges the ``W`` stat arrays itself with
+     :func:`~rlmetrics.stat.reduce_parts`, as the in-process aggregator does (exact pooled M2, no
+     sum of squares that cancels; a NaN reaches min and max).
+   * ``"reduce"`` (beyond): three collectives issued together (async) and awaited together: ``SUM``
+     of count and sum of the ``L`` names, ``MAX`` of ``max`` for max names and ``-min`` for min
+     names, and an ``all_gather`` of the whole ``(5, S)`` stat array of the ``S`` std names only, for
+     their exact pooled M2. ``MAX`` is not NaN-safe in every backend: a NaN extreme is flagged in the
+     ``SUM`` and fixed by one extra ``MAX`` of a 0/1 mask (rare).
 
-Sketches: while every rank holds an exact sketch and the total fits ``exact_limit``, the raw values
-are summed into disjoint per-rank slots (a gather by ``SUM``), so quantiles equal the in-process
-aggregator's exact ones (``torch.quantile`` / ``torch.median``). Otherwise every rank folds its
-log buckets into the window ``[hi - max_buckets + 1, hi]`` of the global top bucket and the windows
-are summed: the same counts as :meth:`~rlmetrics.sketch.Sketch.merge`, so the same relative error.
+   Ranks with different layouts, or a rank with a name outside the layout, make every rank do one
+   ``all_gather_object`` of name lists, build the sorted union and exchange again (the rare
+   re-layout path; names seen in the last ``memory`` steps stay, so alternating key sets do not
+   re-layout every time). Ranks at different steps raise :class:`RuntimeError` on every rank,
+   instead of hanging.
+2. Only when the layout has quantile names: one ``SUM`` of the sketches. While every rank holds an
+   exact sketch and the total fits ``exact_limit``, the raw values are summed into disjoint
+   per-rank slots (a gather by ``SUM``), so quantiles equal the in-process aggregator's exact ones
+   (``torch.quantile`` / ``torch.median``). Otherwise every rank folds its sketch onto the
+   :class:`~rlmetrics.sketch.BucketWindow` that covers every rank's buckets
+   (:meth:`~rlmetrics.sketch.Sketch.fold`) and the sum is read back with
+   :meth:`~rlmetrics.sketch.Sketch.from_folded`: the same counts as
+   :meth:`~rlmetrics.sketch.Sketch.merge`, so the same relative error.
+
+So a steady step costs one round trip: one collective in the ``"gather"`` form, two or three
+issued together in the ``"reduce"`` form; plus the ``SUM`` of step 2 with quantile names. Layouts
+change only in the collective re-layout, so every rank's vectors have the same length (ranks whose
+collectives are not paired, a misuse, make the backend raise on a size mismatch). A rank without a
+name sends count 0 and
+neutral extremes, so the name is not reported as zero; a name no rank has in a step is left out of
+that step's values (listed in ``meta["empty"]``). NaN follows ``nan_strategy``; with
+``"propagate"`` a NaN reaches mean, std, min, max and quantiles. Validation sample records are
+gathered with one ``all_gather_object`` in the steps that have them.
 
 ``world_size`` and partial results: in a collective every rank of the group is present by
 construction, so each step is complete; ``world_size`` given to ``submit_metric`` is accepted for
@@ -67,8 +84,8 @@ from rlmetrics.aggregator import Aggregator, Packed, Schema, StepResult
 from rlmetrics.client import ClientCore, SyncTransport
 from rlmetrics.reduce import parse_reduction
 from rlmetrics.server import Submission, make_reply, merge_items
-from rlmetrics.sketch import Sketch
-from rlmetrics.stat import empty_arrays, merge_arrays, spread
+from rlmetrics.sketch import BucketWindow, Sketch
+from rlmetrics.stat import empty_arrays, merge_arrays, reduce_parts
 
 try:
     import torch
@@ -78,11 +95,18 @@ except ImportError as exc:  # pragma: no cover - torch is an extra
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Layout", "TorchDistTransport", "TorchMetricClient"]
+__all__ = ["EXCHANGES", "GATHER_LIMIT", "Layout", "TorchDistTransport", "TorchMetricClient", "exchange_form"]
 
 _NEUTRAL = -np.inf  # the identity of MAX
-_SK_MAX = 12  # MAX floats per quantile name in step 2
-_SK_HEADER = 15  # Sketch.to_array header length (documented there)
+_HEAD = 5  # MAX header: [fingerprint, -fingerprint, step, -step, not covered]
+_SK_INFO = 12  # MAX floats per quantile name: bucket mode, exact size, bucket spans, parameters
+
+EXCHANGES = ("auto", "gather", "reduce")
+"""The forms of a step's state exchange (module docstring); ``"auto"`` picks by :data:`GATHER_LIMIT`."""
+
+GATHER_LIMIT = 1 << 16
+"""``"auto"`` gathers every rank's whole state while a rank receives at most this many float64
+(512 KiB); beyond, it all-reduces (``benchmarks/bench_torch.py`` measures both)."""
 
 
 @dataclass
@@ -129,34 +153,6 @@ class Layout:
         )
 
 
-def _sketch_state(sk: Sketch) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """``(header, bucket-mode array, exact values or None)`` of a sketch, from its documented array
-    form (:meth:`~rlmetrics.sketch.Sketch.to_array`). An exact sketch is also put into buckets with
-    the same parameters, in case the step's total is not exact."""
-    arr = sk.to_array()
-    head = arr[:_SK_HEADER]
-    if head[2] != 0.0:
-        return head, arr, None
-    values = arr[_SK_HEADER : _SK_HEADER + int(head[10])]
-    buckets = Sketch.of(values, rel_err=head[3], exact_limit=0, max_buckets=int(head[5])).to_array()
-    return head, buckets, values
-
-
-def _stores(barr: np.ndarray) -> tuple[tuple[int, np.ndarray], tuple[int, np.ndarray]]:
-    """``((neg_offset, neg_counts), (pos_offset, pos_counts))`` of a bucket-mode sketch array."""
-    n_neg, n_pos = int(barr[12]), int(barr[14])
-    body = barr[_SK_HEADER:]
-    return (int(barr[11]), body[:n_neg]), (int(barr[13]), body[n_neg : n_neg + n_pos])
-
-
-def _fold(offset: int, counts: np.ndarray, lo: int, width: int) -> np.ndarray:
-    """Counts of buckets ``offset + i`` on the window ``[lo, lo + width)``, lower ones folded into ``lo``."""
-    if counts.size == 0 or width == 0:
-        return np.zeros(width)
-    idx = np.maximum(np.arange(offset, offset + counts.size), lo) - lo
-    return np.bincount(idx, weights=counts, minlength=width)
-
-
 class TorchDistTransport(SyncTransport):
     """The transport of :class:`TorchMetricClient`: merges this rank's submissions of a step in a
     local :class:`~rlmetrics.aggregator.Aggregator`, runs the collective of
@@ -164,7 +160,9 @@ class TorchDistTransport(SyncTransport):
     and validation metrics, NaN warnings), so the reported numbers come from the same code as with
     the other backends.
 
-    ``bytes_last_step``: float64 bytes this rank handed to collectives in the last step;
+    ``exchange``: the form of the state exchange, one of :data:`EXCHANGES` (module docstring).
+    ``bytes_last_step`` / ``bytes_received_last_step``: float64 bytes this rank handed to / got
+    back from collectives in the last step, ``collectives_last_step`` how many collectives it ran;
     ``relayouts``: how many re-layouts (``all_gather_object``) happened.
     """
 
@@ -177,6 +175,7 @@ class TorchDistTransport(SyncTransport):
         keep_results: int = 64,
         device: Any = None,
         memory: int = 64,
+        exchange: str = "auto",
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
@@ -195,9 +194,12 @@ class TorchDistTransport(SyncTransport):
             device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
         self.device = torch.device(device)
         self.memory = memory
+        if exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+        self.exchange = exchange
         self.next_step = 0  # the step the next close_step collects, equal on every rank
         self.relayouts = 0
-        self.bytes_last_step = 0
+        self.bytes_last_step = self.bytes_received_last_step = self.collectives_last_step = 0
         self._local = Aggregator(renames={})
         self._engine = Aggregator(renames=renames, keep_results=keep_results)
         self._layout = Layout.of({})
@@ -253,58 +255,134 @@ class TorchDistTransport(SyncTransport):
     def close_step(self, step: int) -> StepResult:
         """Collect ``step`` from every rank of the group (a collective; see the module docstring)."""
         with self._cond:
-            self.bytes_last_step = 0
+            self.bytes_last_step = self.bytes_received_last_step = self.collectives_last_step = 0
             parts = self._local.take(step)
-            relayout = self._agree(step, parts)
-            lay = self._layout
-            local, sketches, records = self._local_columns(parts, lay)
-            total, global_sketches, records = self._reduce(lay, local, sketches, records)
-            seen = total[0] > 0
-            self._last_seen[seen] = step
+            relayout = False
+            while True:
+                lay = self._layout
+                covered = all(self._position(p.schema) is not None for p, _ in parts)
+                if covered:
+                    local, sketches, records = self._local_columns(parts, lay)
+                else:  # exchanged only to agree on a re-layout
+                    local, sketches, records = empty_arrays(len(lay.names)), {}, []
+                merged = self._exchange(step, lay, local, sketches, records, covered)
+                if merged is not None:
+                    break
+                if relayout:
+                    raise RuntimeError("ranks built different layouts after a re-layout")
+                self._relayout(
+                    step, {n: r for p, _ in parts for n, r in zip(p.schema.names, p.schema.reductions)}
+                )
+                relayout = True
+            total, sums, infos = merged
+            n_q = len(lay.quantiles)
+            if sums[0]:
+                gathered: list[Any] = [None] * self.world_size
+                dist.all_gather_object(gathered, records, group=self.group)
+                self.collectives_last_step += 1
+                records = [r for part in gathered for r in part]
+            global_sketches = self._merge_sketches(lay, sketches, sums[1 : 1 + n_q], infos) if n_q else {}
+            self._last_seen[total[0] > 0] = step
             res = self._finish(step, lay, total, global_sketches, records)
             res.meta.update(
-                relayout=relayout, ranks=self.world_size, contributors=list(range(self.world_size))
+                relayout=relayout,
+                ranks=self.world_size,
+                contributors=list(range(self.world_size)),
+                exchange=exchange_form(self.exchange, self.world_size, lay),
             )
             self._last = res
             self.next_step = step + 1
             self._cond.notify_all()
             return res
 
-    def _allreduce(self, *vectors: tuple[np.ndarray, Any]) -> list[np.ndarray]:
-        """All-reduce ``(float64 vector, op)`` pairs, issued together (async) and awaited together."""
-        tensors, works = [], []
-        for vec, op in vectors:
+    def _collect(self, *jobs: tuple[np.ndarray, Any]) -> list[np.ndarray]:
+        """Collectives on float64 vectors, issued together (async) and awaited together. A job is
+        ``(vector, op)``: a ``ReduceOp`` all-reduces, None all-gathers (a ``(W, n)`` array back)."""
+        outs, works = [], []
+        for vec, op in jobs:
             t = torch.from_numpy(vec)
             if self.device.type != "cpu":
                 t = t.to(self.device)
-            tensors.append(t)
-            works.append(dist.all_reduce(t, op=op, group=self.group, async_op=True))
+            if op is None:
+                out = torch.empty((self.world_size, vec.size), dtype=torch.float64, device=self.device)
+                works.append(dist.all_gather(list(out.unbind(0)), t, group=self.group, async_op=True))
+            else:
+                out = t
+                works.append(dist.all_reduce(t, op=op, group=self.group, async_op=True))
+            outs.append(out)
+            self.collectives_last_step += 1
             self.bytes_last_step += vec.nbytes
+            self.bytes_received_last_step += out.numel() * 8
         for w in works:
             w.wait()
-        return [t.cpu().numpy() if t.device.type != "cpu" else t.numpy() for t in tensors]
+        return [o.cpu().numpy() if o.device.type != "cpu" else o.numpy() for o in outs]
 
-    def _agree(self, step: int, parts: list[tuple[Packed, int]]) -> bool:
-        """Step 1: check step and layout on every rank; re-layout once when needed. True if it did."""
-        for attempt in range(2):
-            covered = all(self._position(p.schema) is not None for p, _ in parts)
-            fp = self._layout.fingerprint
-            (head,) = self._allreduce(
-                (np.array([fp, -fp, step, -step, 0.0 if covered else 1.0]), dist.ReduceOp.MAX)
+    def _exchange(
+        self,
+        step: int,
+        lay: Layout,
+        local: np.ndarray,
+        sketches: dict[int, Sketch],
+        records: list,
+        covered: bool,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Step 1: ``(merged (5, L) stat array, SUM of [records, exact sketch sizes], MAX of the
+        sketch infos)``, or None when the ranks must re-layout first."""
+        fp, n_names = lay.fingerprint, len(lay.names)
+        head = np.array([fp, -fp, step, -step, 0.0 if covered else 1.0])
+        lacking = [lay.names[p] for p in lay.quantiles.tolist() if p not in sketches and local[0, p] > 0]
+        if lacking:
+            logger.warning(
+                "rank %d: quantile metric(s) %s came without a sketch: left out", self.rank, lacking
             )
-            if head[2] != -head[3]:
-                raise RuntimeError(
-                    f"ranks are at different steps ({-head[3]:.0f}..{head[2]:.0f}): every rank of the group "
-                    "must call wait_submit() once per step"
-                )
-            if head[0] == -head[1] and head[4] == 0.0:
-                return attempt > 0
-            if attempt:
-                raise RuntimeError("ranks built different layouts after a re-layout")
-            self._relayout(
-                step, {n: r for p, _ in parts for n, r in zip(p.schema.names, p.schema.reductions)}
+        info = [_sketch_info(sketches.get(p)) for p in lay.quantiles.tolist()]
+        sums = np.array([float(len(records)), *(size for size, _ in info)])
+        infos = np.concatenate([np.empty(0), *(i for _, i in info)])
+        if exchange_form(self.exchange, self.world_size, lay) == "gather":
+            (rows,) = self._collect((np.concatenate([head, sums, infos, local.ravel()]), None))
+            if not self._agreed(rows[:, :_HEAD].max(axis=0)):
+                return None
+            cut = np.cumsum([_HEAD, sums.size, infos.size])
+            parts = rows[:, cut[2] :].reshape(self.world_size, 5, n_names).transpose(1, 0, 2)
+            return (
+                reduce_parts(parts),
+                rows[:, cut[0] : cut[1]].sum(axis=0),
+                rows[:, cut[1] : cut[2]].max(axis=0),
             )
-        raise AssertionError("unreachable")
+        ext = np.concatenate([local[4, lay.maxes], -local[3, lay.mins]])
+        nan_ext = np.isnan(ext)
+        ext[nan_ext] = _NEUTRAL
+        jobs = [
+            (np.concatenate([local[0], local[1], sums, [float(nan_ext.any())]]), dist.ReduceOp.SUM),
+            (np.concatenate([head, infos, ext]), dist.ReduceOp.MAX),
+        ]
+        if lay.stds.size:
+            jobs.append((local[:, lay.stds].ravel(), None))
+        out = self._collect(*jobs)
+        total_sums, maxes = out[0], out[1]
+        if not self._agreed(maxes[:_HEAD]):
+            return None
+        total = empty_arrays(n_names)
+        total[0], total[1] = total_sums[:n_names], total_sums[n_names : 2 * n_names]
+        ext = maxes[_HEAD + infos.size :]
+        if total_sums[-1]:  # rare: a NaN extreme somewhere; MAX of NaN is order-dependent in gloo
+            (mask,) = self._collect((nan_ext.astype(np.float64), dist.ReduceOp.MAX))
+            ext[mask > 0] = np.nan
+        total[4, lay.maxes] = ext[: lay.maxes.size]
+        total[3, lay.mins] = -ext[lay.maxes.size :]
+        if lay.stds.size:
+            stds = out[2].reshape(self.world_size, 5, lay.stds.size).transpose(1, 0, 2)
+            total[:, lay.stds] = reduce_parts(stds)
+        return total, total_sums[2 * n_names : -1], maxes[_HEAD : _HEAD + infos.size]
+
+    def _agreed(self, head: np.ndarray) -> bool:
+        """Whether every rank is at this step with this layout, from the MAX of the headers."""
+        if head[2] != -head[3]:
+            raise RuntimeError(
+                f"ranks are at different steps ({-head[3]:.0f}..{head[2]:.0f}): every rank of the group "
+                "must call wait_submit() once per step"
+            )
+        return bool(head[0] == -head[1] and head[4] == 0.0)
 
     def _position(self, schema: Schema) -> np.ndarray | None:
         """Layout positions of a schema's names (cached per layout); None if one is not in the layout."""
@@ -325,6 +403,7 @@ class TorchDistTransport(SyncTransport):
         ]
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, (sorted(keys.items()), recent), group=self.group)
+        self.collectives_last_step += 1
         merged: dict[str, str] = {}
         for current, _ in gathered:
             for name, red in current:
@@ -350,86 +429,38 @@ class TorchDistTransport(SyncTransport):
     ) -> tuple[np.ndarray, dict[int, Sketch], list]:
         """This rank's merged ``(5, L)`` stat array in layout order, its sketches and records."""
         local = empty_arrays(len(lay.names))
+        filled = np.zeros(len(lay.names), dtype=bool)
         sketches: dict[int, Sketch] = {}
         records: list = []
         for packed, _ in parts:
             pos = self._position(packed.schema)
-            local[:, pos] = merge_arrays(local[:, pos], packed.stats)
+            # names in several schemas of the step merge; the first contribution of a name is copied
+            local[:, pos] = merge_arrays(local[:, pos], packed.stats) if filled[pos].any() else packed.stats
+            filled[pos] = True
             for i, sk in packed.sketches.items():
                 p = int(pos[i])
                 sketches[p] = sk if p not in sketches else sketches[p].merge(sk)
             records.extend(packed.records)
         return local, sketches, records
 
-    def _reduce(
-        self, lay: Layout, local: np.ndarray, sketches: dict[int, Sketch], records: list
-    ) -> tuple[np.ndarray, dict[int, Sketch], list]:
-        """Steps 2 and 3: the global ``(5, L)`` stat array, sketches and validation records."""
-        n_names, n_q = len(lay.names), len(lay.quantiles)
-        states = [sketches.get(int(p)) for p in lay.quantiles]
-        states = [None if sk is None else _sketch_state(sk) for sk in states]
-        lacking = [lay.names[p] for p in lay.quantiles.tolist() if p not in sketches and local[0, p] > 0]
-        if lacking:
-            logger.warning(
-                "rank %d: quantile metric(s) %s came without a sketch: left out", self.rank, lacking
-            )
-        ext = np.concatenate([local[4, lay.maxes], -local[3, lay.mins]])
-        nan_ext = np.isnan(ext)
-        ext[nan_ext] = _NEUTRAL
-        sum1 = np.concatenate(
-            [local[0], local[1], [float(len(records)), float(nan_ext.any())], np.zeros(n_q)]
-        )
-        max1 = np.concatenate([ext, np.full(n_q * _SK_MAX, _NEUTRAL)])
-        for j, st in enumerate(states):
-            if st is not None:
-                sum1[2 * n_names + 2 + j], max1[ext.size + j * _SK_MAX : ext.size + (j + 1) * _SK_MAX] = (
-                    _sketch_info(st)
-                )
-        if max1.size:
-            sum1, max1 = self._allreduce((sum1, dist.ReduceOp.SUM), (max1, dist.ReduceOp.MAX))
-        else:
-            (sum1,) = self._allreduce((sum1, dist.ReduceOp.SUM))
-        total = empty_arrays(n_names)
-        total[0], total[1] = sum1[:n_names], sum1[n_names : 2 * n_names]
-        n_records, any_nan = sum1[2 * n_names : 2 * n_names + 2]
-        if any_nan:  # rare: a NaN extreme somewhere; MAX of NaN is order-dependent in gloo
-            (mask,) = self._allreduce((nan_ext.astype(np.float64), dist.ReduceOp.MAX))
-            max1[: ext.size][mask > 0] = np.nan
-        total[4, lay.maxes] = max1[: lay.maxes.size]
-        total[3, lay.mins] = -max1[lay.maxes.size : ext.size]
-        if n_records:
-            gathered: list[Any] = [None] * self.world_size
-            dist.all_gather_object(gathered, records, group=self.group)
-            records = [r for part in gathered for r in part]
-        if lay.stds.size or n_q:
-            with np.errstate(invalid="ignore", divide="ignore"):
-                mean = np.divide(
-                    total[1, lay.stds],
-                    total[0, lay.stds],
-                    out=np.zeros(lay.stds.size),
-                    where=total[0, lay.stds] > 0,
-                )
-            m2 = local[2, lay.stds] + spread(local[0, lay.stds], local[1, lay.stds], mean)
-            plans = [
-                _SketchPlan.of(
-                    max1[ext.size + j * _SK_MAX : ext.size + (j + 1) * _SK_MAX],
-                    sum1[2 * n_names + 2 + j],
-                    self.world_size,
-                )
-                for j in range(n_q)
-            ]
-            sections = [plan.section(st, self.rank) for plan, st in zip(plans, states)]
-            (sum2,) = self._allreduce((np.concatenate([m2, *sections]), dist.ReduceOp.SUM))
-            total[2, lay.stds] = sum2[: lay.stds.size]
-            offset = lay.stds.size
-            global_sketches = {}
-            for plan, p in zip(plans, lay.quantiles.tolist()):
-                sk = plan.sketch(sum2[offset : offset + plan.size])
-                offset += plan.size
-                if sk is not None:
-                    global_sketches[p] = sk
-            return total, global_sketches, records
-        return total, {}, records
+    def _merge_sketches(
+        self, lay: Layout, sketches: dict[int, Sketch], exact_sizes: np.ndarray, infos: np.ndarray
+    ) -> dict[int, Sketch]:
+        """Step 2: the global sketch of every quantile name some rank has, by one ``SUM``."""
+        plans = [
+            _SketchPlan.of(infos[j * _SK_INFO : (j + 1) * _SK_INFO], exact_sizes[j], self.world_size)
+            for j in range(len(lay.quantiles))
+        ]
+        quantiles = lay.quantiles.tolist()
+        sections = [plan.section(sketches.get(p), self.rank) for plan, p in zip(plans, quantiles)]
+        (summed,) = self._collect((np.concatenate([np.empty(0), *sections]), dist.ReduceOp.SUM))
+        out, offset = {}, 0
+        for plan, p in zip(plans, quantiles):
+            sk = plan.sketch(summed[offset : offset + plan.size])
+            offset += plan.size
+            if sk is not None:
+                out[p] = sk
+        return out
 
     def _finish(self, step: int, lay: Layout, total: np.ndarray, sketches: dict, records: list) -> StepResult:
         """The step's result by the Aggregator's own finalization (or an empty one off ``result_on``)."""
@@ -444,98 +475,96 @@ class TorchDistTransport(SyncTransport):
         return res
 
 
-def _sketch_info(state: tuple[np.ndarray, np.ndarray, np.ndarray | None]) -> tuple[float, np.ndarray]:
-    """Step 2 data of one local sketch: its exact size (SUM) and 12 MAX floats: bucket mode flag,
-    exact size, ``[hi, -lo]`` of the positive and negative stores, parameters and their negatives."""
-    head, barr, values = state
-    size = 0.0 if values is None else float(values.size)
-    out = np.full(_SK_MAX, _NEUTRAL)
-    out[0] = 1.0 if values is None else 0.0
-    out[1] = size
-    for k, (off, counts) in enumerate(reversed(_stores(barr))):  # positive store first
-        if counts.size:
-            out[2 + 2 * k], out[3 + 2 * k] = off + counts.size - 1, -off
-    out[6:9] = head[3:6]
-    out[9:12] = -head[3:6]
+def exchange_form(exchange: str, world_size: int, layout: Layout) -> str:
+    """The form of the state exchange (``"gather"`` or ``"reduce"``) for ``exchange`` in
+    :data:`EXCHANGES`: ``"auto"`` gathers while a rank receives at most :data:`GATHER_LIMIT` floats.
+
+    >>> lay = Layout.of({f"m{i}/mean": "mean" for i in range(1000)})
+    >>> exchange_form("auto", 8, lay), exchange_form("auto", 64, lay), exchange_form("reduce", 8, lay)
+    ('gather', 'reduce', 'reduce')
+    """
+    if exchange != "auto":
+        return exchange
+    row = _HEAD + 1 + len(layout.quantiles) * (1 + _SK_INFO) + 5 * len(layout.names)
+    return "gather" if world_size * row <= GATHER_LIMIT else "reduce"
+
+
+def _sketch_info(sk: Sketch | None) -> tuple[float, np.ndarray]:
+    """Step 1 data of one local sketch: its exact size (SUM) and 12 MAX floats: bucket mode flag,
+    exact size, ``[highest, -lowest]`` bucket of the positive and the negative store, parameters
+    and their negatives (so that the MAX tells whether all ranks agree)."""
+    out = np.full(_SK_INFO, _NEUTRAL)
+    if sk is None:
+        return 0.0, out
+    size = float(sk.values.size) if sk.is_exact else 0.0
+    out[0], out[1] = (0.0 if sk.is_exact else 1.0), size
+    neg, pos = sk.bucket_span()
+    for k, span in enumerate((pos, neg)):
+        if span is not None:
+            out[2 + 2 * k], out[3 + 2 * k] = span[1], -span[0]
+    params = [sk.rel_err, sk.exact_limit, sk.max_buckets]
+    out[6:9] = params
+    out[9:12] = np.negative(params)
     return size, out
 
 
 @dataclass
 class _SketchPlan:
-    """How one quantile name travels in step 3, agreed from step 2: exact slots or bucket windows."""
+    """How one quantile name travels in step 2, agreed from step 1: exact slots or a bucket window."""
 
-    exact: bool
     world: int
-    params: tuple[float, int, int] | None  # (rel_err, exact_limit, max_buckets); None: no rank has one
+    params: dict[str, Any] | None  # Sketch parameters; None: no rank has a sketch
+    exact: bool = True
     slot: int = 0  # exact: values per rank slot
-    pos: tuple[int, int] = (0, 0)  # bucket windows (lo, width) of the positive store
-    neg: tuple[int, int] = (0, 0)
+    window: BucketWindow = field(default_factory=BucketWindow)
 
     @classmethod
     def of(cls, info: np.ndarray, exact_total: float, world: int) -> _SketchPlan:
         if info[6] == _NEUTRAL:
-            return cls(True, world, None)
+            return cls(world, None)
         if not np.array_equal(info[6:9], -info[9:12]):
             raise ValueError("ranks built quantile sketches with different parameters for one metric")
-        params = (float(info[6]), int(info[7]), int(info[8]))
-        if info[0] == 0.0 and exact_total <= params[1]:
-            return cls(True, world, params, slot=int(info[1]))
+        params = {"rel_err": float(info[6]), "exact_limit": int(info[7]), "max_buckets": int(info[8])}
+        if info[0] == 0.0 and exact_total <= params["exact_limit"]:
+            return cls(world, params, slot=int(info[1]))
 
-        def window(hi: float, minus_lo: float) -> tuple[int, int]:
-            if hi == _NEUTRAL:
-                return 0, 0
-            lo = max(int(-minus_lo), int(hi) - params[2] + 1)  # Sketch.merge folds below the same bucket
-            return lo, int(hi) - lo + 1
+        def span(hi: float, minus_lo: float) -> tuple[int, int] | None:
+            return None if hi == _NEUTRAL else (int(-minus_lo), int(hi))
 
-        return cls(False, world, params, pos=window(info[2], info[3]), neg=window(info[4], info[5]))
+        window = BucketWindow.covering(span(info[4], info[5]), span(info[2], info[3]), params["max_buckets"])
+        return cls(world, params, exact=False, window=window)
 
     @property
     def size(self) -> int:
         if self.params is None:
             return 0
-        if self.exact:
-            return 1 + self.world + self.world * self.slot
-        return 4 + self.neg[1] + self.pos[1]
+        return 1 + self.world + self.world * self.slot if self.exact else self.window.size
 
-    def section(
-        self, state: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None, rank: int
-    ) -> np.ndarray:
+    def section(self, sk: Sketch | None, rank: int) -> np.ndarray:
+        """This rank's part of the ``SUM``: NaN weight, size and values in its slot; or its fold."""
+        if sk is None or self.params is None:
+            return np.zeros(self.size)
+        if not self.exact:
+            return sk.fold(self.window)
         out = np.zeros(self.size)
-        if state is None or self.params is None:
-            return out
-        head, barr, values = state
-        out[0] = head[6]  # NaN weight
-        if self.exact:
-            out[1 + rank] = values.size
-            start = 1 + self.world + rank * self.slot
-            out[start : start + values.size] = values
-            return out
-        out[1:4] = barr[7:10]  # -inf, +inf, zero weights (bucket form)
-        neg, pos = _stores(barr)
-        out[4 : 4 + self.neg[1]] = _fold(*neg, *self.neg)
-        out[4 + self.neg[1] :] = _fold(*pos, *self.pos)
+        values = sk.values
+        out[0] = sk.nan_count
+        out[1 + rank] = values.size
+        start = 1 + self.world + rank * self.slot
+        out[start : start + values.size] = values
         return out
 
     def sketch(self, section: np.ndarray) -> Sketch | None:
         """The merged sketch from the summed section."""
         if self.params is None:
             return None
-        rel_err, exact_limit, max_buckets = self.params
-        if self.exact:
-            sizes = section[1 : 1 + self.world].astype(np.int64)
-            base = 1 + self.world
-            chunks = [
-                section[base + r * self.slot : base + r * self.slot + sizes[r]] for r in range(self.world)
-            ]
-            chunks.append(np.full(int(section[0]), np.nan))
-            return Sketch.of(
-                np.concatenate(chunks), rel_err=rel_err, exact_limit=exact_limit, max_buckets=max_buckets
-            )
-        arr = Sketch(rel_err, exact_limit, max_buckets).to_array()  # the header of this parameter set
-        arr[2] = 1.0  # bucket mode
-        arr[6:10] = section[:4]
-        arr[11:15] = [self.neg[0], self.neg[1], self.pos[0], self.pos[1]]
-        return Sketch.from_array(np.concatenate([arr, section[4:]]))
+        if not self.exact:
+            return Sketch.from_folded(section, self.window, **self.params)
+        sizes = section[1 : 1 + self.world].astype(np.int64)
+        base = 1 + self.world
+        chunks = [section[base + r * self.slot : base + r * self.slot + sizes[r]] for r in range(self.world)]
+        chunks.append(np.full(int(section[0]), np.nan))
+        return Sketch.of(np.concatenate(chunks), **self.params)
 
 
 class TorchMetricClient(ClientCore):
@@ -566,7 +595,7 @@ class TorchMetricClient(ClientCore):
         **transport_options: Any,
     ) -> None:
         """``transport_options`` go to :class:`TorchDistTransport`: ``result_on``, ``renames``,
-        ``keep_results``, ``device`` (above), ``memory``."""
+        ``keep_results``, ``device`` (above), ``memory``, ``exchange``."""
         transport = TorchDistTransport(group, **transport_options)
         super().__init__(
             transport,

@@ -81,10 +81,9 @@ from typing import Any
 import numpy as np
 
 from rlmetrics.extras import require
-from rlmetrics.metrics.data import to_host
 from rlmetrics.reduce import resolve
 from rlmetrics.sketch import Sketch
-from rlmetrics.stat import Stat
+from rlmetrics.stat import Stat, to_host
 
 torch = require("torch", "torch")
 
@@ -173,7 +172,7 @@ def _summary(x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tenso
     w = None if weight is None else weight.detach().to(torch.float64).broadcast_to(x.shape).reshape(-1)
     x = x.to(torch.float64).reshape(-1)
     if x.numel() == 0:
-        return torch.tensor([0.0, 0.0, 0.0, math.inf, -math.inf], dtype=torch.float64, device=x.device)
+        return torch.tensor([0.0, 0.0, 0.0, math.inf, -math.inf], dtype=torch.float64)  # host: no copy
     if w is None:
         n = torch.full((), float(x.numel()), dtype=torch.float64, device=x.device)
         s = x.sum()
@@ -554,7 +553,7 @@ def _plan_rewards(data: Any, plan: _Plan) -> None:
     if rewards is None:
         return
     rewards = _as_tensor(rewards)
-    per_seq = rewards.reshape(rewards.shape[0], -1).to(torch.float64).sum(-1)
+    per_seq = rewards.reshape(rewards.shape[0], math.prod(rewards.shape[1:])).to(torch.float64).sum(-1)
     mask = _get(data, "response_mask")
     keep = torch.ones_like(rewards, dtype=torch.bool) if mask is None else (_as_tensor(mask) != 0)
     nonzero, tokens = ((rewards != 0) & keep).sum(), keep.broadcast_to(rewards.shape).sum()

@@ -43,13 +43,12 @@ keys: ``responses``, ``attention_mask``, ``response_mask``, ``token_level_scores
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import math
 import os
 import threading
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -58,7 +57,7 @@ import psutil
 from rlmetrics.extras import require
 from rlmetrics.metrics import VF_RESIDUAL_STD, VF_RETURNS_STD, VF_TOKENS, derive_metrics, vf_explained_var
 from rlmetrics.reduce import resolve
-from rlmetrics.stat import Stat, empty_arrays
+from rlmetrics.stat import Stat, empty_arrays, to_host
 
 torch = require("torch", "torch")
 
@@ -213,24 +212,6 @@ def _last_dim(t: Any) -> int | None:
 def _float(t: Any) -> Any:
     """Floating point for arithmetic: float32 and float64 kept, others to float32."""
     return t if t.dtype in (torch.float32, torch.float64) else t.to(torch.float32)
-
-
-def to_host(tensors: Sequence[Any]) -> list[np.ndarray]:
-    """``tensors`` as flat float64 host arrays, in one device-to-host copy.
-
-    They are gathered on an accelerator if any of them lives on one (host tensors go there
-    cheaply); mps has no float64, so its tensors come over one by one.
-
-    >>> [a.tolist() for a in to_host([torch.tensor([1, 2]), torch.ones(1, 2)])]
-    [[1.0, 2.0], [1.0, 1.0]]
-    """
-    if not tensors:
-        return []
-    device = next((t.device for t in tensors if t.device.type not in ("cpu", "mps")), torch.device("cpu"))
-    flat = [(t if t.device == device else t.to(device)).reshape(-1).to(torch.float64) for t in tensors]
-    host = torch.cat(flat).numpy(force=True)  # the one copy
-    ends = itertools.accumulate(t.numel() for t in flat)
-    return [host[end - t.numel() : end] for t, end in zip(flat, ends)]
 
 
 class _Plan:
@@ -511,7 +492,7 @@ def _add_token_metrics(t: _Tensors, plan: _Plan, mask: Any, torch_compile: bool)
     f64 = torch.float64
     k = len(plan.token_names)
     if mask.numel() == 0:
-        empty = torch.tensor([0.0, 0.0, 0.0, math.inf, -math.inf], dtype=f64, device=mask.device)
+        empty = torch.tensor([0.0, 0.0, 0.0, math.inf, -math.inf], dtype=f64)  # on the host: no copy
         plan.token_block = empty[:, None].expand(5, k)
         return
     dtype = f64 if any(x.dtype == f64 for x in found.values()) else torch.float32
@@ -534,5 +515,4 @@ __all__ = [
     "compute_data_metric",
     "compute_data_stats",
     "data_metrics_from_stats",
-    "to_host",
 ]

@@ -23,6 +23,7 @@ import numpy as np
 
 from rlmetrics.extras import require
 from rlmetrics.metrics.data import _Tensors, lookup
+from rlmetrics.stat import to_host
 
 torch = require("torch", "torch")
 
@@ -34,24 +35,28 @@ ALL_TOKEN_STAGES = ("ref", "values", "adv", "update_critic", "update_actor")
 """Stages timed per token of the whole sequence (prompt + response)."""
 
 
-def _seconds(value: Any) -> float | None:
+def _seconds(value: Any) -> float | Any | None:
+    """A timer value as a float, a one-element tensor (read with the call's other tensors), or None."""
     if isinstance(value, numbers.Real) or (isinstance(value, np.ndarray) and value.ndim == 0):
         return float(value)
     if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return float(value.detach().cpu().reshape(()))  # a host-side timer value, in practice
+        return value.detach()
     return None
 
 
-def _token_counts(batch: Mapping[str, Any]) -> tuple[float, float] | None:
-    """(prompt tokens, response tokens) of the batch, in one device-to-host transfer; None if unknown."""
+def _read(values: dict[str, Any]) -> dict[str, float]:
+    """``values`` with their tensors read, in one device-to-host copy (:func:`~rlmetrics.stat.to_host`)."""
+    keys = [k for k, v in values.items() if isinstance(v, torch.Tensor)]
+    host = to_host([values[k] for k in keys])
+    return {**values, **{k: float(h.sum()) for k, h in zip(keys, host)}}
+
+
+def _token_counts(batch: Mapping[str, Any]) -> tuple[Any, Any] | None:
+    """(prompt tokens, response tokens) of the batch as 0-dim tensors; None if unknown."""
     t = _Tensors(batch)
     if t.prompt_mask is None or t.response_mask is None:
         return None
-    sums = [m.sum().to(torch.float64) for m in (t.prompt_mask, t.response_mask)]
-    if sums[0].device != sums[1].device:
-        sums[1] = sums[1].to(sums[0].device)
-    prompt, response = torch.stack(sums).tolist()  # the one transfer
-    return prompt, response
+    return t.prompt_mask.sum(), t.response_mask.sum()
 
 
 def compute_timing_metrics(batch: Mapping[str, Any], timing_raw: Mapping[str, Any]) -> dict[str, float]:
@@ -73,11 +78,14 @@ def compute_timing_metrics(batch: Mapping[str, Any], timing_raw: Mapping[str, An
             logger.debug("timing_raw[%r] is not a number: %r", stage, value)
             continue
         seconds[stage] = s
-    out = {f"timing_s/{stage}": s for stage, s in seconds.items()}
     timed = [s for s in (*RESPONSE_TOKEN_STAGES, *ALL_TOKEN_STAGES) if s in seconds]
     counts = _token_counts(batch) if timed else None
+    tokens = {} if counts is None else {"prompt": counts[0], "response": counts[1]}
+    read = _read({**{("s", k): v for k, v in seconds.items()}, **{("t", k): v for k, v in tokens.items()}})
+    seconds = {k: read["s", k] for k in seconds}
+    out = {f"timing_s/{stage}": s for stage, s in seconds.items()}
     if counts is not None:
-        prompt, response = counts
+        prompt, response = read["t", "prompt"], read["t", "response"]
         for stage in timed:
             tokens = response if stage in RESPONSE_TOKEN_STAGES else prompt + response
             if tokens > 0:
@@ -85,19 +93,20 @@ def compute_timing_metrics(batch: Mapping[str, Any], timing_raw: Mapping[str, An
     return out
 
 
-def _total_tokens(batch: Mapping[str, Any]) -> float | None:
-    """Sum of ``global_token_num`` (tokens per sequence), else of ``attention_mask``."""
+def _total_tokens(batch: Mapping[str, Any]) -> float | Any | None:
+    """Sum of ``global_token_num`` (tokens per sequence), else of ``attention_mask``: a float, a
+    0-dim tensor (read with the call's other tensors) or None."""
     value = lookup(batch, "global_token_num")
     if value is not None:
         try:
             if isinstance(value, torch.Tensor):
-                return float(value.detach().sum(dtype=torch.float64).cpu())
+                return value.detach().sum(dtype=torch.float64)
             return float(np.sum(np.asarray(value, dtype=np.float64)))
         except (TypeError, ValueError) as exc:
             logger.debug("global_token_num is not numeric (%s)", exc)
     mask = lookup(batch, "attention_mask")
     if isinstance(mask, torch.Tensor):
-        return float(mask.detach().sum(dtype=torch.float64).cpu())
+        return mask.detach().sum(dtype=torch.float64)
     return None
 
 
@@ -113,10 +122,11 @@ def compute_throughput_metrics(
     {'perf/total_num_tokens': 400.0, 'perf/time_per_step': 2.0, 'perf/throughput': 50.0}
     """
     out: dict[str, float] = {}
-    tokens = _total_tokens(batch)
+    step = _seconds(timing_raw.get("step")) if hasattr(timing_raw, "get") else None
+    read = _read({"tokens": _total_tokens(batch), "step": step})
+    tokens, step = read["tokens"], read["step"]
     if tokens is not None:
         out["perf/total_num_tokens"] = tokens
-    step = _seconds(timing_raw.get("step")) if hasattr(timing_raw, "get") else None
     if step is not None:
         out["perf/time_per_step"] = step
         gpus = n_gpus if isinstance(n_gpus, numbers.Real) else math.nan
