@@ -23,6 +23,8 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+import numpy as np
+
 from rlmetrics.aggregator import MAX_WORLD_SIZE, Packed, StepResult, pack
 from rlmetrics.server import Submission
 from rlmetrics.stat import NAN_STRATEGIES, MetricValueError
@@ -308,6 +310,8 @@ class ClientCore:
                 RuntimeWarning,
                 stacklevel=3,
             )
+        if np.isfinite(np.fromiter(res.values(), np.float64, len(res))).all():
+            return res
         bad = [n for n, v in res.items() if not math.isfinite(v) and n not in self._nan_warned]
         if bad:
             if len(self._nan_warned) > _SCHEMA_CACHE * 64:
