@@ -34,13 +34,13 @@ PROMPTS_PER_RANK = 8
 GROUP_SIZE = 4  # responses per prompt: GRPO's group
 MAX_PROMPT, MAX_RESPONSE = 256, 512
 PROGRESS = ("critic/score/mean", "response/length/mean")
-PLOTS = {  # file name -> metric globs (a plot without a matching metric is not written)
+PLOTS = {  # file name -> metric globs ({k}: --val-samples); a plot without a matching metric is not written
     "reward": ("critic/score/mean", "critic/rewards/mean", "response/correct_length/mean"),
     "response_length": ("response/length/*", "response/clip_ratio/mean"),
     "advantages": ("critic/advantages/*",),
     "actor": ("actor/*",),
     "timing": ("perf/delta_time/*", "perf/throughput"),
-    "validation": ("val-core/*/mean@*", "val-core/*/maj@*/mean", "val-aux/*/pass@*"),
+    "validation": ("val-core/*/mean@*", "val-core/*/maj@*/mean", "val-aux/*/pass@{k}"),
 }
 SUMMARY = (
     "critic/*/mean",
@@ -247,7 +247,12 @@ def run(args: argparse.Namespace) -> Path:
         report.summarize(run_log, SUMMARY), title=f"{args.workers} workers, {args.steps} steps"
     )
     written = [
-        plot.plot_runs([("demo", run_log)], globs, out / f"{fname}.png", title=fname.replace("_", " "))
+        plot.plot_runs(
+            [("demo", run_log)],
+            [g.format(k=args.val_samples) for g in globs],
+            out / f"{fname}.png",
+            title=fname.replace("_", " "),
+        )
         for fname, globs in PLOTS.items()
     ]
     print(f"metrics: {out / 'metrics.jsonl'}")
