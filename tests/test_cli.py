@@ -22,10 +22,12 @@ def rlmetrics_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedPr
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
-    """A local-backend demo run (threads as ranks), as ``rlmetrics demo --backend local`` makes it."""
+    """A simulated local-backend demo run (threads as ranks), as ``rlmetrics demo --simulate
+    --backend local`` makes it."""
     out = tmp_path_factory.mktemp("demo")
     args = [
         "demo",
+        "--simulate",
         "--backend",
         "local",
         "--steps",
@@ -95,7 +97,8 @@ def test_demo_writes_tensorboard_and_readable_plots(run_dir):
     import matplotlib.image
 
     assert list((run_dir / "tensorboard").rglob("events.out.tfevents.*"))
-    for name in PLOTS:
+    assert not (run_dir / "actor.png").exists()  # a simulated run has no update metrics
+    for name in PLOTS.keys() - {"actor"}:
         png = matplotlib.image.imread(run_dir / f"{name}.png")
         assert png.shape[0] > 200 and png.shape[1] > 300
         assert png[..., :3].std() > 0.01, f"{name}.png is blank"
@@ -148,8 +151,9 @@ def test_plot_without_a_match_fails_clearly(run_dir, tmp_path):
 
 
 def test_demo_on_ray_as_make_demo_runs_it(tmp_path):
+    """The real GRPO run (tests/test_demo_grpo.py checks its numbers)."""
     out = rlmetrics_cli("demo", "--steps", "4", "--workers", "2", "--val-every", "2", "--out", str(tmp_path))
-    for line in ("metrics: ", "tensorboard: ", "plots: "):
+    for line in ("metrics: ", "tensorboard: ", "plots: ", "time: "):
         assert line in out.stdout
     from rlmetrics.sinks import read_jsonl
 
@@ -162,7 +166,7 @@ def test_demo_joins_an_existing_cluster(tmp_path):
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     try:
-        rlmetrics_cli("demo", "--address", cluster.address, "--steps", "3", "--workers", "2",
+        rlmetrics_cli("demo", "--simulate", "--address", cluster.address, "--steps", "3", "--workers", "2",
                       "--val-every", "0", "--sinks", "jsonl", "--out", str(tmp_path))  # fmt: skip
     finally:
         cluster.shutdown()

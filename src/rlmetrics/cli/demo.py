@@ -1,16 +1,20 @@
-"""``rlmetrics demo``: a simulated multi-worker GRPO run, aggregated every step.
+"""``rlmetrics demo``: a multi-worker GRPO run on CPU, its metrics aggregated every step.
 
-W worker ranks (Ray actors; threads with ``--backend local``) each draw a GRPO batch as a TensorDict
-(groups of responses per prompt, prompt and response lengths, rewards that improve over the steps,
-responses clipped at the maximum length, multi-turn counts), then compute and submit the data,
-timing and throughput metrics of that batch; every ``--val-every`` steps they also run a validation
-round (``--val-samples`` samples per prompt; pass@k and maj@k). The driver reads each step as soon
-as every rank closed it — no barrier — logs it to the sinks (JSONL and TensorBoard by default) with a
-progress bar, and at the end prints a summary table and writes PNG plots of reward, response
-length, advantages and validation accuracy into ``--out``.
+By default W ranks (Ray actors) train a tiny causal transformer with GRPO on a toy task
+(:mod:`rlmetrics.cli.grpo`, :mod:`rlmetrics.cli.trainer`): each rolls out ``--group-size``
+responses to ``--prompts`` prompts, scores them, computes group-normalised advantages and updates
+its replica (gradients summed over the ranks with torch.distributed gloo), then submits the data,
+timing, throughput and update metrics of its batch through its own rlmetrics client; every
+``--val-every`` steps it also answers held-out prompts (``--val-samples`` samples each; best/worst/
+maj@k and pass@k). ``--simulate`` draws made-up batches instead (fast; threads with
+``--backend local``). The driver reads each step as soon as every rank closed it — no barrier —
+logs it to the sinks (JSONL and TensorBoard by default) with a progress bar, and at the end prints
+a summary table and writes PNG plots (reward, response length, advantages, update, timing,
+validation) into ``--out``.
 
-    rlmetrics demo --steps 30 --workers 4 --out runs/demo
-    rlmetrics demo --backend local --sinks jsonl,console
+    rlmetrics demo --steps 50 --workers 4 --out runs/demo
+    rlmetrics demo --seed 1 --lr 0.1          # another run; a learning rate that collapses the policy
+    rlmetrics demo --simulate --backend local --sinks jsonl,console
 """
 
 from __future__ import annotations
@@ -30,14 +34,17 @@ PROMPTS_PER_RANK = 8
 GROUP_SIZE = 4  # responses per prompt: GRPO's group
 MAX_PROMPT, MAX_RESPONSE = 256, 512
 PROGRESS = ("critic/score/mean", "response/length/mean")
-PLOTS = {  # file name -> metric globs
+PLOTS = {  # file name -> metric globs ({k}: --val-samples); a plot without a matching metric is not written
     "reward": ("critic/score/mean", "critic/rewards/mean", "response/correct_length/mean"),
     "response_length": ("response/length/*", "response/clip_ratio/mean"),
     "advantages": ("critic/advantages/*",),
-    "validation": ("val-core/*/acc/mean@*", "val-core/*/acc/maj@*/mean", "val-aux/*/acc/pass@*"),
+    "actor": ("actor/*",),
+    "timing": ("perf/delta_time/*", "perf/throughput"),
+    "validation": ("val-core/*/mean@*", "val-core/*/maj@*/mean", "val-aux/*/pass@{k}"),
 }
 SUMMARY = (
     "critic/*/mean",
+    "actor/*",
     "response/length/*",
     "response/clip_ratio/mean",
     "num_turns/mean",
@@ -147,28 +154,49 @@ class DemoRank:
         return steps
 
 
-def start_ranks(args: argparse.Namespace, name: str) -> tuple[list, Any]:
-    """Start the ranks; returns (handles, join) where join() waits for all of them to finish."""
-    run_args = (args.steps, args.val_every, args.val_prompts, args.val_samples, args.pace)
-    if args.backend == "local":
-        ranks = [DemoRank(r, args.workers, "local", name) for r in range(args.workers)]
-        threads = [threading.Thread(target=r.run, args=run_args, daemon=True) for r in ranks]
-        for t in threads:
-            t.start()
-        return threads, lambda: [t.join() for t in threads]
-    import ray
+def start_ranks(args: argparse.Namespace, name: str) -> tuple[Any, Any]:
+    """Start the ranks; returns (join, poll): join() waits for all of them to finish, poll() raises
+    the error of a rank that already failed."""
+    if args.simulate:
+        run_args = (args.steps, args.val_every, args.val_prompts, args.val_samples, args.pace)
+        if args.backend == "local":
+            ranks = [DemoRank(r, args.workers, "local", name) for r in range(args.workers)]
+            threads = [threading.Thread(target=r.run, args=run_args, daemon=True) for r in ranks]
+            for t in threads:
+                t.start()
+            return lambda: [t.join() for t in threads], lambda: None
+        import ray
 
-    actor = ray.remote(num_cpus=0)(DemoRank)
-    ranks = [actor.remote(r, args.workers, "ray", name) for r in range(args.workers)]
-    refs = [r.run.remote(*run_args) for r in ranks]
-    return ranks, lambda: ray.get(refs)
+        actor = ray.remote(num_cpus=0)(DemoRank)
+        ranks = [actor.remote(r, args.workers, "ray", name) for r in range(args.workers)]
+        refs = [r.run.remote(*run_args) for r in ranks]
+    else:
+        import ray
+
+        from rlmetrics.cli.grpo import GRPOConfig
+        from rlmetrics.cli.trainer import GRPORank
+
+        cfg = GRPOConfig(seed=args.seed, prompts=args.prompts, group_size=args.group_size, lr=args.lr)
+        dump = str((Path(args.out) / "dump").resolve()) if args.dump else None
+        actor = ray.remote(num_cpus=0)(GRPORank)
+        ranks = [actor.remote(r, args.workers, name, cfg, dump) for r in range(args.workers)]
+        address = ray.get(ranks[0].address.remote())
+        ray.get([r.join.remote(address) for r in ranks])  # the gloo group: all ranks at once
+        refs = [r.run.remote(args.steps, args.val_every, args.val_prompts, args.val_samples) for r in ranks]
+
+    def poll() -> None:
+        for ref in ray.wait(refs, num_returns=len(refs), timeout=0)[0]:
+            ray.get(ref)
+
+    return lambda: ray.get(refs), poll
 
 
-def run(args: argparse.Namespace) -> Path:
-    """The whole demo; returns the output folder."""
-    from rlmetrics.cli import plot, report
-    from rlmetrics.sinks import make_sinks, read_jsonl
+def log_run(args: argparse.Namespace) -> tuple[float, float]:
+    """Run the ranks and log every step to the sinks in ``--out``; returns the seconds spent
+    starting (Ray, the aggregator, the ranks) and running the steps."""
+    from rlmetrics.sinks import make_sinks
 
+    started = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"demo-{time.time_ns()}"
@@ -189,9 +217,11 @@ def run(args: argparse.Namespace) -> Path:
     tracking = make_sinks(["jsonl", *(s for s in sinks if s != "jsonl")], out, run_name=name)
     driver = connect(args.backend, name=name)  # a reader; creates the aggregator first
     try:
-        _, join = start_ranks(args, name)
-        _log_steps(driver, tracking, args.steps)
+        join, poll = start_ranks(args, name)
+        ready = time.perf_counter()
+        _log_steps(driver, tracking, args.steps, poll)
         join()
+        return ready - started, time.perf_counter() - ready
     finally:
         tracking.close()
         if args.backend == "local":
@@ -202,27 +232,47 @@ def run(args: argparse.Namespace) -> Path:
             import ray
 
             ray.shutdown()
+
+
+def run(args: argparse.Namespace) -> Path:
+    """The whole demo: the logged run, then its summary table and plots; returns the output folder."""
+    from rlmetrics.cli import plot, report
+    from rlmetrics.sinks import read_jsonl
+
+    started = time.perf_counter()
+    start, steps = log_run(args)
+    out = Path(args.out)
     run_log = read_jsonl(out / "metrics.jsonl")
     report.print_table(
         report.summarize(run_log, SUMMARY), title=f"{args.workers} workers, {args.steps} steps"
     )
     written = [
-        plot.plot_runs([("demo", run_log)], globs, out / f"{fname}.png", title=fname.replace("_", " "))
+        plot.plot_runs(
+            [("demo", run_log)],
+            [g.format(k=args.val_samples) for g in globs],
+            out / f"{fname}.png",
+            title=fname.replace("_", " "),
+        )
         for fname, globs in PLOTS.items()
     ]
     print(f"metrics: {out / 'metrics.jsonl'}")
-    if "tensorboard" in sinks:
+    if "tensorboard" in args.sinks.split(","):
         print(f"tensorboard: {out / 'tensorboard'}   (tensorboard --logdir {out / 'tensorboard'})")
     print("plots: " + "  ".join(str(p) for p in written if p is not None))
+    print(
+        f"time: {time.perf_counter() - started:.1f} s: start {start:.1f} s, {args.steps} steps "
+        f"{steps:.1f} s, then shutdown, table and plots"
+    )
     return out
 
 
-def _log_steps(driver: Any, tracking: Any, steps: int) -> None:
+def _log_steps(driver: Any, tracking: Any, steps: int, poll: Any) -> None:
     from tqdm import tqdm
 
     with tqdm(range(steps), desc="steps", unit="step") as bar:
         for step in bar:
             res = driver.result(step, timeout=120)
+            poll()  # a rank that died: its error now, not a partial result every step
             tracking.log(res, step)
             bar.set_postfix({k.split("/")[1]: f"{res[k]:.3g}" for k in PROGRESS if k in res})
 
@@ -230,17 +280,17 @@ def _log_steps(driver: Any, tracking: Any, steps: int) -> None:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo",
-        help="simulate a multi-worker GRPO run; log, summarize and plot its metrics",
+        help="train a tiny policy with GRPO on W ranks (or --simulate); log, summarize and plot its metrics",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
+    p.add_argument("--steps", type=int, default=50, help="training steps (default 50)")
     p.add_argument("--workers", type=int, default=4, help="worker ranks (default 4)")
     p.add_argument(
         "--backend",
         choices=["ray", "local"],
         default="ray",
-        help="ray: an embedded local Ray instance (or --address); local: threads, no Ray",
+        help="ray: an embedded local Ray instance (or --address); local: threads, no Ray (--simulate)",
     )
     p.add_argument(
         "--address",
@@ -259,12 +309,35 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--val-every", type=int, default=10, help="validation round every N steps (0: none)")
     p.add_argument("--val-prompts", type=int, default=32, help="validation prompts per data source")
     p.add_argument("--val-samples", type=int, default=8, help="samples per validation prompt (the k)")
-    p.add_argument("--pace", type=float, default=0.02, help="seconds of simulated work per stage unit")
+    p.add_argument("--seed", type=int, default=0, help="seed: the same seed, the same run (default 0)")
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=3e-3,
+        help="learning rate (default 3e-3; 0.1 collapses the policy, 1 turns it NaN)",
+    )
+    p.add_argument("--prompts", type=int, default=8, help="prompts per rank and step (default 8)")
+    p.add_argument("--group-size", type=int, default=8, help="responses per prompt, GRPO's group (default 8)")
+    p.add_argument(
+        "--dump", action="store_true", help="each rank writes its tensors of every step to OUT/dump/"
+    )
+    p.add_argument(
+        "--simulate",
+        action="store_true",
+        help="made-up batches instead of training (fast; the only mode of --backend local)",
+    )
+    p.add_argument("--pace", type=float, default=0.02, help="with --simulate: seconds of work per stage unit")
     p.set_defaults(handler=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.workers < 1:
         raise SystemExit("rlmetrics demo: --steps and --workers must be >= 1")
+    if args.prompts < 1 or args.group_size < 2 or args.val_samples < 1 or args.val_prompts < 1:
+        raise SystemExit(
+            "rlmetrics demo: --prompts, --val-prompts, --val-samples must be >= 1, --group-size >= 2"
+        )
+    if args.backend == "local" and not args.simulate:
+        raise SystemExit("rlmetrics demo: the real run needs Ray (--backend local needs --simulate)")
     run(args)
     return 0
