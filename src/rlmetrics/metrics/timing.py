@@ -22,15 +22,16 @@ from typing import Any
 import numpy as np
 
 from rlmetrics.extras import require
+from rlmetrics.metrics import TIMED_STAGES
 from rlmetrics.metrics.data import _Tensors, lookup
 
 torch = require("torch", "torch")
 
 logger = logging.getLogger(__name__)
 
-RESPONSE_TOKEN_STAGES = ("gen",)
+RESPONSE_TOKEN_STAGES = TIMED_STAGES[:1]
 """Stages timed per response token."""
-ALL_TOKEN_STAGES = ("ref", "values", "adv", "update_critic", "update_actor")
+ALL_TOKEN_STAGES = TIMED_STAGES[1:]
 """Stages timed per token of the whole sequence (prompt + response)."""
 
 
