@@ -117,9 +117,11 @@ def compute_data_metrics(batch: Any, use_critic: bool = True) -> dict[str, Value
     token, no response that is not empty); a key the batch lacks skips its metrics (verl raises).
     See :func:`rlmetrics.metrics.data.compute_verl_data_stats`.
     """
-    from rlmetrics.metrics.data import compute_verl_data_stats
+    from rlmetrics.metrics.data import column_values, verl_data_arrays
 
-    return _values(compute_verl_data_stats(_mapping(batch)[0], use_critic=use_critic))
+    names, arrays = verl_data_arrays(_mapping(batch)[0], use_critic=use_critic)
+    stats = {name: Stat(*column) for name, column in zip(names, arrays.T.tolist())}
+    return _values(stats, dict(zip(names, column_values(names, arrays).tolist())))
 
 
 def compute_timing_metrics(batch: Any, timing_raw: Mapping[str, Any]) -> dict[str, Value]:
@@ -438,10 +440,11 @@ def _tokens(data: Any, meta: Mapping[str, Any]) -> float:
     return float(to_host([mask])[0].sum())
 
 
-def _values(stats: Mapping[str, Stat]) -> dict[str, Value]:
-    """verl's value of each Stat (NaN where it holds nothing), the Stat and a derived metric's
-    auxiliary Stats attached; auxiliary names left out."""
-    plain = {name: _reduction(name).apply(stat) for name, stat in stats.items()}
+def _values(stats: Mapping[str, Stat], plain: Mapping[str, float] | None = None) -> dict[str, Value]:
+    """verl's value of each Stat (NaN where it holds nothing; ``plain``: those values, when known),
+    the Stat and a derived metric's auxiliary Stats attached; auxiliary names left out."""
+    if plain is None:
+        plain = {name: _reduction(name).apply(stat) for name, stat in stats.items()}
     derived = derive_metrics({name: v for name, v in plain.items() if stats[name].count > 0})
     out = {}
     for name, stat in stats.items():

@@ -172,6 +172,14 @@ def compute_verl_data_stats(
     >>> stats["response/aborted_ratio"].mean
     0.5
     """
+    names, arrays = verl_data_arrays(batch, use_critic=use_critic, torch_compile=torch_compile)
+    return {name: Stat(*column) for name, column in zip(names, arrays.T.tolist())}
+
+
+def verl_data_arrays(
+    batch: Batch, *, use_critic: bool = True, torch_compile: bool = False
+) -> tuple[list[str], np.ndarray]:
+    """:func:`compute_verl_data_stats` as names and their ``(5, K)`` stat array."""
     t = _Tensors(batch)
     plan = _Plan()
     _add_sums(t, plan)
@@ -183,8 +191,7 @@ def compute_verl_data_stats(
         _add_token_metrics(t, plan, t.response_mask, torch_compile, keys)
     _add_counts(t, plan)
     sequences, block = plan.run()
-    names, arrays = _with_token_block(*_part_summaries(_verl_parts(sequences, t)), plan, block)
-    return {name: Stat(*column) for name, column in zip(names, arrays.T.tolist())}
+    return _with_token_block(*_part_summaries(_verl_parts(sequences, t)), plan, block)
 
 
 def verl_lengths(batch: Batch) -> tuple[Any, Any] | None:
@@ -416,14 +423,27 @@ def _metrics_of_arrays(
     reduction (one vectorised reduction per kind; quantiles from the sketches of ``stats``, the
     Stats of the array), names without observations left out, then
     :func:`rlmetrics.metrics.derive_metrics`."""
+    values = column_values(names, arrays, stats)
+    has = (arrays[0] > 0).tolist()
+    return derive_metrics({name: v for name, v, h in zip(names, values.tolist(), has) if h})
+
+
+def column_values(
+    names: Sequence[str], arrays: np.ndarray, stats: Mapping[str, Stat] | None = None
+) -> np.ndarray:
+    """The value of each column of a ``(5, K)`` stat array by its name's reduction (NaN where it
+    holds no observation), one vectorised reduction per kind; quantiles from the sketches of ``stats``.
+
+    >>> column_values(["x/max", "x/mean"], Stat.of([1.0, 3.0]).to_array()[:, None].repeat(2, 1)).tolist()
+    [3.0, 2.0]
+    """
     values = np.empty(len(names))
     for reduction, idx in _reductions(tuple(names)):
         if reduction.needs_sketch:  # only a user's merged Stats carry sketches
             values[idx] = [reduction.apply(stats[names[i]]) for i in idx]
         else:
             values[idx] = reduction.apply_arrays(arrays[:, idx])
-    has = (arrays[0] > 0).tolist()
-    return derive_metrics({name: v for name, v, h in zip(names, values.tolist(), has) if h})
+    return values
 
 
 def _summaries(values: np.ndarray, keep: np.ndarray) -> np.ndarray:
@@ -723,8 +743,10 @@ __all__ = [
     "compute_data_metric",
     "compute_data_stats",
     "compute_variance_proxy_stats",
+    "column_values",
     "compute_verl_data_stats",
     "data_metrics_from_stats",
     "to_host",
+    "verl_data_arrays",
     "verl_lengths",
 ]

@@ -100,6 +100,8 @@ N_BOOTSTRAP = 1000
 """Bootstrap rows per ``(n, k)``, as in the seed."""
 CHUNK_BYTES = 16 << 20
 """Rough size of the largest temporary array; prompts are processed in chunks that fit it."""
+CACHE_BYTES = 2 << 20
+"""Rough size of the vote counts of one chunk of the majority vote (small enough to stay in cache)."""
 RECORD_VERSION = 1
 
 TABLE_MAX_N = 16
@@ -1051,8 +1053,8 @@ def _winner_histogram(
     chunk = max(1, CHUNK_BYTES // (8 * n_boot * 2))
     for lo in range(0, len(dense), chunk):
         hi = min(len(dense), lo + chunk)
-        winners = _majority_winners(dense[lo:hi], n_classes[lo:hi], words, idx)  # (n_boot, m)
-        flat = (winners + n * np.arange(hi - lo)[None, :]).ravel()
+        winners = _majority_winners(dense[lo:hi], n_classes[lo:hi], words, idx)  # (m, n_bootstrap)
+        flat = (winners + n * np.arange(hi - lo)[:, None]).ravel()
         out[lo:hi] = np.bincount(flat, minlength=(hi - lo) * n).reshape(hi - lo, n)
     return out
 
@@ -1087,43 +1089,59 @@ def _tie_words(idx: np.ndarray, n: int) -> list[np.ndarray]:
 def _majority_winners(
     dense: np.ndarray, n_classes: np.ndarray, words: list[np.ndarray], idx: np.ndarray
 ) -> np.ndarray:
-    """``(n_bootstrap, c)``: per bootstrap row and prompt, the sample whose value maj@k reports."""
+    """``(c, n_bootstrap)``: per prompt and bootstrap row, the sample whose value maj@k reports."""
     n_boot, k = idx.shape
     c, n = dense.shape
     width = k if words[0].dtype == np.float32 else _WORD
     words_t = [np.ascontiguousarray(w.T) for w in words]  # (n, n_bootstrap)
-    out = np.empty((n_boot, c), dtype=np.intp)
-    budget = max(1, CHUNK_BYTES // (words[0].itemsize * n_boot * int(n_classes.max())))
-    # chunks of prompts with the same number of classes (they come sorted by it): no padding classes
+    row_start = np.arange(n_boot, dtype=np.int64) * k  # idx[b, t] is idx.flat[b * k + t]
+    first_of = _first_positions(k) if width == k and k <= TABLE_MAX_N else None
+    out = np.empty((c, n_boot), dtype=np.intp)
+    # chunks whose vote counts stay in cache, of prompts with the same number of classes (they come
+    # sorted by it): no padding classes
+    budget = max(1, min(CHUNK_BYTES, CACHE_BYTES) // (words[0].itemsize * n_boot * int(n_classes.max())))
     cuts = np.flatnonzero(np.diff(n_classes)) + 1
     bounds = sorted({*range(0, c, budget), *cuts.tolist(), c})
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         m, d = hi - lo, int(n_classes[lo:hi].max())
         if d == 1:  # one class: the first draw's sample
-            out[:, lo:hi] = idx[:, :1]
+            out[lo:hi] = idx[:, 0]
             continue
         onehot = np.zeros((d, m, n), dtype=words[0].dtype)
         onehot[dense[lo:hi], np.arange(m)[:, None], np.arange(n)[None, :]] = 1.0
         onehot = onehot.reshape(d * m, n)
         key = _products(onehot, words_t[0]).reshape(d, m, n_boot)
-        top = key.max(axis=0)
-        ints = top.astype(np.int32 if width < 31 else np.int64)  # exact: float32 keys stay below 2**24
-        low = (ints & (2**width - 1)).astype(top.dtype)  # the winner's positions < width, as bits
-        pos = width - np.frexp(low)[1]  # its highest bit is its first position; width when it has none
-        if len(words) > 1:
-            found = low > 0
-            cand = key == top[None]  # same count, same positions among the first words
-            for w in range(1, len(words)):
-                if found.all():
-                    break
-                kw = np.where(cand, _products(onehot, words_t[w]).reshape(d, m, n_boot), -1.0)
-                tw = kw.max(axis=0)
-                new = ~found & (tw > 0)
-                pos = np.where(new, w * width + width - np.frexp(tw)[1], pos)
-                found |= new
-                cand &= kw == tw[None]
-        out[:, lo:hi] = np.take(idx, pos.T.astype(np.intp) + np.arange(n_boot)[:, None] * k)  # idx[b, pos]
+        top = key.max(axis=0)  # (m, n_bootstrap): the winning class's key
+        if first_of is not None:  # its first position, looked up from the whole key
+            pos = first_of[top.astype(np.int32)]
+        else:
+            ints = top.astype(np.int32 if width < 31 else np.int64)  # exact: float32 keys stay below 2**24
+            low = (ints & (2**width - 1)).astype(top.dtype)  # the winner's positions < width, as bits
+            pos = width - np.frexp(low)[1]  # its highest bit is its first position; width when it has none
+            if len(words) > 1:
+                found = low > 0
+                cand = key == top[None]  # same count, same positions among the first words
+                for w in range(1, len(words)):
+                    if found.all():
+                        break
+                    kw = np.where(cand, _products(onehot, words_t[w]).reshape(d, m, n_boot), -1.0)
+                    tw = kw.max(axis=0)
+                    new = ~found & (tw > 0)
+                    pos = np.where(new, w * width + width - np.frexp(tw)[1], pos)
+                    found |= new
+                    cand &= kw == tw[None]
+        out[lo:hi] = np.take(idx, row_start + pos)  # idx[b, pos]
     return out
+
+
+@functools.lru_cache(maxsize=32)
+def _first_positions(k: int) -> np.ndarray:
+    """For every float32 tie-break key of ``k`` draws (``count * 2**k`` + position bits), the first
+    position among its bits (the highest bit: draw 0 has weight ``2**(k - 1)``)."""
+    bits = np.arange((k + 1) << k, dtype=np.int64) & ((1 << k) - 1)
+    first = (k - np.frexp(bits.astype(np.float64))[1]).astype(np.uint8)
+    first.flags.writeable = False
+    return first
 
 
 def _products(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -1258,7 +1276,7 @@ def _majority_dp(size: np.ndarray, chan: np.ndarray, n: int, k: int, log_fact: n
 
 
 __all__ = [
-    "CHUNK_BYTES", "N_BOOTSTRAP", "aggregate_validation_metrics", "bootstrap_indices", "bootstrap_metric",
-    "bootstrap_sizes", "calc_maj_val", "encode_samples", "merge_samples", "pass_at_k", "process_samples",
-    "process_validation_metrics",
+    "CACHE_BYTES", "CHUNK_BYTES", "N_BOOTSTRAP", "STYLES", "TABLE_MAX_N", "aggregate_validation_metrics",
+    "bootstrap_indices", "bootstrap_metric", "bootstrap_sizes", "calc_maj_val", "encode_samples",
+    "merge_samples", "pass_at_k", "process_samples", "process_validation_metrics", "samples_by_source",
 ]  # fmt: skip
