@@ -195,3 +195,30 @@ def test_four_unequal_shards_on_ray_actors_merge_to_verls_full_batch():
         check(driver.result(0, timeout=60), batch, val_keys, outputs)
     finally:
         ray.shutdown()
+
+
+def test_names_without_data_verl_reports_nan_merged_results_leave_out():
+    """Intended difference: with every response of every rank empty, verl's full batch reports NaN
+    for ``critic/score/*`` and the other metrics of no observation; the merged result leaves those
+    names out (and lists them in ``meta["empty"]``), as for every metric without data. The
+    single-process functions still return verl's NaN."""
+    tensors, non_tensors = verl_batch(23, b=8, aborted=8)
+    tensors["attention_mask"][:, 10:] = 0
+    tensors["response_mask"][:] = 0
+    batch = data_proto(tensors, non_tensors)
+    theirs = verl_metrics.compute_data_metrics(batch)
+    assert math.isnan(theirs["critic/score/mean"]) and math.isnan(
+        ours.compute_data_metrics(batch)["critic/score/mean"]
+    )
+    name = f"verl-{uuid.uuid4().hex[:8]}"
+    for shard in (batch[:3], batch[3:]):
+        client = ours.connect("local", world_size=2, name=name)
+        client.submit_metric(ours.compute_data_metrics(shard))
+        client.wait_submit()
+    try:
+        result = ours.connect("local", name=name).result(0, timeout=10)
+    finally:
+        rlmetrics.backends.local.drop_worker(name)
+    nan_names = {k for k, v in theirs.items() if math.isnan(v)}
+    assert nan_names and not nan_names & set(result) and nan_names <= set(result.meta["empty"])
+    assert_same(result, {k: v for k, v in theirs.items() if k not in nan_names}, 1e-5)

@@ -122,3 +122,15 @@ def test_reward_only_sources_keep_their_variables_with_expected_counts():
     theirs = verl_validation(sources, uids, infos, expected_acc_counts=expected)
     assert_nested_same(process_validation_metrics(sources, uids, infos, expected_acc_counts=expected), theirs)
     assert "acc" not in theirs["b"]
+
+
+def test_string_inside_a_numeric_prompt_verl_raises_we_count_nan():
+    """Intended difference: a string after a number in a prompt's values makes verl's ``np.mean``
+    raise; we count it as NaN (with a warning), so the prompt's metrics are NaN and the others stay."""
+    infos = {"acc": [1.0, "n/a", 0.0, 1.0]}
+    with pytest.raises(TypeError):
+        verl_validation(["a"] * 4, ["p", "p", "q", "q"], infos)
+    ours = process_validation_metrics(["a"] * 4, ["p", "p", "q", "q"], infos)
+    assert math.isnan(ours["a"]["acc"]["mean@2"])
+    with_nan = process_validation_metrics(["a"] * 4, ["p", "p", "q", "q"], {"acc": [1.0, math.nan, 0.0, 1.0]})
+    assert_nested_same(ours, with_nan)

@@ -131,3 +131,13 @@ def test_empty_min_max_verl_raises_we_report_nan(kind):
         verl_metric.Metric(kind).aggregate()
     assert np.isnan(ours.Metric(kind).aggregate())
     assert np.isnan(ours.Metric("mean").aggregate())
+
+
+def test_numpy_scalars_verl_refuses_we_take():
+    """Intended difference: verl's ``Metric.append`` takes int, float, tensors and arrays only, so a
+    numpy scalar such as ``np.float32`` or ``np.int64`` (what ``array.min()`` returns) raises; ours
+    takes any real number."""
+    for value in (np.float32(1.5), np.int64(2)):
+        with pytest.raises(ValueError, match="Unsupported value type"):
+            verl_metric.Metric("max", value)
+        assert ours.Metric("max", value).aggregate() == float(value)

@@ -28,6 +28,15 @@ response is correct when its summed ``token_level_rewards`` exceed :data:`CORREC
 abort flag in siiRL 0.2.0), so it comes with the response lengths; ``tool_call_counts/*`` read the
 ``tool_call_counts`` key (verl's) and ``num_turns/*`` the ``__num_turns__`` key, any numeric dtype.
 
+**verl's names** (:func:`compute_verl_data_stats`, behind
+:func:`rlmetrics.integrations.verl.compute_data_metrics`): ``critic/score|rewards/*`` of the
+responses that are not empty, ``response_length/*`` and ``prompt_length/*`` from ``attention_mask``
+(:func:`verl_lengths`: tool output in a multi-turn response counts), ``response_length/clip_ratio``,
+``response_length_non_aborted/*``, ``response/aborted_ratio``, ``prompt_length/clip_ratio`` against
+``prompts.shape[-1]``; token metrics over ``response_mask``; ``critic/values/*`` and the explained
+variance only with ``use_critic``; no correct/wrong lengths, no process memory.
+:func:`compute_variance_proxy_stats` is verl's ``compute_variance_proxy_metrics`` as Stats.
+
 The token summaries and the per-sequence sums (scores, rewards, lengths) are computed on the
 batch's device with fixed shapes (no masked_select, no ``.item()``); they reach the host in one
 transfer, where the per-sequence metrics are summarized with numpy (a few numbers per sequence:
