@@ -158,6 +158,19 @@ def ref_validation(sources, uids, infos, seed=42, expected=None):
 
 
 # ---------------------------------------------------------------------------------------- tests
+def merged(rank, world_size, name, timeout):
+    """Run ``rank(r)`` for every rank on its own thread, then read step 0 of aggregator ``name``."""
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        return verl.connect("local", name=name).result(0, timeout=timeout)
+    finally:
+        rlmetrics.backends.local.drop_worker(name)
+
+
 def as_data_proto(tensors, non_tensors, lo=0, hi=None):
     """A DataProto-shaped object (``.batch``, ``.non_tensor_batch``, ``.meta_info``) of rows lo:hi,
     whose meta_info lists the whole batch's tokens (as ``DataProto.chunk`` leaves it)."""
@@ -206,15 +219,7 @@ def test_unequal_shards_merge_to_the_full_batch(backend_naming):
                          **verl.compute_variance_proxy_metrics(shard, 0.05)})  # fmt: skip
         c.wait_submit()
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    try:
-        result = verl.connect("local", name=name).result(0, timeout=30)
-    finally:
-        rlmetrics.backends.local.drop_worker(name)
+    result = merged(rank, 4, name, timeout=30)
     expected = {
         **ref_data(tensors, non_tensors),
         **ref_timing_throughput(tensors, 8),
@@ -269,15 +274,7 @@ def test_update_metrics_per_micro_batch_merge_over_all_tokens():
         )
         c.wait_submit()
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    try:
-        result = verl.connect("local", name=name).result(0, timeout=10)
-    finally:
-        rlmetrics.backends.local.drop_worker(name)
+    result = merged(rank, 3, name, timeout=10)
     tokens = np.concatenate([mb for part in per_token for mb in part])
     assert result["actor/pg_loss"] == pytest.approx(tokens.mean(), rel=1e-12)
     assert result["actor/entropy"] == pytest.approx(tokens.mean() + 1, rel=1e-12)

@@ -46,7 +46,6 @@ tokens of the name (``actor/minibatch_loss`` is a mean), with verl's exceptions 
 
 from __future__ import annotations
 
-import logging
 import numbers
 import re
 from collections.abc import Mapping, Sequence
@@ -70,8 +69,6 @@ from rlmetrics.metrics import (
 from rlmetrics.metrics.validation import encode_samples, samples_by_source
 from rlmetrics.reduce import MAX, MEAN, MIN, STD, SUM, Reduction, resolve
 from rlmetrics.stat import Stat
-
-logger = logging.getLogger(__name__)
 
 VERL_REDUCTIONS: dict[str, Reduction] = {"variance_proxy/proxy2_total_power": MEAN}
 """verl's names whose reduction the name's tokens get wrong (``total`` would sum a mean)."""
@@ -132,19 +129,16 @@ def compute_timing_metrics(batch: Any, timing_raw: Mapping[str, Any]) -> dict[st
     token is its time over the tokens of all ranks.
 
     >>> import torch
-    >>> batch = {"responses": torch.zeros(2, 2), "attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])}
-    >>> m = compute_timing_metrics(batch, {"gen": 0.5, "update_actor": 1.4, "step": 3.0})
-    >>> m["timing_s/step"], m["timing_per_token_ms/gen"], m["timing_per_token_ms/update_actor"]
-    (3.0, 166.66666666666666, 200.0)
+    >>> batch = {"responses": torch.zeros(1, 4), "response_mask": torch.tensor([[1, 0, 0, 1]]),
+    ...          "attention_mask": torch.tensor([[1, 1, 1, 1, 1, 0]])}  # tool output: attended, not trained
+    >>> m = compute_timing_metrics(batch, {"gen": 0.3, "ref": 0.5})
+    >>> m["timing_s/gen"], m["timing_per_token_ms/gen"], m["timing_per_token_ms/ref"]
+    (0.3, 100.0, 100.0)
     """
     from rlmetrics.metrics.data import to_host, verl_lengths
+    from rlmetrics.metrics.timing import stage_seconds
 
-    seconds = {}
-    for stage, raw in timing_raw.items():
-        try:
-            seconds[stage] = float(raw)
-        except (TypeError, ValueError):
-            logger.debug("timing_raw[%r] is not a number: %r", stage, raw)
+    seconds = stage_seconds(timing_raw)
     out: dict[str, Value] = {f"timing_s/{stage}": Value(s, Stat.of(s)) for stage, s in seconds.items()}
     lengths = verl_lengths(_mapping(batch)[0])
     if lengths is None:

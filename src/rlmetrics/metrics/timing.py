@@ -55,6 +55,23 @@ def _token_counts(batch: Mapping[str, Any]) -> tuple[float, float] | None:
     return prompt, response
 
 
+def stage_seconds(timing_raw: Mapping[str, Any]) -> dict[str, float]:
+    """The stages of ``timing_raw`` whose time is a number (a float, a numpy or one-element torch
+    scalar), in seconds; the others are skipped (logged at debug level).
+
+    >>> stage_seconds({"gen": 1, "note": "slow"})
+    {'gen': 1.0}
+    """
+    seconds = {}
+    for stage, value in timing_raw.items():
+        s = _seconds(value)
+        if s is None:
+            logger.debug("timing_raw[%r] is not a number: %r", stage, value)
+            continue
+        seconds[stage] = s
+    return seconds
+
+
 def compute_timing_metrics(batch: Mapping[str, Any], timing_raw: Mapping[str, Any]) -> dict[str, float]:
     """``timing_s/{stage}`` in seconds and ``timing_per_token_ms/{stage}`` in milliseconds per token.
 
@@ -67,13 +84,7 @@ def compute_timing_metrics(batch: Mapping[str, Any], timing_raw: Mapping[str, An
     >>> m["timing_s/step"], m["timing_per_token_ms/gen"], m["timing_per_token_ms/update_actor"]
     (3.0, 166.66666666666666, 200.0)
     """
-    seconds = {}
-    for stage, value in timing_raw.items():
-        s = _seconds(value)
-        if s is None:
-            logger.debug("timing_raw[%r] is not a number: %r", stage, value)
-            continue
-        seconds[stage] = s
+    seconds = stage_seconds(timing_raw)
     out = {f"timing_s/{stage}": s for stage, s in seconds.items()}
     timed = [s for s in (*RESPONSE_TOKEN_STAGES, *ALL_TOKEN_STAGES) if s in seconds]
     counts = _token_counts(batch) if timed else None
@@ -132,5 +143,5 @@ compute_throughout_metrics = compute_throughput_metrics
 
 __all__ = [
     "ALL_TOKEN_STAGES", "RESPONSE_TOKEN_STAGES", "compute_throughout_metrics", "compute_throughput_metrics",
-    "compute_timing_metrics",
+    "compute_timing_metrics", "stage_seconds",
 ]  # fmt: skip

@@ -89,7 +89,7 @@ import hashlib
 import logging
 import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -773,12 +773,13 @@ def _compute(record: Mapping[str, Any], seed: int, n_bootstrap: int, exact: bool
     else:
         views, group_source = [_seed_view(record)], np.asarray(record["group_source"], dtype=np.intp)
         variables = list(views[0].values)
-    sums = _Sums(n_src)
-    pooled = {v: (np.zeros(n_src), np.zeros(n_src)) for v in variables}
-    binary = {v: np.zeros(n_src) for v in variables}  # prompts with a value outside {0, 1}
+    run = _Run(group_source, _Sums(n_src), seed, n_bootstrap, exact)
+    run.pooled = {v: (np.zeros(n_src), np.zeros(n_src)) for v in variables}
+    run.binary = {v: np.zeros(n_src) for v in variables}
     per_var: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # used groups and group sizes
     for view in views:
-        per_var.update(_add_view(view, group_source, sums, pooled, binary, seed, n_bootstrap, exact))
+        per_var.update(_add_view(view, run))
+    sums, pooled, binary = run.sums, run.pooled, run.binary
 
     res = _Result()
     for s, src_name in enumerate(sources):
@@ -826,19 +827,23 @@ def _compute(record: Mapping[str, Any], seed: int, n_bootstrap: int, exact: bool
     return res
 
 
-def _add_view(
-    view: _View,
-    group_source: np.ndarray,
-    sums: _Sums,
-    pooled: dict[str, tuple[np.ndarray, np.ndarray]],
-    binary: dict[str, np.ndarray],
-    seed: int,
-    n_bootstrap: int,
-    exact: bool,
-) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Add the per-prompt metrics of a view to ``sums`` (and the pooled std and 0/1 tallies);
-    return per variable the groups that use it and the group sizes."""
-    n_groups = len(group_source)
+@dataclass
+class _Run:
+    """One computation: the groups' data sources, its settings, and what the views add up."""
+
+    group_source: np.ndarray
+    sums: _Sums
+    seed: int
+    n_bootstrap: int
+    exact: bool
+    pooled: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # sum of squares, dof
+    binary: dict[str, np.ndarray] = field(default_factory=dict)  # prompts with a value outside {0, 1}
+
+
+def _add_view(view: _View, run: _Run) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Add the per-prompt metrics of a view to ``run``; return per variable the groups that use it
+    and the group sizes."""
+    n_groups = len(run.group_source)
     counts = np.bincount(view.group, minlength=n_groups)
     order = np.argsort(view.group, kind="stable")
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.intp)
@@ -858,33 +863,22 @@ def _add_view(
             votes = view.vote[gids]
         for sel, voting in ((votes, True), (~votes, False)):
             if sel.any():
-                _add_prompts(view, gids[sel], rows[sel], voting, used, group_source, sums, pooled, binary,
-                             seed, n_bootstrap, exact)  # fmt: skip
+                _add_prompts(view, gids[sel], rows[sel], voting, used, run)
     return {v: (used[v], counts) for v in view.values}
 
 
 def _add_prompts(
-    view: _View,
-    gids: np.ndarray,
-    rows: np.ndarray,
-    voting: bool,
-    used: dict[str, np.ndarray],
-    group_source: np.ndarray,
-    sums: _Sums,
-    pooled: dict[str, tuple[np.ndarray, np.ndarray]],
-    binary: dict[str, np.ndarray],
-    seed: int,
-    n_bootstrap: int,
-    exact: bool,
+    view: _View, gids: np.ndarray, rows: np.ndarray, voting: bool, used: dict[str, np.ndarray], run: _Run
 ) -> None:
     """The metrics of prompts with ``n`` slots each (``rows``, ``(P, n)``), maj@k when ``voting``."""
-    n_src, n = sums.n, rows.shape[1]
+    n_src, n = run.sums.n, rows.shape[1]
+    pooled, binary = run.pooled, run.binary
     dense = n_classes = None
     if voting and view.pred is not None:
         dense, n_classes = _dense_codes(view.pred[rows])
         perm = np.argsort(n_classes, kind="stable")  # similar class counts share a chunk
         gids, rows, dense, n_classes = gids[perm], rows[perm], dense[perm], n_classes[perm]
-    src = group_source[gids]
+    src = run.group_source[gids]
     keep = {v: used[v][gids] for v in view.values}
     mats = {v: vals[rows] for v, vals in view.values.items() if keep[v].any()}
     per_prompt: dict[tuple[str, str], np.ndarray] = {}
@@ -897,14 +891,14 @@ def _add_prompts(
             pooled[v][0][:] += ss
             pooled[v][1][:] += np.bincount(src[keep[v]], minlength=n_src) * (n - 1)
     if n > 1:
-        per_prompt.update(_bootstrap_group(mats, dense, n_classes, n, seed, n_bootstrap))
-    if exact:
+        per_prompt.update(_bootstrap_group(mats, dense, n_classes, n, run.seed, run.n_bootstrap))
+    if run.exact:
         per_prompt.update(_exact_group(mats, dense, n_classes, n))
         for v, mat in mats.items():
             nonbinary = ~np.all((mat == 0) | (mat == 1), axis=1)
             binary[v] += np.bincount(src[keep[v]], weights=nonbinary[keep[v]], minlength=n_src)
     for (v, name), vals in per_prompt.items():
-        sums.add(v, name, src[keep[v]], vals[keep[v]])
+        run.sums.add(v, name, src[keep[v]], vals[keep[v]])
 
 
 def _dense_codes(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
