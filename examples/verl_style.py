@@ -12,7 +12,8 @@ The driver of a verl trainer holds the whole batch; here it only dispatches it. 
    counts and ``actor/grad_norm``; then it closes the step;
 3. the driver averages the ranks' updated weights (no gradient all-reduce in this sketch), reads
    the merged step with ``client.result(step, timeout)`` (no barrier), logs it to the sinks (JSONL,
-   console), and checks that the merged batch metrics equal the same functions on the full batch.
+   console), and checks that the merged batch, timing and throughput metrics equal the same
+   functions on the full batch.
 
 A validation round runs on the last step: each rank sends its samples, the aggregator computes
 verl's ``val-core/...`` keys once over all of them.
@@ -219,9 +220,13 @@ def main(argv: list[str] | None = None) -> dict:
                 policy.load_state_dict({k: torch.stack([s[k] for s in states]).mean(0) for k in states[0]})
                 result = driver.result(step, timeout=60)
                 sinks.log(result, step)
-                full = verl.compute_data_metrics(batch, use_critic=False)  # the verl driver's own call
+                full = {  # the verl driver's own calls, on the whole batch
+                    **verl.compute_data_metrics(batch, use_critic=False),
+                    **verl.compute_timing_metrics(batch, TIMING),
+                    **verl.compute_throughout_metrics(batch, TIMING, args.ranks),
+                }
                 worst = max([worst] + [_difference(result[k], v) for k, v in full.items() if k in result])
-        print(f"merged batch metrics vs the full batch: largest relative difference {worst:.1e}")
+        print(f"merged step vs the functions on the full batch: largest relative difference {worst:.1e}")
         print(f"sinks: {out}/metrics.jsonl")
         return result
     finally:

@@ -1,17 +1,16 @@
 """Exact across data-parallel ranks: verl's functions on 4 unequal shards, submitted with verl's
-naming through local threads and real Ray actors, merge to verl 0.9.1's numbers on the full batch."""
+naming by 4 ranks (threads; Ray rank actors run the same functions in examples/verl_style.py,
+tests/test_verl_example.py), merge to verl 0.9.1's numbers on the full batch."""
 
 import math
 import threading
 import uuid
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 pytest.importorskip("verl.trainer.ppo.metric_utils")
 torch = pytest.importorskip("torch")
-ray = pytest.importorskip("ray")
 
 import verl.trainer.ppo.metric_utils as verl_metrics  # noqa: E402
 import verl.utils.metric as verl_metric  # noqa: E402
@@ -19,17 +18,11 @@ import verl.utils.metric as verl_metric  # noqa: E402
 import rlmetrics  # noqa: E402
 from rlmetrics.integrations import verl as ours  # noqa: E402
 from tests.peers.test_verl_validation_parity import random_validation  # noqa: E402
-from tests.peers.verl_batches import (  # noqa: E402
-    GRAD_NORM,
-    N_GPUS,
-    TIMING,
-    DpRank,
-    assert_same,
-    data_proto,
-    rank_metrics,
-    submit_rank,
-    verl_batch,
-)
+from tests.peers.verl_batches import assert_same, data_proto, verl_batch  # noqa: E402
+
+TIMING = {"gen": 1.5, "ref": 0.25, "update_actor": 2.5, "step": 6.0, "reshard": 0.5}
+N_GPUS = 4
+GRAD_NORM = 0.3
 
 CUTS = (0, 3, 10, 11, 26)  # 4 unequal shards of 26 sequences; the 1-sequence shard is aborted
 
@@ -42,6 +35,26 @@ def full_batch():
 def shards(batch):
     """``DataProto`` slices: each keeps the whole batch's meta_info, as ``DataProto.chunk`` does."""
     return [batch[lo:hi] for lo, hi in zip(CUTS[:-1], CUTS[1:])]
+
+
+def rank_metrics(shard):
+    """What a rank computes on its shard: verl's four batch functions."""
+    return {
+        **ours.compute_data_metrics(shard),
+        **ours.compute_timing_metrics(shard, TIMING),
+        **ours.compute_throughout_metrics(shard, TIMING, N_GPUS),
+        **ours.compute_variance_proxy_metrics(shard, GRAD_NORM),
+    }
+
+
+def submit_rank(client, rank, shard, val_part, worker_output):
+    client.submit_metric(rank_metrics(shard))
+    client.submit_metric(worker_output)
+    sources, uids, infos, expected, turns = val_part
+    ours.submit_validation_metrics(
+        client, sources, uids, infos, expected_acc_counts=expected, sample_turns=turns
+    )
+    client.wait_submit()
 
 
 def verl_full(batch):
@@ -175,26 +188,6 @@ def test_siirl_naming_renames_timing_and_sums_proxy2_total_power():
     power = result["variance_proxy/proxy2_total_power"]
     assert not math.isclose(power, full["variance_proxy/proxy2_total_power"], rel_tol=1e-3)
     assert power == pytest.approx(full["variance_proxy/proxy2_total_power"] * len(batch), rel=1e-5)
-
-
-def test_four_unequal_shards_on_ray_actors_merge_to_verls_full_batch():
-    """The same on real Ray actors (one per rank, each sent its shard), the driver reading the
-    merged step."""
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    try:
-        batch = full_batch()
-        parts, val_keys = validation_parts()
-        outputs = worker_outputs()
-        name = f"verl-{uuid.uuid4().hex[:8]}"
-        driver = ours.connect("ray", name=name)  # creates the aggregator: it lives as long as the driver
-        ranks = [ray.remote(num_cpus=0)(DpRank).remote(r, name) for r in range(4)]
-        # each rank gets its shard as a DataProto-shaped object (verl need not be imported there)
-        sent = [SimpleNamespace(batch=s.batch, non_tensor_batch=s.non_tensor_batch, meta_info=s.meta_info)
-                for s in shards(batch)]  # fmt: skip
-        ray.get([a.run.remote(sent[r], parts[r], outputs[r]) for r, a in enumerate(ranks)])
-        check(driver.result(0, timeout=60), batch, val_keys, outputs)
-    finally:
-        ray.shutdown()
 
 
 def test_names_without_data_verl_reports_nan_merged_results_leave_out():

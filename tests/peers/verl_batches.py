@@ -1,17 +1,10 @@
-"""Batches as verl 0.9.1's trainer builds them, what a data-parallel rank computes of them, and the
-comparison of verl's numbers with ours. Light to import (verl only inside :func:`data_proto`): Ray
-workers import it to run :class:`DpRank`."""
+"""Batches as verl 0.9.1's trainer builds them, and the comparison of verl's numbers with ours
+(verl is imported only by :func:`data_proto`)."""
 
 import math
 
 import numpy as np
 import torch
-
-from rlmetrics.integrations import verl as ours
-
-TIMING = {"gen": 1.5, "ref": 0.25, "update_actor": 2.5, "step": 6.0, "reshard": 0.5}
-N_GPUS = 4
-GRAD_NORM = 0.3
 
 
 def verl_batch(
@@ -82,35 +75,3 @@ def assert_same(ours, theirs, rel, keys=None):
         elif not math.isclose(a, b, rel_tol=rel, abs_tol=rel):
             bad[k] = (a, b)
     assert not bad, bad
-
-
-def rank_metrics(shard):
-    """What a rank computes on its shard: verl's four batch functions."""
-    return {
-        **ours.compute_data_metrics(shard),
-        **ours.compute_timing_metrics(shard, TIMING),
-        **ours.compute_throughout_metrics(shard, TIMING, N_GPUS),
-        **ours.compute_variance_proxy_metrics(shard, GRAD_NORM),
-    }
-
-
-def submit_rank(client, rank, shard, val_part, worker_output):
-    client.submit_metric(rank_metrics(shard))
-    client.submit_metric(worker_output)
-    sources, uids, infos, expected, turns = val_part
-    ours.submit_validation_metrics(
-        client, sources, uids, infos, expected_acc_counts=expected, sample_turns=turns
-    )
-    client.wait_submit()
-
-
-class DpRank:
-    """A data-parallel rank (a Ray actor once wrapped with ``ray.remote``): computes verl's metrics of
-    its shard and submits them with verl's naming."""
-
-    def __init__(self, rank, name):
-        self.rank = rank
-        self.client = ours.connect("ray", world_size=4, name=name, label=f"rank{rank}")
-
-    def run(self, shard, val_part, worker_output):
-        submit_rank(self.client, self.rank, shard, val_part, worker_output)
