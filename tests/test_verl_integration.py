@@ -4,6 +4,9 @@ concatenated data, shards merged through clients, the naming profile, worker met
 import json
 import math
 import pickle
+import subprocess
+import sys
+import textwrap
 import threading
 import uuid
 from collections import Counter
@@ -368,3 +371,34 @@ def test_validation_matches_reference_loop_and_merges_across_ranks(seed):
     assert_close(merged, {k: flat[k] for k in merged}, 1e-12)
     assert len(merged) == sum(len(ms) for by in nested.values() for ms in by.values())
     assert "val-core/gsm8k/acc/mean@18" in merged and "val-aux/gsm8k/acc_success_only/mean@13" not in merged
+
+
+def test_imports_and_works_without_verl_torch_or_ray():
+    """verl's names and the numpy-only functions work with verl, torch and Ray unavailable; the batch
+    functions name the extra they need."""
+    from tests.test_package import BLOCK_EXTRAS
+
+    code = BLOCK_EXTRAS + textwrap.dedent(
+        """
+        class NoVerl:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] == "verl":
+                    raise ImportError(f"blocked {name}")
+        sys.meta_path.insert(0, NoVerl())
+        from rlmetrics.integrations import verl
+        nested = verl.process_validation_metrics(["a", "a"], ["p", "p"], {"acc": [1.0, None]})
+        assert nested == {"a": {"acc": {"mean@1": 1.0}}}, nested
+        m = verl.Metric("max", 1.0)
+        m.append(3)
+        assert verl.reduce_metrics({"x": m, "y_min": [2.0, 1.0]}) == {"x": 3.0, "y_min": 1.0}
+        try:
+            verl.compute_data_metrics({})
+        except ImportError as exc:
+            assert "rlmetrics[torch]" in str(exc), exc
+        else:
+            raise AssertionError("compute_data_metrics without torch")
+        assert not {"torch", "ray", "verl"} & set(sys.modules)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
