@@ -36,20 +36,38 @@ PEERS_DEPS := pandas scipy loguru packaging
 # tests.test_ray_backend), so those files of siiRL's RECORD are removed again.
 PEERS_STRAY := tests examples docs
 
-$(VENV)/.installed-peers: $(VENV)/.installed-test
-	$(BIN)/python -m pip install -q --no-deps "$(PEERS_SPEC)"
-	$(BIN)/python -m pip install -q $(PEERS_DEPS)
-	$(BIN)/python -c "import importlib.metadata as md, pathlib, shutil; \
-	d = md.distribution('siirl'); tops = '$(PEERS_STRAY)'.split(); \
+# The verl peer (tests/peers/test_verl_*.py, benchmarks/bench_verl.py): verl 0.9.1 without its pins
+# (they would downgrade tensordict and pull GPU stacks), plus what its metric modules
+# (verl/trainer/ppo/metric_utils.py, verl/utils/metric/utils.py) import: omegaconf and transformers
+# in verl's range. Its wheel's top-level `tests` and `scripts` packages are removed as siiRL's are.
+VERL_SPEC ?= verl==0.9.1
+VERL_DEPS := omegaconf "transformers>=5.5.3,<5.11,!=5.6.0"
+VERL_STRAY := tests scripts
+
+# $(call remove-stray,DIST,TOPS): delete the files of distribution DIST under the top-level names TOPS,
+# and those directories once no other distribution's files are left in them.
+remove-stray = $(BIN)/python -c "import importlib.metadata as md, pathlib, shutil; \
+	d = md.distribution('$(1)'); tops = '$(2)'.split(); \
 	[pathlib.Path(d.locate_file(f)).unlink(missing_ok=True) for f in d.files if f.parts[0] in tops]; \
 	roots = [pathlib.Path(d.locate_file(t)) for t in tops]; \
 	[shutil.rmtree(r) for r in roots if r.is_dir() \
 	 and not any(p.is_file() and '__pycache__' not in p.parts for p in r.rglob('*'))]"
+
+$(VENV)/.installed-peers: $(VENV)/.installed-test
+	$(BIN)/python -m pip install -q --no-deps "$(PEERS_SPEC)"
+	$(BIN)/python -m pip install -q $(PEERS_DEPS)
+	$(call remove-stray,siirl,$(PEERS_STRAY))
+	touch $@
+
+$(VENV)/.installed-verl: $(VENV)/.installed-test
+	$(BIN)/python -m pip install -q --no-deps "$(VERL_SPEC)"
+	$(BIN)/python -m pip install -q $(VERL_DEPS)
+	$(call remove-stray,verl,$(VERL_STRAY))
 	touch $@
 
 install: $(VENV)/.installed-demo
 install-test: $(VENV)/.installed-test
-install-peers: $(VENV)/.installed-peers
+install-peers: $(VENV)/.installed-peers $(VENV)/.installed-verl
 
 demo: install
 	$(BIN)/rlmetrics demo
@@ -67,6 +85,7 @@ bench: install-test install-peers
 
 bench-peers: install-peers
 	$(BIN)/python benchmarks/bench_peers.py
+	$(BIN)/python benchmarks/bench_verl.py
 
 # Not part of `make test` (which runs 200 and 50 steps of them): the long runs of README's Reliability.
 soak: install-test

@@ -167,6 +167,8 @@ def ppo_batch(b: int, p: int, r: int, seed: int, *, optional: bool) -> dict:
             policy_logits=torch.randn(b, r, v, generator=g),
             grad_norm=torch.rand((), generator=g),
             loss_values=torch.rand(5, generator=g),
+            old_log_probs=-torch.rand(b, r, generator=g),
+            sum_pi_squared=torch.rand(b, r, generator=g),
         )
     return out
 
@@ -185,6 +187,8 @@ TIMING = {"gen": 0.5, "ref": 0.25, "update_actor": 1.5, "step": 3.0}
 DATA_CALLS = {
     "compute_data_stats": lambda d: data.compute_data_stats(d),
     "compute_data_metric": lambda d: data.compute_data_metric(d),
+    "compute_verl_data_stats": lambda d: data.compute_verl_data_stats(d),
+    "compute_variance_proxy_stats": lambda d: data.compute_variance_proxy_stats(d, 1.0),
 }
 TIMING_CALLS = {
     "compute_timing_metrics": lambda d: timing.compute_timing_metrics(d, TIMING),

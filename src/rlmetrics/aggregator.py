@@ -137,12 +137,15 @@ def pack(
     nan_strategy: str = "propagate",
     schemas: dict | None = None,
     errors: dict[str, str] | None = None,
+    overrides: Mapping[str, Reduction] | None = None,
 ) -> Packed:
     """Summarize a ``{name: value}`` dict into a :class:`Packed` contribution.
 
     Values: numbers, lists, numpy arrays, torch tensors, :class:`Stat` or ``(value, weight)``.
     A bad value is left out; its message goes to ``errors`` (by name) when given, else the first
     one is raised as :class:`MetricValueError`. ``schemas`` caches schemas across calls.
+    ``overrides``: names whose reduction is not the one :func:`~rlmetrics.reduce.resolve` gives
+    (a client's naming profile).
 
     >>> p = pack({"a/mean": 2.0, "b/max": [1.0, 7.0]})
     >>> p.schema.names, p.schema.reductions, p.stats[4].tolist()
@@ -163,7 +166,7 @@ def pack(
         try:
             if not isinstance(name, str) or not name:
                 raise MetricValueError(f"metric name must be a non-empty str, got {name!r:.80}")
-            reduction = resolve(name)
+            reduction = overrides[name] if overrides and name in overrides else resolve(name)
             v = None if reduction.needs_sketch else _scalar(value)
             if v is not None and (nan_strategy == "propagate" or math.isfinite(v)):
                 columns.append(v)

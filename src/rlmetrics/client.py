@@ -97,6 +97,8 @@ class ClientCore:
     ``blocking``: ``wait_submit()`` returns once the aggregator holds the step (default, the seed's
     behaviour, needed before a ``wait_final_res()``); ``False`` returns at once and raises an error
     about the data at this client's next call (for ranks whose driver reads with ``result(step)``).
+    ``naming``: a naming profile (e.g. :data:`rlmetrics.integrations.verl.NAMING`), whose
+    ``prepare(metrics)`` gives the values to submit and the reductions that differ from the names'.
     """
 
     max_restarts_per_call = 5
@@ -110,12 +112,14 @@ class ClientCore:
         label: str | None = None,
         client_id: str | None = None,
         blocking: bool = True,
+        naming: Any = None,
     ) -> None:
         if nan_strategy not in NAN_STRATEGIES:
             raise ValueError(f"nan_strategy must be one of {NAN_STRATEGIES}, got {nan_strategy!r}")
         self.transport = transport
         self.world_size = world_size
         self.nan_strategy = nan_strategy
+        self.naming = naming
         self.client_id = client_id or new_client_id(label)
         self.blocking = blocking
         self.step = 0
@@ -169,9 +173,12 @@ class ClientCore:
                 f"metrics must be a mapping of name to value, got {type(metrics).__name__}"
             )
         errors: dict[str, str] = {}
+        reductions = None
+        if self.naming is not None:
+            metrics, reductions = self.naming.prepare(metrics)
         if len(self._schemas) > _SCHEMA_CACHE:
             self._schemas.clear()
-        packed = pack(metrics, self.nan_strategy, self._schemas, errors)
+        packed = pack(metrics, self.nan_strategy, self._schemas, errors, reductions)
         with self._lock:
             if packed.schema.names:
                 self._buffer.append((step, self._next_seq(), ws, packed))
@@ -390,20 +397,24 @@ class ClientCore:
         step: int | None = None,
         *,
         exact: bool = False,
+        **record_options: Any,
     ) -> None:
         """Send this rank's validation samples (a compact record); the aggregator computes
         ``val-core/...``, ``val-aux/...``, ``val/test_score/...`` once over all ranks' samples, so a
         prompt whose samples sit on several ranks gets exactly the single-process values. Ranks are
         merged in the order of the number in their label (``rank3``), else in arrival order.
-        ``exact=True`` adds ``pass@k`` and the exact best/worst/maj@k keys
-        (:mod:`rlmetrics.metrics.validation`)."""
+        ``exact=True`` adds ``pass@k`` and the exact best/worst/maj@k keys; ``record_options``
+        (``style``, ``seed``, ``expected_counts``) go to
+        :func:`~rlmetrics.metrics.validation.encode_samples`."""
         from rlmetrics.metrics import AUX_PREFIX
         from rlmetrics.metrics.validation import encode_samples
 
         ws = self.world_size if world_size is None else world_size
         if ws is None:
             raise ValueError("process_local_validation_metrics needs world_size")
-        record = encode_samples(data_sources, sample_inputs, infos_dict, sample_turns, exact=exact)
+        record = encode_samples(
+            data_sources, sample_inputs, infos_dict, sample_turns, exact=exact, **record_options
+        )
         packed = pack({AUX_PREFIX + "validation/samples/total": float(len(data_sources))})
         packed.records.append((self._rank_key(), record))
         self.submit_packed(packed, int(ws), self.step if step is None else int(step))

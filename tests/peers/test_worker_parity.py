@@ -295,7 +295,7 @@ def test_weighted_scalar_submissions_versus_siirl_plain_mean(siirl_worker, local
     ours = rlmetrics.MetricClient(local.get_worker(local_name))
     for m, n in zip(means, sizes):  # step 1: step 0 (the plain numbers) is finalized
         ours.submit_metric({"critic/score/mean": (m, n)}, len(means), step=1)
-    ours.wait_submit()
+    ours.wait_submit(step=1)
     weighted = ours.wait_final_res()["critic/score/mean"]
     assert theirs == pytest.approx(np.mean(means), rel=REL)
     assert plain == pytest.approx(theirs, rel=REL)

@@ -592,6 +592,7 @@ class TorchMetricClient(ClientCore):
         world_size: int | None = None,
         nan_strategy: str = "propagate",
         label: str | None = None,
+        naming: Any = None,
         **transport_options: Any,
     ) -> None:
         """``transport_options`` go to :class:`TorchDistTransport`: ``result_on``, ``renames``,
@@ -602,6 +603,7 @@ class TorchMetricClient(ClientCore):
             world_size=world_size or transport.world_size,
             nan_strategy=nan_strategy,
             label=label or f"rank{transport.rank}",
+            naming=naming,
         )
 
     def wait_submit(self) -> None:

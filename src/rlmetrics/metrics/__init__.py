@@ -47,11 +47,75 @@ def vf_explained_var(values: Mapping[str, float]) -> float | None:
     return 1.0 - res * res * unbiased / (ret * ret * unbiased + VF_EPS)
 
 
+TIMED_STAGES = ("gen", "ref", "values", "adv", "update_critic", "update_actor")
+"""Stages with a ``timing_per_token_ms/{stage}``: ``gen`` per response token, the others per token of
+the whole sequence (the seed's and verl's)."""
+
+
+def timing_aux(stage: str) -> tuple[str, str]:
+    """The auxiliary names of ``timing_per_token_ms/{stage}``: the stage's seconds (averaged over
+    ranks, which time the same step) and its tokens (summed).
+
+    >>> timing_aux("gen")
+    ('_aux/timing_per_token_ms/gen/seconds/mean', '_aux/timing_per_token_ms/gen/tokens/sum')
+    """
+    return (
+        f"{AUX_PREFIX}timing_per_token_ms/{stage}/seconds/mean",
+        f"{AUX_PREFIX}timing_per_token_ms/{stage}/tokens/sum",
+    )
+
+
+def _per_token_ms(stage: str) -> Callable[[Mapping[str, float]], float | None]:
+    seconds_name, tokens_name = timing_aux(stage)
+
+    def per_token_ms(values: Mapping[str, float]) -> float | None:
+        """Milliseconds per token of all ranks' tokens (0.0 without tokens, as verl)."""
+        seconds, tokens = values.get(seconds_name), values.get(tokens_name)
+        if seconds is None or tokens is None:
+            return None
+        return seconds * 1000.0 / tokens if tokens > 0 else 0.0
+
+    return per_token_ms
+
+
+THROUGHPUT_TOKENS = AUX_PREFIX + "perf/throughput/tokens/sum"
+"""Tokens behind ``perf/throughput`` (summed over ranks)."""
+THROUGHPUT_GPU_SECONDS = AUX_PREFIX + "perf/throughput/gpu_seconds/mean"
+"""Step seconds times GPUs behind ``perf/throughput`` (the same on every rank)."""
+
+
+def throughput(values: Mapping[str, float]) -> float | None:
+    """Tokens per second per GPU of all ranks' tokens, from the merged auxiliary metrics."""
+    tokens, gpu_seconds = values.get(THROUGHPUT_TOKENS), values.get(THROUGHPUT_GPU_SECONDS)
+    if tokens is None or gpu_seconds is None or not gpu_seconds > 0:
+        return None
+    return tokens / gpu_seconds
+
+
+VP_SEQUENCES = AUX_PREFIX + "variance_proxy/sequences/sum"
+"""Number of sequences behind the variance proxies (summed over ranks)."""
+
+
+def variance_proxy_noise(values: Mapping[str, float]) -> float | None:
+    """verl's ``variance_proxy/proxy3_pure_noise``, ``max(0, (proxy2 - proxy1) / (N - 1))`` (0.0 for
+    ``N <= 1``), from the merged values; None without the sequence count (no gradient norm given)."""
+    n = values.get(VP_SEQUENCES)
+    signal = values.get("variance_proxy/proxy1_signal_strength")
+    power = values.get("variance_proxy/proxy2_total_power")
+    if n is None or signal is None or power is None:
+        return None
+    return max(0.0, (power - signal) / (n - 1)) if n > 1 else 0.0  # max(0.0, nan) is 0.0, as verl's
+
+
 DERIVED_METRICS: dict[str, Callable[[Mapping[str, float]], float | None]] = {
     "critic/vf_explained_var": vf_explained_var,
+    "perf/throughput": throughput,
+    "variance_proxy/proxy3_pure_noise": variance_proxy_noise,
+    **{f"timing_per_token_ms/{stage}": _per_token_ms(stage) for stage in TIMED_STAGES},
 }
 """Derived metric name → function of the merged ``{name: float}`` (None: cannot be computed, the
-merged value under that name, if any, is kept)."""
+merged value under that name, if any, is kept). Only the integrations (and ``critic/vf_explained_var``
+of every data-metric function) submit the ingredients of the others."""
 
 
 def validation_metrics(records: list) -> dict[str, float]:
@@ -92,6 +156,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "AUX_PREFIX", "DERIVED_METRICS", "VF_EPS", "VF_RESIDUAL_STD", "VF_RETURNS_STD", "VF_TOKENS",
-    "derive_metrics", "validation_metrics", "vf_explained_var", *sorted(_LAZY),
+    "AUX_PREFIX", "DERIVED_METRICS", "THROUGHPUT_GPU_SECONDS", "THROUGHPUT_TOKENS", "TIMED_STAGES", "VF_EPS",
+    "VF_RESIDUAL_STD", "VF_RETURNS_STD", "VF_TOKENS", "VP_SEQUENCES", "derive_metrics", "throughput",
+    "timing_aux", "validation_metrics", "variance_proxy_noise", "vf_explained_var", *sorted(_LAZY),
 ]  # fmt: skip

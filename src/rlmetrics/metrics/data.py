@@ -28,6 +28,15 @@ response is correct when its summed ``token_level_rewards`` exceed :data:`CORREC
 abort flag in siiRL 0.2.0), so it comes with the response lengths; ``tool_call_counts/*`` read the
 ``tool_call_counts`` key (verl's) and ``num_turns/*`` the ``__num_turns__`` key, any numeric dtype.
 
+**verl's names** (:func:`compute_verl_data_stats`, behind
+:func:`rlmetrics.integrations.verl.compute_data_metrics`): ``critic/score|rewards/*`` of the
+responses that are not empty, ``response_length/*`` and ``prompt_length/*`` from ``attention_mask``
+(:func:`verl_lengths`: tool output in a multi-turn response counts), ``response_length/clip_ratio``,
+``response_length_non_aborted/*``, ``response/aborted_ratio``, ``prompt_length/clip_ratio`` against
+``prompts.shape[-1]``; token metrics over ``response_mask``; ``critic/values/*`` and the explained
+variance only with ``use_critic``; no correct/wrong lengths, no process memory.
+:func:`compute_variance_proxy_stats` is verl's ``compute_variance_proxy_metrics`` as Stats.
+
 The token summaries and the per-sequence sums (scores, rewards, lengths) are computed on the
 batch's device with fixed shapes (no masked_select, no ``.item()``); they reach the host in one
 transfer, where the per-sequence metrics are summarized with numpy (a few numbers per sequence:
@@ -48,14 +57,22 @@ import math
 import os
 import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import psutil
 
 from rlmetrics.extras import require
-from rlmetrics.metrics import VF_RESIDUAL_STD, VF_RETURNS_STD, VF_TOKENS, derive_metrics, vf_explained_var
+from rlmetrics.metrics import (
+    VF_RESIDUAL_STD,
+    VF_RETURNS_STD,
+    VF_TOKENS,
+    VP_SEQUENCES,
+    derive_metrics,
+    variance_proxy_noise,
+    vf_explained_var,
+)
 from rlmetrics.reduce import resolve
 from rlmetrics.stat import Stat, empty_arrays, to_host
 
@@ -144,6 +161,120 @@ def data_metrics_from_stats(stats: Mapping[str, Stat]) -> dict[str, float]:
     names = list(stats)
     arrays = np.array([[s.count, s.sum, s.m2, s.min, s.max] for s in stats.values()]).T
     return _metrics_of_arrays(names, arrays.reshape(5, len(names)), stats)
+
+
+def compute_verl_data_stats(
+    batch: Batch, *, use_critic: bool = True, torch_compile: bool = False
+) -> dict[str, Stat]:
+    """verl 0.9.1's ``compute_data_metrics`` of ``batch`` as one mergeable :class:`Stat` per name
+    (verl's names and semantics, see the module docstring), with the explained-variance ingredients.
+
+    >>> import torch
+    >>> attention_mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 0, 0, 0]])  # the second response is empty
+    >>> scores = torch.tensor([[0.0, 2.0, 0.0], [0.0, 0.0, 0.0]])
+    >>> batch = {"prompts": torch.zeros(2, 2), "responses": torch.zeros(2, 3),
+    ...          "attention_mask": attention_mask, "token_level_scores": scores}
+    >>> stats = compute_verl_data_stats(batch)
+    >>> stats["critic/score/mean"].count, stats["response_length/mean"].mean  # score: 1 non-empty response
+    (1.0, 1.0)
+    >>> stats["response/aborted_ratio"].mean
+    0.5
+    """
+    names, arrays = verl_data_arrays(batch, use_critic=use_critic, torch_compile=torch_compile)
+    return {name: Stat(*column) for name, column in zip(names, arrays.T.tolist())}
+
+
+def verl_data_arrays(
+    batch: Batch, *, use_critic: bool = True, torch_compile: bool = False
+) -> tuple[list[str], np.ndarray]:
+    """:func:`compute_verl_data_stats` as names and their ``(5, K)`` stat array."""
+    t = _Tensors(batch)
+    plan = _Plan()
+    _add_sums(t, plan)
+    lengths = _verl_lengths(t)
+    if lengths is not None:
+        plan.sequences["prompt_length"], plan.sequences["response_length"] = lengths
+    if t.response_mask is not None:
+        keys = ("advantages", "returns", "values") if use_critic else ("advantages", "returns")
+        _add_token_metrics(t, plan, t.response_mask, torch_compile, keys)
+    _add_counts(t, plan)
+    sequences, block = plan.run()
+    return _with_token_block(*_part_summaries(_verl_parts(sequences, t)), plan, block)
+
+
+def verl_lengths(batch: Batch) -> tuple[Any, Any] | None:
+    """verl's prompt and response lengths per sequence: the batch's ``prompt_length`` and
+    ``response_length`` when it has both, else the sums of ``attention_mask`` before and over the
+    last ``responses.shape[-1]`` columns (tool output in a multi-turn response counts); None if
+    neither is there.
+
+    >>> import torch
+    >>> batch = {"responses": torch.zeros(1, 3), "attention_mask": torch.tensor([[0, 1, 1, 1, 0]])}
+    >>> [x.tolist() for x in verl_lengths(batch)]
+    [[1], [2]]
+    """
+    return _verl_lengths(_Tensors(batch))
+
+
+def compute_variance_proxy_stats(batch: Batch, gradient_norm: float | None = None) -> dict[str, Stat]:
+    """verl 0.9.1's ``compute_variance_proxy_metrics`` as mergeable Stats: per sequence ``A**2 * W``
+    (``proxy2_total_power``; with ``rollout_is_weights`` its off-policy form), ``A**2`` and ``W``, where
+    ``A`` is the sequence's mean advantage (verl's masked mean, ``+ 1e-8`` in the denominator) and ``W``
+    the sum over its response tokens of ``1 - 2 exp(old_log_probs) + sum_pi_squared``;
+    ``proxy1_signal_strength`` is ``gradient_norm**2``; ``proxy3_pure_noise``
+    (``max(0, (proxy2 - proxy1) / (N - 1))`` over the ``N`` sequences) comes with the sequence count
+    under :data:`~rlmetrics.metrics.VP_SEQUENCES`, so the merged value is the full batch's. Empty
+    without ``sum_pi_squared``, ``old_log_probs``, ``advantages`` or a response mask.
+
+    >>> import torch
+    >>> batch = {"old_log_probs": torch.zeros(2, 2), "sum_pi_squared": torch.ones(2, 2),
+    ...          "advantages": torch.tensor([[1.0, 1.0], [2.0, 0.0]]), "response_mask": torch.ones(2, 2)}
+    >>> stats = compute_variance_proxy_stats(batch, gradient_norm=1.0)
+    >>> round(stats["variance_proxy/expected_a_squared"].mean, 6), stats["variance_proxy/expected_w"].mean
+    (1.0, 0.0)
+    """
+    t = _Tensors(batch)
+    old, pi2, adv, mask = (
+        t.get(k) for k in ("old_log_probs", "sum_pi_squared", "advantages", "response_mask")
+    )
+    if old is None or pi2 is None or adv is None or mask is None:
+        return {}
+    f64 = torch.float64
+    mask = mask.to(f64)
+    on = mask != 0
+
+    def masked_sum(x: Any) -> Any:
+        return (torch.where(on, x.to(f64), 0.0) * mask).sum(-1)
+
+    denominator = mask.sum(-1) + 1e-8
+    w = 1 - 2 * torch.exp(old.to(f64)) + pi2.to(f64)
+    rho = t.get("rollout_is_weights")
+    if rho is not None:
+        rho = rho.to(f64)
+        w = w * rho**2
+    a = masked_sum(adv) / denominator
+    w_sum = masked_sum(w)
+    if rho is None:
+        power = a**2 * w_sum.clamp(min=0.0)
+    else:
+        w_original = masked_sum(w / (rho**2).clamp(min=1e-10)).clamp(min=0.0)
+        power = (masked_sum(rho) / denominator) ** 2 * a**2 * w_original
+    power, a2, w_sum = to_host([power, a**2, w_sum])
+    n = float(len(power))
+    stats = {
+        "variance_proxy/proxy1_signal_strength": Stat.of(0.0 if gradient_norm is None else gradient_norm**2),
+        "variance_proxy/proxy2_total_power": Stat.of(power),
+        "variance_proxy/proxy3_pure_noise": Stat.of(0.0),
+        "variance_proxy/expected_a_squared": Stat.of(a2),
+        "variance_proxy/expected_w": Stat.of(w_sum),
+    }
+    if gradient_norm is not None:  # the full batch's value is derived from the merged values
+        stats[VP_SEQUENCES] = Stat(1.0, n, 0.0, n, n)
+        noise = variance_proxy_noise(
+            {VP_SEQUENCES: n, **{k: v.mean for k, v in stats.items() if k != VP_SEQUENCES}}
+        )
+        stats["variance_proxy/proxy3_pure_noise"] = Stat.of(0.0 if noise is None else noise)
+    return stats
 
 
 # -------------------------------------------------------------------------------------- internals
@@ -238,24 +369,31 @@ def _data_arrays(batch: Batch, torch_compile: bool) -> tuple[list[str], np.ndarr
     plan = _Plan()
     _add_metrics(t, plan, torch_compile)
     sequences, block = plan.run()
-    groups, arrays = _sequence_summaries(sequences, t)
-    groups += plan.token_names
+    names, arrays = _with_token_block(*_sequence_summaries(sequences, t), plan, block)
+    rss_gb = _process().memory_info().rss / 1024**3
+    names.append("perf/process_cpu_mem_used_gb")
+    return names, np.concatenate([arrays, np.array([(1.0, rss_gb, 0.0, rss_gb, rss_gb)]).T], axis=1)
+
+
+def _with_token_block(
+    groups: list[tuple[str, ...]], arrays: np.ndarray, plan: _Plan, block: np.ndarray
+) -> tuple[list[str], np.ndarray]:
+    """Names and ``(5, K)`` stat array of the per-sequence summaries, the token summaries and, with
+    returns and values, the explained variance (its token count and this batch's value)."""
+    groups = groups + plan.token_names
     arrays = np.concatenate([arrays, block], axis=1)[
         :, np.repeat(np.arange(len(groups)), [len(g) for g in groups])
     ]
     names = [name for group in groups for name in group]
-    extra = []
-    if VF_RETURNS_STD in names and VF_RESIDUAL_STD in names:
-        n = arrays[0, names.index(VF_RETURNS_STD)]
-        stds = resolve(VF_RETURNS_STD).apply_arrays(arrays[:, [names.index(k) for k in _VF_AUX[:2]]])
-        ev = vf_explained_var(dict(zip(_VF_AUX, [*stds.tolist(), n])))
-        names += [VF_TOKENS, "critic/vf_explained_var"]
-        extra += [(1.0, n, 0.0, n, n)]  # one observation: the rank's token count
-        # fallback value for merges without derive_metrics: this rank's value, weighted by its tokens
-        extra += [(0.0, 0.0, 0.0, math.inf, -math.inf) if ev is None else (n, ev * n, 0.0, ev, ev)]
-    rss_gb = _process().memory_info().rss / 1024**3
-    names.append("perf/process_cpu_mem_used_gb")
-    extra.append((1.0, rss_gb, 0.0, rss_gb, rss_gb))
+    if VF_RETURNS_STD not in names or VF_RESIDUAL_STD not in names:
+        return names, arrays
+    n = arrays[0, names.index(VF_RETURNS_STD)]
+    stds = resolve(VF_RETURNS_STD).apply_arrays(arrays[:, [names.index(k) for k in _VF_AUX[:2]]])
+    ev = vf_explained_var(dict(zip(_VF_AUX, [*stds.tolist(), n])))
+    names += [VF_TOKENS, "critic/vf_explained_var"]
+    extra = [(1.0, n, 0.0, n, n)]  # one observation: the rank's token count
+    # fallback value for merges without derive_metrics: this rank's value, weighted by its tokens
+    extra += [(0.0, 0.0, 0.0, math.inf, -math.inf) if ev is None else (n, ev * n, 0.0, ev, ev)]
     return names, np.concatenate([arrays, np.array(extra).T], axis=1)
 
 
@@ -275,14 +413,27 @@ def _metrics_of_arrays(
     reduction (one vectorised reduction per kind; quantiles from the sketches of ``stats``, the
     Stats of the array), names without observations left out, then
     :func:`rlmetrics.metrics.derive_metrics`."""
+    values = column_values(names, arrays, stats)
+    has = (arrays[0] > 0).tolist()
+    return derive_metrics({name: v for name, v, h in zip(names, values.tolist(), has) if h})
+
+
+def column_values(
+    names: Sequence[str], arrays: np.ndarray, stats: Mapping[str, Stat] | None = None
+) -> np.ndarray:
+    """The value of each column of a ``(5, K)`` stat array by its name's reduction (NaN where it
+    holds no observation), one vectorised reduction per kind; quantiles from the sketches of ``stats``.
+
+    >>> column_values(["x/max", "x/mean"], Stat.of([1.0, 3.0]).to_array()[:, None].repeat(2, 1)).tolist()
+    [3.0, 2.0]
+    """
     values = np.empty(len(names))
     for reduction, idx in _reductions(tuple(names)):
         if reduction.needs_sketch:  # only a user's merged Stats carry sketches
             values[idx] = [reduction.apply(stats[names[i]]) for i in idx]
         else:
             values[idx] = reduction.apply_arrays(arrays[:, idx])
-    has = (arrays[0] > 0).tolist()
-    return derive_metrics({name: v for name, v, h in zip(names, values.tolist(), has) if h})
+    return values
 
 
 def _summaries(values: np.ndarray, keep: np.ndarray) -> np.ndarray:
@@ -316,6 +467,13 @@ def _sequence_summaries(
     prompt = seq.get("prompt_mask")
     if prompt is not None:
         parts.append((("prompt/clip_ratio/mean",), (prompt == t.prompt_width) * 1.0, None))
+    return _part_summaries(parts)
+
+
+def _part_summaries(
+    parts: list[tuple[tuple[str, ...], np.ndarray, Any]],
+) -> tuple[list[tuple[str, ...]], np.ndarray]:
+    """The name groups and ``(5, K)`` summaries of ``(names, values, which to keep or None)`` parts."""
     out = empty_arrays(len(parts))
     by_size: dict[int, list[int]] = {}  # vectors of one size are summarized together
     for i, (_, values, _) in enumerate(parts):
@@ -328,6 +486,49 @@ def _sequence_summaries(
                 keep[row] = parts[i][2]
         out[:, idx] = _summaries(values, keep)
     return [names for names, _, _ in parts], out
+
+
+def _verl_lengths(t: _Tensors) -> tuple[Any, Any] | None:
+    prompt, response = t.get("prompt_length"), t.get("response_length")
+    if prompt is not None and response is not None:
+        return prompt.reshape(-1), response.reshape(-1)
+    attention, width = t.get("attention_mask"), t.response_width
+    if attention is None or attention.dim() != 2 or not width or width > attention.shape[-1]:
+        return None
+    split = attention.shape[-1] - width
+    return attention[:, :split].sum(-1), attention[:, split:].sum(-1)
+
+
+def _verl_parts(seq: Mapping[str, np.ndarray], t: _Tensors) -> list[tuple[tuple[str, ...], np.ndarray, Any]]:
+    """verl's per-sequence metrics: scores and rewards of the responses that are not empty, response
+    lengths (all, and without the empty ones), the share of empty responses, prompt lengths, turns
+    and tool calls."""
+    response = seq.get("response_length")
+    kept = None if response is None else response != 0
+    parts = []
+    for key, prefix in _SEQUENCE_METRICS[:2]:
+        if key in seq:
+            keep = kept if kept is not None and kept.shape == seq[key].shape else None
+            parts.append((_triple(prefix), seq[key], keep))
+    if response is not None:
+        clipped = (response == t.response_width) * 1.0
+        parts += [
+            (_triple("response_length"), response, None),
+            (("response_length/clip_ratio",), clipped, None),
+            (_triple("response_length_non_aborted"), response, kept),
+            (("response_length_non_aborted/clip_ratio",), clipped, kept),
+            (("response/aborted_ratio",), (response == 0) * 1.0, None),
+        ]
+    prompt = seq.get("prompt_length")
+    if prompt is not None:
+        prompts = t.get("prompts")
+        width = _last_dim(prompts) if prompts is not None else t.prompt_width
+        parts += [
+            (_triple("prompt_length"), prompt, None),
+            (("prompt_length/clip_ratio",), (prompt == width) * 1.0, None),
+        ]
+    parts += [(_triple(prefix), seq[key], None) for key, prefix in _SEQUENCE_METRICS[4:] if key in seq]
+    return parts
 
 
 class _TokenMask:
@@ -459,26 +660,43 @@ def _triple(prefix: str) -> tuple[str, ...]:
 
 def _add_metrics(t: _Tensors, plan: _Plan, torch_compile: bool) -> None:
     """Queue what the metrics need of every key the batch has; the rest happens on the host."""
-    for key, _ in _SEQUENCE_METRICS[:2]:  # sequence scores and rewards: sums over the whole row, as siiRL
-        x = t.get(key)
-        if x is not None and x.dim() >= 1:
-            plan.sequences[key] = _float(x).sum(-1) if x.dim() >= 2 else x
+    _add_sums(t, plan)
     if t.response_mask is not None:
         plan.sequences["response_mask"] = t.response_mask.sum(-1)
         _add_token_metrics(t, plan, t.response_mask, torch_compile)
     if t.prompt_mask is not None:
         plan.sequences["prompt_mask"] = t.prompt_mask.sum(-1)
+    _add_counts(t, plan)
+
+
+def _add_sums(t: _Tensors, plan: _Plan) -> None:
+    """Sequence scores and rewards: sums over the whole row (siiRL's and verl's)."""
+    for key, _ in _SEQUENCE_METRICS[:2]:
+        x = t.get(key)
+        if x is not None and x.dim() >= 1:
+            plan.sequences[key] = _float(x).sum(-1) if x.dim() >= 2 else x
+
+
+def _add_counts(t: _Tensors, plan: _Plan) -> None:
+    """Turns and tool calls per sequence."""
     for key, _ in _SEQUENCE_METRICS[4:]:
         x = t.get(key)
         if x is not None and x.numel() > 0:
             plan.sequences[key] = x
 
 
-def _add_token_metrics(t: _Tensors, plan: _Plan, mask: Any, torch_compile: bool) -> None:
-    """Advantages, returns, values and the explained-variance ingredients over response tokens."""
+def _add_token_metrics(
+    t: _Tensors,
+    plan: _Plan,
+    mask: Any,
+    torch_compile: bool,
+    keys: Sequence[str] = ("advantages", "returns", "values"),
+) -> None:
+    """Advantages, returns, values (those of ``keys``) and the explained-variance ingredients over
+    response tokens."""
     found = {}
     for key, _ in _TOKEN_METRICS:
-        x = t.get(key)
+        x = t.get(key) if key in keys else None
         if x is not None and tuple(x.shape) == tuple(mask.shape):
             found[key] = _float(x)
     if not found:
@@ -514,5 +732,10 @@ __all__ = [
     "CORRECT_THRESHOLD",
     "compute_data_metric",
     "compute_data_stats",
+    "compute_variance_proxy_stats",
+    "column_values",
+    "compute_verl_data_stats",
     "data_metrics_from_stats",
+    "verl_data_arrays",
+    "verl_lengths",
 ]

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from rlmetrics.extras import require
+from rlmetrics.metrics import TIMED_STAGES
 from rlmetrics.metrics.data import _Tensors, lookup
 from rlmetrics.stat import to_host
 
@@ -29,9 +30,9 @@ torch = require("torch", "torch")
 
 logger = logging.getLogger(__name__)
 
-RESPONSE_TOKEN_STAGES = ("gen",)
+RESPONSE_TOKEN_STAGES = TIMED_STAGES[:1]
 """Stages timed per response token."""
-ALL_TOKEN_STAGES = ("ref", "values", "adv", "update_critic", "update_actor")
+ALL_TOKEN_STAGES = TIMED_STAGES[1:]
 """Stages timed per token of the whole sequence (prompt + response)."""
 
 
@@ -59,6 +60,29 @@ def _token_counts(batch: Mapping[str, Any]) -> tuple[Any, Any] | None:
     return t.prompt_mask.sum(), t.response_mask.sum()
 
 
+def _stage_values(timing_raw: Mapping[str, Any]) -> dict[str, Any]:
+    """The stages of ``timing_raw`` whose time is a number, as :func:`_seconds` gives them (tensors
+    not read yet); the others are skipped (logged at debug level)."""
+    seconds = {}
+    for stage, value in timing_raw.items():
+        s = _seconds(value)
+        if s is None:
+            logger.debug("timing_raw[%r] is not a number: %r", stage, value)
+            continue
+        seconds[stage] = s
+    return seconds
+
+
+def stage_seconds(timing_raw: Mapping[str, Any]) -> dict[str, float]:
+    """The stages of ``timing_raw`` whose time is a number (a float, a numpy or one-element torch
+    scalar), in seconds (tensors read in one copy); the others are skipped.
+
+    >>> stage_seconds({"gen": 1, "note": "slow"})
+    {'gen': 1.0}
+    """
+    return _read(_stage_values(timing_raw))
+
+
 def compute_timing_metrics(batch: Mapping[str, Any], timing_raw: Mapping[str, Any]) -> dict[str, float]:
     """``timing_s/{stage}`` in seconds and ``timing_per_token_ms/{stage}`` in milliseconds per token.
 
@@ -71,13 +95,7 @@ def compute_timing_metrics(batch: Mapping[str, Any], timing_raw: Mapping[str, An
     >>> m["timing_s/step"], m["timing_per_token_ms/gen"], m["timing_per_token_ms/update_actor"]
     (3.0, 166.66666666666666, 200.0)
     """
-    seconds = {}
-    for stage, value in timing_raw.items():
-        s = _seconds(value)
-        if s is None:
-            logger.debug("timing_raw[%r] is not a number: %r", stage, value)
-            continue
-        seconds[stage] = s
+    seconds = _stage_values(timing_raw)
     timed = [s for s in (*RESPONSE_TOKEN_STAGES, *ALL_TOKEN_STAGES) if s in seconds]
     counts = _token_counts(batch) if timed else None
     tokens = {} if counts is None else {"prompt": counts[0], "response": counts[1]}
@@ -141,5 +159,5 @@ compute_throughout_metrics = compute_throughput_metrics
 
 __all__ = [
     "ALL_TOKEN_STAGES", "RESPONSE_TOKEN_STAGES", "compute_throughout_metrics", "compute_throughput_metrics",
-    "compute_timing_metrics",
+    "compute_timing_metrics", "stage_seconds",
 ]  # fmt: skip

@@ -24,12 +24,29 @@ Validation generates ``n`` responses per prompt; every numeric variable of ``inf
   raises ``KeyError``) and ``val-aux/num_turns/min|max|mean`` (``sample_turns`` may be a flat list of
   ints as well as the list of arrays that siiRL's ``np.concatenate`` needs).
 
-**How it is fast.** Prompts are grouped by ``n``; the indices of each ``(n, k)`` are drawn once and
-applied to all prompts of the group at once (gather rows, running ``np.maximum``/``np.minimum``).
-For ``maj@k`` the preds of each prompt become dense codes; the vote count of every class in every
-bootstrap row is one matrix product ``(counts per sample) @ (one-hot classes)``, and the tie-break
+**verl's semantics** (``style="verl"`` of :func:`encode_samples`, verl 0.9.1's
+``process_validation_metrics``): per prompt and variable, ``None`` values are dropped (so ``n`` is the
+number of values left, and may differ between variables of one prompt); a prompt votes (``maj@k``)
+for a variable only when none of its preds is None and the variable kept all its values. verl's
+``expected_acc_counts`` (``expected_counts``: ``{(data_source, prompt): count}``, for data sources
+where some ``acc`` is not None) pads a prompt's ``acc`` with zeros up to the count (a prompt without
+samples gets one) and adds ``acc_success_only``, the ``acc`` values it had. verl's trainer reports
+no ``val/test_score/*``; :func:`samples_by_source` gives verl's nested return.
+
+**How it is fast.** Prompts are grouped by ``n``; only ``(n, k)`` decides the bootstrap indices, so
+everything that depends on them alone is computed once per ``(n, k)`` and kept
+(:func:`_miss_table`, :func:`_tie_words`). Every statistic is the mean and std over rows of a value
+each row takes from the prompt, so it follows from how many rows take each value
+(:func:`_row_stats`). best/worst@k: the rows whose maximum is at least a prompt's i-th smallest value
+are those that draw a position holding one of its largest ``n - i`` values, counted for all
+prompts at once by a lookup in a table of how many rows miss each set of positions (``2**n``
+entries, built by a sum over subsets; up to :data:`TABLE_MAX_N` samples, beyond which every row is
+gathered). maj@k: the preds of each prompt become dense codes; the vote count of every class in
+every bootstrap row is a matrix product ``(counts per sample) @ (one-hot classes)``, and the tie-break
 (earliest first position) rides in the same product as a sum of distinct powers of two (exact in
-float64). Prompts are processed in chunks of about :data:`CHUNK_BYTES`, so memory stays bounded.
+float32 up to 19 draws, in float64 words beyond); the winners' positions are counted per prompt (and
+with ``k == 2`` the first draw always wins). Prompts are processed in chunks of about
+:data:`CHUNK_BYTES`, so memory stays bounded.
 
 **NaN and order.** NaN values propagate exactly as numpy's would in the seed: a NaN in a bootstrap
 row makes its best/worst NaN; maj is NaN when the chosen value is NaN; ``mean@n``/``std@n`` of a
@@ -67,10 +84,12 @@ results instead is wrong whenever a prompt's samples sit on several ranks.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -81,10 +100,20 @@ N_BOOTSTRAP = 1000
 """Bootstrap rows per ``(n, k)``, as in the seed."""
 CHUNK_BYTES = 16 << 20
 """Rough size of the largest temporary array; prompts are processed in chunks that fit it."""
+CACHE_BYTES = 2 << 20
+"""Rough size of the vote counts of one chunk of the majority vote (small enough to stay in cache)."""
 RECORD_VERSION = 1
 
-_WORD = 32  # bootstrap positions per tie-break word (weights 2**31 .. 2**0, plus counts * 2**32)
-_WORD_SCALE = float(2**_WORD)
+TABLE_MAX_N = 16
+"""Prompts with at most this many samples get best@k / worst@k from subset-count tables
+(:func:`_miss_table`, ``2**n`` entries per ``(n, k)``) rather than by gathering every bootstrap row."""
+STYLES = ("seed", "verl")
+"""Record styles: the seed's (siiRL's) semantics, or verl 0.9.1's (see the module docstring)."""
+
+_WORD = 32  # bootstrap positions per float64 tie-break word (weights 2**31 .. 2**0, plus counts * 2**32)
+_SHORT_K = 19  # up to this many draws, one float32 word holds count * 2**k + the k position bits (< 2**24)
+_GEMM_MAX = 1 << 18  # multiply-adds per matrix product of the majority vote (see _products)
+_EXTREMES = (("best", "mean"), ("best", "std"), ("worst", "mean"), ("worst", "std"))
 
 
 # ------------------------------------------------------------------------------------------ the seed
@@ -246,6 +275,9 @@ def encode_samples(
     *,
     digest_prompts: bool = False,
     exact: bool = False,
+    style: str = "seed",
+    seed: int = 42,
+    expected_counts: Mapping[tuple[Any, Any], int] | None = None,
 ) -> dict[str, Any]:
     """One rank's validation samples as a compact record (plain dict of numpy arrays and lists):
 
@@ -260,13 +292,19 @@ def encode_samples(
     - ``pred`` (int32 codes) and ``pred_table`` (distinct preds, order of first appearance), when
       ``infos_dict`` has ``pred`` (preds are compared as dict keys, as the seed does);
     - ``turns``: the turn counts (float64);
-    - ``exact``: whether :func:`process_samples` of the merged records adds the ``exact=True`` keys.
+    - ``exact``: whether :func:`process_samples` of the merged records adds the ``exact=True`` keys;
+    - ``none``: ``{var: bool array}`` for variables with ``None`` values (which samples are None);
+    - ``style`` (:data:`STYLES`), ``seed`` (of the bootstrap) and ``expected``: ``(data_source, prompt,
+      count)`` triples of ``expected_counts`` (verl's ``expected_acc_counts``, keyed by
+      ``(data_source, prompt)``), which only the ``"verl"`` style reads.
 
     >>> r = encode_samples(["a", "b", "a"], ["p", "p", "p"], {"acc": [1, 0, 1], "pred": ["x", "y", "x"]})
     >>> r["sources"], r["group"].tolist(), r["values"]["pred"], r["pred"].tolist(), r["pred_table"]
     (['a', 'b'], [0, 1, 0], None, [0, 1, 0], ['x', 'y'])
     """
     n = len(data_sources)
+    if style not in STYLES:
+        raise ValueError(f"style must be one of {STYLES}, got {style!r}")
     if len(sample_inputs) != n:
         raise ValueError(f"{len(sample_inputs)} sample_inputs for {n} data_sources")
     for var, col in infos_dict.items():
@@ -279,11 +317,14 @@ def encode_samples(
     prompts = [_digest(p) if digest_prompts else p for _, p in groups]
     values: dict[str, np.ndarray | None] = {}
     numeric: dict[str, np.ndarray] = {}
+    none: dict[str, np.ndarray] = {}
     for var, col in infos_dict.items():
-        vals, mask = _numeric_column(col, var)
+        vals, mask, nones = _numeric_column(col, var)
         values[var] = vals
         if mask is not None:
             numeric[var] = mask
+        if nones is not None:
+            none[var] = nones
     record: dict[str, Any] = {
         "version": RECORD_VERSION,
         "sources": list(sources),
@@ -296,6 +337,13 @@ def encode_samples(
         "pred_table": [],
         "turns": _turns_array(sample_turns),
         "exact": bool(exact),
+        "none": none,
+        "style": style,
+        "seed": int(seed),
+        "expected": [
+            (src, _digest(p) if digest_prompts else p, int(c))
+            for (src, p), c in (expected_counts or {}).items()
+        ],
     }
     if "pred" in infos_dict:
         col = infos_dict["pred"]
@@ -323,10 +371,21 @@ def merge_samples(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     for r in records:
         if r.get("version") != RECORD_VERSION:
             raise ValueError(f"unknown validation record version {r.get('version')!r}")
+    settings = {(r.get("style", "seed"), r.get("seed", 42)) for r in records}
+    if len(settings) > 1:
+        raise ValueError(f"records of different styles or seeds: {sorted(settings)}")
+    style, seed = settings.pop() if settings else ("seed", 42)
+    common = {
+        "style": style,
+        "seed": seed,
+        "expected": [triple for r in records for triple in r.get("expected", ())],
+        "turns": _concat([r["turns"] for r in records], np.float64),
+        "exact": any(r.get("exact", False) for r in records),
+    }
     full = [r for r in records if len(r["group"])]
     if not full:
         base = dict(records[0]) if records else encode_samples([], [], {})
-        return {**base, "turns": _concat([r["turns"] for r in records], np.float64)}
+        return {**base, **common}
     variables = list(full[0]["values"])
     has_pred = full[0]["pred"] is not None
     for r in full[1:]:
@@ -359,12 +418,17 @@ def merge_samples(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
 
     values: dict[str, np.ndarray | None] = {}
     numeric: dict[str, np.ndarray] = {}
+    none: dict[str, np.ndarray] = {}
+    sizes = [len(r["group"]) for r in full]
     for var in variables:
+        if any(var in r.get("none", {}) for r in full):
+            none[var] = _concat(
+                [r.get("none", {}).get(var, np.zeros(n, bool)) for r, n in zip(full, sizes)], bool
+            )
         cols = [r["values"][var] for r in full]
         if all(c is None for c in cols):
             values[var] = None
             continue
-        sizes = [len(r["group"]) for r in full]
         values[var] = _concat(
             [np.full(n, np.nan) if c is None else c for c, n in zip(cols, sizes)], np.float64
         )
@@ -384,26 +448,27 @@ def merge_samples(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
         "numeric": numeric,
         "pred": _concat(pred_parts, np.int32) if has_pred else None,
         "pred_table": list(preds),
-        "turns": _concat([r["turns"] for r in records], np.float64),
-        "exact": any(r.get("exact", False) for r in records),
+        "none": none,
+        **common,
     }
 
 
 def process_samples(
     record: Mapping[str, Any],
-    seed: int = 42,
+    seed: int | None = None,
     *,
     exact: bool = False,
     n_bootstrap: int = N_BOOTSTRAP,
 ) -> dict[str, float]:
-    """The validation metrics of a record (:func:`encode_samples` / :func:`merge_samples`).
+    """The validation metrics of a record (:func:`encode_samples` / :func:`merge_samples`); ``seed``
+    None: the record's. The ``"verl"`` style has no ``val/test_score/*`` (verl's trainer reports none).
 
     >>> r = merge_samples([encode_samples(["a"], ["p"], {"acc": [1.0]}),
     ...                    encode_samples(["a"], ["p"], {"acc": [0.0]})])
     >>> process_samples(r) == process_validation_metrics(["a", "a"], ["p", "p"], {"acc": [1.0, 0.0]})
     True
     """
-    res = _compute(record, seed, n_bootstrap, exact)
+    res = _compute(record, record.get("seed", 42) if seed is None else seed, n_bootstrap, exact)
     out: dict[str, float] = {}
     for (src, var), metrics in res.metrics.items():
         core = "acc" if (src, "acc") in res.metrics else "reward"
@@ -419,6 +484,27 @@ def process_samples(
         out["val-aux/num_turns/max"] = float(turns.max())
         out["val-aux/num_turns/mean"] = float(turns.mean())
     out.update({f"val/test_score/{src}": v for src, v in res.test_score.items()})
+    return out
+
+
+def samples_by_source(
+    record: Mapping[str, Any],
+    seed: int | None = None,
+    *,
+    exact: bool = False,
+    n_bootstrap: int = N_BOOTSTRAP,
+) -> dict[Any, dict[str, dict[str, float]]]:
+    """The metrics of a record nested as ``{data_source: {var: {metric: value}}}`` (verl's return of
+    ``process_validation_metrics``), with the ``exact=True`` keys when asked; ``seed`` None: the record's.
+
+    >>> r = encode_samples(["a", "a"], ["p", "p"], {"acc": [1.0, None]}, style="verl")
+    >>> samples_by_source(r)
+    {'a': {'acc': {'mean@1': 1.0}}}
+    """
+    res = _compute(record, record.get("seed", 42) if seed is None else seed, n_bootstrap, exact)
+    out: dict[Any, dict[str, dict[str, float]]] = {}
+    for (src, var), metrics in res.metrics.items():
+        out.setdefault(src, {})[var] = {**metrics, **res.extras.get((src, var), {})}
     return out
 
 
@@ -460,28 +546,30 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (numbers.Real, np.bool_)) and not isinstance(v, str)
 
 
-def _numeric_column(col: Any, var: str) -> tuple[np.ndarray | None, np.ndarray | None]:
+def _numeric_column(col: Any, var: str) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
     """(float64 values with NaN for non-numbers or None if there is no number, mask of numbers or None
-    if all are numbers)."""
+    if all are numbers, mask of ``None`` values or None if there is none)."""
     if isinstance(col, np.ndarray) and col.dtype.kind in "biuf":
-        return col.astype(np.float64).ravel(), None
+        return col.astype(np.float64).ravel(), None, None
     if isinstance(col, np.ndarray) and col.dtype.kind in "US":
-        return None, None
+        return None, None, None
     items = col.tolist() if isinstance(col, np.ndarray) else col
     if len(items) and isinstance(items[0], str) and all(isinstance(v, str) for v in items):
-        return None, None  # the common case of a string column (pred)
+        return None, None, None  # the common case of a string column (pred)
     try:
         arr = np.asarray(items)
     except ValueError:  # ragged
         arr = np.asarray(items, dtype=object)
     if arr.dtype.kind in "biuf" and arr.ndim == 1:
-        return arr.astype(np.float64), None
+        return arr.astype(np.float64), None, None
+    nones = np.fromiter((v is None for v in items), dtype=bool, count=len(items))
+    nones = nones if nones.any() else None
     mask = np.fromiter((_is_number(v) for v in items), dtype=bool, count=len(items))
     if not mask.any():
-        return None, None
+        return None, None, nones
     vals = np.full(len(items), np.nan)
     vals[mask] = [float(v) for v, ok in zip(items, mask) if ok]
-    return vals, mask
+    return vals, mask, nones
 
 
 def _float_array_or_none(data: Sequence[Any]) -> np.ndarray | None:
@@ -545,65 +633,162 @@ def _extra_names(n: int, has_pred: bool) -> list[str]:
     return names
 
 
-def _compute(record: Mapping[str, Any], seed: int, n_bootstrap: int, exact: bool) -> _Result:
-    sources = record["sources"]
+@dataclass
+class _View:
+    """Samples as the metrics group them: one slot per value, in input order within a group.
+
+    The seed's style has one view of all samples. verl's drops None values per prompt and variable,
+    so variables with different None patterns see different slots (:func:`_verl_views`); variables
+    with the same slots share a view, hence one majority-vote computation.
+    """
+
+    group: np.ndarray  # (slots,) group of each slot
+    values: dict[str, np.ndarray]  # float64 per slot
+    numeric: dict[str, np.ndarray]  # which slots hold numbers, for variables mixing non-numbers
+    pred: np.ndarray | None = None  # pred code per slot: maj@k is computed when given
+    vote: np.ndarray | None = None  # per group: whether its prompts vote (None: all of them)
+
+
+def _seed_view(record: Mapping[str, Any]) -> _View:
+    pred = record.get("pred")
+    return _View(
+        group=np.asarray(record["group"], dtype=np.intp),
+        values={v: vals for v, vals in record["values"].items() if vals is not None},
+        numeric=record.get("numeric", {}),
+        pred=None if pred is None else np.asarray(pred, dtype=np.intp),
+    )
+
+
+def _verl_views(record: Mapping[str, Any]) -> tuple[list[_View], np.ndarray, list[str]]:
+    """verl's grouping of a record: per prompt and variable, its values that are not None, in order.
+
+    With ``expected`` (verl's ``expected_acc_counts``; only for data sources where some ``acc`` is
+    not None): ``acc_success_only`` holds the prompt's ``acc`` values, and ``acc`` is padded with
+    zeros up to the expected count (a prompt without samples gets one). A prompt votes (maj@k) for a
+    variable when none of its preds is None and the variable kept as many values as the prompt has
+    samples; the variable's i-th value then pairs with the prompt's i-th pred, as verl's ``zip``.
+    Returns the views, the groups' data sources (new prompts appended) and the variables in order.
+    """
     group = np.asarray(record["group"], dtype=np.intp)
     group_source = np.asarray(record["group_source"], dtype=np.intp)
-    n_src, n_groups = len(sources), len(group_source)
-    pred = record.get("pred")
-    has_pred = pred is not None
-    counts = np.bincount(group, minlength=n_groups)
+    values, numeric, none = record["values"], record.get("numeric", {}), record.get("none", {})
+    expected = _expected_counts(record, group, group_source)
+    if expected and "acc_success_only" in values:
+        raise ValueError(
+            "'acc_success_only' is computed from 'acc' with expected counts; rename the variable"
+        )
+    group_source = np.concatenate([group_source, np.asarray([s for _, s in expected.get(None, [])], np.intp)])
+    expected.pop(None, None)
+    raw = np.bincount(group, minlength=len(group_source))
     order = np.argsort(group, kind="stable")
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.intp)
-    variables = {v: vals for v, vals in record["values"].items() if vals is not None}
-    masks = record.get("numeric", {})
-    # a variable counts for a prompt when the prompt's first value is a number
-    used = {v: masks[v][order[starts]] if v in masks else np.ones(n_groups, bool) for v in variables}
-    for v in variables:
-        if v in masks:
-            bad = int((used[v][group] & ~masks[v]).sum())
-            if bad:
-                logger.warning("validation variable %r: %d non-numeric values counted as NaN", v, bad)
+    starts = np.concatenate([[0], np.cumsum(raw)[:-1]]).astype(np.intp)
+    pred = record.get("pred")
+    vote_ok = None
+    if pred is not None:
+        none_codes = [i for i, p in enumerate(record["pred_table"]) if p is None]
+        bad = np.isin(pred, none_codes)
+        vote_ok = (np.bincount(group, weights=bad, minlength=len(group_source)) == 0) & (raw > 0)
 
-    sums = _Sums(n_src)
-    pooled = {v: (np.zeros(n_src), np.zeros(n_src)) for v in variables}
-    binary = {v: np.zeros(n_src) for v in variables}  # prompts with a value outside {0, 1}
-    for n in np.unique(counts[counts > 0]).tolist():
-        gids = np.flatnonzero(counts == n)
-        rows = order[starts[gids][:, None] + np.arange(n)]  # (P, n) sample indices, input order
-        codes = dense = n_classes = None
-        if has_pred:
-            codes = np.asarray(pred, dtype=np.intp)[rows]
-            dense, n_classes = _dense_codes(codes)
-            perm = np.argsort(n_classes, kind="stable")  # similar class counts share a chunk
-            gids, rows, dense, n_classes = gids[perm], rows[perm], dense[perm], n_classes[perm]
-        src = group_source[gids]
-        mats = {v: vals[rows] for v, vals in variables.items()}
-        keep = {v: used[v][gids] for v in variables}
-        per_prompt: dict[tuple[str, str], np.ndarray] = {}
-        for v, mat in mats.items():
-            per_prompt[(v, f"mean@{n}")] = mat.mean(axis=1)
-            if n > 1:
-                std = mat.std(axis=1)
-                per_prompt[(v, f"std@{n}")] = std
-                ss = np.bincount(src[keep[v]], weights=(std**2 * n)[keep[v]], minlength=n_src)
-                pooled[v][0][:] += ss
-                pooled[v][1][:] += np.bincount(src[keep[v]], minlength=n_src) * (n - 1)
-        if n > 1:
-            per_prompt.update(_bootstrap_group(mats, dense, n_classes, n, seed, n_bootstrap))
-        if exact:
-            per_prompt.update(_exact_group(mats, dense, n_classes, n))
-            for v, mat in mats.items():
-                nonbinary = ~np.all((mat == 0) | (mat == 1), axis=1)
-                binary[v] += np.bincount(src[keep[v]], weights=nonbinary[keep[v]], minlength=n_src)
-        for (v, name), vals in per_prompt.items():
-            sums.add(v, name, src[keep[v]], vals[keep[v]])
+    def view(slot_sample: np.ndarray, slot_group: np.ndarray, names: list[tuple[str, str]]) -> _View:
+        real = slot_sample >= 0  # the others are zeros that pad acc
+        src = slot_sample[real]
+        vals, nums = {}, {}
+        for name, var in names:
+            col = values[var]
+            vals[name] = np.zeros(len(slot_sample))
+            vals[name][real] = np.nan if col is None else col[src]
+            if col is None or var in numeric:
+                nums[name] = np.ones(len(slot_sample), bool)
+                nums[name][real] = False if col is None else numeric[var][src]
+        out = _View(slot_group, vals, nums)
+        if pred is not None:
+            ordered = np.argsort(slot_group, kind="stable")
+            size = np.bincount(slot_group, minlength=len(group_source))
+            rank = np.empty(len(slot_group), np.intp)
+            rank[ordered] = np.arange(len(slot_group)) - (np.cumsum(size) - size)[slot_group[ordered]]
+            codes = np.full(len(slot_group), -1, np.intp)
+            inside = np.flatnonzero(rank < raw[slot_group])
+            codes[inside] = pred[order[starts[slot_group[inside]] + rank[inside]]]
+            out.pred, out.vote = codes, vote_ok & (size == raw)
+        return out
+
+    views: list[_View] = []
+    shared: dict[bytes, list[tuple[str, str]]] = {}
+    everyone = np.arange(len(group))
+    for var in values:
+        present = ~none[var] if var in none else None
+        if values[var] is None and not (var == "acc" and expected):
+            continue  # no number: never used
+        if var == "acc" and expected:
+            kept = everyone if present is None else np.flatnonzero(present)
+            seen = np.bincount(group[kept], minlength=len(group_source))
+            gs = np.fromiter(expected, np.intp, len(expected))
+            pad = np.maximum(np.fromiter(expected.values(), np.int64, len(expected)) - seen[gs], 0)
+            padded = np.concatenate([kept, np.full(int(pad.sum()), -1)])
+            views.append(view(padded, np.concatenate([group[kept], np.repeat(gs, pad)]), [("acc", "acc")]))
+            success = kept[np.isin(group[kept], gs)]
+            views.append(view(success, group[success], [("acc_success_only", "acc")]))
+            continue
+        shared.setdefault(b"" if present is None else present.tobytes(), []).append((var, var))
+    for key, names in shared.items():
+        kept = everyone if not key else np.flatnonzero(np.frombuffer(key, dtype=bool))
+        views.append(view(kept, group[kept], names))
+    order_out = [*values, *(["acc_success_only"] if expected and "acc" in values else [])]
+    return views, group_source, order_out
+
+
+def _expected_counts(record: Mapping[str, Any], group: np.ndarray, group_source: np.ndarray) -> dict:
+    """``{group: expected count}`` of the record's ``expected`` triples whose data source has an
+    ``acc`` that is not None (the largest count where ranks name a prompt twice); under the key None
+    the ``(prompt, source index)`` of prompts without samples, which become new groups."""
+    triples = record.get("expected") or []
+    if not triples or "acc" not in record["values"]:
+        return {}
+    sources = record["sources"]
+    not_none = ~record.get("none", {}).get("acc", np.zeros(len(group), bool))
+    acc_sources = {sources[s] for s in np.unique(group_source[group[not_none]]).tolist()}
+    index = {(sources[s], p): g for g, (s, p) in enumerate(zip(group_source.tolist(), record["prompts"]))}
+    source_index = {src: s for s, src in enumerate(sources)}
+    out: dict[Any, Any] = {}
+    new: list[tuple[Any, int]] = []
+    for src, prompt, count in triples:
+        if src not in acc_sources:
+            continue
+        g = index.get((src, prompt))
+        if g is None:
+            g = index[(src, prompt)] = len(group_source) + len(new)
+            new.append((prompt, source_index[src]))
+        out[g] = max(out.get(g, 0), int(count))
+    if new:
+        out[None] = new
+    return out
+
+
+def _compute(record: Mapping[str, Any], seed: int, n_bootstrap: int, exact: bool) -> _Result:
+    sources = record["sources"]
+    n_src = len(sources)
+    verl = record.get("style", "seed") == "verl"
+    if verl:
+        views, group_source, variables = _verl_views(record)
+    else:
+        views, group_source = [_seed_view(record)], np.asarray(record["group_source"], dtype=np.intp)
+        variables = list(views[0].values)
+    run = _Run(group_source, _Sums(n_src), seed, n_bootstrap, exact)
+    run.pooled = {v: (np.zeros(n_src), np.zeros(n_src)) for v in variables}
+    run.binary = {v: np.zeros(n_src) for v in variables}
+    per_var: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # used groups and group sizes
+    for view in views:
+        per_var.update(_add_view(view, run))
+    sums, pooled, binary = run.sums, run.pooled, run.binary
 
     res = _Result()
     for s, src_name in enumerate(sources):
         in_src = group_source == s
         for v in variables:
-            sel = np.flatnonzero(in_src & used[v])
+            if v not in per_var:
+                continue
+            used, counts = per_var[v]
+            sel = np.flatnonzero(in_src & used)
             if not len(sel):
                 continue
             seq = counts[sel]
@@ -612,22 +797,25 @@ def _compute(record: Mapping[str, Any], seed: int, n_bootstrap: int, exact: bool
             res.n_max[key] = max(ns)
             metrics = res.metrics[key] = {}
             for n in ns:
-                for name in _seed_names(n, has_pred):
-                    if name not in metrics:
-                        metrics[name] = sums.mean(v, name, s)
+                for name in _seed_names(n, True):
+                    value = sums.mean(v, name, s)
+                    if name not in metrics and value is not None:  # maj: where prompts voted
+                        metrics[name] = value
             if pooled[v][1][s] > 0:
                 res.pooled_std[key] = float(np.sqrt(pooled[v][0][s] / pooled[v][1][s]))
             if exact:
                 extras = res.extras[key] = {}
                 for n in ns:
-                    for name in _extra_names(n, has_pred):
+                    for name in _extra_names(n, True):
                         if name.startswith("pass@") and binary[v][s] > 0:
                             continue
                         value = sums.mean(v, name, s)
                         if name not in extras and value is not None:
                             extras[name] = value
     reward = record["values"].get("reward")
-    if reward is not None:
+    if reward is not None and not verl:
+        group = np.asarray(record["group"], dtype=np.intp)
+        masks = record.get("numeric", {})
         sample_src = group_source[group]
         weight = masks["reward"].astype(np.float64) if "reward" in masks else np.ones(len(reward))
         total = np.bincount(sample_src, weights=reward, minlength=n_src)
@@ -637,6 +825,80 @@ def _compute(record: Mapping[str, Any], seed: int, n_bootstrap: int, exact: bool
             if numbers_in[s] > 0:
                 res.test_score[src_name] = float(total[s] / size[s])
     return res
+
+
+@dataclass
+class _Run:
+    """One computation: the groups' data sources, its settings, and what the views add up."""
+
+    group_source: np.ndarray
+    sums: _Sums
+    seed: int
+    n_bootstrap: int
+    exact: bool
+    pooled: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # sum of squares, dof
+    binary: dict[str, np.ndarray] = field(default_factory=dict)  # prompts with a value outside {0, 1}
+
+
+def _add_view(view: _View, run: _Run) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Add the per-prompt metrics of a view to ``run``; return per variable the groups that use it
+    and the group sizes."""
+    n_groups = len(run.group_source)
+    counts = np.bincount(view.group, minlength=n_groups)
+    order = np.argsort(view.group, kind="stable")
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.intp)
+    has = counts > 0
+    first = order[np.minimum(starts, max(len(order) - 1, 0))] if len(order) else starts
+    # a variable counts for a prompt when the prompt's first value is a number
+    used = {v: has & (view.numeric[v][first] if v in view.numeric else True) for v in view.values}
+    for v, mask in view.numeric.items():
+        bad = int((used[v][view.group] & ~mask).sum())
+        if bad:
+            logger.warning("validation variable %r: %d non-numeric values counted as NaN", v, bad)
+    for n in np.unique(counts[has]).tolist():
+        gids = np.flatnonzero(counts == n)
+        rows = order[starts[gids][:, None] + np.arange(n)]  # (P, n) slots, input order
+        votes = np.full(len(gids), view.pred is not None)
+        if view.pred is not None and view.vote is not None:
+            votes = view.vote[gids]
+        for sel, voting in ((votes, True), (~votes, False)):
+            if sel.any():
+                _add_prompts(view, gids[sel], rows[sel], voting, used, run)
+    return {v: (used[v], counts) for v in view.values}
+
+
+def _add_prompts(
+    view: _View, gids: np.ndarray, rows: np.ndarray, voting: bool, used: dict[str, np.ndarray], run: _Run
+) -> None:
+    """The metrics of prompts with ``n`` slots each (``rows``, ``(P, n)``), maj@k when ``voting``."""
+    n_src, n = run.sums.n, rows.shape[1]
+    pooled, binary = run.pooled, run.binary
+    dense = n_classes = None
+    if voting and view.pred is not None:
+        dense, n_classes = _dense_codes(view.pred[rows])
+        perm = np.argsort(n_classes, kind="stable")  # similar class counts share a chunk
+        gids, rows, dense, n_classes = gids[perm], rows[perm], dense[perm], n_classes[perm]
+    src = run.group_source[gids]
+    keep = {v: used[v][gids] for v in view.values}
+    mats = {v: vals[rows] for v, vals in view.values.items() if keep[v].any()}
+    per_prompt: dict[tuple[str, str], np.ndarray] = {}
+    for v, mat in mats.items():
+        per_prompt[(v, f"mean@{n}")] = mat.mean(axis=1)
+        if n > 1:
+            std = mat.std(axis=1)
+            per_prompt[(v, f"std@{n}")] = std
+            ss = np.bincount(src[keep[v]], weights=(std**2 * n)[keep[v]], minlength=n_src)
+            pooled[v][0][:] += ss
+            pooled[v][1][:] += np.bincount(src[keep[v]], minlength=n_src) * (n - 1)
+    if n > 1:
+        per_prompt.update(_bootstrap_group(mats, dense, n_classes, n, run.seed, run.n_bootstrap))
+    if run.exact:
+        per_prompt.update(_exact_group(mats, dense, n_classes, n))
+        for v, mat in mats.items():
+            nonbinary = ~np.all((mat == 0) | (mat == 1), axis=1)
+            binary[v] += np.bincount(src[keep[v]], weights=nonbinary[keep[v]], minlength=n_src)
+    for (v, name), vals in per_prompt.items():
+        run.sums.add(v, name, src[keep[v]], vals[keep[v]])
 
 
 def _dense_codes(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -659,96 +921,231 @@ def _bootstrap_group(
     seed: int,
     n_bootstrap: int,
 ) -> dict[tuple[str, str], np.ndarray]:
-    """best/worst/maj @k mean and std per prompt for prompts with ``n`` samples (rows of ``mats``)."""
-    n_prompts = len(next(iter(mats.values()))) if mats else 0
+    """best/worst/maj @k mean and std per prompt for prompts with ``n`` samples (rows of ``mats``).
+
+    Each comes from how many bootstrap rows take each of a prompt's values (:func:`_row_stats`):
+    best/worst from the subset-count tables of :func:`_miss_table` for ``n <= TABLE_MAX_N``
+    (prompts with a NaN, which makes numpy's max and min NaN, and larger ``n``: by gathering
+    every row), maj from the winners of the vote in every row (:func:`_winner_histogram`).
+    """
     out: dict[tuple[str, str], np.ndarray] = {}
     if not mats:
         return out
-    chunk = max(1, CHUNK_BYTES // (8 * n_bootstrap * 8))
-    transposed = {v: np.ascontiguousarray(m.T) for v, m in mats.items()}  # (n, P): a sample is a row
+    ranked = {v: _ranked(mat) for v, mat in mats.items()} if n <= TABLE_MAX_N else {}
     for k in bootstrap_sizes(n):
-        idx = bootstrap_indices(n, k, n_bootstrap, seed)
-        idx_t = np.ascontiguousarray(idx.T)
-        words = _tie_words(idx, n) if dense is not None else None
-        names = ("best", "worst", "maj") if dense is not None else ("best", "worst")
-        for v in mats:
-            for metric in names:
-                out[(v, f"{metric}@{k}/mean")] = np.empty(n_prompts)
-                out[(v, f"{metric}@{k}/std")] = np.empty(n_prompts)
-        for lo in range(0, n_prompts, chunk):
-            hi = min(n_prompts, lo + chunk)
-            winner = None
-            if dense is not None and n_classes is not None and words is not None:
-                winner = _majority_winners(dense[lo:hi], n_classes[lo:hi], words, idx)
-                winner = winner * (hi - lo) + np.arange(hi - lo)  # flat index into the (n, c) chunk
-            for v, mat_t in transposed.items():
-                x = np.ascontiguousarray(mat_t[:, lo:hi])
-                best = np.take(x, idx_t[0], axis=0)
-                worst = best.copy()
-                buf = np.empty_like(best)
-                for t in range(1, k):
-                    np.take(x, idx_t[t], axis=0, out=buf)
-                    np.maximum(best, buf, out=best)
-                    np.minimum(worst, buf, out=worst)
-                stats = [("best", best), ("worst", worst)]
-                if winner is not None:
-                    stats.append(("maj", np.take(x.ravel(), winner)))
-                for metric, rows in stats:
-                    out[(v, f"{metric}@{k}/mean")][lo:hi] = rows.mean(axis=0)
-                    out[(v, f"{metric}@{k}/std")][lo:hi] = rows.std(axis=0)
+        idx = _indices(n, k, n_bootstrap, seed)
+        for v, mat in mats.items():
+            if v in ranked:
+                stats = _extremes_by_table(*ranked[v], _miss_table(n, k, n_bootstrap, seed), n_bootstrap)
+                nan_rows = np.flatnonzero(np.isnan(mat).any(axis=1))
+                if len(nan_rows):
+                    for whole, part in zip(stats, _extremes_by_rows(mat[nan_rows], idx)):
+                        whole[nan_rows] = part
+            else:
+                stats = _extremes_by_rows(mat, idx)
+            for (name, stat), values in zip(_EXTREMES, stats):
+                out[(v, f"{name}@{k}/{stat}")] = values
+        if dense is not None and n_classes is not None:
+            winners = _winner_histogram(dense, n_classes, idx, n, seed)
+            for v, mat in mats.items():
+                out[(v, f"maj@{k}/mean")], out[(v, f"maj@{k}/std")] = _row_stats(mat, winners, n_bootstrap)
     return out
+
+
+def _row_stats(x: np.ndarray, rows: np.ndarray, n_bootstrap: int) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and population std over the bootstrap rows of a statistic that ``rows[p, j]`` rows of
+    prompt ``p`` take as ``x[p, j]`` (a value no row takes plays no part, a NaN neither)."""
+    taken = rows > 0
+    with np.errstate(invalid="ignore"):
+        mean = np.where(taken, rows * x, 0.0).sum(axis=1) / n_bootstrap
+        dev = np.where(taken, x - mean[:, None], 0.0)
+        return mean, np.sqrt((rows * dev * dev).sum(axis=1) / n_bootstrap)
+
+
+def _ranked(mat: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per prompt: its values in ascending order, and the bitmasks of the positions of rank at most
+    / at least each rank (the positions of the smallest 1, 2, ... values; of the largest ...)."""
+    order = np.argsort(mat, axis=1, kind="stable")
+    bits = np.left_shift(np.int64(1), order)
+    below = np.bitwise_or.accumulate(bits, axis=1)
+    above = np.bitwise_or.accumulate(bits[:, ::-1], axis=1)[:, ::-1]
+    return np.take_along_axis(mat, order, axis=1), below, above
+
+
+def _extremes_by_table(
+    srt: np.ndarray, below: np.ndarray, above: np.ndarray, miss: np.ndarray, n_bootstrap: int
+) -> list[np.ndarray]:
+    """best mean, best std, worst mean, worst std per prompt: the rows whose maximum has rank ``i``
+    are those that draw a position of rank >= i minus those that draw one of rank >= i + 1."""
+    reach_up = n_bootstrap - miss[above]  # rows drawing a position of rank >= i
+    reach_down = n_bootstrap - miss[below]  # rows drawing a position of rank <= i
+    zero = np.zeros((len(srt), 1), np.int64)
+    top = reach_up - np.concatenate([reach_up[:, 1:], zero], axis=1)
+    bottom = reach_down - np.concatenate([zero, reach_down[:, :-1]], axis=1)
+    return [*_row_stats(srt, top, n_bootstrap), *_row_stats(srt, bottom, n_bootstrap)]
+
+
+def _extremes_by_rows(mat: np.ndarray, idx: np.ndarray) -> list[np.ndarray]:
+    """best mean, best std, worst mean, worst std per prompt by gathering every bootstrap row (numpy's
+    max and min per row, NaN included), in chunks of prompts."""
+    n_prompts, k = len(mat), idx.shape[1]
+    out = [np.empty(n_prompts) for _ in range(4)]
+    chunk = max(1, CHUNK_BYTES // (8 * len(idx) * 8))
+    idx_t = np.ascontiguousarray(idx.T)
+    transposed = np.ascontiguousarray(mat.T)  # (n, P): a sample is a row
+    for lo in range(0, n_prompts, chunk):
+        hi = min(n_prompts, lo + chunk)
+        x = np.ascontiguousarray(transposed[:, lo:hi])
+        best = np.take(x, idx_t[0], axis=0)
+        worst = best.copy()
+        buf = np.empty_like(best)
+        for t in range(1, k):
+            np.take(x, idx_t[t], axis=0, out=buf)
+            np.maximum(best, buf, out=best)
+            np.minimum(worst, buf, out=worst)
+        for i, rows in enumerate((best, worst)):
+            out[2 * i][lo:hi] = rows.mean(axis=0)
+            out[2 * i + 1][lo:hi] = rows.std(axis=0)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _indices(n: int, k: int, n_bootstrap: int, seed: int) -> np.ndarray:
+    """:func:`bootstrap_indices`, drawn once per shape (read-only)."""
+    idx = bootstrap_indices(n, k, n_bootstrap, seed)
+    idx.flags.writeable = False
+    return idx
+
+
+@functools.lru_cache(maxsize=64)
+def _miss_table(n: int, k: int, n_bootstrap: int, seed: int) -> np.ndarray:
+    """``miss[M]``: how many bootstrap rows draw no position of the bitmask ``M`` (for every ``M`` of
+    ``n`` bits). The rows whose set of positions lies within each ``S`` are counted by a sum over
+    subsets (one pass per bit), and a row misses ``M`` when its set lies within the complement."""
+    idx = _indices(n, k, n_bootstrap, seed)
+    within = np.bincount(np.bitwise_or.reduce(np.left_shift(np.int64(1), idx), axis=1), minlength=1 << n)
+    for bit in range(n):
+        pairs = within.reshape(-1, 2, 1 << bit)
+        pairs[:, 1] += pairs[:, 0]
+    miss = np.ascontiguousarray(within[::-1])  # complement of M: (2**n - 1) - M
+    miss.flags.writeable = False
+    return miss
+
+
+def _winner_histogram(
+    dense: np.ndarray, n_classes: np.ndarray, idx: np.ndarray, n: int, seed: int
+) -> np.ndarray:
+    """``(P, n)``: per prompt, how many bootstrap rows the maj@k vote reports the value at each
+    position. With ``k == 2`` the first draw always wins (a pair agrees, or ties and the first
+    seen wins), whatever the preds."""
+    n_boot, k = idx.shape
+    if k == 2:
+        first = np.bincount(idx[:, 0], minlength=n).astype(np.float64)
+        return np.broadcast_to(first, (len(dense), n))
+    words = _words(n, k, n_boot, seed)
+    out = np.empty((len(dense), n))
+    chunk = max(1, CHUNK_BYTES // (8 * n_boot * 2))
+    for lo in range(0, len(dense), chunk):
+        hi = min(len(dense), lo + chunk)
+        winners = _majority_winners(dense[lo:hi], n_classes[lo:hi], words, idx)  # (m, n_bootstrap)
+        flat = (winners + n * np.arange(hi - lo)[:, None]).ravel()
+        out[lo:hi] = np.bincount(flat, minlength=(hi - lo) * n).reshape(hi - lo, n)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _words(n: int, k: int, n_bootstrap: int, seed: int) -> list[np.ndarray]:
+    """:func:`_tie_words` of the bootstrap indices, once per shape."""
+    return _tie_words(_indices(n, k, n_bootstrap, seed), n)
 
 
 def _tie_words(idx: np.ndarray, n: int) -> list[np.ndarray]:
     """``(n_bootstrap, n)`` matrices whose product with a one-hot class matrix gives, per row and class,
-    ``count * 2**32 + sum of 2**(31 - t)`` over the class's positions ``t < 32`` (then one word per
-    further 32 positions): exact integers in float64, ordered as (count, earliest position)."""
+    ``count * 2**w + sum of 2**(w - 1 - t)`` over the class's positions ``t < w`` (then one word per
+    further ``w`` positions): exact integers, ordered as (count, earliest position). For ``k`` up to
+    :data:`_SHORT_K` draws, one float32 word of ``w = k`` bits; beyond, float64 words of 32 bits."""
     n_boot, k = idx.shape
+    width, dtype = (k, np.float32) if k <= _SHORT_K else (_WORD, np.float64)
     flat = (np.arange(n_boot)[:, None] * n + idx).ravel()
     count = np.bincount(flat, minlength=n_boot * n).reshape(n_boot, n).astype(np.float64)
-    weight = np.ldexp(1.0, _WORD - 1 - np.arange(k) % _WORD)
-    word_of = np.arange(k) // _WORD
+    weight = np.ldexp(1.0, width - 1 - np.arange(k) % width)
+    word_of = np.arange(k) // width
     words = []
     for w in range(word_of[-1] + 1):
         cols = word_of == w
         weights = np.broadcast_to(weight[cols], (n_boot, int(cols.sum()))).ravel()
         sel = (np.arange(n_boot)[:, None] * n + idx[:, cols]).ravel()
         words.append(np.bincount(sel, weights=weights, minlength=n_boot * n).reshape(n_boot, n))
-    words[0] += count * _WORD_SCALE
-    return words
+    words[0] += count * float(2**width)
+    return [w.astype(dtype) for w in words]
 
 
 def _majority_winners(
     dense: np.ndarray, n_classes: np.ndarray, words: list[np.ndarray], idx: np.ndarray
 ) -> np.ndarray:
-    """``(n_bootstrap, c)``: per bootstrap row and prompt, the sample whose value maj@k reports."""
+    """``(c, n_bootstrap)``: per prompt and bootstrap row, the sample whose value maj@k reports."""
     n_boot, k = idx.shape
     c, n = dense.shape
-    out = np.empty((n_boot, c), dtype=np.intp)
-    budget = max(1, CHUNK_BYTES // (8 * n_boot * int(n_classes.max())))
-    for lo in range(0, c, budget):
-        hi = min(c, lo + budget)
+    width = k if words[0].dtype == np.float32 else _WORD
+    words_t = [np.ascontiguousarray(w.T) for w in words]  # (n, n_bootstrap)
+    row_start = np.arange(n_boot, dtype=np.int64) * k  # idx[b, t] is idx.flat[b * k + t]
+    first_of = _first_positions(k) if width == k and k <= TABLE_MAX_N else None
+    out = np.empty((c, n_boot), dtype=np.intp)
+    # chunks whose vote counts stay in cache, of prompts with the same number of classes (they come
+    # sorted by it): no padding classes
+    budget = max(1, min(CHUNK_BYTES, CACHE_BYTES) // (words[0].itemsize * n_boot * int(n_classes.max())))
+    cuts = np.flatnonzero(np.diff(n_classes)) + 1
+    bounds = sorted({*range(0, c, budget), *cuts.tolist(), c})
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
         m, d = hi - lo, int(n_classes[lo:hi].max())
-        onehot = np.zeros((n, d, m))
-        onehot[np.arange(n)[None, :], dense[lo:hi], np.arange(m)[:, None]] = 1.0
-        onehot = onehot.reshape(n, d * m)
-        key = (words[0] @ onehot).reshape(n_boot, d, m)
-        top = key.max(axis=1)
-        low = (top.astype(np.int64) & (2**_WORD - 1)).astype(np.float64)  # winner's positions < 32
-        pos = _WORD - np.frexp(low)[1]  # its highest bit is its first position; 32 when it has none
-        if len(words) > 1:
-            found = low > 0
-            cand = key == top[:, None, :]  # same count, same positions among the first words
-            for w in range(1, len(words)):
-                if found.all():
-                    break
-                kw = np.where(cand, (words[w] @ onehot).reshape(n_boot, d, m), -1.0)
-                tw = kw.max(axis=1)
-                new = ~found & (tw > 0)
-                pos = np.where(new, w * _WORD + _WORD - np.frexp(tw)[1], pos)
-                found |= new
-                cand &= kw == tw[:, None, :]
-        out[:, lo:hi] = np.take(idx, pos.astype(np.intp) + np.arange(n_boot)[:, None] * k)  # idx[b, pos]
+        if d == 1:  # one class: the first draw's sample
+            out[lo:hi] = idx[:, 0]
+            continue
+        onehot = np.zeros((d, m, n), dtype=words[0].dtype)
+        onehot[dense[lo:hi], np.arange(m)[:, None], np.arange(n)[None, :]] = 1.0
+        onehot = onehot.reshape(d * m, n)
+        key = _products(onehot, words_t[0]).reshape(d, m, n_boot)
+        top = key.max(axis=0)  # (m, n_bootstrap): the winning class's key
+        if first_of is not None:  # its first position, looked up from the whole key
+            pos = first_of[top.astype(np.int32)]
+        else:
+            ints = top.astype(np.int32 if width < 31 else np.int64)  # exact: float32 keys stay below 2**24
+            low = (ints & (2**width - 1)).astype(top.dtype)  # the winner's positions < width, as bits
+            pos = width - np.frexp(low)[1]  # its highest bit is its first position; width when it has none
+            if len(words) > 1:
+                found = low > 0
+                cand = key == top[None]  # same count, same positions among the first words
+                for w in range(1, len(words)):
+                    if found.all():
+                        break
+                    kw = np.where(cand, _products(onehot, words_t[w]).reshape(d, m, n_boot), -1.0)
+                    tw = kw.max(axis=0)
+                    new = ~found & (tw > 0)
+                    pos = np.where(new, w * width + width - np.frexp(tw)[1], pos)
+                    found |= new
+                    cand &= kw == tw[None]
+        out[lo:hi] = np.take(idx, row_start + pos)  # idx[b, pos]
+    return out
+
+
+@functools.lru_cache(maxsize=32)
+def _first_positions(k: int) -> np.ndarray:
+    """For every float32 tie-break key of ``k`` draws (``count * 2**k`` + position bits), the first
+    position among its bits (the highest bit: draw 0 has weight ``2**(k - 1)``)."""
+    bits = np.arange((k + 1) << k, dtype=np.int64) & ((1 << k) - 1)
+    first = (k - np.frexp(bits.astype(np.float64))[1]).astype(np.uint8)
+    first.flags.writeable = False
+    return first
+
+
+def _products(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a @ b`` in blocks of rows of at most :data:`_GEMM_MAX` multiply-adds each. BLAS runs products
+    this small on one thread: here (an inner dimension of ``n``) threads cost more than they save,
+    and on a busy machine they cost many times the product itself."""
+    out = np.empty((a.shape[0], b.shape[1]), dtype=np.result_type(a, b))
+    step = max(1, _GEMM_MAX // (a.shape[1] * b.shape[1]))
+    for lo in range(0, len(a), step):
+        np.matmul(a[lo : lo + step], b, out=out[lo : lo + step])
     return out
 
 
@@ -873,7 +1270,7 @@ def _majority_dp(size: np.ndarray, chan: np.ndarray, n: int, k: int, log_fact: n
 
 
 __all__ = [
-    "CHUNK_BYTES", "N_BOOTSTRAP", "aggregate_validation_metrics", "bootstrap_indices", "bootstrap_metric",
-    "bootstrap_sizes", "calc_maj_val", "encode_samples", "merge_samples", "pass_at_k", "process_samples",
-    "process_validation_metrics",
+    "CACHE_BYTES", "CHUNK_BYTES", "N_BOOTSTRAP", "STYLES", "TABLE_MAX_N", "aggregate_validation_metrics",
+    "bootstrap_indices", "bootstrap_metric", "bootstrap_sizes", "calc_maj_val", "encode_samples",
+    "merge_samples", "pass_at_k", "process_samples", "process_validation_metrics", "samples_by_source",
 ]  # fmt: skip
