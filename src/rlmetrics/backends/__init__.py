@@ -22,7 +22,8 @@ class MetricClient(ClientCore):
 
     ``metric_worker`` is a Ray ``MetricWorker`` actor handle, a
     :class:`~rlmetrics.backends.local.LocalMetricWorker`, or any transport.
-    Options: ``world_size``, ``nan_strategy``, ``label`` (see :class:`~rlmetrics.client.ClientCore`).
+    Options: ``world_size``, ``nan_strategy``, ``label``, ``rank``
+    (see :class:`~rlmetrics.client.ClientCore`).
 
     >>> worker = local.LocalMetricWorker()
     >>> client = MetricClient(worker)
@@ -57,8 +58,9 @@ def connect(backend: str = "local", *, world_size: int | None = None, name: str 
     process group); ``wait_submit()`` is a collective of all its ranks, the result is on every rank
     (or on ``result_on=`` only), ``name`` is not used. With ``world_size`` the client is a rank and
     registers at once: no step completes before it closed it. Client options: ``nan_strategy``,
-    ``label``; aggregator options on first use: ``renames``, ``keep_results`` (and for Ray
-    ``namespace``, ``num_cpus``, ``recovery_timeout``, ``node_timeout``).
+    ``label``, ``rank`` (the order of its validation samples; torch: the group rank); aggregator
+    options on first use: ``renames``, ``keep_results`` (and for Ray ``namespace``, ``num_cpus``,
+    ``recovery_timeout``, ``node_timeout``).
 
     >>> client = connect("local", world_size=1, name="connect-doc")
     >>> client.submit_metric({"timing_s/gen": 0.5})
@@ -67,7 +69,7 @@ def connect(backend: str = "local", *, world_size: int | None = None, name: str 
     {'perf/delta_time/gen': 0.5}
     >>> local.drop_worker("connect-doc")
     """
-    client_opts = {k: options.pop(k) for k in ("nan_strategy", "label") if k in options}
+    client_opts = {k: options.pop(k) for k in ("nan_strategy", "label", "rank") if k in options}
     if backend == "local":
         client = MetricClient(local.get_worker(name, **options), world_size=world_size, **client_opts)
     elif backend == "ray":

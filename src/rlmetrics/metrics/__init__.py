@@ -4,18 +4,24 @@ The submodules that need torch are imported on first use, so ``import rlmetrics.
 light (numpy-free even): ``from rlmetrics.metrics import compute_data_metric`` imports
 :mod:`rlmetrics.metrics.data`.
 
-**Derived metrics.** Some metrics are not a reduction of one merged Stat, e.g. the explained
-variance ``1 - Var(returns - values) / (Var(returns) + eps)``, a ratio of two variances. Their
-ingredients travel as ordinary metrics under names starting with :data:`AUX_PREFIX`, whose own
-reductions are exact (pooled ``std``, ``sum``), and :func:`derive_metrics` turns a merged result
-into the reported one: it computes each entry of :data:`DERIVED_METRICS` whose ingredients are
-present and drops the auxiliary names. It needs nothing but the ``{name: float}`` result.
+**Derived metrics.** Some metrics are not a reduction of one merged Stat but a function of several:
+the explained variance ``1 - Var(returns - values) / (Var(returns) + eps)``, the per-token times
+``1000 * seconds / tokens`` and the throughput ``tokens / (seconds * gpus)``. Averaging the ranks'
+own ratios gives a wrong number, so their ingredients travel as ordinary metrics under names
+starting with :data:`AUX_PREFIX`, whose own reductions are exact (pooled ``std``, ``sum``, the
+mean of the ranks' seconds), and :func:`derive_metrics` turns a merged result into the reported one:
+it computes each entry of :data:`DERIVED_METRICS` whose ingredients are present and drops the
+auxiliary names. It needs nothing but the ``{name: float}`` result. The formulas, and where they
+differ from siiRL's per-rank average: ``docs/reductions.md``.
 
 >>> merged = {"critic/vf_explained_var": 0.7, "critic/score/mean": 1.0,
 ...           VF_RETURNS_STD: 2.0, VF_RESIDUAL_STD: 1.0, VF_TOKENS: 101.0}
 >>> derived = derive_metrics(merged)
 >>> sorted(derived), round(derived["critic/vf_explained_var"], 4)
 (['critic/score/mean', 'critic/vf_explained_var'], 0.75)
+>>> seconds, tokens = per_token_names("gen")
+>>> derive_metrics({"timing_per_token_ms/gen": 40.0, seconds: 2.0, tokens: 400.0})  # 2 s / 400 tokens
+{'timing_per_token_ms/gen': 5.0}
 """
 
 from __future__ import annotations
@@ -47,8 +53,54 @@ def vf_explained_var(values: Mapping[str, float]) -> float | None:
     return 1.0 - res * res * unbiased / (ret * ret * unbiased + VF_EPS)
 
 
+RESPONSE_TOKEN_STAGES = ("gen",)
+"""Stages timed per response token (``timing_per_token_ms/{stage}``)."""
+ALL_TOKEN_STAGES = ("ref", "values", "adv", "update_critic", "update_actor")
+"""Stages timed per token of the whole sequence (prompt + response)."""
+
+
+def per_token_names(stage: str) -> tuple[str, str]:
+    """The auxiliary names of ``timing_per_token_ms/{stage}``: the stage's seconds (averaged over
+    ranks, as ``timing_s/{stage}``) and its tokens (summed)."""
+    return (
+        f"{AUX_PREFIX}timing_per_token_ms/{stage}/seconds",
+        f"{AUX_PREFIX}timing_per_token_ms/{stage}/tokens/sum",
+    )
+
+
+def _per_token_ms(stage: str) -> Callable[[Mapping[str, float]], float | None]:
+    seconds_name, tokens_name = per_token_names(stage)
+
+    def per_token_ms(values: Mapping[str, float]) -> float | None:
+        """``1000 * seconds / tokens``: the stage's time over the tokens of every rank."""
+        seconds, tokens = values.get(seconds_name), values.get(tokens_name)
+        if seconds is None or tokens is None or not tokens > 0:
+            return None
+        return seconds * 1000.0 / tokens
+
+    return per_token_ms
+
+
+THROUGHPUT_TOKENS = AUX_PREFIX + "perf/throughput/tokens/sum"
+"""Tokens of ``perf/throughput`` (summed over ranks)."""
+THROUGHPUT_SECONDS = AUX_PREFIX + "perf/throughput/seconds"
+"""Step time of ``perf/throughput`` (averaged over ranks, as ``perf/time_per_step``)."""
+THROUGHPUT_GPUS = AUX_PREFIX + "perf/throughput/gpus/sum"
+"""GPUs of ``perf/throughput`` (summed: each rank gives the GPUs its batch ran on)."""
+
+
+def throughput(values: Mapping[str, float]) -> float | None:
+    """``tokens / (seconds * gpus)``: tokens per second per GPU over all ranks."""
+    tokens, seconds, gpus = (values.get(n) for n in (THROUGHPUT_TOKENS, THROUGHPUT_SECONDS, THROUGHPUT_GPUS))
+    if tokens is None or seconds is None or gpus is None or not seconds * gpus > 0:
+        return None
+    return tokens / (seconds * gpus)
+
+
 DERIVED_METRICS: dict[str, Callable[[Mapping[str, float]], float | None]] = {
     "critic/vf_explained_var": vf_explained_var,
+    **{f"timing_per_token_ms/{s}": _per_token_ms(s) for s in RESPONSE_TOKEN_STAGES + ALL_TOKEN_STAGES},
+    "perf/throughput": throughput,
 }
 """Derived metric name → function of the merged ``{name: float}`` (None: cannot be computed, the
 merged value under that name, if any, is kept)."""
@@ -92,6 +144,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "AUX_PREFIX", "DERIVED_METRICS", "VF_EPS", "VF_RESIDUAL_STD", "VF_RETURNS_STD", "VF_TOKENS",
-    "derive_metrics", "validation_metrics", "vf_explained_var", *sorted(_LAZY),
+    "ALL_TOKEN_STAGES", "AUX_PREFIX", "DERIVED_METRICS", "RESPONSE_TOKEN_STAGES", "THROUGHPUT_GPUS",
+    "THROUGHPUT_SECONDS", "THROUGHPUT_TOKENS", "VF_EPS", "VF_RESIDUAL_STD", "VF_RETURNS_STD", "VF_TOKENS",
+    "derive_metrics", "per_token_names", "throughput", "validation_metrics", "vf_explained_var",
+    *sorted(_LAZY),
 ]  # fmt: skip

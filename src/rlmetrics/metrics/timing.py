@@ -1,50 +1,78 @@
-"""Timing and throughput metrics of a training step (the seed's names).
+"""Timing and throughput metrics of a training step (the seed's names), exact when merged over ranks.
 
-- :func:`compute_timing_metrics`: ``timing_s/{stage}`` for every entry of ``timing_raw`` and
-  ``timing_per_token_ms/{stage}`` for ``gen`` (per response token) and ``ref``, ``values``, ``adv``,
-  ``update_critic``, ``update_actor`` (per prompt + response token of the batch).
-- :func:`compute_throughput_metrics` (also under the seed's spelling ``compute_throughout_metrics``):
-  ``perf/total_num_tokens`` (the batch's ``global_token_num``), ``perf/time_per_step``
+- :func:`compute_timing_stats` / :func:`compute_timing_metrics`: ``timing_s/{stage}`` for every entry
+  of ``timing_raw`` and ``timing_per_token_ms/{stage}`` for ``gen`` (per response token) and ``ref``,
+  ``values``, ``adv``, ``update_critic``, ``update_actor`` (per prompt + response token of the batch).
+- :func:`compute_throughput_stats` / :func:`compute_throughput_metrics` (also under the seed's spelling
+  ``compute_throughout_metrics``): ``perf/total_num_tokens`` (the batch's tokens), ``perf/time_per_step``
   (``timing_raw["step"]``) and ``perf/throughput`` (tokens per second per GPU).
 
-Merged over ranks, ``perf/total_num_tokens`` is summed (its name says ``total``), the others are
-averaged. Missing keys or unusable values skip the metrics that need them; nothing raises.
+**Merged over ranks** (the ``*_stats`` functions give what a rank submits): ``timing_s/*`` and
+``perf/time_per_step`` are averaged, ``perf/total_num_tokens`` is summed, and the ratios are derived
+after the merge from merged sums (:data:`rlmetrics.metrics.DERIVED_METRICS`), so they equal the
+value of the whole batch instead of an average of per-rank ratios:
+
+- ``timing_per_token_ms/{stage}`` = ``1000 * mean over ranks of the stage's seconds / sum of the
+  ranks' tokens`` (siiRL averages each rank's ``seconds / own tokens``: about W times too high);
+- ``perf/throughput`` = ``sum of tokens / (mean step seconds * sum of n_gpus)``; ``n_gpus`` is the
+  number of GPUs the call's batch ran on (on a rank: that rank's GPUs, as siiRL passes
+  ``pp * tp``; on a whole batch: all of them, as verl passes).
+
+Tokens: ``global_token_num`` (per-sequence counts; in the batch, or in a ``DataProto``'s
+``meta_info``), else the sum of ``attention_mask``. verl copies the whole batch's ``global_token_num``
+list into the ``meta_info`` of every shard; summed on every rank it would count each token W times,
+so a list whose length is not the batch's number of sequences is not this rank's: its tokens come
+from ``attention_mask`` instead (the same counts, for this rank's sequences), and without an
+``attention_mask`` the list is refused with :class:`~rlmetrics.stat.MetricValueError`.
+
+Names depend on the keys present (``timing_raw``'s stages, the masks, ``global_token_num``), never on
+the values: a batch without tokens or a zero step time still yields every name, with an empty
+summary. A ``timing_raw`` value that is not a number is skipped; batch keys of the wrong shape or
+dtype raise, naming the key.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import numbers
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from rlmetrics.extras import require
-from rlmetrics.metrics.data import _Tensors, lookup
+from rlmetrics.metrics import (
+    ALL_TOKEN_STAGES,
+    RESPONSE_TOKEN_STAGES,
+    THROUGHPUT_GPUS,
+    THROUGHPUT_SECONDS,
+    THROUGHPUT_TOKENS,
+    per_token_names,
+)
+from rlmetrics.metrics.batch import key_error
+from rlmetrics.metrics.data import _Tensors, data_metrics_from_stats
+from rlmetrics.stat import Stat, scalar_value
 
 torch = require("torch", "torch")
 
 logger = logging.getLogger(__name__)
 
-RESPONSE_TOKEN_STAGES = ("gen",)
-"""Stages timed per response token."""
-ALL_TOKEN_STAGES = ("ref", "values", "adv", "update_critic", "update_actor")
-"""Stages timed per token of the whole sequence (prompt + response)."""
+
+def _seconds(timing_raw: Mapping[str, Any]) -> dict[str, float]:
+    """The numbers of ``timing_raw`` (a 0-d or one-element tensor too); other entries are skipped."""
+    out = {}
+    for stage, value in timing_raw.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.reshape(())
+        s = scalar_value(value, f"timing_s/{stage}")
+        if s is None:
+            logger.debug("timing_raw[%r] is not a number: %r", stage, value)
+            continue
+        out[stage] = s
+    return out
 
 
-def _seconds(value: Any) -> float | None:
-    if isinstance(value, numbers.Real) or (isinstance(value, np.ndarray) and value.ndim == 0):
-        return float(value)
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return float(value.detach().cpu().reshape(()))  # a host-side timer value, in practice
-    return None
-
-
-def _token_counts(batch: Mapping[str, Any]) -> tuple[float, float] | None:
+def _token_counts(t: _Tensors) -> tuple[float, float] | None:
     """(prompt tokens, response tokens) of the batch, in one device-to-host transfer; None if unknown."""
-    t = _Tensors(batch)
     if t.prompt_mask is None or t.response_mask is None:
         return None
     sums = [m.sum().to(torch.float64) for m in (t.prompt_mask, t.response_mask)]
@@ -54,7 +82,46 @@ def _token_counts(batch: Mapping[str, Any]) -> tuple[float, float] | None:
     return prompt, response
 
 
-def compute_timing_metrics(batch: Mapping[str, Any], timing_raw: Mapping[str, Any]) -> dict[str, float]:
+def compute_timing_stats(
+    batch: Any, timing_raw: Mapping[str, Any], *, nan_strategy: str = "propagate"
+) -> dict[str, Stat]:
+    """What a rank submits for :func:`compute_timing_metrics`: the Stats of ``timing_s/*``, of each
+    ``timing_per_token_ms/*`` (this rank's ratio, kept where the derivation cannot run) and of their
+    auxiliary ingredients (seconds and tokens, :func:`rlmetrics.metrics.per_token_names`).
+
+    >>> import torch
+    >>> batch = {"responses": torch.zeros(1, 2), "attention_mask": torch.tensor([[1, 1, 1, 0]])}
+    >>> stats = compute_timing_stats(batch, {"gen": 0.5})
+    >>> sorted(stats), stats["_aux/timing_per_token_ms/gen/tokens/sum"].sum
+    (['_aux/timing_per_token_ms/gen/seconds', '_aux/timing_per_token_ms/gen/tokens/sum', \
+'timing_per_token_ms/gen', 'timing_s/gen'], 1.0)
+    """
+    t = _Tensors(batch, "compute_timing_metrics")
+    seconds = _seconds(timing_raw)
+    out = {
+        f"timing_s/{stage}": Stat.of(s, nan_strategy=nan_strategy, name=f"timing_s/{stage}")
+        for stage, s in seconds.items()
+    }
+    timed = [s for s in (*RESPONSE_TOKEN_STAGES, *ALL_TOKEN_STAGES) if s in seconds]
+    counts = _token_counts(t) if timed else None
+    if counts is None:
+        return out
+    prompt, response = counts
+    for stage in timed:
+        tokens = response if stage in RESPONSE_TOKEN_STAGES else prompt + response
+        seconds_name, tokens_name = per_token_names(stage)
+        stage_seconds = out[f"timing_s/{stage}"]
+        used = stage_seconds.count > 0  # a value dropped under nan_strategy="drop" takes its tokens along
+        ratio = stage_seconds.sum * 1000.0 / tokens if used and tokens > 0 else None
+        out[f"timing_per_token_ms/{stage}"] = Stat() if ratio is None else Stat.of(ratio)
+        out[seconds_name] = stage_seconds
+        out[tokens_name] = Stat.of(tokens) if used else Stat()
+    return out
+
+
+def compute_timing_metrics(
+    batch: Any, timing_raw: Mapping[str, Any], *, nan_strategy: str = "propagate"
+) -> dict[str, float]:
     """``timing_s/{stage}`` in seconds and ``timing_per_token_ms/{stage}`` in milliseconds per token.
 
     Token counts come from ``attention_mask`` and ``responses`` / ``response_mask`` as in
@@ -66,43 +133,74 @@ def compute_timing_metrics(batch: Mapping[str, Any], timing_raw: Mapping[str, An
     >>> m["timing_s/step"], m["timing_per_token_ms/gen"], m["timing_per_token_ms/update_actor"]
     (3.0, 166.66666666666666, 200.0)
     """
-    seconds = {}
-    for stage, value in timing_raw.items():
-        s = _seconds(value)
-        if s is None:
-            logger.debug("timing_raw[%r] is not a number: %r", stage, value)
-            continue
-        seconds[stage] = s
-    out = {f"timing_s/{stage}": s for stage, s in seconds.items()}
-    timed = [s for s in (*RESPONSE_TOKEN_STAGES, *ALL_TOKEN_STAGES) if s in seconds]
-    counts = _token_counts(batch) if timed else None
-    if counts is not None:
-        prompt, response = counts
-        for stage in timed:
-            tokens = response if stage in RESPONSE_TOKEN_STAGES else prompt + response
-            if tokens > 0:
-                out[f"timing_per_token_ms/{stage}"] = seconds[stage] * 1000.0 / tokens
+    return data_metrics_from_stats(compute_timing_stats(batch, timing_raw, nan_strategy=nan_strategy))
+
+
+def _total_tokens(t: _Tensors) -> float | None:
+    """This rank's tokens: the sum of ``global_token_num`` when it has one count per sequence of the
+    batch, else of ``attention_mask`` (see the module docstring); None without either."""
+    value = t.batch.get("global_token_num")
+    if value is not None:
+        counts = _token_list(value)
+        if t.size is None or counts.size == t.size or counts.ndim == 0:
+            return float(counts.sum(dtype=np.float64))
+        if t.attention is None:
+            raise key_error(
+                "global_token_num",
+                f"{counts.size} counts for {t.size} sequences: the list of another batch (verl copies "
+                "the whole batch's list into every shard's meta_info), which every rank would count; "
+                "give this rank's counts or an attention_mask",
+            )
+    if t.attention is None:
+        return None
+    return float(t.attention.sum(dtype=torch.float64).cpu())
+
+
+def _token_list(value: Any) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(torch.float64).cpu().numpy()
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "biuf":
+        raise key_error("global_token_num", f"must be token counts, got {arr.dtype} data")
+    return arr.astype(np.float64)
+
+
+def compute_throughput_stats(
+    batch: Any, timing_raw: Mapping[str, Any], n_gpus: Any, *, nan_strategy: str = "propagate"
+) -> dict[str, Stat]:
+    """What a rank submits for :func:`compute_throughput_metrics`: the Stats of its three names
+    (``perf/throughput``: this rank's ratio, kept where the derivation cannot run) and of the
+    throughput's ingredients (tokens, seconds and GPUs; :data:`rlmetrics.metrics.THROUGHPUT_TOKENS`).
+
+    >>> stats = compute_throughput_stats({"global_token_num": [100, 300]}, {"step": 2.0}, 4)
+    >>> stats["perf/total_num_tokens"].sum, stats["_aux/perf/throughput/gpus/sum"].sum
+    (400.0, 4.0)
+    """
+    out: dict[str, Stat] = {}
+    tokens = _total_tokens(_Tensors(batch, "compute_throughput_metrics"))
+    if tokens is not None:
+        out["perf/total_num_tokens"] = Stat.of(
+            tokens, nan_strategy=nan_strategy, name="perf/total_num_tokens"
+        )
+    step = _seconds(timing_raw).get("step") if isinstance(timing_raw, Mapping) else None
+    if step is None:
+        return out
+    out["perf/time_per_step"] = Stat.of(step, nan_strategy=nan_strategy, name="perf/time_per_step")
+    if tokens is None:
+        return out
+    gpus = scalar_value(n_gpus, "perf/throughput")
+    token_stat, step_stat = out["perf/total_num_tokens"], out["perf/time_per_step"]
+    # a value dropped under nan_strategy="drop" takes the others along; a bad n_gpus gives no throughput
+    used = token_stat.count > 0 and step_stat.count > 0 and gpus is not None and gpus > 0
+    out["perf/throughput"] = Stat.of(tokens / (step * gpus)) if used and step > 0 else Stat()
+    parts = (token_stat, step_stat, Stat.of(gpus) if used else Stat())
+    for name, part in zip((THROUGHPUT_TOKENS, THROUGHPUT_SECONDS, THROUGHPUT_GPUS), parts):
+        out[name] = part if used else Stat()
     return out
 
 
-def _total_tokens(batch: Mapping[str, Any]) -> float | None:
-    """Sum of ``global_token_num`` (tokens per sequence), else of ``attention_mask``."""
-    value = lookup(batch, "global_token_num")
-    if value is not None:
-        try:
-            if isinstance(value, torch.Tensor):
-                return float(value.detach().sum(dtype=torch.float64).cpu())
-            return float(np.sum(np.asarray(value, dtype=np.float64)))
-        except (TypeError, ValueError) as exc:
-            logger.debug("global_token_num is not numeric (%s)", exc)
-    mask = lookup(batch, "attention_mask")
-    if isinstance(mask, torch.Tensor):
-        return float(mask.detach().sum(dtype=torch.float64).cpu())
-    return None
-
-
 def compute_throughput_metrics(
-    batch: Mapping[str, Any], timing_raw: Mapping[str, Any], n_gpus: int
+    batch: Any, timing_raw: Mapping[str, Any], n_gpus: Any, *, nan_strategy: str = "propagate"
 ) -> dict[str, float]:
     """``perf/total_num_tokens``, ``perf/time_per_step`` and ``perf/throughput`` (tokens/s/GPU).
 
@@ -112,17 +210,9 @@ def compute_throughput_metrics(
     >>> compute_throughput_metrics({"global_token_num": [100, 300]}, {"step": 2.0}, n_gpus=4)
     {'perf/total_num_tokens': 400.0, 'perf/time_per_step': 2.0, 'perf/throughput': 50.0}
     """
-    out: dict[str, float] = {}
-    tokens = _total_tokens(batch)
-    if tokens is not None:
-        out["perf/total_num_tokens"] = tokens
-    step = _seconds(timing_raw.get("step")) if hasattr(timing_raw, "get") else None
-    if step is not None:
-        out["perf/time_per_step"] = step
-        gpus = n_gpus if isinstance(n_gpus, numbers.Real) else math.nan
-        if tokens is not None and step > 0 and gpus > 0:
-            out["perf/throughput"] = tokens / (step * gpus)
-    return out
+    return data_metrics_from_stats(
+        compute_throughput_stats(batch, timing_raw, n_gpus, nan_strategy=nan_strategy)
+    )
 
 
 compute_throughout_metrics = compute_throughput_metrics
@@ -131,5 +221,5 @@ compute_throughout_metrics = compute_throughput_metrics
 
 __all__ = [
     "ALL_TOKEN_STAGES", "RESPONSE_TOKEN_STAGES", "compute_throughout_metrics", "compute_throughput_metrics",
-    "compute_timing_metrics",
+    "compute_throughput_stats", "compute_timing_metrics", "compute_timing_stats",
 ]  # fmt: skip
