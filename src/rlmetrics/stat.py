@@ -283,14 +283,15 @@ class Stat:
 
     @property
     def finite(self) -> bool:
-        """Whether the summarized values are all finite (an empty Stat is).
+        """Whether the summarized values are all finite (an empty Stat is): a NaN or an infinity
+        among them makes the min or the max non-finite (a sum may overflow from finite values).
 
         >>> Stat.of([1.0, 2.0]).finite, Stat.of([1.0, float("nan")]).finite, Stat().finite
         (True, False, True)
+        >>> Stat.of([-1e308, 1e308]).finite  # its sum of squares overflows, its values are finite
+        True
         """
-        if self.count == 0:
-            return True
-        return math.isfinite(self.count + self.sum + self.m2 + self.min + self.max)
+        return self.count == 0 or (math.isfinite(self.min) and math.isfinite(self.max))
 
     def merge(self, other: Stat) -> Stat:
         """A new Stat summarizing both; associative and commutative.

@@ -366,9 +366,10 @@ def _finite_keep(names: tuple[str, ...], values: np.ndarray, keep: Any, nan_stra
 
 
 def _finite_block(block: np.ndarray) -> bool:
-    """Whether the token summaries hold finite numbers only (empty ones aside)."""
+    """Whether the token summaries summarize finite values only: their min and max are finite (a
+    NaN or an infinity reaches one of them; a sum may overflow from finite values)."""
     has = block[0] > 0
-    return bool(np.isfinite(block[:, has]).all())
+    return bool(np.isfinite(block[3:5, has]).all())
 
 
 def _finite_token_block(plan: _Plan, nan_strategy: str, block: np.ndarray) -> np.ndarray:
@@ -388,7 +389,7 @@ def _finite_token_block(plan: _Plan, nan_strategy: str, block: np.ndarray) -> np
                     f"metric {prefixes[key] + '/*'!r}: {int(n)} non-finite response value(s) in batch key "
                     f"{key!r} (nan_strategy='error')"
                 )
-        return block  # finite values whose sums overflowed
+        return block
     groups, blocks = [], []
     for key, x, f in zip(keys, xs, finite):
         groups.append(_triple(prefixes[key]))

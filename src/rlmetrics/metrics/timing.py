@@ -50,6 +50,7 @@ from rlmetrics.metrics import (
 )
 from rlmetrics.metrics.batch import key_error
 from rlmetrics.metrics.data import _Tensors, data_metrics_from_stats
+from rlmetrics.reduce import resolve
 from rlmetrics.stat import Stat, scalar_value
 
 torch = require("torch", "torch")
@@ -98,10 +99,10 @@ def compute_timing_stats(
     """
     t = _Tensors(batch, "compute_timing_metrics")
     seconds = _seconds(timing_raw)
-    out = {
-        f"timing_s/{stage}": Stat.of(s, nan_strategy=nan_strategy, name=f"timing_s/{stage}")
-        for stage, s in seconds.items()
-    }
+    out = {}
+    for stage, s in seconds.items():
+        name = f"timing_s/{stage}"  # a stage's name may ask for quantiles (timing_s/p99): a sketch then
+        out[name] = Stat.of(s, sketch=resolve(name).needs_sketch, nan_strategy=nan_strategy, name=name)
     timed = [s for s in (*RESPONSE_TOKEN_STAGES, *ALL_TOKEN_STAGES) if s in seconds]
     counts = _token_counts(t) if timed else None
     if counts is None:
