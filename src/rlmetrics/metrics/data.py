@@ -499,22 +499,20 @@ def _scratch(shape: tuple[int, ...], dtype: Any, device: Any) -> Any:
     return kept[:nbytes].view(dtype).view(shape)
 
 
-def _summarize_tokens(
-    buf: Any, mask: _TokenMask, dtype: Any, wide: bool = False
-) -> tuple[Any, Any, Any, Any]:
+def _summarize_tokens(buf: Any, mask: _TokenMask, dtype: Any) -> tuple[Any, Any, Any, Any]:
     """Sum, m2 (float64), min and max (``dtype``) of ``K`` float tensors of ``dtype`` held as integer
     bits in ``buf`` ``(K, *mask.shape)``, 0 on padding: four ``(K,)`` tensors. ``buf`` is overwritten.
 
     All ``K`` go through each step together (fewer, larger kernels). Sums run per row in the data's
-    precision and across rows in float64; with ``wide`` all in float64 (under ``torch.compile``, which
-    fuses the conversion: sums exact to float64 rounding, the same on every CPU). Padding is
-    replaced with its tensor's mean before min/max and centering, so it changes neither, and no
-    shape depends on the data (no sync).
+    precision and across rows in float64 (a row's sum is within ``(width - 1) * eps / 2 * sum|x|``
+    of the exact one, in any order of summation: eager and compiled, on any CPU). Padding is replaced
+    with its tensor's mean before min/max and centering, so it changes neither, and no shape depends
+    on the data (no sync).
     """
     f64 = torch.float64
     k = buf.shape[0]
     vals = buf.view(dtype)
-    sums = vals.to(f64).sum(-1).sum(1) if wide else vals.sum(-1).sum(1, dtype=f64)
+    sums = vals.sum(-1).sum(1, dtype=f64)
     means = (sums / mask.divisor).to(dtype)
     buf.addcmul_(mask.off, means.view(buf.dtype)[:, None, None])  # padding := mean, in place
     flat = vals.view(k, -1)
@@ -522,22 +520,12 @@ def _summarize_tokens(
         mins, maxs = (v[None] for v in torch.aminmax(flat[0]))
     else:
         mins, maxs = flat.amin(1), flat.amax(1)
-    if wide:  # squares of exact float64 deviations from the rounded mean, then centred on the mean itself
-        shift = means.to(f64)
-        dev = vals.to(f64) - shift[:, None, None]
-        offset = sums / mask.divisor - shift
-        return sums, (dev * dev).sum(-1).sum(1) - mask.count * offset * offset, mins, maxs
     vals.sub_(means[:, None, None])
     return sums, vals.mul_(vals).sum(-1).sum(1, dtype=f64), mins, maxs
 
 
 def _token_block(
-    xs: tuple[Any, ...],
-    residual: tuple[int, int] | None,
-    mask: Any,
-    scratch: Any = None,
-    group: int = 1,
-    wide: bool = False,
+    xs: tuple[Any, ...], residual: tuple[int, int] | None, mask: Any, scratch: Any = None, group: int = 1
 ) -> Any:
     """``(5, K)`` float64 count, sum, m2, min, max of the response tokens of each of ``xs`` (float
     tensors of one dtype, of the mask's shape) and, with ``residual=(i, j)``, of ``xs[i] - xs[j]``.
@@ -562,33 +550,28 @@ def _token_block(
             # x on the response, 0 (all bits) elsewhere
             bufs.append(torch.mul(x.view(itype), token_mask.on, out=out))
         stacked = scratch[2 : 2 + len(bufs)] if scratch is not None else torch.stack(bufs)
-        parts.append(_summarize_tokens(stacked, token_mask, dtype, wide))
+        parts.append(_summarize_tokens(stacked, token_mask, dtype))
     sums, m2s, mins, maxs = (torch.cat(column) for column in zip(*parts))
     has = token_mask.count > 0
     mins, maxs = torch.where(has, mins.to(f64), math.inf), torch.where(has, maxs.to(f64), -math.inf)
     return torch.stack([token_mask.count.expand(k), sums, m2s, mins, maxs])
 
 
-def _wide_token_block(xs: tuple[Any, ...], residual: tuple[int, int] | None, mask: Any) -> Any:
-    """:func:`_token_block` accumulating in float64 (what ``torch.compile`` compiles)."""
-    return _token_block(xs, residual, mask, wide=True)
-
-
-_compiled: dict[str, Any] = {}  # "fn": _wide_token_block under torch.compile; "failed": compiling failed
+_compiled: dict[str, Any] = {}  # "fn": _token_block under torch.compile; "failed": compiling failed
 _compile_lock = threading.Lock()
 
 
 def _compiled_token_block(xs: tuple[Any, ...], residual: tuple[int, int] | None, mask: Any) -> Any:
     """:func:`_token_block` under ``torch.compile`` (shapes dynamic, so batch sizes and widths do not
-    recompile; sums in float64), or None where compiling fails: a warning then, and eager summaries
-    from then on. Calls run one at a time (dynamo's compiling is not thread-safe: ranks as threads
-    of one process would race on the first compile)."""
+    recompile), or None where compiling fails: a warning then, and eager summaries from then on.
+    Calls run one at a time (dynamo's compiling is not thread-safe: ranks as threads of one process
+    would race on the first compile)."""
     with _compile_lock:
         if _compiled.get("failed"):
             return None
         try:
             if "fn" not in _compiled:
-                _compiled["fn"] = torch.compile(_wide_token_block, dynamic=True)
+                _compiled["fn"] = torch.compile(_token_block, dynamic=True)
             return _compiled["fn"](xs, residual, mask)
         except Exception as exc:  # no C++ compiler, a device torch.compile does not support, ...
             _compiled["failed"] = True
