@@ -43,7 +43,15 @@ import numpy as np
 from rlmetrics.metrics import AUX_PREFIX, derive_metrics, validation_metrics
 from rlmetrics.reduce import DEFAULT_RENAMES, MEAN, STD, Reduction, parse_reduction, rename, resolve
 from rlmetrics.sketch import Sketch
-from rlmetrics.stat import MetricValueError, Stat, empty_arrays, merge_arrays, reduce_parts, stats_of_rows
+from rlmetrics.stat import (
+    MetricValueError,
+    Stat,
+    empty_arrays,
+    merge_arrays,
+    reduce_parts,
+    scalar_value,
+    stats_of_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -98,19 +106,6 @@ class Packed:
     records: list = field(default_factory=list)  # (rank key, validation sample record) pairs
 
 
-def _scalar(value: Any) -> float | None:
-    if isinstance(value, float):
-        return value
-    if isinstance(value, numbers.Real) or (
-        isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "biuf"
-    ):
-        try:
-            return float(value)
-        except OverflowError:  # an int beyond float64: Stat.of refuses it, naming the metric
-            return None
-    return None
-
-
 def _to_stat(name: str, value: Any, needs_sketch: bool, nan_strategy: str) -> Stat:
     if isinstance(value, Stat):
         if needs_sketch and value.sketch is None:
@@ -118,7 +113,13 @@ def _to_stat(name: str, value: Any, needs_sketch: bool, nan_strategy: str) -> St
                 f"metric {name!r}: its reduction reads quantiles; "
                 "build the Stat with Stat.of(..., sketch=True)"
             )
-        return value
+        if nan_strategy == "propagate" or value.finite:
+            return value
+        if nan_strategy == "error":
+            raise MetricValueError(
+                f"metric {name!r}: the Stat summarizes non-finite values (nan_strategy='error')"
+            )
+        return Stat(sketch=None if value.sketch is None else Sketch())  # "drop": its values are not separable
     if isinstance(value, tuple):
         if len(value) != 2:
             raise MetricValueError(
@@ -161,34 +162,52 @@ def pack(
     sketches: dict[int, Sketch] = {}
     failed: dict[str, str] = {}
     std_numbers: list[str] = []
-    tensors = Stat.of_tensors(metrics, lambda n: resolve(n).needs_sketch, nan_strategy)  # one host copy
+    dropped: list[str] = []
+
+    def reduction_of(name: str) -> Reduction:
+        return overrides[name] if overrides and name in overrides else resolve(name)
+
+    tensors = Stat.of_tensors(metrics, lambda n: reduction_of(n).needs_sketch, nan_strategy)  # one host copy
     for name, value in metrics.items():
         try:
             if not isinstance(name, str) or not name:
                 raise MetricValueError(f"metric name must be a non-empty str, got {name!r:.80}")
-            reduction = overrides[name] if overrides and name in overrides else resolve(name)
-            v = None if reduction.needs_sketch else _scalar(value)
+            reduction = reduction_of(name)
+            stat = tensors.get(name)  # a tensor, already summarized
+            v = None if reduction.needs_sketch or stat is not None else scalar_value(value, name)
+            one = v is not None or (stat is not None and not isinstance(value, tuple) and value.dim() == 0)
+            if one and reduction is STD:  # a rank's own std, not an observation: average, as siiRL
+                reduction = MEAN
+                std_numbers.append(name)
             if v is not None and (nan_strategy == "propagate" or math.isfinite(v)):
                 columns.append(v)
-                if reduction is STD:  # a rank's own std, not an observation: average, as siiRL does
-                    reduction = MEAN
-                    std_numbers.append(name)
             else:
-                stat = (
-                    tensors[name]
-                    if name in tensors
-                    else _to_stat(name, value, reduction.needs_sketch, nan_strategy)
-                )
+                if stat is None:
+                    stat = _to_stat(name, value if v is None else v, reduction.needs_sketch, nan_strategy)
+                    if isinstance(value, Stat) and stat is not value:
+                        dropped.append(name)
                 if isinstance(stat, MetricValueError):
                     raise stat
                 if stat.sketch is not None and reduction.needs_sketch:
                     sketches[len(names)] = stat.sketch
                 columns.append(stat.to_array())
-        except MetricValueError as exc:
-            failed[name if isinstance(name, str) else repr(name)] = str(exc)
+        except Exception as exc:  # whatever a value raises, it refuses that name only
+            key = name if isinstance(name, str) else repr(name)
+            failed[key] = str(exc)
+            if not isinstance(exc, MetricValueError):
+                failed[key] = (
+                    f"metric {key!r}: cannot summarize {type(value).__name__} ({type(exc).__name__}: {exc})"
+                )
             continue
         names.append(name)
         reductions.append(reduction.name)
+    if dropped:
+        warnings.warn(
+            f"{len(dropped)} metric(s) {dropped[:3]}: a Stat summarizing non-finite values is dropped "
+            "whole under nan_strategy='drop'; build it with Stat.of(..., nan_strategy='drop') to keep its "
+            "finite values",
+            stacklevel=2,
+        )
     if std_numbers:
         warnings.warn(
             f"{len(std_numbers)} metric(s) {std_numbers[:3]}: a number under a std name is taken as one "
@@ -228,7 +247,10 @@ def _pack_scalars(metrics: Mapping[str, Any], nan_strategy: str, schemas: dict) 
     values = metrics.values()
     if not set(map(type, values)) <= _FAST_TYPES:
         return None
-    stats = np.fromiter(values, np.float64, len(metrics))
+    try:
+        stats = np.fromiter(values, np.float64, len(metrics))
+    except OverflowError:  # an int beyond float64: pack refuses that name alone
+        return None
     if nan_strategy != "propagate" and not np.isfinite(stats).all():
         return None
     return Packed(schema, stats)

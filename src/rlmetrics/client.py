@@ -17,7 +17,6 @@ import os
 import re
 import socket
 import threading
-import time
 import uuid
 import warnings
 from collections.abc import Callable, Mapping
@@ -99,6 +98,8 @@ class ClientCore:
     about the data at this client's next call (for ranks whose driver reads with ``result(step)``).
     ``naming``: a naming profile (e.g. :data:`rlmetrics.integrations.verl.NAMING`), whose
     ``prepare(metrics)`` gives the values to submit and the reductions that differ from the names'.
+    ``rank``: this client's rank, the order of its validation samples among all ranks' (else the
+    number of a ``rankN`` label; see :meth:`process_local_validation_metrics`).
     """
 
     max_restarts_per_call = 5
@@ -113,9 +114,15 @@ class ClientCore:
         client_id: str | None = None,
         blocking: bool = True,
         naming: Any = None,
+        rank: int | None = None,
     ) -> None:
         if nan_strategy not in NAN_STRATEGIES:
             raise ValueError(f"nan_strategy must be one of {NAN_STRATEGIES}, got {nan_strategy!r}")
+        if rank is not None and (
+            not isinstance(rank, numbers.Integral) or isinstance(rank, bool) or rank < 0
+        ):
+            raise ValueError(f"rank must be a non-negative int, got {rank!r:.80}")
+        self.rank = None if rank is None else int(rank)
         self.transport = transport
         self.world_size = world_size
         self.nan_strategy = nan_strategy
@@ -338,6 +345,11 @@ class ClientCore:
         self._retrying(lambda: self.transport.register(self.client_id))
 
     # ------------------------------------------------------------- the seed's compute_local_*
+    def _compute_strategy(self) -> str:
+        """The nan_strategy compute functions run with: ``"error"`` is left to :meth:`submit_metric`,
+        which refuses each non-finite name alone and queues the others."""
+        return "drop" if self.nan_strategy == "drop" else "propagate"
+
     def compute_local_data_metric(
         self,
         data: Any,
@@ -348,15 +360,20 @@ class ClientCore:
     ) -> None:
         """Compute the seed's data metrics of this rank's batch (plus every function added with
         :func:`~rlmetrics.metrics.custom.register_metric`) and submit them as mergeable Stats, so
-        token- and sequence-weighted global values are exact. ``DEBUG_METRICS=1`` logs them.
+        token- and sequence-weighted global values are exact. ``data``: a mapping, a TensorDict or a
+        verl ``DataProto`` (:mod:`rlmetrics.metrics.batch`). ``DEBUG_METRICS=1`` logs them.
         ``torch_compile``: see :func:`~rlmetrics.metrics.data.compute_data_stats`."""
+        from rlmetrics.metrics.batch import as_batch
         from rlmetrics.metrics.custom import debug_enabled, debug_report, run_custom_metrics
         from rlmetrics.metrics.data import compute_data_stats
 
-        metrics: dict[str, Any] = dict(compute_data_stats(data, torch_compile=torch_compile))
+        batch = as_batch(data, "compute_local_data_metric")
+        metrics: dict[str, Any] = dict(
+            compute_data_stats(batch, torch_compile=torch_compile, nan_strategy=self._compute_strategy())
+        )
         metrics.update(run_custom_metrics(data))
         if debug_enabled():
-            debug_report(data, metrics)
+            debug_report(batch, metrics)
         self.submit_metric(metrics, world_size, step)
 
     def compute_local_timing_metrics(
@@ -366,10 +383,12 @@ class ClientCore:
         world_size: int | None = None,
         step: int | None = None,
     ) -> None:
-        """Submit ``timing_s/{stage}`` and ``timing_per_token_ms/{stage}`` of this rank."""
-        from rlmetrics.metrics.timing import compute_timing_metrics
+        """Submit ``timing_s/{stage}`` and ``timing_per_token_ms/{stage}`` of this rank; the per-token
+        times are derived from all ranks' seconds and tokens (:mod:`rlmetrics.metrics.timing`)."""
+        from rlmetrics.metrics.timing import compute_timing_stats
 
-        self.submit_metric(compute_timing_metrics(data, timing_raw), world_size, step)
+        stats = compute_timing_stats(data, timing_raw, nan_strategy=self._compute_strategy())
+        self.submit_metric(stats, world_size, step)
 
     def compute_local_throughout_metrics(
         self,
@@ -380,10 +399,13 @@ class ClientCore:
         step: int | None = None,
     ) -> None:
         """Submit ``perf/total_num_tokens``, ``perf/time_per_step``, ``perf/throughput`` (the seed's
-        spelling; :meth:`compute_local_throughput_metrics` is the same)."""
-        from rlmetrics.metrics.timing import compute_throughput_metrics
+        spelling; :meth:`compute_local_throughput_metrics` is the same). ``n_gpu``: the GPUs this
+        rank's batch ran on (siiRL passes ``pp * tp``); the throughput is derived from all ranks'
+        tokens, step times and GPUs (:mod:`rlmetrics.metrics.timing`)."""
+        from rlmetrics.metrics.timing import compute_throughput_stats
 
-        self.submit_metric(compute_throughput_metrics(data, timing_raw, n_gpu), world_size, step)
+        stats = compute_throughput_stats(data, timing_raw, n_gpu, nan_strategy=self._compute_strategy())
+        self.submit_metric(stats, world_size, step)
 
     compute_local_throughput_metrics = compute_local_throughout_metrics
 
@@ -401,10 +423,14 @@ class ClientCore:
     ) -> None:
         """Send this rank's validation samples (a compact record); the aggregator computes
         ``val-core/...``, ``val-aux/...``, ``val/test_score/...`` once over all ranks' samples, so a
-        prompt whose samples sit on several ranks gets exactly the single-process values. Ranks are
-        merged in the order of the number in their label (``rank3``), else in arrival order.
-        ``exact=True`` adds ``pass@k`` and the exact best/worst/maj@k keys; ``record_options``
-        (``style``, ``seed``, ``expected_counts``) go to
+        prompt whose samples sit on several ranks gets exactly the single-process values.
+
+        The samples are concatenated in an order that depends on data, never on arrival: by rank
+        (``rank=`` of the client, else the number of a ``rankN`` label), then by the order of the
+        calls within the rank; clients without a rank follow, ordered by the content of their
+        samples. Non-finite values follow ``nan_strategy`` (``"drop"`` leaves out the samples that
+        have one). ``exact=True`` adds ``pass@k`` and the exact best/worst/maj@k keys;
+        ``record_options`` (``style``, ``seed``, ``expected_counts``) go to
         :func:`~rlmetrics.metrics.validation.encode_samples`."""
         from rlmetrics.metrics import AUX_PREFIX
         from rlmetrics.metrics.validation import encode_samples
@@ -413,16 +439,26 @@ class ClientCore:
         if ws is None:
             raise ValueError("process_local_validation_metrics needs world_size")
         record = encode_samples(
-            data_sources, sample_inputs, infos_dict, sample_turns, exact=exact, **record_options
-        )
-        packed = pack({AUX_PREFIX + "validation/samples/total": float(len(data_sources))})
-        packed.records.append((self._rank_key(), record))
-        self.submit_packed(packed, int(ws), self.step if step is None else int(step))
+            data_sources, sample_inputs, infos_dict, sample_turns, exact=exact,
+            nan_strategy=self.nan_strategy, **record_options,
+        )  # fmt: skip
+        packed = pack({AUX_PREFIX + "validation/samples/total": float(len(record["group"]))})
+        with self._lock:
+            seq = self._next_seq()
+            packed.records.append((self._rank_key(record, seq), record))
+            self.submit_packed(packed, int(ws), self.step if step is None else int(step), seq)
 
-    def _rank_key(self) -> tuple[int, float, str]:
-        """Where this client's samples go in the merged order: by the number in its label."""
-        match = re.match(r"\D*(\d+)@", self.client_id)
-        return (0, int(match.group(1)), self.client_id) if match else (1, time.time(), self.client_id)
+    def _rank_key(self, record: Mapping[str, Any], seq: int) -> tuple[int, int, int, str]:
+        """Where a record goes in the merged order: ``(0, rank, seq, digest)`` for a client with a
+        rank, ``(1, 0, 0, digest)`` without; ``digest`` is the record's content hash."""
+        from rlmetrics.metrics.validation import record_digest
+
+        rank = self.rank
+        if rank is None:
+            match = re.match(r"rank(\d+)(?:@|$)", self.client_id)
+            rank = int(match.group(1)) if match else None
+        digest = record_digest(record)
+        return (1, 0, 0, digest) if rank is None else (0, rank, seq, digest)
 
     def stop(self) -> None:
         """Send what is queued and leave: no step waits for this client afterwards."""

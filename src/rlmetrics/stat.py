@@ -203,14 +203,16 @@ class Stat:
         """
         if nan_strategy not in NAN_STRATEGIES:
             raise ValueError(f"nan_strategy must be one of {NAN_STRATEGIES}, got {nan_strategy!r}")
-        if mask is None and weight is None and not sketch and _is_scalar(values):
-            try:
-                v = float(values)
-            except OverflowError:
-                raise MetricValueError(
-                    f"metric {name!r}: {type(values).__name__} value outside the float64 range"
-                ) from None
-            return cls._of_scalar(v, nan_strategy, name)
+        if isinstance(values, np.ma.MaskedArray):  # masked entries are not observations
+            keep = ~np.ma.getmaskarray(values)
+            values = np.ma.getdata(values)
+            mask = keep if mask is None else _and_mask(keep, mask, name)
+        if mask is None and weight is None and not sketch:
+            v = scalar_value(values, name)
+            if v is not None:
+                return cls._of_scalar(v, nan_strategy, name)
+        if isinstance(values, (list, tuple)) and any(map(_is_torch, values)):
+            values = _stack_tensors(values, name)
         if _is_torch(values):
             return cls._of_torch(values, mask, weight, sketch, nan_strategy, name)
         x = _as_float_array(values, name, "values")
@@ -297,6 +299,18 @@ class Stat:
         """Population standard deviation (``ddof=0``)."""
         return math.sqrt(self.var) if self.count > 0 else math.nan
 
+    @property
+    def finite(self) -> bool:
+        """Whether the summarized values are all finite (an empty Stat is): a NaN or an infinity
+        among them makes the min or the max non-finite (a sum may overflow from finite values).
+
+        >>> Stat.of([1.0, 2.0]).finite, Stat.of([1.0, float("nan")]).finite, Stat().finite
+        (True, False, True)
+        >>> Stat.of([-1e308, 1e308]).finite  # its sum of squares overflows, its values are finite
+        True
+        """
+        return self.count == 0 or (math.isfinite(self.min) and math.isfinite(self.max))
+
     def merge(self, other: Stat) -> Stat:
         """A new Stat summarizing both; associative and commutative.
 
@@ -341,7 +355,7 @@ def _tensor_stats(items: Sequence[tuple], nan_strategy: str) -> list[Stat | Metr
     moved: list[Any] = []  # per item: a device tensor to move, a ready Stat or an error
     for name, values, mask, weight, sketch in items:
         try:
-            _refuse_complex(values, name, "values")
+            check_tensor(values, name, "values")
             x = values.detach()
             if x.device.type == "mps":  # no float64 there
                 x = x.cpu()
@@ -422,16 +436,79 @@ def _pinned_to_host(flat: Any, wait: Callable[[], None]) -> np.ndarray:
     return host.numpy()
 
 
-def _is_scalar(value: Any) -> bool:
+def scalar_value(value: Any, name: str = "value") -> float | None:
+    """``value`` as a float when it is one number, whatever its type: a Python or numpy real scalar, a
+    0-d real array or a 0-d tensor (detached; one host read); None for anything else (data).
+
+    Refused with :class:`MetricValueError` naming the metric: an int beyond float64, and tensors
+    that hold no real numbers (see :func:`check_tensor`).
+
+    >>> import numpy as np
+    >>> scalar_value(2), scalar_value(np.float32(0.5)), scalar_value(np.array(3.0)), scalar_value([1.0])
+    (2.0, 0.5, 3.0, None)
+    """
+    if isinstance(value, float):
+        return value
     if isinstance(value, np.ndarray):
-        return value.ndim == 0 and value.dtype.kind in "biuf"
-    return isinstance(value, numbers.Real)
+        if value.ndim != 0 or value.dtype.kind not in "biuf" or isinstance(value, np.ma.MaskedArray):
+            return None
+    elif _is_torch(value):
+        if value.dim() != 0:
+            return None
+        check_tensor(value, name, "values")
+        value = value.detach()
+    elif not isinstance(value, numbers.Real):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        raise MetricValueError(
+            f"metric {name!r}: {type(value).__name__} value outside the float64 range"
+        ) from None
 
 
-def _refuse_complex(tensor: Any, name: str, what: str) -> None:
-    """As for numpy input: a float64 conversion would silently drop the imaginary part."""
+def check_tensor(tensor: Any, name: str, what: str) -> None:
+    """Refuse tensors without real numbers to read: complex (a float64 conversion would drop the
+    imaginary part, as numpy input is refused too), meta (no data) and sparse or other non-strided
+    layouts (their zeros are not stored: densify, or pass ``.values()``, as meant)."""
+    problem = None
     if tensor.is_complex():
-        raise MetricValueError(f"metric {name!r}: {what} are not numbers (got {tensor.dtype} data)")
+        problem = f"are not numbers (got {tensor.dtype} data)"
+    elif tensor.device.type == "meta":
+        problem = "are a meta tensor (it has no data)"
+    elif str(tensor.layout) != "torch.strided":
+        problem = f"are a {tensor.layout} tensor; pass .to_dense() or .values()"
+    if problem is not None:
+        raise MetricValueError(f"metric {name!r}: {what} {problem}")
+
+
+def _stack_tensors(values: list | tuple, name: str) -> Any:
+    """A list of tensors (and numbers) as one detached float64 tensor on the first tensor's device."""
+    import torch
+
+    device = next(v.device for v in values if _is_torch(v))
+    parts = []
+    for v in values:
+        if _is_torch(v):
+            check_tensor(v, name, "values")
+            v = v.detach()
+        else:
+            v = torch.as_tensor(_as_float_array(v, name, "values"))
+        parts.append(v.to(device=device, dtype=torch.float64))
+    try:
+        return torch.stack(parts)
+    except RuntimeError as exc:
+        raise MetricValueError(f"metric {name!r}: a list of tensors that do not stack ({exc})") from None
+
+
+def _and_mask(keep: np.ndarray, mask: Any, name: str) -> np.ndarray:
+    """A masked array's own mask combined with the ``mask`` argument."""
+    try:
+        return keep & (_as_float_array(mask, name, "mask") != 0)
+    except ValueError as exc:
+        if isinstance(exc, MetricValueError):
+            raise
+        raise MetricValueError(f"metric {name!r}: mask does not broadcast to the values: {exc}") from None
 
 
 def _as_float_array(values: Any, name: str, what: str) -> np.ndarray:
@@ -456,7 +533,7 @@ def _weights(xp: Any, shape: tuple, mask: Any, weight: Any, name: str, device: A
         if xp is np:
             return _as_float_array(v, name, what)
         if _is_torch(v):
-            _refuse_complex(v, name, what)
+            check_tensor(v, name, what)
             return v.detach().to(device=device, dtype=xp.float64)
         # non-blocking: a blocking copy to an accelerator waits for it (a sync); from pageable memory
         # the data are staged at once, so the host array may go

@@ -23,7 +23,8 @@ class MetricClient(ClientCore):
 
     ``metric_worker`` is a Ray ``MetricWorker`` actor handle, a
     :class:`~rlmetrics.backends.local.LocalMetricWorker`, or any transport.
-    Options: ``world_size``, ``nan_strategy``, ``label`` (see :class:`~rlmetrics.client.ClientCore`).
+    Options: ``world_size``, ``nan_strategy``, ``label``, ``rank``
+    (see :class:`~rlmetrics.client.ClientCore`).
 
     >>> worker = local.LocalMetricWorker()
     >>> client = MetricClient(worker)
@@ -61,10 +62,10 @@ def connect(backend: str = "local", *, world_size: int | None = None, name: str 
     process group); ``wait_submit()`` is a collective of all its ranks, the result is on every rank
     (or on ``result_on=`` only), ``name`` is not used. With ``world_size`` the client is a rank and
     registers at once: no step completes before it closed it. Client options: ``nan_strategy``,
-    ``label``, ``blocking``, ``naming`` (a naming profile, e.g.
-    :data:`rlmetrics.integrations.verl.NAMING`: its ``renames`` are the aggregator's default);
-    aggregator options on first use: ``final_timeout``, ``renames``, ``keep_results``,
-    ``forget_after``, ``max_pending`` (and for Ray ``namespace``, ``num_cpus``,
+    ``label``, ``rank`` (the order of its validation samples; torch: the group rank), ``blocking``,
+    ``naming`` (a naming profile, e.g. :data:`rlmetrics.integrations.verl.NAMING`: its ``renames``
+    are the aggregator's default); aggregator options on first use: ``final_timeout``, ``renames``,
+    ``keep_results``, ``forget_after``, ``max_pending`` (and for Ray ``namespace``, ``num_cpus``,
     ``recovery_timeout``, ``node_timeout``).
 
     >>> client = connect("local", world_size=1, name="connect-doc")
@@ -74,7 +75,8 @@ def connect(backend: str = "local", *, world_size: int | None = None, name: str 
     {'perf/delta_time/gen': 0.5}
     >>> local.drop_worker("connect-doc")
     """
-    client_opts = {k: options.pop(k) for k in ("nan_strategy", "label", "blocking", "naming") if k in options}
+    client_keys = ("nan_strategy", "label", "rank", "blocking", "naming")
+    client_opts = {k: options.pop(k) for k in client_keys if k in options}
     if client_opts.get("naming") is not None:
         options.setdefault("renames", dict(client_opts["naming"].renames))
     if backend == "local":

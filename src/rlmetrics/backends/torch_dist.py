@@ -574,8 +574,8 @@ class TorchMetricClient(ClientCore):
     the result) or a group rank (only that rank gets it; the others get an empty
     :class:`~rlmetrics.aggregator.StepResult` with ``meta["result_on"]``, and skip the final
     reduction work). ``renames``, ``keep_results``: as for the Aggregator; ``device``: where the
-    collective vectors live (default ``cuda`` for NCCL, else ``cpu``); ``nan_strategy``, ``label``:
-    client options (label defaults to ``rank{r}``).
+    collective vectors live (default ``cuda`` for NCCL, else ``cpu``); ``nan_strategy``, ``label``,
+    ``rank``: client options (label defaults to ``rank{r}``, rank to the group rank).
 
     ``wait_submit()`` is collective: every rank of the group calls it once per step, in the same
     order as its other collectives. ``result(step)`` and ``wait_final_res()`` are local reads of
@@ -593,6 +593,7 @@ class TorchMetricClient(ClientCore):
         nan_strategy: str = "propagate",
         label: str | None = None,
         naming: Any = None,
+        rank: int | None = None,
         **transport_options: Any,
     ) -> None:
         """``transport_options`` go to :class:`TorchDistTransport`: ``result_on``, ``renames``,
@@ -604,6 +605,7 @@ class TorchMetricClient(ClientCore):
             nan_strategy=nan_strategy,
             label=label or f"rank{transport.rank}",
             naming=naming,
+            rank=transport.rank if rank is None else rank,
         )
 
     def wait_submit(self) -> None:

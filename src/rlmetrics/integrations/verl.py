@@ -116,7 +116,7 @@ def compute_data_metrics(batch: Any, use_critic: bool = True) -> dict[str, Value
     """
     from rlmetrics.metrics.data import column_values, verl_data_arrays
 
-    names, arrays = verl_data_arrays(_mapping(batch)[0], use_critic=use_critic)
+    names, arrays = verl_data_arrays(batch, use_critic=use_critic)
     stats = {name: Stat(*column) for name, column in zip(names, arrays.T.tolist())}
     return _values(stats, dict(zip(names, column_values(names, arrays).tolist())))
 
@@ -141,7 +141,7 @@ def compute_timing_metrics(batch: Any, timing_raw: Mapping[str, Any]) -> dict[st
 
     seconds = stage_seconds(timing_raw)
     out: dict[str, Value] = {f"timing_s/{stage}": Value(s, Stat.of(s)) for stage, s in seconds.items()}
-    lengths = verl_lengths(_mapping(batch)[0])
+    lengths = verl_lengths(batch)
     if lengths is None:
         return out
     prompt, response = (float(x.sum()) for x in to_host(list(lengths)))
@@ -165,8 +165,9 @@ def compute_throughout_metrics(batch: Any, timing_raw: Mapping[str, Any], n_gpus
     >>> m["perf/total_num_tokens"], m["perf/time_per_step"], m["perf/throughput"]
     (400.0, 2.0, 50.0)
     """
-    data, meta = _mapping(batch)
-    tokens = _tokens(data, meta)
+    from rlmetrics.metrics.timing import batch_tokens
+
+    tokens = batch_tokens(batch, "compute_throughout_metrics")
     step = float(timing_raw["step"])
     throughput = tokens / (step * n_gpus)
     aux = {THROUGHPUT_TOKENS: Stat.of(tokens), THROUGHPUT_GPU_SECONDS: Stat.of(step * n_gpus)}
@@ -186,7 +187,7 @@ def compute_variance_proxy_metrics(batch: Any, gradient_norm: float | None = Non
     """
     from rlmetrics.metrics.data import compute_variance_proxy_stats
 
-    return _values(compute_variance_proxy_stats(_mapping(batch)[0], gradient_norm))
+    return _values(compute_variance_proxy_stats(batch, gradient_norm))
 
 
 def process_validation_metrics(
@@ -410,32 +411,6 @@ def submit_validation_metrics(
 
 
 # ---------------------------------------------------------------------------------- internals
-def _mapping(batch: Any) -> tuple[Any, Mapping[str, Any]]:
-    """A ``DataProto`` as one mapping of its tensors and non-tensor arrays, and its ``meta_info``; a
-    TensorDict or dict as it is."""
-    tensors = getattr(batch, "batch", None)
-    if not hasattr(batch, "non_tensor_batch"):
-        return batch, {}
-    data = {} if tensors is None else {key: tensors[key] for key in tensors.keys()}
-    data.update(batch.non_tensor_batch or {})
-    return data, dict(getattr(batch, "meta_info", None) or {})
-
-
-def _tokens(data: Any, meta: Mapping[str, Any]) -> float:
-    """This batch's tokens for throughput (see :func:`compute_throughout_metrics`)."""
-    from rlmetrics.metrics.data import lookup
-    from rlmetrics.stat import to_host
-
-    listed = meta.get("global_token_num", lookup(data, "global_token_num"))
-    mask = lookup(data, "attention_mask")
-    rows = getattr(mask, "shape", (None,))[0] if mask is not None else None
-    if listed is not None and (rows is None or len(listed) == rows):
-        return float(np.sum(np.asarray(listed, dtype=np.float64)))
-    if mask is None:
-        raise KeyError("compute_throughout_metrics needs meta_info['global_token_num'] or an attention_mask")
-    return float(to_host([mask])[0].sum())
-
-
 def _values(stats: Mapping[str, Stat], plain: Mapping[str, float] | None = None) -> dict[str, Value]:
     """verl's value of each Stat (NaN where it holds nothing; ``plain``: those values, when known),
     the Stat and a derived metric's auxiliary Stats attached; auxiliary names left out."""

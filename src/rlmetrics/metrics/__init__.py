@@ -4,18 +4,24 @@ The submodules that need torch are imported on first use, so ``import rlmetrics.
 light (numpy-free even): ``from rlmetrics.metrics import compute_data_metric`` imports
 :mod:`rlmetrics.metrics.data`.
 
-**Derived metrics.** Some metrics are not a reduction of one merged Stat, e.g. the explained
-variance ``1 - Var(returns - values) / (Var(returns) + eps)``, a ratio of two variances. Their
-ingredients travel as ordinary metrics under names starting with :data:`AUX_PREFIX`, whose own
-reductions are exact (pooled ``std``, ``sum``), and :func:`derive_metrics` turns a merged result
-into the reported one: it computes each entry of :data:`DERIVED_METRICS` whose ingredients are
-present and drops the auxiliary names. It needs nothing but the ``{name: float}`` result.
+**Derived metrics.** Some metrics are not a reduction of one merged Stat but a function of several:
+the explained variance ``1 - Var(returns - values) / (Var(returns) + eps)``, the per-token times
+``1000 * seconds / tokens`` and the throughput ``tokens / (seconds * gpus)``. Averaging the ranks'
+own ratios gives a wrong number, so their ingredients travel as ordinary metrics under names
+starting with :data:`AUX_PREFIX`, whose own reductions are exact (pooled ``std``, ``sum``, the
+mean of the ranks' seconds), and :func:`derive_metrics` turns a merged result into the reported one:
+it computes each entry of :data:`DERIVED_METRICS` whose ingredients are present and drops the
+auxiliary names. It needs nothing but the ``{name: float}`` result. The formulas, and where they
+differ from siiRL's per-rank average: ``docs/reductions.md``.
 
 >>> merged = {"critic/vf_explained_var": 0.7, "critic/score/mean": 1.0,
 ...           VF_RETURNS_STD: 2.0, VF_RESIDUAL_STD: 1.0, VF_TOKENS: 101.0}
 >>> derived = derive_metrics(merged)
 >>> sorted(derived), round(derived["critic/vf_explained_var"], 4)
 (['critic/score/mean', 'critic/vf_explained_var'], 0.75)
+>>> seconds, tokens = per_token_names("gen")
+>>> derive_metrics({"timing_per_token_ms/gen": 40.0, seconds: 2.0, tokens: 400.0})  # 2 s / 400 tokens
+{'timing_per_token_ms/gen': 5.0}
 """
 
 from __future__ import annotations
@@ -69,24 +75,36 @@ def _per_token_ms(stage: str) -> Callable[[Mapping[str, float]], float | None]:
     seconds_name, tokens_name = timing_aux(stage)
 
     def per_token_ms(values: Mapping[str, float]) -> float | None:
-        """Milliseconds per token of all ranks' tokens (0.0 without tokens, as verl)."""
+        """``1000 * seconds / tokens``: the stage's time over the tokens of every rank (left out
+        when no rank had tokens)."""
         seconds, tokens = values.get(seconds_name), values.get(tokens_name)
-        if seconds is None or tokens is None:
+        if seconds is None or tokens is None or not tokens > 0:
             return None
-        return seconds * 1000.0 / tokens if tokens > 0 else 0.0
+        return seconds * 1000.0 / tokens
 
     return per_token_ms
 
 
 THROUGHPUT_TOKENS = AUX_PREFIX + "perf/throughput/tokens/sum"
 """Tokens behind ``perf/throughput`` (summed over ranks)."""
+THROUGHPUT_SECONDS = AUX_PREFIX + "perf/throughput/seconds/mean"
+"""Step time behind ``perf/throughput`` (averaged over ranks, as ``perf/time_per_step``)."""
+THROUGHPUT_GPUS = AUX_PREFIX + "perf/throughput/gpus/sum"
+"""GPUs behind ``perf/throughput`` when each rank gives the GPUs its own batch ran on (siiRL's
+``n_gpu``; summed over ranks)."""
 THROUGHPUT_GPU_SECONDS = AUX_PREFIX + "perf/throughput/gpu_seconds/mean"
-"""Step seconds times GPUs behind ``perf/throughput`` (the same on every rank)."""
+"""Step seconds times GPUs behind ``perf/throughput`` when every rank gives all GPUs of the step
+(verl's ``n_gpus``; the same on every rank, averaged)."""
 
 
 def throughput(values: Mapping[str, float]) -> float | None:
-    """Tokens per second per GPU of all ranks' tokens, from the merged auxiliary metrics."""
-    tokens, gpu_seconds = values.get(THROUGHPUT_TOKENS), values.get(THROUGHPUT_GPU_SECONDS)
+    """Tokens per second per GPU of all ranks' tokens, from the merged auxiliary metrics: ``tokens /
+    gpu_seconds`` (verl's ``n_gpus``), else ``tokens / (seconds * gpus)`` (siiRL's ``n_gpu``)."""
+    tokens = values.get(THROUGHPUT_TOKENS)
+    gpu_seconds = values.get(THROUGHPUT_GPU_SECONDS)
+    if gpu_seconds is None:
+        seconds, gpus = values.get(THROUGHPUT_SECONDS), values.get(THROUGHPUT_GPUS)
+        gpu_seconds = None if seconds is None or gpus is None else seconds * gpus
     if tokens is None or gpu_seconds is None or not gpu_seconds > 0:
         return None
     return tokens / gpu_seconds
@@ -156,7 +174,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "AUX_PREFIX", "DERIVED_METRICS", "THROUGHPUT_GPU_SECONDS", "THROUGHPUT_TOKENS", "TIMED_STAGES", "VF_EPS",
-    "VF_RESIDUAL_STD", "VF_RETURNS_STD", "VF_TOKENS", "VP_SEQUENCES", "derive_metrics", "throughput",
-    "timing_aux", "validation_metrics", "variance_proxy_noise", "vf_explained_var", *sorted(_LAZY),
+    "AUX_PREFIX", "DERIVED_METRICS", "THROUGHPUT_GPUS", "THROUGHPUT_GPU_SECONDS", "THROUGHPUT_SECONDS",
+    "THROUGHPUT_TOKENS", "TIMED_STAGES", "VF_EPS", "VF_RESIDUAL_STD", "VF_RETURNS_STD", "VF_TOKENS",
+    "VP_SEQUENCES", "derive_metrics", "throughput", "timing_aux", "validation_metrics",
+    "variance_proxy_noise", "vf_explained_var", *sorted(_LAZY),
 ]  # fmt: skip

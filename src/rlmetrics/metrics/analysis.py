@@ -81,9 +81,10 @@ from typing import Any
 import numpy as np
 
 from rlmetrics.extras import require
+from rlmetrics.metrics.batch import as_batch
 from rlmetrics.reduce import resolve
 from rlmetrics.sketch import Sketch
-from rlmetrics.stat import Stat, to_host
+from rlmetrics.stat import NAN_STRATEGIES, MetricValueError, Stat, to_host
 
 torch = require("torch", "torch")
 
@@ -162,15 +163,19 @@ def _ratio(names: tuple[str, ...], num: float, den: float) -> _Out:
     return _Out(names, Stat(den, num, 0.0, r, r))
 
 
-def _summary(x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+def _summary(x: torch.Tensor, weight: torch.Tensor | None = None, drop: bool = False) -> torch.Tensor:
     """``[count, sum, m2, min, max]`` (float64, on x's device) of ``x`` weighted by ``weight``.
 
-    The arithmetic of :meth:`Stat.of` (masked values drop out, NaN elsewhere propagates) in fewer
-    passes: the token metrics summarize up to millions of values per call.
+    The arithmetic of :meth:`Stat.of` (masked values drop out, NaN elsewhere propagates; with
+    ``drop`` non-finite values drop out too) in fewer passes: the token metrics summarize up to
+    millions of values per call.
     """
     x = x.detach()
     w = None if weight is None else weight.detach().to(torch.float64).broadcast_to(x.shape).reshape(-1)
     x = x.to(torch.float64).reshape(-1)
+    if drop:
+        finite = torch.isfinite(x).to(torch.float64)
+        w = finite if w is None else w * finite
     if x.numel() == 0:
         return torch.tensor([0.0, 0.0, 0.0, math.inf, -math.inf], dtype=torch.float64)  # host: no copy
     if w is None:
@@ -283,8 +288,9 @@ def _count_distinct(keys: torch.Tensor, nonempty: torch.Tensor) -> torch.Tensor:
 class _Plan:
     """Device tensors of one call and how to read them; :meth:`run` moves them to the host at once."""
 
-    def __init__(self, chunk_elements: int | None = None) -> None:
+    def __init__(self, chunk_elements: int | None = None, nan_strategy: str = "propagate") -> None:
         self.chunk_elements = chunk_elements
+        self.drop = nan_strategy == "drop"  # device summaries leave non-finite values out
         self._tensors: list[torch.Tensor] = []
         self._readers: list[tuple[int, Callable[..., list[_Out]]]] = []
         self._rows: dict[tuple[int, int], _Rows] = {}
@@ -315,11 +321,28 @@ class _Plan:
 Planner = Callable[[Any, _Plan], None]
 
 
-def _evaluate(data: Any, planners: Sequence[Planner], chunk_elements: int | None = None) -> list[_Out]:
-    plan = _Plan(chunk_elements)
+def _evaluate(
+    data: Any, planners: Sequence[Planner], chunk_elements: int | None = None, nan_strategy: str = "propagate"
+) -> list[_Out]:
+    if nan_strategy not in NAN_STRATEGIES:
+        raise ValueError(f"nan_strategy must be one of {NAN_STRATEGIES}, got {nan_strategy!r}")
+    data = as_batch(data, "rlmetrics.metrics.analysis")
+    plan = _Plan(chunk_elements, nan_strategy)
     for planner in planners:
         planner(data, plan)
-    return plan.run()
+    return [_finite(out, nan_strategy) for out in plan.run()]
+
+
+def _finite(out: _Out, nan_strategy: str) -> _Out:
+    """``out`` under ``nan_strategy``: non-finite observations dropped (device summaries drop them
+    already, ratios drop as one) or refused."""
+    if nan_strategy == "propagate" or out.stat.finite:
+        return out
+    if nan_strategy == "error":
+        raise MetricValueError(f"metric {out.names[0]!r}: non-finite value(s) (nan_strategy='error')")
+    if out.values is not None:
+        return _obs(out.names, out.values[np.isfinite(out.values)])
+    return _Out(out.names, Stat())
 
 
 def _as_stats(outs: list[_Out]) -> dict[str, Stat]:
@@ -409,7 +432,7 @@ def attention_entropy(
 def _plan_custom_data(data: Any, plan: _Plan) -> None:
     correct, attention_mask = _get(data, "correct_tokens"), _get(data, "attention_mask")
     if correct is not None and attention_mask is not None:
-        s = _summary(_as_tensor(correct), _as_tensor(attention_mask))
+        s = _summary(_as_tensor(correct), _as_tensor(attention_mask), plan.drop)
         plan.add((s,), lambda s: [_Out(TOKEN_ACCURACY, Stat(*s.tolist()))])
     responses, response_mask = _get(data, "responses"), _get(data, "response_mask")
     if responses is not None and response_mask is not None:
@@ -424,10 +447,11 @@ def compute_response_quality_score(data: Any) -> torch.Tensor:
     ...                                 "response_mask": torch.tensor([[1, 1, 1, 0]])})
     tensor([2.])
     """
+    data = as_batch(data, "compute_response_quality_score")
     return _Rows(data["responses"], data["response_mask"]).distinct_tokens.float()
 
 
-def compute_custom_data_stats(data: Any) -> dict[str, Stat]:
+def compute_custom_data_stats(data: Any, *, nan_strategy: str = "propagate") -> dict[str, Stat]:
     """Stats to submit for :func:`compute_custom_data_metrics` (token accuracy is token-weighted).
 
     >>> s = compute_custom_data_stats({"correct_tokens": torch.tensor([[1, 0, 1]]),
@@ -435,10 +459,10 @@ def compute_custom_data_stats(data: Any) -> dict[str, Stat]:
     >>> s["custom/token_accuracy/mean"].count, s["custom/token_accuracy/mean"].mean
     (2.0, 0.5)
     """
-    return _as_stats(_evaluate(data, [_plan_custom_data]))
+    return _as_stats(_evaluate(data, [_plan_custom_data], nan_strategy=nan_strategy))
 
 
-def compute_custom_data_metrics(data: Any) -> dict[str, float]:
+def compute_custom_data_metrics(data: Any, *, nan_strategy: str = "propagate") -> dict[str, float]:
     """The seed's ``compute_custom_data_metrics``: token accuracy and response vocabulary diversity.
 
     ``custom/token_accuracy/mean`` needs ``correct_tokens`` and ``attention_mask``;
@@ -449,7 +473,7 @@ def compute_custom_data_metrics(data: Any) -> dict[str, float]:
     ...                              "response_mask": torch.ones(2, 3)})
     {'custom/response_quality/mean': 1.5, 'custom/response_quality/max': 2.0, 'custom/response_quality/min': 1.0}
     """  # noqa: E501
-    return _as_floats(_evaluate(data, [_plan_custom_data]))
+    return _as_floats(_evaluate(data, [_plan_custom_data], nan_strategy=nan_strategy))
 
 
 # ------------------------------------------------------------------------ Method 1: custom training
@@ -458,16 +482,20 @@ def _plan_custom_training(data: Any, plan: _Plan) -> None:
     if logits is not None:
         logits, mask = _as_tensor(logits), _get(data, "response_mask")
         if mask is None:
-            s = _summary(policy_entropy(logits, chunk_elements=plan.chunk_elements))
+            s = _summary(policy_entropy(logits, chunk_elements=plan.chunk_elements), drop=plan.drop)
         else:
             w = _as_tensor(mask).broadcast_to(logits.shape[:-1]).reshape(-1)
             if logits.device.type == "cpu":  # skip masked rows: a data-dependent shape syncs nothing here
                 index = (w != 0).nonzero().squeeze(1)
                 s = _summary(
-                    _chunked_entropy(logits, POLICY_ENTROPY_EPS, True, plan.chunk_elements, index), w[index]
+                    _chunked_entropy(logits, POLICY_ENTROPY_EPS, True, plan.chunk_elements, index),
+                    w[index],
+                    plan.drop,
                 )
             else:
-                s = _summary(policy_entropy(logits, chunk_elements=plan.chunk_elements).reshape(-1), w)
+                s = _summary(
+                    policy_entropy(logits, chunk_elements=plan.chunk_elements).reshape(-1), w, plan.drop
+                )
         plan.add((s,), lambda s: [_Out(POLICY_ENTROPY, Stat(*s.tolist()))])
     grad_norm = _get(data, "grad_norm")
     if grad_norm is not None:
@@ -477,16 +505,20 @@ def _plan_custom_training(data: Any, plan: _Plan) -> None:
         plan.add((_as_tensor(loss),), lambda v: [_obs(LOSS, v)])
 
 
-def compute_custom_training_stats(data: Any, *, chunk_elements: int | None = None) -> dict[str, Stat]:
+def compute_custom_training_stats(
+    data: Any, *, chunk_elements: int | None = None, nan_strategy: str = "propagate"
+) -> dict[str, Stat]:
     """Stats to submit for :func:`compute_custom_training_metrics` (entropy weighted by response tokens).
 
     >>> compute_custom_training_stats({"loss_values": torch.tensor([1.0, 3.0])})["training/loss/std"].std
     1.0
     """
-    return _as_stats(_evaluate(data, [_plan_custom_training], chunk_elements))
+    return _as_stats(_evaluate(data, [_plan_custom_training], chunk_elements, nan_strategy=nan_strategy))
 
 
-def compute_custom_training_metrics(data: Any, *, chunk_elements: int | None = None) -> dict[str, float]:
+def compute_custom_training_metrics(
+    data: Any, *, chunk_elements: int | None = None, nan_strategy: str = "propagate"
+) -> dict[str, float]:
     """The seed's ``compute_custom_training_metrics``: policy entropy, grad norm, loss mean/std.
 
     ``training/policy_entropy/mean`` is the ``response_mask``-weighted mean of
@@ -497,7 +529,7 @@ def compute_custom_training_metrics(data: Any, *, chunk_elements: int | None = N
     >>> compute_custom_training_metrics({"loss_values": torch.tensor([1.0, 3.0]), "grad_norm": 0.5})
     {'training/grad_norm/mean': 0.5, 'training/loss/mean': 2.0, 'training/loss/std': 1.4142135623730951}
     """
-    return _as_floats(_evaluate(data, [_plan_custom_training], chunk_elements))
+    return _as_floats(_evaluate(data, [_plan_custom_training], chunk_elements, nan_strategy=nan_strategy))
 
 
 # --------------------------------------------------------------------------- Method 4: advanced
@@ -511,6 +543,7 @@ def compute_sequence_coherence(data: Any) -> torch.Tensor:
     ...                             "attention_mask": torch.tensor([[1, 1, 0], [1, 0, 0]])})
     tensor([0.3333, 1.0000], dtype=torch.float64)
     """
+    data = as_batch(data, "compute_sequence_coherence")
     responses = _as_tensor(data["responses"])
     r = responses.shape[-1]
     lengths = _as_tensor(data["attention_mask"]).sum(-1).long().clamp(max=r)
@@ -573,16 +606,16 @@ def _plan_rewards(data: Any, plan: _Plan) -> None:
 _ADVANCED = (_plan_coherence, _plan_transitions, _plan_rewards)
 
 
-def compute_token_transition_stats(data: Any) -> dict[str, Stat]:
+def compute_token_transition_stats(data: Any, *, nan_strategy: str = "propagate") -> dict[str, Stat]:
     """Stats to submit for :func:`analyze_token_transitions` (see the module docs for their merge).
 
     >>> compute_token_transition_stats({"responses": torch.tensor([[1, 2, 1, 2]])})["analysis/total_transitions/total"].sum
     3.0
     """  # noqa: E501
-    return _as_stats(_evaluate(data, [_plan_transitions]))
+    return _as_stats(_evaluate(data, [_plan_transitions], nan_strategy=nan_strategy))
 
 
-def analyze_token_transitions(data: Any) -> dict[str, float]:
+def analyze_token_transitions(data: Any, *, nan_strategy: str = "propagate") -> dict[str, float]:
     """The seed's transition analysis: distinct and total bigrams of unmasked response tokens.
 
     ``analysis/transition_diversity/mean`` = distinct / max(total, 1) over the whole batch.
@@ -590,10 +623,10 @@ def analyze_token_transitions(data: Any) -> dict[str, float]:
     >>> analyze_token_transitions({"responses": torch.tensor([[1, 2, 1, 2]])})["analysis/transition_diversity/mean"]
     0.6666666666666666
     """  # noqa: E501
-    return _as_floats(_evaluate(data, [_plan_transitions]))
+    return _as_floats(_evaluate(data, [_plan_transitions], nan_strategy=nan_strategy))
 
 
-def compute_reward_distribution_stats(data: Any) -> dict[str, Stat]:
+def compute_reward_distribution_stats(data: Any, *, nan_strategy: str = "propagate") -> dict[str, Stat]:
     """Stats to submit for :func:`analyze_reward_distribution` (sketches for the quantile names).
 
     >>> rewards = torch.tensor([[0.0, 1.0], [0.0, -1.0]])
@@ -601,10 +634,10 @@ def compute_reward_distribution_stats(data: Any) -> dict[str, Stat]:
     >>> s["analysis/reward_distribution/median"].sketch.median()
     -1.0
     """
-    return _as_stats(_evaluate(data, [_plan_rewards]))
+    return _as_stats(_evaluate(data, [_plan_rewards], nan_strategy=nan_strategy))
 
 
-def analyze_reward_distribution(data: Any) -> dict[str, float]:
+def analyze_reward_distribution(data: Any, *, nan_strategy: str = "propagate") -> dict[str, float]:
     """Distribution of sequence rewards (sum of ``token_level_rewards``); names in the module docs.
 
     >>> m = analyze_reward_distribution({"token_level_rewards": torch.tensor([[0.0, 1.0], [0.0, 0.0]]),
@@ -614,20 +647,20 @@ def analyze_reward_distribution(data: Any) -> dict[str, float]:
     >>> round(m["analysis/reward_nonzero_token_ratio/mean"], 4)  # 1 of 3 response tokens
     0.3333
     """
-    return _as_floats(_evaluate(data, [_plan_rewards]))
+    return _as_floats(_evaluate(data, [_plan_rewards], nan_strategy=nan_strategy))
 
 
-def compute_advanced_stats(data: Any) -> dict[str, Stat]:
+def compute_advanced_stats(data: Any, *, nan_strategy: str = "propagate") -> dict[str, Stat]:
     """Stats to submit for :func:`compute_advanced_metrics`.
 
     >>> s = compute_advanced_stats({"responses": torch.tensor([[1, 3]]), "attention_mask": torch.ones(1, 2)})
     >>> s["analysis/coherence/median"] is s["analysis/coherence/mean"]
     True
     """
-    return _as_stats(_evaluate(data, _ADVANCED))
+    return _as_stats(_evaluate(data, _ADVANCED, nan_strategy=nan_strategy))
 
 
-def compute_advanced_metrics(data: Any) -> dict[str, float]:
+def compute_advanced_metrics(data: Any, *, nan_strategy: str = "propagate") -> dict[str, float]:
     """The seed's ``compute_advanced_metrics``: coherence, token transitions, reward distribution.
 
     ``analysis/coherence/mean|std|median`` of :func:`compute_sequence_coherence` (std unbiased, median
@@ -638,7 +671,7 @@ def compute_advanced_metrics(data: Any) -> dict[str, float]:
     >>> m["analysis/coherence/mean"], m["analysis/coherence/median"], m["analysis/unique_transitions/total"]
     (0.6666666666666666, 0.3333333333333333, 2.0)
     """  # noqa: E501
-    return _as_floats(_evaluate(data, _ADVANCED))
+    return _as_floats(_evaluate(data, _ADVANCED, nan_strategy=nan_strategy))
 
 
 # ------------------------------------------------------------------------ Example 1: model outputs
@@ -648,7 +681,7 @@ def _plan_model(data: Any, model_outputs: Mapping[str, Any] | None, plan: _Plan)
     if weights is not None:
         weights = _as_tensor(weights)
         entropy = attention_entropy(weights, chunk_elements=plan.chunk_elements)
-        plan.add((_summary(entropy),), lambda s: [_Out(ATTENTION_ENTROPY, Stat(*s.tolist()))])
+        plan.add((_summary(entropy, drop=plan.drop),), lambda s: [_Out(ATTENTION_ENTROPY, Stat(*s.tolist()))])
         if "attention_mask" in data and "responses" in data:
             split = max(weights.shape[-1] - _as_tensor(data["responses"]).shape[-1], 0)
             dtype = torch.promote_types(weights.dtype, torch.float32)
@@ -662,11 +695,15 @@ def _plan_model(data: Any, model_outputs: Mapping[str, Any] | None, plan: _Plan)
         norms = torch.linalg.vector_norm(
             hidden, dim=-1, dtype=torch.promote_types(hidden.dtype, torch.float32)
         )
-        plan.add((_summary(norms),), lambda s: [_Out(HIDDEN_NORM, Stat(*s.tolist()))])
+        plan.add((_summary(norms, drop=plan.drop),), lambda s: [_Out(HIDDEN_NORM, Stat(*s.tolist()))])
 
 
 def compute_model_performance_stats(
-    data: Any, model_outputs: Mapping[str, Any], *, chunk_elements: int | None = None
+    data: Any,
+    model_outputs: Mapping[str, Any],
+    *,
+    chunk_elements: int | None = None,
+    nan_strategy: str = "propagate",
 ) -> dict[str, Stat]:
     """Stats to submit for :func:`compute_model_performance_metrics` (prompt ratio weighted by mass).
 
@@ -674,11 +711,19 @@ def compute_model_performance_stats(
     >>> s["model/hidden_norm/mean"].mean, s["model/hidden_norm/std"].std  # population std when merged
     (3.0, 2.0)
     """
-    return _as_stats(_evaluate(data, [lambda d, p: _plan_model(d, model_outputs, p)], chunk_elements))
+    return _as_stats(
+        _evaluate(
+            data, [lambda d, p: _plan_model(d, model_outputs, p)], chunk_elements, nan_strategy=nan_strategy
+        )
+    )
 
 
 def compute_model_performance_metrics(
-    data: Any, model_outputs: Mapping[str, Any], *, chunk_elements: int | None = None
+    data: Any,
+    model_outputs: Mapping[str, Any],
+    *,
+    chunk_elements: int | None = None,
+    nan_strategy: str = "propagate",
 ) -> dict[str, float]:
     """The seed's model analysis: attention entropy, prompt attention ratio, hidden-state norms.
 
@@ -694,7 +739,11 @@ def compute_model_performance_metrics(
     >>> m["model/prompt_attention_ratio/mean"], round(m["model/attention_entropy/mean"], 4)
     (0.5, 1.0397)
     """  # noqa: E501
-    return _as_floats(_evaluate(data, [lambda d, p: _plan_model(d, model_outputs, p)], chunk_elements))
+    return _as_floats(
+        _evaluate(
+            data, [lambda d, p: _plan_model(d, model_outputs, p)], chunk_elements, nan_strategy=nan_strategy
+        )
+    )
 
 
 # ----------------------------------------------------------------- Example 2: conversation quality
@@ -744,6 +793,7 @@ def conversation_quality_scores(data: Any, *, target_length: int = TARGET_LENGTH
     >>> conversation_quality_scores({"responses": torch.tensor([[7, 7, 7]])}, target_length=3)
     tensor([0.6000], dtype=torch.float64)
     """
+    data = as_batch(data, "conversation_quality_scores")
     return _quality(_Rows(data["responses"], _get(data, "response_mask")), target_length)
 
 
@@ -759,18 +809,22 @@ def _plan_conversation(data: Any, plan: _Plan, target_length: int = TARGET_LENGT
     plan.add((_quality(rows, target_length), rows.id_overflow), read)
 
 
-def compute_conversation_quality_stats(data: Any, *, target_length: int = TARGET_LENGTH) -> dict[str, Stat]:
+def compute_conversation_quality_stats(
+    data: Any, *, target_length: int = TARGET_LENGTH, nan_strategy: str = "propagate"
+) -> dict[str, Stat]:
     """Stats to submit for :func:`compute_conversation_quality_metrics`.
 
     >>> data = {"responses": torch.tensor([[1, 2]]), "prompts": torch.ones(1, 1)}
     >>> compute_conversation_quality_stats(data)["conversation/quality/min"].count
     1.0
     """
-    return _as_stats(_evaluate(data, [lambda d, p: _plan_conversation(d, p, target_length)]))
+    return _as_stats(
+        _evaluate(data, [lambda d, p: _plan_conversation(d, p, target_length)], nan_strategy=nan_strategy)
+    )
 
 
 def compute_conversation_quality_metrics(
-    data: Any, *, target_length: int = TARGET_LENGTH
+    data: Any, *, target_length: int = TARGET_LENGTH, nan_strategy: str = "propagate"
 ) -> dict[str, float]:
     """The seed's conversation quality: ``conversation/quality/mean|std|min|max`` of the per-response
     :func:`conversation_quality_scores` (std unbiased). Needs ``responses`` and ``prompts``.
@@ -780,7 +834,9 @@ def compute_conversation_quality_metrics(
     >>> round(m["conversation/quality/min"], 6), m["conversation/quality/max"]
     (0.6, 1.0)
     """
-    return _as_floats(_evaluate(data, [lambda d, p: _plan_conversation(d, p, target_length)]))
+    return _as_floats(
+        _evaluate(data, [lambda d, p: _plan_conversation(d, p, target_length)], nan_strategy=nan_strategy)
+    )
 
 
 # ---------------------------------------------------------------------------------- the whole pack
@@ -800,13 +856,18 @@ def compute_example_stats(
     *,
     chunk_elements: int | None = None,
     target_length: int = TARGET_LENGTH,
+    nan_strategy: str = "propagate",
 ) -> dict[str, Stat]:
     """Stats of every example metric the inputs allow, with one device-to-host copy; submit these.
 
     >>> sorted(compute_example_stats({"responses": torch.tensor([[1, 2]]), "prompts": torch.ones(1, 1)}))[:2]
     ['analysis/total_transitions/total', 'analysis/transition_diversity/mean']
     """
-    return _as_stats(_evaluate(data, _pack_planners(model_outputs, target_length), chunk_elements))
+    return _as_stats(
+        _evaluate(
+            data, _pack_planners(model_outputs, target_length), chunk_elements, nan_strategy=nan_strategy
+        )
+    )
 
 
 def compute_example_metrics(
@@ -815,6 +876,7 @@ def compute_example_metrics(
     *,
     chunk_elements: int | None = None,
     target_length: int = TARGET_LENGTH,
+    nan_strategy: str = "propagate",
 ) -> dict[str, float]:
     """Every example metric of the seed the inputs allow, as this rank's numbers (one host copy).
 
@@ -826,4 +888,8 @@ def compute_example_metrics(
     >>> m["analysis/total_transitions/total"], m["conversation/quality/min"]
     (1.0, 0.712)
     """
-    return _as_floats(_evaluate(data, _pack_planners(model_outputs, target_length), chunk_elements))
+    return _as_floats(
+        _evaluate(
+            data, _pack_planners(model_outputs, target_length), chunk_elements, nan_strategy=nan_strategy
+        )
+    )

@@ -18,7 +18,9 @@ so that merging the Stats of all ranks gives the statistics of the concatenated 
 :func:`compute_data_metric` is ``data_metrics_from_stats(compute_data_stats(batch))``, the seed's
 ``{name: float}``; a metric whose Stat holds no observation (no correct response in the batch, say)
 is left out, as the aggregator leaves out names without data. Which names a batch yields depends
-only on its keys, never on its values, so all ranks submit the same names.
+only on its keys, never on its values (a batch of 0 sequences yields every name, with empty Stats),
+so all ranks submit the same names. Non-finite observations follow ``nan_strategy``
+(:func:`compute_data_stats`).
 
 Conventions (siiRL's, and verl's for the keys siiRL lacks): the response width is
 ``responses.shape[-1]`` (else ``response_mask``'s), the response mask is ``response_mask`` (else the
@@ -43,10 +45,12 @@ transfer, where the per-sequence metrics are summarized with numpy (a few number
 small operations cost less there than as device kernels). On CPU the token summaries work in
 scratch memory each thread keeps between calls (up to :data:`_SCRATCH_LIMIT` bytes: two masks and
 the tensors summarized together, all of the mask's shape) rather than in fresh temporaries, whose
-page faults cost more than the arithmetic. Missing keys skip the metrics that need them. Batch
-keys: ``responses``, ``attention_mask``, ``response_mask``, ``token_level_scores``,
+page faults cost more than the arithmetic. Missing keys skip the metrics that need them; a key of
+the wrong shape or dtype raises :class:`~rlmetrics.stat.MetricValueError` naming it. Batch keys:
+``responses``, ``attention_mask``, ``response_mask``, ``token_level_scores``,
 ``token_level_rewards``, ``advantages``, ``returns``, ``values``, ``__num_turns__``,
-``tool_call_counts`` (tensors, numpy arrays or lists; a TensorDict or a plain dict).
+``tool_call_counts`` (tensors, numpy arrays or lists), in a plain dict, a TensorDict or a verl
+``DataProto`` (:mod:`rlmetrics.metrics.batch`).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import numbers
 import os
 import threading
 import warnings
@@ -73,8 +78,9 @@ from rlmetrics.metrics import (
     variance_proxy_noise,
     vf_explained_var,
 )
+from rlmetrics.metrics.batch import as_batch, key_error
 from rlmetrics.reduce import resolve
-from rlmetrics.stat import Stat, empty_arrays, to_host
+from rlmetrics.stat import NAN_STRATEGIES, MetricValueError, Stat, empty_arrays, to_host
 
 torch = require("torch", "torch")
 
@@ -84,7 +90,7 @@ CORRECT_THRESHOLD = 0.5
 """A response is correct when its sequence reward (sum of ``token_level_rewards``) exceeds this."""
 
 _MMM = ("mean", "max", "min")
-_TOKEN_METRICS = (
+_TOKEN_METRICS = (  # batch key and metric prefix
     ("advantages", "critic/advantages"),
     ("returns", "critic/returns"),
     ("values", "critic/values"),
@@ -101,13 +107,19 @@ _SEQUENCE_METRICS = (  # batch key (the response / prompt mask: its lengths) and
 
 _VF_AUX = (VF_RETURNS_STD, VF_RESIDUAL_STD, VF_TOKENS)
 
-Batch = Mapping[str, Any]
+Batch = Any  # a mapping, a TensorDict or a DataProto-shaped object: rlmetrics.metrics.batch
 
 
 # ----------------------------------------------------------------------------------------- public
-def compute_data_stats(batch: Batch, *, aux: bool = True, torch_compile: bool = False) -> dict[str, Stat]:
+def compute_data_stats(
+    batch: Batch, *, aux: bool = True, torch_compile: bool = False, nan_strategy: str = "propagate"
+) -> dict[str, Stat]:
     """One mergeable :class:`Stat` per data metric of ``batch`` (see the module docstring).
 
+    ``nan_strategy``: non-finite values of the observations (response tokens of advantages, returns
+    and values; sequence scores, rewards, turns, tool calls) reach the statistics (``"propagate"``),
+    are left out (``"drop"``; a sequence with a non-finite reward has no correct/wrong length), or
+    raise :class:`~rlmetrics.stat.MetricValueError` naming the metric (``"error"``).
     ``aux=False`` leaves out the auxiliary Stats of the explained variance. ``torch_compile=True``
     computes the token summaries (advantages, returns, values) with ``torch.compile``: fused kernels,
     about 2.5x faster for them on this CPU, after a first call that compiles for 10-30 s (a C++
@@ -122,7 +134,7 @@ def compute_data_stats(batch: Batch, *, aux: bool = True, torch_compile: bool = 
     >>> (s.count, s.mean, stats["response/length/mean"].count)
     (5.0, 3.0, 2.0)
     """
-    names, arrays = _data_arrays(batch, torch_compile)
+    names, arrays = _data_arrays(batch, torch_compile, nan_strategy)
     stats = {name: Stat(*column) for name, column in zip(names, arrays.T.tolist())}
     if not aux:
         for name in _VF_AUX:
@@ -130,8 +142,11 @@ def compute_data_stats(batch: Batch, *, aux: bool = True, torch_compile: bool = 
     return stats
 
 
-def compute_data_metric(batch: Batch, *, torch_compile: bool = False) -> dict[str, float]:
-    """The seed's data metrics of ``batch`` as ``{name: float}``.
+def compute_data_metric(
+    batch: Batch, *, torch_compile: bool = False, nan_strategy: str = "propagate"
+) -> dict[str, float]:
+    """The seed's data metrics of ``batch`` as ``{name: float}`` (``nan_strategy``: as
+    :func:`compute_data_stats`).
 
     >>> import torch
     >>> attention_mask = torch.tensor([[1, 1, 1, 1, 0], [0, 1, 1, 1, 1]])  # prompt 2, response 3
@@ -144,7 +159,7 @@ def compute_data_metric(batch: Batch, *, torch_compile: bool = False) -> dict[st
     >>> m["critic/rewards/mean"], m["response/correct_length/mean"], m["response/wrong_length/mean"]
     (0.5, 3.0, 2.0)
     """
-    return _metrics_of_arrays(*_data_arrays(batch, torch_compile))
+    return _metrics_of_arrays(*_data_arrays(batch, torch_compile, nan_strategy))
 
 
 def data_metrics_from_stats(stats: Mapping[str, Stat]) -> dict[str, float]:
@@ -291,49 +306,76 @@ def _process() -> Any:
 
 
 class _Tensors:
-    """The batch's tensors (missing or unusable keys are None) and the response / prompt masks."""
+    """The batch's tensors (missing keys are None) and the response / prompt masks.
 
-    def __init__(self, batch: Batch) -> None:
-        self.batch = batch
+    Recognised keys of the wrong shape or dtype raise, naming the key: the masks and ``responses``
+    are 2-D with one row per sequence, ``response_mask`` has the shape of ``responses``, and
+    ``attention_mask`` is at least as wide as the response.
+    """
+
+    def __init__(self, batch: Batch, what: str = "compute_data_metric") -> None:
+        self.batch = as_batch(batch, what)
+        self.size: int | None = None  # sequences in the batch
+        self._size_key = ""
         responses = self.get("responses")
         attention = self.get("attention_mask")
         response_mask = self.get("response_mask")
+        for key, x in (
+            ("responses", responses),
+            ("attention_mask", attention),
+            ("response_mask", response_mask),
+        ):
+            if x is not None:
+                if x.dim() != 2:
+                    raise key_error(key, f"must be 2-D (sequences, tokens), got shape {tuple(x.shape)}")
+                self.check_size(key, x)
+        if responses is not None and response_mask is not None and responses.shape != response_mask.shape:
+            raise key_error(
+                "response_mask", f"shape {tuple(response_mask.shape)}, responses' is {tuple(responses.shape)}"
+            )
         width = _last_dim(responses) if responses is not None else _last_dim(response_mask)
         self.response_width = width
+        self.attention = attention
         self.prompt_width: int | None = None
         self.prompt_mask = None
-        if attention is not None and attention.dim() == 2 and width is not None:
+        if attention is not None and width is not None:
             total = attention.shape[-1]
-            if 0 <= width <= total:
-                self.prompt_width = total - width
-                self.prompt_mask = attention[:, : self.prompt_width]
-                if response_mask is None:
-                    response_mask = attention[:, self.prompt_width :]
-        self.response_mask = response_mask if response_mask is not None and response_mask.dim() == 2 else None
+            if width > total:
+                raise key_error("attention_mask", f"{total} columns, fewer than the {width} response columns")
+            self.prompt_width = total - width
+            self.prompt_mask = attention[:, : self.prompt_width]
+            if response_mask is None:
+                response_mask = attention[:, self.prompt_width :]
+        self.response_mask = response_mask
+
+    def check_size(self, key: str, x: Any) -> None:
+        """Raise unless ``x`` has one row per sequence of the batch (the first key checked sets it)."""
+        n = int(x.shape[0])
+        if self.size is None:
+            self.size, self._size_key = n, key
+        elif n != self.size:
+            raise key_error(key, f"{n} rows, {self._size_key!r} has {self.size} sequences")
 
     def get(self, key: str) -> Any:
         """``batch[key]`` as a tensor (numpy arrays and lists converted on the host), else None."""
-        value = lookup(self.batch, key)
+        value = self.batch.get(key)
         if value is None:
             return None
         if not isinstance(value, torch.Tensor):
             try:
                 arr = np.asarray(value)
-                if arr.dtype.kind not in "biuf":
-                    arr = arr.astype(np.float64)
-                value = torch.as_tensor(arr)
-            except (TypeError, ValueError) as exc:
-                logger.debug("batch key %r is not numeric (%s); its metrics are skipped", key, exc)
-                return None
-        return None if value.is_complex() else value.detach()
-
-
-def lookup(batch: Batch, key: str) -> Any:
-    """``batch[key]`` or None; a TensorDict's non-tensor entries come back as their data."""
-    try:
-        return batch[key] if key in batch else None
-    except (TypeError, KeyError):
-        return None
+            except ValueError as exc:  # ragged
+                raise key_error(key, f"not an array of numbers ({exc})") from None
+            if arr.dtype.kind == "O" and all(isinstance(v, numbers.Real) for v in arr.flat):
+                arr = arr.astype(np.float64)  # verl's non_tensor_batch: object arrays of numbers
+            if arr.dtype.kind not in "biuf":
+                raise key_error(key, f"must be numbers, got {arr.dtype} data")
+            value = torch.as_tensor(arr)
+        if value.is_complex() or value.device.type == "meta" or value.layout != torch.strided:
+            raise key_error(
+                key, f"must be a dense real tensor, got {value.dtype} {value.layout} on {value.device}"
+            )
+        return value.detach()
 
 
 def _last_dim(t: Any) -> int | None:
@@ -352,6 +394,7 @@ class _Plan:
         self.sequences: dict[str, Any] = {}  # 1-D per-sequence values, by batch key
         self.token_names: list[tuple[str, ...]] = []
         self.token_block: Any = None  # (5, K) summaries, column k for the names token_names[k]
+        self.token_inputs: Any = None  # (keys, tensors, residual, mask) of the token block
 
     def run(self) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """The sequences as host arrays and the ``(5, K)`` token block, moved in one copy."""
@@ -363,13 +406,17 @@ class _Plan:
         return dict(zip(self.sequences, arrays)), block
 
 
-def _data_arrays(batch: Batch, torch_compile: bool) -> tuple[list[str], np.ndarray]:
+def _data_arrays(batch: Batch, torch_compile: bool, nan_strategy: str) -> tuple[list[str], np.ndarray]:
     """The data metrics' names and their ``(5, K)`` stat array: count, sum, m2, min, max."""
+    if nan_strategy not in NAN_STRATEGIES:
+        raise ValueError(f"nan_strategy must be one of {NAN_STRATEGIES}, got {nan_strategy!r}")
     t = _Tensors(batch)
     plan = _Plan()
     _add_metrics(t, plan, torch_compile)
     sequences, block = plan.run()
-    names, arrays = _with_token_block(*_sequence_summaries(sequences, t), plan, block)
+    if nan_strategy != "propagate" and not _finite_block(block):
+        block = _finite_token_block(plan, nan_strategy, block)
+    names, arrays = _with_token_block(*_sequence_summaries(sequences, t, nan_strategy), plan, block)
     rss_gb = _process().memory_info().rss / 1024**3
     names.append("perf/process_cpu_mem_used_gb")
     return names, np.concatenate([arrays, np.array([(1.0, rss_gb, 0.0, rss_gb, rss_gb)]).T], axis=1)
@@ -436,6 +483,57 @@ def column_values(
     return values
 
 
+def _finite_keep(names: tuple[str, ...], values: np.ndarray, keep: Any, nan_strategy: str) -> Any:
+    """Which of ``values`` to keep under ``nan_strategy`` ("drop" or "error"), given ``keep``."""
+    bad = ~np.isfinite(values)
+    if keep is not None:
+        bad &= keep
+    if not bad.any():
+        return keep
+    if nan_strategy == "error":
+        raise MetricValueError(
+            f"metric {names[0]!r}: {int(bad.sum())} non-finite value(s) (nan_strategy='error')"
+        )
+    return ~bad if keep is None else keep & ~bad
+
+
+def _finite_block(block: np.ndarray) -> bool:
+    """Whether the token summaries summarize finite values only: their min and max are finite (a
+    NaN or an infinity reaches one of them; a sum may overflow from finite values)."""
+    has = block[0] > 0
+    return bool(np.isfinite(block[3:5, has]).all())
+
+
+def _finite_token_block(plan: _Plan, nan_strategy: str, block: np.ndarray) -> np.ndarray:
+    """The token block under ``nan_strategy`` when it is not finite (a rare path, a second transfer):
+    ``"error"`` raises for a non-finite response token, ``"drop"`` summarizes each tensor over its
+    finite response tokens (the explained variance over the tokens where returns and values both
+    are), in columns of their own (``plan.token_names`` follows)."""
+    keys, xs, residual, mask = plan.token_inputs
+    on = mask != 0
+    finite = [torch.isfinite(x) for x in xs]
+    bad = torch.stack([(on & ~f).sum() for f in finite]).tolist()
+    prefixes = dict(_TOKEN_METRICS)
+    if nan_strategy == "error":
+        for key, n in zip(keys, bad):
+            if n:
+                raise MetricValueError(
+                    f"metric {prefixes[key] + '/*'!r}: {int(n)} non-finite response value(s) in batch key "
+                    f"{key!r} (nan_strategy='error')"
+                )
+        return block
+    groups, blocks = [], []
+    for key, x, f in zip(keys, xs, finite):
+        groups.append(_triple(prefixes[key]))
+        blocks.append(_token_block((x,), None, on & f))
+    if residual is not None:
+        i, j = residual
+        groups += [(VF_RETURNS_STD,), (VF_RESIDUAL_STD,)]
+        blocks.append(_token_block((xs[i], xs[j]), (0, 1), on & finite[i] & finite[j])[:, [0, 2]])
+    plan.token_names = groups
+    return to_host([torch.cat(blocks, 1)])[0].reshape(5, -1)
+
+
 def _summaries(values: np.ndarray, keep: np.ndarray) -> np.ndarray:
     """``(5, K)`` count, sum, m2, min, max of the rows of ``values`` ``(K, N)`` where ``keep``."""
     n = keep.sum(1, dtype=np.float64)
@@ -448,10 +546,10 @@ def _summaries(values: np.ndarray, keep: np.ndarray) -> np.ndarray:
 
 
 def _sequence_summaries(
-    seq: Mapping[str, np.ndarray], t: _Tensors
+    seq: Mapping[str, np.ndarray], t: _Tensors, nan_strategy: str
 ) -> tuple[list[tuple[str, ...]], np.ndarray]:
     """The per-sequence metrics' name groups and ``(5, K)`` summaries, from the sequence vectors on
-    the host (:func:`_add_metrics` queues them)."""
+    the host (:func:`_add_metrics` queues them); non-finite values as ``nan_strategy`` says."""
     parts: list[tuple[tuple[str, ...], np.ndarray, Any]] = [  # names, values, which to keep (None: all)
         (_triple(prefix), seq[key], None) for key, prefix in _SEQUENCE_METRICS if key in seq
     ]
@@ -462,18 +560,27 @@ def _sequence_summaries(
         reward = seq.get("token_level_rewards")
         if reward is not None and reward.shape == lengths.shape:
             correct = reward > CORRECT_THRESHOLD
+            wrong = ~correct  # a NaN reward is wrong, as siiRL counts it
+            if nan_strategy == "drop":  # a non-finite reward: neither correct nor wrong
+                known = np.isfinite(reward)
+                correct, wrong = correct & known, wrong & known
             parts.append((_triple("response/correct_length"), lengths, correct))
-            parts.append((_triple("response/wrong_length"), lengths, ~correct))
+            parts.append((_triple("response/wrong_length"), lengths, wrong))
     prompt = seq.get("prompt_mask")
     if prompt is not None:
         parts.append((("prompt/clip_ratio/mean",), (prompt == t.prompt_width) * 1.0, None))
-    return _part_summaries(parts)
+    return _part_summaries(parts, nan_strategy)
 
 
 def _part_summaries(
-    parts: list[tuple[tuple[str, ...], np.ndarray, Any]],
+    parts: list[tuple[tuple[str, ...], np.ndarray, Any]], nan_strategy: str = "propagate"
 ) -> tuple[list[tuple[str, ...]], np.ndarray]:
-    """The name groups and ``(5, K)`` summaries of ``(names, values, which to keep or None)`` parts."""
+    """The name groups and ``(5, K)`` summaries of ``(names, values, which to keep or None)`` parts;
+    non-finite values as ``nan_strategy`` says."""
+    if nan_strategy != "propagate":
+        parts = [
+            (names, values, _finite_keep(names, values, keep, nan_strategy)) for names, values, keep in parts
+        ]
     out = empty_arrays(len(parts))
     by_size: dict[int, list[int]] = {}  # vectors of one size are summarized together
     for i, (_, values, _) in enumerate(parts):
@@ -580,8 +687,10 @@ def _summarize_tokens(buf: Any, mask: _TokenMask, dtype: Any) -> tuple[Any, Any,
     bits in ``buf`` ``(K, *mask.shape)``, 0 on padding: four ``(K,)`` tensors. ``buf`` is overwritten.
 
     All ``K`` go through each step together (fewer, larger kernels). Sums run per row in the data's
-    precision and across rows in float64. Padding is replaced with its tensor's mean before min/max
-    and centering, so it changes neither, and no shape depends on the data (no sync).
+    precision and across rows in float64 (a row's sum is within ``(width - 1) * eps / 2 * sum|x|``
+    of the exact one, in any order of summation: eager and compiled, on any CPU). Padding is replaced
+    with its tensor's mean before min/max and centering, so it changes neither, and no shape depends
+    on the data (no sync).
     """
     f64 = torch.float64
     k = buf.shape[0]
@@ -632,26 +741,30 @@ def _token_block(
 
 
 _compiled: dict[str, Any] = {}  # "fn": _token_block under torch.compile; "failed": compiling failed
+_compile_lock = threading.Lock()
 
 
 def _compiled_token_block(xs: tuple[Any, ...], residual: tuple[int, int] | None, mask: Any) -> Any:
     """:func:`_token_block` under ``torch.compile`` (shapes dynamic, so batch sizes and widths do not
-    recompile), or None where compiling fails: a warning then, and eager summaries from then on."""
-    if _compiled.get("failed"):
-        return None
-    try:
-        if "fn" not in _compiled:
-            _compiled["fn"] = torch.compile(_token_block, dynamic=True)
-        return _compiled["fn"](xs, residual, mask)
-    except Exception as exc:  # no C++ compiler, a device torch.compile does not support, ...
-        _compiled["failed"] = True
-        warnings.warn(
-            f"torch_compile=True: compiling the token summaries failed ({type(exc).__name__}: {exc}); "
-            "they are computed eagerly from now on",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return None
+    recompile), or None where compiling fails: a warning then, and eager summaries from then on.
+    Calls run one at a time (dynamo's compiling is not thread-safe: ranks as threads of one process
+    would race on the first compile)."""
+    with _compile_lock:
+        if _compiled.get("failed"):
+            return None
+        try:
+            if "fn" not in _compiled:
+                _compiled["fn"] = torch.compile(_token_block, dynamic=True)
+            return _compiled["fn"](xs, residual, mask)
+        except Exception as exc:  # no C++ compiler, a device torch.compile does not support, ...
+            _compiled["failed"] = True
+            warnings.warn(
+                f"torch_compile=True: compiling the token summaries failed ({type(exc).__name__}: {exc}); "
+                "they are computed eagerly from now on",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return None
 
 
 def _triple(prefix: str) -> tuple[str, ...]:
@@ -673,15 +786,18 @@ def _add_sums(t: _Tensors, plan: _Plan) -> None:
     """Sequence scores and rewards: sums over the whole row (siiRL's and verl's)."""
     for key, _ in _SEQUENCE_METRICS[:2]:
         x = t.get(key)
-        if x is not None and x.dim() >= 1:
+        if x is not None:
+            if x.dim() == 0:
+                raise key_error(key, "must have one value (or row) per sequence, got a scalar")
+            t.check_size(key, x)
             plan.sequences[key] = _float(x).sum(-1) if x.dim() >= 2 else x
 
 
 def _add_counts(t: _Tensors, plan: _Plan) -> None:
-    """Turns and tool calls per sequence."""
+    """Turns and tool calls per sequence (any number of values: names never depend on it)."""
     for key, _ in _SEQUENCE_METRICS[4:]:
         x = t.get(key)
-        if x is not None and x.numel() > 0:
+        if x is not None:
             plan.sequences[key] = x
 
 
@@ -697,7 +813,9 @@ def _add_token_metrics(
     found = {}
     for key, _ in _TOKEN_METRICS:
         x = t.get(key) if key in keys else None
-        if x is not None and tuple(x.shape) == tuple(mask.shape):
+        if x is not None:
+            if tuple(x.shape) != tuple(mask.shape):
+                raise key_error(key, f"shape {tuple(x.shape)}, the response mask's is {tuple(mask.shape)}")
             found[key] = _float(x)
     if not found:
         return
@@ -717,6 +835,7 @@ def _add_token_metrics(
     keys = list(found)
     xs = tuple(x.to(dtype) for x in found.values())
     residual = (keys.index("returns"), keys.index("values")) if vf else None
+    plan.token_inputs = (keys, xs, residual, mask)
     if torch_compile:
         plan.token_block = _compiled_token_block(xs, residual, mask)
         if plan.token_block is not None:

@@ -1,30 +1,56 @@
-"""Timing and throughput metrics of a training step (the seed's names).
+"""Timing and throughput metrics of a training step (the seed's names), exact when merged over ranks.
 
-- :func:`compute_timing_metrics`: ``timing_s/{stage}`` for every entry of ``timing_raw`` and
-  ``timing_per_token_ms/{stage}`` for ``gen`` (per response token) and ``ref``, ``values``, ``adv``,
-  ``update_critic``, ``update_actor`` (per prompt + response token of the batch).
-- :func:`compute_throughput_metrics` (also under the seed's spelling ``compute_throughout_metrics``):
-  ``perf/total_num_tokens`` (the batch's ``global_token_num``), ``perf/time_per_step``
+- :func:`compute_timing_stats` / :func:`compute_timing_metrics`: ``timing_s/{stage}`` for every entry
+  of ``timing_raw`` and ``timing_per_token_ms/{stage}`` for ``gen`` (per response token) and ``ref``,
+  ``values``, ``adv``, ``update_critic``, ``update_actor`` (per prompt + response token of the batch).
+- :func:`compute_throughput_stats` / :func:`compute_throughput_metrics` (also under the seed's spelling
+  ``compute_throughout_metrics``): ``perf/total_num_tokens`` (the batch's tokens), ``perf/time_per_step``
   (``timing_raw["step"]``) and ``perf/throughput`` (tokens per second per GPU).
 
-Merged over ranks, ``perf/total_num_tokens`` is summed (its name says ``total``), the others are
-averaged. Missing keys or unusable values skip the metrics that need them; nothing raises.
+**Merged over ranks** (the ``*_stats`` functions give what a rank submits): ``timing_s/*`` and
+``perf/time_per_step`` are averaged, ``perf/total_num_tokens`` is summed, and the ratios are derived
+after the merge from merged sums (:data:`rlmetrics.metrics.DERIVED_METRICS`), so they equal the
+value of the whole batch instead of an average of per-rank ratios:
+
+- ``timing_per_token_ms/{stage}`` = ``1000 * mean over ranks of the stage's seconds / sum of the
+  ranks' tokens`` (siiRL averages each rank's ``seconds / own tokens``: about W times too high);
+- ``perf/throughput`` = ``sum of tokens / (mean step seconds * sum of n_gpus)``; ``n_gpus`` is the
+  number of GPUs the call's batch ran on (on a rank: that rank's GPUs, as siiRL passes
+  ``pp * tp``; on a whole batch: all of them, as verl passes).
+
+Tokens: ``global_token_num`` (per-sequence counts; in the batch, or in a ``DataProto``'s
+``meta_info``), else the sum of ``attention_mask``. verl copies the whole batch's ``global_token_num``
+list into the ``meta_info`` of every shard; summed on every rank it would count each token W times,
+so a list whose length is not the batch's number of sequences is not this rank's: its tokens come
+from ``attention_mask`` instead (the same counts, for this rank's sequences), and without an
+``attention_mask`` the list is refused with :class:`~rlmetrics.stat.MetricValueError`.
+
+Names depend on the keys present (``timing_raw``'s stages, the masks, ``global_token_num``), never on
+the values: a batch without tokens or a zero step time still yields every name, with an empty
+summary. A ``timing_raw`` value that is not a number is skipped; batch keys of the wrong shape or
+dtype raise, naming the key.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import numbers
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from rlmetrics.extras import require
-from rlmetrics.metrics import TIMED_STAGES
-from rlmetrics.metrics.data import _Tensors, lookup
-from rlmetrics.stat import to_host
+from rlmetrics.metrics import (
+    THROUGHPUT_GPUS,
+    THROUGHPUT_SECONDS,
+    THROUGHPUT_TOKENS,
+    TIMED_STAGES,
+    timing_aux,
+)
+from rlmetrics.metrics.batch import key_error
+from rlmetrics.metrics.data import _Tensors, data_metrics_from_stats
+from rlmetrics.reduce import resolve
+from rlmetrics.stat import Stat, scalar_value, to_host
 
 torch = require("torch", "torch")
 
@@ -36,41 +62,27 @@ ALL_TOKEN_STAGES = TIMED_STAGES[1:]
 """Stages timed per token of the whole sequence (prompt + response)."""
 
 
-def _seconds(value: Any) -> float | Any | None:
-    """A timer value as a float, a one-element tensor (read with the call's other tensors), or None."""
-    if isinstance(value, numbers.Real) or (isinstance(value, np.ndarray) and value.ndim == 0):
-        return float(value)
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value.detach()
-    return None
+def _stage_values(timing_raw: Mapping[str, Any]) -> dict[str, Any]:
+    """The numbers of ``timing_raw``: floats, and one-element tensors not read yet (they come to
+    the host with the call's other tensors); other entries are skipped."""
+    out = {}
+    for stage, value in timing_raw.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            out[stage] = value.detach().reshape(())
+            continue
+        s = scalar_value(value, f"timing_s/{stage}")
+        if s is None:
+            logger.debug("timing_raw[%r] is not a number: %r", stage, value)
+            continue
+        out[stage] = s
+    return out
 
 
-def _read(values: dict[str, Any]) -> dict[str, float]:
+def _read(values: dict[Any, Any]) -> dict[Any, Any]:
     """``values`` with their tensors read, in one device-to-host copy (:func:`~rlmetrics.stat.to_host`)."""
     keys = [k for k, v in values.items() if isinstance(v, torch.Tensor)]
     host = to_host([values[k] for k in keys])
     return {**values, **{k: float(h.sum()) for k, h in zip(keys, host)}}
-
-
-def _token_counts(batch: Mapping[str, Any]) -> tuple[Any, Any] | None:
-    """(prompt tokens, response tokens) of the batch as 0-dim tensors; None if unknown."""
-    t = _Tensors(batch)
-    if t.prompt_mask is None or t.response_mask is None:
-        return None
-    return t.prompt_mask.sum(), t.response_mask.sum()
-
-
-def _stage_values(timing_raw: Mapping[str, Any]) -> dict[str, Any]:
-    """The stages of ``timing_raw`` whose time is a number, as :func:`_seconds` gives them (tensors
-    not read yet); the others are skipped (logged at debug level)."""
-    seconds = {}
-    for stage, value in timing_raw.items():
-        s = _seconds(value)
-        if s is None:
-            logger.debug("timing_raw[%r] is not a number: %r", stage, value)
-            continue
-        seconds[stage] = s
-    return seconds
 
 
 def stage_seconds(timing_raw: Mapping[str, Any]) -> dict[str, float]:
@@ -83,7 +95,61 @@ def stage_seconds(timing_raw: Mapping[str, Any]) -> dict[str, float]:
     return _read(_stage_values(timing_raw))
 
 
-def compute_timing_metrics(batch: Mapping[str, Any], timing_raw: Mapping[str, Any]) -> dict[str, float]:
+def _token_counts(t: _Tensors) -> dict[str, Any]:
+    """``{"prompt": ..., "response": ...}`` tokens of the batch as 0-d tensors (read with the call's
+    other tensors); empty if unknown."""
+    if t.prompt_mask is None or t.response_mask is None:
+        return {}
+    return {
+        "prompt": t.prompt_mask.sum(dtype=torch.float64),
+        "response": t.response_mask.sum(dtype=torch.float64),
+    }
+
+
+def compute_timing_stats(
+    batch: Any, timing_raw: Mapping[str, Any], *, nan_strategy: str = "propagate"
+) -> dict[str, Stat]:
+    """What a rank submits for :func:`compute_timing_metrics`: the Stats of ``timing_s/*``, of each
+    ``timing_per_token_ms/*`` (this rank's ratio, kept where the derivation cannot run) and of their
+    auxiliary ingredients (seconds and tokens, :func:`rlmetrics.metrics.timing_aux`). Tensor timers
+    and token counts come to the host in one copy.
+
+    >>> import torch
+    >>> batch = {"responses": torch.zeros(1, 2), "attention_mask": torch.tensor([[1, 1, 1, 0]])}
+    >>> stats = compute_timing_stats(batch, {"gen": 0.5})
+    >>> sorted(stats), stats["_aux/timing_per_token_ms/gen/tokens/sum"].sum
+    (['_aux/timing_per_token_ms/gen/seconds/mean', '_aux/timing_per_token_ms/gen/tokens/sum', \
+'timing_per_token_ms/gen', 'timing_s/gen'], 1.0)
+    """
+    t = _Tensors(batch, "compute_timing_metrics")
+    values = _stage_values(timing_raw)
+    timed = [s for s in TIMED_STAGES if s in values]
+    tokens = _token_counts(t) if timed else {}
+    read = _read({**{("s", k): v for k, v in values.items()}, **{("t", k): v for k, v in tokens.items()}})
+    out = {}
+    for stage in values:
+        name = f"timing_s/{stage}"  # a stage's name may ask for quantiles (timing_s/p99): a sketch then
+        out[name] = Stat.of(
+            read["s", stage], sketch=resolve(name).needs_sketch, nan_strategy=nan_strategy, name=name
+        )
+    if not tokens:
+        return out
+    prompt, response = read["t", "prompt"], read["t", "response"]
+    for stage in timed:
+        count = response if stage in RESPONSE_TOKEN_STAGES else prompt + response
+        seconds_name, tokens_name = timing_aux(stage)
+        seconds = out[f"timing_s/{stage}"]
+        used = seconds.count > 0  # a value dropped under nan_strategy="drop" takes its tokens along
+        ratio = seconds.sum * 1000.0 / count if used and count > 0 else None
+        out[f"timing_per_token_ms/{stage}"] = Stat() if ratio is None else Stat.of(ratio)
+        out[seconds_name] = seconds
+        out[tokens_name] = Stat.of(count) if used else Stat()
+    return out
+
+
+def compute_timing_metrics(
+    batch: Any, timing_raw: Mapping[str, Any], *, nan_strategy: str = "propagate"
+) -> dict[str, float]:
     """``timing_s/{stage}`` in seconds and ``timing_per_token_ms/{stage}`` in milliseconds per token.
 
     Token counts come from ``attention_mask`` and ``responses`` / ``response_mask`` as in
@@ -95,41 +161,97 @@ def compute_timing_metrics(batch: Mapping[str, Any], timing_raw: Mapping[str, An
     >>> m["timing_s/step"], m["timing_per_token_ms/gen"], m["timing_per_token_ms/update_actor"]
     (3.0, 166.66666666666666, 200.0)
     """
-    seconds = _stage_values(timing_raw)
-    timed = [s for s in (*RESPONSE_TOKEN_STAGES, *ALL_TOKEN_STAGES) if s in seconds]
-    counts = _token_counts(batch) if timed else None
-    tokens = {} if counts is None else {"prompt": counts[0], "response": counts[1]}
-    read = _read({**{("s", k): v for k, v in seconds.items()}, **{("t", k): v for k, v in tokens.items()}})
-    seconds = {k: read["s", k] for k in seconds}
-    out = {f"timing_s/{stage}": s for stage, s in seconds.items()}
-    if counts is not None:
-        prompt, response = read["t", "prompt"], read["t", "response"]
-        for stage in timed:
-            tokens = response if stage in RESPONSE_TOKEN_STAGES else prompt + response
-            if tokens > 0:
-                out[f"timing_per_token_ms/{stage}"] = seconds[stage] * 1000.0 / tokens
+    return data_metrics_from_stats(compute_timing_stats(batch, timing_raw, nan_strategy=nan_strategy))
+
+
+def _total_tokens(t: _Tensors) -> Any:
+    """This rank's tokens: the sum of ``global_token_num`` when it has one count per sequence of the
+    batch, else of ``attention_mask`` (see the module docstring); a float, a 0-d tensor (read with
+    the call's other tensors) or None without either."""
+    value = t.batch.get("global_token_num")
+    if value is not None:
+        counts = _token_list(value)
+        if t.size is None or counts.numel() == t.size or counts.dim() == 0:
+            return counts.sum()
+        if t.attention is None:
+            raise key_error(
+                "global_token_num",
+                f"{counts.numel()} counts for {t.size} sequences: the list of another batch (verl copies "
+                "the whole batch's list into every shard's meta_info), which every rank would count; "
+                "give this rank's counts or an attention_mask",
+            )
+    if t.attention is None:
+        return None
+    return t.attention.sum(dtype=torch.float64)
+
+
+def batch_tokens(batch: Any, what: str = "compute_throughput_metrics") -> float:
+    """This rank's tokens as :func:`compute_throughput_metrics` counts them (``global_token_num`` of
+    this batch, else ``attention_mask``); MetricValueError without either.
+
+    >>> batch_tokens({"global_token_num": [100, 300]})
+    400.0
+    """
+    tokens = _total_tokens(_Tensors(batch, what))
+    if tokens is None:
+        raise key_error(
+            "global_token_num", "missing, and the batch has no attention_mask to count tokens from"
+        )
+    return _read({"tokens": tokens})["tokens"]
+
+
+def _token_list(value: Any) -> Any:
+    """``global_token_num`` as a float64 tensor (where it is)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(torch.float64)
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "biuf":
+        raise key_error("global_token_num", f"must be token counts, got {arr.dtype} data")
+    return torch.from_numpy(arr.astype(np.float64))
+
+
+def compute_throughput_stats(
+    batch: Any, timing_raw: Mapping[str, Any], n_gpus: Any, *, nan_strategy: str = "propagate"
+) -> dict[str, Stat]:
+    """What a rank submits for :func:`compute_throughput_metrics`: the Stats of its three names
+    (``perf/throughput``: this rank's ratio, kept where the derivation cannot run) and of the
+    throughput's ingredients (tokens, seconds and GPUs; :data:`rlmetrics.metrics.THROUGHPUT_TOKENS`).
+
+    >>> stats = compute_throughput_stats({"global_token_num": [100, 300]}, {"step": 2.0}, 4)
+    >>> stats["perf/total_num_tokens"].sum, stats["_aux/perf/throughput/gpus/sum"].sum
+    (400.0, 4.0)
+    """
+    tokens = _total_tokens(_Tensors(batch, "compute_throughput_metrics"))
+    step = _stage_values({"step": timing_raw["step"]}).get("step") if _has_step(timing_raw) else None
+    read = _read({"tokens": tokens, "step": step})
+    tokens, step = read["tokens"], read["step"]
+    out: dict[str, Stat] = {}
+    if tokens is not None:
+        out["perf/total_num_tokens"] = Stat.of(
+            tokens, nan_strategy=nan_strategy, name="perf/total_num_tokens"
+        )
+    if step is None:
+        return out
+    out["perf/time_per_step"] = Stat.of(step, nan_strategy=nan_strategy, name="perf/time_per_step")
+    if tokens is None:
+        return out
+    gpus = scalar_value(n_gpus, "perf/throughput")
+    token_stat, step_stat = out["perf/total_num_tokens"], out["perf/time_per_step"]
+    # a value dropped under nan_strategy="drop" takes the others along; a bad n_gpus gives no throughput
+    used = token_stat.count > 0 and step_stat.count > 0 and gpus is not None and gpus > 0
+    out["perf/throughput"] = Stat.of(tokens / (step * gpus)) if used and step > 0 else Stat()
+    parts = (token_stat, step_stat, Stat.of(gpus) if used else Stat())
+    for name, part in zip((THROUGHPUT_TOKENS, THROUGHPUT_SECONDS, THROUGHPUT_GPUS), parts):
+        out[name] = part if used else Stat()
     return out
 
 
-def _total_tokens(batch: Mapping[str, Any]) -> float | Any | None:
-    """Sum of ``global_token_num`` (tokens per sequence), else of ``attention_mask``: a float, a
-    0-dim tensor (read with the call's other tensors) or None."""
-    value = lookup(batch, "global_token_num")
-    if value is not None:
-        try:
-            if isinstance(value, torch.Tensor):
-                return value.detach().sum(dtype=torch.float64)
-            return float(np.sum(np.asarray(value, dtype=np.float64)))
-        except (TypeError, ValueError) as exc:
-            logger.debug("global_token_num is not numeric (%s)", exc)
-    mask = lookup(batch, "attention_mask")
-    if isinstance(mask, torch.Tensor):
-        return mask.detach().sum(dtype=torch.float64)
-    return None
+def _has_step(timing_raw: Any) -> bool:
+    return isinstance(timing_raw, Mapping) and "step" in timing_raw
 
 
 def compute_throughput_metrics(
-    batch: Mapping[str, Any], timing_raw: Mapping[str, Any], n_gpus: int
+    batch: Any, timing_raw: Mapping[str, Any], n_gpus: Any, *, nan_strategy: str = "propagate"
 ) -> dict[str, float]:
     """``perf/total_num_tokens``, ``perf/time_per_step`` and ``perf/throughput`` (tokens/s/GPU).
 
@@ -139,18 +261,9 @@ def compute_throughput_metrics(
     >>> compute_throughput_metrics({"global_token_num": [100, 300]}, {"step": 2.0}, n_gpus=4)
     {'perf/total_num_tokens': 400.0, 'perf/time_per_step': 2.0, 'perf/throughput': 50.0}
     """
-    out: dict[str, float] = {}
-    step = _seconds(timing_raw.get("step")) if hasattr(timing_raw, "get") else None
-    read = _read({"tokens": _total_tokens(batch), "step": step})
-    tokens, step = read["tokens"], read["step"]
-    if tokens is not None:
-        out["perf/total_num_tokens"] = tokens
-    if step is not None:
-        out["perf/time_per_step"] = step
-        gpus = n_gpus if isinstance(n_gpus, numbers.Real) else math.nan
-        if tokens is not None and step > 0 and gpus > 0:
-            out["perf/throughput"] = tokens / (step * gpus)
-    return out
+    return data_metrics_from_stats(
+        compute_throughput_stats(batch, timing_raw, n_gpus, nan_strategy=nan_strategy)
+    )
 
 
 compute_throughout_metrics = compute_throughput_metrics
@@ -159,5 +272,6 @@ compute_throughout_metrics = compute_throughput_metrics
 
 __all__ = [
     "ALL_TOKEN_STAGES", "RESPONSE_TOKEN_STAGES", "compute_throughout_metrics", "compute_throughput_metrics",
-    "compute_timing_metrics", "stage_seconds",
+    "batch_tokens", "compute_throughput_stats", "compute_timing_metrics", "compute_timing_stats",
+    "stage_seconds",
 ]  # fmt: skip

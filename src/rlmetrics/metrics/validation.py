@@ -94,6 +94,8 @@ from typing import Any
 
 import numpy as np
 
+from rlmetrics.stat import NAN_STRATEGIES, MetricValueError
+
 logger = logging.getLogger(__name__)
 
 N_BOOTSTRAP = 1000
@@ -211,11 +213,13 @@ def process_validation_metrics(
     *,
     exact: bool = False,
     n_bootstrap: int = N_BOOTSTRAP,
+    nan_strategy: str = "propagate",
 ) -> dict[str, float]:
     """The seed's validation metrics ``{name: value}`` (see the module docstring for the names).
 
     ``sample_turns`` may be a flat sequence of turn counts or a sequence of arrays (the seed
     concatenates them). ``exact=True`` adds the ``pass@k`` and ``.../exact_mean|exact_std`` keys.
+    ``nan_strategy``: as :func:`encode_samples`.
 
     >>> m = process_validation_metrics(["a", "a", "b"], ["p", "p", "q"], {"reward": [1.0, 0.0, 0.5]},
     ...                                sample_turns=[2, 3, 4])
@@ -224,7 +228,7 @@ def process_validation_metrics(
     >>> m["val-aux/num_turns/max"], m["val-aux/num_turns/mean"]
     (4.0, 3.0)
     """
-    record = encode_samples(data_sources, sample_inputs, infos_dict, sample_turns)
+    record = encode_samples(data_sources, sample_inputs, infos_dict, sample_turns, nan_strategy=nan_strategy)
     return process_samples(record, seed, exact=exact, n_bootstrap=n_bootstrap)
 
 
@@ -278,6 +282,7 @@ def encode_samples(
     style: str = "seed",
     seed: int = 42,
     expected_counts: Mapping[tuple[Any, Any], int] | None = None,
+    nan_strategy: str = "propagate",
 ) -> dict[str, Any]:
     """One rank's validation samples as a compact record (plain dict of numpy arrays and lists):
 
@@ -298,10 +303,19 @@ def encode_samples(
       count)`` triples of ``expected_counts`` (verl's ``expected_acc_counts``, keyed by
       ``(data_source, prompt)``), which only the ``"verl"`` style reads.
 
+    Non-finite numbers (NaN, inf) follow ``nan_strategy``: ``"propagate"`` keeps them (they reach the
+    metrics as in the seed), ``"drop"`` leaves out every sample that has one (in any variable, with
+    its turn count when ``sample_turns`` has one per sample; and non-finite turn counts),
+    ``"error"`` raises :class:`~rlmetrics.stat.MetricValueError` naming the variable.
+
     >>> r = encode_samples(["a", "b", "a"], ["p", "p", "p"], {"acc": [1, 0, 1], "pred": ["x", "y", "x"]})
     >>> r["sources"], r["group"].tolist(), r["values"]["pred"], r["pred"].tolist(), r["pred_table"]
     (['a', 'b'], [0, 1, 0], None, [0, 1, 0], ['x', 'y'])
+    >>> encode_samples(["a", "a"], ["p", "p"], {"acc": [1.0, float("nan")]}, nan_strategy="drop")["group"]
+    array([0], dtype=int32)
     """
+    if nan_strategy not in NAN_STRATEGIES:
+        raise ValueError(f"nan_strategy must be one of {NAN_STRATEGIES}, got {nan_strategy!r}")
     n = len(data_sources)
     if style not in STYLES:
         raise ValueError(f"style must be one of {STYLES}, got {style!r}")
@@ -310,6 +324,21 @@ def encode_samples(
     for var, col in infos_dict.items():
         if len(col) != n:
             raise ValueError(f"infos_dict[{var!r}] has {len(col)} values for {n} samples")
+    if nan_strategy != "propagate":
+        keep, turns = _finite_samples(infos_dict, n, _turns_array(sample_turns), nan_strategy)
+        if keep is not None or turns is not None:
+            sel = np.ones(n, bool) if keep is None else keep
+            return encode_samples(
+                [v for v, k in zip(data_sources, sel) if k],
+                [v for v, k in zip(sample_inputs, sel) if k],
+                {var: [v for v, k in zip(col, sel) if k] for var, col in infos_dict.items()},
+                sample_turns if turns is None else turns,
+                digest_prompts=digest_prompts,
+                exact=exact,
+                style=style,
+                seed=seed,
+                expected_counts=expected_counts,
+            )
     groups: dict[tuple[Any, Any], int] = {}
     codes = [groups.setdefault(key, len(groups)) for key in zip(data_sources, sample_inputs)]
     sources: dict[Any, int] = {}
@@ -540,6 +569,62 @@ def _turns_array(sample_turns: Any) -> np.ndarray:
     if len(sample_turns) == 0:
         return np.zeros(0)
     return np.concatenate([np.asarray(t, dtype=np.float64).ravel() for t in sample_turns])
+
+
+def _finite_samples(
+    infos_dict: Mapping[str, Sequence[Any]], n: int, turns: np.ndarray, nan_strategy: str
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Samples to keep and turn counts under ``"drop"`` (None: all), or raise under ``"error"``."""
+    keep = np.ones(n, bool)
+    for var, col in infos_dict.items():
+        vals, numeric = _numeric_column(col, var)
+        if vals is None:
+            continue
+        bad = ~np.isfinite(vals) if numeric is None else numeric & ~np.isfinite(vals)
+        if bad.any() and nan_strategy == "error":
+            raise MetricValueError(
+                f"validation variable {var!r}: {int(bad.sum())} non-finite value(s) (nan_strategy='error')"
+            )
+        keep &= ~bad
+    bad_turns = ~np.isfinite(turns)
+    if bad_turns.any() and nan_strategy == "error":
+        raise MetricValueError(
+            f"validation turns: {int(bad_turns.sum())} non-finite value(s) (nan_strategy='error')"
+        )
+    if keep.all() and not bad_turns.any():
+        return None, None
+    if len(turns) == n:  # one turn count per sample: it goes with its sample
+        bad_turns |= ~keep
+    return (None if keep.all() else keep), turns[~bad_turns]
+
+
+def record_digest(record: Mapping[str, Any]) -> str:
+    """A hash of a record's content (independent of when or where it was made): the order of
+    records from clients without a rank.
+
+    >>> a = encode_samples(["s"], ["p"], {"acc": [1.0]})
+    >>> record_digest(a) == record_digest(encode_samples(["s"], ["p"], {"acc": [1.0]}))
+    True
+    >>> record_digest(a) == record_digest(encode_samples(["s"], ["p"], {"acc": [0.0]}))
+    False
+    """
+    h = hashlib.blake2b(digest_size=16)
+
+    def add(x: Any) -> None:
+        if isinstance(x, np.ndarray):
+            h.update(f"{x.dtype}{x.shape}".encode())
+            h.update(np.ascontiguousarray(x).tobytes())
+        else:
+            h.update(repr(x).encode("utf-8", "surrogatepass"))
+        h.update(b"\0")
+
+    for key in ("sources", "prompts", "group_source", "group", "pred", "pred_table", "turns"):
+        add(record[key])
+    for var, vals in record["values"].items():
+        add(var)
+        add(vals)
+        add(record["numeric"].get(var))
+    return h.hexdigest()
 
 
 def _is_number(v: Any) -> bool:
@@ -1272,5 +1357,6 @@ def _majority_dp(size: np.ndarray, chan: np.ndarray, n: int, k: int, log_fact: n
 __all__ = [
     "CACHE_BYTES", "CHUNK_BYTES", "N_BOOTSTRAP", "STYLES", "TABLE_MAX_N", "aggregate_validation_metrics",
     "bootstrap_indices", "bootstrap_metric", "bootstrap_sizes", "calc_maj_val", "encode_samples",
-    "merge_samples", "pass_at_k", "process_samples", "process_validation_metrics", "samples_by_source",
+    "merge_samples", "pass_at_k", "process_samples", "process_validation_metrics", "record_digest",
+    "samples_by_source",
 ]  # fmt: skip
