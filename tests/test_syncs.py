@@ -191,6 +191,8 @@ DATA_CALLS = {
     "compute_variance_proxy_stats": lambda d: data.compute_variance_proxy_stats(d, 1.0),
 }
 TIMING_CALLS = {
+    "compute_timing_stats": lambda d: timing.compute_timing_stats(d, TIMING),
+    "compute_throughput_stats": lambda d: timing.compute_throughput_stats(d, TIMING, 8),
     "compute_timing_metrics": lambda d: timing.compute_timing_metrics(d, TIMING),
     "compute_throughput_metrics": lambda d: timing.compute_throughput_metrics(d, TIMING, 8),
     "compute_throughout_metrics": lambda d: timing.compute_throughout_metrics(d, TIMING, 8),

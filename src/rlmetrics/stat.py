@@ -467,6 +467,14 @@ def scalar_value(value: Any, name: str = "value") -> float | None:
         ) from None
 
 
+def is_dataless(tensor: Any) -> bool:
+    """A meta tensor: shape and dtype, no data. (A tensor subclass that handles its operations
+    itself, as a test's emulated accelerator does, reports the meta device and still has data.)"""
+    import torch
+
+    return tensor.device.type == "meta" and type(tensor).__torch_dispatch__ == torch.Tensor.__torch_dispatch__
+
+
 def check_tensor(tensor: Any, name: str, what: str) -> None:
     """Refuse tensors without real numbers to read: complex (a float64 conversion would drop the
     imaginary part, as numpy input is refused too), meta (no data) and sparse or other non-strided
@@ -474,7 +482,7 @@ def check_tensor(tensor: Any, name: str, what: str) -> None:
     problem = None
     if tensor.is_complex():
         problem = f"are not numbers (got {tensor.dtype} data)"
-    elif tensor.device.type == "meta":
+    elif is_dataless(tensor):
         problem = "are a meta tensor (it has no data)"
     elif str(tensor.layout) != "torch.strided":
         problem = f"are a {tensor.layout} tensor; pass .to_dense() or .values()"

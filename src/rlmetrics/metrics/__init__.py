@@ -19,7 +19,7 @@ differ from siiRL's per-rank average: ``docs/reductions.md``.
 >>> derived = derive_metrics(merged)
 >>> sorted(derived), round(derived["critic/vf_explained_var"], 4)
 (['critic/score/mean', 'critic/vf_explained_var'], 0.75)
->>> seconds, tokens = per_token_names("gen")
+>>> seconds, tokens = timing_aux("gen")
 >>> derive_metrics({"timing_per_token_ms/gen": 40.0, seconds: 2.0, tokens: 400.0})  # 2 s / 400 tokens
 {'timing_per_token_ms/gen': 5.0}
 """

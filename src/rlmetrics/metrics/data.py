@@ -80,7 +80,7 @@ from rlmetrics.metrics import (
 )
 from rlmetrics.metrics.batch import as_batch, key_error
 from rlmetrics.reduce import resolve
-from rlmetrics.stat import NAN_STRATEGIES, MetricValueError, Stat, empty_arrays, to_host
+from rlmetrics.stat import NAN_STRATEGIES, MetricValueError, Stat, empty_arrays, is_dataless, to_host
 
 torch = require("torch", "torch")
 
@@ -371,7 +371,7 @@ class _Tensors:
             if arr.dtype.kind not in "biuf":
                 raise key_error(key, f"must be numbers, got {arr.dtype} data")
             value = torch.as_tensor(arr)
-        if value.is_complex() or value.device.type == "meta" or value.layout != torch.strided:
+        if value.is_complex() or is_dataless(value) or value.layout != torch.strided:
             raise key_error(
                 key, f"must be a dense real tensor, got {value.dtype} {value.layout} on {value.device}"
             )

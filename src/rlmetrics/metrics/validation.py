@@ -577,7 +577,7 @@ def _finite_samples(
     """Samples to keep and turn counts under ``"drop"`` (None: all), or raise under ``"error"``."""
     keep = np.ones(n, bool)
     for var, col in infos_dict.items():
-        vals, numeric = _numeric_column(col, var)
+        vals, numeric, _ = _numeric_column(col, var)
         if vals is None:
             continue
         bad = ~np.isfinite(vals) if numeric is None else numeric & ~np.isfinite(vals)
