@@ -94,23 +94,22 @@ def expected_train(ranks):
     want["response/clip_ratio/mean"] = (lengths == RESPONSE_LEN).mean()
     want["prompt/clip_ratio/mean"] = (prompt_lengths == PROMPT_LEN).mean()
     want["response/aborted_ratio"] = (lengths == 0).mean()
-    # timing and throughput: seconds averaged over ranks, per-token times of each rank averaged
+    # timing and throughput: seconds averaged over ranks; per-token times and throughput over the
+    # tokens of all ranks (each rank ran on one GPU)
     for stage in ranks[0]["timing"]:
         want[f"perf/delta_time/{stage}"] = np.mean([r["timing"][stage] for r in ranks])
     tokens = [
         (r["batch"]["prompts"].ne(PAD).sum().item(), r["batch"]["response_mask"].sum().item()) for r in ranks
     ]
+    prompt_tokens, response_tokens = (sum(column) for column in zip(*tokens))
     for stage in ("gen", "ref", "adv", "update_actor"):
-        per = [
-            r["timing"][stage] * 1e3 / (resp if stage == "gen" else p + resp)
-            for r, (p, resp) in zip(ranks, tokens)
-        ]
-        want[f"timing_per_token_ms/{stage}"] = np.mean(per)
-    want["perf/total_num_tokens"] = sum(p + resp for p, resp in tokens)
+        seconds = np.mean([r["timing"][stage] for r in ranks])
+        want[f"timing_per_token_ms/{stage}"] = (
+            seconds * 1e3 / (response_tokens if stage == "gen" else prompt_tokens + response_tokens)
+        )
+    want["perf/total_num_tokens"] = prompt_tokens + response_tokens
     want["perf/time_per_step"] = np.mean([r["timing"]["step"] for r in ranks])
-    want["perf/throughput"] = np.mean(
-        [(p + resp) / r["timing"]["step"] for r, (p, resp) in zip(ranks, tokens)]
-    )
+    want["perf/throughput"] = want["perf/total_num_tokens"] / (want["perf/time_per_step"] * len(ranks))
     # the update: clipped surrogate, clip fraction, old - new log-prob, k3 KL to the reference, entropy
     sums, count = dict.fromkeys(("pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss", "entropy"), 0.0), 0.0
     for r in ranks:
