@@ -34,7 +34,9 @@ from typing import TypeVar
 import numpy as np
 import report
 
-from rlmetrics.aggregator import Aggregator, Packed, StepResult, pack
+from rlmetrics.aggregator import Aggregator
+from rlmetrics.messages import StepResult
+from rlmetrics.packing import Packed, pack
 from rlmetrics.reduce import resolve
 
 WORLD_SIZES = (8, 64, 256, 1024)
@@ -187,7 +189,7 @@ def measure(world_size: int, m: int, reps: int) -> Row:
 
 def _check_same(ours: StepResult, naive: dict[str, float], m: int) -> int:
     """Assert both results agree wherever both rules pick the same reduction; how many names that is."""
-    assert ours.meta["complete"], "rlmetrics step is incomplete"
+    assert ours.meta.complete, "rlmetrics step is incomplete"
     assert len(ours) == len(naive) == m, (len(ours), len(naive), m)
     agreeing = [n for n in metric_names(m) if resolve(n).name == naive_kind(n)]
     assert len(agreeing) > m // 2, "too few names where both rules agree"

@@ -271,7 +271,7 @@ NAIVE = Baseline("naive", _start_naive)
 
 def check(world_size: int, m: int, step: int, ours: rlmetrics.StepResult, naive: dict[str, float]) -> None:
     """rlmetrics ``.../mean`` names equal numpy means over all ranks; every name equals naive's."""
-    assert ours.meta["complete"], f"rlmetrics step {step} incomplete: {ours.meta}"
+    assert ours.meta.complete, f"rlmetrics step {step} incomplete: {ours.meta}"
     names = metric_names(m)
     assert len(ours) == len(naive) == m, (len(ours), len(naive), m)
     means = np.mean([rank_values(r, step, m) for r in range(world_size)], axis=0)

@@ -117,7 +117,7 @@ def root_counts(root) -> tuple[int, int]:
 def check(kind: str, res: rlmetrics.StepResult, step: int, cfg: dict, messages: int) -> None:
     """Complete, exact against numpy, and the root's messages: W flat, one per node with the hierarchy."""
     w, m, nodes = cfg["ranks"], cfg["metrics"], cfg["nodes"]
-    if not res.meta["complete"] or len(res) != m:
+    if not res.meta.complete or len(res) != m:
         raise SystemExit(f"{kind} step {step}: incomplete result {res.meta}")
     data = np.array([rank_values(r, step, m) for r in range(w)])
     means, maxima = data.mean(axis=0), data.max(axis=0)

@@ -18,7 +18,7 @@ survive.
 
 Checks, on the JSONL read back: every step is there exactly once; a complete step (the sink writes
 no ``meta`` for it) had every rank alive at its start; in a partial step the contributors
-(``meta["contributors"]``) are the ranks alive at its start, less any subset of those killed during
+(``meta.contributors``) are the ranks alive at its start, less any subset of those killed during
 it, and include every rank that survived it; the missing ranks are among the killed ones; a step is
 complete exactly when nothing is missing; each incomplete metric received one contribution per
 contributor; and the values equal numpy over the contributors' data (nothing lost, nothing counted
@@ -47,6 +47,7 @@ import ray
 import report
 
 import rlmetrics
+from rlmetrics.messages import StepMeta
 
 RESULT_TIMEOUT_S = 15.0  # what a dead rank costs: its last step waits this long, then is partial
 RECOVERY_TIMEOUT_S = 10.0  # a restarted aggregator waits at most this long for the ranks' resends
@@ -257,18 +258,18 @@ def check(info: dict, records: list[dict]) -> tuple[list[str], dict]:
                 dead_at_start[s].add(r)
     counts = {"complete": 0, "partial": 0}
     for rec in records:
-        s, meta, got = rec["step"], rec.get("meta") or {"complete": True}, rec["metrics"]
+        s, meta, got = rec["step"], StepMeta.from_dict(rec.get("meta", {})), rec["metrics"]
         if not 0 <= s < steps:
             continue
         started = set(range(ranks)) - dead_at_start[s]
         survivors = started - killed_in[s]
         killed = set(range(ranks)) - survivors
         # The sink keeps meta for partial steps; a complete step had every rank that started it.
-        contributors = {rank_of(c) for c in meta["contributors"]} if "contributors" in meta else started
-        if meta["complete"] and contributors != started:
+        contributors = {rank_of(c) for c in meta.contributors} if "meta" in rec else started
+        if meta.complete and contributors != started:
             fails.append(f"step {s}: complete with contributors {sorted(contributors)} of {sorted(started)}")
-        missing = {rank_of(c) for c in meta.get("missing_ranks", [])}
-        complete = meta["complete"]
+        missing = {rank_of(c) for c in meta.missing_ranks}
+        complete = meta.complete
         counts["complete" if complete else "partial"] += 1
         where = f"step {s}"
         if not survivors <= contributors <= started:
@@ -276,11 +277,11 @@ def check(info: dict, records: list[dict]) -> tuple[list[str], dict]:
                          f"survivors {sorted(survivors)}")  # fmt: skip
         if not missing <= killed or missing & contributors:
             fails.append(f"{where}: missing ranks {sorted(missing)} not among the killed {sorted(killed)}")
-        if complete != (not meta.get("missing_ranks") and not meta.get("missing_metrics")):
+        if complete != (not meta.missing_ranks and not meta.missing_metrics):
             fails.append(f"{where}: complete={complete} but meta {meta}")
-        if meta.get("evicted"):
+        if meta.evicted:
             fails.append(f"{where}: evicted result")
-        for name, (received, wanted) in meta.get("missing_metrics", {}).items():
+        for name, (received, wanted) in meta.missing_metrics.items():
             if received != len(contributors) or wanted != info["world_sizes"][s]:
                 fails.append(
                     f"{where}: {name} received {received} of {wanted}, {len(contributors)} contributed"

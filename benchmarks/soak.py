@@ -254,7 +254,7 @@ def soak(s: Soak, out_dir: Path, seed: int = 0) -> Soak:
                 if step % s.read_every == 0:
                     res = reader.result(step, timeout=RESULT_TIMEOUT_S)
                     sink.log(res, step)
-                    if not res.meta.get("complete"):
+                    if not res.meta.complete:
                         s.partial.append(step)
                 ray.get(inflight.pop(0))  # a host's error surfaces here
                 if step + 1 == s.warmup or (step + 1) % PROBE_EVERY == 0 or step + 1 == s.steps:

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from rlmetrics import Stat, register_reduction
-from rlmetrics.aggregator import Aggregator, Packed, Schema, SubmissionError, pack
+from rlmetrics.aggregator import Aggregator
+from rlmetrics.messages import SubmissionError
+from rlmetrics.packing import Packed, Schema, pack
 from rlmetrics.stat import stats_of_rows
 
 
@@ -27,7 +29,7 @@ def test_step_equals_numpy_on_concatenation(n_ranks):
     assert agg.is_complete(7)
     res = agg.finalize(7)
     allv = np.concatenate([np.asarray(p, float) for p in parts])
-    assert res.meta["complete"] and res.step == 7
+    assert res.meta.complete and res.step == 7
     assert res["x/mean"] == pytest.approx(allv.mean(), rel=1e-12)
     assert res["x/std"] == pytest.approx(allv.std(), rel=1e-9)
     assert res["x/max"] == allv.max() and res["x/min"] == allv.min()
@@ -70,10 +72,10 @@ def test_partial_result_names_missing_ranks_and_metrics_and_logs_once(caplog):
     res = agg.finalize(0)
     assert len([r for r in caplog.records if "partial" in r.getMessage()]) == 1
     assert res == {"a": 1.0, "b/max": 2.0}
-    assert res.meta["complete"] is False
-    assert res.meta["missing_ranks"] == ["r3"]
-    assert res.meta["missing_metrics"] == {"a": [3, 4], "b/max": [3, 4]}
-    assert res.meta["contributors"] == ["r0", "r1", "r2"]
+    assert res.meta.complete is False
+    assert res.meta.missing_ranks == ["r3"]
+    assert res.meta.missing_metrics == {"a": [3, 4], "b/max": [3, 4]}
+    assert res.meta.contributors == ["r0", "r1", "r2"]
     assert "r3" not in agg.clients  # missing at a deadline: not waited for until it submits again
 
 
@@ -201,7 +203,7 @@ def test_empty_names_are_left_out_and_listed():
     agg.submit("r", 0, 0, 1, pack({"a": [], "b": 1.0}))
     agg.close("r", 0)
     res = agg.finalize(0)
-    assert res == {"b": 1.0} and res.meta["empty"] == ["a"]
+    assert res == {"b": 1.0} and res.meta.empty == ["a"]
 
 
 def test_departed_client_is_not_waited_for():
@@ -240,7 +242,7 @@ def test_scalar_fast_path_and_mixed_schemas_over_many_blocks():
     assert res["s/mean"] == pytest.approx(allv.mean(), rel=1e-12, abs=1e-15)
     assert res["s/max"] == allv.max() and res["s/min"] == allv.min()
     assert res["extra/min"] == min(per_name["extra/min"])
-    assert res.meta["missing_metrics"] == {"extra/min": [200, 600]}
+    assert res.meta.missing_metrics == {"extra/min": [200, 600]}
 
 
 def test_std_names_pool_data_but_average_per_rank_numbers():

@@ -208,7 +208,7 @@ def test_a_step_with_an_empty_rank_completes_with_the_full_ranks_numbers(request
         res = clients[0].result(0, timeout=0.5)
     finally:
         local.drop_worker(request.node.name)
-    assert res.meta["complete"], res.meta
+    assert res.meta.complete, res.meta
     want = {**compute_data_metric(full), **compute_timing_metrics(full, TIMING)}
     for name in (
         "num_turns/mean",

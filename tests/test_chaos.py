@@ -18,6 +18,7 @@ import pytest
 
 pytest.importorskip("ray")
 
+from rlmetrics.messages import StepMeta
 from rlmetrics.sinks import read_jsonl  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "chaos.py"
@@ -55,16 +56,16 @@ def test_chaos_every_step_logged_exact_or_partial_naming_only_dead_ranks(tmp_pat
         gone = {r for r, (k, ph) in killed_at.items() if k < s or (k == s and ph == "before")}
         dying = {r for r, (k, _) in killed_at.items() if k == s} - gone
         started = set(range(RANKS)) - gone
-        meta = rec.get("meta") or {"complete": True, "missing_ranks": [], "missing_metrics": {}}
+        meta = StepMeta.from_dict(rec.get("meta", {}))
         # The sink writes meta for partial steps only: a complete step had every rank that started it.
-        contributors = ranks_of(meta["contributors"]) if "contributors" in meta else started
-        missing = ranks_of(meta["missing_ranks"])
+        contributors = ranks_of(meta.contributors) if "meta" in rec else started
+        missing = ranks_of(meta.missing_ranks)
         assert started - dying <= contributors <= started, (s, meta)
         assert missing <= gone | dying and not missing & contributors, (s, meta)
-        assert meta["complete"] == (not missing and not meta["missing_metrics"]), (s, meta)
-        if not meta["complete"]:
+        assert meta.complete == (not missing and not meta.missing_metrics), (s, meta)
+        if not meta.complete:
             partial.append(s)
-        for received, _ in meta["missing_metrics"].values():
+        for received, _ in meta.missing_metrics.values():
             assert received == len(contributors), (s, meta)  # each contributor counted once
         allv = np.concatenate([data(r, s) for r in sorted(contributors)])
         assert got["ranks/total"] == len(contributors)
@@ -103,6 +104,6 @@ def test_a_result_finalized_just_before_a_restart_is_not_lost():
             time.sleep(1.0)  # the incarnation's state (the step is finalized) reaches Ray's KV store
             ray.kill(root, no_restart=False)
             res = reader.result(step, timeout=60)
-            assert dict(res) == want and res.meta["complete"], res.meta
+            assert dict(res) == want and res.meta.complete, res.meta
     finally:
         ray.shutdown()

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from rlmetrics.aggregator import StepResult
 from rlmetrics.client import AggregatorRestarted, ClientCore, Transport
+from rlmetrics.messages import StepResult
 from rlmetrics.server import Server
 
 
@@ -110,7 +110,7 @@ def test_a_restart_between_a_send_and_its_reply_loses_and_doubles_nothing():
     b.wait_submit()
     assert not transport.server.recovering()
     assert dict(a.result(0)) == {"x/mean": 3.0} and dict(a.result(1)) == {"x/mean": 1.0}
-    assert a.result(0).meta["complete"]
+    assert a.result(0).meta.complete
 
 
 def test_a_message_delivered_twice_is_merged_once():
@@ -136,7 +136,7 @@ def test_a_finalized_step_survives_the_restart_and_is_not_kept_by_clients():
     transport.restart()
     with pytest.warns(RuntimeWarning, match="step 1 is partial"):
         res = a.result(1, timeout=0)  # the retried read finds the new incarnation, a resent step 1
-    assert transport.incarnations == 2 and dict(res) == {"x": 2.0} and res.meta["missing_ranks"]
+    assert transport.incarnations == 2 and dict(res) == {"x": 2.0} and res.meta.missing_ranks
     assert dict(a.result(0)) == {"x": 1.0}  # kept across the restart
 
 

@@ -61,7 +61,7 @@ def run_ranks(name: str, parts: list, timings: list[dict], read: str = "result")
         res = clients[0].result(0, timeout=10) if read == "result" else clients[0].wait_final_res()
     finally:
         local.drop_worker(name)
-    assert res.meta["complete"], res.meta
+    assert res.meta.complete, res.meta
     return dict(res)
 
 

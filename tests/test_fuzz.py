@@ -108,6 +108,8 @@ def valid_values(draw, reduction):
         return v, np.array([float(x.flat[0])]), np.ones(1)
     if form == "torch":
         dtype, x = draw(source_arrays(list(_TORCH)))
+        if not scalar_ok and x.ndim == 0:  # a 0-d tensor is a number too
+            x = x.reshape(1)
         return torch.tensor(x).to(_TORCH[dtype]), x.ravel(), np.ones(x.size)
     dtype, x = draw(source_arrays(_NUMPY))
     if not scalar_ok and x.ndim == 0:
@@ -294,10 +296,10 @@ def check_results(sc, reader, base, check=check_value):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             res = reader.result(base + s, timeout=20)
-        assert res.meta["complete"], res.meta
+        assert res.meta.complete, res.meta
         want = {out_name(n) for n in sc["names"] if expected(n, *sc["obs"][(s, n)]) is not None}
         assert set(res) == want
-        assert set(res.meta["empty"]) == {out_name(n) for n in sc["names"]} - want
+        assert set(res.meta.empty) == {out_name(n) for n in sc["names"]} - want
         for n in sc["names"]:
             if out_name(n) in res:
                 check(n, res[out_name(n)], *sc["obs"][(s, n)][: 2 if check is check_value else 1])
@@ -396,7 +398,7 @@ def test_two_names_with_one_result_key_are_refused_not_overwritten():
     with pytest.raises(MetricValueError, match="'perf/delta_time/gen' and metric 'timing_s/gen'"):
         client.wait_submit()
     res = client.result(0, timeout=5)
-    assert res == {"perf/delta_time/gen": 1.0} and list(res.meta["refused"]) == ["perf/delta_time/gen"]
+    assert res == {"perf/delta_time/gen": 1.0} and list(res.meta.refused) == ["perf/delta_time/gen"]
     client.submit_metric({"timing_s/gen": 3.0})
     client.wait_submit()
     assert client.result(1, timeout=5) == {"perf/delta_time/gen": 3.0}
@@ -416,15 +418,15 @@ def test_a_colliding_name_is_refused_alone_and_the_step_lists_it():
     with pytest.warns(RuntimeWarning, match="step 0 is partial"):  # rank 1's gen time never came
         res = a.result(0, timeout=0.5)
     assert dict(res) == {"perf/delta_time/gen": 1.0, "actor/pg_loss": 1.0, "critic/score/mean": 2.0}
-    assert res.meta["missing_metrics"] == {"timing_s/gen": [1, 2]}
-    assert "would both be reported as 'perf/delta_time/gen'" in res.meta["refused"]["perf/delta_time/gen"]
+    assert res.meta.missing_metrics == {"timing_s/gen": [1, 2]}
+    assert "would both be reported as 'perf/delta_time/gen'" in res.meta.refused["perf/delta_time/gen"]
 
 
 def test_a_step_closed_without_data_finalizes_empty():
     client = MetricClient(LocalMetricWorker(), world_size=1)
     client.wait_submit()  # closed, nothing submitted (say, every metric of the step was refused)
     res = client.result(0, timeout=5)
-    assert res == {} and res.meta["complete"]
+    assert res == {} and res.meta.complete
     client.submit_metric({"x": 1.0})
     client.wait_submit()
     assert client.result(1, timeout=5) == {"x": 1.0}
@@ -439,7 +441,7 @@ def wide_metrics(n):
 
 
 def check_wide(metrics, res, world):
-    assert res.meta["complete"] and len(res) == len(metrics)
+    assert res.meta.complete and len(res) == len(metrics)
     for name, v in metrics.items():
         want = v * world if resolve(name).kind == "sum" else v
         assert math.isclose(res[name], want, rel_tol=1e-12), (name, res[name], want)
@@ -504,7 +506,7 @@ def test_ray_nan_inf_and_extremes_propagate_with_a_warning(ray_worker, sc):
 def test_ray_malformed_and_oversized_contributions_are_refused_and_others_complete(ray_worker):
     import ray
 
-    from rlmetrics.aggregator import pack
+    from rlmetrics.packing import pack
     from rlmetrics.wire import VERSION, encode
 
     worker, incarnation = ray_worker
@@ -517,11 +519,11 @@ def test_ray_malformed_and_oversized_contributions_are_refused_and_others_comple
         ((VERSION, [("x",)], [], {}, False), "malformed item"),
     ]:
         reply = ray.get(worker.send.remote("evil", msg))
-        assert needle in " ".join(reply["errors"].values()), reply
+        assert needle in " ".join(reply.errors.values()), reply
     for keys in [(), (("evil", "x"),), "evil", ((1, 0), ("evil", 0))]:  # pre-merged items need keys
         merged = encode([(base, keys, 2, packed)], [], True)
         [reply] = ray.get(worker.send_many.remote([("evil", encode([], [base], False))], merged))
-        assert "keys" in " ".join(reply["errors"].values()), (keys, reply)
+        assert "keys" in " ".join(reply.errors.values()), (keys, reply)
     good = MetricClient(worker, world_size=1, label="good")
     good.submit_metric({"z/mean": [2.0, 4.0]}, step=base)
     good.close_step(base)

@@ -52,7 +52,7 @@ def test_threads_at_different_speeds_give_numpy_on_the_concatenation(name):
     for step in range(steps):
         allv = np.concatenate([_batch(r, step) for r in range(world)])
         res = results[step]
-        assert res.meta["complete"], res.meta
+        assert res.meta.complete, res.meta
         assert res["reward/mean"] == pytest.approx(allv.mean(), rel=1e-12)
         assert res["reward/max"] == allv.max()
         assert res["reward/std"] == pytest.approx(allv.std(), rel=1e-9)
@@ -109,8 +109,8 @@ def test_result_times_out_with_a_partial_step(name):
         res = fast.result(1, timeout=0.3)
     assert 0.25 < time.monotonic() - t0 < 5
     assert res == {"a": 5.0}
-    assert res.meta["missing_ranks"][0].startswith("slow@")
-    assert res.meta["missing_metrics"] == {"a": [1, 2]}
+    assert res.meta.missing_ranks[0].startswith("slow@")
+    assert res.meta.missing_metrics == {"a": [1, 2]}
 
 
 def test_bad_value_raises_naming_the_metric_and_the_rest_is_merged(name):
@@ -131,7 +131,7 @@ def test_stop_means_no_step_waits_for_the_client(name):
     a.wait_submit()
     a.submit_metric({"a": 2.0})
     a.wait_submit()
-    assert a.result(1, timeout=5).meta["complete"]
+    assert a.result(1, timeout=5).meta.complete
 
 
 def test_unknown_backend_and_missing_world_size():

@@ -496,7 +496,7 @@ def test_merging_through_local_clients(request):
         result = clients[0].result(0, timeout=10)
     finally:
         local.drop_worker(name)
-    assert result.meta["complete"], result.meta
+    assert result.meta.complete, result.meta
     got = derive_metrics(result)  # idempotent: the aggregator derives already
     assert got == dict(result) and not any(n.startswith(AUX_PREFIX) for n in result)
     want = compute_data_metric(concatenate(batches))

@@ -116,7 +116,7 @@ RUN = textwrap.dedent(
     rank0.wait_submit()
     out["rank_actor"] = ray.get(rank1.step.remote([3.0, 4.0, 5.0]))
     res = rank0.result(0, timeout=60)
-    out["result"], out["meta"] = dict(res), res.meta
+    out["result"], out["complete"] = dict(res), res.meta.complete
     out["aggregator_actor"] = ray.get(root.__ray_call__.remote(auth_state))
     out["driver_after"] = auth_state()
     stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(
@@ -160,6 +160,6 @@ def test_an_aggregation_under_token_auth_works_and_leaves_it_on(tmp_path):
     on = [True, "token"]
     assert out["driver_before"] == on, out
     assert out["rank_actor"] == on and out["aggregator_actor"] == on and out["driver_after"] == on, out
-    assert out["meta"]["complete"], out
+    assert out["complete"], out
     assert out["result"] == {"x/mean": 3.0, "x/max": 5.0}
     assert (out["no_token"], out["wrong_token"], out["token"]) == ("UNAUTHENTICATED", "UNAUTHENTICATED", "OK")

@@ -13,7 +13,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 import rlmetrics  # noqa: E402
-from rlmetrics.aggregator import pack  # noqa: E402
+from rlmetrics.packing import pack  # noqa: E402
 from rlmetrics.wire import encode  # noqa: E402
 
 
@@ -69,7 +69,7 @@ class Rank:
 
 def check_step(res, step, ranks):
     allv = np.concatenate([rank_data(r, step) for r in ranks])
-    assert res.meta["complete"], res.meta
+    assert res.meta.complete, res.meta
     assert res["x/mean"] == pytest.approx(allv.mean(), rel=1e-12)
     assert (res["x/min"], res["x/max"]) == (allv.min(), allv.max())  # no other step's data
     assert res["ranks/total"] == len(ranks)  # every rank counted once
@@ -172,7 +172,7 @@ def test_clients_of_one_process_travel_premerged_and_stay_exact(name, restart):
         a = np.array([host_scalars(r, s)["s/mean"] for r in range(world)])
         b = np.array([host_scalars(r, s)["t/mean"] for r in range(world)])
         x = np.concatenate([rank_data(r, s) for r in range(world)])
-        assert got.meta["complete"], got.meta
+        assert got.meta.complete, got.meta
         assert got["s/max"] == a.max() and got["s/min"] == a.min() and got["ranks/total"] == world
         assert got["s/mean"] == pytest.approx(a.mean(), rel=1e-12, abs=1e-12)
         assert got["t/mean"] == pytest.approx(b.mean(), rel=1e-12, abs=1e-12)
@@ -184,7 +184,7 @@ def test_a_merged_item_a_resend_overtook_is_repeated_one_by_one_and_counted_once
     """After a restart a client's own resend can reach the actor before the pre-merged item that holds
     the same submission: the actor leaves the item out and asks every client of the batch to repeat
     its message alone (what RayTransport does with an "unknown" reply)."""
-    from rlmetrics.aggregator import Packed
+    from rlmetrics.packing import Packed
     from rlmetrics.stat import stats_of_rows
 
     worker = rlmetrics.get_metric_worker(name=name)
@@ -193,11 +193,11 @@ def test_a_merged_item_a_resend_overtook_is_repeated_one_by_one_and_counted_once
     both = Packed(mine["c1"].schema, stats_of_rows(np.array([[1.0], [3.0]])), contributions=2)
     merged = encode([(0, (("c1", 0), ("c2", 0)), 2, both)], [], False)
     batch = [(c, encode([], [0], False)) for c in mine]
-    assert all("unknown" in r for r in ray.get(worker.send_many.remote(batch, merged)))
+    assert all(r.unknown is not None for r in ray.get(worker.send_many.remote(batch, merged)))
     for c, packed in mine.items():
-        assert not ray.get(worker.send.remote(c, encode([(0, 0, 2, packed)], [0], True)))["errors"]
+        assert not ray.get(worker.send.remote(c, encode([(0, 0, 2, packed)], [0], True))).errors
     got = rlmetrics.MetricClient(worker).result(0, timeout=30)
-    assert got == {"r/mean": 2.0} and got.meta["complete"]  # c1 once, c2 once
+    assert got == {"r/mean": 2.0} and got.meta.complete  # c1 once, c2 once
 
 
 def test_a_batch_the_actor_asks_to_repeat_is_repeated_at_once_not_at_the_clients_next_call(name):
@@ -219,7 +219,7 @@ def test_a_batch_the_actor_asks_to_repeat_is_repeated_at_once_not_at_the_clients
         c,
         t,
     ) in transports.items():  # step 0 teaches the actor the names (and each transport that it has them)
-        assert not t.send(c, [(0, 0, 2, pack({"r/mean": values[c]}))], [0])["errors"]
+        assert not t.send(c, [(0, 0, 2, pack({"r/mean": values[c]}))], [0]).errors
     items = {c: [(1, 1, 2, pack({"r/mean": values[c] + 1}))] for c in clients}
     ray.get(worker.send.remote("c1", encode(items["c1"], [], True, True)))  # c1's resend, first
     sender = transports["c1"]._sender
@@ -228,9 +228,9 @@ def test_a_batch_the_actor_asks_to_repeat_is_repeated_at_once_not_at_the_clients
         sender._queue.extend((transports[c], c, items[c], [1], posted[c]) for c in clients)
         sender._cond.notify()
     got = rlmetrics.MetricClient(worker).result(1, timeout=20)
-    assert got == {"r/mean": 3.0} and got.meta["complete"], (dict(got), got.meta)  # (2 + 4) / 2
+    assert got == {"r/mean": 3.0} and got.meta.complete, (dict(got), got.meta)  # (2 + 4) / 2
     for c in clients:
-        assert not posted[c].result(timeout=10)["errors"]
+        assert not posted[c].result(timeout=10).errors
     assert ray.get(worker.stats.remote())["calls"]["send_many"] == 1
 
 
@@ -315,9 +315,9 @@ def test_rank_killed_mid_run_gives_partial_then_continues_with_new_world_size(na
     reader = rlmetrics.connect("ray", name=name)
     with pytest.warns(RuntimeWarning, match="partial"):
         res = reader.result(2, timeout=2)
-    assert res.meta["complete"] is False
-    assert len(res.meta["missing_ranks"]) == 1 and res.meta["missing_ranks"][0].startswith("rank3@")
-    assert res.meta["missing_metrics"]["x/mean"] == [3, 4]
+    assert res.meta.complete is False
+    assert len(res.meta.missing_ranks) == 1 and res.meta.missing_ranks[0].startswith("rank3@")
+    assert res.meta.missing_metrics["x/mean"] == [3, 4]
     allv = np.concatenate([rank_data(r, 2) for r in range(3)])
     assert res["x/mean"] == pytest.approx(allv.mean(), rel=1e-12)
     ray.get([a.set_world_size.remote(3) for a in ranks[:3]])
@@ -384,7 +384,7 @@ def test_bad_submissions_are_refused_at_the_client_and_others_complete(name):
 def test_a_malformed_message_is_refused_and_the_actor_keeps_serving(name):
     worker = rlmetrics.get_metric_worker(name=name)
     reply = ray.get(worker.send.remote("evil", ("not", "a", "message")))
-    assert "malformed" in next(iter(reply["errors"].values()))
+    assert "malformed" in next(iter(reply.errors.values()))
     client = rlmetrics.MetricClient(worker)
     client.submit_metric({"a": 1.0}, 1)
     client.wait_submit()

@@ -86,7 +86,7 @@ def run(node_ids, hierarchy, read="result", stall=0.0):
 
 def check_step(res, s):
     allv = np.concatenate([rank_data(r, s) for r in range(RANKS)])
-    assert res.step == s and res.meta["complete"], (res.step, res.meta)
+    assert res.step == s and res.meta.complete, (res.step, res.meta)
     assert res["x/mean"] == pytest.approx(allv.mean(), rel=1e-12)
     assert res["x/std"] == pytest.approx(allv.std(), rel=1e-12)
     assert res["x/max"] == allv.max() and res["n/total"] == RANKS

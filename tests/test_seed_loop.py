@@ -87,7 +87,7 @@ def expected(step: int, world: int) -> dict[str, float]:
 
 def check_step(res, step: int, world: int) -> None:
     assert res.step == step, f"read step {res.step} after the ranks closed step {step}"
-    assert res.meta["complete"], res.meta
+    assert res.meta.complete, res.meta
     exp = expected(step, world)
     got = {k: res[k] for k in exp}
     assert got == pytest.approx(exp, rel=1e-6, abs=1e-6), step  # float32 tensors
@@ -204,7 +204,7 @@ def submit_ahead(new_rank, reader) -> None:
             c.wait_submit()
         res = reader.wait_final_res()
         want = {"own/mean": 0.5 + step} | ({"ahead/mean": 10.5} if step == 1 else {})
-        assert res.step == step and res.meta["complete"] and dict(res) == want, (step, res, res.meta)
+        assert res.step == step and res.meta.complete and dict(res) == want, (step, res, res.meta)
 
 
 def read_ahead(new_rank, reader) -> None:
@@ -217,13 +217,13 @@ def read_ahead(new_rank, reader) -> None:
     assert reader.result(0, timeout=30) == {"own/mean": 0.5}
     with pytest.warns(RuntimeWarning, match="step 4 is partial"):
         early = reader.result(4, timeout=0.3)
-    assert early.step == 4 and not early.meta["complete"]
+    assert early.step == 4 and not early.meta.complete
     for step in (1, 2, 3):
         for r, c in enumerate(ranks):
             c.submit_metric({"own/mean": [float(r + step)]}, 2)
             c.wait_submit()
         res = reader.result(step, timeout=30)
-        assert res.step == step and res.meta["complete"] and dict(res) == {"own/mean": 0.5 + step}, res.meta
+        assert res.step == step and res.meta.complete and dict(res) == {"own/mean": 0.5 + step}, res.meta
 
 
 @pytest.mark.parametrize("scenario", [submit_ahead, read_ahead])
@@ -250,7 +250,7 @@ def test_a_lagging_reader_is_warned_that_a_result_is_no_longer_kept():
     assert dict(reader.result(5)) == {"x": 5.0}  # finalized when complete, read or not
     with pytest.warns(RuntimeWarning, match="step 1 is no longer kept"):
         lost = reader.result(1)
-    assert lost == {} and lost.meta["evicted"]
+    assert lost == {} and lost.meta.evicted
 
 
 # ----------------------------------------------------------------------------------------------- torch

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from rlmetrics import LocalMetricWorker, MetricClient
-from rlmetrics.aggregator import Aggregator, pack
+from rlmetrics.aggregator import Aggregator
+from rlmetrics.packing import pack
 
 
 def engine_counts(engine: Aggregator) -> tuple[int, int, int]:
@@ -90,9 +91,7 @@ def test_a_dead_rank_does_not_keep_steps_forever():
         assert len(engine.pending_steps()) <= 8
     assert engine.pending_steps() == list(range(42, 50))
     stale = engine.result(41)
-    assert (
-        stale.meta["stale"] and not stale.meta["complete"] and stale.meta["missing_metrics"] == {"x": [1, 2]}
-    )
+    assert stale.meta.stale and not stale.meta.complete and stale.meta.missing_metrics == {"x": [1, 2]}
 
 
 def test_reading_a_step_ahead_finalizes_that_step_alone():

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlmetrics import StepResult
+from rlmetrics import StepMeta, StepResult
 from rlmetrics.sinks import (
     SINKS,
     ConsoleSink,
@@ -138,7 +138,7 @@ def test_console_sink_every_max_rows_markup_and_partial_steps():
     sink = ConsoleSink(every=2, file=out, max_rows=2)
     for step in range(5):
         sink.log({"[bold]x[/bold]": 1.0, "a/b": 2.0, "a/c": 3.0, "z": 4.0}, step)
-    sink.log(StepResult({"a": 1.0}, 6, {"complete": False, "missing_ranks": ["rank1"]}), 6)
+    sink.log(StepResult({"a": 1.0}, 6, StepMeta(complete=False, missing_ranks=["rank1"])), 6)
     sink.close()
     text = printed(out)
     assert re.findall(r"step \d+", text) == ["step 0", "step 2", "step 4", "step 6"]

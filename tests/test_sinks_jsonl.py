@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from rlmetrics import StepResult
+from rlmetrics import StepMeta, StepResult
 from rlmetrics.sinks import JsonlSink, read_jsonl
 
 NAMES = ["critic/score/mean", "val-core/math/acc/mean@4", "perf/throughput", "pass@k"]
@@ -54,24 +54,22 @@ def test_non_finite_values_and_missing_metrics(tmp_path):
 
 
 def test_meta_of_a_partial_step_is_json_safe(tmp_path):
-    meta = {
-        "complete": False,
-        "missing_ranks": ("rank3",),
-        "missing_metrics": {"critic/score/mean": [3, 4]},
-        "ids": {2, 1},
-        "n": np.int64(7),
-        "obj": object(),
-    }
+    meta = StepMeta(
+        complete=False,
+        missing_ranks=("rank3",),
+        missing_metrics={"critic/score/mean": [3, 4]},
+        contributors=[{2, 1}, np.int64(7), object()],
+    )
     with JsonlSink(tmp_path / "m.jsonl") as sink:
         sink.log(StepResult({"a": 1.0}, 4, meta), 4)
-        sink.log(StepResult({"a": 2.0}, 5, {}), 5)  # empty meta: no key
-        sink.log(StepResult({"a": 3.0}, 6, {"complete": True, "contributors": ["rank0"]}), 6)
+        sink.log(StepResult({"a": 2.0}, 5), 5)  # a complete step: no key
+        sink.log(StepResult({"a": 3.0}, 6, StepMeta(contributors=["rank0"])), 6)
     first, second, third = read_jsonl(tmp_path / "m.jsonl").records
     assert first["meta"]["complete"] is False
     assert first["meta"]["missing_ranks"] == ["rank3"]
     assert first["meta"]["missing_metrics"] == {"critic/score/mean": [3, 4]}
-    assert first["meta"]["ids"] == [1, 2] and first["meta"]["n"] == 7
-    assert first["meta"]["obj"].startswith("<object object")
+    ids, n, obj = first["meta"]["contributors"]
+    assert ids == [1, 2] and n == 7 and obj.startswith("<object object")
     assert "meta" not in second and "meta" not in third  # a complete step: nothing to say
 
 

@@ -115,7 +115,7 @@ def _main_scenario(rank: int, exchange: str) -> dict:
         client.wait_submit()
         res = client.result(step)
         out["results"][step] = res
-        out["relayout"][step] = res.meta["relayout"]
+        out["relayout"][step] = res.meta.relayout
         out["bytes"][step] = client.transport.bytes_last_step
         out["collectives"][step] = client.transport.collectives_last_step
     out["final"] = client.wait_final_res()
@@ -319,7 +319,7 @@ def test_every_rank_gets_numpy_on_the_concatenated_data(ranks, step, exchange):
         bad = {k: (got[k], exp[k]) for k in exp if not same(got[k], exp[k], tolerance.get(k, 1e-13))}
         assert not bad, (r, bad)
         meta = ranks[r]["main"][exchange]["results"][step].meta
-        assert meta["complete"] and meta["exchange"] == ("gather" if exchange == "auto" else exchange)
+        assert meta.complete and meta.exchange == ("gather" if exchange == "auto" else exchange)
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)
@@ -386,7 +386,7 @@ def test_reads_of_collected_steps(ranks):
     assert main["final"].step == STEPS - 1 and dict(main["final"]) == dict(main["results"][STEPS - 1])
     assert dict(main["again"]) == dict(main["results"][2])
     assert "not collected yet" in main["future"]
-    assert main["future_timeout"]["complete"] is False
+    assert main["future_timeout"].complete is False
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)
@@ -417,14 +417,14 @@ def test_result_on_rank_zero_only(ranks):
     assert dict(ranks[0]["result_on"]["result"]) == {"r/mean": 1.5, "r/max": 3.0}
     for r in range(1, WORLD):
         res = ranks[r]["result_on"]["result"]
-        assert dict(res) == {} and res.meta["result_on"] == 0 and res.step == 0
+        assert dict(res) == {} and res.meta.result_on == 0 and res.step == 0
         assert dict(ranks[r]["result_on"]["final"]) == {}
 
 
 def test_misuse_raises_where_it_happened_and_never_hangs(ranks):
     for r in range(WORLD):
         fail = ranks[r]["failure"]
-        assert dict(fail["empty"]) == {} and fail["empty"].meta["complete"]
+        assert dict(fail["empty"]) == {} and fail["empty"].meta.complete
         assert ("late" in fail) == (r == 0)
         assert dict(fail["after_late"]) == {"ok/mean": 1.5}
         assert "different steps" in fail["mismatch"]

@@ -76,7 +76,7 @@ def run(name: str, mode: str, order: list[int], samples: list) -> dict:
         res = rlmetrics.connect("local", name=name).result(0, timeout=10)
     finally:
         local.drop_worker(name)
-    assert res.meta["complete"], res.meta
+    assert res.meta.complete, res.meta
     return dict(res)
 
 

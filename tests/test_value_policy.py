@@ -14,12 +14,13 @@ import pytest
 import torch
 
 import rlmetrics
-from rlmetrics.aggregator import Aggregator, pack
+from rlmetrics.aggregator import Aggregator
 from rlmetrics.backends import local
 from rlmetrics.metrics.analysis import compute_custom_training_metrics, compute_custom_training_stats
 from rlmetrics.metrics.data import compute_data_metric, compute_data_stats
 from rlmetrics.metrics.timing import compute_timing_stats
 from rlmetrics.metrics.validation import encode_samples, process_validation_metrics
+from rlmetrics.packing import pack
 from rlmetrics.stat import MetricValueError, Stat
 
 NAN = math.nan
@@ -179,7 +180,7 @@ def test_a_client_call_keeps_its_valid_names_when_some_are_refused(request):
         res = client.result(0, timeout=10)
     finally:
         local.drop_worker(request.node.name)
-    assert dict(res) == {"actor/pg_loss": 1.0, "ok": 2.0} and res.meta["complete"]
+    assert dict(res) == {"actor/pg_loss": 1.0, "ok": 2.0} and res.meta.complete
 
 
 # --------------------------------------------------------------------------- built-in computations

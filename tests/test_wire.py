@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from rlmetrics.aggregator import SubmissionError
+from rlmetrics.messages import SubmissionError
 from rlmetrics.wire import _float_bytes, _floats
 
 doubles = hnp.arrays(np.float64, st.integers(0, 700), elements=st.floats(width=64))

@@ -6,9 +6,11 @@
 (2.0, 'max')
 """
 
-from rlmetrics.aggregator import Aggregator, StepResult, SubmissionError, pack
+from rlmetrics.aggregator import Aggregator
 from rlmetrics.backends import MetricClient, connect
 from rlmetrics.backends.local import LocalMetricWorker
+from rlmetrics.messages import StepMeta, StepResult, SubmissionError
+from rlmetrics.packing import pack
 from rlmetrics.reduce import (
     COUNT,
     MAX,
@@ -51,6 +53,6 @@ __all__ = [
     "COUNT", "MAX", "MEAN", "MEDIAN", "MIN", "SPECIAL_METRICS", "STD", "SUM", "Aggregator",
     "LocalMetricWorker", "MaxMetric", "MeanMetric", "MedianMetric", "Metric", "MetricClient", "MetricFunc",
     "MetricValueError", "MetricWorker", "MinMetric", "PercentileMetric", "Reduction", "Sketch", "Stat",
-    "StepResult", "SubmissionError", "SumMetric", "connect", "get_metric_worker", "pack", "percentile",
-    "register_reduction", "resolve", "unregister_reduction",
+    "StepMeta", "StepResult", "SubmissionError", "SumMetric", "connect", "get_metric_worker", "pack",
+    "percentile", "register_reduction", "resolve", "unregister_reduction",
 ]  # fmt: skip

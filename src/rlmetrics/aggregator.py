@@ -15,6 +15,7 @@ Contributions with the same schema are stacked and merged as matrices (names are
 schema, never per value). ``(client_id, step, seq)`` is merged once, so retries are harmless. The
 engine is not thread-safe and never waits; backends add locking and waiting around it.
 
+>>> from rlmetrics.packing import pack
 >>> agg = Aggregator()
 >>> for rank, values in enumerate([[1.0, 2.0], [3.0, 4.0, 5.0]]):
 ...     metrics = {"critic/score/mean": values, "critic/score/max": values}
@@ -28,250 +29,25 @@ True
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import numbers
-import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
+from rlmetrics.messages import PartlyMergedError, RefusedNamesError, StepMeta, StepResult, SubmissionError
 from rlmetrics.metrics import AUX_PREFIX, derive_metrics, validation_metrics
-from rlmetrics.reduce import DEFAULT_RENAMES, MEAN, STD, Reduction, parse_reduction, rename, resolve
+from rlmetrics.packing import MAX_WORLD_SIZE, Packed, Schema
+from rlmetrics.reduce import DEFAULT_RENAMES, Reduction, parse_reduction, rename
 from rlmetrics.sketch import Sketch
-from rlmetrics.stat import (
-    MetricValueError,
-    Stat,
-    empty_arrays,
-    merge_arrays,
-    reduce_parts,
-    scalar_value,
-    stats_of_rows,
-)
+from rlmetrics.stat import Stat, empty_arrays, merge_arrays, reduce_parts, stats_of_rows
 
 logger = logging.getLogger(__name__)
 
 _BLOCK = 1 << 21  # floats stacked per schema and step before they are folded into one stat array
-MAX_WORLD_SIZE = 1 << 32
-"""Largest ``world_size`` (and node contribution count): the engine counts contributions in int64."""
-
-
-class SubmissionError(ValueError):
-    """A contribution the engine refuses; the message says which and why. Nothing of it was merged."""
-
-
-class RefusedNamesError(SubmissionError):
-    """Some names of a contribution were refused (the message says which and why); the rest of it
-    was merged."""
-
-
-class PartlyMergedError(SubmissionError):
-    """A pre-merged contribution some of whose submissions were merged before (a client resent them
-    on its own): the senders must resend theirs one by one, each merged once."""
-
-
-# ----------------------------------------------------------------------------------------- packing
-@dataclass(frozen=True)
-class Schema:
-    """Metric names of a contribution and the reduction spec of each; ``id`` is a content hash."""
-
-    names: tuple[str, ...]
-    reductions: tuple[str, ...]
-    id: bytes = field(default=b"", compare=False)
-    needs_sketch: bool = field(default=False, compare=False)
-
-    @classmethod
-    def of(cls, names: tuple[str, ...], reductions: tuple[str, ...]) -> Schema:
-        h = hashlib.blake2b(digest_size=16)
-        for n, r in zip(names, reductions):
-            b = n.encode("utf-8", "surrogatepass")  # length-prefixed: a name may contain NUL bytes
-            h.update(len(b).to_bytes(8, "little") + b + b"\0" + r.encode() + b"\0")
-        return cls(names, reductions, h.digest(), any(parse_reduction(r).needs_sketch for r in reductions))
-
-
-@dataclass
-class Packed:
-    """One contribution's numbers, in schema order: ``stats`` is a ``(5, M)`` stat array, or a
-    1-D array of ``M`` values when every metric is a single observation (the common case of
-    scalar metrics: one float per metric on the wire); sketches by column."""
-
-    schema: Schema
-    stats: np.ndarray
-    sketches: dict[int, Sketch] = field(default_factory=dict)
-    contributions: int = 1  # > 1: several ranks' contributions merged beforehand (a node aggregator)
-    records: list = field(default_factory=list)  # (rank key, validation sample record) pairs
-
-
-def _to_stat(name: str, value: Any, needs_sketch: bool, nan_strategy: str) -> Stat:
-    if isinstance(value, Stat):
-        if needs_sketch and value.sketch is None:
-            raise MetricValueError(
-                f"metric {name!r}: its reduction reads quantiles; "
-                "build the Stat with Stat.of(..., sketch=True)"
-            )
-        if nan_strategy == "propagate" or value.finite:
-            return value
-        if nan_strategy == "error":
-            raise MetricValueError(
-                f"metric {name!r}: the Stat summarizes non-finite values (nan_strategy='error')"
-            )
-        return Stat(sketch=None if value.sketch is None else Sketch())  # "drop": its values are not separable
-    if isinstance(value, tuple):
-        if len(value) != 2:
-            raise MetricValueError(
-                f"metric {name!r}: a tuple must be (value, weight); use a list for many observations"
-            )
-        return Stat.of(value[0], weight=value[1], sketch=needs_sketch, nan_strategy=nan_strategy, name=name)
-    if isinstance(value, (dict, set, str, bytes)) or value is None:
-        raise MetricValueError(
-            f"metric {name!r}: expected a number, list, array, tensor or Stat, got {value!r:.80}"
-        )
-    return Stat.of(value, sketch=needs_sketch, nan_strategy=nan_strategy, name=name)
-
-
-def pack(
-    metrics: Mapping[str, Any],
-    nan_strategy: str = "propagate",
-    schemas: dict | None = None,
-    errors: dict[str, str] | None = None,
-    overrides: Mapping[str, Reduction] | None = None,
-) -> Packed:
-    """Summarize a ``{name: value}`` dict into a :class:`Packed` contribution.
-
-    Values: numbers, lists, numpy arrays, torch tensors, :class:`Stat` or ``(value, weight)``.
-    A bad value is left out; its message goes to ``errors`` (by name) when given, else the first
-    one is raised as :class:`MetricValueError`. ``schemas`` caches schemas across calls.
-    ``overrides``: names whose reduction is not the one :func:`~rlmetrics.reduce.resolve` gives
-    (a client's naming profile).
-
-    >>> p = pack({"a/mean": 2.0, "b/max": [1.0, 7.0]})
-    >>> p.schema.names, p.schema.reductions, p.stats[4].tolist()
-    (('a/mean', 'b/max'), ('mean', 'max'), [2.0, 7.0])
-    """
-    if schemas is not None:
-        fast = _pack_scalars(metrics, nan_strategy, schemas)
-        if fast is not None:
-            return fast
-    names: list[str] = []
-    reductions: list[str] = []
-    columns: list[np.ndarray | float] = []  # a float: one observation
-    sketches: dict[int, Sketch] = {}
-    failed: dict[str, str] = {}
-    std_numbers: list[str] = []
-    dropped: list[str] = []
-
-    def reduction_of(name: str) -> Reduction:
-        return overrides[name] if overrides and name in overrides else resolve(name)
-
-    tensors = Stat.of_tensors(metrics, lambda n: reduction_of(n).needs_sketch, nan_strategy)  # one host copy
-    for name, value in metrics.items():
-        try:
-            if not isinstance(name, str) or not name:
-                raise MetricValueError(f"metric name must be a non-empty str, got {name!r:.80}")
-            reduction = reduction_of(name)
-            stat = tensors.get(name)  # a tensor, already summarized
-            v = None if reduction.needs_sketch or stat is not None else scalar_value(value, name)
-            one = v is not None or (stat is not None and not isinstance(value, tuple) and value.dim() == 0)
-            if one and reduction is STD:  # a rank's own std, not an observation: average, as siiRL
-                reduction = MEAN
-                std_numbers.append(name)
-            if v is not None and (nan_strategy == "propagate" or math.isfinite(v)):
-                columns.append(v)
-            else:
-                if stat is None:
-                    stat = _to_stat(name, value if v is None else v, reduction.needs_sketch, nan_strategy)
-                    if isinstance(value, Stat) and stat is not value:
-                        dropped.append(name)
-                if isinstance(stat, MetricValueError):
-                    raise stat
-                if stat.sketch is not None and reduction.needs_sketch:
-                    sketches[len(names)] = stat.sketch
-                columns.append(stat.to_array())
-        except Exception as exc:  # whatever a value raises, it refuses that name only
-            key = name if isinstance(name, str) else repr(name)
-            failed[key] = str(exc)
-            if not isinstance(exc, MetricValueError):
-                failed[key] = (
-                    f"metric {key!r}: cannot summarize {type(value).__name__} ({type(exc).__name__}: {exc})"
-                )
-            continue
-        names.append(name)
-        reductions.append(reduction.name)
-    if dropped:
-        warnings.warn(
-            f"{len(dropped)} metric(s) {dropped[:3]}: a Stat summarizing non-finite values is dropped "
-            "whole under nan_strategy='drop'; build it with Stat.of(..., nan_strategy='drop') to keep its "
-            "finite values",
-            stacklevel=2,
-        )
-    if std_numbers:
-        warnings.warn(
-            f"{len(std_numbers)} metric(s) {std_numbers[:3]}: a number under a std name is taken as one "
-            "rank's std and averaged over ranks (siiRL's result); submit the data or a Stat for the exact "
-            "pooled std",
-            stacklevel=2,
-        )
-    if failed and errors is None:
-        raise MetricValueError(next(iter(failed.values())))
-    if errors is not None:
-        errors.update(failed)
-    if all(isinstance(c, float) for c in columns):
-        stats = np.array(columns, dtype=np.float64)
-    else:
-        stats = np.empty((5, len(names)))
-        for i, col in enumerate(columns):
-            stats[:, i] = (1.0, col, 0.0, col, col) if isinstance(col, float) else col
-    key = (tuple(names), tuple(reductions))
-    schema = schemas.get(key) if schemas is not None else None
-    if schema is None:
-        schema = Schema.of(*key)
-        if schemas is not None:
-            schemas[key] = schema
-    if schemas is not None and stats.ndim == 1:
-        schemas[key[0]] = schema  # names alone: the key of the all-numbers fast path
-    return Packed(schema, stats, sketches)
-
-
-_FAST_TYPES = frozenset({float, int, np.float64, np.float32, np.int64, np.int32})
-
-
-def _pack_scalars(metrics: Mapping[str, Any], nan_strategy: str, schemas: dict) -> Packed | None:
-    """The steady-state path: names seen before with plain numbers become one vector (or None)."""
-    schema = schemas.get(tuple(metrics))
-    if schema is None or schema.needs_sketch:
-        return None
-    values = metrics.values()
-    if not set(map(type, values)) <= _FAST_TYPES:
-        return None
-    try:
-        stats = np.fromiter(values, np.float64, len(metrics))
-    except OverflowError:  # an int beyond float64: pack refuses that name alone
-        return None
-    if nan_strategy != "propagate" and not np.isfinite(stats).all():
-        return None
-    return Packed(schema, stats)
-
-
-# ------------------------------------------------------------------------------------------ results
-class StepResult(dict):
-    """``{name: value}`` of one step, with ``step`` and ``meta``.
-
-    ``meta``: ``complete`` (bool), ``missing_ranks`` (registered clients that did not close the
-    step), ``missing_metrics`` (``{name: [received, expected]}``), ``empty`` (names with no
-    observation, left out of the values), ``contributors`` (clients that submitted).
-    """
-
-    def __init__(self, values: Mapping[str, float], step: int, meta: dict) -> None:
-        super().__init__(values)
-        self.step = step
-        self.meta = meta
-
-    def __reduce__(self):  # keep step and meta across pickling (Ray)
-        return (StepResult, (dict(self), self.step, self.meta))
 
 
 class _Group:
@@ -384,7 +160,7 @@ class Aggregator:
     ``forget_after``: schemas not submitted for this many steps are dropped, and names no kept
     schema uses with them (a name that comes back is learned again).
     ``max_pending``: at most this many steps are pending; beyond, the oldest is finalized partial
-    (``meta["stale"]``, with a warning), so a step whose rank died does not stay forever.
+    (``meta.stale``, with a warning), so a step whose rank died does not stay forever.
     """
 
     def __init__(
@@ -554,6 +330,7 @@ class Aggregator:
         pairs) of one step, as a process pre-merges its clients'. All of them are new, or all were
         merged before (False); a mix is refused.
 
+        >>> from rlmetrics.packing import pack
         >>> engine = Aggregator()
         >>> rows = stats_of_rows(np.array([[1.0], [3.0]]))  # two clients' values, pre-merged
         >>> both = Packed(pack({"r/mean": 1.0}).schema, rows, contributions=2)
@@ -590,6 +367,9 @@ class Aggregator:
             raise SubmissionError(f"contributions must be a positive int, got {packed.contributions!r}")
         if self.is_finalized(step):
             self.late += 1
+            kept = self._results.get(step)
+            if kept is not None:
+                kept.meta.late += 1
             logger.warning("step %d is finalized; dropped a late contribution of %s", step, keys[0][0])
             return False
         known = self._columns(packed.schema, step)
@@ -647,7 +427,7 @@ class Aggregator:
             while len(self._steps) > self.max_pending:
                 oldest = min(s for s in self._steps if s != step)
                 logger.warning("step %d finalized partial: %d newer steps pending", oldest, self.max_pending)
-                self.finalize(oldest).meta["stale"] = True
+                self.finalize(oldest).meta.stale = True
         return st
 
     def register(self, client_id: str) -> None:
@@ -698,29 +478,26 @@ class Aggregator:
     def finalize(self, step: int) -> StepResult:
         """The step's result (partial when incomplete, with a warning); frees the step's state.
 
-        A step finalized before returns its kept result, or an empty one with ``meta["evicted"]``
+        A step finalized before returns its kept result, or an empty one with ``meta.evicted``
         when it is no longer kept (more than ``keep_results`` newer results).
         """
         if self.is_finalized(step):
             kept = self._results.get(step)
             if kept is not None:
                 return kept
-            return StepResult(
-                {}, step, {"complete": False, "evicted": True, "keep_results": self.keep_results}
-            )
+            return StepResult({}, step, StepMeta(complete=False, evicted=True))
         missing_ranks, missing_metrics = self.missing(step)
         st = self._steps.pop(step, None)
         complete = st is not None and not missing_ranks and not missing_metrics
         values, empty = self._values(st) if st is not None and st.groups else ({}, [])  # closed, no data
-        meta = {
-            "complete": complete,
-            "missing_ranks": missing_ranks,
-            "missing_metrics": missing_metrics,
-            "empty": empty,
-            "contributors": sorted(st.contributors) if st is not None else [],
-        }
-        if st is not None and st.refused:
-            meta["refused"] = dict(st.refused)
+        meta = StepMeta(
+            complete=complete,
+            missing_ranks=missing_ranks,
+            missing_metrics=missing_metrics,
+            empty=empty,
+            contributors=sorted(st.contributors) if st is not None else [],
+            refused=dict(st.refused) if st is not None else {},
+        )
         if not complete:
             # A rank missing at a deadline is not waited for again until it submits again.
             self.clients.difference_update(missing_ranks)
@@ -856,6 +633,7 @@ class Aggregator:
         finalized steps, and the newest ``results`` results — a restart between finalizing a step
         and the reply reaching its reader leaves the step finalized, and the retried read finds it.
 
+        >>> from rlmetrics.packing import pack
         >>> engine = Aggregator()
         >>> engine.submit("a", 0, 0, 1, pack({"x": 2.0}))  # merged: True
         True
@@ -872,7 +650,7 @@ class Aggregator:
             "finalized": sorted(self._finalized),
             "newest_closed": self.newest_closed,
             "newest_final": self._newest_final,
-            "results": [[step, dict(res), res.meta] for step, res in newest],
+            "results": [[step, dict(res), res.meta.to_dict()] for step, res in newest],
         }
 
     def restore_state(self, state: Mapping) -> None:
@@ -883,7 +661,7 @@ class Aggregator:
         self.newest_closed = state.get("newest_closed")
         self._newest_final = int(state.get("newest_final", self._done_below - 1))
         for step, values, meta in state.get("results", ()):
-            self._results[int(step)] = StepResult(values, int(step), meta)
+            self._results[int(step)] = StepResult(values, int(step), StepMeta.from_dict(meta))
 
     def result(self, step: int) -> StepResult | None:
         """A kept finalized result, or None."""

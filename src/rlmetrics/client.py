@@ -24,7 +24,8 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
-from rlmetrics.aggregator import MAX_WORLD_SIZE, Packed, StepResult, pack
+from rlmetrics.messages import StepResult
+from rlmetrics.packing import MAX_WORLD_SIZE, Packed, pack
 from rlmetrics.server import Submission
 from rlmetrics.stat import NAN_STRATEGIES, MetricValueError
 
@@ -232,25 +233,25 @@ class ClientCore:
                     reply = self.transport.send(self.client_id, items, sorted(self._closed), resync=True)
                 except AggregatorRestarted:
                     continue
-                self._incarnation = reply["incarnation"]
+                self._incarnation = reply.incarnation
                 self._handle(reply)
                 return
             raise ConnectionError(f"aggregator restarted {self.max_restarts_per_call} times during a resend")
 
     def _handle(self, reply: dict) -> None:
-        incarnation = reply["incarnation"]
+        incarnation = reply.incarnation
         if self._incarnation is not None and incarnation != self._incarnation:
             self._incarnation = incarnation
             self.resync()
             return
         self._incarnation = incarnation
-        done_below, finalized = reply["done_below"], set(reply["finalized"])
-        self.finalized_state = (done_below, reply["finalized"])
+        done_below, finalized = reply.done_below, set(reply.finalized)
+        self.finalized_state = (done_below, reply.finalized)
         for step in [s for s in self._kept if s < done_below or s in finalized]:
             del self._kept[step]
         self._closed = {s for s in self._closed if s >= done_below and s not in finalized}
-        if reply["errors"]:
-            raise MetricValueError("; ".join(reply["errors"].values()))
+        if reply.errors:
+            raise MetricValueError("; ".join(reply.errors.values()))
 
     def flush(self) -> None:
         """Send what is queued and wait until the aggregator has everything this client sent."""
@@ -309,17 +310,17 @@ class ClientCore:
     def _checked(self, res: StepResult) -> StepResult:
         """Warn once per partial result, and once per metric name that turned non-finite."""
         meta = res.meta
-        if meta.get("evicted"):
+        if meta.evicted:
             warnings.warn(
-                f"rlmetrics: step {res.step} is no longer kept (keep_results={meta.get('keep_results')} "
-                "newer results were); its values are lost to this read",
+                f"rlmetrics: step {res.step} is no longer kept (more than keep_results newer results "
+                "were finalized); its values are lost to this read",
                 RuntimeWarning,
                 stacklevel=3,
             )
-        elif not meta.get("complete", True):
-            missing = meta["missing_metrics"]
+        elif not meta.complete:
+            missing = meta.missing_metrics
             warnings.warn(
-                f"rlmetrics: step {res.step} is partial: missing ranks {meta['missing_ranks']}, "
+                f"rlmetrics: step {res.step} is partial: missing ranks {meta.missing_ranks}, "
                 f"{len(missing)} incomplete metric(s) {list(missing)[:5]}",
                 RuntimeWarning,
                 stacklevel=3,

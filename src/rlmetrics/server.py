@@ -14,7 +14,7 @@ and when a read may return. Backends add only locking and waiting (a thread cond
 - A restarted incarnation (Ray) knows the registered clients from its saved state and waits, at most
   ``recovery_timeout`` seconds, until each of them resent what it keeps.
 
->>> from rlmetrics.aggregator import pack
+>>> from rlmetrics.packing import pack
 >>> server = Server()
 >>> for rank in ("rank0", "rank1"):
 ...     reply = server.receive(rank, [(0, 0, 2, pack({"loss": 1.0 if rank == "rank0" else 3.0}))], [0])
@@ -30,7 +30,9 @@ import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from rlmetrics.aggregator import Aggregator, Packed, StepResult, SubmissionError, pack
+from rlmetrics.aggregator import Aggregator
+from rlmetrics.messages import Reply, StepResult, SubmissionError
+from rlmetrics.packing import Packed, pack
 
 Submission = tuple[int, int, int, Packed]  # (step, seq, world_size, packed)
 
@@ -79,7 +81,7 @@ class Server:
     # --------------------------------------------------------------------------------- intake
     def receive(
         self, client_id: str, items: list[Submission], close: list[int], resync: bool = False
-    ) -> dict:
+    ) -> Reply:
         """Merge one client's message (:meth:`merge`) and build its reply."""
         errors = self.merge(client_id, items, close, resync)
         self.finalize_complete(_steps_of(items, close))
@@ -102,7 +104,7 @@ class Server:
             if engine.has_closed_data(step) and engine.is_complete(step):
                 engine.finalize(step)
 
-    def reply(self, errors: dict[str, str]) -> dict:
+    def reply(self, errors: dict[str, str]) -> Reply:
         return make_reply(self.engine, errors, self.incarnation)
 
     def submit_direct(self, metrics: Mapping[str, Any], world_size: int, step: int | None = None) -> None:
@@ -151,9 +153,7 @@ class Server:
 
     def final(self, target: int | None) -> StepResult:
         if target is None:
-            return StepResult(
-                {}, -1, {"complete": True, "missing_ranks": [], "missing_metrics": {}, "empty": []}
-            )
+            return StepResult({}, -1)
         return self.engine.finalize(target)
 
     def stats(self) -> dict:
@@ -182,11 +182,11 @@ def merge_items(
     return errors
 
 
-def make_reply(engine: Aggregator, errors: dict[str, str], incarnation: str) -> dict:
+def make_reply(engine: Aggregator, errors: dict[str, str], incarnation: str) -> Reply:
     """The reply to a send: errors, and what the client may stop keeping (steps below
     ``done_below`` and those in ``finalized`` are finalized)."""
     done_below, finalized = engine.finalized_state()
-    return {"errors": errors, "incarnation": incarnation, "done_below": done_below, "finalized": finalized}
+    return Reply(errors, incarnation, done_below, finalized)
 
 
 def _steps_of(items: list[Submission], close: list[int]) -> set[int]:

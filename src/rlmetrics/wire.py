@@ -20,7 +20,7 @@ share: random doubles still shrink by ~1/7); packing is used when it saves at le
 The receiver keeps a :class:`SchemaTable`; an item whose schema it lacks (say, after a restart) is
 reported back by id, and the sender repeats it with the names.
 
->>> from rlmetrics.aggregator import pack
+>>> from rlmetrics.packing import pack
 >>> p = pack({"a/mean": 1.0, "b/max": 2.0})
 >>> msg = encode([(0, 0, 2, p)], [0], send_names=True)
 >>> table = SchemaTable()
@@ -38,7 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from rlmetrics.aggregator import Packed, Schema, SubmissionError
+from rlmetrics.messages import SubmissionError
+from rlmetrics.packing import Packed, Schema
 from rlmetrics.sketch import Sketch
 
 VERSION = 2

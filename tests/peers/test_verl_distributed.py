@@ -143,7 +143,7 @@ def check(result, batch, val_keys, outputs):
     assert_same({k: result[k] for k in outputs[0]}, verl_driver(outputs), 1e-12)
     assert set(result) == set(expected) | set(val_keys) | set(outputs[0])  # no auxiliary name left
     assert "timing_s/reshard" in result and not any(k.startswith("perf/delta_time") for k in result)
-    assert result.meta["complete"]
+    assert result.meta.complete
 
 
 def test_four_unequal_shards_on_local_threads_merge_to_verls_full_batch():
@@ -213,5 +213,5 @@ def test_names_without_data_verl_reports_nan_merged_results_leave_out():
     finally:
         rlmetrics.backends.local.drop_worker(name)
     nan_names = {k for k, v in theirs.items() if math.isnan(v)}
-    assert nan_names and not nan_names & set(result) and nan_names <= set(result.meta["empty"])
+    assert nan_names and not nan_names & set(result) and nan_names <= set(result.meta.empty)
     assert_same(result, {k: v for k, v in theirs.items() if k not in nan_names}, 1e-5)

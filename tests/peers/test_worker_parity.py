@@ -167,7 +167,7 @@ def test_ray_workers_agree_on_scalars_and_lists(siirl_worker, our_worker):
             client.submit_metric(sub, world)
             client.wait_submit()
         ours = our_clients[0].result(step, timeout=TIMEOUT)
-        assert ours.meta["complete"]
+        assert ours.meta.complete
         assert_close(dict(ours), theirs, REL)
         expected = {name: reduce_flat(kind, flat(subs, name)) for name, kind in PARITY_NAMES.items()}
         assert_close(dict(ours), expected, REL)
@@ -266,7 +266,7 @@ def test_unequal_batches_siirl_mean_of_means_we_weighted(siirl_worker, local_nam
         c.compute_local_data_metric(batch)
         c.wait_submit()
     ours = clients[0].result(0, timeout=TIMEOUT)
-    assert ours.meta["complete"]
+    assert ours.meta.complete
 
     per_rank = [compute_data_metric(b) for b in batches]
     whole = compute_data_metric({k: torch.cat([b[k] for b in batches]) for k in batches[0]})
@@ -334,10 +334,10 @@ def test_bad_value_poisons_siirl_rejected_alone_by_us(siirl_actors, our_worker):
         warnings.simplefilter("ignore", RuntimeWarning)  # step 0 is partial: "bad" has 1 of 2 values
         first = ranks[0].result(0, timeout=0.5)
     assert first["ok/mean"] == pytest.approx(1.5)
-    assert first.meta["missing_metrics"] == {"bad": [1, 2]}
+    assert first.meta.missing_metrics == {"bad": [1, 2]}
     for step in (1, 2):
         for r, sub in zip(ranks, good):
             r.submit_metric(sub, 2)
             r.wait_submit()
         res = ranks[0].result(step, timeout=TIMEOUT)
-        assert res.meta["complete"] and dict(res) == {"ok/mean": 2.0}
+        assert res.meta.complete and dict(res) == {"ok/mean": 2.0}

@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rlmetrics.aggregator import StepResult
 from rlmetrics.client import SyncTransport
+from rlmetrics.messages import Reply, StepResult
 from rlmetrics.server import Server, Submission
 
 _WORKERS: dict[str, LocalMetricWorker] = {}  # named in-process aggregators, like Ray's named actors
@@ -65,7 +65,7 @@ class LocalMetricWorker(SyncTransport):
             return self.server.final(target)
 
     # ----------------------------------------------------------------- transport for clients
-    def send(self, client_id: str, items: list[Submission], close: list[int], resync: bool = False) -> dict:
+    def send(self, client_id: str, items: list[Submission], close: list[int], resync: bool = False) -> Reply:
         with self._cond:
             reply = self.server.receive(client_id, items, close, resync)
             self._cond.notify_all()

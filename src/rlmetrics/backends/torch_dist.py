@@ -59,7 +59,7 @@ change only in the collective re-layout, so every rank's vectors have the same l
 collectives are not paired, a misuse, make the backend raise on a size mismatch). A rank without a
 name sends count 0 and
 neutral extremes, so the name is not reported as zero; a name no rank has in a step is left out of
-that step's values (listed in ``meta["empty"]``). NaN follows ``nan_strategy``; with
+that step's values (listed in ``meta.empty``). NaN follows ``nan_strategy``; with
 ``"propagate"`` a NaN reaches mean, std, min, max and quantiles. Validation sample records are
 gathered with one ``all_gather_object`` in the steps that have them.
 
@@ -80,8 +80,10 @@ from typing import Any
 
 import numpy as np
 
-from rlmetrics.aggregator import Aggregator, Packed, Schema, StepResult
+from rlmetrics.aggregator import Aggregator
 from rlmetrics.client import ClientCore, SyncTransport
+from rlmetrics.messages import Reply, StepMeta, StepResult
+from rlmetrics.packing import Packed, Schema
 from rlmetrics.reduce import parse_reduction
 from rlmetrics.server import Submission, make_reply, merge_items
 from rlmetrics.sketch import BucketWindow, Sketch
@@ -209,7 +211,7 @@ class TorchDistTransport(SyncTransport):
         self._cond = threading.Condition()
 
     # ------------------------------------------------------------------------- Transport protocol
-    def send(self, client_id: str, items: list[Submission], close: list[int], resync: bool = False) -> dict:
+    def send(self, client_id: str, items: list[Submission], close: list[int], resync: bool = False) -> Reply:
         """Merge this rank's submissions locally; ``close`` is ignored (steps close in the collective)."""
         with self._cond:
             late = [it for it in items if it[0] < self.next_step]
@@ -232,9 +234,7 @@ class TorchDistTransport(SyncTransport):
                     )
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return StepResult(
-                        {}, step, {"complete": False, "missing_ranks": [], "missing_metrics": {}, "empty": []}
-                    )
+                    return StepResult({}, step, StepMeta(complete=False))
                 self._cond.wait(left)
             return self._engine.finalize(step)
 
@@ -242,7 +242,7 @@ class TorchDistTransport(SyncTransport):
         """The newest collected step's result (no collective: any subset of ranks may call it)."""
         with self._cond:
             if self._last is None:
-                return StepResult({}, -1, {"complete": True, "missing_ranks": [], "missing_metrics": {}})
+                return StepResult({}, -1)
             return self._last
 
     def register(self, client_id: str) -> None:
@@ -284,12 +284,9 @@ class TorchDistTransport(SyncTransport):
             global_sketches = self._merge_sketches(lay, sketches, sums[1 : 1 + n_q], infos) if n_q else {}
             self._last_seen[total[0] > 0] = step
             res = self._finish(step, lay, total, global_sketches, records)
-            res.meta.update(
-                relayout=relayout,
-                ranks=self.world_size,
-                contributors=list(range(self.world_size)),
-                exchange=exchange_form(self.exchange, self.world_size, lay),
-            )
+            res.meta.relayout, res.meta.ranks = relayout, self.world_size
+            res.meta.contributors = list(range(self.world_size))
+            res.meta.exchange = exchange_form(self.exchange, self.world_size, lay)
             self._last = res
             self.next_step = step + 1
             self._cond.notify_all()
@@ -471,7 +468,7 @@ class TorchDistTransport(SyncTransport):
         self._engine.close("group", step)
         res = self._engine.finalize(step)
         if self.result_on is not None:
-            res.meta["result_on"] = self.result_on
+            res.meta.result_on = self.result_on
         return res
 
 
@@ -572,7 +569,7 @@ class TorchMetricClient(ClientCore):
 
     ``group``: the process group (None: the default group). ``result_on``: None (every rank gets
     the result) or a group rank (only that rank gets it; the others get an empty
-    :class:`~rlmetrics.aggregator.StepResult` with ``meta["result_on"]``, and skip the final
+    :class:`~rlmetrics.aggregator.StepResult` with ``meta.result_on``, and skip the final
     reduction work). ``renames``, ``keep_results``: as for the Aggregator; ``device``: where the
     collective vectors live (default ``cuda`` for NCCL, else ``cpu``); ``nan_strategy``, ``label``,
     ``rank``: client options (label defaults to ``rank{r}``, rank to the group rank).

@@ -96,9 +96,9 @@ class ConsoleSink(Sink):
         if step % self.every:
             return
         table = render_table(metrics, f"step {step}", self.max_rows)
-        meta = getattr(metrics, "meta", None) or {}
-        if meta.get("complete") is False:
-            table.caption = f"partial step: missing ranks {meta.get('missing_ranks')}"
+        meta = getattr(metrics, "meta", None)
+        if meta is not None and not meta.complete:
+            table.caption = f"partial step: missing ranks {meta.missing_ranks}"
         self.console.print(table)
 
     def close(self) -> None:

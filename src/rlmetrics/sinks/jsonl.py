@@ -215,8 +215,8 @@ class JsonlSink(Sink):
             )
         record: dict[str, Any] = {"step": step, "time": time.time(), "metrics": values}
         meta = getattr(metrics, "meta", None)
-        if meta and meta.get("complete") is not True:  # a partial step says what it lacks
-            record["meta"] = json_safe(meta)
+        if meta is not None and not meta.complete:  # a partial step says what it lacks
+            record["meta"] = json_safe(meta.to_dict())
         self._file.write(_dumps(record))
         self._file.flush()
         if self.fsync:

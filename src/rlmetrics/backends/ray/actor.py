@@ -21,9 +21,9 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from rlmetrics.aggregator import PartlyMergedError, StepResult, SubmissionError
 from rlmetrics.backends.ray import compat
 from rlmetrics.backends.ray.compat import ray
+from rlmetrics.messages import PartlyMergedError, Reply, StepResult, SubmissionError
 from rlmetrics.server import Server
 from rlmetrics.wire import SchemaTable, decode
 
@@ -147,7 +147,7 @@ class _MetricWorker:
         return await self.final(timeout)
 
     # ------------------------------------------------------------------------ client calls
-    async def send(self, client_id: str, msg: tuple) -> dict:
+    async def send(self, client_id: str, msg: tuple) -> Reply:
         """One client's message (:mod:`rlmetrics.wire`)."""
         self.calls["send"] += 1
         self.calls["messages"] += 1
@@ -156,14 +156,14 @@ class _MetricWorker:
             return self._reply(decoded)
         items, close, unknown = decoded
         if unknown:  # merge nothing (a close must not overtake its data): the client repeats with names
-            return {"unknown": unknown, "incarnation": self.incarnation}
+            return Reply({}, self.incarnation, unknown=unknown)
         await self._announce(close)
         errors = self.server.merge(client_id, items, close, msg[4])
         self.server.finalize_complete(_steps(items, close))
         self._changed_state()
         return self._reply(errors)
 
-    async def send_many(self, batch: list[tuple[str, tuple]], merged: tuple | None = None) -> list[dict]:
+    async def send_many(self, batch: list[tuple[str, tuple]], merged: tuple | None = None) -> list[Reply]:
         """Messages of several clients of one process, posted while its previous call was in flight.
 
         ``merged``: a message whose items each pre-merge submissions of several of those clients
@@ -171,7 +171,7 @@ class _MetricWorker:
         messages, whose closes may follow them. If any schema is unknown nothing is merged, and if
         an item was partly merged before (a client's resend after a restart overtook it) it is not:
         either way each client repeats its whole message on its own, where every submission merges
-        once (``{"unknown": ...}`` replies).
+        once (replies with ``unknown``).
         """
         self.calls["send_many"] += 1
         self.calls["messages"] += len(batch)
@@ -179,7 +179,7 @@ class _MetricWorker:
         pre = self._decode("merged", merged) if merged is not None else ([], [], [])
         unknown = [sid for d in (*decoded, pre) if isinstance(d, tuple) for sid in d[2]]
         if unknown:
-            return [{"unknown": unknown, "incarnation": self.incarnation}] * len(batch)
+            return [Reply({}, self.incarnation, unknown=unknown)] * len(batch)
         await self._announce([step for d in decoded if isinstance(d, tuple) for step in d[1]])
         clients = [client_id for client_id, _ in batch]
         resend = False
@@ -200,11 +200,11 @@ class _MetricWorker:
         self.server.finalize_complete(steps)
         self._changed_state()
         if resend:
-            return [{"unknown": [], "incarnation": self.incarnation}] * len(batch)
+            return [Reply({}, self.incarnation, unknown=[])] * len(batch)
         shared = self._reply({})  # one object for every client without errors: pickled once
         return [self._reply(errs) if errs else shared for errs in errors]
 
-    def _reply(self, errors: dict[str, str]) -> dict:
+    def _reply(self, errors: dict[str, str]) -> Reply:
         return self.server.reply(errors)
 
     async def _announce(self, close: list[int]) -> None:

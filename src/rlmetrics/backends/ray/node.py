@@ -9,10 +9,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from rlmetrics.aggregator import StepResult
 from rlmetrics.backends.ray import compat
 from rlmetrics.backends.ray.actor import _MetricWorker, keep
 from rlmetrics.backends.ray.compat import ray
+from rlmetrics.messages import Reply, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -103,9 +103,9 @@ class _NodeWorker(_MetricWorker):
         except Exception:  # the upstream client resends what it keeps once the root answers
             logger.exception("forwarding step %d upstream failed", step)
 
-    def _reply(self, errors: dict[str, str]) -> dict:
+    def _reply(self, errors: dict[str, str]) -> Reply:
         reply = super()._reply(errors)
-        reply["done_below"], reply["finalized"] = self.upstream.finalized_state
+        reply.done_below, reply.finalized = self.upstream.finalized_state
         return reply
 
     async def result(self, step: int, timeout: float | None = None) -> StepResult:

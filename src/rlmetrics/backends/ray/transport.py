@@ -12,10 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from rlmetrics.aggregator import Packed, StepResult
 from rlmetrics.backends.ray import compat
 from rlmetrics.backends.ray.compat import ray
 from rlmetrics.client import AggregatorRestarted
+from rlmetrics.messages import Reply, StepResult
+from rlmetrics.packing import Packed
 from rlmetrics.server import Submission
 from rlmetrics.stat import stats_of_rows
 from rlmetrics.wire import encode
@@ -63,20 +64,20 @@ class RayTransport:
 
     def _track(
         self, reply: dict, client_id: str, items: list[Submission], close: list[int], resync: bool
-    ) -> dict:
-        if "unknown" in reply:
+    ) -> Reply:
+        if reply.unknown is not None:
             reply = self.repeat(client_id, items, close, resync)
-        if reply["incarnation"] != self._incarnation:
+        if reply.incarnation != self._incarnation:
             self._known = {item[3].schema.id for item in items}
-            self._incarnation = reply["incarnation"]
+            self._incarnation = reply.incarnation
         return reply
 
-    def repeat(self, client_id: str, items: list[Submission], close: list[int], resync: bool) -> dict:
+    def repeat(self, client_id: str, items: list[Submission], close: list[int], resync: bool) -> Reply:
         """Send a message again on its own, with every schema's names: the answer to an "unknown"
         reply (the actor lost some schemas, or could not merge a pre-merged item)."""
         return self._call("send", client_id, encode(items, close, True, resync))
 
-    def send(self, client_id: str, items: list[Submission], close: list[int], resync: bool = False) -> dict:
+    def send(self, client_id: str, items: list[Submission], close: list[int], resync: bool = False) -> Reply:
         reply = self._call("send", client_id, self._encode(items, close, resync))
         return self._track(reply, client_id, items, close, resync)
 
@@ -182,7 +183,7 @@ class _Sender:
                     return
                 continue
             for (transport, client_id, items, close, future), reply in zip(batch, replies):
-                if "unknown" in reply:  # repeat now, not at the client's next call: a reader may wait for it
+                if reply.unknown is not None:  # repeat now, not at the client's next call: a reader waits
                     try:
                         reply = transport.repeat(client_id, items, close, False)
                     except (Exception, SystemExit) as exc:  # AggregatorRestarted: the client resends

@@ -1,0 +1,100 @@
+"""What the aggregator tells its callers, built here and nowhere else: a step's :class:`StepResult`
+with its :class:`StepMeta`, the :class:`Reply` to a client's message, and the errors of a refused
+contribution.
+
+>>> res = StepResult({"loss": 0.5}, 3, StepMeta(complete=False, missing_ranks=["rank2@host:1"]))
+>>> res["loss"], res.step, res.meta.complete, res.meta.missing_ranks
+(0.5, 3, False, ['rank2@host:1'])
+>>> res.meta.to_dict()  # only what differs from a complete step
+{'complete': False, 'missing_ranks': ['rank2@host:1']}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class StepMeta:
+    """What a result says about its step besides the values.
+
+    - ``complete``: every registered rank closed the step and every name has ``world_size``
+      contributions (else the step was finalized at a reader's deadline, or as ``stale``);
+    - ``missing_ranks``: registered clients that did not close the step;
+    - ``missing_metrics``: ``{name: [received, expected]}`` of the names short of contributions;
+    - ``empty``: names without an observation (left out of the values);
+    - ``contributors``: clients that submitted to the step;
+    - ``refused``: ``{name: why}`` of names the aggregator refused in the step;
+    - ``late``: contributions that arrived after the step was final (dropped), so far;
+    - ``evicted``: the result is no longer kept (more than ``keep_results`` newer ones), its values
+      are gone; ``stale``: finalized because more than ``max_pending`` newer steps were pending;
+    - torch.distributed only: ``ranks`` in the group, ``relayout`` (the ranks agreed on new names),
+      ``exchange`` (the form of the state exchange), ``result_on`` (the rank that has the values).
+    """
+
+    complete: bool = True
+    missing_ranks: list[str] = field(default_factory=list)
+    missing_metrics: dict[str, list[int]] = field(default_factory=dict)
+    empty: list[str] = field(default_factory=list)
+    contributors: list[Any] = field(default_factory=list)
+    refused: dict[str, str] = field(default_factory=dict)
+    late: int = 0
+    evicted: bool = False
+    stale: bool = False
+    ranks: int | None = None
+    relayout: bool = False
+    exchange: str | None = None
+    result_on: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields that differ from a complete step's defaults, JSON-ready (JSONL, saved state)."""
+        default = StepMeta()
+        return {k: v for k, v in asdict(self).items() if v != getattr(default, k)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> StepMeta:
+        """Inverse of :meth:`to_dict` (unknown keys are ignored)."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+class StepResult(dict):
+    """``{name: value}`` of one step, with ``step`` and ``meta`` (a :class:`StepMeta`)."""
+
+    def __init__(self, values: Mapping[str, float], step: int, meta: StepMeta | None = None) -> None:
+        super().__init__(values)
+        self.step = step
+        self.meta = StepMeta() if meta is None else meta
+
+    def __reduce__(self):  # keep step and meta across pickling (Ray)
+        return (StepResult, (dict(self), self.step, self.meta))
+
+
+@dataclass
+class Reply:
+    """The aggregator's answer to a client's message: ``errors`` about its data (by
+    ``client/step/seq``), the aggregator's ``incarnation``, and which steps are final (every step
+    below ``done_below`` and those in ``finalized``), so the client stops keeping them. ``unknown``
+    (a Ray actor): schema ids it lacks; nothing of the message was merged, send it again with names."""
+
+    errors: dict[str, str]
+    incarnation: str
+    done_below: int = 0
+    finalized: list[int] = field(default_factory=list)
+    unknown: list[bytes] | None = None
+
+
+class SubmissionError(ValueError):
+    """A contribution the engine refuses; the message says which and why. Nothing of it was merged."""
+
+
+class RefusedNamesError(SubmissionError):
+    """Some names of a contribution were refused (the message says which and why); the rest of it
+    was merged."""
+
+
+class PartlyMergedError(SubmissionError):
+    """A pre-merged contribution some of whose submissions were merged before (a client resent them
+    on its own): the senders must resend theirs one by one, each merged once."""
