@@ -669,6 +669,15 @@ class Aggregator:
             {self._names[c]: [int(received[c]), int(expected[c])] for c in short},
         )
 
+    def contributions(self, step: int) -> tuple[int, int]:
+        """Contributions received and expected in pending ``step``, summed over its names (a name
+        counts at most its expected number); ``(0, 0)`` for a step with no data."""
+        st = self._steps.get(step)
+        if st is None:
+            return 0, 0
+        received, expected = st.counts(len(self._names))
+        return int(np.minimum(received, expected).sum()), int(expected.sum())
+
     # -------------------------------------------------------------------------------- output
     def finalize(self, step: int) -> StepResult:
         """The step's result (partial when incomplete, with a warning); frees the step's state.
