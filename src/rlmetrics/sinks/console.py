@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 from rlmetrics.extras import require
+from rlmetrics.health import Alert
 from rlmetrics.sinks.names import Sink, as_floats, as_step
 
 
@@ -90,16 +91,22 @@ class ConsoleSink(Sink):
         self.every = every
         self.max_rows = max_rows
         self.console = require("rich.console", "console").Console(file=file)
+        self._text = require("rich.text", "console")
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         step = as_step(step)
-        if step % self.every:
+        if step % self.every or self.skips(step):
             return
         table = render_table(metrics, f"step {step}", self.max_rows)
         meta = getattr(metrics, "meta", None) or {}
         if meta.get("complete") is False:
             table.caption = f"partial step: missing ranks {meta.get('missing_ranks')}"
         self.console.print(table)
+
+    def alert(self, alert: Alert) -> None:
+        """One line per alert, whatever ``every`` is: ``error`` in red, ``warning`` in yellow."""
+        style = "bold red" if alert.level == "error" else "yellow"
+        self.console.print(self._text.Text(str(alert), style=style), soft_wrap=True)
 
     def close(self) -> None:
         self.console.file.flush()
