@@ -12,8 +12,8 @@ health alerts of those steps are not written twice. At ``--nan-step`` rank 1's g
 
 Run, kill, run again::
 
-    python examples/resumable_run.py runs/resumable --steps 40 & sleep 12; kill -9 $!
-    python examples/resumable_run.py runs/resumable --steps 40
+    python examples/resumable_run.py runs/resumable --steps 60 & sleep 10; kill -9 $!
+    python examples/resumable_run.py runs/resumable --steps 60
 
 Needs the ``trackers`` extra.
 """

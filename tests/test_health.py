@@ -4,9 +4,11 @@ options, the callback, and alerts written to the sinks by Tracking."""
 
 from __future__ import annotations
 
+import doctest
 import io
 import logging
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -335,3 +337,8 @@ def test_tracking_adds_coverage_and_late_to_step_results(tmp_path):
         {"a": 2.0},
     ]
     assert run.records[0]["meta"]["missing_ranks"] == ["r1"]  # the partial step still says what it lacks
+
+
+def test_docs_examples_print_what_they_show():
+    docs = Path(__file__).resolve().parents[1] / "docs" / "health.md"
+    assert doctest.testfile(str(docs), module_relative=False).failed == 0
