@@ -138,8 +138,8 @@ class NonFinite(Rule):
 
 class ZeroStdGroups(Rule):
     """The share of GRPO groups whose rewards are all equal (their advantages are all zero) is above
-    ``threshold``. No built-in metric computes it: submit ``metric`` from each rank as one 0/1 value
-    per group, and the merged mean is the share over all ranks' groups."""
+    ``threshold``. No built-in metric computes it: submit ``critic/zero_var_groups/mean`` from each
+    rank as one 0/1 value per group, and the merged mean is the share over all ranks' groups."""
 
     name = "zero_std_groups"
     patterns = ("critic/zero_var_groups/mean",)
@@ -163,51 +163,55 @@ class GradNorm(Rule):
         return {n: f"{n} is {v:g}" for n, v in self.watched(metrics) if v == 0 or not math.isfinite(v)}
 
 
-class _Windows:
-    """The last ``size`` finite values of each metric name."""
+class WindowRule(Rule):
+    """A rule on each watched metric's recent finite values (a non-finite one is ``non_finite``'s
+    business): :meth:`check` sees the value and the metric's previous (up to ``window``) values."""
 
-    def __init__(self, size: int) -> None:
-        if size < 2:
-            raise ValueError(f"window must be >= 2, got {size}")
-        self.size = size
-        self.values: dict[str, deque] = {}
-
-    def __getitem__(self, name: str) -> deque:
-        window = self.values.get(name)
-        if window is None:
-            window = self.values[name] = deque(maxlen=self.size)
-        return window
-
-
-class EntropyCollapse(Rule):
-    """Over its last ``window`` finite values, an entropy falls faster than ``max_fall`` times
-    their mean per step (the least-squares slope against the step numbers)."""
-
-    name = "entropy_collapse"
-    patterns = ("actor/entropy", "*policy_entropy*")
     window = 10
-    max_fall = 0.05
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
-        self._windows = _Windows(self.window)
+        if self.window < 2:
+            raise ValueError(f"window must be >= 2, got {self.window}")
+        self._history: dict[str, deque] = {}
 
     def __call__(self, step, metrics):
         out = {}
         for n, v in self.watched(metrics):
             if not math.isfinite(v):
                 continue
-            window = self._windows[n]
-            window.append((step, v))
-            if len(window) < self.window:
-                continue
-            slope, mean = _slope(window)
-            if mean != 0 and slope < -self.max_fall * abs(mean):
-                out[n] = (
-                    f"{n} falls by {-slope / abs(mean):.1%} of its mean per step over the last "
-                    f"{self.window} values (limit {self.max_fall:.1%})"
-                )
+            history = self._history.get(n)
+            if history is None:
+                history = self._history[n] = deque(maxlen=self.window)
+            message = self.check(n, v, step, history)
+            history.append((step, v))
+            if message:
+                out[n] = message
         return out
+
+    def check(self, name: str, value: float, step: int, history: deque) -> str | None:
+        """What is wrong with ``value`` at ``step``, given the ``(step, value)`` before it."""
+        raise NotImplementedError  # pragma: no cover - interface
+
+
+class EntropyCollapse(WindowRule):
+    """Over its last ``window`` finite values, an entropy falls faster than ``max_fall`` times
+    their mean per step (the least-squares slope against the step numbers)."""
+
+    name = "entropy_collapse"
+    patterns = ("actor/entropy", "*policy_entropy*")
+    max_fall = 0.05
+
+    def check(self, name, value, step, history):
+        if len(history) + 1 < self.window:
+            return None
+        slope, mean = _slope([*history, (step, value)][-self.window :])
+        if mean != 0 and slope < -self.max_fall * abs(mean):
+            return (
+                f"{name} falls by {-slope / abs(mean):.1%} of its mean per step over the last "
+                f"{self.window} values (limit {self.max_fall:.1%})"
+            )
+        return None
 
 
 def _slope(points: Iterable[tuple[float, float]]) -> tuple[float, float]:
@@ -222,7 +226,7 @@ def _slope(points: Iterable[tuple[float, float]]) -> tuple[float, float]:
     return (sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0), my
 
 
-class Spike(Rule):
+class Spike(WindowRule):
     """A value above ``ceiling`` (when set), or above ``floor`` and above ``factor`` times the mean of
     the metric's previous (up to ``window``, at least ``min_history``) finite values."""
 
@@ -230,27 +234,16 @@ class Spike(Rule):
     factor = 3.0
     floor = 0.0
     ceiling: float | None = None
-    window = 10
     min_history = 3
 
-    def __init__(self, **options: Any) -> None:
-        super().__init__(**options)
-        self._windows = _Windows(self.window)
-
-    def __call__(self, step, metrics):
-        out = {}
-        for n, v in self.watched(metrics):
-            if not math.isfinite(v):
-                continue
-            history = self._windows[n]
-            if self.ceiling is not None and v > self.ceiling:
-                out[n] = f"{n} = {v:.4g} is above {self.ceiling:g}"
-            elif len(history) >= self.min_history and v > self.floor:
-                base = sum(history) / len(history)
-                if v > self.factor * base:
-                    out[n] = f"{n} = {v:.4g} is above {self.factor:g}x its recent mean {base:.4g}"
-            history.append(v)
-        return out
+    def check(self, name, value, step, history):
+        if self.ceiling is not None and value > self.ceiling:
+            return f"{name} = {value:.4g} is above {self.ceiling:g}"
+        if len(history) >= self.min_history and value > self.floor:
+            base = sum(v for _, v in history) / len(history)
+            if value > self.factor * base:
+                return f"{name} = {value:.4g} is above {self.factor:g}x its recent mean {base:.4g}"
+        return None
 
 
 class ClipRatioSpike(Spike):
