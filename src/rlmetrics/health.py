@@ -8,26 +8,12 @@ condition), or ``{metric: message}`` (one condition per metric). Its ``name`` at
 condition starts to hold; it alerts again only after a step where it did not hold. A rule that raises
 is reported (``logging.error``) and disabled; the others go on.
 
-The default rules (:func:`default_rules`; thresholds are keyword arguments of each class):
-
-=====================  =======  ===============================================================
-rule                   level    holds when
-=====================  =======  ===============================================================
-``non_finite``         error    a value is NaN or infinite
-``zero_std_groups``    warning  ``critic/zero_var_groups/mean`` (share of GRPO groups whose rewards
-                                are all equal) is above 0.5
-``grad_norm``          error    a ``*grad_norm*`` metric is 0, NaN or infinite
-``entropy_collapse``   warning  ``actor/entropy`` / ``*policy_entropy*`` falls, over its last 10
-                                values, faster than 5% of their mean per step (least-squares slope)
-``clip_ratio_spike``   warning  a ``*clipfrac*`` metric is above 0.05 and above 3x the mean of its
-                                previous (up to) 10 values (at least 3 of them)
-``response_clip_spike`` warning ``response/clip_ratio/mean`` / ``response_length/clip_ratio``: the
-                                same, above 0.1
-``kl_blowup``          error    a ``*ppo_kl`` / ``*kl_loss`` / ``*/kl`` metric is above 1.0, or above
-                                0.01 and 10x the mean of its previous values
-``silent``             warning  a metric seen before was absent from the last 5 logged steps
-                                (validation names ``val/*``, ``val-*`` excepted)
-=====================  =======  ===============================================================
+The default rules (:func:`default_rules`), each a class whose attributes are its defaults and whose
+keyword arguments override them (docs/health.md lists them with their thresholds): ``non_finite``
+(:class:`NonFinite`), ``zero_std_groups`` (:class:`ZeroStdGroups`), ``grad_norm``
+(:class:`GradNorm`), ``entropy_collapse`` (:class:`EntropyCollapse`), ``clip_ratio_spike``
+(:class:`ClipRatioSpike`), ``response_clip_spike`` (:class:`ResponseClipSpike`), ``kl_blowup``
+(:class:`KLBlowup`) and ``silent`` (:class:`Silent`).
 
 >>> monitor = Monitor()
 >>> [a.rule for a in monitor.observe(0, {"actor/grad_norm": 1.5, "critic/score/mean": 0.2})]

@@ -52,8 +52,9 @@ class Tracking(Sink):
     A step with a ``meta`` (a :class:`~rlmetrics.StepResult`) is logged with ``meta/coverage`` and
     ``meta/late`` added. ``health``: the :class:`~rlmetrics.health.Monitor` run on every step (True:
     the default rules; None: none); each alert is logged (``logging.warning``) and written to every
-    sink that wrote its step, then passed to the monitor's ``on_alert`` (its exceptions reach the
-    caller). A step every sink skipped (logged before a resume) feeds the rules but alerts nobody.
+    sink that writes its step, just before the step, then passed to the monitor's ``on_alert`` (its
+    exceptions reach the caller). A step every sink skipped (logged before a resume) feeds the rules
+    but alerts nobody.
     """
 
     def __init__(self, sinks: Iterable[Sink], health: Monitor | bool | None = True) -> None:
@@ -113,6 +114,29 @@ class Tracking(Sink):
             self.failed[i] = exc
             logger.error("sink %r failed at step %d and is disabled: %r", sink, step, exc, exc_info=exc)
 
+    def catch_up(self, journal: JsonlSink, sinks: Iterable[Sink]) -> None:
+        """Log to each of ``sinks`` the steps (and their alerts) of the resumed JSONL file after the
+        last step its own files hold, then let every one of them resume after the file's last step.
+
+        The JSONL file has every step it was given (one flushed write per step), while a killed
+        process loses what a tracker had not written yet (W&B writes a step when the next one starts,
+        SwanLab flushes its file every 8 KB)."""
+        if journal.resumed_at is None:
+            return
+        run = read_jsonl(journal.path)
+        alerts: dict[int, list[Alert]] = {}
+        for e in run.events:
+            alerts.setdefault(e["step"], []).append(Alert(step=e["step"], **e["event"]))
+        for sink in sinks:
+            i = self.sinks.index(sink)
+            done = set()
+            for record in run.records:
+                step = record["step"]
+                if self._writes(i, sink, step) and step not in done:
+                    done.add(step)
+                    self._write(i, sink, record["metrics"], step, alerts.get(step, []))
+            sink.resumed_at = max(journal.resumed_at, -1 if sink.resumed_at is None else sink.resumed_at)
+
     def close(self) -> None:
         if self._closed:
             return
@@ -164,6 +188,10 @@ tracker's run to continue."""
 RUN_IDS = "run_ids.json"
 """The file in ``out_dir`` where :func:`make_sinks` keeps the id of each tracker's run."""
 
+CATCH_UP = ("tensorboard", "wandb", "mlflow", "swanlab")
+"""The sinks :func:`make_sinks` brings up to the JSONL file when it resumes a run
+(:meth:`Tracking.catch_up`)."""
+
 
 def make_sinks(
     names: Sequence[str] | str,
@@ -182,7 +210,9 @@ def make_sinks(
     trackers run offline. ``resume=True`` continues the runs found there (a driver restarted after a
     crash): the JSONL file and TensorBoard directory, and the tracker runs named in :data:`RUN_IDS`
     (a tracker without a saved id starts a new run); every sink skips the steps up to the last one it
-    holds. If one sink cannot be created, the ones already created are closed and the error is raised.
+    holds, and with ``jsonl`` among the sinks the trackers first get the steps of the JSONL file they
+    lack (:meth:`Tracking.catch_up`). If one sink cannot be created, the ones already created are
+    closed and the error is raised.
     """
     if isinstance(names, str):
         names = names.split(",")
@@ -208,34 +238,8 @@ def make_sinks(
         os.replace(tmp, ids_file)
     tracking = Tracking(sinks, health=health)
     if resume and "jsonl" in wanted:
-        _catch_up(tracking, sinks[wanted.index("jsonl")], [s for n, s in zip(wanted, sinks) if n in CATCH_UP])
+        tracking.catch_up(sinks[wanted.index("jsonl")], [s for n, s in zip(wanted, sinks) if n in CATCH_UP])
     return tracking
-
-
-CATCH_UP = ("tensorboard", "wandb", "mlflow", "swanlab")
-"""The sinks that :func:`make_sinks` brings up to the JSONL file when it resumes a run."""
-
-
-def _catch_up(tracking: Tracking, journal: JsonlSink, sinks: list[Sink]) -> None:
-    """Log to each of ``sinks`` the steps (and their alerts) of the JSONL file after the last step its
-    own files hold: the JSONL file has every step it was given (one flushed write per step), while a
-    killed process loses what a tracker had not written yet (W&B writes a step when the next one
-    starts, SwanLab flushes its file every 8 KB). Then every sink resumes after the file's last step."""
-    if journal.resumed_at is None:
-        return
-    run = read_jsonl(journal.path)
-    alerts: dict[int, list[Alert]] = {}
-    for e in run.events:
-        alerts.setdefault(e["step"], []).append(Alert(step=e["step"], **e["event"]))
-    for sink in sinks:
-        i = tracking.sinks.index(sink)
-        done = set()
-        for record in run.records:
-            step = record["step"]
-            if tracking._writes(i, sink, step) and step not in done:
-                done.add(step)
-                tracking._write(i, sink, record["metrics"], step, alerts.get(step, []))
-        sink.resumed_at = max(journal.resumed_at, -1 if sink.resumed_at is None else sink.resumed_at)
 
 
 __all__ = [
