@@ -209,3 +209,37 @@ def test_make_sinks_resume_keeps_ids_and_skips(tmp_path):
     with make_sinks(["jsonl"], tmp_path) as tracking:  # no resume: a new file
         assert tracking.resumed_at is None
     assert not (tmp_path / "run_ids.json").exists()  # no tracker run, no id to keep
+
+
+def test_alerts_written_before_a_crash_are_not_repeated_by_any_tracker(tmp_path):
+    """The crash falls between a step's alerts and the step: every tracker holds the alert, none
+    the step. The resumed driver logs the step once and no tracker writes the alert again."""
+    out = tmp_path / "run"
+    names = ["jsonl", "tensorboard", "wandb", "mlflow", "swanlab"]
+    alert = Alert("grad_norm", 3, "actor/grad_norm is 0", "error", "actor/grad_norm", 0.0)
+    with make_sinks(names, out, health=None) as tracking:
+        for step in range(3):
+            tracking.log({"actor/grad_norm": 1.0}, step)
+        for sink in tracking.sinks:
+            sink.alert(alert)
+    with make_sinks(names, out, resume=True) as tracking:
+        assert tracking.resumed_at == 2
+        for step in range(5):
+            tracking.log({"actor/grad_norm": 0.0 if step == 3 else 1.0}, step)
+    ids = json.loads((out / "run_ids.json").read_text())
+    steps = list(range(5))
+    run = read_jsonl(out / "metrics.jsonl")
+    assert run.steps == steps and [(e["step"], e["event"]["rule"]) for e in run.events] == [(3, "grad_norm")]
+    assert tensorboard_steps(out / "tensorboard") == {"actor/grad_norm": steps}
+    assert {t: [s for s, _ in v] for t, v in tensorboard_texts(out / "tensorboard").items()} == {
+        "alert/grad_norm": [3]
+    }
+    wandb_files = sorted(out.glob(f"wandb/*-{ids['wandb']}/run-{ids['wandb']}.wandb"))
+    assert [s for s, row in wandb_rows(wandb_files) if "actor/grad_norm" in row] == steps
+    assert [title for title, _, _ in wandb_alerts(wandb_files)] == ["grad_norm: actor/grad_norm"]
+    uri = f"sqlite:///{out / 'mlflow.db'}"
+    assert [s for s, _ in mlflow_history(uri, ids["mlflow"], "actor/grad_norm")] == steps
+    assert mlflow_history(uri, ids["mlflow"], "alert/grad_norm") == [(3, 1.0)]
+    swanlab_files = sorted(out.glob(f"swanlab/run-*-{ids['swanlab']}/run-{ids['swanlab']}.swanlab"))
+    assert [s for s, _ in swanlab_scalars(swanlab_files)["actor/grad_norm"]] == steps
+    assert {k: [s for s, _ in v] for k, v in swanlab_texts(swanlab_files).items()} == {"alert/grad_norm": [3]}

@@ -212,12 +212,11 @@ class JsonlSink(Sink):
         self.overwrite = overwrite
         self.fsync = fsync
         self._steps: set[int] = set()
-        self._alerts: set[tuple] = set()  # (step, rule, metric) of the alerts in the file
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if (append or resume) and self.path.exists():
             records, truncated, good_end = _scan(self.path)
             self._steps.update(r["step"] for r in records if "metrics" in r)
-            self._alerts.update(_alert_key(r["step"], r["event"]) for r in records if "event" in r)
+            self._alerted = {_alert_key(r["step"], r["event"]) for r in records if "event" in r}
             if resume and self._steps:
                 self.resumed_at = max(self._steps)
             if truncated:
@@ -251,10 +250,8 @@ class JsonlSink(Sink):
         if self._file is None:
             raise ValueError(f"{self!r} is closed")
         event = {k: v for k, v in alert.as_dict().items() if k != "step"}
-        key = _alert_key(alert.step, event)
-        if key not in self._alerts:  # written before a crash, raised again by the replayed step
+        if self.new_alert(_alert_key(alert.step, event)):  # not when a replayed step raises it again
             self._write({"step": alert.step, "time": time.time(), "event": json_safe(event)})
-            self._alerts.add(key)
 
     def _write(self, record: dict) -> None:
         self._file.write(_dumps(record))

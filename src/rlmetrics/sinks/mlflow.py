@@ -12,7 +12,8 @@ it holds (the largest step of its latest metrics but the ``alert/`` ones, writte
 transaction as the metrics).
 A step of more than 1000 metrics is several batches: a crash between two keeps the batches written,
 and that step is not written again. A health alert is the metric ``alert/<rule> = 1`` at its step
-and the tag ``alert/<rule>`` holding the rule's latest message.
+(one point per rule and step) and the tag ``alert/<rule>`` holding the rule's latest message. A
+resumed sink does not write again an alert its run holds.
 """
 
 from __future__ import annotations
@@ -49,8 +50,13 @@ class MLflowSink(Sink):
             self.run_id = run.info.run_id
             if run.info.status != "RUNNING":
                 self.client.update_run(self.run_id, status="RUNNING")
-            logged = [m.step for m in run.data.to_proto().metrics if not m.key.startswith("alert/")]
-            self.resumed_at = max(logged, default=None)
+            latest = run.data.to_proto().metrics
+            self.resumed_at = max((m.step for m in latest if not m.key.startswith("alert/")), default=None)
+            self._alerted = {
+                (m.step, m.key)
+                for key in {m.key for m in latest if m.key.startswith("alert/")}
+                for m in self.client.get_metric_history(self.run_id, key)
+            }
         else:
             found = self.client.get_experiment_by_name(experiment)
             experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
@@ -73,8 +79,9 @@ class MLflowSink(Sink):
         if not self._open:
             raise ValueError(f"{self!r} is closed")
         key = self.names(f"alert/{alert.rule}")
-        metric = self._Metric(key, 1.0, int(time.time() * 1000), alert.step)
-        self.client.log_batch(self.run_id, metrics=[metric], tags=[self._RunTag(key, str(alert))])
+        new = self.new_alert((alert.step, key))  # one point per rule and step
+        metrics = [self._Metric(key, 1.0, int(time.time() * 1000), alert.step)] if new else []
+        self.client.log_batch(self.run_id, metrics=metrics, tags=[self._RunTag(key, str(alert))])
 
     def close(self) -> None:
         if self._open:

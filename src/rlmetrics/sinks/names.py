@@ -172,6 +172,7 @@ class Sink:
     """
 
     resumed_at: int | None = None
+    _alerted: set | None = None
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:  # pragma: no cover - interface
         raise NotImplementedError
@@ -185,6 +186,16 @@ class Sink:
     def skips(self, step: int) -> bool:
         """``step`` was logged before this sink resumed the run."""
         return self.resumed_at is not None and step <= self.resumed_at
+
+    def new_alert(self, key: Any) -> bool:
+        """The alert ``key`` (what identifies an alert in this sink's files) was not written yet
+        (in this session, or before a resume when the sink read its files); it is now recorded."""
+        if self._alerted is None:
+            self._alerted = set()
+        if key in self._alerted:
+            return False
+        self._alerted.add(key)
+        return True
 
     def __enter__(self):
         return self

@@ -16,6 +16,7 @@ alert is a text ``alert/<rule>`` at its step.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Any
@@ -45,14 +46,15 @@ class SwanLabSink(RunSink):
         self.project, self.logdir = project, logdir
         super().__init__("swanlab", swanlab.init(project=project, mode=mode, **kw))
         if resume:
-            self.resumed_at = self._last_step()
+            self._read_back()
 
-    def _last_step(self) -> int | None:
-        """The last step of this run in the run files of its earlier sessions."""
+    def _read_back(self) -> None:
+        """The last scalar step and the alerts of this run in the run files of its earlier sessions."""
         store = require("swanlab.sdk.internal.core_python.store", "trackers")
         Record = require("swanlab.proto.swanlab.record.v1.record_pb2", "trackers").Record
         here = Path(self.run.dir)
         steps = []
+        self._alerted = set()
         for path in here.parent.glob(f"*-{self.run.id}/run-{self.run.id}.swanlab"):
             if path.parent == here or path.stat().st_size < 8:  # a killed session may leave it empty
                 continue
@@ -62,16 +64,20 @@ class SwanLabSink(RunSink):
                 for raw in reader:
                     record = Record()
                     record.ParseFromString(raw)
-                    if record.HasField("scalar"):  # not an alert's text
+                    if record.HasField("scalar"):
                         steps.append(record.scalar.step)
+                    elif record.HasField("media"):  # an alert: its text is known by its sha256
+                        self._alerted.update((record.media.step, i.sha256) for i in record.media.value.items)
             finally:
                 reader.close()
-        return max(steps, default=None)
+        self.resumed_at = max(steps, default=None)
 
     def alert(self, alert: Alert) -> None:
         if not self._open:
             raise ValueError(f"{self!r} is closed")
-        self.run.log({self.names(f"alert/{alert.rule}"): self._swanlab.Text(str(alert))}, step=alert.step)
+        text = str(alert)
+        if self.new_alert((alert.step, hashlib.sha256(text.encode()).hexdigest())):
+            self.run.log({self.names(f"alert/{alert.rule}"): self._swanlab.Text(text)}, step=alert.step)
 
     def __repr__(self) -> str:
         return f"SwanLabSink(project={self.project!r}, logdir={str(self.logdir)!r})"

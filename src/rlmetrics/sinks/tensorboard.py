@@ -37,18 +37,22 @@ class TensorBoardSink(Sink):
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.names = NameMap("tensorboard")
         if resume:
-            self.resumed_at = self._last_step()
+            self._read_back()
         self._writer = writer.EventFileWriter(str(self.log_dir))
 
-    def _last_step(self) -> int | None:
+    def _read_back(self) -> None:
+        """The last scalar step and the alerts of the event files already in ``log_dir``."""
         loader = require("tensorboard.backend.event_processing.event_file_loader", "tensorboard")
-        steps = [
-            event.step
-            for path in sorted(self.log_dir.glob("*tfevents*"))
-            for event in loader.LegacyEventFileLoader(str(path)).Load()
-            if any(v.HasField("simple_value") for v in event.summary.value)  # not an alert's text
-        ]
-        return max(steps, default=None)
+        steps = []
+        self._alerted = set()
+        for path in sorted(self.log_dir.glob("*tfevents*")):
+            for event in loader.LegacyEventFileLoader(str(path)).Load():
+                for v in event.summary.value:
+                    if v.HasField("simple_value"):
+                        steps.append(event.step)
+                    elif v.metadata.plugin_data.plugin_name == "text":
+                        self._alerted.add((event.step, v.tensor.string_val[0].decode()))
+        self.resumed_at = max(steps, default=None)
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         if self._writer is None:
@@ -63,8 +67,8 @@ class TensorBoardSink(Sink):
     def alert(self, alert: Alert) -> None:
         if self._writer is None:
             raise ValueError(f"{self!r} is closed")
-        text = f"**{alert.level}** {alert.message}"
-        self._write(alert.step, self._text_pb(self.names(f"alert/{alert.rule}"), text).value)
+        if self.new_alert((alert.step, str(alert))):
+            self._write(alert.step, self._text_pb(self.names(f"alert/{alert.rule}"), str(alert)).value)
 
     def _write(self, step: int, values: list) -> None:
         summary = self._summary_pb2.Summary(value=values)

@@ -60,6 +60,11 @@ def run_records(path: Path) -> Iterator[bytes]:
             chunks = []
 
 
+def _logged(key: str) -> bool:
+    """``key`` of a history row is a metric this sink logged (not W&B's own, not an alert's)."""
+    return not key.startswith(("_", "alert/"))
+
+
 def _last_record(path: Path) -> bytes | None:
     """The payload of the last complete record of a W&B run file (None if there is none)."""
     records = list(run_records(path))
@@ -96,25 +101,33 @@ class WandbSink(RunSink):
         self.project, self.mode, self.close_timeout = project, mode, close_timeout
         super().__init__("wandb", wandb.init(project=project, name=name, dir=dir, mode=mode, **init_kwargs))
         if resume:
-            self.resumed_at = self._last_step()
+            self._read_back()
 
-    def _last_step(self) -> int | None:
-        """The last step of this run in the run files of its earlier sessions, or (online) the step
-        W&B resumed it at."""
+    def _read_back(self) -> None:
+        """The last step and the alerts of this run in the run files of its earlier sessions (online,
+        the step W&B resumed it at)."""
         run_file = Path(self.run.settings.sync_file)
         files = [f for f in run_file.parent.parent.glob(f"*-{self.run.id}/{run_file.name}") if f != run_file]
         steps = [self.run.step - 1] if self.run.step else []
+        self._alerted = set()
         for path in files:
             for payload in run_records(path):
                 record = self._Record()
                 record.ParseFromString(payload)
-                if record.WhichOneof("record_type") == "history":
+                kind = record.WhichOneof("record_type")
+                if kind == "history" and any(
+                    _logged(i.key or "/".join(i.nested_key)) for i in record.history.item
+                ):
                     steps.append(record.history.step.num)
-        return max(steps, default=None)
+                elif kind == "alert":
+                    self._alerted.add(record.alert.text)
+        self.resumed_at = max(steps, default=None)
 
     def alert(self, alert: Alert) -> None:
         if not self._open:
             raise ValueError(f"{self!r} is closed")
+        if not self.new_alert(str(alert)):
+            return
         level = "ERROR" if alert.level == "error" else "WARN"
         title = f"{alert.rule}: {alert.metric}" if alert.metric else alert.rule
         self.run.alert(title=title[:63], text=str(alert), level=level)
