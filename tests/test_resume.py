@@ -32,7 +32,7 @@ from tests.trackers import (
 )
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "resumable_run.py"
-STEPS, NAN_STEP, KILL_AFTER = 20, 12, 13  # killed once 13 steps are in the JSONL file (0..12)
+STEPS, NAN_STEP, KILL_AFTER = 16, 12, 13  # killed once 13 steps are in the JSONL file (0..12)
 
 
 def example():
@@ -63,6 +63,7 @@ def driver(out, **popen):
     cmd = [sys.executable, str(EXAMPLE), str(out), "--steps", str(STEPS), "--step-seconds", "0.15"]
     cmd += ["--nan-step", str(NAN_STEP)]
     env = {**os.environ, "WANDB_SILENT": "true"}
+    env.pop("WANDB_SERVICE", None)  # set once this process used W&B: the drivers would share its service
     return subprocess.Popen(
         cmd, cwd=out.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **popen
     )
