@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 _HEADER, _BLOCK = 7, 32768  # leveldb log format: 7-byte file and record headers, 32 KiB blocks
 
 
-def run_records(path: Path) -> Iterator[bytes]:
+def _run_records(path: Path) -> Iterator[bytes]:
     """The payloads of the complete records of a W&B run file, in order (none if it is missing)."""
     try:
         data = path.read_bytes()
@@ -67,7 +67,7 @@ def _logged(key: str) -> bool:
 
 def _last_record(path: Path) -> bytes | None:
     """The payload of the last complete record of a W&B run file (None if there is none)."""
-    records = list(run_records(path))
+    records = list(_run_records(path))
     return records[-1] if records else None
 
 
@@ -111,7 +111,7 @@ class WandbSink(RunSink):
         steps = [self.run.step - 1] if self.run.step else []
         self._alerted = set()
         for path in files:
-            for payload in run_records(path):
+            for payload in _run_records(path):
                 record = self._Record()
                 record.ParseFromString(payload)
                 kind = record.WhichOneof("record_type")
