@@ -1,11 +1,10 @@
 """Each tracker sink logs 10 steps offline; the values are read back with the tracker's own format
-(TensorBoard's EventAccumulator, the W&B transaction log parsed with wandb's protobufs, MLflow's
-client on a sqlite store, SwanLab's own DataStoreReader) and compared with the random numbers sent."""
+(tests/trackers.py: TensorBoard's EventAccumulator, the W&B transaction log parsed with wandb's
+protobufs, MLflow's client on a sqlite store, SwanLab's own DataStoreReader) and compared with the
+random numbers sent."""
 
-import json
 import math
 import os
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,7 @@ from rlmetrics.sinks import (
     make_sinks,
     read_jsonl,
 )
+from tests.trackers import one, read_mlflow, read_swanlab, read_tensorboard, read_wandb
 
 # name -> the name each tracker shows (written out by hand, independent of adapt_name)
 NAMES = {
@@ -44,71 +44,6 @@ def random_steps(seed, n=10):
 
 def same(a, b, rel=0.0):
     return (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=rel, abs=0)
-
-
-def one(pattern_root: Path, pattern: str) -> Path:
-    found = sorted(pattern_root.glob(pattern))
-    assert len(found) == 1, found
-    return found[0]
-
-
-# ------------------------------------------------------------------------------------- readers
-def read_tensorboard(log_dir):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
-
-
-def read_wandb(run_file):
-    """History of a ``.wandb`` file: a leveldb-log framed stream of wandb ``Record`` protobufs."""
-    from wandb.proto.wandb_internal_pb2 import Record
-
-    data = Path(run_file).read_bytes()
-    assert data[:4] == b":W&B"
-    block, pos, buf, history = 32768, 7, b"", {}
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # block trailer
-            pos += block - pos % block
-            continue
-        _checksum, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        buf += data[pos + 7 : pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):  # FULL or LAST
-            record = Record()
-            record.ParseFromString(buf)
-            buf = b""
-            if record.WhichOneof("record_type") == "history":
-                items = record.history.item
-                history[record.history.step.num] = {
-                    (i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in items
-                }
-    return history
-
-
-def read_swanlab(run_file):
-    from swanlab.proto.swanlab.record.v1.record_pb2 import Record
-    from swanlab.sdk.internal.core_python.store import DataStoreReader
-
-    reader = DataStoreReader()
-    reader.open(run_file)
-    series = {}
-    try:
-        for raw in reader:
-            record = Record()
-            record.ParseFromString(raw)
-            if record.HasField("scalar"):
-                series.setdefault(record.scalar.key, {})[record.scalar.step] = record.scalar.value.number
-    finally:
-        reader.close()
-    return series
-
-
-def read_mlflow(uri, run_id, key):
-    from mlflow.tracking import MlflowClient
-
-    return {m.step: m.value for m in MlflowClient(uri).get_metric_history(run_id, key)}
 
 
 # ---------------------------------------------------------------------------------- per tracker

@@ -367,9 +367,6 @@ class Aggregator:
             raise SubmissionError(f"contributions must be a positive int, got {packed.contributions!r}")
         if self.is_finalized(step):
             self.late += 1
-            kept = self._results.get(step)
-            if kept is not None:
-                kept.meta.late += 1
             logger.warning("step %d is finalized; dropped a late contribution of %s", step, keys[0][0])
             return False
         known = self._columns(packed.schema, step)
@@ -473,6 +470,15 @@ class Aggregator:
             sorted(self.clients - st.closed),
             {self._names[c]: [int(received[c]), int(expected[c])] for c in short},
         )
+
+    def contributions(self, step: int) -> tuple[int, int]:
+        """Contributions received and expected in pending ``step``, summed over its names (a name
+        counts at most its expected number); ``(0, 0)`` for a step with no data."""
+        st = self._steps.get(step)
+        if st is None:
+            return 0, 0
+        received, expected = st.counts(len(self._names))
+        return int(np.minimum(received, expected).sum()), int(expected.sum())
 
     # -------------------------------------------------------------------------------- output
     def finalize(self, step: int) -> StepResult:

@@ -27,7 +27,10 @@ class StepMeta:
     - ``empty``: names without an observation (left out of the values);
     - ``contributors``: clients that submitted to the step;
     - ``refused``: ``{name: why}`` of names the aggregator refused in the step;
-    - ``late``: contributions that arrived after the step was final (dropped), so far;
+    - ``contributions``: ``[received, expected]`` contributions summed over the step's names (each
+      name counted up to its ``world_size``), when the step was finalized by a server;
+    - ``late``: contributions that arrived for steps already final (and were dropped) since the
+      previous step was finalized;
     - ``evicted``: the result is no longer kept (more than ``keep_results`` newer ones), its values
       are gone; ``stale``: finalized because more than ``max_pending`` newer steps were pending;
     - torch.distributed only: ``ranks`` in the group, ``relayout`` (the ranks agreed on new names),
@@ -40,6 +43,7 @@ class StepMeta:
     empty: list[str] = field(default_factory=list)
     contributors: list[Any] = field(default_factory=list)
     refused: dict[str, str] = field(default_factory=dict)
+    contributions: list[int] | None = None
     late: int = 0
     evicted: bool = False
     stale: bool = False

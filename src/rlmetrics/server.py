@@ -6,6 +6,9 @@ and when a read may return. Backends add only locking and waiting (a thread cond
   the steps in flight, not the steps nobody reads.
 - ``result(step)`` may return once the step is complete or finalized; at the reader's deadline it
   finalizes that step, and only that step, as it stands.
+- A step finalized here says how whole it is: ``meta.contributions`` is ``[received, expected]``
+  contributions summed over its names, ``meta.late`` counts the contributions that arrived for
+  steps already final since the previous step was finalized (they were dropped).
 - ``final()`` (the seed's ``wait_final_res``) is about the newest step any client closed: it may
   return once that step is complete (every registered client closed it and every name has its
   contributions), at ``final_timeout`` partial. With no client at all (the seed's bare
@@ -66,6 +69,7 @@ class Server:
         self.awaiting: set[str] = set()  # registered clients a restarted incarnation waits for
         self.recovery_deadline = 0.0
         self._direct = itertools.count()
+        self._late = 0  # the engine's late count when the previous step was finalized
 
     # ------------------------------------------------------------------------------- recovery
     def restore(self, state: Mapping, recovery_timeout: float) -> None:
@@ -102,7 +106,7 @@ class Server:
         engine = self.engine
         for step in sorted(set(steps)):
             if engine.has_closed_data(step) and engine.is_complete(step):
-                engine.finalize(step)
+                self.finalize(step)
 
     def reply(self, errors: dict[str, str]) -> Reply:
         return make_reply(self.engine, errors, self.incarnation)
@@ -134,7 +138,19 @@ class Server:
 
     def result(self, step: int) -> StepResult:
         """``step``'s result now: kept, complete, or partial (a reader's deadline passed)."""
-        return self.engine.finalize(step)
+        return self.finalize(step)
+
+    def finalize(self, step: int) -> StepResult:
+        """The engine's :meth:`~rlmetrics.aggregator.Aggregator.finalize`; a step finalized now also
+        gets ``meta.contributions`` and ``meta.late`` (module docstring)."""
+        engine = self.engine
+        if engine.is_finalized(step):
+            return engine.finalize(step)
+        counts = engine.contributions(step)
+        result = engine.finalize(step)
+        result.meta.contributions = list(counts)
+        result.meta.late, self._late = engine.late - self._late, engine.late
+        return result
 
     def final_target(self) -> int | None:
         """The step :meth:`final` is about: the newest one any client closed; without clients the
@@ -154,7 +170,7 @@ class Server:
     def final(self, target: int | None) -> StepResult:
         if target is None:
             return StepResult({}, -1)
-        return self.engine.finalize(target)
+        return self.finalize(target)
 
     def stats(self) -> dict:
         """Registered clients, pending steps and what the engine holds (tests and monitoring)."""

@@ -1,9 +1,12 @@
 """Sinks: where step results go — JSONL, the console, TensorBoard, W&B, MLflow, SwanLab.
 
 Every sink has ``log(metrics, step)`` (``metrics``: ``{name: float}``, e.g. a
-:class:`~rlmetrics.StepResult`) and ``close()``, and is a context manager. :class:`Tracking` fans a
-step out to several sinks and keeps the run going when one of them fails. :func:`make_sinks` builds
-the usual set in one output directory by name (see :data:`SINKS`).
+:class:`~rlmetrics.StepResult`), ``alert(alert)`` and ``close()``, and is a context manager.
+:class:`Tracking` fans a step out to several sinks and keeps the run going when one of them fails;
+it adds ``meta/coverage`` and ``meta/late`` to a step that has a ``meta``
+(:func:`~rlmetrics.health.coverage_metrics`) and runs the health rules
+(:class:`~rlmetrics.health.Monitor`) on each step. :func:`make_sinks` builds the usual set in one
+output directory by name (see :data:`SINKS`), and continues the runs there with ``resume=True``.
 
 Importing this package imports no tracker, torch or rich: each sink imports its library when it is
 created, and a missing one raises an ImportError naming the pip extra.
@@ -19,11 +22,14 @@ array([0. , 0.5, 1. ])
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
+from rlmetrics.aggregator import StepResult
+from rlmetrics.health import Alert, Monitor, coverage_metrics
 from rlmetrics.sinks.console import ConsoleSink, format_value, render_table, summary_table
 from rlmetrics.sinks.jsonl import JsonlRun, JsonlSink, read_jsonl
 from rlmetrics.sinks.mlflow import MLflowSink
@@ -36,16 +42,25 @@ logger = logging.getLogger(__name__)
 
 
 class Tracking(Sink):
-    """Fan-out to ``sinks``: a sink that raises is reported once (``logging.error``) and disabled;
-    every other sink still gets every step. ``close()`` closes every sink, errors isolated too.
+    """Fan-out to ``sinks`` (:class:`Sink`, or any object with ``log`` and ``close``): a sink that
+    raises is reported once (``logging.error``) and disabled; every other sink still gets every step.
+    ``close()`` closes every sink, errors isolated too.
 
     Metric values are checked once, before any sink sees the step: a value that is not a real number
     raises TypeError to the caller (a caller's bug, not a sink failure).
+
+    A step with a ``meta`` (a :class:`~rlmetrics.StepResult`) is logged with ``meta/coverage`` and
+    ``meta/late`` added. ``health``: the :class:`~rlmetrics.health.Monitor` run on every step (True:
+    the default rules; None: none); each alert is logged (``logging.warning``) and written to every
+    sink that writes its step, just before the step, then passed to the monitor's ``on_alert`` (its
+    exceptions reach the caller). A step every sink skipped (logged before a resume) feeds the rules
+    but alerts nobody.
     """
 
-    def __init__(self, sinks: Iterable[Sink]) -> None:
+    def __init__(self, sinks: Iterable[Sink], health: Monitor | bool | None = True) -> None:
         self.sinks = list(sinks)
         self.failed: dict[int, BaseException] = {}  # index in ``sinks`` → the exception that disabled it
+        self.health = Monitor() if health is True else (health or None)
         self._closed = False
 
     @property
@@ -53,19 +68,74 @@ class Tracking(Sink):
         """The sinks still receiving steps."""
         return [s for i, s in enumerate(self.sinks) if i not in self.failed]
 
+    @property
+    def resumed_at(self) -> int | None:
+        """The last step every resumed sink holds (None: nothing resumed): a restarted driver logs
+        from the step after it."""
+        steps = [s.resumed_at for s in self.active if getattr(s, "resumed_at", None) is not None]
+        return min(steps, default=None)
+
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         if self._closed:
             raise ValueError("Tracking is closed")
-        as_floats(metrics)
+        values = as_floats(metrics)
         step = as_step(step)
-        for i, sink in enumerate(self.sinks):
-            if i in self.failed:
-                continue
-            try:
-                sink.log(metrics, step)
-            except Exception as exc:
-                self.failed[i] = exc
-                logger.error("sink %r failed at step %d and is disabled: %r", sink, step, exc, exc_info=exc)
+        meta = getattr(metrics, "meta", None)
+        extra = coverage_metrics(meta)
+        if extra:
+            values.update(extra)
+            metrics = StepResult(values, step, meta)
+        alerts = self.health.observe(step, values) if self.health is not None else []
+        writing = [(i, sink) for i, sink in enumerate(self.sinks) if self._writes(i, sink, step)]
+        if not writing:
+            return
+        for alert in alerts:
+            logger.warning("health alert: %s", alert)
+        for i, sink in writing:
+            self._write(i, sink, metrics, step, alerts)
+        if self.health is not None and self.health.on_alert is not None:
+            for alert in alerts:
+                self.health.on_alert(alert)
+
+    def _writes(self, i: int, sink: Sink, step: int) -> bool:
+        """Sink ``i`` is active and did not hold ``step`` before a resume."""
+        return i not in self.failed and not (hasattr(sink, "skips") and sink.skips(step))
+
+    def _write(self, i: int, sink: Sink, metrics: Mapping[str, float], step: int, alerts: list) -> None:
+        """The step's alerts, then the step, to sink ``i``; one that raises is disabled. Alerts go
+        first: a crash between the two leaves the step unwritten, so it is written again on resume
+        (a JSONL file does not repeat an alert it holds), and its alerts are never lost."""
+        try:
+            if hasattr(sink, "alert"):
+                for alert in alerts:
+                    sink.alert(alert)
+            sink.log(metrics, step)
+        except Exception as exc:
+            self.failed[i] = exc
+            logger.error("sink %r failed at step %d and is disabled: %r", sink, step, exc, exc_info=exc)
+
+    def catch_up(self, journal: JsonlSink, sinks: Iterable[Sink]) -> None:
+        """Log to each of ``sinks`` the steps (and their alerts) of the resumed JSONL file after the
+        last step its own files hold, then let every one of them resume after the file's last step.
+
+        The JSONL file has every step it was given (one flushed write per step), while a killed
+        process loses what a tracker had not written yet (W&B writes a step when the next one starts,
+        SwanLab flushes its file every 8 KB)."""
+        if journal.resumed_at is None:
+            return
+        run = read_jsonl(journal.path)
+        alerts: dict[int, list[Alert]] = {}
+        for e in run.events:
+            alerts.setdefault(e["step"], []).append(Alert(step=e["step"], **e["event"]))
+        for sink in sinks:
+            i = self.sinks.index(sink)
+            done = set()
+            for record in run.records:
+                step = record["step"]
+                if self._writes(i, sink, step) and step not in done:
+                    done.add(step)
+                    self._write(i, sink, record["metrics"], step, alerts.get(step, []))
+            sink.resumed_at = max(journal.resumed_at, -1 if sink.resumed_at is None else sink.resumed_at)
 
     def close(self) -> None:
         if self._closed:
@@ -81,24 +151,46 @@ class Tracking(Sink):
         return f"Tracking({self.sinks!r})"
 
 
-def _mlflow(out_dir: Path, project: str, run_name: str | None) -> MLflowSink:
-    return MLflowSink(f"sqlite:///{(out_dir / 'mlflow.db').resolve().as_posix()}", project, run_name)
+def _mlflow(out_dir: Path, project: str, run_name: str | None, resume: bool | str) -> MLflowSink:
+    uri = f"sqlite:///{(out_dir / 'mlflow.db').resolve().as_posix()}"
+    return MLflowSink(uri, project, run_name, resume=_run_id(resume))
 
 
-def _swanlab(out_dir: Path, project: str, run_name: str | None) -> SwanLabSink:
+def _swanlab(out_dir: Path, project: str, run_name: str | None, resume: bool | str) -> SwanLabSink:
     extra = {"name": run_name} if run_name else {}
-    return SwanLabSink(project, logdir=out_dir / "swanlab", mode="offline", **extra)
+    return SwanLabSink(project, logdir=out_dir / "swanlab", mode="offline", resume=_run_id(resume), **extra)
 
 
-SINKS: dict[str, Callable[[Path, str, str | None], Sink]] = {
-    "jsonl": lambda out_dir, project, run_name: JsonlSink(out_dir / "metrics.jsonl"),
-    "console": lambda out_dir, project, run_name: ConsoleSink(),
-    "tensorboard": lambda out_dir, project, run_name: TensorBoardSink(out_dir / "tensorboard"),
-    "wandb": lambda out_dir, project, run_name: WandbSink(project, run_name, dir=out_dir, mode="offline"),
+def _wandb(out_dir: Path, project: str, run_name: str | None, resume: bool | str) -> WandbSink:
+    return WandbSink(project, run_name, dir=out_dir, mode="offline", resume=_run_id(resume))
+
+
+def _run_id(resume: bool | str) -> str | None:
+    return resume if isinstance(resume, str) else None
+
+
+SINKS: dict[str, Callable[[Path, str, str | None, bool | str], Sink]] = {
+    "jsonl": lambda out_dir, project, run_name, resume: JsonlSink(
+        out_dir / "metrics.jsonl", resume=bool(resume)
+    ),
+    "console": lambda out_dir, project, run_name, resume: ConsoleSink(),
+    "tensorboard": lambda out_dir, project, run_name, resume: TensorBoardSink(
+        out_dir / "tensorboard", resume=bool(resume)
+    ),
+    "wandb": _wandb,
     "mlflow": _mlflow,
     "swanlab": _swanlab,
 }
-"""Sink name → factory ``(out_dir, project, run_name) -> Sink``, as :func:`make_sinks` uses them."""
+"""Sink name → factory ``(out_dir, project, run_name, resume) -> Sink``, as :func:`make_sinks` uses
+them; ``resume``: False (a new run), True (continue what is in ``out_dir``) or the id of the
+tracker's run to continue."""
+
+RUN_IDS = "run_ids.json"
+"""The file in ``out_dir`` where :func:`make_sinks` keeps the id of each tracker's run."""
+
+CATCH_UP = ("tensorboard", "wandb", "mlflow", "swanlab")
+"""The sinks :func:`make_sinks` brings up to the JSONL file when it resumes a run
+(:meth:`Tracking.catch_up`)."""
 
 
 def make_sinks(
@@ -107,13 +199,20 @@ def make_sinks(
     *,
     project: str = "rlmetrics",
     run_name: str | None = None,
+    resume: bool = False,
+    health: Monitor | bool | None = True,
 ) -> Tracking:
     """A :class:`Tracking` over the sinks named in ``names`` (a list, or one comma-separated str;
-    blank names skipped, repeats once).
+    blank names skipped, repeats once), running the ``health`` rules (see :class:`Tracking`).
 
     Files go to ``out_dir`` (created): ``metrics.jsonl``, ``tensorboard/``, ``wandb/``,
-    ``mlflow.db``, ``swanlab/``; trackers run offline. If one sink cannot be created, the ones
-    already created are closed and the error is raised.
+    ``mlflow.db``, ``swanlab/``, and :data:`RUN_IDS` (the W&B, MLflow and SwanLab run ids);
+    trackers run offline. ``resume=True`` continues the runs found there (a driver restarted after a
+    crash): the JSONL file and TensorBoard directory, and the tracker runs named in :data:`RUN_IDS`
+    (a tracker without a saved id starts a new run); every sink skips the steps up to the last one it
+    holds, and with ``jsonl`` among the sinks the trackers first get the steps of the JSONL file they
+    lack (:meth:`Tracking.catch_up`). If one sink cannot be created, the ones already created are
+    closed and the error is raised.
     """
     if isinstance(names, str):
         names = names.split(",")
@@ -123,18 +222,28 @@ def make_sinks(
         raise ValueError(f"unknown sink(s) {', '.join(map(repr, unknown))}; valid: {', '.join(SINKS)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    ids_file = out / RUN_IDS
+    ids = json.loads(ids_file.read_text()) if resume and ids_file.exists() else {}
     sinks: list[Sink] = []
     try:
         for name in wanted:
-            sinks.append(SINKS[name](out, project, run_name))
+            sinks.append(SINKS[name](out, project, run_name, ids.get(name, True) if resume else False))
     except BaseException:
-        Tracking(sinks).close()
+        Tracking(sinks, health=None).close()
         raise
-    return Tracking(sinks)
+    ids.update({name: sink.run_id for name, sink in zip(wanted, sinks) if hasattr(sink, "run_id")})
+    if ids:
+        tmp = ids_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(ids, indent=1))
+        os.replace(tmp, ids_file)
+    tracking = Tracking(sinks, health=health)
+    if resume and "jsonl" in wanted:
+        tracking.catch_up(sinks[wanted.index("jsonl")], [s for n, s in zip(wanted, sinks) if n in CATCH_UP])
+    return tracking
 
 
 __all__ = [
-    "SINKS", "ConsoleSink", "JsonlRun", "JsonlSink", "MLflowSink", "NameMap", "Sink", "SwanLabSink",
-    "TensorBoardSink", "Tracking", "WandbSink", "adapt_name", "format_value", "make_sinks", "read_jsonl",
-    "render_table", "summary_table",
+    "RUN_IDS", "SINKS", "ConsoleSink", "JsonlRun", "JsonlSink", "MLflowSink", "NameMap", "Sink",
+    "SwanLabSink", "TensorBoardSink", "Tracking", "WandbSink", "adapt_name", "format_value", "make_sinks",
+    "read_jsonl", "render_table", "summary_table",
 ]  # fmt: skip

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 from rlmetrics.extras import require
+from rlmetrics.health import Alert
 from rlmetrics.sinks.names import Sink, as_floats, as_step
 
 
@@ -90,16 +91,29 @@ class ConsoleSink(Sink):
         self.every = every
         self.max_rows = max_rows
         self.console = require("rich.console", "console").Console(file=file)
+        self._text = require("rich.text", "console")
+        self._alerts: list = []  # lines of the alerts of the step being logged
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         step = as_step(step)
-        if step % self.every:
+        alerts, self._alerts = self._alerts, []
+        if step % self.every or self.skips(step):
+            for line in alerts:
+                self.console.print(line, soft_wrap=True)
             return
         table = render_table(metrics, f"step {step}", self.max_rows)
         meta = getattr(metrics, "meta", None)
         if meta is not None and not meta.complete:
             table.caption = f"partial step: missing ranks {meta.missing_ranks}"
         self.console.print(table)
+        for line in alerts:
+            self.console.print(line, soft_wrap=True)
+
+    def alert(self, alert: Alert) -> None:
+        """One line per alert, whatever ``every`` is, after its step's table: ``error`` in red,
+        ``warning`` in yellow."""
+        style = "bold red" if alert.level == "error" else "yellow"
+        self._alerts.append(self._text.Text(str(alert), style=style))
 
     def close(self) -> None:
         self.console.file.flush()

@@ -14,6 +14,12 @@ and sets → lists, other objects → ``str``).
 - A step is logged once: a second ``log`` of the same step (in this session or, with
   ``append=True``, already in the file) raises ``ValueError`` unless ``overwrite=True``; then both
   records stay in the file and the later one wins when read (:meth:`JsonlRun.series`).
+- ``resume=True`` continues the file after a crash: every step up to the last one in it is skipped
+  (a driver restarted from an older training checkpoint logs those steps again; they are not
+  written twice).
+- A health alert (:class:`~rlmetrics.health.Alert`) is one line ``{"step": 3, "time": ..., "event":
+  {"rule": ..., "level": ..., "message": ..., "metric": ..., "value": ...}}``; :func:`read_jsonl`
+  returns them in :attr:`JsonlRun.events`, apart from the metric records.
 - A crash mid-write leaves an incomplete last line: :func:`read_jsonl` ignores it with a warning and
   reports it in :attr:`JsonlRun.truncated`; ``JsonlSink(path, append=True)`` cuts it off before
   appending. A corrupt line anywhere else is an error naming the line.
@@ -43,13 +49,14 @@ import numbers
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from rlmetrics.health import Alert
 from rlmetrics.sinks.names import Sink, as_floats, as_step
 
 logger = logging.getLogger(__name__)
@@ -91,14 +98,15 @@ def _parse(line: bytes) -> dict:
         isinstance(record, dict)
         and isinstance(record.get("step"), int)
         and not isinstance(record["step"], bool)
-        and isinstance(record.get("metrics"), dict)
+        and (isinstance(record.get("metrics"), dict) or isinstance(record.get("event"), dict))
     ):
-        raise ValueError("not an object with an integer 'step' and a 'metrics' object")
+        raise ValueError("not an object with an integer 'step' and a 'metrics' or 'event' object")
     return record
 
 
 def _scan(path: Path) -> tuple[list[dict], str | None, int]:
-    """Records, the truncation note, and the byte offset just after the last good record."""
+    """Records (metrics and events), the truncation note, and the byte offset just after the last
+    good record."""
     data = path.read_bytes()
     lines = data.split(b"\n")
     last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
@@ -123,11 +131,12 @@ def _scan(path: Path) -> tuple[list[dict], str | None, int]:
 
 @dataclass
 class JsonlRun:
-    """The records of a JSONL file, in file order."""
+    """The metric records and the event records (health alerts) of a JSONL file, in file order."""
 
     path: Path
     records: list[dict]
     truncated: str | None = None
+    events: list[dict] = field(default_factory=list)
 
     @property
     def steps(self) -> list[int]:
@@ -165,6 +174,10 @@ def _as_float(value: Any) -> float:
         return float("nan")
 
 
+def _alert_key(step: int, event: Mapping) -> tuple:
+    return step, event.get("rule"), event.get("metric")
+
+
 def _ends_with_newline(path: Path, end: int) -> bool:
     with open(path, "rb") as f:
         f.seek(end - 1)
@@ -175,26 +188,37 @@ def read_jsonl(path: str | os.PathLike) -> JsonlRun:
     """Parse a metrics JSONL file (``json.loads`` only); see the module doc for truncated files."""
     path = Path(path)
     records, truncated, _ = _scan(path)
-    return JsonlRun(path, records, truncated)
+    metrics = [r for r in records if "metrics" in r]
+    return JsonlRun(path, metrics, truncated, [r for r in records if "metrics" not in r])
 
 
 class JsonlSink(Sink):
     """Write one JSON line per step to ``path`` (parent directories are created).
 
-    ``append=False`` creates or truncates the file; ``append=True`` continues an existing one.
+    ``append=False`` creates or truncates the file; ``append=True`` continues an existing one;
+    ``resume=True`` too, and skips the steps up to the last one in it.
     """
 
     def __init__(
-        self, path: str | os.PathLike, *, append: bool = False, overwrite: bool = False, fsync: bool = False
+        self,
+        path: str | os.PathLike,
+        *,
+        append: bool = False,
+        overwrite: bool = False,
+        fsync: bool = False,
+        resume: bool = False,
     ) -> None:
         self.path = Path(path)
         self.overwrite = overwrite
         self.fsync = fsync
         self._steps: set[int] = set()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if append and self.path.exists():
+        if (append or resume) and self.path.exists():
             records, truncated, good_end = _scan(self.path)
-            self._steps.update(r["step"] for r in records)
+            self._steps.update(r["step"] for r in records if "metrics" in r)
+            self._alerted = {_alert_key(r["step"], r["event"]) for r in records if "event" in r}
+            if resume and self._steps:
+                self.resumed_at = max(self._steps)
             if truncated:
                 os.truncate(self.path, good_end)
             self._file = open(self.path, "ab")
@@ -208,6 +232,8 @@ class JsonlSink(Sink):
             raise ValueError(f"{self!r} is closed")
         step = as_step(step)
         values = as_floats(metrics)
+        if self.skips(step):
+            return
         if step in self._steps and not self.overwrite:
             raise ValueError(
                 f"step {step} is already in {self.path}; pass overwrite=True to log it again "
@@ -217,11 +243,21 @@ class JsonlSink(Sink):
         meta = getattr(metrics, "meta", None)
         if meta is not None and not meta.complete:  # a partial step says what it lacks
             record["meta"] = json_safe(meta.to_dict())
+        self._write(record)
+        self._steps.add(step)
+
+    def alert(self, alert: Alert) -> None:
+        if self._file is None:
+            raise ValueError(f"{self!r} is closed")
+        event = {k: v for k, v in alert.as_dict().items() if k != "step"}
+        if self.new_alert(_alert_key(alert.step, event)):  # not when a replayed step raises it again
+            self._write({"step": alert.step, "time": time.time(), "event": json_safe(event)})
+
+    def _write(self, record: dict) -> None:
         self._file.write(_dumps(record))
         self._file.flush()
         if self.fsync:
             os.fsync(self._file.fileno())
-        self._steps.add(step)
 
     def close(self) -> None:
         if self._file is not None:

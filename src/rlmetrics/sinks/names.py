@@ -48,6 +48,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from rlmetrics.health import Alert
+
 logger = logging.getLogger(__name__)
 
 TRACKERS = ("jsonl", "console", "tensorboard", "wandb", "mlflow", "swanlab")
@@ -162,13 +164,38 @@ def as_step(step: Any) -> int:
 
 
 class Sink:
-    """Base of the sinks: ``log(metrics, step)``, ``close()`` and a context manager."""
+    """Base of the sinks: ``log(metrics, step)``, ``alert(alert)``, ``close()`` and a context manager.
+
+    ``resumed_at``: the last step the tracker held when this sink was opened to continue a run (None:
+    nothing to skip); ``log`` skips every step up to it (:meth:`skips`), so a driver restarted from an
+    older training checkpoint never writes a step twice, nor a lower step after a higher one.
+    """
+
+    resumed_at: int | None = None
+    _alerted: set | None = None
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def alert(self, alert: Alert) -> None:
+        """Write a health alert of a step this sink logged (the base class ignores it)."""
+
     def close(self) -> None:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def skips(self, step: int) -> bool:
+        """``step`` was logged before this sink resumed the run."""
+        return self.resumed_at is not None and step <= self.resumed_at
+
+    def new_alert(self, key: Any) -> bool:
+        """The alert ``key`` (what identifies an alert in this sink's files) was not written yet
+        (in this session, or before a resume when the sink read its files); it is now recorded."""
+        if self._alerted is None:
+            self._alerted = set()
+        if key in self._alerted:
+            return False
+        self._alerted.add(key)
+        return True
 
     def __enter__(self):
         return self
@@ -189,7 +216,15 @@ class RunSink(Sink):
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         if not self._open:
             raise ValueError(f"{self!r} is closed")
-        self.run.log(self.names.adapt(as_floats(metrics)), step=as_step(step))
+        step = as_step(step)
+        values = self.names.adapt(as_floats(metrics))
+        if not self.skips(step):
+            self.run.log(values, step=step)
+
+    @property
+    def run_id(self) -> str:
+        """The tracker's id of the run (what ``resume=`` takes to continue it)."""
+        return self.run.id
 
     def close(self) -> None:
         if self._open:

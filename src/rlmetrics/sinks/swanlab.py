@@ -4,15 +4,25 @@ Needs the ``trackers`` extra. Upload later with ``swanlab sync <logdir>/run-*``.
 active run per process: creating a second SwanLabSink while one is open raises SwanLab's
 RuntimeError. Names are adapted by :func:`rlmetrics.sinks.names.adapt_name` before SwanLab sees
 them, so SwanLab's own silent trimming of leading/trailing ``.`` and ``/`` never merges two metrics.
+
+``resume=<run id>`` continues that run (``swanlab.init(id=..., resume="allow")``): offline, each
+session writes its own ``run-<time>-<id>`` directory (upload each with ``swanlab sync <dir> --id
+<id>``, oldest first). The sink reads the run files of the earlier sessions with SwanLab's own
+``DataStoreReader`` and skips every step up to the last one they hold. SwanLab flushes its file
+when its 8 KB buffer fills and when the run finishes: a killed process loses the steps after the
+last flush (:func:`~rlmetrics.sinks.make_sinks` logs them again from the JSONL file). A health
+alert is a text ``alert/<rule>`` at its step.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Any
 
 from rlmetrics.extras import require
+from rlmetrics.health import Alert
 from rlmetrics.sinks.names import RunSink
 
 
@@ -24,14 +34,50 @@ class SwanLabSink(RunSink):
         project: str = "rlmetrics",
         logdir: str | os.PathLike | None = None,
         mode: str = "offline",
+        resume: str | None = None,
         **kw: Any,
     ) -> None:
-        swanlab = require("swanlab", "trackers")
+        self._swanlab = swanlab = require("swanlab", "trackers")
         if logdir is not None:
             Path(logdir).mkdir(parents=True, exist_ok=True)
             kw["log_dir"] = str(logdir)
+        if resume:
+            kw.update(id=resume, resume="allow")
         self.project, self.logdir = project, logdir
         super().__init__("swanlab", swanlab.init(project=project, mode=mode, **kw))
+        if resume:
+            self._read_back()
+
+    def _read_back(self) -> None:
+        """The last scalar step and the alerts of this run in the run files of its earlier sessions."""
+        store = require("swanlab.sdk.internal.core_python.store", "trackers")
+        Record = require("swanlab.proto.swanlab.record.v1.record_pb2", "trackers").Record
+        here = Path(self.run.dir)
+        steps = []
+        self._alerted = set()
+        for path in here.parent.glob(f"*-{self.run.id}/run-{self.run.id}.swanlab"):
+            if path.parent == here or path.stat().st_size < 8:  # a killed session may leave it empty
+                continue
+            reader = store.DataStoreReader()
+            reader.open(str(path))
+            try:
+                for raw in reader:
+                    record = Record()
+                    record.ParseFromString(raw)
+                    if record.HasField("scalar"):
+                        steps.append(record.scalar.step)
+                    elif record.HasField("media"):  # an alert: its text is known by its sha256
+                        self._alerted.update((record.media.step, i.sha256) for i in record.media.value.items)
+            finally:
+                reader.close()
+        self.resumed_at = max(steps, default=None)
+
+    def alert(self, alert: Alert) -> None:
+        if not self._open:
+            raise ValueError(f"{self!r} is closed")
+        text = str(alert)
+        if self.new_alert((alert.step, hashlib.sha256(text.encode()).hexdigest())):
+            self.run.log({self.names(f"alert/{alert.rule}"): self._swanlab.Text(text)}, step=alert.step)
 
     def __repr__(self) -> str:
         return f"SwanLabSink(project={self.project!r}, logdir={str(self.logdir)!r})"

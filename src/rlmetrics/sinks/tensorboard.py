@@ -5,6 +5,12 @@ Needs the ``tensorboard`` extra. Each step is one event holding every metric as 
 read) and is flushed at once. Names are adapted by :func:`rlmetrics.sinks.names.adapt_name`; tags
 live inside the event file, the file name never contains a metric name. View with
 ``tensorboard --logdir <log_dir>``.
+
+Each session writes a new event file in ``log_dir``. ``resume=True`` first reads the event files
+already there (tensorboard's own ``LegacyEventFileLoader``, which stops at a record cut by a crash) and
+skips every step up to the last one they hold: TensorBoard's reader drops the events after a step
+that goes back ("orphaned" data), so a resumed run must only go forward. A health alert is a text
+summary ``alert/<rule>`` at its step (TensorBoard's Text tab).
 """
 
 from __future__ import annotations
@@ -15,31 +21,57 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from rlmetrics.extras import require
+from rlmetrics.health import Alert
 from rlmetrics.sinks.names import NameMap, Sink, as_floats, as_step
 
 
 class TensorBoardSink(Sink):
     """Write scalars to an event file in ``log_dir`` (created)."""
 
-    def __init__(self, log_dir: str | os.PathLike) -> None:
+    def __init__(self, log_dir: str | os.PathLike, *, resume: bool = False) -> None:
         writer = require("tensorboard.summary.writer.event_file_writer", "tensorboard")
         self._event_pb2 = require("tensorboard.compat.proto.event_pb2", "tensorboard")
         self._summary_pb2 = require("tensorboard.compat.proto.summary_pb2", "tensorboard")
+        self._text_pb = require("tensorboard.plugins.text.summary_v2", "tensorboard").text_pb
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.names = NameMap("tensorboard")
+        if resume:
+            self._read_back()
         self._writer = writer.EventFileWriter(str(self.log_dir))
+
+    def _read_back(self) -> None:
+        """The last scalar step and the alerts of the event files already in ``log_dir``."""
+        loader = require("tensorboard.backend.event_processing.event_file_loader", "tensorboard")
+        steps = []
+        self._alerted = set()
+        for path in sorted(self.log_dir.glob("*tfevents*")):
+            for event in loader.LegacyEventFileLoader(str(path)).Load():
+                for v in event.summary.value:
+                    if v.HasField("simple_value"):
+                        steps.append(event.step)
+                    elif v.metadata.plugin_data.plugin_name == "text":
+                        self._alerted.add((event.step, v.tensor.string_val[0].decode()))
+        self.resumed_at = max(steps, default=None)
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         if self._writer is None:
             raise ValueError(f"{self!r} is closed")
         step = as_step(step)
-        summary = self._summary_pb2.Summary(
-            value=[
-                self._summary_pb2.Summary.Value(tag=tag, simple_value=value)
-                for tag, value in self.names.adapt(as_floats(metrics)).items()
-            ]
-        )
+        values = self.names.adapt(as_floats(metrics))
+        if self.skips(step):
+            return
+        Value = self._summary_pb2.Summary.Value
+        self._write(step, [Value(tag=tag, simple_value=value) for tag, value in values.items()])
+
+    def alert(self, alert: Alert) -> None:
+        if self._writer is None:
+            raise ValueError(f"{self!r} is closed")
+        if self.new_alert((alert.step, str(alert))):
+            self._write(alert.step, self._text_pb(self.names(f"alert/{alert.rule}"), str(alert)).value)
+
+    def _write(self, step: int, values: list) -> None:
+        summary = self._summary_pb2.Summary(value=values)
         self._writer.add_event(self._event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
         self._writer.flush()
 

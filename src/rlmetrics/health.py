@@ -1,0 +1,377 @@
+"""Health monitors: rules evaluated on every merged step, and an :class:`Alert` when one starts to hold.
+
+A rule is any callable ``rule(step, metrics)`` (``metrics``: ``{name: float}`` of one step, steps in
+the order they are logged) that returns what is wrong *now*: ``None`` (nothing), a message (one
+condition), or ``{metric: message}`` (one condition per metric). Its ``name`` attribute (else its
+``__name__``) names it; a ``level`` attribute (``"warning"``, the default, or ``"error"``) grades it.
+:class:`Monitor` runs its rules in order on each step and alerts once per ``(rule, metric)`` when the
+condition starts to hold; it alerts again only after a step where it did not hold. A rule that raises
+is reported (``logging.error``) and disabled; the others go on.
+
+The default rules (:func:`default_rules`), each a class whose attributes are its defaults and whose
+keyword arguments override them (docs/health.md lists them with their thresholds): ``non_finite``
+(:class:`NonFinite`), ``zero_std_groups`` (:class:`ZeroStdGroups`), ``grad_norm``
+(:class:`GradNorm`), ``entropy_collapse`` (:class:`EntropyCollapse`), ``clip_ratio_spike``
+(:class:`ClipRatioSpike`), ``response_clip_spike`` (:class:`ResponseClipSpike`), ``kl_blowup``
+(:class:`KLBlowup`) and ``silent`` (:class:`Silent`).
+
+>>> monitor = Monitor()
+>>> [a.rule for a in monitor.observe(0, {"actor/grad_norm": 1.5, "critic/score/mean": 0.2})]
+[]
+>>> for a in monitor.observe(1, {"actor/grad_norm": float("nan"), "critic/score/mean": 0.2}):
+...     print(a)
+step 1 error non_finite: actor/grad_norm is nan
+step 1 error grad_norm: actor/grad_norm is nan
+>>> monitor.observe(2, {"actor/grad_norm": float("nan"), "critic/score/mean": 0.2})  # still: no repeat
+[]
+>>> def low_score(step, metrics):  # a user rule: a message while it holds
+...     if metrics.get("critic/score/mean", 1.0) < 0.1:
+...         return "mean score below 0.1"
+>>> monitor = Monitor([*default_rules(silent=None), low_score])
+>>> [str(a) for a in monitor.observe(0, {"critic/score/mean": 0.05})]
+['step 0 warning low_score: mean score below 0.1']
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+LEVELS = ("warning", "error")
+
+
+@dataclass(frozen=True)
+class Alert:
+    """One rule starting to hold at ``step``: ``metric`` (None for a rule about the whole step) and
+    its ``value`` there (None when absent)."""
+
+    rule: str
+    step: int
+    message: str
+    level: str = "warning"
+    metric: str | None = None
+    value: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return f"step {self.step} {self.level} {self.rule}: {self.message}"
+
+
+def rule_name(rule: Callable) -> str:
+    return str(getattr(rule, "name", None) or getattr(rule, "__name__", None) or type(rule).__name__)
+
+
+def _matcher(patterns: Iterable[str], ignore: Iterable[str] = ()) -> Callable[[str], bool]:
+    patterns, ignore = tuple(patterns), tuple(ignore)
+    cache: dict[str, bool] = {}
+
+    def matches(name: str) -> bool:
+        hit = cache.get(name)
+        if hit is None:
+            hit = cache[name] = any(fnmatch.fnmatchcase(name, p) for p in patterns) and not any(
+                fnmatch.fnmatchcase(name, p) for p in ignore
+            )
+        return hit
+
+    return matches
+
+
+class Rule:
+    """Base of the built-in rules: class attributes are the defaults, keyword arguments override
+    them (``KLBlowup(ceiling=5.0)``); ``patterns`` are ``fnmatch`` globs on whole metric names."""
+
+    name = "rule"
+    level = "warning"
+    patterns: tuple[str, ...] = ("*",)
+    ignore: tuple[str, ...] = ()
+
+    def __init__(self, **options: Any) -> None:
+        for key, value in options.items():
+            if not hasattr(type(self), key) or key.startswith("_"):
+                raise TypeError(f"{type(self).__name__} has no option {key!r}")
+            setattr(self, key, tuple(value) if key in ("patterns", "ignore") else value)
+        if self.level not in LEVELS:
+            raise ValueError(f"level must be one of {LEVELS}, got {self.level!r}")
+        self.matches = _matcher(self.patterns, self.ignore)
+
+    def watched(self, metrics: Mapping[str, float]) -> Iterable[tuple[str, float]]:
+        return ((n, v) for n, v in metrics.items() if self.matches(n))
+
+    def __call__(self, step: int, metrics: Mapping[str, float]) -> Mapping[str, str] | str | None:
+        raise NotImplementedError  # pragma: no cover - interface
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+class NonFinite(Rule):
+    """A value is NaN or infinite."""
+
+    name, level = "non_finite", "error"
+
+    def __call__(self, step, metrics):
+        return {n: f"{n} is {v}" for n, v in self.watched(metrics) if not math.isfinite(v)}
+
+
+class ZeroStdGroups(Rule):
+    """The share of GRPO groups whose rewards are all equal (their advantages are all zero) is above
+    ``threshold``. No built-in metric computes it: submit ``critic/zero_var_groups/mean`` from each
+    rank as one 0/1 value per group, and the merged mean is the share over all ranks' groups."""
+
+    name = "zero_std_groups"
+    patterns = ("critic/zero_var_groups/mean",)
+    threshold = 0.5
+
+    def __call__(self, step, metrics):
+        return {
+            n: f"{n} = {v:.3g}: a share of groups above {self.threshold:g} gives no gradient"
+            for n, v in self.watched(metrics)
+            if v > self.threshold
+        }
+
+
+class GradNorm(Rule):
+    """A gradient norm is 0 (no update) or not finite."""
+
+    name, level = "grad_norm", "error"
+    patterns = ("*grad_norm*",)
+
+    def __call__(self, step, metrics):
+        return {n: f"{n} is {v:g}" for n, v in self.watched(metrics) if v == 0 or not math.isfinite(v)}
+
+
+class WindowRule(Rule):
+    """A rule on each watched metric's recent finite values (a non-finite one is ``non_finite``'s
+    business): :meth:`check` sees the value and the metric's previous (up to ``window``) values."""
+
+    window = 10
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        if self.window < 2:
+            raise ValueError(f"window must be >= 2, got {self.window}")
+        self._history: dict[str, deque] = {}
+
+    def __call__(self, step, metrics):
+        out = {}
+        for n, v in self.watched(metrics):
+            if not math.isfinite(v):
+                continue
+            history = self._history.get(n)
+            if history is None:
+                history = self._history[n] = deque(maxlen=self.window)
+            message = self.check(n, v, step, history)
+            history.append((step, v))
+            if message:
+                out[n] = message
+        return out
+
+    def check(self, name: str, value: float, step: int, history: deque) -> str | None:
+        """What is wrong with ``value`` at ``step``, given the ``(step, value)`` before it."""
+        raise NotImplementedError  # pragma: no cover - interface
+
+
+class EntropyCollapse(WindowRule):
+    """Over its last ``window`` finite values, an entropy falls faster than ``max_fall`` times
+    their mean per step (the least-squares slope against the step numbers)."""
+
+    name = "entropy_collapse"
+    patterns = ("actor/entropy", "*policy_entropy*")
+    max_fall = 0.05
+
+    def check(self, name, value, step, history):
+        if len(history) + 1 < self.window:
+            return None
+        slope, mean = _slope([*history, (step, value)][-self.window :])
+        if mean != 0 and slope < -self.max_fall * abs(mean):
+            return (
+                f"{name} falls by {-slope / abs(mean):.1%} of its mean per step over the last "
+                f"{self.window} values (limit {self.max_fall:.1%})"
+            )
+        return None
+
+
+def _slope(points: Iterable[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares slope of ``y`` against ``x``, and the mean of ``y``.
+
+    >>> _slope([(0, 1.0), (1, 3.0), (2, 5.0)])
+    (2.0, 3.0)
+    """
+    xs, ys = zip(*points)
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    return (sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0), my
+
+
+class Spike(WindowRule):
+    """A value above ``ceiling`` (when set), or above ``floor`` and above ``factor`` times the mean of
+    the metric's previous (up to ``window``, at least ``min_history``) finite values."""
+
+    name = "spike"
+    factor = 3.0
+    floor = 0.0
+    ceiling: float | None = None
+    min_history = 3
+
+    def check(self, name, value, step, history):
+        if self.ceiling is not None and value > self.ceiling:
+            return f"{name} = {value:.4g} is above {self.ceiling:g}"
+        if len(history) >= self.min_history and value > self.floor:
+            base = sum(v for _, v in history) / len(history)
+            if value > self.factor * base:
+                return f"{name} = {value:.4g} is above {self.factor:g}x its recent mean {base:.4g}"
+        return None
+
+
+class ClipRatioSpike(Spike):
+    """The PPO clip fraction jumps."""
+
+    name = "clip_ratio_spike"
+    patterns = ("*clipfrac*",)
+    floor = 0.05
+
+
+class ResponseClipSpike(Spike):
+    """The share of responses cut at the maximum length jumps."""
+
+    name = "response_clip_spike"
+    patterns = ("response/clip_ratio/mean", "response_length/clip_ratio")
+    floor = 0.1
+
+
+class KLBlowup(Spike):
+    """The KL to the old or reference policy blows up."""
+
+    name, level = "kl_blowup", "error"
+    patterns = ("*ppo_kl", "*kl_loss", "*/kl")
+    factor = 10.0
+    floor = 0.01
+    ceiling = 1.0
+
+
+class Silent(Rule):
+    """A metric seen before was absent from the last ``steps`` logged steps."""
+
+    name = "silent"
+    steps = 5
+    ignore = ("val/*", "val-*")
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        self._seen = 0
+        self._last: dict[str, tuple[int, int]] = {}  # name -> (logged-step index, step)
+
+    def __call__(self, step, metrics):
+        self._seen += 1
+        for n in metrics:
+            self._last[n] = (self._seen, step)
+        return {
+            n: f"{n} not logged since step {at} ({self._seen - i} steps)"
+            for n, (i, at) in self._last.items()
+            if self._seen - i >= self.steps and self.matches(n)
+        }
+
+
+DEFAULT_RULES: dict[str, type[Rule]] = {
+    r.name: r
+    for r in (
+        NonFinite, ZeroStdGroups, GradNorm, EntropyCollapse, ClipRatioSpike, ResponseClipSpike, KLBlowup,
+        Silent,
+    )
+}  # fmt: skip
+"""The default rules by name, in the order they run."""
+
+
+def default_rules(**options: Mapping[str, Any] | None) -> list[Rule]:
+    """Fresh default rules; ``options`` per rule name: a dict of keyword arguments, or None to drop
+    the rule (``default_rules(kl_blowup={"ceiling": 5.0}, silent=None)``).
+
+    >>> [r.name for r in default_rules(silent=None, grad_norm=None, zero_std_groups=None)]
+    ['non_finite', 'entropy_collapse', 'clip_ratio_spike', 'response_clip_spike', 'kl_blowup']
+    """
+    unknown = sorted(set(options) - set(DEFAULT_RULES))
+    if unknown:
+        raise ValueError(f"unknown rule(s) {unknown}; default rules: {list(DEFAULT_RULES)}")
+    kept = {name: options.get(name, {}) for name in DEFAULT_RULES}
+    return [DEFAULT_RULES[name](**opts) for name, opts in kept.items() if opts is not None]
+
+
+class Monitor:
+    """Runs ``rules`` (default: :func:`default_rules`) on each step; ``on_alert(alert)`` is called
+    by :class:`~rlmetrics.sinks.Tracking` after every sink got the step's alerts (an exception it
+    raises reaches the caller of ``log``: raise to stop the run)."""
+
+    def __init__(
+        self, rules: Iterable[Callable] | None = None, on_alert: Callable[[Alert], Any] | None = None
+    ) -> None:
+        self.rules = list(default_rules() if rules is None else rules)
+        self.on_alert = on_alert
+        self.disabled: dict[str, BaseException] = {}  # rule name -> the exception that disabled it
+        self._holding: dict[int, set[str]] = {}  # rule index -> metrics (or "") where it holds
+
+    def observe(self, step: int, metrics: Mapping[str, float]) -> list[Alert]:
+        """The alerts of ``step``: the conditions that hold now and did not at the previous step."""
+        alerts = []
+        for i, rule in enumerate(self.rules):
+            name = rule_name(rule)
+            if name in self.disabled:
+                continue
+            try:
+                found = _conditions(rule(step, metrics))
+            except Exception as exc:
+                self.disabled[name] = exc
+                logger.error("rule %r failed at step %d and is disabled: %r", name, step, exc, exc_info=exc)
+                continue
+            before = self._holding.get(i, set())
+            level = getattr(rule, "level", "warning")
+            for metric, message in found.items():
+                if metric not in before:
+                    value = metrics.get(metric) if metric else None
+                    alerts.append(Alert(name, step, message, level, metric or None, value))
+            self._holding[i] = set(found)
+        return alerts
+
+
+def _conditions(found: Any) -> dict[str, str]:
+    if not found:
+        return {}
+    if isinstance(found, str):
+        return {"": found}
+    if isinstance(found, Mapping):
+        return {str(k): str(v) for k, v in found.items()}
+    raise TypeError(f"a health rule returns None, a message or {{metric: message}}, got {found!r:.80}")
+
+
+def coverage_metrics(meta: Any) -> dict[str, float]:
+    """``meta/coverage`` (contributions received / expected over the step's names) and ``meta/late``
+    (contributions that arrived for already final steps since the previous step was final) of a
+    :class:`~rlmetrics.StepResult`'s ``meta`` (a :class:`~rlmetrics.StepMeta`); a complete step
+    without counts has coverage 1.
+
+    >>> from rlmetrics.messages import StepMeta
+    >>> coverage_metrics(StepMeta(complete=False, contributions=[3, 4], late=2))
+    {'meta/coverage': 0.75, 'meta/late': 2.0}
+    >>> coverage_metrics(StepMeta()), coverage_metrics(None)
+    ({'meta/coverage': 1.0, 'meta/late': 0.0}, {})
+    """
+    if meta is None:
+        return {}
+    out = {}
+    counts = meta.contributions
+    if counts and counts[1] > 0:
+        out["meta/coverage"] = counts[0] / counts[1]
+    elif meta.complete:
+        out["meta/coverage"] = 1.0
+    out["meta/late"] = float(meta.late)
+    return out

@@ -1,0 +1,246 @@
+"""Resume: a real driver process (examples/resumable_run.py) is killed with SIGKILL mid-run and started
+again; it goes back to its training checkpoint and runs steps it had already logged. Every tracker
+then holds every step exactly once, with the numbers of the ranks' data (numpy on the concatenated
+batches), and the health alert of a replayed step once — read back with each tracker's own reader
+(tests/trackers.py). Plus the resume of each file sink alone."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rlmetrics.health import Alert
+from rlmetrics.sinks import JsonlSink, TensorBoardSink, Tracking, make_sinks, read_jsonl
+from tests.trackers import (
+    mlflow_history,
+    swanlab_scalars,
+    swanlab_texts,
+    tensorboard_steps,
+    tensorboard_texts,
+    wandb_alerts,
+    wandb_rows,
+)
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "resumable_run.py"
+STEPS, NAN_STEP, KILL_AFTER = 16, 12, 13  # killed once 13 steps are in the JSONL file (0..12)
+
+
+def example():
+    spec = importlib.util.spec_from_file_location("resumable_run", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def reference(step):
+    """The merged step from the ranks' own data: numpy on the concatenated batches."""
+    batches = [example().rank_batch(step, rank, NAN_STEP) for rank in range(2)]
+    scores = np.concatenate([b["critic/score/mean"] for b in batches])
+    grads = np.concatenate([b["actor/grad_norm"] for b in batches])
+    return {
+        "critic/score/mean": scores.mean(),
+        "critic/score/max": scores.max(),
+        "actor/grad_norm": grads.mean(),
+    }
+
+
+def same(a, b):
+    """Equal up to float64 rounding (a merged mean sums in another order than numpy)."""
+    return (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-12, abs=0)
+
+
+def driver(out, **popen):
+    cmd = [sys.executable, str(EXAMPLE), str(out), "--steps", str(STEPS), "--step-seconds", "0.15"]
+    cmd += ["--nan-step", str(NAN_STEP)]
+    env = {**os.environ, "WANDB_SILENT": "true"}
+    env.pop("WANDB_SERVICE", None)  # set once this process used W&B: the drivers would share its service
+    return subprocess.Popen(
+        cmd, cwd=out.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **popen
+    )
+
+
+def logged_steps(out):
+    path = out / "metrics.jsonl"
+    return read_jsonl(path).steps if path.exists() else []
+
+
+def test_driver_killed_and_restarted_logs_every_step_once_in_every_tracker(tmp_path):
+    out = tmp_path / "run"
+    first = driver(out)
+    deadline = time.monotonic() + 120
+    while len(logged_steps(out)) < KILL_AFTER:
+        assert first.poll() is None, first.stdout.read().decode()
+        assert time.monotonic() < deadline, "the driver did not log its first steps in time"
+        time.sleep(0.02)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    ids = json.loads((out / "run_ids.json").read_text())
+    restart_at = json.loads((out / "checkpoint.json").read_text())["next_step"]
+    before = logged_steps(out)
+    assert restart_at <= NAN_STEP < len(before) < STEPS  # the restart replays logged steps, the NaN one too
+
+    second = driver(out)
+    output = second.communicate(timeout=180)[0].decode()
+    assert second.returncode == 0, output
+    assert f"starting at step {restart_at}" in output
+    assert json.loads((out / "run_ids.json").read_text()) == ids  # the same runs, continued
+    want = {s: reference(s) for s in range(STEPS)}
+    steps = list(range(STEPS))
+
+    run = read_jsonl(out / "metrics.jsonl")
+    assert run.steps == steps
+    for name in want[0]:
+        assert all(same(v, want[s][name]) for s, v in zip(*run.series(name)))
+    alerts = [(e["step"], e["event"]["rule"]) for e in run.events]
+    assert alerts == [(NAN_STEP, "non_finite"), (NAN_STEP, "grad_norm")]
+
+    tb = tensorboard_steps(out / "tensorboard")
+    assert {tag: sorted(s) for tag, s in tb.items() if not tag.startswith("meta/")} == dict.fromkeys(
+        want[0], steps
+    )
+    assert {tag: [s for s, _ in items] for tag, items in tensorboard_texts(out / "tensorboard").items()} == {
+        "alert/non_finite": [NAN_STEP],
+        "alert/grad_norm": [NAN_STEP],
+    }
+
+    wandb_files = sorted(out.glob(f"wandb/*-{ids['wandb']}/run-{ids['wandb']}.wandb"))
+    assert len(wandb_files) == 2
+    rows = wandb_rows(wandb_files)
+    assert [s for s, _ in rows] == steps  # each once, never a lower step after a higher one
+    for s, row in rows:
+        assert all(same(float(row[name]), want[s][name]) for name in want[s])
+    assert sorted(title for title, _, _ in wandb_alerts(wandb_files)) == [
+        "grad_norm: actor/grad_norm",
+        "non_finite: actor/grad_norm",
+    ]
+
+    uri = f"sqlite:///{out / 'mlflow.db'}"
+    for name in want[0]:
+        history = mlflow_history(uri, ids["mlflow"], name)
+        assert sorted(s for s, _ in history) == steps
+        assert all(same(v, want[s][name]) for s, v in history)
+    assert mlflow_history(uri, ids["mlflow"], "alert/grad_norm") == [(NAN_STEP, 1.0)]
+    from mlflow.tracking import MlflowClient
+
+    assert MlflowClient(uri).get_run(ids["mlflow"]).info.status == "FINISHED"
+
+    swanlab_files = sorted(out.glob(f"swanlab/run-*-{ids['swanlab']}/run-{ids['swanlab']}.swanlab"))
+    assert len(swanlab_files) == 2
+    scalars = swanlab_scalars(swanlab_files)
+    for name in want[0]:
+        assert sorted(s for s, _ in scalars[name]) == steps
+        assert all(same(v, want[s][name]) for s, v in scalars[name])
+    texts = swanlab_texts(swanlab_files)
+    assert {key: [s for s, _ in items] for key, items in texts.items()} == {
+        "alert/non_finite": [NAN_STEP],
+        "alert/grad_norm": [NAN_STEP],
+    }
+
+
+# ------------------------------------------------------------------------------ file sinks alone
+def test_jsonl_resume_skips_the_steps_in_the_file(tmp_path):
+    path = tmp_path / "m.jsonl"
+    with JsonlSink(path) as sink:
+        for step in range(5):
+            sink.log({"x": float(step)}, step)
+    with open(path, "ab") as f:
+        f.write(b'{"step": 5, "time": 1.0, "metr')  # a crash mid-write
+    with JsonlSink(path, resume=True) as sink:
+        assert sink.resumed_at == 4
+        for step in range(2, 8):
+            sink.log({"x": 10.0 + step}, step)
+    run = read_jsonl(path)
+    assert run.steps == list(range(8)) and run.truncated is None
+    assert run.series("x")[1].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 15.0, 16.0, 17.0]
+    with JsonlSink(tmp_path / "new.jsonl", resume=True) as sink:  # nothing to resume: a new file
+        assert sink.resumed_at is None
+        sink.log({"x": 1.0}, 0)
+
+
+def test_tensorboard_resume_goes_forward_only(tmp_path):
+    with TensorBoardSink(tmp_path / "tb") as sink:
+        for step in range(5):
+            sink.log({"x": float(step)}, step)
+    with TensorBoardSink(tmp_path / "tb", resume=True) as sink:
+        assert sink.resumed_at == 4
+        for step in range(3, 8):
+            sink.log({"x": 10.0 + step}, step)
+    assert tensorboard_steps(tmp_path / "tb") == {"x": list(range(8))}
+    with TensorBoardSink(tmp_path / "tb2", resume=True) as sink:
+        assert sink.resumed_at is None
+
+
+def test_jsonl_alert_written_before_a_crash_is_not_repeated(tmp_path):
+    path = tmp_path / "m.jsonl"
+    alert = Alert("grad_norm", 3, "actor/grad_norm is 0", "error", "actor/grad_norm", 0.0)
+    with JsonlSink(path) as sink:
+        for step in range(3):
+            sink.log({"actor/grad_norm": 1.0}, step)
+        sink.alert(alert)  # the crash comes before step 3 itself is written
+    with Tracking([JsonlSink(path, resume=True)]) as tracking:
+        assert tracking.resumed_at == 2
+        for step in range(4):  # the replay raises the alert of step 3 again
+            tracking.log({"actor/grad_norm": 0.0 if step == 3 else 1.0}, step)
+    run = read_jsonl(path)
+    assert run.steps == [0, 1, 2, 3]
+    assert [(e["step"], e["event"]["rule"]) for e in run.events] == [(3, "grad_norm")]
+
+
+def test_make_sinks_resume_keeps_ids_and_skips(tmp_path):
+    with make_sinks(["jsonl", "console"], tmp_path, health=None) as tracking:
+        assert tracking.resumed_at is None
+        tracking.sinks[1].console.quiet = True
+        for step in range(3):
+            tracking.log({"x": float(step)}, step)
+    with make_sinks(["jsonl"], tmp_path, resume=True) as tracking:
+        assert tracking.resumed_at == 2
+        for step in range(5):
+            tracking.log({"x": float(step)}, step)
+    assert read_jsonl(tmp_path / "metrics.jsonl").steps == [0, 1, 2, 3, 4]
+    with make_sinks(["jsonl"], tmp_path) as tracking:  # no resume: a new file
+        assert tracking.resumed_at is None
+    assert not (tmp_path / "run_ids.json").exists()  # no tracker run, no id to keep
+
+
+def test_alerts_written_before_a_crash_are_not_repeated_by_any_tracker(tmp_path):
+    """The crash falls between a step's alerts and the step: every tracker holds the alert, none
+    the step. The resumed driver logs the step once and no tracker writes the alert again."""
+    out = tmp_path / "run"
+    names = ["jsonl", "tensorboard", "wandb", "mlflow", "swanlab"]
+    alert = Alert("grad_norm", 3, "actor/grad_norm is 0", "error", "actor/grad_norm", 0.0)
+    with make_sinks(names, out, health=None) as tracking:
+        for step in range(3):
+            tracking.log({"actor/grad_norm": 1.0}, step)
+        for sink in tracking.sinks:
+            sink.alert(alert)
+    with make_sinks(names, out, resume=True) as tracking:
+        assert tracking.resumed_at == 2
+        for step in range(5):
+            tracking.log({"actor/grad_norm": 0.0 if step == 3 else 1.0}, step)
+    ids = json.loads((out / "run_ids.json").read_text())
+    steps = list(range(5))
+    run = read_jsonl(out / "metrics.jsonl")
+    assert run.steps == steps and [(e["step"], e["event"]["rule"]) for e in run.events] == [(3, "grad_norm")]
+    assert tensorboard_steps(out / "tensorboard") == {"actor/grad_norm": steps}
+    assert {t: [s for s, _ in v] for t, v in tensorboard_texts(out / "tensorboard").items()} == {
+        "alert/grad_norm": [3]
+    }
+    wandb_files = sorted(out.glob(f"wandb/*-{ids['wandb']}/run-{ids['wandb']}.wandb"))
+    assert [s for s, row in wandb_rows(wandb_files) if "actor/grad_norm" in row] == steps
+    assert [title for title, _, _ in wandb_alerts(wandb_files)] == ["grad_norm: actor/grad_norm"]
+    uri = f"sqlite:///{out / 'mlflow.db'}"
+    assert [s for s, _ in mlflow_history(uri, ids["mlflow"], "actor/grad_norm")] == steps
+    assert mlflow_history(uri, ids["mlflow"], "alert/grad_norm") == [(3, 1.0)]
+    swanlab_files = sorted(out.glob(f"swanlab/run-*-{ids['swanlab']}/run-{ids['swanlab']}.swanlab"))
+    assert [s for s, _ in swanlab_scalars(swanlab_files)["actor/grad_norm"]] == steps
+    assert {k: [s for s, _ in v] for k, v in swanlab_texts(swanlab_files).items()} == {"alert/grad_norm": [3]}

@@ -1,0 +1,159 @@
+"""Readers of what the tracker sinks wrote, with each tracker's own format code: TensorBoard's
+EventAccumulator, the W&B transaction log parsed with wandb's protobufs, SwanLab's DataStoreReader,
+MLflow's client. Lists keep file order and duplicates (a step written twice shows twice)."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+
+def one(root: Path, pattern: str) -> Path:
+    found = sorted(Path(root).glob(pattern))
+    assert len(found) == 1, found
+    return found[0]
+
+
+# ---------------------------------------------------------------------------------- TensorBoard
+def tensorboard_accumulator(log_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def read_tensorboard(log_dir) -> dict[str, dict[int, float]]:
+    acc = tensorboard_accumulator(log_dir)
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+def tensorboard_steps(log_dir) -> dict[str, list[int]]:
+    """Every scalar event's step, by tag."""
+    acc = tensorboard_accumulator(log_dir)
+    return {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def tensorboard_texts(log_dir) -> dict[str, list[tuple[int, str]]]:
+    """Every text summary (TensorBoard's text plugin): ``(step, text)`` by tag."""
+    acc = tensorboard_accumulator(log_dir)
+    return {
+        tag: [(e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors(tag)]
+        for tag in acc.Tags()["tensors"]
+    }
+
+
+# ------------------------------------------------------------------------------------------ W&B
+def wandb_records(run_file) -> list:
+    """The records of a ``.wandb`` file: a leveldb-log framed stream of wandb ``Record`` protobufs."""
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    data = Path(run_file).read_bytes()
+    assert data[:4] == b":W&B"
+    block, pos, buf, records = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # block trailer
+            pos += block - pos % block
+            continue
+        _checksum, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if pos + 7 + length > len(data):  # cut by a crash
+            break
+        buf += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST
+            record = Record()
+            record.ParseFromString(buf)
+            buf = b""
+            records.append(record)
+    return records
+
+
+def wandb_rows(run_files) -> list[tuple[int, dict]]:
+    """``(step, {key: value})`` of every history record of the files, in order."""
+    rows = []
+    for run_file in run_files:
+        for record in wandb_records(run_file):
+            if record.WhichOneof("record_type") == "history":
+                items = record.history.item
+                row = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in items}
+                rows.append((record.history.step.num, row))
+    return rows
+
+
+def read_wandb(run_file) -> dict[int, dict]:
+    return dict(wandb_rows([run_file]))
+
+
+def wandb_alerts(run_files) -> list[tuple[str, str, str]]:
+    """``(title, text, level)`` of every alert record of the files."""
+    return [
+        (r.alert.title, r.alert.text, r.alert.level)
+        for f in run_files
+        for r in wandb_records(f)
+        if r.WhichOneof("record_type") == "alert"
+    ]
+
+
+# -------------------------------------------------------------------------------------- SwanLab
+def swanlab_records(run_file) -> list:
+    """The records of a ``.swanlab`` file (none when a killed process left it empty: SwanLab writes
+    its header with the first flush)."""
+    from swanlab.proto.swanlab.record.v1.record_pb2 import Record
+    from swanlab.sdk.internal.core_python.store import DataStoreReader
+
+    if Path(run_file).stat().st_size == 0:
+        return []
+
+    reader = DataStoreReader()
+    reader.open(str(run_file))
+    records = []
+    try:
+        for raw in reader:
+            record = Record()
+            record.ParseFromString(raw)
+            records.append(record)
+    finally:
+        reader.close()
+    return records
+
+
+def swanlab_scalars(run_files) -> dict[str, list[tuple[int, float]]]:
+    """``(step, value)`` of every scalar record of the files, by key."""
+    series: dict[str, list] = {}
+    for run_file in run_files:
+        for record in swanlab_records(run_file):
+            if record.HasField("scalar"):
+                series.setdefault(record.scalar.key, []).append(
+                    (record.scalar.step, record.scalar.value.number)
+                )
+    return series
+
+
+def read_swanlab(run_file) -> dict[str, dict[int, float]]:
+    return {key: dict(points) for key, points in swanlab_scalars([run_file]).items()}
+
+
+def swanlab_texts(run_files) -> dict[str, list[tuple[int, str]]]:
+    """``(step, text)`` of every text record of the files (the text is a file under the run's
+    ``media/``), by key."""
+    texts: dict[str, list] = {}
+    for run_file in run_files:
+        media = Path(run_file).parent / "media"
+        for record in swanlab_records(run_file):
+            if record.HasField("media"):
+                for item in record.media.value.items:
+                    (path,) = media.rglob(item.filename)
+                    texts.setdefault(record.media.key, []).append((record.media.step, path.read_text()))
+    return texts
+
+
+# --------------------------------------------------------------------------------------- MLflow
+def mlflow_history(uri, run_id, key) -> list[tuple[int, float]]:
+    from mlflow.tracking import MlflowClient
+
+    return [(m.step, m.value) for m in MlflowClient(uri).get_metric_history(run_id, key)]
+
+
+def read_mlflow(uri, run_id, key) -> dict[int, float]:
+    return dict(mlflow_history(uri, run_id, key))
