@@ -2,7 +2,8 @@
 
 Workers hand the engine *contributions*: ``(client_id, step, seq, world_size, packed)`` where
 ``packed`` holds a schema (metric names and their reductions) and one ``(5, M)`` float64 stat array
-(:data:`rlmetrics.stat.FIELDS`), plus quantile sketches for the names that need them. The engine
+(:data:`rlmetrics.stat.FIELDS`), plus other states by column (:mod:`rlmetrics.states`: quantile
+sketches for the names that need them, validation samples). The engine
 merges them per ``(step, name)``:
 
 - a name is complete when ``world_size`` contributions arrived for it in that step;
@@ -39,11 +40,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rlmetrics.messages import PartlyMergedError, RefusedNamesError, StepMeta, StepResult, SubmissionError
-from rlmetrics.metrics import AUX_PREFIX, derive_metrics, validation_metrics
+from rlmetrics.metrics import AUX_PREFIX, derive_metrics
 from rlmetrics.packing import MAX_WORLD_SIZE, Packed, Schema
 from rlmetrics.reduce import DEFAULT_RENAMES, Reduction, parse_reduction, rename
-from rlmetrics.sketch import Sketch
 from rlmetrics.stat import Stat, empty_arrays, merge_arrays, reduce_parts, stats_of_rows
+from rlmetrics.states import State
 
 logger = logging.getLogger(__name__)
 
@@ -128,18 +129,17 @@ class _Layout:
     positions: list[np.ndarray] | None  # per group: its columns' positions in cols (None: one group)
     out_names: list[str]
     plain: list[tuple[Reduction, np.ndarray]]  # reductions of the stat array, with their positions
-    quantiles: list[tuple[Reduction, int, int]]  # (reduction, position, column) read from sketches
+    quantiles: list[int]  # positions whose reduction reads a sketch (NaN where the step has none)
     derived: bool  # auxiliary names present: derived metrics are computed from the merged values
 
 
 @dataclass
 class _Step:
     groups: dict[bytes, _Group] = field(default_factory=dict)
-    sketches: dict[int, Sketch] = field(default_factory=dict)
+    states: dict[int, State] = field(default_factory=dict)  # sketches, validation samples: by column
     seen: set = field(default_factory=set)
     contributors: set = field(default_factory=set)
     closed: set = field(default_factory=set)
-    records: list = field(default_factory=list)  # validation samples: (rank key, record)
     refused: dict = field(default_factory=dict)  # names refused in this step: their reason
 
     def counts(self, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -360,9 +360,11 @@ class Aggregator:
                 f"stats must be float64 of shape (5, {m}) or ({m},) for {m} metrics, "
                 f"got {getattr(stats, 'shape', type(stats).__name__)}"
             )
-        for col in packed.sketches:
+        for col, state in packed.states.items():
             if not 0 <= col < m:
-                raise SubmissionError(f"sketch for column {col} of {m} metrics")
+                raise SubmissionError(f"state for column {col} of {m} metrics")
+            if not isinstance(state, State):
+                raise SubmissionError(f"column {col}: {type(state).__name__} is not a state")
         if type(packed.contributions) is not int or not 1 <= packed.contributions <= MAX_WORLD_SIZE:
             raise SubmissionError(f"contributions must be a positive int, got {packed.contributions!r}")
         if self.is_finalized(step):
@@ -390,11 +392,10 @@ class Aggregator:
             group.add(
                 stats if known.keep is None else stats[..., known.keep], int(world_size), packed.contributions
             )
-        st.records.extend(packed.records)
-        for i, sk in packed.sketches.items():
+        for i, state in packed.states.items():
             col = int(known.at[i])
             if col >= 0:
-                st.sketches[col] = sk if col not in st.sketches else st.sketches[col].merge(sk)
+                st.states[col] = state if col not in st.states else st.states[col].merge(state)
         if known.refused:
             st.refused.update(known.refused)
             raise RefusedNamesError(
@@ -450,7 +451,7 @@ class Aggregator:
     def has_closed_data(self, step: int) -> bool:
         """``step`` is pending, holds data and some client closed it."""
         st = self._steps.get(step)
-        return st is not None and bool(st.closed) and bool(st.groups or st.records)
+        return st is not None and bool(st.closed) and bool(st.groups or st.states)
 
     def is_complete(self, step: int) -> bool:
         """All names have their expected contributions and every registered client closed the step."""
@@ -539,14 +540,12 @@ class Aggregator:
             return []
         out = []
         for sid, group in sorted(st.groups.items()):
-            sketches = {}
+            states = {}
             for i, col in enumerate(group.cols.tolist()):
-                if col in st.sketches:  # a name in several schemas: its merged sketch goes once
-                    sketches[i] = st.sketches.pop(col)
-            packed = Packed(self._schemas[sid].accepted(), group.fold().copy(), sketches, group.received)
+                if col in st.states:  # a name in several schemas: its merged state goes once
+                    states[i] = st.states.pop(col)
+            packed = Packed(self._schemas[sid].accepted(), group.fold().copy(), states, group.received)
             out.append((packed, group.world_size))
-        if out:
-            out[0][0].records.extend(st.records)
         return out
 
     def _layout(self, st: _Step) -> _Layout:
@@ -574,7 +573,7 @@ class Aggregator:
             positions=positions,
             out_names=[self._out_names[c] for c in cols.tolist()],
             plain=[(r, idx) for r, idx in reductions if not r.needs_sketch],
-            quantiles=[(r, i, int(cols[i])) for r, idx in reductions if r.needs_sketch for i in idx.tolist()],
+            quantiles=[i for r, idx in reductions if r.needs_sketch for i in idx.tolist()],
             derived=any(self._names[c].startswith(AUX_PREFIX) for c in cols.tolist()),
         )
         if len(self._layouts) >= 1024:
@@ -609,9 +608,8 @@ class Aggregator:
         out = np.empty(len(lay.cols))
         for red, idx in lay.plain:
             out[idx] = red.apply_arrays(total[:, idx])
-        for red, i, col in lay.quantiles:
-            sk = st.sketches.get(col)
-            out[i] = red.apply(Stat.from_array(total[:, i], sketch=sk)) if sk is not None else math.nan
+        out[lay.quantiles] = math.nan  # unless a sketch reduces them
+        extra = self._reduce_states(st, lay, total, out)
         has_data = total[0] > 0
         if has_data.all():
             values, empty = dict(zip(lay.out_names, out.tolist())), []
@@ -621,14 +619,30 @@ class Aggregator:
             empty = [n for n, ok in zip(lay.out_names, flags) if not ok]
         if lay.derived:
             values = derive_metrics(values)
-        if st.records:  # computed once over every rank's samples, in rank order
-            values.update(validation_metrics(st.records))
+        values.update(extra)
         if not np.isfinite(out[has_data]).all():
             bad = [n for n, v in values.items() if not math.isfinite(v) and n not in self._nan_warned]
             if bad:
                 self._nan_warned.update(bad)
                 logger.warning("non-finite value in metric(s) %s", bad[:10])
         return values, empty
+
+    def _reduce_states(self, st: _Step, lay: _Layout, total: np.ndarray, out: np.ndarray) -> dict[str, float]:
+        """Each state's values (:mod:`rlmetrics.states`): its own column's into ``out`` (a sketch's
+        quantile), the others returned (validation samples' metrics, computed once over every rank's
+        samples)."""
+        extra: dict[str, float] = {}
+        if not st.states:
+            return extra
+        position = {c: i for i, c in enumerate(lay.cols.tolist())}
+        for col, state in st.states.items():
+            i = position[col]
+            name = lay.out_names[i]
+            got = state.reduce(name, parse_reduction(self._reductions[col]), Stat.from_array(total[:, i]))
+            if name in got:
+                out[i] = got.pop(name)
+            extra.update(got)
+        return extra
 
     def finalized_state(self) -> tuple[int, list[int]]:
         """``(done_below, finalized)``: every step below ``done_below`` and those listed are finalized."""

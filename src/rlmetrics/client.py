@@ -433,8 +433,8 @@ class ClientCore:
         have one). ``exact=True`` adds ``pass@k`` and the exact best/worst/maj@k keys;
         ``record_options`` (``style``, ``seed``, ``expected_counts``) go to
         :func:`~rlmetrics.metrics.validation.encode_samples`."""
-        from rlmetrics.metrics import AUX_PREFIX
         from rlmetrics.metrics.validation import encode_samples
+        from rlmetrics.states import VALIDATION_SAMPLES, Samples
 
         ws = self.world_size if world_size is None else world_size
         if ws is None:
@@ -443,10 +443,10 @@ class ClientCore:
             data_sources, sample_inputs, infos_dict, sample_turns, exact=exact,
             nan_strategy=self.nan_strategy, **record_options,
         )  # fmt: skip
-        packed = pack({AUX_PREFIX + "validation/samples/total": float(len(record["group"]))})
+        packed = pack({VALIDATION_SAMPLES: float(len(record["group"]))})
         with self._lock:
             seq = self._next_seq()
-            packed.records.append((self._rank_key(record, seq), record))
+            packed.states[0] = Samples([(self._rank_key(record, seq), record)])
             self.submit_packed(packed, int(ws), self.step if step is None else int(step), seq)
 
     def _rank_key(self, record: Mapping[str, Any], seq: int) -> tuple[int, int, int, str]:

@@ -22,6 +22,7 @@ import numpy as np
 from rlmetrics.reduce import MEAN, STD, Reduction, parse_reduction, resolve
 from rlmetrics.sketch import Sketch
 from rlmetrics.stat import MetricValueError, Stat, scalar_value
+from rlmetrics.states import State
 
 MAX_WORLD_SIZE = 1 << 32
 """Largest ``world_size`` (and node contribution count): the engine counts contributions in int64."""
@@ -49,13 +50,13 @@ class Schema:
 class Packed:
     """One contribution's numbers, in schema order: ``stats`` is a ``(5, M)`` stat array, or a
     1-D array of ``M`` values when every metric is a single observation (the common case of
-    scalar metrics: one float per metric on the wire); sketches by column."""
+    scalar metrics: one float per metric on the wire); ``states``: the other states
+    (:mod:`rlmetrics.states`: sketches, validation samples) by column."""
 
     schema: Schema
     stats: np.ndarray
-    sketches: dict[int, Sketch] = field(default_factory=dict)
+    states: dict[int, State] = field(default_factory=dict)
     contributions: int = 1  # > 1: several ranks' contributions merged beforehand (a node aggregator)
-    records: list = field(default_factory=list)  # (rank key, validation sample record) pairs
 
 
 def _to_stat(name: str, value: Any, needs_sketch: bool, nan_strategy: str) -> Stat:
@@ -111,7 +112,7 @@ def pack(
     names: list[str] = []
     reductions: list[str] = []
     columns: list[np.ndarray | float] = []  # a float: one observation
-    sketches: dict[int, Sketch] = {}
+    states: dict[int, State] = {}
     failed: dict[str, str] = {}
     std_numbers: list[str] = []
     dropped: list[str] = []
@@ -141,7 +142,7 @@ def pack(
                 if isinstance(stat, MetricValueError):
                     raise stat
                 if stat.sketch is not None and reduction.needs_sketch:
-                    sketches[len(names)] = stat.sketch
+                    states[len(names)] = stat.sketch
                 columns.append(stat.to_array())
         except Exception as exc:  # whatever a value raises, it refuses that name only
             key = name if isinstance(name, str) else repr(name)
@@ -185,7 +186,7 @@ def pack(
             schemas[key] = schema
     if schemas is not None and stats.ndim == 1:
         schemas[key[0]] = schema  # names alone: the key of the all-numbers fast path
-    return Packed(schema, stats, sketches)
+    return Packed(schema, stats, states)
 
 
 _FAST_TYPES = frozenset({float, int, np.float64, np.float32, np.int64, np.int32})

@@ -50,6 +50,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -376,6 +377,15 @@ class Sketch:
         return self._buckets
 
     # ------------------------------------------------------------------ merging
+    kind = "sketch"
+    """The state kind (:mod:`rlmetrics.states`)."""
+
+    def reduce(self, name: str, reduction: Any, stat: Any) -> dict[str, float]:
+        """The state protocol's reduce (:mod:`rlmetrics.states`): ``{name: value}`` of ``reduction``
+        (a quantile) on ``stat`` (its column's merged Stat) with this sketch."""
+        stat.sketch = self
+        return {name: reduction.apply(stat)}
+
     def merge(self, other: Sketch) -> Sketch:
         """A new sketch of both inputs' data; neither input changes. Parameters must match.
 

@@ -3,10 +3,11 @@
 A message is a plain tuple of ints, bytes and small tuples (cheap for pickle and Ray)::
 
     (VERSION, items, close, schemas, resync)
-    items   = [(step, seq, world_size, schema_id, stats, {column: sketch_bytes},
-                contributions, validation_records), ...]
+    items   = [(step, seq, world_size, schema_id, stats, {column: (kind, array)}, contributions), ...]
     schemas = {schema_id: (names, reductions)}   # only for schemas the receiver does not know yet
 
+The ``{column: (kind, array)}`` are the contribution's other states (:mod:`rlmetrics.states`:
+quantile sketches, validation samples), each as :func:`~rlmetrics.states.encode_state` gives it.
 ``seq`` is a client's sequence number, or, in an item that pre-merges several clients' submissions
 (Ray's per-process sender), the tuple of their ``(client_id, seq)`` keys.
 
@@ -40,9 +41,9 @@ import numpy as np
 
 from rlmetrics.messages import SubmissionError
 from rlmetrics.packing import Packed, Schema
-from rlmetrics.sketch import Sketch
+from rlmetrics.states import decode_state, encode_state
 
-VERSION = 2
+VERSION = 3
 Item = tuple[int, int, int, Packed]  # (step, seq, world_size, packed)
 
 
@@ -59,9 +60,8 @@ def encode(items: list[Item], close: list[int], send_names: Any, resync: bool = 
         sid = packed.schema.id
         if sid not in schemas and wants(sid):
             schemas[sid] = (packed.schema.names, packed.schema.reductions)
-        sketches = {col: sk.to_array().tobytes() for col, sk in packed.sketches.items()}
-        data = _float_bytes(packed.stats)
-        out.append((step, seq, world_size, sid, data, sketches, packed.contributions, packed.records))
+        states = {col: encode_state(state) for col, state in packed.states.items()}
+        out.append((step, seq, world_size, sid, _float_bytes(packed.stats), states, packed.contributions))
     return (VERSION, out, list(close), schemas, resync)
 
 
@@ -127,7 +127,7 @@ def decode(msg: tuple, table: SchemaTable) -> tuple[list[Item], list[int], list[
     items: list[Item] = []
     unknown: list[bytes] = []
     try:
-        for step, seq, world_size, sid, data, sketches, contributions, records in raw_items:
+        for step, seq, world_size, sid, data, states, contributions in raw_items:
             schema = table.schemas.get(sid)
             if schema is None:
                 if sid not in unknown:
@@ -137,8 +137,8 @@ def decode(msg: tuple, table: SchemaTable) -> tuple[list[Item], list[int], list[
             stats = _floats(data, 5 * m)
             if stats.size == 5 * m and m:
                 stats = stats.reshape(5, m)
-            sk = {int(c): Sketch.from_array(np.frombuffer(b, dtype=np.float64)) for c, b in sketches.items()}
-            items.append((step, seq, world_size, Packed(schema, stats, sk, contributions, list(records))))
+            decoded = {int(c): decode_state(kind, arr) for c, (kind, arr) in states.items()}
+            items.append((step, seq, world_size, Packed(schema, stats, decoded, contributions)))
     except (TypeError, ValueError, AttributeError, zlib.error) as exc:
         if isinstance(exc, SubmissionError):
             raise

@@ -24,7 +24,7 @@ merges its own submissions of the step into one ``(5, L)`` stat array in layout 
 M2, min, max per name), then:
 
 1. **One exchange of every rank's state**, in one of two forms. Both carry a header (fingerprint,
-   step, whether the rank has a name outside the layout, its number of validation records) and, per
+   step, whether the rank has a name outside the layout, how many other states it holds) and, per
    quantile name, what the sketches of step 2 need (exact size, bucket spans, parameters). The form
    depends only on the layout and the group size, so every rank picks the same one (``exchange=``
    forces one):
@@ -60,8 +60,9 @@ collectives are not paired, a misuse, make the backend raise on a size mismatch)
 name sends count 0 and
 neutral extremes, so the name is not reported as zero; a name no rank has in a step is left out of
 that step's values (listed in ``meta.empty``). NaN follows ``nan_strategy``; with
-``"propagate"`` a NaN reaches mean, std, min, max and quantiles. Validation sample records are
-gathered with one ``all_gather_object`` in the steps that have them.
+``"propagate"`` a NaN reaches mean, std, min, max and quantiles. States other than sketches
+(validation samples, :mod:`rlmetrics.states`) are gathered in their travelling form with one
+``all_gather_object`` in the steps that have them, and merged.
 
 ``world_size`` and partial results: in a collective every rank of the group is present by
 construction, so each step is complete; ``world_size`` given to ``submit_metric`` is accepted for
@@ -88,6 +89,7 @@ from rlmetrics.reduce import parse_reduction
 from rlmetrics.server import Submission, make_reply, merge_items
 from rlmetrics.sketch import BucketWindow, Sketch
 from rlmetrics.stat import empty_arrays, merge_arrays, reduce_parts
+from rlmetrics.states import State, decode_state, encode_state
 
 try:
     import torch
@@ -262,10 +264,10 @@ class TorchDistTransport(SyncTransport):
                 lay = self._layout
                 covered = all(self._position(p.schema) is not None for p, _ in parts)
                 if covered:
-                    local, sketches, records = self._local_columns(parts, lay)
+                    local, sketches, others = self._local_columns(parts, lay)
                 else:  # exchanged only to agree on a re-layout
-                    local, sketches, records = empty_arrays(len(lay.names)), {}, []
-                merged = self._exchange(step, lay, local, sketches, records, covered)
+                    local, sketches, others = empty_arrays(len(lay.names)), {}, {}
+                merged = self._exchange(step, lay, local, sketches, others, covered)
                 if merged is not None:
                     break
                 if relayout:
@@ -276,14 +278,11 @@ class TorchDistTransport(SyncTransport):
                 relayout = True
             total, sums, infos = merged
             n_q = len(lay.quantiles)
-            if sums[0]:
-                gathered: list[Any] = [None] * self.world_size
-                dist.all_gather_object(gathered, records, group=self.group)
-                self.collectives_last_step += 1
-                records = [r for part in gathered for r in part]
+            if sums[0]:  # some rank holds states other than sketches (validation samples)
+                others = self._gather_states(others)
             global_sketches = self._merge_sketches(lay, sketches, sums[1 : 1 + n_q], infos) if n_q else {}
             self._last_seen[total[0] > 0] = step
-            res = self._finish(step, lay, total, global_sketches, records)
+            res = self._finish(step, lay, total, {**global_sketches, **others})
             res.meta.relayout, res.meta.ranks = relayout, self.world_size
             res.meta.contributors = list(range(self.world_size))
             res.meta.exchange = exchange_form(self.exchange, self.world_size, lay)
@@ -320,10 +319,10 @@ class TorchDistTransport(SyncTransport):
         lay: Layout,
         local: np.ndarray,
         sketches: dict[int, Sketch],
-        records: list,
+        others: dict[int, State],
         covered: bool,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """Step 1: ``(merged (5, L) stat array, SUM of [records, exact sketch sizes], MAX of the
+        """Step 1: ``(merged (5, L) stat array, SUM of [other states, exact sketch sizes], MAX of the
         sketch infos)``, or None when the ranks must re-layout first."""
         fp, n_names = lay.fingerprint, len(lay.names)
         head = np.array([fp, -fp, step, -step, 0.0 if covered else 1.0])
@@ -333,7 +332,7 @@ class TorchDistTransport(SyncTransport):
                 "rank %d: quantile metric(s) %s came without a sketch: left out", self.rank, lacking
             )
         info = [_sketch_info(sketches.get(p)) for p in lay.quantiles.tolist()]
-        sums = np.array([float(len(records)), *(size for size, _ in info)])
+        sums = np.array([float(len(others)), *(size for size, _ in info)])
         infos = np.concatenate([np.empty(0), *(i for _, i in info)])
         if exchange_form(self.exchange, self.world_size, lay) == "gather":
             (rows,) = self._collect((np.concatenate([head, sums, infos, local.ravel()]), None))
@@ -423,22 +422,35 @@ class TorchDistTransport(SyncTransport):
 
     def _local_columns(
         self, parts: list[tuple[Packed, int]], lay: Layout
-    ) -> tuple[np.ndarray, dict[int, Sketch], list]:
-        """This rank's merged ``(5, L)`` stat array in layout order, its sketches and records."""
+    ) -> tuple[np.ndarray, dict[int, Sketch], dict[int, State]]:
+        """This rank's merged ``(5, L)`` stat array in layout order, its sketches (merged by the
+        SUM of step 2) and its other states, by layout position."""
         local = empty_arrays(len(lay.names))
         filled = np.zeros(len(lay.names), dtype=bool)
-        sketches: dict[int, Sketch] = {}
-        records: list = []
+        states: dict[int, State] = {}
         for packed, _ in parts:
             pos = self._position(packed.schema)
             # names in several schemas of the step merge; the first contribution of a name is copied
             local[:, pos] = merge_arrays(local[:, pos], packed.stats) if filled[pos].any() else packed.stats
             filled[pos] = True
-            for i, sk in packed.sketches.items():
+            for i, state in packed.states.items():
                 p = int(pos[i])
-                sketches[p] = sk if p not in sketches else sketches[p].merge(sk)
-            records.extend(packed.records)
-        return local, sketches, records
+                states[p] = state if p not in states else states[p].merge(state)
+        sketches = {p: s for p, s in states.items() if isinstance(s, Sketch)}
+        return local, sketches, {p: s for p, s in states.items() if p not in sketches}
+
+    def _gather_states(self, states: dict[int, State]) -> dict[int, State]:
+        """Every rank's non-sketch states, by one ``all_gather_object`` of their travelling form
+        (:mod:`rlmetrics.states`), merged by layout position."""
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, {p: encode_state(s) for p, s in states.items()}, group=self.group)
+        self.collectives_last_step += 1
+        out: dict[int, State] = {}
+        for part in gathered:
+            for p, encoded in part.items():
+                state = decode_state(*encoded)
+                out[p] = state if p not in out else out[p].merge(state)
+        return out
 
     def _merge_sketches(
         self, lay: Layout, sketches: dict[int, Sketch], exact_sizes: np.ndarray, infos: np.ndarray
@@ -459,12 +471,10 @@ class TorchDistTransport(SyncTransport):
                 out[p] = sk
         return out
 
-    def _finish(self, step: int, lay: Layout, total: np.ndarray, sketches: dict, records: list) -> StepResult:
+    def _finish(self, step: int, lay: Layout, total: np.ndarray, states: dict[int, State]) -> StepResult:
         """The step's result by the Aggregator's own finalization (or an empty one off ``result_on``)."""
         if lay.names and (self.result_on is None or self.result_on == self.rank):
-            self._engine.submit(
-                "group", step, 0, 1, Packed(lay.schema, total, sketches, records=records), register=False
-            )
+            self._engine.submit("group", step, 0, 1, Packed(lay.schema, total, states), register=False)
         self._engine.close("group", step)
         res = self._engine.finalize(step)
         if self.result_on is not None:

@@ -202,12 +202,7 @@ def _premerge(batch: list[tuple]) -> tuple[list[tuple[str, tuple]], tuple | None
         mine: list[Submission] = []
         for item in items:
             step, _seq, world_size, packed = item
-            if (
-                packed.stats.ndim == 1
-                and not packed.sketches
-                and not packed.records
-                and transport.knows(packed)
-            ):
+            if packed.stats.ndim == 1 and not packed.states and transport.knows(packed):
                 groups.setdefault((step, world_size, packed.schema.id), []).append((client_id, item, mine))
             else:
                 mine.append(item)

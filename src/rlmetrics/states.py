@@ -1,0 +1,114 @@
+"""The one state model: what travels with a contribution and merges at the aggregator.
+
+Every state implements one small protocol, :class:`State`:
+
+- ``merge(other)``: the state of both (associative and commutative; :class:`Samples` keep their
+  rank keys and are ordered by them when reduced);
+- ``to_array()`` / ``from_array(arr)``: how it travels (a numpy array: the wire and the torch backend
+  move states only this way, by their ``kind``);
+- ``reduce(name, reduction, stat)``: the values it reports at the end of its step, given its
+  column's name, reduction and merged :class:`~rlmetrics.stat.Stat`.
+
+:class:`~rlmetrics.stat.Stat` (count, sum, M2, min, max) is every column's state and the fast path:
+a contribution carries all of them as one ``(5, M)`` float64 array, merged as matrices. The other
+states ride on a column of a contribution (``Packed.states``): a :class:`~rlmetrics.sketch.Sketch`
+on a name whose reduction reads quantiles, :class:`Samples` on :data:`VALIDATION_SAMPLES`.
+
+>>> from rlmetrics.reduce import resolve
+>>> a, b = Sketch.of([1.0, 2.0]), Sketch.of([3.0, 4.0, 5.0])
+>>> travelled = decode_state(*encode_state(a))
+>>> travelled.merge(b).reduce("lat/p50", resolve("lat/p50"), Stat.of([1.0, 2.0, 3.0, 4.0, 5.0]))
+{'lat/p50': 3.0}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import numpy as np
+
+from rlmetrics.metrics import AUX_PREFIX, validation_metrics
+from rlmetrics.reduce import Reduction
+from rlmetrics.sketch import Sketch
+from rlmetrics.stat import Stat
+
+VALIDATION_SAMPLES = AUX_PREFIX + "validation/samples/total"
+"""The column validation samples ride on (its value: how many samples a contribution holds)."""
+
+
+@runtime_checkable
+class State(Protocol):
+    """What travels with a column of a contribution and merges (see the module docstring)."""
+
+    kind: ClassVar[str]
+
+    def merge(self, other: Any) -> Any: ...
+
+    def to_array(self) -> np.ndarray: ...
+
+    @classmethod
+    def from_array(cls, arr: np.ndarray) -> Any: ...
+
+    def reduce(self, name: str, reduction: Reduction, stat: Stat) -> dict[str, float]: ...
+
+
+class Samples:
+    """Validation samples of one or more ranks: ``(rank key, sample record)`` pairs
+    (:func:`~rlmetrics.metrics.validation.encode_samples` makes a record). Merging concatenates;
+    reducing orders them by rank key and computes the validation metrics once over all of them, so
+    a prompt whose samples sit on several ranks gets the single-process values.
+
+    >>> from rlmetrics.metrics.validation import encode_samples
+    >>> r0 = Samples([((0, 0), encode_samples(["gsm8k"] * 2, ["p", "p"], {"acc": [1.0, 0.0]}))])
+    >>> r1 = Samples([((0, 1), encode_samples(["gsm8k"], ["p"], {"acc": [1.0]}))])
+    >>> both = Samples.from_array(r1.merge(r0).to_array())
+    >>> round(both.reduce(VALIDATION_SAMPLES, None, Stat())["val-core/gsm8k/acc/mean@3"], 4)
+    0.6667
+    """
+
+    kind: ClassVar[str] = "samples"
+
+    def __init__(self, records: Iterable[tuple[Any, Mapping[str, Any]]] = ()) -> None:
+        self.records = list(records)
+
+    def merge(self, other: Samples) -> Samples:
+        return Samples(self.records + other.records)
+
+    def to_array(self) -> np.ndarray:
+        arr = np.empty(len(self.records), dtype=object)
+        for i, pair in enumerate(self.records):
+            arr[i] = pair
+        return arr
+
+    @classmethod
+    def from_array(cls, arr: np.ndarray) -> Samples:
+        """Inverse of :meth:`to_array`; ValueError unless every element is a ``(key, record)`` pair."""
+        if not isinstance(arr, np.ndarray) or arr.dtype != object or arr.ndim != 1:
+            raise ValueError("samples travel as a 1-D object array")
+        pairs = arr.tolist()
+        if not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], Mapping) for p in pairs):
+            raise ValueError("samples must be (rank key, record) pairs")
+        return cls(pairs)
+
+    def reduce(self, name: str, reduction: Reduction | None, stat: Stat) -> dict[str, float]:
+        return validation_metrics(self.records)
+
+
+KINDS: dict[str, Any] = {Sketch.kind: Sketch, Samples.kind: Samples}
+"""Every state kind by its wire name."""
+
+
+def encode_state(state: State) -> tuple[str, np.ndarray]:
+    """``(kind, array)``: a state as it travels."""
+    return state.kind, state.to_array()
+
+
+def decode_state(kind: Any, arr: Any) -> State:
+    """The state of :func:`encode_state`'s output; ValueError for an unknown kind or a bad array."""
+    cls = KINDS.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ValueError(f"unknown state kind {kind!r:.40}")
+    if not isinstance(arr, np.ndarray):
+        raise ValueError(f"a {kind} state travels as a numpy array, got {type(arr).__name__}")
+    return cls.from_array(arr)
