@@ -615,9 +615,13 @@ class TorchMetricClient(ClientCore):
             rank=transport.rank if rank is None else rank,
         )
 
-    def wait_submit(self) -> None:
-        """Collective: merge this step over every rank of the group, then advance to the next step."""
+    def wait_submit(self, step: int | None = None, block: bool | None = None) -> None:
+        """Collective: merge this step (or ``step``) over every rank of the group, then advance to the
+        step after it. It always blocks: every rank of the group takes part (``block`` is accepted
+        for the client API's sake)."""
         with self._lock:
+            if step is not None:
+                self.step = step
             try:
                 self._flush([])  # a refused submission raises only after the collective: no rank hangs
             finally:
