@@ -37,9 +37,10 @@ def produced_names() -> set[str]:
         exact=True,
     )
     names |= set(val)
-    for value in vars(analysis).values():
-        if isinstance(value, tuple) and value and all(isinstance(v, str) and "/" in v for v in value):
-            names |= set(value)
+    for module in (analysis.custom, analysis.advanced, analysis.model, analysis.conversation):
+        for value in vars(module).values():  # the name tuples of the seed's example metrics
+            if isinstance(value, tuple) and value and all(isinstance(v, str) and "/" in v for v in value):
+                names |= set(value)
     return names
 
 
