@@ -21,8 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import rlmetrics
 from rlmetrics.backends import local
 from rlmetrics.metrics import AUX_PREFIX, VF_TOKENS, derive_metrics
-from rlmetrics.metrics.data import tokens as tokens_module
 from rlmetrics.metrics.data import compute_data_metric, compute_data_stats, data_metrics_from_stats
+from rlmetrics.metrics.data import tokens as tokens_module
 from rlmetrics.stat import Stat
 
 MEM = "perf/process_cpu_mem_used_gb"
