@@ -33,7 +33,9 @@ from rlmetrics.values import (
     MetricValueError,
     and_mask,
     as_float_array,
+    bad_weights_error,
     check_tensor,
+    check_weights,
     is_dataless,
     is_torch,
     scalar_value,
@@ -232,7 +234,11 @@ class Stat:
         if x.shape[0] == 0:
             return cls(sketch=Sketch() if sketch else None)
         with np.errstate(invalid="ignore", over="ignore"):  # non-finite values follow nan_strategy
-            stat = cls._from_summary(_summary(np, x, w, nan_strategy), nan_strategy=nan_strategy, name=name)
+            if w is not None:
+                check_weights(w, name)
+            if nan_strategy == "error":
+                _refuse(float(nonfinite(x, weight=w)), 0.0, name=name)
+            stat = cls(*summarize(x, weight=w, nan_strategy=nan_strategy).tolist())
         if sketch:
             keep = np.ones(x.shape, dtype=bool) if w is None else w > 0
             if nan_strategy == "drop":
@@ -241,14 +247,9 @@ class Stat:
         return stat
 
     @classmethod
-    def _from_summary(cls, summary: np.ndarray, *, nan_strategy: str, name: str) -> Stat:
-        """The Stat of a :func:`_summary`, or the error its checks call for."""
-        if summary[6] > 0:
-            raise MetricValueError(f"metric {name!r}: {int(summary[6])} negative or non-finite weight(s)")
-        if nan_strategy == "error" and summary[5] > 0:
-            raise MetricValueError(
-                f"metric {name!r}: {int(summary[5])} non-finite value(s) (nan_strategy='error')"
-            )
+    def _from_summary(cls, summary: np.ndarray, *, name: str) -> Stat:
+        """The Stat of a :func:`_summary` moved to the host, or the error its checks call for."""
+        _refuse(summary[5], summary[6], name=name)
         return cls(*summary[:5].tolist())
 
     # ------------------------------------------------------------------ statistics
@@ -314,14 +315,24 @@ class Stat:
     __hash__ = None  # type: ignore[assignment]
 
 
-def _summary(xp: Any, x: Any, w: Any, nan_strategy: str) -> Any:
-    """The stat array of 1-D float64 ``x`` (weights ``w`` or None; numpy or torch, on ``x``'s device)
-    and two numbers for the checks of :meth:`Stat._from_summary`: the non-finite observations
-    (counted for ``"error"`` only) and the weights that are negative or not finite."""
-    zero = np.zeros(()) if xp is np else xp.zeros((), dtype=xp.float64, device=x.device)
+def _summary(torch: Any, x: Any, w: Any, nan_strategy: str) -> Any:
+    """The stat array of 1-D float64 tensor ``x`` (weights ``w`` or None), on ``x``'s device, followed
+    by what :func:`_refuse` reads: one vector to move to the host."""
+    zero = torch.zeros((), dtype=torch.float64, device=x.device)
     bad = nonfinite(x, weight=w) if nan_strategy == "error" else zero
-    bad_w = zero if w is None else (~(xp.isfinite(w) & (w >= 0))).sum(dtype=xp.float64)
-    return xp.concatenate([summarize(x, weight=w, nan_strategy=nan_strategy), xp.stack([bad, bad_w])])
+    bad_w = zero if w is None else (~(torch.isfinite(w) & (w >= 0))).sum(dtype=torch.float64)
+    return torch.cat([summarize(x, weight=w, nan_strategy=nan_strategy), torch.stack([bad, bad_w])])
+
+
+def _refuse(bad_values: float, bad_weights: float, *, name: str) -> None:
+    """Raise :class:`MetricValueError` for weights that are negative or not finite, then for non-finite
+    values (counted under ``nan_strategy="error"`` only)."""
+    if bad_weights > 0:
+        raise bad_weights_error(name, bad_weights)
+    if bad_values > 0:
+        raise MetricValueError(
+            f"metric {name!r}: {int(bad_values)} non-finite value(s) (nan_strategy='error')"
+        )
 
 
 def _tensor_stats(items: Sequence[tuple], nan_strategy: str) -> list[Stat | MetricValueError]:
@@ -355,7 +366,7 @@ def _queue(
     options = {"nan_strategy": nan_strategy, "name": name}
     if sketch:  # the sketch needs the values themselves: move values and weights
         return [x] if w is None else [x, w], _caught(Stat._finish, sketch=True, **options)
-    return [_summary(torch, x, w, nan_strategy)], _caught(Stat._from_summary, **options)
+    return [_summary(torch, x, w, nan_strategy)], _caught(Stat._from_summary, name=name)
 
 
 def _caught(fn: Callable[..., Stat], **options: Any) -> Callable[..., Stat | MetricValueError]:

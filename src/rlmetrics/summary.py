@@ -16,7 +16,7 @@ single observations), the per-sequence and device summaries of :mod:`rlmetrics.m
 >>> summarize(np.array([[1.0, 3.0], [2.0, np.nan]]), nan_strategy="drop")[:, 1].tolist()
 [1.0, 2.0, 0.0, 2.0, 2.0]
 
-The kernel is a sequence of pieces, each written once: :func:`total` (sums), :func:`mean_of`,
+The kernel is a sequence of pieces, each written once: :func:`total` (sums), :func:`divisor` (of means),
 :func:`extremes` (min and max), :func:`square_` (squared deviations) and :func:`finish` (the stat
 array, empty rows with ``min = inf`` and ``max = -inf``). Masked values enter the sums as 0, the
 extremes as ``inf`` / ``-inf`` and M2 as a deviation of 0: M2 sums squared deviations from the mean
@@ -56,25 +56,24 @@ def total(xp: Any, x: Any, levels: int = 1) -> Any:
     return out
 
 
-def mean_of(xp: Any, sums: Any, count: Any) -> Any:
-    """``sums / count``, 0 where there is no observation."""
-    return sums / xp.where(count > 0, count, 1.0)
+def divisor(xp: Any, count: Any) -> Any:
+    """What sums are divided by for a mean: ``count``, or 1 where there is no observation."""
+    return xp.where(count > 0, count, 1.0)
 
 
 def extremes(xp: Any, x: Any, keep: Any = None) -> tuple[Any, Any]:
     """Min and max over the last axis of ``x`` where ``keep`` (``inf`` / ``-inf`` where nothing is
     kept); a NaN propagates."""
-    if keep is not None:
-        return extremes(xp, xp.where(keep, x, math.inf))[0], extremes(xp, xp.where(keep, x, -math.inf))[1]
+    lo, hi = (x, x) if keep is None else (xp.where(keep, x, math.inf), xp.where(keep, x, -math.inf))
     if xp is np:
-        return x.min(-1, initial=np.inf), x.max(-1, initial=-np.inf)
+        return lo.min(-1, initial=np.inf), hi.max(-1, initial=-np.inf)
     if x.shape[-1] == 0:
         lo = xp.full(x.shape[:-1], math.inf, dtype=x.dtype, device=x.device)
         return lo, -lo
-    if x.dim() == 1 or (x.dim() == 2 and x.shape[0] == 1):  # one pass for both (aminmax over a dim is slow)
-        lo, hi = xp.aminmax(x.reshape(-1))
+    if keep is None and (x.dim() == 1 or (x.dim() == 2 and x.shape[0] == 1)):
+        lo, hi = xp.aminmax(x.reshape(-1))  # one pass for both (aminmax over a dim is slow on CPU)
         return (lo, hi) if x.dim() == 1 else (lo[None], hi[None])
-    return x.amin(-1), x.amax(-1)
+    return lo.amin(-1), hi.amax(-1)
 
 
 def square_(xp: Any, dev: Any, weight: Any = None) -> Any:
@@ -88,12 +87,15 @@ def square_(xp: Any, dev: Any, weight: Any = None) -> Any:
     return dev if weight is None else dev.mul_(weight)
 
 
-def finish(xp: Any, count: Any, sums: Any, m2: Any, mins: Any, maxs: Any) -> Any:
-    """The ``(5, ...)`` float64 stat array; rows without an observation get ``min = inf``, ``max = -inf``."""
-    has = count > 0
+def finish(xp: Any, count: Any, sums: Any, m2: Any, mins: Any, maxs: Any, *, padded: bool = False) -> Any:
+    """The ``(5, ...)`` float64 stat array. ``padded``: ``mins`` and ``maxs`` come from data whose
+    unobserved values were set to the mean, so rows without observations get ``inf`` / ``-inf`` here
+    (:func:`extremes` gives them already otherwise)."""
     if xp is not np:
         mins, maxs = mins.to(xp.float64), maxs.to(xp.float64)
-    mins, maxs = xp.where(has, mins, math.inf), xp.where(has, maxs, -math.inf)
+    if padded:
+        has = count > 0
+        mins, maxs = xp.where(has, mins, math.inf), xp.where(has, maxs, -math.inf)
     return xp.stack([xp.broadcast_to(count, sums.shape), sums, m2, mins, maxs])
 
 
@@ -119,14 +121,14 @@ def summarize(x: Any, keep: Any = None, weight: Any = None, *, nan_strategy: str
         shape, n = tuple(x.shape[:-1]), float(x.shape[-1])
         count = np.full(shape, n) if xp is np else xp.full(shape, n, dtype=xp.float64, device=x.device)
         sums = total(xp, x)
-        mean = mean_of(xp, sums, count)
+        mean = sums / max(n, 1.0)
         mins, maxs = extremes(xp, x)
         m2 = total(xp, square_(xp, x - mean[..., None]))
         return finish(xp, count, sums, m2, mins, maxs)
     count = keep.sum(-1, dtype=xp.float64) if weight is None else weight.sum(-1)
     masked = xp.where(keep, x, 0.0)
     sums = total(xp, masked if weight is None else masked * weight)
-    mean = mean_of(xp, sums, count)
+    mean = sums / divisor(xp, count)
     mins, maxs = extremes(xp, x, keep)
     dev = xp.where(keep, x - mean[..., None], 0.0)  # not (0 - mean)**2 * 0: nan if that overflows
     m2 = total(xp, square_(xp, dev, weight))
@@ -159,6 +161,6 @@ def stats_of_rows(rows: np.ndarray) -> np.ndarray:
 
 
 __all__ = [
-    "NAN_STRATEGIES", "backend", "extremes", "finish", "mean_of", "nonfinite", "square_", "stats_of_rows",
+    "NAN_STRATEGIES", "backend", "divisor", "extremes", "finish", "nonfinite", "square_", "stats_of_rows",
     "summarize", "total",
 ]  # fmt: skip

@@ -12,6 +12,7 @@ rlmetrics.values.MetricValueError: metric 'loss': values are not numbers (got <U
 
 from __future__ import annotations
 
+import math
 import numbers
 import sys
 from typing import Any
@@ -162,7 +163,19 @@ def weights(xp: Any, shape: tuple, mask: Any, weight: Any, name: str, device: An
     return w.reshape(-1)
 
 
+def check_weights(w: np.ndarray, name: str) -> None:
+    """Refuse weights that are negative or not finite (tensor weights are counted on their device,
+    then refused with :func:`bad_weights_error`)."""
+    if not (w.min(initial=0.0) >= 0.0 and w.max(initial=0.0) < math.inf):  # (NaN fails both)
+        raise bad_weights_error(name, np.count_nonzero(~((w >= 0.0) & (w < math.inf))))
+
+
+def bad_weights_error(name: str, count: float) -> MetricValueError:
+    """The error for ``count`` weights that are negative or not finite."""
+    return MetricValueError(f"metric {name!r}: {int(count)} negative or non-finite weight(s)")
+
+
 __all__ = [
-    "MetricValueError", "and_mask", "as_float_array", "check_tensor", "is_dataless", "is_torch",
-    "scalar_value", "stack_tensors", "weights",
+    "MetricValueError", "and_mask", "as_float_array", "bad_weights_error", "check_tensor", "check_weights",
+    "is_dataless", "is_torch", "scalar_value", "stack_tensors", "weights",
 ]  # fmt: skip

@@ -2,7 +2,7 @@
 variance's ingredients, over the tokens where ``response_mask != 0``.
 
 This is the summary kernel of :mod:`rlmetrics.summary`, specialised for millions of tokens on the
-CPU and built from its pieces (:func:`~rlmetrics.summary.total`, :func:`~rlmetrics.summary.mean_of`,
+CPU and built from its pieces (:func:`~rlmetrics.summary.total`, :func:`~rlmetrics.summary.divisor`,
 :func:`~rlmetrics.summary.extremes`, :func:`~rlmetrics.summary.square_`,
 :func:`~rlmetrics.summary.finish`). What differs is the masking: the tensors are masked with integer
 arithmetic on their float bits (:class:`_TokenMask`) rather than boolean selections, the padding is
@@ -29,7 +29,7 @@ from rlmetrics.host import to_host
 from rlmetrics.metrics import VF_RESIDUAL_STD, VF_RETURNS_STD
 from rlmetrics.metrics.batch import key_error
 from rlmetrics.metrics.tensors import BatchTensors, floating
-from rlmetrics.summary import extremes, finish, mean_of, square_, total
+from rlmetrics.summary import divisor, extremes, finish, square_, total
 from rlmetrics.values import MetricValueError
 
 torch = require("torch", "torch")
@@ -153,6 +153,7 @@ class _TokenMask:
         mask = mask.ne(0) if mask.is_floating_point() else mask
         self.on = (mask.to(dtype) if out is None else out[0].copy_(mask)).ne_(0)
         self.count = self.on.sum(dtype=dtype).to(torch.float64)  # (a float64 sum of ints is slower)
+        self.divisor = divisor(torch, self.count)
         self.off = torch.bitwise_xor(self.on, 1, out=None if out is None else out[1])
 
 
@@ -194,7 +195,7 @@ def _summarize_tokens(buf: Any, mask: _TokenMask, dtype: Any) -> tuple[Any, Any,
     k = buf.shape[0]
     vals = buf.view(dtype)
     sums = total(torch, vals, levels=2)
-    means = mean_of(torch, sums, mask.count).to(dtype)
+    means = (sums / mask.divisor).to(dtype)
     buf.addcmul_(mask.off, means.view(buf.dtype)[:, None, None])  # padding := mean, in place
     mins, maxs = extremes(torch, vals.view(k, -1))
     vals.sub_(means[:, None, None])
@@ -229,7 +230,7 @@ def _token_block(
         stacked = scratch[2 : 2 + len(bufs)] if scratch is not None else torch.stack(bufs)
         parts.append(_summarize_tokens(stacked, token_mask, dtype))
     sums, m2s, mins, maxs = (torch.cat(column) for column in zip(*parts))
-    return finish(torch, token_mask.count, sums, m2s, mins, maxs)
+    return finish(torch, token_mask.count, sums, m2s, mins, maxs, padded=True)
 
 
 _compiled: dict[str, Any] = {}  # "fn": _token_block under torch.compile; "failed": compiling failed
