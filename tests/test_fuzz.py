@@ -106,11 +106,14 @@ def valid_values(draw, reduction):
         dtype, x = draw(source_arrays(_NUMPY).filter(lambda d: d[1].size > 0))
         v = np.dtype(dtype).type(x.flat[0])
         return v, np.array([float(x.flat[0])]), np.ones(1)
-    dtype, x = draw(source_arrays(list(_TORCH) if form == "torch" else _NUMPY))
-    if not scalar_ok and x.ndim == 0:  # a 0-d tensor or array is a number: a rank's std under a std name
-        x = x.reshape(1)
     if form == "torch":
+        dtype, x = draw(source_arrays(list(_TORCH)))
+        if not scalar_ok and x.ndim == 0:  # a 0-d tensor is a number too
+            x = x.reshape(1)
         return torch.tensor(x).to(_TORCH[dtype]), x.ravel(), np.ones(x.size)
+    dtype, x = draw(source_arrays(_NUMPY))
+    if not scalar_ok and x.ndim == 0:
+        x = x.reshape(1)
     arr = x.astype(dtype)
     if form == "numpy":
         return arr, x.ravel(), np.ones(x.size)
