@@ -119,7 +119,7 @@ from rlmetrics.metrics.analysis.entropy import (
     attention_entropy,
     policy_entropy,
 )
-from rlmetrics.metrics.analysis.evaluate import Planner, as_floats, as_stats, evaluate
+from rlmetrics.metrics.analysis.evaluate import Planner, floats_of, stats_of
 from rlmetrics.metrics.analysis.model import (
     compute_model_performance_metrics,
     compute_model_performance_stats,
@@ -167,10 +167,8 @@ def compute_example_stats(
     >>> sorted(compute_example_stats({"responses": torch.tensor([[1, 2]]), "prompts": torch.ones(1, 1)}))[:2]
     ['analysis/total_transitions/total', 'analysis/transition_diversity/mean']
     """
-    return as_stats(
-        evaluate(
-            data, _pack_planners(model_outputs, target_length), chunk_elements, nan_strategy=nan_strategy
-        )
+    return stats_of(
+        data, _pack_planners(model_outputs, target_length), chunk_elements, nan_strategy=nan_strategy
     )
 
 
@@ -192,8 +190,6 @@ def compute_example_metrics(
     >>> m["analysis/total_transitions/total"], m["conversation/quality/min"]
     (1.0, 0.712)
     """
-    return as_floats(
-        evaluate(
-            data, _pack_planners(model_outputs, target_length), chunk_elements, nan_strategy=nan_strategy
-        )
+    return floats_of(
+        data, _pack_planners(model_outputs, target_length), chunk_elements, nan_strategy=nan_strategy
     )

@@ -10,17 +10,7 @@ from typing import Any
 import numpy as np
 
 from rlmetrics.extras import require
-from rlmetrics.metrics.analysis.evaluate import (
-    Call,
-    Out,
-    as_floats,
-    as_stats,
-    as_tensor,
-    evaluate,
-    get,
-    obs,
-    ratio,
-)
+from rlmetrics.metrics.analysis.evaluate import Call, Out, as_tensor, floats_of, get, obs, ratio, stats_of
 from rlmetrics.metrics.analysis.tokens import rows_of
 from rlmetrics.metrics.batch import as_batch
 from rlmetrics.stat import Stat
@@ -120,7 +110,7 @@ def compute_token_transition_stats(data: Any, *, nan_strategy: str = "propagate"
     >>> compute_token_transition_stats({"responses": torch.tensor([[1, 2, 1, 2]])})["analysis/total_transitions/total"].sum
     3.0
     """  # noqa: E501
-    return as_stats(evaluate(data, [plan_transitions], nan_strategy=nan_strategy))
+    return stats_of(data, [plan_transitions], nan_strategy=nan_strategy)
 
 
 def analyze_token_transitions(data: Any, *, nan_strategy: str = "propagate") -> dict[str, float]:
@@ -131,7 +121,7 @@ def analyze_token_transitions(data: Any, *, nan_strategy: str = "propagate") -> 
     >>> analyze_token_transitions({"responses": torch.tensor([[1, 2, 1, 2]])})["analysis/transition_diversity/mean"]
     0.6666666666666666
     """  # noqa: E501
-    return as_floats(evaluate(data, [plan_transitions], nan_strategy=nan_strategy))
+    return floats_of(data, [plan_transitions], nan_strategy=nan_strategy)
 
 
 def compute_reward_distribution_stats(data: Any, *, nan_strategy: str = "propagate") -> dict[str, Stat]:
@@ -142,7 +132,7 @@ def compute_reward_distribution_stats(data: Any, *, nan_strategy: str = "propaga
     >>> s["analysis/reward_distribution/median"].sketch.median()
     -1.0
     """
-    return as_stats(evaluate(data, [plan_rewards], nan_strategy=nan_strategy))
+    return stats_of(data, [plan_rewards], nan_strategy=nan_strategy)
 
 
 def analyze_reward_distribution(data: Any, *, nan_strategy: str = "propagate") -> dict[str, float]:
@@ -155,7 +145,7 @@ def analyze_reward_distribution(data: Any, *, nan_strategy: str = "propagate") -
     >>> round(m["analysis/reward_nonzero_token_ratio/mean"], 4)  # 1 of 3 response tokens
     0.3333
     """
-    return as_floats(evaluate(data, [plan_rewards], nan_strategy=nan_strategy))
+    return floats_of(data, [plan_rewards], nan_strategy=nan_strategy)
 
 
 def compute_advanced_stats(data: Any, *, nan_strategy: str = "propagate") -> dict[str, Stat]:
@@ -165,7 +155,7 @@ def compute_advanced_stats(data: Any, *, nan_strategy: str = "propagate") -> dic
     >>> s["analysis/coherence/median"] is s["analysis/coherence/mean"]
     True
     """
-    return as_stats(evaluate(data, ADVANCED, nan_strategy=nan_strategy))
+    return stats_of(data, ADVANCED, nan_strategy=nan_strategy)
 
 
 def compute_advanced_metrics(data: Any, *, nan_strategy: str = "propagate") -> dict[str, float]:
@@ -179,7 +169,7 @@ def compute_advanced_metrics(data: Any, *, nan_strategy: str = "propagate") -> d
     >>> m["analysis/coherence/mean"], m["analysis/coherence/median"], m["analysis/unique_transitions/total"]
     (0.6666666666666666, 0.3333333333333333, 2.0)
     """  # noqa: E501
-    return as_floats(evaluate(data, ADVANCED, nan_strategy=nan_strategy))
+    return floats_of(data, ADVANCED, nan_strategy=nan_strategy)
 
 
 __all__ = [

@@ -10,16 +10,7 @@ import numpy as np
 
 from rlmetrics.extras import require
 from rlmetrics.metrics.analysis.advanced import check_ids
-from rlmetrics.metrics.analysis.evaluate import (
-    Call,
-    Out,
-    as_floats,
-    as_stats,
-    as_tensor,
-    evaluate,
-    get,
-    obs,
-)
+from rlmetrics.metrics.analysis.evaluate import Call, Out, as_tensor, floats_of, get, obs, stats_of
 from rlmetrics.metrics.analysis.tokens import Rows, rows_of
 from rlmetrics.metrics.batch import as_batch
 from rlmetrics.stat import Stat
@@ -103,9 +94,7 @@ def compute_conversation_quality_stats(
     >>> compute_conversation_quality_stats(data)["conversation/quality/min"].count
     1.0
     """
-    return as_stats(
-        evaluate(data, [lambda d, c: plan_conversation(d, c, target_length)], nan_strategy=nan_strategy)
-    )
+    return stats_of(data, [lambda d, c: plan_conversation(d, c, target_length)], nan_strategy=nan_strategy)
 
 
 def compute_conversation_quality_metrics(
@@ -119,9 +108,7 @@ def compute_conversation_quality_metrics(
     >>> round(m["conversation/quality/min"], 6), m["conversation/quality/max"]
     (0.6, 1.0)
     """
-    return as_floats(
-        evaluate(data, [lambda d, c: plan_conversation(d, c, target_length)], nan_strategy=nan_strategy)
-    )
+    return floats_of(data, [lambda d, c: plan_conversation(d, c, target_length)], nan_strategy=nan_strategy)
 
 
 __all__ = [

@@ -8,17 +8,7 @@ from typing import Any
 
 from rlmetrics.extras import require
 from rlmetrics.metrics.analysis.entropy import POLICY_ENTROPY_EPS, chunked_entropy, policy_entropy
-from rlmetrics.metrics.analysis.evaluate import (
-    Call,
-    Out,
-    as_floats,
-    as_stats,
-    as_tensor,
-    evaluate,
-    get,
-    obs,
-    summary,
-)
+from rlmetrics.metrics.analysis.evaluate import Call, Out, as_tensor, floats_of, get, obs, stats_of, summary
 from rlmetrics.metrics.analysis.tokens import Rows, rows_of
 from rlmetrics.metrics.batch import as_batch
 from rlmetrics.stat import Stat
@@ -67,7 +57,7 @@ def compute_custom_data_stats(data: Any, *, nan_strategy: str = "propagate") -> 
     >>> s["custom/token_accuracy/mean"].count, s["custom/token_accuracy/mean"].mean
     (2.0, 0.5)
     """
-    return as_stats(evaluate(data, [plan_custom_data], nan_strategy=nan_strategy))
+    return stats_of(data, [plan_custom_data], nan_strategy=nan_strategy)
 
 
 def compute_custom_data_metrics(data: Any, *, nan_strategy: str = "propagate") -> dict[str, float]:
@@ -81,7 +71,7 @@ def compute_custom_data_metrics(data: Any, *, nan_strategy: str = "propagate") -
     ...                              "response_mask": torch.ones(2, 3)})
     {'custom/response_quality/mean': 1.5, 'custom/response_quality/max': 2.0, 'custom/response_quality/min': 1.0}
     """  # noqa: E501
-    return as_floats(evaluate(data, [plan_custom_data], nan_strategy=nan_strategy))
+    return floats_of(data, [plan_custom_data], nan_strategy=nan_strategy)
 
 
 # ------------------------------------------------------------------------ Method 1: custom training
@@ -121,7 +111,7 @@ def compute_custom_training_stats(
     >>> compute_custom_training_stats({"loss_values": torch.tensor([1.0, 3.0])})["training/loss/std"].std
     1.0
     """
-    return as_stats(evaluate(data, [plan_custom_training], chunk_elements, nan_strategy=nan_strategy))
+    return stats_of(data, [plan_custom_training], chunk_elements, nan_strategy=nan_strategy)
 
 
 def compute_custom_training_metrics(
@@ -137,7 +127,7 @@ def compute_custom_training_metrics(
     >>> compute_custom_training_metrics({"loss_values": torch.tensor([1.0, 3.0]), "grad_norm": 0.5})
     {'training/grad_norm/mean': 0.5, 'training/loss/mean': 2.0, 'training/loss/std': 1.4142135623730951}
     """
-    return as_floats(evaluate(data, [plan_custom_training], chunk_elements, nan_strategy=nan_strategy))
+    return floats_of(data, [plan_custom_training], chunk_elements, nan_strategy=nan_strategy)
 
 
 __all__ = [

@@ -114,6 +114,20 @@ def _finite(out: Out, nan_strategy: str) -> Out:
     return Out(out.names, Stat())
 
 
+def stats_of(
+    data: Any, planners: Sequence[Planner], chunk_elements: int | None = None, nan_strategy: str = "propagate"
+) -> dict[str, Stat]:
+    """The mergeable view of :func:`evaluate`: a Stat per name."""
+    return as_stats(evaluate(data, planners, chunk_elements, nan_strategy))
+
+
+def floats_of(
+    data: Any, planners: Sequence[Planner], chunk_elements: int | None = None, nan_strategy: str = "propagate"
+) -> dict[str, float]:
+    """The seed's view of :func:`evaluate`: this rank's number per name."""
+    return as_floats(evaluate(data, planners, chunk_elements, nan_strategy))
+
+
 def as_stats(outs: list[Out]) -> dict[str, Stat]:
     """The mergeable view: a Stat per name (names of one statistic share it)."""
     return {name: out.stat for out in outs for name in out.names}
@@ -137,6 +151,6 @@ def as_floats(outs: list[Out]) -> dict[str, float]:
 
 
 __all__ = [
-    "Call", "Out", "Planner", "as_floats", "as_stats", "as_tensor", "evaluate", "get", "obs", "ratio",
-    "summary",
+    "Call", "Out", "Planner", "as_floats", "as_stats", "as_tensor", "evaluate", "floats_of", "get", "obs",
+    "ratio", "stats_of", "summary",
 ]  # fmt: skip

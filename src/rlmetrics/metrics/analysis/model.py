@@ -9,16 +9,7 @@ from typing import Any
 
 from rlmetrics.extras import require
 from rlmetrics.metrics.analysis.entropy import attention_entropy
-from rlmetrics.metrics.analysis.evaluate import (
-    Call,
-    Out,
-    as_floats,
-    as_stats,
-    as_tensor,
-    evaluate,
-    ratio,
-    summary,
-)
+from rlmetrics.metrics.analysis.evaluate import Call, Out, as_tensor, floats_of, ratio, stats_of, summary
 from rlmetrics.stat import Stat
 
 torch = require("torch", "torch")
@@ -65,10 +56,8 @@ def compute_model_performance_stats(
     >>> s["model/hidden_norm/mean"].mean, s["model/hidden_norm/std"].std  # population std when merged
     (3.0, 2.0)
     """
-    return as_stats(
-        evaluate(
-            data, [lambda d, c: plan_model(d, model_outputs, c)], chunk_elements, nan_strategy=nan_strategy
-        )
+    return stats_of(
+        data, [lambda d, c: plan_model(d, model_outputs, c)], chunk_elements, nan_strategy=nan_strategy
     )
 
 
@@ -93,10 +82,8 @@ def compute_model_performance_metrics(
     >>> m["model/prompt_attention_ratio/mean"], round(m["model/attention_entropy/mean"], 4)
     (0.5, 1.0397)
     """  # noqa: E501
-    return as_floats(
-        evaluate(
-            data, [lambda d, c: plan_model(d, model_outputs, c)], chunk_elements, nan_strategy=nan_strategy
-        )
+    return floats_of(
+        data, [lambda d, c: plan_model(d, model_outputs, c)], chunk_elements, nan_strategy=nan_strategy
     )
 
 
