@@ -58,7 +58,7 @@ def total(xp: Any, x: Any, levels: int = 1) -> Any:
 
 def divisor(xp: Any, count: Any) -> Any:
     """What sums are divided by for a mean: ``count``, or 1 where there is no observation."""
-    return xp.where(count > 0, count, 1.0)
+    return count + (count == 0)
 
 
 def extremes(xp: Any, x: Any, keep: Any = None) -> tuple[Any, Any]:
@@ -96,7 +96,9 @@ def finish(xp: Any, count: Any, sums: Any, m2: Any, mins: Any, maxs: Any, *, pad
     if padded:
         has = count > 0
         mins, maxs = xp.where(has, mins, math.inf), xp.where(has, maxs, -math.inf)
-    return xp.stack([xp.broadcast_to(count, sums.shape), sums, m2, mins, maxs])
+    if tuple(count.shape) != tuple(sums.shape):
+        count = xp.broadcast_to(count, sums.shape)
+    return xp.stack([count, sums, m2, mins, maxs])
 
 
 # ------------------------------------------------------------------------------------------ the kernel
