@@ -23,7 +23,10 @@ from rlmetrics.metrics.analysis.evaluate import Call
 from rlmetrics.reduce import STD, resolve
 
 REL = 1e-10
-pytestmark = pytest.mark.filterwarnings("ignore:std\\(\\):UserWarning")  # the seed's std of one value
+pytestmark = [
+    pytest.mark.torch,
+    pytest.mark.filterwarnings("ignore:std\\(\\):UserWarning"),
+]  # the seed's std of one value
 
 
 def _load_bench():

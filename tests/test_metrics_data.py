@@ -25,6 +25,8 @@ from rlmetrics.metrics.data import compute_data_metric, compute_data_stats, data
 from rlmetrics.metrics.data import tokens as tokens_module
 from rlmetrics.stat import Stat
 
+pytestmark = pytest.mark.torch
+
 MEM = "perf/process_cpu_mem_used_gb"
 CLIP = ("response/clip_ratio/mean", "prompt/clip_ratio/mean")
 

@@ -21,6 +21,8 @@ from rlmetrics.sinks import (
     read_jsonl,
 )
 
+pytestmark = pytest.mark.slow
+
 # name -> the name each tracker shows (written out by hand, independent of adapt_name)
 NAMES = {
     "critic/score/mean": {},

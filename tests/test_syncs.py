@@ -23,6 +23,8 @@ from rlmetrics.host import _device_to_host, _pinned_to_host, to_host  # noqa: E4
 from rlmetrics.metrics import analysis, data, timing  # noqa: E402
 from tests.syncs import DEVICE, DeviceTensor, SyncCounter, on_device  # noqa: E402
 
+pytestmark = pytest.mark.torch
+
 
 def count(fn, *args, **kwargs):
     """``(result, syncs, events)`` of ``fn`` called inside a counter."""

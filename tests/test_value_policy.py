@@ -22,6 +22,8 @@ from rlmetrics.metrics.timing import compute_timing_stats
 from rlmetrics.metrics.validation import encode_samples, process_validation_metrics
 from rlmetrics.stat import MetricValueError, Stat
 
+pytestmark = pytest.mark.torch
+
 NAN = math.nan
 SCALAR_KINDS = {
     "float": float,
