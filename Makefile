@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 DEMO_EXTRAS := ray,torch,console,tensorboard,plot
 TEST_EXTRAS := ray,torch,console,trackers,plot,dev
 
-.PHONY: demo test lint bench bench-peers soak chaos install install-test install-peers clean
+.PHONY: demo test test-core lint bench bench-peers soak chaos install install-test install-peers clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -75,9 +75,13 @@ demo: install
 test: install-test install-peers
 	$(BIN)/python -m pytest
 
+# The core in seconds: no Ray, no torch, nothing slow (the markers of pyproject.toml; conftest.py)
+test-core: install-test
+	$(BIN)/python -m pytest -m "not slow and not ray and not torch"
+
 lint: install-test
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks conftest.py
+	$(BIN)/ruff format --check src tests benchmarks conftest.py
 
 # install-peers: benchmarks/bench_peers.py is one of benchmarks/bench_*.py
 bench: install-test install-peers

@@ -182,8 +182,9 @@ def test_weighted_contributions_and_timing_rename():
     assert "timing_s/gen" in agg2.finalize(0)
 
 
+@pytest.mark.torch
 def test_quantile_names_use_the_sketch_exactly_while_small():
-    import torch
+    torch = pytest.importorskip("torch")
 
     rng = np.random.default_rng(3)
     parts = [rng.normal(size=rng.integers(1, 30)) for _ in range(5)]

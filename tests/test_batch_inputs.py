@@ -20,6 +20,8 @@ from rlmetrics.metrics.timing import (
 )
 from rlmetrics.stat import MetricValueError
 
+pytestmark = pytest.mark.torch
+
 MEM = "perf/process_cpu_mem_used_gb"
 TIMING = {"gen": 1.5, "ref": 0.5, "update_actor": 2.0, "step": 6.0}
 

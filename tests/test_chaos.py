@@ -21,6 +21,8 @@ pytest.importorskip("ray")
 from rlmetrics.messages import StepMeta
 from rlmetrics.sinks import read_jsonl  # noqa: E402
 
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "chaos.py"
 SEED, STEPS, RANKS = 3, 50, 5
 

@@ -10,6 +10,8 @@ import pytest
 from rlmetrics.cli import main
 from rlmetrics.cli.demo import PLOTS, SOURCES, simulate_batch, simulate_validation
 
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
+
 STEPS, WORKERS, VAL_EVERY = 6, 3, 3
 COMMANDS = ("demo", "report", "plot", "compare", "bench")
 
@@ -150,6 +152,7 @@ def test_plot_without_a_match_fails_clearly(run_dir, tmp_path):
     assert not (tmp_path / "x.png").exists()
 
 
+@pytest.mark.ray
 def test_demo_on_ray_as_make_demo_runs_it(tmp_path):
     """The real GRPO run (tests/test_demo_grpo.py checks its numbers)."""
     out = rlmetrics_cli("demo", "--steps", "4", "--workers", "2", "--val-every", "2", "--out", str(tmp_path))
@@ -161,6 +164,7 @@ def test_demo_on_ray_as_make_demo_runs_it(tmp_path):
     assert all((tmp_path / f"{name}.png").stat().st_size > 10_000 for name in PLOTS)
 
 
+@pytest.mark.ray
 def test_demo_joins_an_existing_cluster(tmp_path):
     from ray.cluster_utils import Cluster
 

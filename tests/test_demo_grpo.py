@@ -17,6 +17,8 @@ from rlmetrics.sinks import read_jsonl
 torch = pytest.importorskip("torch")
 ray = pytest.importorskip("ray")
 
+pytestmark = [pytest.mark.torch, pytest.mark.ray, pytest.mark.slow]
+
 STEPS, WORKERS, PROMPTS, GROUP, VAL_EVERY, VAL_SAMPLES, LR = 30, 3, 4, 8, 10, 4, 3e-3
 CLIP = GRPOConfig(seed=0, prompts=PROMPTS, group_size=GROUP, lr=LR).clip
 ARGS = ("--workers", str(WORKERS), "--prompts", str(PROMPTS), "--group-size", str(GROUP), "--lr", str(LR),

@@ -15,6 +15,8 @@ from rlmetrics.metrics.data import data_metrics_from_stats
 from rlmetrics.metrics.timing import compute_throughput_metrics, compute_timing_metrics
 from rlmetrics.stat import MetricValueError, Stat
 
+pytestmark = pytest.mark.torch
+
 SIZES = (1, 9, 3, 0, 14)  # unequal shards, one empty
 P, R = 5, 8
 GPUS_PER_RANK = 2

@@ -32,6 +32,8 @@ from rlmetrics.backends.local import LocalMetricWorker
 
 torch = pytest.importorskip("torch")
 
+pytestmark = pytest.mark.torch
+
 LOCAL = settings(
     max_examples=150,
     deadline=None,
@@ -334,12 +336,14 @@ def local_run(sc, check=check_value):
     assert not worker.engine.pending_steps()
 
 
+@pytest.mark.slow
 @LOCAL
 @given(scenarios())
 def test_local_valid_values_equal_numpy_and_refusals_name_the_metric(sc):
     local_run(sc)
 
 
+@pytest.mark.slow
 @LOCAL
 @given(scenarios(values=special_values))
 def test_local_nan_inf_and_extremes_propagate_with_a_warning(sc):
@@ -491,18 +495,21 @@ def ray_run(ray_worker, sc, check=check_value):
     assert ray.get(worker.ping.remote()) == incarnation  # it never died (a restart gets a new id)
 
 
+@pytest.mark.ray
 @RAY
 @given(scenarios(max_world=4, max_steps=2))
 def test_ray_valid_values_equal_numpy_and_refusals_name_the_metric(ray_worker, sc):
     ray_run(ray_worker, sc)
 
 
+@pytest.mark.ray
 @settings(RAY, max_examples=20)
 @given(scenarios(values=special_values, max_world=3, max_steps=2))
 def test_ray_nan_inf_and_extremes_propagate_with_a_warning(ray_worker, sc):
     ray_run(ray_worker, sc, check_special)
 
 
+@pytest.mark.ray
 def test_ray_malformed_and_oversized_contributions_are_refused_and_others_complete(ray_worker):
     import ray
 
@@ -533,6 +540,7 @@ def test_ray_malformed_and_oversized_contributions_are_refused_and_others_comple
     assert ray.get(worker.ping.remote()) == incarnation
 
 
+@pytest.mark.ray
 def test_ray_100k_names_in_one_submit_are_accepted(ray_worker):
     import ray
 

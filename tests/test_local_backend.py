@@ -144,6 +144,7 @@ def test_unknown_backend_and_missing_world_size():
         rlmetrics.MetricClient(object())
 
 
+@pytest.mark.torch
 def test_custom_metric_functions_run_with_the_built_ins_and_a_failing_one_is_skipped(name, caplog):
     torch = pytest.importorskip("torch")
     from rlmetrics.metrics.custom import register_metric, unregister_metric
@@ -169,6 +170,7 @@ def test_custom_metric_functions_run_with_the_built_ins_and_a_failing_one_is_ski
     assert "broken" in caplog.text and "boom" in caplog.text
 
 
+@pytest.mark.torch
 def test_debug_metrics_reports_keys_and_warns_on_bad_values(name, monkeypatch, caplog):
     torch = pytest.importorskip("torch")
     from rlmetrics.metrics.custom import debug_report

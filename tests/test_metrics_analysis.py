@@ -19,10 +19,14 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlmetrics.metrics import analysis as an
+from rlmetrics.metrics.analysis.evaluate import Call
 from rlmetrics.reduce import STD, resolve
 
 REL = 1e-10
-pytestmark = pytest.mark.filterwarnings("ignore:std\\(\\):UserWarning")  # the seed's std of one value
+pytestmark = [
+    pytest.mark.torch,
+    pytest.mark.filterwarnings("ignore:std\\(\\):UserWarning"),
+]  # the seed's std of one value
 
 
 def _load_bench():
@@ -329,10 +333,10 @@ def test_building_the_plan_needs_no_data_on_an_accelerator():
     data, outputs = make(6, 10, 3, 0.2, seed=1)
     meta = {k: v.to("meta") for k, v in data.items()}
     meta_out = {k: v.to("meta") for k, v in outputs.items()}
-    plan = an._Plan(chunk_elements=50)
+    call = Call(chunk_elements=50)
     for planner in an._pack_planners(meta_out, an.TARGET_LENGTH):
-        planner(meta, plan)
-    assert len(plan._tensors) > 10 and all(t.device.type == "meta" for t in plan._tensors)
+        planner(meta, call)
+    assert len(call.plan._tensors) > 10 and all(t.device.type == "meta" for t in call.plan._tensors)
 
 
 # ----------------------------------------------------------------------------------------- inputs

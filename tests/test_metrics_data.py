@@ -21,9 +21,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import rlmetrics
 from rlmetrics.backends import local
 from rlmetrics.metrics import AUX_PREFIX, VF_TOKENS, derive_metrics
-from rlmetrics.metrics import data as data_module
 from rlmetrics.metrics.data import compute_data_metric, compute_data_stats, data_metrics_from_stats
+from rlmetrics.metrics.data import tokens as tokens_module
 from rlmetrics.stat import Stat
+
+pytestmark = pytest.mark.torch
 
 MEM = "perf/process_cpu_mem_used_gb"
 CLIP = ("response/clip_ratio/mean", "prompt/clip_ratio/mean")
@@ -256,9 +258,9 @@ def test_token_tensors_summarized_together_or_one_at_a_time_agree(monkeypatch, d
     both give the same bits, and the loop reference's numbers (garbage padding included)."""
     for seed in range(5):
         batch = make_batch(np.random.default_rng(seed), 9, 4, 13, dtype=dtype)
-        monkeypatch.setattr(data_module, "_STACK_BYTES", 2**40)
+        monkeypatch.setattr(tokens_module, "_STACK_BYTES", 2**40)
         together = compute_data_stats(batch)
-        monkeypatch.setattr(data_module, "_STACK_BYTES", 0)
+        monkeypatch.setattr(tokens_module, "_STACK_BYTES", 0)
         alone = compute_data_stats(batch)
         assert together.keys() == alone.keys()
         for name in together.keys() - {MEM}:
@@ -599,8 +601,8 @@ def test_torch_compile_falls_back_to_eager_with_a_warning_when_compiling_fails()
     The inductor config is patched with its own ``patch`` (pytest's monkeypatch would delete the
     entry on undo, which hides it: ``force_disable_caches does not exist`` in later compiles)."""
     torch._dynamo.reset()  # compile afresh, from no cache, with a compiler that is not there
-    saved = dict(data_module._compiled)
-    data_module._compiled.clear()
+    saved = dict(tokens_module._compiled)
+    tokens_module._compiled.clear()
     batch = make_batch(np.random.default_rng(3), 5, 3, 6)
     patch = {"force_disable_caches": True, "cpp.cxx": ("/nonexistent/c++",)}
     try:
@@ -612,8 +614,8 @@ def test_torch_compile_falls_back_to_eager_with_a_warning_when_compiling_fails()
                 again = compute_data_stats(batch, torch_compile=True)
     finally:
         torch._dynamo.reset()
-        data_module._compiled.clear()
-        data_module._compiled.update(saved)
+        tokens_module._compiled.clear()
+        tokens_module._compiled.update(saved)
     eager = compute_data_stats(batch)
     for name in eager:
         if name != MEM:

@@ -16,6 +16,8 @@ from rlmetrics.metrics.timing import (
     compute_timing_metrics,
 )
 
+pytestmark = pytest.mark.torch
+
 STAGES = ("gen", "ref", "values", "adv", "update_critic", "update_actor", "step", "reward", "testing")
 
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from rlmetrics.metrics import validation
 from rlmetrics.metrics.validation import (
     aggregate_validation_metrics,
+    bootstrap,
     bootstrap_metric,
     calc_maj_val,
     encode_samples,
@@ -539,10 +540,10 @@ def test_majority_tie_words_beyond_32_positions():
     preds = rng.integers(0, 48, size=n)
     vals = rng.normal(size=n)
     idx = validation.bootstrap_indices(n, k)
-    dense, n_classes = validation._dense_codes(preds[None, :])
-    words = validation._tie_words(idx, n)
+    dense, n_classes = bootstrap.dense_codes(preds[None, :])
+    words = bootstrap._tie_words(idx, n)
     assert len(words) == 2
-    winners = validation._majority_winners(dense, n_classes, words, idx)[0]
+    winners = bootstrap._majority_winners(dense, n_classes, words, idx)[0]
     expected = np.array([_row_majority(row, preds.tolist()) for row in idx])
     assert np.array_equal(winners, expected)
     first_pos = np.array([list(row).index(j) for row, j in zip(idx.tolist(), expected)])

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
 SRC = Path(__file__).resolve().parents[1] / "src" / "rlmetrics"
 
 # Anything that could switch authentication off or replace the token: Ray's variables and config keys,

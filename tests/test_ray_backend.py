@@ -16,6 +16,8 @@ import rlmetrics  # noqa: E402
 from rlmetrics.packing import pack  # noqa: E402
 from rlmetrics.wire import encode  # noqa: E402
 
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_instance():

@@ -10,6 +10,8 @@ pytest.importorskip("ray")
 
 from rlmetrics.backends.ray import compat  # noqa: E402
 
+pytestmark = pytest.mark.ray
+
 
 def test_every_private_ray_api_the_backend_uses_exists():
     missing = compat.check()

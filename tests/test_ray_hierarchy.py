@@ -12,6 +12,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 
 import rlmetrics  # noqa: E402
 
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
 NODES, RANKS, STEPS = 3, 12, 3
 
 

@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.torch, pytest.mark.ray, pytest.mark.slow]
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 QUICK_START = re.search(r"## Quick start.*?```python\n(.*?)```.*?```\n(.*?)```", README.read_text(), re.S)
 BLOCKS = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), re.S) if b != QUICK_START[1]]

@@ -7,7 +7,6 @@ import statistics
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -224,10 +223,13 @@ def flatten(metrics: list[Metric]) -> list[float]:
 
 
 def torch_ref(values: list[float], q: float | None) -> float:
+    """torch.median (the lower middle value) or torch.quantile (linear) of ``values``."""
+    torch = pytest.importorskip("torch")
     t = torch.tensor(values, dtype=torch.float64)
     return torch.median(t).item() if q is None else torch.quantile(t, q).item()
 
 
+@pytest.mark.torch
 @settings(max_examples=150, deadline=None)
 @given(st.lists(value, min_size=1, max_size=8), st.floats(0.0, 100.0))
 def test_seed_reductions_equal_reference(values, p: float) -> None:
@@ -308,6 +310,7 @@ def test_std_is_pooled_population_std() -> None:
     assert STD.apply(Stat.of(a).merge(Stat.of(b))) == pytest.approx(np.std(np.concatenate([a, b])), rel=1e-15)
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("r", [MEDIAN, percentile(95), percentile(0), percentile(100)], ids=lambda r: r.name)
 def test_quantile_reductions_need_a_sketch(r: Reduction) -> None:
     rng = np.random.default_rng(8)

@@ -26,6 +26,8 @@ from rlmetrics import LocalMetricWorker, MetricClient
 
 torch = pytest.importorskip("torch")
 
+pytestmark = [pytest.mark.torch, pytest.mark.ray, pytest.mark.slow]
+
 STEPS = 20
 PROMPT, RESPONSE = 5, 12
 

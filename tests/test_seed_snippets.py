@@ -14,6 +14,8 @@ ray = pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
 tensordict = pytest.importorskip("tensordict")
 
+pytestmark = [pytest.mark.torch, pytest.mark.ray]
+
 USAGE_PATTERN = """
 from rlmetrics import MetricClient, MetricWorker
 from rlmetrics.metrics.analysis import compute_advanced_metrics

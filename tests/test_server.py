@@ -19,6 +19,7 @@ def engine_counts(engine: Aggregator) -> tuple[int, int, int]:
     return len(engine._index), len(engine._schemas), len(engine._layouts)
 
 
+@pytest.mark.slow
 def test_names_that_change_every_step_are_forgotten_and_memory_stays_flat():
     """2000 steps, 200 names each step that no other step uses (plus 5 kept): the engine holds the
     names of the last ``forget_after`` steps, the client a bounded schema cache, and every step's

@@ -65,6 +65,7 @@ def test_adapt_name_long_names_stay_distinct():
 names = st.text(st.characters(codec="utf-8"), max_size=300) | st.text("ab/.@_ -:", max_size=12)
 
 
+@pytest.mark.slow  # imports the trackers
 @settings(max_examples=300, deadline=None)
 @given(names)
 def test_adapted_names_pass_the_trackers_own_checks(name):

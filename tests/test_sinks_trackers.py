@@ -21,6 +21,8 @@ from rlmetrics.sinks import (
 )
 from tests.trackers import one, read_mlflow, read_swanlab, read_tensorboard, read_wandb
 
+pytestmark = pytest.mark.slow
+
 # name -> the name each tracker shows (written out by hand, independent of adapt_name)
 NAMES = {
     "critic/score/mean": {},

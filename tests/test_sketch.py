@@ -64,6 +64,7 @@ def _assert_torch_quantile(ours: float, torch, t, q: float) -> None:
 # ---------------------------------------------------------------------------------------- exact mode
 
 
+@pytest.mark.torch
 @settings(max_examples=50, deadline=None)
 @given(float_lists)
 def test_exact_mode_matches_torch(values: list[float]) -> None:
@@ -77,6 +78,7 @@ def test_exact_mode_matches_torch(values: list[float]) -> None:
     assert s.count == len(values)
 
 
+@pytest.mark.torch
 @settings(max_examples=50, deadline=None)
 @given(float_lists, st.data())
 def test_exact_mode_after_random_merges_matches_torch(values: list[float], data: st.DataObject) -> None:
@@ -383,6 +385,7 @@ def test_nan_propagates(exact_limit: int) -> None:
     assert Sketch.from_array(s.to_array()).count == 3.0
 
 
+@pytest.mark.torch
 def test_nan_matches_torch_exact() -> None:
     torch = pytest.importorskip("torch")
     t = torch.tensor([1.0, math.nan, 2.0], dtype=torch.float64)

@@ -19,6 +19,8 @@ pytest.importorskip("ray")
 
 from rlmetrics.sinks import read_jsonl  # noqa: E402
 
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
 SEED = 7
 PATTERNS = {  # name: (steps, ranks, metrics, new names per step, read every, warm-up)

@@ -7,14 +7,12 @@ import random
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlmetrics.sketch import Sketch
 from rlmetrics.stat import MetricValueError, Stat, empty_arrays, merge_arrays, reduce_parts, stats_of_rows
+from tests.torch_params import TORCH, made, tensor
 
 REL = 1e-9
 NAN, INF = math.nan, math.inf
@@ -125,13 +123,18 @@ def test_merge_of_parts_equals_numpy_wide_magnitudes(data, rnd: random.Random) -
     assert_matches(random_tree_merge([Stat.of(x[p]) for p in parts], rnd), x)
 
 
+@pytest.mark.parametrize(
+    "kinds", [("list", "numpy"), pytest.param(("list", "numpy", "torch"), marks=pytest.mark.torch)]
+)
 @settings(max_examples=150, deadline=None)
-@given(st.data(), st.sampled_from([finite, wide]), st.randoms(use_true_random=False))
-def test_merge_of_weighted_masked_parts_equals_numpy(data, elements, rnd: random.Random) -> None:
+@given(data=st.data(), elements=st.sampled_from([finite, wide]), rnd=st.randoms(use_true_random=False))
+def test_merge_of_weighted_masked_parts_equals_numpy(kinds, data, elements, rnd: random.Random) -> None:
     x, parts = data.draw(split_data(elements))
     w = np.array(data.draw(st.lists(weights, min_size=x.size, max_size=x.size)), dtype=np.float64)
     m = np.array(data.draw(st.lists(st.booleans(), min_size=x.size, max_size=x.size)), dtype=bool)
-    convert = {"list": lambda a: a.tolist(), "numpy": lambda a: a, "torch": torch.from_numpy}
+    convert = {"list": lambda a: a.tolist(), "numpy": lambda a: a}
+    if "torch" in kinds:
+        convert["torch"] = pytest.importorskip("torch").from_numpy
     stats = []
     for p in parts:  # each part as a list, a numpy array or a tensor
         c = convert[data.draw(st.sampled_from(sorted(convert)))]
@@ -251,11 +254,13 @@ def test_empty_stat_is_identity(a: Stat) -> None:
         (np.float32(1.5), [1.5]), (np.int64(7), [7.0]), (np.bool_(True), [1.0]), (np.float16(0.5), [0.5]),
         (np.array(2.5), [2.5]), (np.array(3, dtype=np.int8), [3.0]),
         ([[1, 2], [3, 4]], [1.0, 2.0, 3.0, 4.0]), ([[1.5], [2.5]], [1.5, 2.5]), ([True, False], [1.0, 0.0]),
-        ([torch.tensor(1.5), 2.0], [1.5, 2.0]), ((1.0, 2.0), [1.0, 2.0]), (range(3), [0.0, 1.0, 2.0]),
-        (torch.tensor(2.5), [2.5]), (torch.tensor(3), [3.0]), (torch.tensor(True), [1.0]),
+        tensor(lambda torch: [torch.tensor(1.5), 2.0], [1.5, 2.0]), ((1.0, 2.0), [1.0, 2.0]),
+        (range(3), [0.0, 1.0, 2.0]), tensor(lambda torch: torch.tensor(2.5), [2.5]),
+        tensor(lambda torch: torch.tensor(3), [3.0]), tensor(lambda torch: torch.tensor(True), [1.0]),
     ],
 )  # fmt: skip
 def test_scalars_and_lists(value, expect) -> None:
+    value = made(value)
     assert_matches(Stat.of(value), np.array(expect))
     assert_matches(Stat.of(value, sketch=True), np.array(expect))
 
@@ -268,20 +273,7 @@ def test_numpy_arrays(dtype, shape) -> None:
     assert_matches(Stat.of(arr), arr.astype(np.float64).ravel())
 
 
-TORCH_DTYPES = [torch.bfloat16, torch.int64, torch.bool, torch.float32, torch.float16, torch.float64]
-
-
-@pytest.mark.parametrize("dtype", TORCH_DTYPES)
-@pytest.mark.parametrize("shape", [(), (5,), (3, 4)])
-def test_torch_tensors(dtype, shape) -> None:
-    t = (torch.randn(shape, generator=torch.Generator().manual_seed(5)) * 50).to(dtype)
-    x = t.to(torch.float64).numpy().ravel()
-    assert_matches(Stat.of(t), x)
-    assert_matches(Stat.of(t, sketch=True), x)
-    assert Stat.of(t.requires_grad_(True) if t.is_floating_point() else t).count == x.size
-
-
-@pytest.mark.parametrize("kind", ["numpy", "torch", "list", "mixed"])
+@pytest.mark.parametrize("kind", ["numpy", TORCH, "list", pytest.param("mixed", marks=pytest.mark.torch)])
 def test_mask_and_weight_broadcast(kind) -> None:
     rng = np.random.default_rng(11)
     b, t = 4, 6
@@ -289,12 +281,16 @@ def test_mask_and_weight_broadcast(kind) -> None:
     mask = rng.random((b, t)) > 0.3
     weight = rng.random((b, 1)) + 0.5
     expected_w = mask * weight
-    args = {
-        "numpy": (values, mask, weight),
-        "torch": (torch.from_numpy(values).float(), torch.from_numpy(mask), torch.from_numpy(weight)),
-        "list": (values.tolist(), mask.tolist(), weight.tolist()),
-        "mixed": (torch.from_numpy(values), mask.astype(np.int8), torch.from_numpy(weight).float()),
-    }[kind]
+    if kind in ("numpy", "list"):
+        args = (
+            (values, mask, weight) if kind == "numpy" else (values.tolist(), mask.tolist(), weight.tolist())
+        )
+    else:
+        torch = pytest.importorskip("torch")
+        args = {
+            "torch": (torch.from_numpy(values).float(), torch.from_numpy(mask), torch.from_numpy(weight)),
+            "mixed": (torch.from_numpy(values), mask.astype(np.int8), torch.from_numpy(weight).float()),
+        }[kind]
     x = values.astype(np.float32).astype(np.float64) if kind == "torch" else values
     w = mask * weight.astype(np.float32) if kind == "mixed" else expected_w
     assert_matches(Stat.of(*args), x, w, rel=1e-12)
@@ -305,72 +301,6 @@ def test_mask_and_weight_broadcast(kind) -> None:
     assert Stat.of(values, mask=0).count == 0
 
 
-@pytest.mark.parametrize("kind", ["numpy", "torch"])
-def test_sketch_median_equals_torch_median_of_masked_values(kind) -> None:
-    rng = np.random.default_rng(2)
-    values = rng.standard_normal((8, 33))
-    mask = rng.random((8, 33)) > 0.4
-    t, tmask = torch.from_numpy(values), torch.from_numpy(mask)
-    stat = Stat.of(t, mask=tmask, sketch=True) if kind == "torch" else Stat.of(values, mask=mask, sketch=True)
-    assert stat.sketch is not None and stat.sketch.is_exact
-    assert stat.sketch.median() == torch.median(t[torch.from_numpy(mask)]).item()
-    assert stat.sketch.count == mask.sum()
-    merged = Stat.of(values[:3], mask=mask[:3], sketch=True).merge(Stat.of(t[3:], mask=mask[3:], sketch=True))
-    assert merged.sketch.median() == torch.median(t[torch.from_numpy(mask)]).item()
-    assert Stat.of(values).merge(stat).sketch is None  # kept only when both sides carry one
-
-
-# ---------------------------------------------------------------------------------------- one host transfer
-
-
-class _HostCalls(TorchFunctionMode):
-    """Records every tensor method that materialises data on the host (on a GPU: a device→host copy)."""
-
-    HOST = {"cpu", "numpy", "item", "tolist", "__float__", "__int__", "__bool__", "__index__", "__array__"}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[str, int]] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in self.HOST:
-            self.calls.append((name, args[0].numel()))
-        return func(*args, **(kwargs or {}))
-
-
-class _ScalarReads(TorchDispatchMode):
-    """Counts aten._local_scalar_dense: every C++-level tensor -> Python scalar read (item, float(), ...)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += "_local_scalar_dense" in str(func)
-        return func(*args, **(kwargs or {}))
-
-
-@pytest.mark.parametrize("sketch", [False, True])
-def test_torch_input_is_read_back_once(sketch) -> None:
-    # There is no device on CPU, so this cannot time a transfer. What it proves: the torch path calls exactly
-    # one host-materialising method (.numpy()) -- on the 7-number summary without a sketch -- and no
-    # .item()/.tolist()/float()/bool() on any tensor (each a blocking sync on a GPU), neither from Python
-    # (function mode) nor hidden in C++ (no aten._local_scalar_dense at the dispatcher). tests/test_syncs.py
-    # counts the syncs themselves, on an emulated device.
-    b, t = 4, 16
-    values = torch.randn(b, t)
-    mask = torch.rand(b, t) > 0.3
-    weight = torch.rand(b, 1)
-    with _HostCalls() as host, _ScalarReads() as reads:
-        stat = Stat.of(values, mask=mask, weight=weight, sketch=sketch, nan_strategy="error", name="x")
-    assert [c[0] for c in host.calls] == ["numpy"], host.calls
-    if not sketch:
-        assert host.calls[0][1] == 7
-    assert reads.count == 0
-    assert_matches(stat, values.double().numpy(), (mask * weight).double().numpy(), rel=1e-12)
-
-
 # ---------------------------------------------------------------------------------------- non-finite values
 
 
@@ -379,7 +309,7 @@ def test_torch_input_is_read_back_once(sketch) -> None:
     [[1.0, NAN, 3.0], [NAN], [1.0, INF], [INF], [-INF, 2.0], [-INF, INF], [INF, INF], [NAN, INF]]
     + [[NAN, 1, -INF]],
 )
-@pytest.mark.parametrize("kind", ["scalar", "list", "torch"])
+@pytest.mark.parametrize("kind", ["scalar", "list", TORCH])
 def test_propagate_matches_numpy(values, kind) -> None:
     if kind == "scalar" and len(values) > 1:
         stat = Stat()
@@ -387,7 +317,10 @@ def test_propagate_matches_numpy(values, kind) -> None:
             stat = stat.merge(Stat.of(v))
     else:
         v = values[0] if kind == "scalar" else values
-        stat = Stat.of(torch.tensor(v, dtype=torch.float64) if kind == "torch" else v)
+        if kind == "torch":
+            torch = pytest.importorskip("torch")
+            v = torch.tensor(v, dtype=torch.float64)
+        stat = Stat.of(v)
     x = np.array(values)
     with np.errstate(invalid="ignore"):
         want = (float(x.size), np.sum(x), np.mean(x), np.var(x), np.min(x), np.max(x))
@@ -400,13 +333,14 @@ def test_propagate_masked_nan_does_not_reach_the_result() -> None:
     assert_matches(Stat.of([1.0, INF, 3.0], weight=[1.0, 0.0, 2.0]), np.array([1.0, 3.0]), np.array([1, 2]))
 
 
-@pytest.mark.parametrize("kind", ["list", "numpy", "torch", "sketch"])
+@pytest.mark.parametrize("kind", ["list", "numpy", TORCH, pytest.param("sketch", marks=pytest.mark.torch)])
 def test_drop_equals_numpy_on_finite_values(kind) -> None:
     rng = np.random.default_rng(4)
     x = rng.standard_normal(50)
     x[rng.choice(50, 12, replace=False)] = rng.choice([NAN, INF, -INF], 12)
     mask = rng.random(50) > 0.2
-    arg = {"list": x.tolist(), "numpy": x, "torch": torch.from_numpy(x), "sketch": x}[kind]
+    torch = pytest.importorskip("torch") if kind in ("torch", "sketch") else None
+    arg = {"list": x.tolist(), "numpy": x, "torch": torch and torch.from_numpy(x), "sketch": x}[kind]
     stat = Stat.of(arg, mask=mask, nan_strategy="drop", sketch=kind == "sketch")
     keep = mask & np.isfinite(x)
     assert_matches(stat, x[keep])
@@ -419,17 +353,25 @@ def test_drop_equals_numpy_on_finite_values(kind) -> None:
 
 
 @pytest.mark.parametrize(
-    "value", [NAN, INF, -INF, [1.0, NAN], [[1.0], [INF]], np.array([2.0, -INF]), torch.tensor([1.0, NAN])]
+    "value",
+    [
+        NAN,
+        INF,
+        -INF,
+        [1.0, NAN],
+        [[1.0], [INF]],
+        np.array([2.0, -INF]),
+        tensor(lambda t: t.tensor([1.0, NAN])),
+    ],
 )
 @pytest.mark.parametrize("sketch", [False, True])
 def test_error_strategy_names_the_metric(value, sketch) -> None:
     with pytest.raises(MetricValueError, match="actor/pg_loss"):
-        Stat.of(value, nan_strategy="error", name="actor/pg_loss", sketch=sketch)
+        Stat.of(made(value), nan_strategy="error", name="actor/pg_loss", sketch=sketch)
 
 
 def test_error_strategy_ignores_masked_non_finite() -> None:
     assert Stat.of([1.0, NAN, 2.0], mask=[1, 0, 1], nan_strategy="error").mean == 1.5
-    assert Stat.of(torch.tensor([1.0, INF]), mask=torch.tensor([1, 0]), nan_strategy="error").mean == 1.0
 
 
 def test_unknown_nan_strategy() -> None:
@@ -440,12 +382,14 @@ def test_unknown_nan_strategy() -> None:
 # ---------------------------------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("kind", ["list", "torch"])
+@pytest.mark.parametrize("kind", ["list", TORCH])
 @pytest.mark.parametrize("weight", [[1.0, -1.0], [1.0, NAN], [INF, 1.0]])
 @pytest.mark.parametrize("sketch", [False, True])
 def test_invalid_weights_name_the_metric(kind, weight, sketch) -> None:
-    values = [1.0, 2.0] if kind == "list" else torch.tensor([1.0, 2.0])
-    w = weight if kind == "list" else torch.tensor(weight)
+    values, w = [1.0, 2.0], weight
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+        values, w = torch.tensor(values), torch.tensor(weight)
     with pytest.raises(MetricValueError, match="critic/vf_loss"):
         Stat.of(values, weight=w, name="critic/vf_loss", sketch=sketch)
 
@@ -453,8 +397,6 @@ def test_invalid_weights_name_the_metric(kind, weight, sketch) -> None:
 def test_masked_out_weights_are_ignored() -> None:
     # e.g. weight = 1 / n_tokens, inf (or nan) on padded rows that the mask removes
     assert Stat.of([1.0, 2.0, 3.0], mask=[1, 1, 0], weight=[1.0, 3.0, INF]).mean == 1.75
-    t = torch.tensor
-    assert Stat.of(t([1.0, 2.0]), mask=t([1, 0]), weight=t([2.0, NAN])).count == 2.0
     assert Stat.of([1.0, 2.0], mask=[1, 0], weight=[1.0, -1.0]).count == 1.0
 
 
@@ -477,12 +419,14 @@ def test_non_numbers_name_the_metric(value) -> None:
     "values, mask",
     [
         (np.ones(3), np.ones(4)), (np.ones((2, 3)), np.ones((3, 2))), (np.ones(3), np.ones((2, 3))),
-        (torch.ones(3), torch.ones(4)), (torch.ones(2, 3), torch.ones(3, 2)),
-        (torch.ones(3), torch.ones(2, 1, 3)),
-        (torch.ones(3), np.ones(4)), (2.0, [1, 1]),
+        tensor(lambda t: (t.ones(3), t.ones(4)), None), tensor(lambda t: (t.ones(2, 3), t.ones(3, 2)), None),
+        tensor(lambda t: (t.ones(3), t.ones(2, 1, 3)), None),
+        tensor(lambda t: (t.ones(3), np.ones(4)), None), (2.0, [1, 1]),
     ],
 )  # fmt: skip
 def test_mask_or_weight_of_wrong_shape(values, mask) -> None:
+    if mask is None:  # both made together
+        values, mask = made(values)
     with pytest.raises(MetricValueError, match="timing_s/gen"):
         Stat.of(values, mask=mask, name="timing_s/gen")
     with pytest.raises(MetricValueError, match="timing_s/gen"):
@@ -515,12 +459,15 @@ def test_repr() -> None:
 @pytest.mark.parametrize(
     "values, kwargs",
     [
-        ([], {}), ([[]], {}), (np.empty((0, 3)), {}), (torch.empty(0), {}), (torch.empty(2, 0), {}),
-        ([1.0, 2.0], {"mask": [0, 0]}), (torch.ones(2, 3), {"mask": torch.zeros(2, 3, dtype=torch.bool)}),
+        ([], {}), ([[]], {}), (np.empty((0, 3)), {}), tensor(lambda t: (t.empty(0), {}), None),
+        tensor(lambda t: (t.empty(2, 0), {}), None), ([1.0, 2.0], {"mask": [0, 0]}),
+        tensor(lambda t: (t.ones(2, 3), {"mask": t.zeros(2, 3, dtype=t.bool)}), None),
         ([1.0, 2.0], {"weight": [0.0, 0.0]}), ([NAN, INF], {"nan_strategy": "drop"}), ([], {"sketch": True}),
     ],
 )  # fmt: skip
 def test_empty_input(values, kwargs) -> None:
+    if kwargs is None:  # both made together
+        values, kwargs = made(values)
     stat = Stat.of(values, **kwargs)
     assert stat.count == 0 and stat.sum == 0
     assert math.isnan(stat.mean) and math.isnan(stat.var) and math.isnan(stat.std)

@@ -19,8 +19,11 @@ torch = pytest.importorskip("torch")
 import rlmetrics  # noqa: E402
 from rlmetrics import Stat, stat  # noqa: E402
 from rlmetrics.backends import local  # noqa: E402
+from rlmetrics.host import _device_to_host, _pinned_to_host, to_host  # noqa: E402
 from rlmetrics.metrics import analysis, data, timing  # noqa: E402
 from tests.syncs import DEVICE, DeviceTensor, SyncCounter, on_device  # noqa: E402
+
+pytestmark = pytest.mark.torch
 
 
 def count(fn, *args, **kwargs):
@@ -116,22 +119,22 @@ def test_the_pinned_copy_path_syncs_once_and_only_after_its_wait():
     flat = torch.tensor([1.5, -2.0, math.inf, 4.0], dtype=torch.float64)
     dev = on_device(flat)
     with SyncCounter() as counter:
-        pinned = stat._pinned_to_host(dev, counter.synchronize)
+        pinned = _pinned_to_host(dev, counter.synchronize)
     assert counter.syncs == 1 and counter.events == ["stream synchronize: synchronize"]
-    blocking, syncs, _ = count(stat._device_to_host, dev)
+    blocking, syncs, _ = count(_device_to_host, dev)
     assert syncs == 1 and pinned.tolist() == blocking.tolist() == flat.tolist()
     with SyncCounter():
-        unwaited = stat._pinned_to_host(dev, lambda: None)
+        unwaited = _pinned_to_host(dev, lambda: None)
     assert np.isnan(unwaited).all()
 
 
 def test_to_host_copies_device_tensors_once_and_leaves_host_tensors():
     host = [torch.tensor([1, 2]), torch.ones(2, 2, dtype=torch.bool)]
     dev = on_device([torch.arange(3.0), torch.tensor(7, dtype=torch.int32), torch.zeros(0)])
-    out, syncs, events = count(stat.to_host, [dev[0], host[0], dev[1], host[1], dev[2]])
+    out, syncs, events = count(to_host, [dev[0], host[0], dev[1], host[1], dev[2]])
     assert syncs == 1, events
     assert [a.tolist() for a in out] == [[0.0, 1.0, 2.0], [1.0, 2.0], [7.0], [1.0] * 4, []]
-    assert count(stat.to_host, host)[1] == 0 and count(stat.to_host, [])[1] == 0
+    assert count(to_host, host)[1] == 0 and count(to_host, [])[1] == 0
 
 
 # -------------------------------------------------------------------------------------------- batches

@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
+
 WORLD = 4
 STEPS = 8
 NEW_KEY_STEP = 3  # rank 2 starts a new name; "early/mean" disappears on every rank

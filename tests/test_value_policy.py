@@ -23,6 +23,8 @@ from rlmetrics.metrics.validation import encode_samples, process_validation_metr
 from rlmetrics.packing import pack
 from rlmetrics.stat import MetricValueError, Stat
 
+pytestmark = pytest.mark.torch
+
 NAN = math.nan
 SCALAR_KINDS = {
     "float": float,

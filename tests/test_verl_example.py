@@ -11,6 +11,8 @@ pytest.importorskip("torch")
 
 from rlmetrics.sinks import read_jsonl  # noqa: E402
 
+pytestmark = [pytest.mark.torch, pytest.mark.ray, pytest.mark.slow]
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "verl_style.py"
 
 

@@ -22,6 +22,8 @@ from rlmetrics.integrations import verl  # noqa: E402
 from rlmetrics.metrics.validation import bootstrap_sizes  # noqa: E402
 from tests.peers.verl_batches import verl_batch  # noqa: E402
 
+pytestmark = pytest.mark.torch
+
 TIMING = {"gen": 1.5, "ref": 0.25, "update_actor": 2.5, "step": 6.0}
 
 

@@ -31,6 +31,10 @@ the window :meth:`Sketch.merge` would keep, :meth:`Sketch.fold` writes a sketch 
 float64 vector, and :meth:`Sketch.from_folded` reads the sum of those vectors back -- the same
 sketch as merging them one by one.
 
+**Why one module of ~700 lines** (about 400 of code, the rest docstrings and doctests): the sketch's
+representation (stores, offsets, the array layout) is read nowhere else; split, its private helpers
+would become an API.
+
 NaN and infinities are counted apart: any NaN weight makes :meth:`Sketch.quantile` return NaN;
 ``-inf`` / ``+inf`` sit below / above every finite value and are returned when the rank falls on them.
 

@@ -16,6 +16,8 @@ from siirl.utils.metrics.metric_utils import compute_data_metric as siirl_data_m
 from rlmetrics.metrics.data import compute_data_metric  # noqa: E402
 from tests.peers.parity import assert_close  # noqa: E402
 
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
+
 REL = 1e-5
 VOLATILE = {"perf/process_cpu_mem_used_gb"}
 OURS_ONLY = {"response/aborted_ratio"}  # verl's share of empty responses; siiRL 0.2.0 has no such key

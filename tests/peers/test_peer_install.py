@@ -7,6 +7,8 @@ import pytest
 
 pytest.importorskip("siirl")
 
+pytestmark = pytest.mark.torch
+
 
 def test_siirl_version_and_no_stray_top_level_packages():
     """siiRL 0.2.0 is the peer; the ``tests``/``examples``/``docs`` packages its wheel puts into

@@ -16,6 +16,8 @@ from siirl.utils.metrics.metric_utils import (  # noqa: E402
 from rlmetrics.metrics.validation import process_validation_metrics  # noqa: E402
 from tests.peers.parity import assert_close  # noqa: E402
 
+pytestmark = pytest.mark.torch
+
 REL = 1e-12
 
 

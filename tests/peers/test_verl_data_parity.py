@@ -18,6 +18,8 @@ import verl.trainer.ppo.metric_utils as verl_metrics  # noqa: E402
 from rlmetrics.integrations import verl as ours  # noqa: E402
 from tests.peers.verl_batches import assert_same, data_proto, verl_batch  # noqa: E402
 
+pytestmark = pytest.mark.torch
+
 REL = 1e-5
 TIMING = {
     "gen": 1.5,

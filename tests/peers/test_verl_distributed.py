@@ -20,6 +20,8 @@ from rlmetrics.integrations import verl as ours  # noqa: E402
 from tests.peers.test_verl_validation_parity import random_validation  # noqa: E402
 from tests.peers.verl_batches import assert_same, data_proto, verl_batch  # noqa: E402
 
+pytestmark = pytest.mark.torch
+
 TIMING = {"gen": 1.5, "ref": 0.25, "update_actor": 2.5, "step": 6.0, "reshard": 0.5}
 N_GPUS = 4
 GRAD_NORM = 0.3

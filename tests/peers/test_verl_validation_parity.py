@@ -16,6 +16,8 @@ from verl.trainer.ppo.metric_utils import process_validation_metrics as verl_val
 
 from rlmetrics.integrations.verl import process_validation_metrics  # noqa: E402
 
+pytestmark = pytest.mark.torch
+
 REL = 1e-9
 
 

@@ -12,6 +12,8 @@ import verl.utils.metric as verl_metric  # noqa: E402
 
 from rlmetrics.integrations import verl as ours  # noqa: E402
 
+pytestmark = pytest.mark.torch
+
 KINDS = ("mean", "sum", "min", "max")
 
 

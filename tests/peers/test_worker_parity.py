@@ -26,6 +26,8 @@ from rlmetrics.backends import local  # noqa: E402
 from rlmetrics.metrics.data import compute_data_metric  # noqa: E402
 from tests.peers.parity import assert_close  # noqa: E402
 
+pytestmark = [pytest.mark.torch, pytest.mark.ray, pytest.mark.slow]
+
 TIMEOUT = 20.0
 REL = 1e-12
 

@@ -13,18 +13,20 @@ from typing import Any
 
 from rlmetrics.backends import local
 from rlmetrics.client import ClientCore, Transport
+from rlmetrics.compute_local import ComputeLocal
 
 BACKENDS = ("local", "ray", "torch")
 
 
-class MetricClient(ClientCore):
+class MetricClient(ComputeLocal, ClientCore):
     """The seed's client: ``MetricClient(metric_worker)``, then ``submit_metric`` / ``wait_submit`` /
     ``wait_final_res`` / ``stop``; plus ``result(step, timeout)``.
 
     ``metric_worker`` is a Ray ``MetricWorker`` actor handle, a
     :class:`~rlmetrics.backends.local.LocalMetricWorker`, or any transport.
     Options: ``world_size``, ``nan_strategy``, ``label``, ``rank``
-    (see :class:`~rlmetrics.client.ClientCore`).
+    (see :class:`~rlmetrics.client.ClientCore`); the seed's ``compute_local_*`` methods come from
+    :class:`~rlmetrics.compute_local.ComputeLocal`.
 
     >>> worker = local.LocalMetricWorker()
     >>> client = MetricClient(worker)

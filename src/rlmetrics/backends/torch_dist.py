@@ -64,6 +64,9 @@ that step's values (listed in ``meta.empty``). NaN follows ``nan_strategy``; wit
 (validation samples, :mod:`rlmetrics.states`) are gathered in their travelling form with one
 ``all_gather_object`` in the steps that have them, and merged.
 
+The exchange itself (the layout, both forms, the sketch plans) is
+:mod:`rlmetrics.backends.torch_exchange`; this module holds the transport and the client.
+
 ``world_size`` and partial results: in a collective every rank of the group is present by
 construction, so each step is complete; ``world_size`` given to ``submit_metric`` is accepted for
 API compatibility and not used. A dead rank makes the collective fail or time out as torch
@@ -76,19 +79,26 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from rlmetrics.aggregator import Aggregator
+from rlmetrics.backends.torch_exchange import (
+    EXCHANGES,
+    GATHER_LIMIT,
+    Layout,
+    exchange_form,
+    exchange_state,
+    merge_sketches,
+)
 from rlmetrics.client import ClientCore, SyncTransport
+from rlmetrics.compute_local import ComputeLocal
 from rlmetrics.messages import Reply, StepMeta, StepResult
 from rlmetrics.packing import Packed, Schema
-from rlmetrics.reduce import parse_reduction
 from rlmetrics.server import Submission, make_reply, merge_items
-from rlmetrics.sketch import BucketWindow, Sketch
-from rlmetrics.stat import empty_arrays, merge_arrays, reduce_parts
+from rlmetrics.sketch import Sketch
+from rlmetrics.stat import empty_arrays, merge_arrays
 from rlmetrics.states import State, decode_state, encode_state
 
 try:
@@ -100,61 +110,6 @@ except ImportError as exc:  # pragma: no cover - torch is an extra
 logger = logging.getLogger(__name__)
 
 __all__ = ["EXCHANGES", "GATHER_LIMIT", "Layout", "TorchDistTransport", "TorchMetricClient", "exchange_form"]
-
-_NEUTRAL = -np.inf  # the identity of MAX
-_HEAD = 5  # MAX header: [fingerprint, -fingerprint, step, -step, not covered]
-_SK_INFO = 12  # MAX floats per quantile name: bucket mode, exact size, bucket spans, parameters
-
-EXCHANGES = ("auto", "gather", "reduce")
-"""The forms of a step's state exchange (module docstring); ``"auto"`` picks by :data:`GATHER_LIMIT`."""
-
-GATHER_LIMIT = 1 << 16
-"""``"auto"`` gathers every rank's whole state while a rank receives at most this many float64
-(512 KiB); beyond, it all-reduces (``benchmarks/bench_torch.py`` measures both)."""
-
-
-@dataclass
-class Layout:
-    """The agreed column order: sorted names, their reductions and what each reduction reads.
-
-    >>> lay = Layout.of({"b/max": "max", "a/mean": "mean", "c/p95": "p95"})
-    >>> lay.names, lay.maxes.tolist(), lay.quantiles.tolist()
-    (('a/mean', 'b/max', 'c/p95'), [1], [2])
-    >>> lay.fingerprint == Layout.of({"a/mean": "mean", "c/p95": "p95", "b/max": "max"}).fingerprint
-    True
-    """
-
-    names: tuple[str, ...]
-    reductions: tuple[str, ...]
-    schema: Schema
-    fingerprint: float  # 48 bits of the schema's blake2b id: exact in float64
-    index: dict[str, int] = field(repr=False)
-    stds: np.ndarray = field(repr=False)
-    maxes: np.ndarray = field(repr=False)
-    mins: np.ndarray = field(repr=False)
-    quantiles: np.ndarray = field(repr=False)
-
-    @classmethod
-    def of(cls, keys: Mapping[str, str]) -> Layout:
-        names = tuple(sorted(keys))
-        reductions = tuple(keys[n] for n in names)
-        kinds = [parse_reduction(r) for r in reductions]
-
-        def where(pred) -> np.ndarray:
-            return np.array([i for i, r in enumerate(kinds) if pred(r)], dtype=np.int64)
-
-        schema = Schema.of(names, reductions)
-        return cls(
-            names,
-            reductions,
-            schema,
-            float(int.from_bytes(schema.id[:6], "big")),
-            {n: i for i, n in enumerate(names)},
-            where(lambda r: r.kind == "std"),
-            where(lambda r: r.kind == "max"),
-            where(lambda r: r.kind == "min"),
-            where(lambda r: r.needs_sketch),
-        )
 
 
 class TorchDistTransport(SyncTransport):
@@ -267,7 +222,11 @@ class TorchDistTransport(SyncTransport):
                     local, sketches, others = self._local_columns(parts, lay)
                 else:  # exchanged only to agree on a re-layout
                     local, sketches, others = empty_arrays(len(lay.names)), {}, {}
-                merged = self._exchange(step, lay, local, sketches, others, covered)
+                form = exchange_form(self.exchange, self.world_size, lay)
+                merged = exchange_state(
+                    self._collect, step, lay, local, sketches, others, covered,
+                    form=form, world_size=self.world_size, rank=self.rank,
+                )  # fmt: skip
                 if merged is not None:
                     break
                 if relayout:
@@ -280,7 +239,12 @@ class TorchDistTransport(SyncTransport):
             n_q = len(lay.quantiles)
             if sums[0]:  # some rank holds states other than sketches (validation samples)
                 others = self._gather_states(others)
-            global_sketches = self._merge_sketches(lay, sketches, sums[1 : 1 + n_q], infos) if n_q else {}
+            global_sketches = {}
+            if n_q:
+                global_sketches = merge_sketches(
+                    self._collect, lay, sketches, sums[1 : 1 + n_q], infos,
+                    world_size=self.world_size, rank=self.rank,
+                )  # fmt: skip
             self._last_seen[total[0] > 0] = step
             res = self._finish(step, lay, total, {**global_sketches, **others})
             res.meta.relayout, res.meta.ranks = relayout, self.world_size
@@ -312,73 +276,6 @@ class TorchDistTransport(SyncTransport):
         for w in works:
             w.wait()
         return [o.cpu().numpy() if o.device.type != "cpu" else o.numpy() for o in outs]
-
-    def _exchange(
-        self,
-        step: int,
-        lay: Layout,
-        local: np.ndarray,
-        sketches: dict[int, Sketch],
-        others: dict[int, State],
-        covered: bool,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """Step 1: ``(merged (5, L) stat array, SUM of [other states, exact sketch sizes], MAX of the
-        sketch infos)``, or None when the ranks must re-layout first."""
-        fp, n_names = lay.fingerprint, len(lay.names)
-        head = np.array([fp, -fp, step, -step, 0.0 if covered else 1.0])
-        lacking = [lay.names[p] for p in lay.quantiles.tolist() if p not in sketches and local[0, p] > 0]
-        if lacking:
-            logger.warning(
-                "rank %d: quantile metric(s) %s came without a sketch: left out", self.rank, lacking
-            )
-        info = [_sketch_info(sketches.get(p)) for p in lay.quantiles.tolist()]
-        sums = np.array([float(len(others)), *(size for size, _ in info)])
-        infos = np.concatenate([np.empty(0), *(i for _, i in info)])
-        if exchange_form(self.exchange, self.world_size, lay) == "gather":
-            (rows,) = self._collect((np.concatenate([head, sums, infos, local.ravel()]), None))
-            if not self._agreed(rows[:, :_HEAD].max(axis=0)):
-                return None
-            cut = np.cumsum([_HEAD, sums.size, infos.size])
-            parts = rows[:, cut[2] :].reshape(self.world_size, 5, n_names).transpose(1, 0, 2)
-            return (
-                reduce_parts(parts),
-                rows[:, cut[0] : cut[1]].sum(axis=0),
-                rows[:, cut[1] : cut[2]].max(axis=0),
-            )
-        ext = np.concatenate([local[4, lay.maxes], -local[3, lay.mins]])
-        nan_ext = np.isnan(ext)
-        ext[nan_ext] = _NEUTRAL
-        jobs = [
-            (np.concatenate([local[0], local[1], sums, [float(nan_ext.any())]]), dist.ReduceOp.SUM),
-            (np.concatenate([head, infos, ext]), dist.ReduceOp.MAX),
-        ]
-        if lay.stds.size:
-            jobs.append((local[:, lay.stds].ravel(), None))
-        out = self._collect(*jobs)
-        total_sums, maxes = out[0], out[1]
-        if not self._agreed(maxes[:_HEAD]):
-            return None
-        total = empty_arrays(n_names)
-        total[0], total[1] = total_sums[:n_names], total_sums[n_names : 2 * n_names]
-        ext = maxes[_HEAD + infos.size :]
-        if total_sums[-1]:  # rare: a NaN extreme somewhere; MAX of NaN is order-dependent in gloo
-            (mask,) = self._collect((nan_ext.astype(np.float64), dist.ReduceOp.MAX))
-            ext[mask > 0] = np.nan
-        total[4, lay.maxes] = ext[: lay.maxes.size]
-        total[3, lay.mins] = -ext[lay.maxes.size :]
-        if lay.stds.size:
-            stds = out[2].reshape(self.world_size, 5, lay.stds.size).transpose(1, 0, 2)
-            total[:, lay.stds] = reduce_parts(stds)
-        return total, total_sums[2 * n_names : -1], maxes[_HEAD : _HEAD + infos.size]
-
-    def _agreed(self, head: np.ndarray) -> bool:
-        """Whether every rank is at this step with this layout, from the MAX of the headers."""
-        if head[2] != -head[3]:
-            raise RuntimeError(
-                f"ranks are at different steps ({-head[3]:.0f}..{head[2]:.0f}): every rank of the group "
-                "must call wait_submit() once per step"
-            )
-        return bool(head[0] == -head[1] and head[4] == 0.0)
 
     def _position(self, schema: Schema) -> np.ndarray | None:
         """Layout positions of a schema's names (cached per layout); None if one is not in the layout."""
@@ -452,25 +349,6 @@ class TorchDistTransport(SyncTransport):
                 out[p] = state if p not in out else out[p].merge(state)
         return out
 
-    def _merge_sketches(
-        self, lay: Layout, sketches: dict[int, Sketch], exact_sizes: np.ndarray, infos: np.ndarray
-    ) -> dict[int, Sketch]:
-        """Step 2: the global sketch of every quantile name some rank has, by one ``SUM``."""
-        plans = [
-            _SketchPlan.of(infos[j * _SK_INFO : (j + 1) * _SK_INFO], exact_sizes[j], self.world_size)
-            for j in range(len(lay.quantiles))
-        ]
-        quantiles = lay.quantiles.tolist()
-        sections = [plan.section(sketches.get(p), self.rank) for plan, p in zip(plans, quantiles)]
-        (summed,) = self._collect((np.concatenate([np.empty(0), *sections]), dist.ReduceOp.SUM))
-        out, offset = {}, 0
-        for plan, p in zip(plans, quantiles):
-            sk = plan.sketch(summed[offset : offset + plan.size])
-            offset += plan.size
-            if sk is not None:
-                out[p] = sk
-        return out
-
     def _finish(self, step: int, lay: Layout, total: np.ndarray, states: dict[int, State]) -> StepResult:
         """The step's result by the Aggregator's own finalization (or an empty one off ``result_on``)."""
         if lay.names and (self.result_on is None or self.result_on == self.rank):
@@ -482,99 +360,7 @@ class TorchDistTransport(SyncTransport):
         return res
 
 
-def exchange_form(exchange: str, world_size: int, layout: Layout) -> str:
-    """The form of the state exchange (``"gather"`` or ``"reduce"``) for ``exchange`` in
-    :data:`EXCHANGES`: ``"auto"`` gathers while a rank receives at most :data:`GATHER_LIMIT` floats.
-
-    >>> lay = Layout.of({f"m{i}/mean": "mean" for i in range(1000)})
-    >>> exchange_form("auto", 8, lay), exchange_form("auto", 64, lay), exchange_form("reduce", 8, lay)
-    ('gather', 'reduce', 'reduce')
-    """
-    if exchange != "auto":
-        return exchange
-    row = _HEAD + 1 + len(layout.quantiles) * (1 + _SK_INFO) + 5 * len(layout.names)
-    return "gather" if world_size * row <= GATHER_LIMIT else "reduce"
-
-
-def _sketch_info(sk: Sketch | None) -> tuple[float, np.ndarray]:
-    """Step 1 data of one local sketch: its exact size (SUM) and 12 MAX floats: bucket mode flag,
-    exact size, ``[highest, -lowest]`` bucket of the positive and the negative store, parameters
-    and their negatives (so that the MAX tells whether all ranks agree)."""
-    out = np.full(_SK_INFO, _NEUTRAL)
-    if sk is None:
-        return 0.0, out
-    size = float(sk.values.size) if sk.is_exact else 0.0
-    out[0], out[1] = (0.0 if sk.is_exact else 1.0), size
-    neg, pos = sk.bucket_span()
-    for k, span in enumerate((pos, neg)):
-        if span is not None:
-            out[2 + 2 * k], out[3 + 2 * k] = span[1], -span[0]
-    params = [sk.rel_err, sk.exact_limit, sk.max_buckets]
-    out[6:9] = params
-    out[9:12] = np.negative(params)
-    return size, out
-
-
-@dataclass
-class _SketchPlan:
-    """How one quantile name travels in step 2, agreed from step 1: exact slots or a bucket window."""
-
-    world: int
-    params: dict[str, Any] | None  # Sketch parameters; None: no rank has a sketch
-    exact: bool = True
-    slot: int = 0  # exact: values per rank slot
-    window: BucketWindow = field(default_factory=BucketWindow)
-
-    @classmethod
-    def of(cls, info: np.ndarray, exact_total: float, world: int) -> _SketchPlan:
-        if info[6] == _NEUTRAL:
-            return cls(world, None)
-        if not np.array_equal(info[6:9], -info[9:12]):
-            raise ValueError("ranks built quantile sketches with different parameters for one metric")
-        params = {"rel_err": float(info[6]), "exact_limit": int(info[7]), "max_buckets": int(info[8])}
-        if info[0] == 0.0 and exact_total <= params["exact_limit"]:
-            return cls(world, params, slot=int(info[1]))
-
-        def span(hi: float, minus_lo: float) -> tuple[int, int] | None:
-            return None if hi == _NEUTRAL else (int(-minus_lo), int(hi))
-
-        window = BucketWindow.covering(span(info[4], info[5]), span(info[2], info[3]), params["max_buckets"])
-        return cls(world, params, exact=False, window=window)
-
-    @property
-    def size(self) -> int:
-        if self.params is None:
-            return 0
-        return 1 + self.world + self.world * self.slot if self.exact else self.window.size
-
-    def section(self, sk: Sketch | None, rank: int) -> np.ndarray:
-        """This rank's part of the ``SUM``: NaN weight, size and values in its slot; or its fold."""
-        if sk is None or self.params is None:
-            return np.zeros(self.size)
-        if not self.exact:
-            return sk.fold(self.window)
-        out = np.zeros(self.size)
-        values = sk.values
-        out[0] = sk.nan_count
-        out[1 + rank] = values.size
-        start = 1 + self.world + rank * self.slot
-        out[start : start + values.size] = values
-        return out
-
-    def sketch(self, section: np.ndarray) -> Sketch | None:
-        """The merged sketch from the summed section."""
-        if self.params is None:
-            return None
-        if not self.exact:
-            return Sketch.from_folded(section, self.window, **self.params)
-        sizes = section[1 : 1 + self.world].astype(np.int64)
-        base = 1 + self.world
-        chunks = [section[base + r * self.slot : base + r * self.slot + sizes[r]] for r in range(self.world)]
-        chunks.append(np.full(int(section[0]), np.nan))
-        return Sketch.of(np.concatenate(chunks), **self.params)
-
-
-class TorchMetricClient(ClientCore):
+class TorchMetricClient(ComputeLocal, ClientCore):
     """The client API on a ``torch.distributed`` process group (``rlmetrics.connect("torch")``).
 
     ``group``: the process group (None: the default group). ``result_on``: None (every rank gets

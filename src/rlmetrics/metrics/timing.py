@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from rlmetrics.extras import require
+from rlmetrics.host import to_host
 from rlmetrics.metrics import (
     THROUGHPUT_GPUS,
     THROUGHPUT_SECONDS,
@@ -48,9 +49,11 @@ from rlmetrics.metrics import (
     timing_aux,
 )
 from rlmetrics.metrics.batch import key_error
-from rlmetrics.metrics.data import _Tensors, data_metrics_from_stats
+from rlmetrics.metrics.data import data_metrics_from_stats
+from rlmetrics.metrics.tensors import BatchTensors
 from rlmetrics.reduce import resolve
-from rlmetrics.stat import Stat, scalar_value, to_host
+from rlmetrics.stat import Stat
+from rlmetrics.values import scalar_value
 
 torch = require("torch", "torch")
 
@@ -79,7 +82,7 @@ def _stage_values(timing_raw: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _read(values: dict[Any, Any]) -> dict[Any, Any]:
-    """``values`` with their tensors read, in one device-to-host copy (:func:`~rlmetrics.stat.to_host`)."""
+    """``values`` with their tensors read, in one device-to-host copy (:func:`~rlmetrics.host.to_host`)."""
     keys = [k for k, v in values.items() if isinstance(v, torch.Tensor)]
     host = to_host([values[k] for k in keys])
     return {**values, **{k: float(h.sum()) for k, h in zip(keys, host)}}
@@ -95,7 +98,7 @@ def stage_seconds(timing_raw: Mapping[str, Any]) -> dict[str, float]:
     return _read(_stage_values(timing_raw))
 
 
-def _token_counts(t: _Tensors) -> dict[str, Any]:
+def _token_counts(t: BatchTensors) -> dict[str, Any]:
     """``{"prompt": ..., "response": ...}`` tokens of the batch as 0-d tensors (read with the call's
     other tensors); empty if unknown."""
     if t.prompt_mask is None or t.response_mask is None:
@@ -121,7 +124,7 @@ def compute_timing_stats(
     (['_aux/timing_per_token_ms/gen/seconds/mean', '_aux/timing_per_token_ms/gen/tokens/sum', \
 'timing_per_token_ms/gen', 'timing_s/gen'], 1.0)
     """
-    t = _Tensors(batch, "compute_timing_metrics")
+    t = BatchTensors(batch, "compute_timing_metrics")
     values = _stage_values(timing_raw)
     timed = [s for s in TIMED_STAGES if s in values]
     tokens = _token_counts(t) if timed else {}
@@ -164,7 +167,7 @@ def compute_timing_metrics(
     return data_metrics_from_stats(compute_timing_stats(batch, timing_raw, nan_strategy=nan_strategy))
 
 
-def _total_tokens(t: _Tensors) -> Any:
+def _total_tokens(t: BatchTensors) -> Any:
     """This rank's tokens: the sum of ``global_token_num`` when it has one count per sequence of the
     batch, else of ``attention_mask`` (see the module docstring); a float, a 0-d tensor (read with
     the call's other tensors) or None without either."""
@@ -192,7 +195,7 @@ def batch_tokens(batch: Any, what: str = "compute_throughput_metrics") -> float:
     >>> batch_tokens({"global_token_num": [100, 300]})
     400.0
     """
-    tokens = _total_tokens(_Tensors(batch, what))
+    tokens = _total_tokens(BatchTensors(batch, what))
     if tokens is None:
         raise key_error(
             "global_token_num", "missing, and the batch has no attention_mask to count tokens from"
@@ -221,7 +224,7 @@ def compute_throughput_stats(
     >>> stats["perf/total_num_tokens"].sum, stats["_aux/perf/throughput/gpus/sum"].sum
     (400.0, 4.0)
     """
-    tokens = _total_tokens(_Tensors(batch, "compute_throughput_metrics"))
+    tokens = _total_tokens(BatchTensors(batch, "compute_throughput_metrics"))
     step = _stage_values({"step": timing_raw["step"]}).get("step") if _has_step(timing_raw) else None
     read = _read({"tokens": tokens, "step": step})
     tokens, step = read["tokens"], read["step"]

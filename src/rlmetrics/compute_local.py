@@ -1,0 +1,146 @@
+"""The seed's ``compute_local_*`` methods, on every client: compute a family of built-in metrics on this
+rank's batch and submit it as mergeable Stats (or, for validation, as a record of samples).
+
+:class:`ComputeLocal` is a mixin over :class:`~rlmetrics.client.ClientCore` (it calls
+``submit_metric`` and ``submit_packed`` and reads ``nan_strategy``, ``world_size``, ``step``,
+``rank`` and ``client_id``): :class:`~rlmetrics.backends.MetricClient` and
+:class:`~rlmetrics.backends.torch_dist.TorchMetricClient` inherit it. The metric modules are
+imported on first use (torch only then).
+
+>>> from rlmetrics.backends import MetricClient, local
+>>> client = MetricClient(local.LocalMetricWorker(), world_size=1)
+>>> client.process_local_validation_metrics(["gsm8k", "gsm8k"], ["q1", "q1"], {"acc": [1.0, 0.0]})
+>>> client.wait_submit()
+>>> client.wait_final_res()["val-core/gsm8k/acc/mean@2"]
+0.5
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from rlmetrics.packing import pack
+
+
+class ComputeLocal:
+    """The seed's ``compute_local_*`` and ``process_local_validation_metrics`` of a client."""
+
+    def _compute_strategy(self) -> str:
+        """The nan_strategy compute functions run with: ``"error"`` is left to :meth:`submit_metric`,
+        which refuses each non-finite name alone and queues the others."""
+        return "drop" if self.nan_strategy == "drop" else "propagate"
+
+    def compute_local_data_metric(
+        self,
+        data: Any,
+        world_size: int | None = None,
+        step: int | None = None,
+        *,
+        torch_compile: bool = False,
+    ) -> None:
+        """Compute the seed's data metrics of this rank's batch (plus every function added with
+        :func:`~rlmetrics.metrics.custom.register_metric`) and submit them as mergeable Stats, so
+        token- and sequence-weighted global values are exact. ``data``: a mapping, a TensorDict or a
+        verl ``DataProto`` (:mod:`rlmetrics.metrics.batch`). ``DEBUG_METRICS=1`` logs them.
+        ``torch_compile``: see :func:`~rlmetrics.metrics.data.compute_data_stats`."""
+        from rlmetrics.metrics.batch import as_batch
+        from rlmetrics.metrics.custom import debug_enabled, debug_report, run_custom_metrics
+        from rlmetrics.metrics.data import compute_data_stats
+
+        batch = as_batch(data, "compute_local_data_metric")
+        metrics: dict[str, Any] = dict(
+            compute_data_stats(batch, torch_compile=torch_compile, nan_strategy=self._compute_strategy())
+        )
+        metrics.update(run_custom_metrics(data))
+        if debug_enabled():
+            debug_report(batch, metrics)
+        self.submit_metric(metrics, world_size, step)
+
+    def compute_local_timing_metrics(
+        self,
+        data: Any,
+        timing_raw: Mapping[str, float],
+        world_size: int | None = None,
+        step: int | None = None,
+    ) -> None:
+        """Submit ``timing_s/{stage}`` and ``timing_per_token_ms/{stage}`` of this rank; the per-token
+        times are derived from all ranks' seconds and tokens (:mod:`rlmetrics.metrics.timing`)."""
+        from rlmetrics.metrics.timing import compute_timing_stats
+
+        stats = compute_timing_stats(data, timing_raw, nan_strategy=self._compute_strategy())
+        self.submit_metric(stats, world_size, step)
+
+    def compute_local_throughout_metrics(
+        self,
+        data: Any,
+        timing_raw: Mapping[str, float],
+        n_gpu: int,
+        world_size: int | None = None,
+        step: int | None = None,
+    ) -> None:
+        """Submit ``perf/total_num_tokens``, ``perf/time_per_step``, ``perf/throughput`` (the seed's
+        spelling; :meth:`compute_local_throughput_metrics` is the same). ``n_gpu``: the GPUs this
+        rank's batch ran on (siiRL passes ``pp * tp``); the throughput is derived from all ranks'
+        tokens, step times and GPUs (:mod:`rlmetrics.metrics.timing`)."""
+        from rlmetrics.metrics.timing import compute_throughput_stats
+
+        stats = compute_throughput_stats(data, timing_raw, n_gpu, nan_strategy=self._compute_strategy())
+        self.submit_metric(stats, world_size, step)
+
+    compute_local_throughput_metrics = compute_local_throughout_metrics
+
+    def process_local_validation_metrics(
+        self,
+        data_sources: list[str],
+        sample_inputs: list[str],
+        infos_dict: Mapping[str, list[Any]],
+        sample_turns: Any = (),
+        world_size: int | None = None,
+        step: int | None = None,
+        *,
+        exact: bool = False,
+        **record_options: Any,
+    ) -> None:
+        """Send this rank's validation samples (a compact record); the aggregator computes
+        ``val-core/...``, ``val-aux/...``, ``val/test_score/...`` once over all ranks' samples, so a
+        prompt whose samples sit on several ranks gets exactly the single-process values.
+
+        The samples are concatenated in an order that depends on data, never on arrival: by rank
+        (``rank=`` of the client, else the number of a ``rankN`` label), then by the order of the
+        calls within the rank; clients without a rank follow, ordered by the content of their
+        samples. Non-finite values follow ``nan_strategy`` (``"drop"`` leaves out the samples that
+        have one). ``exact=True`` adds ``pass@k`` and the exact best/worst/maj@k keys;
+        ``record_options`` (``style``, ``seed``, ``expected_counts``) go to
+        :func:`~rlmetrics.metrics.validation.encode_samples`."""
+        from rlmetrics.metrics.validation import encode_samples
+        from rlmetrics.states import VALIDATION_SAMPLES, Samples
+
+        ws = self.world_size if world_size is None else world_size
+        if ws is None:
+            raise ValueError("process_local_validation_metrics needs world_size")
+        record = encode_samples(
+            data_sources, sample_inputs, infos_dict, sample_turns, exact=exact,
+            nan_strategy=self.nan_strategy, **record_options,
+        )  # fmt: skip
+        packed = pack({VALIDATION_SAMPLES: float(len(record["group"]))})
+        with self._lock:
+            seq = self._next_seq()
+            packed.states[0] = Samples([(self._rank_key(record, seq), record)])
+            self.submit_packed(packed, int(ws), self.step if step is None else int(step), seq)
+
+    def _rank_key(self, record: Mapping[str, Any], seq: int) -> tuple[int, int, int, str]:
+        """Where a record goes in the merged order: ``(0, rank, seq, digest)`` for a client with a
+        rank, ``(1, 0, 0, digest)`` without; ``digest`` is the record's content hash."""
+        from rlmetrics.metrics.validation import record_digest
+
+        rank = self.rank
+        if rank is None:
+            match = re.match(r"rank(\d+)(?:@|$)", self.client_id)
+            rank = int(match.group(1)) if match else None
+        digest = record_digest(record)
+        return (1, 0, 0, digest) if rank is None else (0, rank, seq, digest)
+
+
+__all__ = ["ComputeLocal"]

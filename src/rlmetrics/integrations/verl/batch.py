@@ -1,0 +1,192 @@
+"""verl's batch metric functions (``compute_data_metrics``, ``compute_timing_metrics``,
+``compute_throughout_metrics``, ``compute_variance_proxy_metrics``, ``process_validation_metrics``),
+returning :class:`Value` floats that carry what a rank submits in their place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rlmetrics.metrics import (
+    AUX_PREFIX,
+    THROUGHPUT_GPU_SECONDS,
+    THROUGHPUT_TOKENS,
+    TIMED_STAGES,
+    VF_RESIDUAL_STD,
+    VF_RETURNS_STD,
+    VF_TOKENS,
+    VP_SEQUENCES,
+    derive_metrics,
+    timing_aux,
+)
+from rlmetrics.metrics.validation import encode_samples, samples_by_source
+from rlmetrics.reduce import MEAN, Reduction, resolve
+from rlmetrics.stat import Stat
+
+VERL_REDUCTIONS: dict[str, Reduction] = {"variance_proxy/proxy2_total_power": MEAN}
+"""verl's names whose reduction the name's tokens get wrong (``total`` would sum a mean)."""
+
+
+_DERIVED_AUX = {
+    "critic/vf_explained_var": (VF_RETURNS_STD, VF_RESIDUAL_STD, VF_TOKENS),
+    "variance_proxy/proxy3_pure_noise": (VP_SEQUENCES,),
+}
+
+
+class Value(float):
+    """verl's number, carrying what a rank submits in its place: ``stat``, the mergeable summary
+    under the metric's own name, and ``aux``, the auxiliary Stats of a derived metric.
+
+    >>> v = Value(2.0, Stat.of([1.0, 3.0]))
+    >>> v + 1, v.stat.count
+    (3.0, 2.0)
+    """
+
+    stat: Stat
+    aux: dict[str, Stat]
+
+    def __new__(cls, value: float, stat: Stat, aux: Mapping[str, Stat] | None = None) -> Value:
+        self = super().__new__(cls, value)
+        self.stat = stat
+        self.aux = dict(aux or {})
+        return self
+
+    def __reduce__(self) -> tuple:
+        return (Value, (float(self), self.stat, self.aux))
+
+    def __repr__(self) -> str:
+        return float.__repr__(self)
+
+
+def compute_data_metrics(batch: Any, use_critic: bool = True) -> dict[str, Value]:
+    """verl's ``compute_data_metrics``: ``critic/score|rewards/*`` of the responses that are not empty,
+    ``critic/advantages|returns/*`` (and with ``use_critic`` ``critic/values/*`` and
+    ``critic/vf_explained_var``) over ``response_mask`` tokens, ``response_length/*``,
+    ``response_length_non_aborted/*``, ``response/aborted_ratio``, ``prompt_length/*`` (lengths from
+    ``attention_mask``), ``num_turns/*`` and ``tool_call_counts/*``. NaN where verl reports NaN (no
+    token, no response that is not empty); a key the batch lacks skips its metrics (verl raises).
+    See :func:`rlmetrics.metrics.data.compute_verl_data_stats`.
+    """
+    from rlmetrics.metrics.data import column_values, verl_data_arrays
+
+    names, arrays = verl_data_arrays(batch, use_critic=use_critic)
+    stats = {name: Stat(*column) for name, column in zip(names, arrays.T.tolist())}
+    return values_of(stats, dict(zip(names, column_values(names, arrays).tolist())))
+
+
+def compute_timing_metrics(batch: Any, timing_raw: Mapping[str, Any]) -> dict[str, Value]:
+    """verl's ``compute_timing_metrics``: ``timing_s/{stage}`` for every entry of ``timing_raw`` and
+    ``timing_per_token_ms/{stage}`` for ``gen`` (per response token) and ``ref``, ``values``, ``adv``,
+    ``update_critic``, ``update_actor`` (per token of the whole sequence; 0.0 without tokens), tokens
+    counted as verl does (:func:`~rlmetrics.metrics.data.verl_lengths`). Merged, a stage's time per
+    token is its time over the tokens of all ranks.
+
+    >>> import torch
+    >>> batch = {"responses": torch.zeros(1, 4), "response_mask": torch.tensor([[1, 0, 0, 1]]),
+    ...          "attention_mask": torch.tensor([[1, 1, 1, 1, 1, 0]])}  # tool output: attended, not trained
+    >>> m = compute_timing_metrics(batch, {"gen": 0.3, "ref": 0.5})
+    >>> m["timing_s/gen"], m["timing_per_token_ms/gen"], m["timing_per_token_ms/ref"]
+    (0.3, 100.0, 100.0)
+    """
+    from rlmetrics.host import to_host
+    from rlmetrics.metrics.data import verl_lengths
+    from rlmetrics.metrics.timing import stage_seconds
+
+    seconds = stage_seconds(timing_raw)
+    out: dict[str, Value] = {f"timing_s/{stage}": Value(s, Stat.of(s)) for stage, s in seconds.items()}
+    lengths = verl_lengths(batch)
+    if lengths is None:
+        return out
+    prompt, response = (float(x.sum()) for x in to_host(list(lengths)))
+    for stage in [s for s in TIMED_STAGES if s in seconds]:
+        tokens = response if stage == "gen" else prompt + response
+        value = seconds[stage] * 1000.0 / tokens if tokens > 0 else 0.0
+        seconds_name, tokens_name = timing_aux(stage)
+        aux = {seconds_name: Stat.of(seconds[stage]), tokens_name: Stat.of(tokens)}
+        out[f"timing_per_token_ms/{stage}"] = Value(value, Stat.of(value), aux)
+    return out
+
+
+def compute_throughout_metrics(batch: Any, timing_raw: Mapping[str, Any], n_gpus: int) -> dict[str, Value]:
+    """verl's ``compute_throughout_metrics`` (its spelling): ``perf/total_num_tokens`` (the sum of
+    ``meta_info["global_token_num"]``), ``perf/time_per_step`` (``timing_raw["step"]``) and
+    ``perf/throughput`` (tokens per second per GPU). A shard's ``meta_info`` lists every sequence of
+    the batch it was cut from (``DataProto.chunk`` copies it), so where its length is not the
+    shard's, the shard's own tokens are counted from ``attention_mask``; merged, the tokens are summed.
+
+    >>> m = compute_throughout_metrics({"global_token_num": [100, 300]}, {"step": 2.0}, n_gpus=4)
+    >>> m["perf/total_num_tokens"], m["perf/time_per_step"], m["perf/throughput"]
+    (400.0, 2.0, 50.0)
+    """
+    from rlmetrics.metrics.timing import batch_tokens
+
+    tokens = batch_tokens(batch, "compute_throughout_metrics")
+    step = float(timing_raw["step"])
+    throughput = tokens / (step * n_gpus)
+    aux = {THROUGHPUT_TOKENS: Stat.of(tokens), THROUGHPUT_GPU_SECONDS: Stat.of(step * n_gpus)}
+    return {
+        "perf/total_num_tokens": Value(tokens, Stat.of(tokens)),
+        "perf/time_per_step": Value(step, Stat.of(step)),
+        "perf/throughput": Value(throughput, Stat.of(throughput), aux),
+    }
+
+
+def compute_variance_proxy_metrics(batch: Any, gradient_norm: float | None = None) -> dict[str, Value]:
+    """verl's ``compute_variance_proxy_metrics``: ``variance_proxy/proxy1_signal_strength``,
+    ``proxy2_total_power`` (a mean over sequences, merged as one), ``proxy3_pure_noise`` (derived from
+    the merged values and sequence count), ``expected_a_squared``, ``expected_w``; empty without
+    ``sum_pi_squared``, ``old_log_probs`` or ``advantages``. See
+    :func:`rlmetrics.metrics.data.compute_variance_proxy_stats`.
+    """
+    from rlmetrics.metrics.data import compute_variance_proxy_stats
+
+    return values_of(compute_variance_proxy_stats(batch, gradient_norm))
+
+
+def process_validation_metrics(
+    data_sources: Sequence[Any],
+    sample_uids: Sequence[Any],
+    infos_dict: Mapping[str, Sequence[Any]],
+    seed: int = 42,
+    expected_acc_counts: Mapping[tuple[Any, Any], int] | None = None,
+) -> dict[Any, dict[str, dict[str, float]]]:
+    """verl's ``process_validation_metrics``: ``{data_source: {var: {metric: value}}}`` with
+    ``mean@n``, ``std@n``, ``best|worst|maj@k/mean|std`` averaged over the prompts (``sample_uids``)
+    of each data source, ``None`` values dropped per prompt, and ``expected_acc_counts`` (see
+    :mod:`rlmetrics.metrics.validation`, ``style="verl"``), vectorised.
+
+    >>> m = process_validation_metrics(["gsm8k"] * 4, ["q1", "q1", "q2", "q2"],
+    ...                                {"acc": [1.0, None, 1.0, 0.0], "pred": ["4", "5", "7", "7"]})
+    >>> m["gsm8k"]["acc"]["mean@1"], m["gsm8k"]["acc"]["mean@2"], m["gsm8k"]["acc"]["maj@2/mean"]
+    (1.0, 0.5, 0.513)
+    """
+    record = encode_samples(
+        data_sources, sample_uids, infos_dict, style="verl", seed=seed, expected_counts=expected_acc_counts
+    )
+    return samples_by_source(record)
+
+
+def values_of(stats: Mapping[str, Stat], plain: Mapping[str, float] | None = None) -> dict[str, Value]:
+    """verl's value of each Stat (NaN where it holds nothing; ``plain``: those values, when known),
+    the Stat and a derived metric's auxiliary Stats attached; auxiliary names left out."""
+    if plain is None:
+        plain = {name: _reduction(name).apply(stat) for name, stat in stats.items()}
+    derived = derive_metrics({name: v for name, v in plain.items() if stats[name].count > 0})
+    out = {}
+    for name, stat in stats.items():
+        if name.startswith(AUX_PREFIX):
+            continue
+        aux = {a: stats[a] for a in _DERIVED_AUX.get(name, ()) if a in stats}
+        out[name] = Value(derived.get(name, plain[name]), stat, aux)
+    return out
+
+
+def _reduction(name: str) -> Reduction:
+    return VERL_REDUCTIONS.get(name) or resolve(name)
+
+
+__all__ = [
+    "VERL_REDUCTIONS", "Value", "compute_data_metrics", "compute_throughout_metrics",
+    "compute_timing_metrics", "compute_variance_proxy_metrics", "process_validation_metrics", "values_of",
+]  # fmt: skip

@@ -1,0 +1,187 @@
+"""Data metrics of a PPO / GRPO batch: the seed's ``compute_data_metric``, exact under merging.
+
+:func:`compute_data_stats` summarizes a batch into one :class:`~rlmetrics.stat.Stat` per metric name,
+so that merging the Stats of all ranks gives the statistics of the concatenated batch:
+
+- ``critic/advantages|returns|values/*`` summarize the response tokens (``response_mask != 0``):
+  a global mean is token-weighted;
+- ``critic/score|rewards/*`` (sums of the token-level tensors over each sequence), the response and
+  prompt lengths, the ratios (clip, aborted), ``num_turns/*`` and ``tool_call_counts/*`` summarize
+  sequences: a global mean is sequence-weighted;
+- ``critic/vf_explained_var`` is ``1 - Var(returns - values) / (Var(returns) + 1e-5)`` over the
+  response tokens (unbiased variances, as siiRL). A ratio of variances does not merge by itself, so
+  its ingredients also travel under auxiliary names (pooled stds and the token count, see
+  :mod:`rlmetrics.metrics`) and :func:`rlmetrics.metrics.derive_metrics` computes the exact global
+  value from the merged result. The Stat under ``critic/vf_explained_var`` itself is the rank's
+  value weighted by its token count: what a merge without that step reports.
+
+:func:`compute_data_metric` is ``data_metrics_from_stats(compute_data_stats(batch))``, the seed's
+``{name: float}``; a metric whose Stat holds no observation (no correct response in the batch, say)
+is left out, as the aggregator leaves out names without data. Which names a batch yields depends
+only on its keys, never on its values (a batch of 0 sequences yields every name, with empty Stats),
+so all ranks submit the same names. Non-finite observations follow ``nan_strategy``
+(:func:`compute_data_stats`).
+
+Conventions (siiRL's, and verl's for the keys siiRL lacks): the response width is
+``responses.shape[-1]`` (else ``response_mask``'s), the response mask is ``response_mask`` (else the
+last columns of ``attention_mask``), the prompt mask the other columns of ``attention_mask``; a
+response is correct when its summed ``token_level_rewards`` exceed :data:`CORRECT_THRESHOLD`;
+``response/aborted_ratio`` is the share of responses without tokens (verl's definition; there is no
+abort flag in siiRL 0.2.0), so it comes with the response lengths; ``tool_call_counts/*`` read the
+``tool_call_counts`` key (verl's) and ``num_turns/*`` the ``__num_turns__`` key, any numeric dtype.
+
+**Where it lives.** This module: the seed's functions. :mod:`~rlmetrics.metrics.data.sequences`:
+the per-sequence metrics and the assembly of names and stat arrays;
+:mod:`~rlmetrics.metrics.data.tokens`: the response-token summaries (the specialised summary kernel);
+:mod:`~rlmetrics.metrics.data.verl_style`: verl's names (:func:`compute_verl_data_stats`, behind
+:func:`rlmetrics.integrations.verl.compute_data_metrics`) and :func:`compute_variance_proxy_stats`.
+The token summaries and the per-sequence sums (scores, rewards, lengths) are computed on the
+batch's device with fixed shapes (no masked_select, no ``.item()``) and reach the host in one
+transfer. Missing keys skip the metrics that need them; a key of the wrong shape or dtype raises
+:class:`~rlmetrics.stat.MetricValueError` naming it (:class:`~rlmetrics.metrics.tensors.BatchTensors`).
+Batch keys: ``responses``, ``attention_mask``, ``response_mask``, ``token_level_scores``,
+``token_level_rewards``, ``advantages``, ``returns``, ``values``, ``__num_turns__``,
+``tool_call_counts`` (tensors, numpy arrays or lists), in a plain dict, a TensorDict or a verl
+``DataProto`` (:mod:`rlmetrics.metrics.batch`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import psutil
+
+from rlmetrics.metrics.data.sequences import (
+    CORRECT_THRESHOLD,
+    VF_AUX,
+    column_values,
+    fetch,
+    metrics_of_arrays,
+    sequence_summaries,
+    sequence_tensors,
+    with_token_block,
+)
+from rlmetrics.metrics.data.tokens import TokenSummaries
+from rlmetrics.metrics.data.verl_style import (
+    compute_variance_proxy_stats,
+    compute_verl_data_stats,
+    verl_data_arrays,
+    verl_lengths,
+)
+from rlmetrics.metrics.tensors import Batch, BatchTensors
+from rlmetrics.stat import Stat
+from rlmetrics.summary import NAN_STRATEGIES
+
+
+# ----------------------------------------------------------------------------------------- public
+def compute_data_stats(
+    batch: Batch, *, aux: bool = True, torch_compile: bool = False, nan_strategy: str = "propagate"
+) -> dict[str, Stat]:
+    """One mergeable :class:`Stat` per data metric of ``batch`` (see the module docstring).
+
+    ``nan_strategy``: non-finite values of the observations (response tokens of advantages, returns
+    and values; sequence scores, rewards, turns, tool calls) reach the statistics (``"propagate"``),
+    are left out (``"drop"``; a sequence with a non-finite reward has no correct/wrong length), or
+    raise :class:`~rlmetrics.stat.MetricValueError` naming the metric (``"error"``).
+    ``aux=False`` leaves out the auxiliary Stats of the explained variance. ``torch_compile=True``
+    computes the token summaries (advantages, returns, values) with ``torch.compile``: fused kernels,
+    about 2.5x faster for them on this CPU, after a first call that compiles for 10-30 s (a C++
+    compiler on CPU, Triton on GPU; where compiling fails, a warning and the eager path).
+
+    >>> import torch
+    >>> attention_mask = torch.tensor([[1, 1, 1, 1, 0], [0, 1, 1, 1, 1]])  # prompt 2, response 3
+    >>> advantages = torch.tensor([[1.0, 2.0, 9.0], [3.0, 4.0, 5.0]])
+    >>> batch = {"responses": torch.zeros(2, 3), "attention_mask": attention_mask, "advantages": advantages}
+    >>> stats = compute_data_stats(batch)
+    >>> s = stats["critic/advantages/mean"]
+    >>> (s.count, s.mean, stats["response/length/mean"].count)
+    (5.0, 3.0, 2.0)
+    """
+    names, arrays = _data_arrays(batch, torch_compile, nan_strategy)
+    stats = {name: Stat(*column) for name, column in zip(names, arrays.T.tolist())}
+    if not aux:
+        for name in VF_AUX:
+            stats.pop(name, None)
+    return stats
+
+
+def compute_data_metric(
+    batch: Batch, *, torch_compile: bool = False, nan_strategy: str = "propagate"
+) -> dict[str, float]:
+    """The seed's data metrics of ``batch`` as ``{name: float}`` (``nan_strategy``: as
+    :func:`compute_data_stats`).
+
+    >>> import torch
+    >>> attention_mask = torch.tensor([[1, 1, 1, 1, 0], [0, 1, 1, 1, 1]])  # prompt 2, response 3
+    >>> rewards = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
+    >>> batch = {"responses": torch.zeros(2, 3), "attention_mask": attention_mask}
+    >>> batch["token_level_rewards"] = rewards
+    >>> m = compute_data_metric(batch)
+    >>> m["response/length/mean"], m["prompt/length/max"], m["response/clip_ratio/mean"]
+    (2.5, 2.0, 0.5)
+    >>> m["critic/rewards/mean"], m["response/correct_length/mean"], m["response/wrong_length/mean"]
+    (0.5, 3.0, 2.0)
+    """
+    return metrics_of_arrays(*_data_arrays(batch, torch_compile, nan_strategy))
+
+
+def data_metrics_from_stats(stats: Mapping[str, Stat]) -> dict[str, float]:
+    """Reduce (merged) data Stats to ``{name: float}`` as the aggregator does: each name by its
+    reduction, empty Stats left out, then :func:`rlmetrics.metrics.derive_metrics`.
+
+    >>> import torch
+    >>> a = compute_data_stats({"advantages": torch.tensor([[1.0, 2.0]]), "response_mask": torch.ones(1, 2)})
+    >>> b = compute_data_stats({"advantages": torch.tensor([[6.0, 0.0]]), "response_mask": torch.eye(2)[:1]})
+    >>> merged = {n: a[n].merge(b[n]) for n in a}
+    >>> data_metrics_from_stats(merged)["critic/advantages/mean"]
+    3.0
+    """
+    names = list(stats)
+    arrays = np.array([[s.count, s.sum, s.m2, s.min, s.max] for s in stats.values()]).T
+    return metrics_of_arrays(names, arrays.reshape(5, len(names)), stats)
+
+
+# -------------------------------------------------------------------------------------- internals
+_PROCESSES: dict[int, Any] = {}
+
+
+def _process() -> Any:
+    """This process's ``psutil.Process``, made once per pid (making one reads ``/proc`` twice)."""
+    pid = os.getpid()
+    if pid not in _PROCESSES:
+        _PROCESSES.clear()
+        _PROCESSES[pid] = psutil.Process(pid)
+    return _PROCESSES[pid]
+
+
+def _data_arrays(batch: Batch, torch_compile: bool, nan_strategy: str) -> tuple[list[str], np.ndarray]:
+    """The data metrics' names and their ``(5, K)`` stat array: count, sum, m2, min, max."""
+    if nan_strategy not in NAN_STRATEGIES:
+        raise ValueError(f"nan_strategy must be one of {NAN_STRATEGIES}, got {nan_strategy!r}")
+    t = BatchTensors(batch)
+    seq = sequence_tensors(t)
+    tokens = None if t.response_mask is None else TokenSummaries.of(t, t.response_mask, torch_compile)
+    host, block = fetch(seq, tokens)
+    if nan_strategy != "propagate" and tokens is not None:
+        block = tokens.finite(block, nan_strategy)
+    token_names = [] if tokens is None else tokens.names
+    names, arrays = with_token_block(*sequence_summaries(host, t, nan_strategy), token_names, block)
+    rss_gb = _process().memory_info().rss / 1024**3
+    names.append("perf/process_cpu_mem_used_gb")
+    return names, np.concatenate([arrays, np.array([(1.0, rss_gb, 0.0, rss_gb, rss_gb)]).T], axis=1)
+
+
+__all__ = [
+    "CORRECT_THRESHOLD",
+    "compute_data_metric",
+    "compute_data_stats",
+    "compute_variance_proxy_stats",
+    "column_values",
+    "compute_verl_data_stats",
+    "data_metrics_from_stats",
+    "verl_data_arrays",
+    "verl_lengths",
+]

@@ -1,0 +1,207 @@
+"""The per-sequence data metrics (scores, rewards, lengths, ratios, turns, tool calls) and the assembly of
+a batch's names and ``(5, K)`` stat array.
+
+The per-sequence vectors (sums over each row, lengths) are computed on the batch's device, reach the
+host with the token summaries in one copy (:func:`fetch`), and are summarized there by
+:func:`~rlmetrics.summary.summarize` (a few numbers per sequence: small operations cost less on the
+host than as device kernels), vectors of one length together.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from rlmetrics.host import HostPlan
+from rlmetrics.metrics import VF_RESIDUAL_STD, VF_RETURNS_STD, VF_TOKENS, derive_metrics, vf_explained_var
+from rlmetrics.metrics.batch import key_error
+from rlmetrics.metrics.data.tokens import TokenSummaries, triple
+from rlmetrics.metrics.tensors import BatchTensors, floating
+from rlmetrics.reduce import resolve
+from rlmetrics.stat import Stat, empty_arrays
+from rlmetrics.summary import nonfinite, summarize
+from rlmetrics.values import MetricValueError
+
+CORRECT_THRESHOLD = 0.5
+"""A response is correct when its sequence reward (sum of ``token_level_rewards``) exceeds this."""
+
+SEQUENCE_METRICS = (  # batch key (the response / prompt mask: its lengths) and metric prefix
+    ("token_level_scores", "critic/score"),
+    ("token_level_rewards", "critic/rewards"),
+    ("response_mask", "response/length"),
+    ("prompt_mask", "prompt/length"),
+    ("__num_turns__", "num_turns"),
+    ("tool_call_counts", "tool_call_counts"),
+)
+
+VF_AUX = (VF_RETURNS_STD, VF_RESIDUAL_STD, VF_TOKENS)
+
+Part = tuple[tuple[str, ...], np.ndarray, Any]  # names, values, which to keep (None: all)
+
+
+# ------------------------------------------------------------------------------ on the device
+def sequence_tensors(t: BatchTensors) -> dict[str, Any]:
+    """The per-sequence vectors of the seed's metrics, by batch key: sums, lengths, counts."""
+    seq: dict[str, Any] = {}
+    add_sums(t, seq)
+    if t.response_mask is not None:
+        seq["response_mask"] = t.response_mask.sum(-1)
+    if t.prompt_mask is not None:
+        seq["prompt_mask"] = t.prompt_mask.sum(-1)
+    add_counts(t, seq)
+    return seq
+
+
+def add_sums(t: BatchTensors, seq: dict[str, Any]) -> None:
+    """Sequence scores and rewards: sums over the whole row (siiRL's and verl's)."""
+    for key, _ in SEQUENCE_METRICS[:2]:
+        x = t.get(key)
+        if x is not None:
+            if x.dim() == 0:
+                raise key_error(key, "must have one value (or row) per sequence, got a scalar")
+            t.check_size(key, x)
+            seq[key] = floating(x).sum(-1) if x.dim() >= 2 else x
+
+
+def add_counts(t: BatchTensors, seq: dict[str, Any]) -> None:
+    """Turns and tool calls per sequence (any number of values: names never depend on it)."""
+    for key, _ in SEQUENCE_METRICS[4:]:
+        x = t.get(key)
+        if x is not None:
+            seq[key] = x
+
+
+def fetch(seq: Mapping[str, Any], tokens: TokenSummaries | None) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The per-sequence vectors as host arrays and the ``(5, K)`` token block, moved in one copy."""
+    plan = HostPlan()
+    plan.add(list(seq.values()), lambda *arrays: dict(zip(seq, arrays)))
+    if tokens is not None:
+        plan.add([tokens.block], lambda block: block.reshape(5, -1))
+    host, *block = plan.run()
+    return host, block[0] if block else empty_arrays(0)
+
+
+# -------------------------------------------------------------------------------- on the host
+def sequence_summaries(
+    seq: Mapping[str, np.ndarray], t: BatchTensors, nan_strategy: str
+) -> tuple[list[tuple[str, ...]], np.ndarray]:
+    """The per-sequence metrics' name groups and ``(5, K)`` summaries, from the sequence vectors on
+    the host (:func:`sequence_tensors`); non-finite values as ``nan_strategy`` says."""
+    parts: list[Part] = [(triple(prefix), seq[key], None) for key, prefix in SEQUENCE_METRICS if key in seq]
+    lengths = seq.get("response_mask")
+    if lengths is not None:
+        parts.append((("response/clip_ratio/mean",), (lengths == t.response_width) * 1.0, None))
+        parts.append((("response/aborted_ratio",), (lengths == 0) * 1.0, None))
+        reward = seq.get("token_level_rewards")
+        if reward is not None and reward.shape == lengths.shape:
+            correct = reward > CORRECT_THRESHOLD
+            wrong = ~correct  # a NaN reward is wrong, as siiRL counts it
+            if nan_strategy == "drop":  # a non-finite reward: neither correct nor wrong
+                known = np.isfinite(reward)
+                correct, wrong = correct & known, wrong & known
+            parts.append((triple("response/correct_length"), lengths, correct))
+            parts.append((triple("response/wrong_length"), lengths, wrong))
+    prompt = seq.get("prompt_mask")
+    if prompt is not None:
+        parts.append((("prompt/clip_ratio/mean",), (prompt == t.prompt_width) * 1.0, None))
+    return part_summaries(parts, nan_strategy)
+
+
+def part_summaries(
+    parts: list[Part], nan_strategy: str = "propagate"
+) -> tuple[list[tuple[str, ...]], np.ndarray]:
+    """The name groups and ``(5, K)`` summaries of ``(names, values, which to keep or None)`` parts;
+    non-finite values as ``nan_strategy`` says (``"error"``: refused, naming the part's first name)."""
+    if nan_strategy == "error":
+        for names, values, keep in parts:
+            bad = int(nonfinite(values, keep))
+            if bad:
+                raise MetricValueError(
+                    f"metric {names[0]!r}: {bad} non-finite value(s) (nan_strategy='error')"
+                )
+    out = empty_arrays(len(parts))
+    by_size: dict[int, list[int]] = {}  # vectors of one size are summarized together
+    for i, (_, values, _) in enumerate(parts):
+        by_size.setdefault(values.size, []).append(i)
+    for idx in by_size.values():
+        values = np.stack([parts[i][1] for i in idx])
+        keep = None
+        if any(parts[i][2] is not None for i in idx):
+            keep = np.ones(values.shape, dtype=bool)
+            for row, i in enumerate(idx):
+                if parts[i][2] is not None:
+                    keep[row] = parts[i][2]
+        out[:, idx] = summarize(values, keep, nan_strategy=nan_strategy)
+    return [names for names, _, _ in parts], out
+
+
+def with_token_block(
+    groups: list[tuple[str, ...]], arrays: np.ndarray, token_names: list[tuple[str, ...]], block: np.ndarray
+) -> tuple[list[str], np.ndarray]:
+    """Names and ``(5, K)`` stat array of the per-sequence summaries, the token summaries and, with
+    returns and values, the explained variance (its token count and this batch's value)."""
+    groups = groups + token_names
+    arrays = np.concatenate([arrays, block], axis=1)[
+        :, np.repeat(np.arange(len(groups)), [len(g) for g in groups])
+    ]
+    names = [name for group in groups for name in group]
+    if VF_RETURNS_STD not in names or VF_RESIDUAL_STD not in names:
+        return names, arrays
+    n = arrays[0, names.index(VF_RETURNS_STD)]
+    stds = resolve(VF_RETURNS_STD).apply_arrays(arrays[:, [names.index(k) for k in VF_AUX[:2]]])
+    ev = vf_explained_var(dict(zip(VF_AUX, [*stds.tolist(), n])))
+    names += [VF_TOKENS, "critic/vf_explained_var"]
+    extra = [(1.0, n, 0.0, n, n)]  # one observation: the rank's token count
+    # fallback value for merges without derive_metrics: this rank's value, weighted by its tokens
+    extra += [(0.0, 0.0, 0.0, math.inf, -math.inf) if ev is None else (n, ev * n, 0.0, ev, ev)]
+    return names, np.concatenate([arrays, np.array(extra).T], axis=1)
+
+
+# ------------------------------------------------------------------------------------ reduced
+def metrics_of_arrays(
+    names: list[str], arrays: np.ndarray, stats: Mapping[str, Stat] | None = None
+) -> dict[str, float]:
+    """``{name: float}`` of a ``(5, K)`` stat array as the aggregator reports it: each name by its
+    reduction (one vectorised reduction per kind; quantiles from the sketches of ``stats``, the
+    Stats of the array), names without observations left out, then
+    :func:`rlmetrics.metrics.derive_metrics`."""
+    values = column_values(names, arrays, stats)
+    has = (arrays[0] > 0).tolist()
+    return derive_metrics({name: v for name, v, h in zip(names, values.tolist(), has) if h})
+
+
+def column_values(
+    names: Sequence[str], arrays: np.ndarray, stats: Mapping[str, Stat] | None = None
+) -> np.ndarray:
+    """The value of each column of a ``(5, K)`` stat array by its name's reduction (NaN where it
+    holds no observation), one vectorised reduction per kind; quantiles from the sketches of ``stats``.
+
+    >>> column_values(["x/max", "x/mean"], Stat.of([1.0, 3.0]).to_array()[:, None].repeat(2, 1)).tolist()
+    [3.0, 2.0]
+    """
+    values = np.empty(len(names))
+    for reduction, idx in _reductions(tuple(names)):
+        if reduction.needs_sketch:  # only a user's merged Stats carry sketches
+            values[idx] = [reduction.apply(stats[names[i]]) for i in idx]
+        else:
+            values[idx] = reduction.apply_arrays(arrays[:, idx])
+    return values
+
+
+@functools.lru_cache(maxsize=256)
+def _reductions(names: tuple[str, ...]) -> list[tuple[Any, np.ndarray]]:
+    """The names' reductions and the indices of the names each one reduces (names repeat per call)."""
+    groups: dict[Any, list[int]] = {}
+    for i, name in enumerate(names):
+        groups.setdefault(resolve(name), []).append(i)
+    return [(reduction, np.array(idx)) for reduction, idx in groups.items()]
+
+
+__all__ = [
+    "CORRECT_THRESHOLD", "SEQUENCE_METRICS", "VF_AUX", "add_counts", "add_sums", "column_values", "fetch",
+    "metrics_of_arrays", "part_summaries", "sequence_summaries", "sequence_tensors", "with_token_block",
+]  # fmt: skip

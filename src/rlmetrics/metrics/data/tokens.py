@@ -1,0 +1,263 @@
+"""The response-token summaries of a batch: ``critic/advantages|returns|values/*`` and the explained
+variance's ingredients, over the tokens where ``response_mask != 0``.
+
+This is the summary kernel of :mod:`rlmetrics.summary`, specialised for millions of tokens on the
+CPU and built from its pieces (:func:`~rlmetrics.summary.total`, :func:`~rlmetrics.summary.divisor`,
+:func:`~rlmetrics.summary.extremes`, :func:`~rlmetrics.summary.square_`,
+:func:`~rlmetrics.summary.finish`). What differs is the masking: the tensors are masked with integer
+arithmetic on their float bits (:class:`_TokenMask`) rather than boolean selections, the padding is
+then set to the mean (so it changes neither the extremes nor M2), the work happens in scratch memory
+each thread keeps between calls (up to :data:`_SCRATCH_LIMIT` bytes: two masks and the tensors
+summarized together) rather than in fresh temporaries, whose page faults cost more than the
+arithmetic, and sums run per row in the data's precision. With ``torch_compile=True`` the kernel runs
+under ``torch.compile`` (fused kernels). No shape depends on the data: nothing is read on the host
+before the batch's one transfer.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from rlmetrics.extras import require
+from rlmetrics.host import to_host
+from rlmetrics.metrics import VF_RESIDUAL_STD, VF_RETURNS_STD
+from rlmetrics.metrics.batch import key_error
+from rlmetrics.metrics.tensors import BatchTensors, floating
+from rlmetrics.summary import divisor, extremes, finish, square_, total
+from rlmetrics.values import MetricValueError
+
+torch = require("torch", "torch")
+
+TOKEN_METRICS = (  # batch key and metric prefix
+    ("advantages", "critic/advantages"),
+    ("returns", "critic/returns"),
+    ("values", "critic/values"),
+)
+_MMM = ("mean", "max", "min")
+
+
+def triple(prefix: str) -> tuple[str, ...]:
+    """``prefix/mean``, ``prefix/max``, ``prefix/min``."""
+    return tuple(f"{prefix}/{r}" for r in _MMM)
+
+
+class TokenSummaries:
+    """The token summaries of one batch: ``names[k]`` are the metric names of column ``k`` of the
+    ``(5, K)`` device tensor ``block`` (count, sum, m2, min, max), made by :meth:`of`."""
+
+    def __init__(self, names: list[tuple[str, ...]], block: Any, inputs: Any = None) -> None:
+        self.names = names
+        self.block = block
+        self._inputs = inputs  # (keys, tensors, residual, mask) of the block
+
+    @classmethod
+    def of(
+        cls,
+        t: BatchTensors,
+        mask: Any,
+        torch_compile: bool,
+        keys: Sequence[str] = ("advantages", "returns", "values"),
+    ) -> TokenSummaries | None:
+        """Advantages, returns, values (those of ``keys`` the batch has) and, with returns and values,
+        the explained variance's ingredients over the tokens of ``mask``; None without any of them."""
+        found = {}
+        for key, _ in TOKEN_METRICS:
+            x = t.get(key) if key in keys else None
+            if x is not None:
+                if tuple(x.shape) != tuple(mask.shape):
+                    raise key_error(
+                        key, f"shape {tuple(x.shape)}, the response mask's is {tuple(mask.shape)}"
+                    )
+                found[key] = floating(x)
+        if not found:
+            return None
+        vf = "returns" in found and "values" in found
+        names = [
+            triple(prefix) + ((VF_RETURNS_STD,) if vf and key == "returns" else ())
+            for key, prefix in TOKEN_METRICS
+            if key in found
+        ] + ([(VF_RESIDUAL_STD,)] if vf else [])
+        if mask.numel() == 0:
+            empty = torch.tensor([0.0, 0.0, 0.0, math.inf, -math.inf], dtype=torch.float64)  # on the host
+            return cls(names, empty[:, None].expand(5, len(names)))
+        dtype = torch.float64 if any(x.dtype == torch.float64 for x in found.values()) else torch.float32
+        xs = tuple(x.to(dtype) for x in found.values())
+        residual = (list(found).index("returns"), list(found).index("values")) if vf else None
+        return cls(names, _summaries(xs, residual, mask, torch_compile), (list(found), xs, residual, mask))
+
+    def finite(self, block: np.ndarray, nan_strategy: str) -> np.ndarray:
+        """The host ``block`` under ``nan_strategy`` when it is not finite (a rare path, a second
+        transfer): ``"error"`` raises for a non-finite response token, ``"drop"`` summarizes each
+        tensor over its finite response tokens (the explained variance over the tokens where returns
+        and values both are), in columns of their own (``names`` follows)."""
+        has = block[0] > 0
+        if self._inputs is None or np.isfinite(block[3:5, has]).all():
+            return block
+        keys, xs, residual, mask = self._inputs
+        on = mask != 0
+        finite = [torch.isfinite(x) for x in xs]
+        bad = torch.stack([(on & ~f).sum() for f in finite]).tolist()
+        prefixes = dict(TOKEN_METRICS)
+        if nan_strategy == "error":
+            for key, n in zip(keys, bad):
+                if n:
+                    raise MetricValueError(
+                        f"metric {prefixes[key] + '/*'!r}: {int(n)} non-finite response value(s) in batch "
+                        f"key {key!r} (nan_strategy='error')"
+                    )
+            return block
+        names, blocks = [], []
+        for key, x, f in zip(keys, xs, finite):
+            names.append(triple(prefixes[key]))
+            blocks.append(_token_block((x,), None, on & f))
+        if residual is not None:
+            i, j = residual
+            names += [(VF_RETURNS_STD,), (VF_RESIDUAL_STD,)]
+            blocks.append(_token_block((xs[i], xs[j]), (0, 1), on & finite[i] & finite[j])[:, [0, 2]])
+        self.names = names
+        return to_host([torch.cat(blocks, 1)])[0].reshape(5, -1)
+
+
+def _summaries(xs: tuple[Any, ...], residual: tuple[int, int] | None, mask: Any, torch_compile: bool) -> Any:
+    """The ``(5, K)`` device block of :func:`_token_block`, compiled if asked (and compiling works)."""
+    if torch_compile:
+        block = _compiled_token_block(xs, residual, mask)
+        if block is not None:
+            return block
+    k, dtype = len(xs) + (residual is not None), xs[0].dtype
+    # small batches go through the summaries together (fewer kernels), large ones one tensor at a
+    # time (a smaller working set stays in cache)
+    group = k if k * mask.numel() * dtype.itemsize <= _STACK_BYTES else 1
+    itype = torch.int64 if dtype == torch.float64 else torch.int32
+    return _token_block(xs, residual, mask, _scratch((2 + group, *mask.shape), itype, mask.device), group)
+
+
+class _TokenMask:
+    """The response mask as the token summaries use it, built once per batch (into ``out`` if given).
+
+    Two integer tensors of ``dtype``, as wide as the float data summarized: ``on``
+    is 1 on the response (``mask != 0``, as masked_select reads a mask) and 0 off it, ``off`` the
+    reverse. Multiplying the integers of float data by ``on`` keeps response tokens exactly and
+    zeroes the padding whatever it holds (nan or inf too, which a float multiplication would
+    spread); adding ``off * v`` then sets the padding to the bits of ``v``. Integer arithmetic runs
+    several times faster than boolean kernels such as ``torch.where`` on CPU.
+    """
+
+    def __init__(self, mask: Any, dtype: Any, out: Any = None) -> None:
+        mask = mask.ne(0) if mask.is_floating_point() else mask
+        self.on = (mask.to(dtype) if out is None else out[0].copy_(mask)).ne_(0)
+        self.count = self.on.sum(dtype=dtype).to(torch.float64)  # (a float64 sum of ints is slower)
+        self.divisor = divisor(torch, self.count)
+        self.off = torch.bitwise_xor(self.on, 1, out=None if out is None else out[1])
+
+
+_SCRATCH_LIMIT = 32 * 2**20
+"""Bytes of scratch memory a thread keeps between calls on CPU (see :func:`_scratch`)."""
+
+_STACK_BYTES = 4 * 2**20
+"""Token tensors whose data take at most this many bytes in all are summarized together (on this
+2-core machine together is faster up to 1 MiB per tensor, one at a time from 2 MiB)."""
+
+_kept = threading.local()
+
+
+def _scratch(shape: tuple[int, ...], dtype: Any, device: Any) -> Any:
+    """An uninitialised tensor: on CPU a view of the calling thread's kept scratch memory (up to
+    :data:`_SCRATCH_LIMIT` bytes), as there a fresh multi-megabyte temporary costs a page fault every
+    4 KiB whenever the allocator has handed freed memory back to the system. Accelerator allocators
+    keep their memory themselves. Nothing derived from the result may outlive the caller's use."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if device.type != "cpu" or nbytes > _SCRATCH_LIMIT:
+        return torch.empty(shape, dtype=dtype, device=device)
+    kept = getattr(_kept, "memory", None)
+    if kept is None or kept.numel() < nbytes:
+        with torch.inference_mode(False):  # a normal tensor: later calls may run outside inference mode
+            kept = _kept.memory = torch.empty(nbytes, dtype=torch.uint8)
+    return kept[:nbytes].view(dtype).view(shape)
+
+
+def _summarize_tokens(buf: Any, mask: _TokenMask, dtype: Any) -> tuple[Any, Any, Any, Any]:
+    """Sum, m2 (float64), min and max (``dtype``) of ``K`` float tensors of ``dtype`` held as integer
+    bits in ``buf`` ``(K, *mask.shape)``, 0 on padding: four ``(K,)`` tensors. ``buf`` is overwritten.
+
+    All ``K`` go through each step together (fewer, larger kernels). Sums run per row in the data's
+    precision and across rows in float64 (a row's sum is within ``(width - 1) * eps / 2 * sum|x|``
+    of the exact one, in any order of summation: eager and compiled, on any CPU). Padding is replaced
+    with its tensor's mean before min/max and centering, so it changes neither, and no shape depends
+    on the data (no sync).
+    """
+    k = buf.shape[0]
+    vals = buf.view(dtype)
+    sums = total(torch, vals, levels=2)
+    means = (sums / mask.divisor).to(dtype)
+    buf.addcmul_(mask.off, means.view(buf.dtype)[:, None, None])  # padding := mean, in place
+    mins, maxs = extremes(torch, vals.view(k, -1))
+    vals.sub_(means[:, None, None])
+    return sums, total(torch, square_(torch, vals), levels=2), mins, maxs
+
+
+def _token_block(
+    xs: tuple[Any, ...], residual: tuple[int, int] | None, mask: Any, scratch: Any = None, group: int = 1
+) -> Any:
+    """``(5, K)`` float64 count, sum, m2, min, max of the response tokens of each of ``xs`` (float
+    tensors of one dtype, of the mask's shape) and, with ``residual=(i, j)``, of ``xs[i] - xs[j]``.
+
+    The tensors go through :func:`_summarize_tokens` ``group`` at a time. ``scratch`` is integer
+    memory of shape ``(2 + group, *mask.shape)`` for the masks and the data; None: fresh tensors (under
+    ``torch.compile``, which fuses them away).
+    """
+    dtype = xs[0].dtype
+    itype = torch.int64 if dtype == torch.float64 else torch.int32
+    k = len(xs) + (residual is not None)
+    token_mask = _TokenMask(mask, itype, out=None if scratch is None else scratch[:2])
+    parts = []
+    for start in range(0, k, group):
+        bufs = []
+        for i in range(start, min(start + group, k)):
+            out = None if scratch is None else scratch[2 + i - start]
+            if i < len(xs):
+                x = xs[i]
+            else:  # the residual, into its slot
+                x = torch.sub(xs[residual[0]], xs[residual[1]], out=None if out is None else out.view(dtype))
+            # x on the response, 0 (all bits) elsewhere
+            bufs.append(torch.mul(x.view(itype), token_mask.on, out=out))
+        stacked = scratch[2 : 2 + len(bufs)] if scratch is not None else torch.stack(bufs)
+        parts.append(_summarize_tokens(stacked, token_mask, dtype))
+    sums, m2s, mins, maxs = (torch.cat(column) for column in zip(*parts))
+    return finish(torch, token_mask.count, sums, m2s, mins, maxs, padded=True)
+
+
+_compiled: dict[str, Any] = {}  # "fn": _token_block under torch.compile; "failed": compiling failed
+_compile_lock = threading.Lock()
+
+
+def _compiled_token_block(xs: tuple[Any, ...], residual: tuple[int, int] | None, mask: Any) -> Any:
+    """:func:`_token_block` under ``torch.compile`` (shapes dynamic, so batch sizes and widths do not
+    recompile), or None where compiling fails: a warning then, and eager summaries from then on.
+    Calls run one at a time (dynamo's compiling is not thread-safe: ranks as threads of one process
+    would race on the first compile)."""
+    with _compile_lock:
+        if _compiled.get("failed"):
+            return None
+        try:
+            if "fn" not in _compiled:
+                _compiled["fn"] = torch.compile(_token_block, dynamic=True)
+            return _compiled["fn"](xs, residual, mask)
+        except Exception as exc:  # no C++ compiler, a device torch.compile does not support, ...
+            _compiled["failed"] = True
+            warnings.warn(
+                f"torch_compile=True: compiling the token summaries failed ({type(exc).__name__}: {exc}); "
+                "they are computed eagerly from now on",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return None
+
+
+__all__ = ["TOKEN_METRICS", "TokenSummaries", "triple"]

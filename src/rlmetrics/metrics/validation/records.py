@@ -1,0 +1,339 @@
+"""One rank's validation samples as a compact record (:func:`encode_samples`), records of several ranks
+concatenated in rank order (:func:`merge_samples`), and a record's content hash (:func:`record_digest`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from rlmetrics.summary import NAN_STRATEGIES
+from rlmetrics.values import MetricValueError
+
+RECORD_VERSION = 1
+
+STYLES = ("seed", "verl")
+"""Record styles: the seed's (siiRL's) semantics, or verl 0.9.1's (see the module docstring)."""
+
+
+def encode_samples(
+    data_sources: Sequence[Any],
+    sample_inputs: Sequence[Any],
+    infos_dict: Mapping[str, Sequence[Any]],
+    sample_turns: Sequence[Any] = (),
+    *,
+    digest_prompts: bool = False,
+    exact: bool = False,
+    style: str = "seed",
+    seed: int = 42,
+    expected_counts: Mapping[tuple[Any, Any], int] | None = None,
+    nan_strategy: str = "propagate",
+) -> dict[str, Any]:
+    """One rank's validation samples as a compact record (plain dict of numpy arrays and lists):
+
+    - ``sources``: data source names in order of first appearance;
+    - ``prompts``, ``group_source`` (int32): one entry per ``(data_source, prompt)`` group in order of
+      first appearance: the prompt (its 16-byte blake2b digest with ``digest_prompts=True``) and the
+      index of its data source;
+    - ``group`` (int32, one per sample): the sample's group;
+    - ``values``: ``{var: float64 array}`` in ``infos_dict`` order, NaN where a value is not a number,
+      ``None`` when no value is; ``numeric``: ``{var: bool array}`` only for variables that mix numbers
+      and non-numbers (which samples are numbers);
+    - ``pred`` (int32 codes) and ``pred_table`` (distinct preds, order of first appearance), when
+      ``infos_dict`` has ``pred`` (preds are compared as dict keys, as the seed does);
+    - ``turns``: the turn counts (float64);
+    - ``exact``: whether :func:`process_samples` of the merged records adds the ``exact=True`` keys;
+    - ``none``: ``{var: bool array}`` for variables with ``None`` values (which samples are None);
+    - ``style`` (:data:`STYLES`), ``seed`` (of the bootstrap) and ``expected``: ``(data_source, prompt,
+      count)`` triples of ``expected_counts`` (verl's ``expected_acc_counts``, keyed by
+      ``(data_source, prompt)``), which only the ``"verl"`` style reads.
+
+    Non-finite numbers (NaN, inf) follow ``nan_strategy``: ``"propagate"`` keeps them (they reach the
+    metrics as in the seed), ``"drop"`` leaves out every sample that has one (in any variable, with
+    its turn count when ``sample_turns`` has one per sample; and non-finite turn counts),
+    ``"error"`` raises :class:`~rlmetrics.stat.MetricValueError` naming the variable.
+
+    >>> r = encode_samples(["a", "b", "a"], ["p", "p", "p"], {"acc": [1, 0, 1], "pred": ["x", "y", "x"]})
+    >>> r["sources"], r["group"].tolist(), r["values"]["pred"], r["pred"].tolist(), r["pred_table"]
+    (['a', 'b'], [0, 1, 0], None, [0, 1, 0], ['x', 'y'])
+    >>> encode_samples(["a", "a"], ["p", "p"], {"acc": [1.0, float("nan")]}, nan_strategy="drop")["group"]
+    array([0], dtype=int32)
+    """
+    if nan_strategy not in NAN_STRATEGIES:
+        raise ValueError(f"nan_strategy must be one of {NAN_STRATEGIES}, got {nan_strategy!r}")
+    n = len(data_sources)
+    if style not in STYLES:
+        raise ValueError(f"style must be one of {STYLES}, got {style!r}")
+    if len(sample_inputs) != n:
+        raise ValueError(f"{len(sample_inputs)} sample_inputs for {n} data_sources")
+    for var, col in infos_dict.items():
+        if len(col) != n:
+            raise ValueError(f"infos_dict[{var!r}] has {len(col)} values for {n} samples")
+    if nan_strategy != "propagate":
+        keep, turns = _finite_samples(infos_dict, n, _turns_array(sample_turns), nan_strategy)
+        if keep is not None or turns is not None:
+            sel = np.ones(n, bool) if keep is None else keep
+            return encode_samples(
+                [v for v, k in zip(data_sources, sel) if k],
+                [v for v, k in zip(sample_inputs, sel) if k],
+                {var: [v for v, k in zip(col, sel) if k] for var, col in infos_dict.items()},
+                sample_turns if turns is None else turns,
+                digest_prompts=digest_prompts,
+                exact=exact,
+                style=style,
+                seed=seed,
+                expected_counts=expected_counts,
+            )
+    groups: dict[tuple[Any, Any], int] = {}
+    codes = [groups.setdefault(key, len(groups)) for key in zip(data_sources, sample_inputs)]
+    sources: dict[Any, int] = {}
+    group_source = [sources.setdefault(src, len(sources)) for src, _ in groups]
+    prompts = [_digest(p) if digest_prompts else p for _, p in groups]
+    values: dict[str, np.ndarray | None] = {}
+    numeric: dict[str, np.ndarray] = {}
+    none: dict[str, np.ndarray] = {}
+    for var, col in infos_dict.items():
+        vals, mask, nones = _numeric_column(col, var)
+        values[var] = vals
+        if mask is not None:
+            numeric[var] = mask
+        if nones is not None:
+            none[var] = nones
+    record: dict[str, Any] = {
+        "version": RECORD_VERSION,
+        "sources": list(sources),
+        "prompts": prompts,
+        "group_source": np.asarray(group_source, dtype=np.int32),
+        "group": np.asarray(codes, dtype=np.int32),
+        "values": values,
+        "numeric": numeric,
+        "pred": None,
+        "pred_table": [],
+        "turns": _turns_array(sample_turns),
+        "exact": bool(exact),
+        "none": none,
+        "style": style,
+        "seed": int(seed),
+        "expected": [
+            (src, _digest(p) if digest_prompts else p, int(c))
+            for (src, p), c in (expected_counts or {}).items()
+        ],
+    }
+    if "pred" in infos_dict:
+        col = infos_dict["pred"]
+        table: dict[Any, int] = {}
+        items = col.tolist() if isinstance(col, np.ndarray) else col
+        record["pred"] = np.asarray([table.setdefault(v, len(table)) for v in items], dtype=np.int32)
+        record["pred_table"] = list(table)
+    return record
+
+
+def merge_samples(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """Concatenate records in the given order (rank order): the samples of record 0, then record 1, ...
+
+    The merged record equals :func:`encode_samples` of the concatenated inputs, so the order of the
+    samples within a prompt, which best/worst/maj depend on, is that of the concatenation. Records
+    without samples are ignored; the others must have the same variables (and all or none a pred).
+
+    >>> r0 = encode_samples(["a", "a"], ["p", "q"], {"acc": [1.0, 0.0]})
+    >>> r1 = encode_samples(["a", "b"], ["q", "p"], {"acc": [1.0, 1.0]})
+    >>> m = merge_samples([r0, r1])
+    >>> m["sources"], m["prompts"], m["group"].tolist(), m["values"]["acc"].tolist()
+    (['a', 'b'], ['p', 'q', 'p'], [0, 1, 1, 2], [1.0, 0.0, 1.0, 1.0])
+    """
+    records = [r for r in records]
+    for r in records:
+        if r.get("version") != RECORD_VERSION:
+            raise ValueError(f"unknown validation record version {r.get('version')!r}")
+    settings = {(r.get("style", "seed"), r.get("seed", 42)) for r in records}
+    if len(settings) > 1:
+        raise ValueError(f"records of different styles or seeds: {sorted(settings)}")
+    style, seed = settings.pop() if settings else ("seed", 42)
+    common = {
+        "style": style,
+        "seed": seed,
+        "expected": [triple for r in records for triple in r.get("expected", ())],
+        "turns": _concat([r["turns"] for r in records], np.float64),
+        "exact": any(r.get("exact", False) for r in records),
+    }
+    full = [r for r in records if len(r["group"])]
+    if not full:
+        base = dict(records[0]) if records else encode_samples([], [], {})
+        return {**base, **common}
+    variables = list(full[0]["values"])
+    has_pred = full[0]["pred"] is not None
+    for r in full[1:]:
+        if set(r["values"]) != set(variables):
+            raise ValueError(f"records have different variables: {variables} vs {list(r['values'])}")
+        if (r["pred"] is not None) != has_pred:
+            raise ValueError("some records have a 'pred' variable and some do not")
+
+    sources: dict[Any, int] = {}
+    groups: dict[tuple[Any, Any], int] = {}
+    preds: dict[Any, int] = {}
+    prompts: list[Any] = []
+    group_source: list[int] = []
+    group_parts, pred_parts = [], []
+    for r in full:
+        src_map = [sources.setdefault(s, len(sources)) for s in r["sources"]]
+        group_map = np.empty(len(r["prompts"]), dtype=np.int64)
+        for g, (s, prompt) in enumerate(zip(r["group_source"].tolist(), r["prompts"])):
+            key = (r["sources"][s], prompt)
+            code = groups.get(key)
+            if code is None:
+                code = groups[key] = len(groups)
+                prompts.append(prompt)
+                group_source.append(src_map[s])
+            group_map[g] = code
+        group_parts.append(group_map[r["group"]])
+        if has_pred:
+            pred_map = np.asarray([preds.setdefault(v, len(preds)) for v in r["pred_table"]], dtype=np.int64)
+            pred_parts.append(pred_map[r["pred"]] if len(pred_map) else np.zeros(0, np.int64))
+
+    values: dict[str, np.ndarray | None] = {}
+    numeric: dict[str, np.ndarray] = {}
+    none: dict[str, np.ndarray] = {}
+    sizes = [len(r["group"]) for r in full]
+    for var in variables:
+        if any(var in r.get("none", {}) for r in full):
+            none[var] = _concat(
+                [r.get("none", {}).get(var, np.zeros(n, bool)) for r, n in zip(full, sizes)], bool
+            )
+        cols = [r["values"][var] for r in full]
+        if all(c is None for c in cols):
+            values[var] = None
+            continue
+        values[var] = _concat(
+            [np.full(n, np.nan) if c is None else c for c, n in zip(cols, sizes)], np.float64
+        )
+        if any(c is None or var in r["numeric"] for c, r in zip(cols, full)):
+            masks = [
+                np.zeros(n, bool) if c is None else r["numeric"].get(var, np.ones(n, bool))
+                for c, r, n in zip(cols, full, sizes)
+            ]
+            numeric[var] = _concat(masks, np.bool_)
+    return {
+        "version": RECORD_VERSION,
+        "sources": list(sources),
+        "prompts": prompts,
+        "group_source": np.asarray(group_source, dtype=np.int32),
+        "group": _concat(group_parts, np.int32),
+        "values": values,
+        "numeric": numeric,
+        "pred": _concat(pred_parts, np.int32) if has_pred else None,
+        "pred_table": list(preds),
+        "none": none,
+        **common,
+    }
+
+
+def record_digest(record: Mapping[str, Any]) -> str:
+    """A hash of a record's content (independent of when or where it was made): the order of
+    records from clients without a rank.
+
+    >>> a = encode_samples(["s"], ["p"], {"acc": [1.0]})
+    >>> record_digest(a) == record_digest(encode_samples(["s"], ["p"], {"acc": [1.0]}))
+    True
+    >>> record_digest(a) == record_digest(encode_samples(["s"], ["p"], {"acc": [0.0]}))
+    False
+    """
+    h = hashlib.blake2b(digest_size=16)
+
+    def add(x: Any) -> None:
+        if isinstance(x, np.ndarray):
+            h.update(f"{x.dtype}{x.shape}".encode())
+            h.update(np.ascontiguousarray(x).tobytes())
+        else:
+            h.update(repr(x).encode("utf-8", "surrogatepass"))
+        h.update(b"\0")
+
+    for key in ("sources", "prompts", "group_source", "group", "pred", "pred_table", "turns"):
+        add(record[key])
+    for var, vals in record["values"].items():
+        add(var)
+        add(vals)
+        add(record["numeric"].get(var))
+    return h.hexdigest()
+
+
+def _digest(prompt: Any) -> bytes:
+    text = prompt if isinstance(prompt, bytes) else str(prompt).encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(text, digest_size=16).digest()
+
+
+def _concat(parts: list[np.ndarray], dtype: Any) -> np.ndarray:
+    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+
+
+def _turns_array(sample_turns: Any) -> np.ndarray:
+    if isinstance(sample_turns, np.ndarray):
+        return sample_turns.astype(np.float64).ravel()
+    if len(sample_turns) == 0:
+        return np.zeros(0)
+    return np.concatenate([np.asarray(t, dtype=np.float64).ravel() for t in sample_turns])
+
+
+def _finite_samples(
+    infos_dict: Mapping[str, Sequence[Any]], n: int, turns: np.ndarray, nan_strategy: str
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Samples to keep and turn counts under ``"drop"`` (None: all), or raise under ``"error"``."""
+    keep = np.ones(n, bool)
+    for var, col in infos_dict.items():
+        vals, numeric, _ = _numeric_column(col, var)
+        if vals is None:
+            continue
+        bad = ~np.isfinite(vals) if numeric is None else numeric & ~np.isfinite(vals)
+        if bad.any() and nan_strategy == "error":
+            raise MetricValueError(
+                f"validation variable {var!r}: {int(bad.sum())} non-finite value(s) (nan_strategy='error')"
+            )
+        keep &= ~bad
+    bad_turns = ~np.isfinite(turns)
+    if bad_turns.any() and nan_strategy == "error":
+        raise MetricValueError(
+            f"validation turns: {int(bad_turns.sum())} non-finite value(s) (nan_strategy='error')"
+        )
+    if keep.all() and not bad_turns.any():
+        return None, None
+    if len(turns) == n:  # one turn count per sample: it goes with its sample
+        bad_turns |= ~keep
+    return (None if keep.all() else keep), turns[~bad_turns]
+
+
+def is_number(v: Any) -> bool:
+    return isinstance(v, (numbers.Real, np.bool_)) and not isinstance(v, str)
+
+
+def _numeric_column(col: Any, var: str) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """(float64 values with NaN for non-numbers or None if there is no number, mask of numbers or None
+    if all are numbers, mask of ``None`` values or None if there is none)."""
+    if isinstance(col, np.ndarray) and col.dtype.kind in "biuf":
+        return col.astype(np.float64).ravel(), None, None
+    if isinstance(col, np.ndarray) and col.dtype.kind in "US":
+        return None, None, None
+    items = col.tolist() if isinstance(col, np.ndarray) else col
+    if len(items) and isinstance(items[0], str) and all(isinstance(v, str) for v in items):
+        return None, None, None  # the common case of a string column (pred)
+    try:
+        arr = np.asarray(items)
+    except ValueError:  # ragged
+        arr = np.asarray(items, dtype=object)
+    if arr.dtype.kind in "biuf" and arr.ndim == 1:
+        return arr.astype(np.float64), None, None
+    nones = np.fromiter((v is None for v in items), dtype=bool, count=len(items))
+    nones = nones if nones.any() else None
+    mask = np.fromiter((is_number(v) for v in items), dtype=bool, count=len(items))
+    if not mask.any():
+        return None, None, nones
+    vals = np.full(len(items), np.nan)
+    vals[mask] = [float(v) for v, ok in zip(items, mask) if ok]
+    return vals, mask, nones
+
+
+__all__ = [
+    "RECORD_VERSION", "STYLES", "encode_samples", "is_number", "merge_samples", "record_digest",
+]  # fmt: skip
