@@ -16,7 +16,8 @@ from rlmetrics.packing import pack
 
 
 def engine_counts(engine: Aggregator) -> tuple[int, int, int]:
-    return len(engine._index), len(engine._schemas), len(engine._layouts)
+    held = engine.memory()
+    return held["names"], held["schemas"], held["layouts"]
 
 
 @pytest.mark.slow
@@ -46,7 +47,7 @@ def test_names_that_change_every_step_are_forgotten_and_memory_stays_flat():
     window = 32 + 2  # steps whose names may still be held
     assert max(c[0] for c in counts) <= 5 + window * new, max(counts)
     assert max(c[1] for c in counts) <= window and max(c[2] for c in counts) <= window, max(counts)
-    assert len(worker.engine._names) <= 5 + (window + 1) * new  # columns are reused
+    assert worker.engine.memory()["columns"] <= 5 + (window + 1) * new  # columns are reused
     assert max(k[0] for k in kept) <= 514 and max(k[1] for k in kept) <= 1, max(kept)
 
 
@@ -61,7 +62,7 @@ def test_a_forgotten_name_that_comes_back_is_learned_again_and_merges_exactly():
         res = rank.result(step)
         assert res["often/mean"] == (1.0 + step) / 2
         assert ("rare/max" in res) == (step % 9 == 0) and res.get("rare/max", step) == step
-    assert "rare/max" not in worker.engine._index  # last used in step 18, forgotten 4 steps later
+    assert "rare/max" not in worker.engine.columns.names  # last used in step 18, forgotten 4 steps later
 
 
 def test_steps_nobody_reads_are_finalized_when_complete():

@@ -39,10 +39,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from rlmetrics.columns import ColumnIndex
 from rlmetrics.messages import PartlyMergedError, RefusedNamesError, StepMeta, StepResult, SubmissionError
 from rlmetrics.metrics import AUX_PREFIX, derive_metrics
-from rlmetrics.packing import MAX_WORLD_SIZE, Packed, Schema
-from rlmetrics.reduce import DEFAULT_RENAMES, Reduction, parse_reduction, rename
+from rlmetrics.packing import MAX_WORLD_SIZE, Packed
+from rlmetrics.reduce import DEFAULT_RENAMES, Reduction, parse_reduction
 from rlmetrics.stat import Stat, empty_arrays, merge_arrays, reduce_parts, stats_of_rows
 from rlmetrics.states import State
 
@@ -105,25 +106,6 @@ class _Group:
 
 
 @dataclass
-class _Known:
-    """A schema the engine learned: the column of each name it accepted, and the names it refused
-    (a name whose result key another name already has)."""
-
-    schema: Schema
-    cols: np.ndarray  # columns of the accepted names, in schema order
-    at: np.ndarray  # column of every name of the schema, -1 where refused
-    keep: np.ndarray | None  # positions of the accepted names; None: all of them
-    refused: dict[str, str]
-
-    def accepted(self) -> Schema:
-        """The schema of the accepted names alone."""
-        if self.keep is None:
-            return self.schema
-        names = [self.schema.names[i] for i in self.keep.tolist()]
-        return Schema.of(tuple(names), tuple(self.schema.reductions[i] for i in self.keep.tolist()))
-
-
-@dataclass
 class _Layout:
     cols: np.ndarray  # the step's global columns
     positions: list[np.ndarray] | None  # per group: its columns' positions in cols (None: one group)
@@ -179,16 +161,7 @@ class Aggregator:
         self.late = 0  # contributions that arrived after their step was finalized (dropped)
         self.newest_closed: int | None = None  # the newest step any client closed
         self._newest_final = -1  # the newest finalized step
-        self._names: list[str | None] = []  # by column; None: a free column
-        self._refs: list[int] = []  # by column: how many kept schemas have it
-        self._free: list[int] = []
-        self._out_names: list[str] = []
-        self._reductions: list[str] = []
-        self._index: dict[str, int] = {}
-        self._by_out: dict[str, str] = {}  # result name -> metric name
-        self._schemas: dict[bytes, _Known] = {}
-        self._used: dict[bytes, int] = {}  # schema id -> newest step it was submitted for
-        self._forgotten: list[bytes] = []  # schema ids dropped since the last drain_forgotten()
+        self.columns = ColumnIndex(self.renames)
         self._steps: dict[int, _Step] = {}
         self._results: OrderedDict[int, StepResult] = OrderedDict()
         self._finalized: set[int] = set()  # finalized steps >= _done_below
@@ -197,103 +170,24 @@ class Aggregator:
         self._layouts: dict[tuple[bytes, ...], _Layout] = {}
 
     # -------------------------------------------------------------------------------- intake
-    def _columns(self, schema: Schema, step: int) -> _Known:
-        self._used[schema.id] = max(step, self._used.get(schema.id, step))
-        known = self._schemas.get(schema.id)
-        if known is not None:
-            return known
-        if len(schema.names) != len(schema.reductions):
-            del self._used[schema.id]
-            raise SubmissionError(
-                f"schema has {len(schema.names)} names but {len(schema.reductions)} reductions"
-            )
-        try:
-            known = self._learn(schema)
-        except (SubmissionError, ValueError):
-            del self._used[schema.id]
-            raise
-        self._schemas[schema.id] = known
-        for c in known.cols.tolist():
-            self._refs[c] += 1
-        return known
-
-    def _learn(self, schema: Schema) -> _Known:
-        """Columns for a new schema's names (new names get a column). A name whose result key
-        another name has is refused alone: one of the two values would silently vanish."""
-        if len(set(schema.names)) != len(schema.names):
-            raise SubmissionError("schema repeats a metric name")
-        for red in schema.reductions:
-            parse_reduction(red)
-        new: dict[str, str] = {}
-        refused: dict[str, str] = {}
-        for name in schema.names:
-            if name not in self._index:
-                out = rename(name, self.renames)
-                other = self._by_out.get(out, new.get(out))
-                if other is not None:
-                    refused[name] = f"metric {name!r} and metric {other!r} would both be reported as {out!r}"
-                else:
-                    new[out] = name
-        at = np.full(len(schema.names), -1, np.int64)
-        for i, (name, red) in enumerate(zip(schema.names, schema.reductions)):
-            if name in refused:
-                continue
-            col = self._index.get(name)
-            if col is None:
-                out = rename(name, self.renames)
-                if self._free:
-                    col = self._free.pop()
-                    self._names[col], self._out_names[col], self._reductions[col] = name, out, red
-                else:
-                    col = len(self._names)
-                    self._names.append(name)
-                    self._out_names.append(out)
-                    self._reductions.append(red)
-                    self._refs.append(0)
-                self._index[name] = col
-                self._by_out[out] = name
-            elif self._reductions[col] != red:
-                logger.warning(
-                    "metric %r: reduction %r requested, keeping %r", name, red, self._reductions[col]
-                )
-            at[i] = col
-        keep = np.nonzero(at >= 0)[0] if refused else None
-        return _Known(schema, at if keep is None else at[keep], at, keep, refused)
-
     def _forget(self, step: int) -> None:
-        """Drop schemas not submitted since ``step - forget_after`` and no pending step uses, and
-        the names no kept schema has: memory stays bounded when names change over a run."""
-        horizon = step - self.forget_after
+        """Drop schemas not submitted since ``step - forget_after`` that no pending step uses, and
+        the names no kept schema has (:meth:`ColumnIndex.forget`)."""
         busy = {sid for st in self._steps.values() for sid in st.groups}
-        old = [sid for sid, used in self._used.items() if used < horizon and sid not in busy]
-        if not old:
-            return
-        for sid in old:
-            del self._used[sid]
-            for col in self._schemas.pop(sid).cols.tolist():
-                self._refs[col] -= 1
-                if not self._refs[col]:  # no kept schema has the name: free its column
-                    name = self._names[col]
-                    del self._index[name]
-                    self._by_out.pop(self._out_names[col], None)
-                    self._nan_warned.discard(self._out_names[col])
-                    self._names[col] = None
-                    self._free.append(col)
-        self._forgotten.extend(old)
-        self._layouts.clear()
+        if self.columns.forget(step - self.forget_after, busy):
+            self._layouts.clear()
+            self._nan_warned.difference_update(self.columns.forgotten_names)
+            self.columns.forgotten_names.clear()
 
     def drain_forgotten(self) -> list[bytes]:
         """Schema ids dropped since the last call (a receiver drops their names from its table)."""
-        out, self._forgotten = self._forgotten, []
-        return out
+        return self.columns.drain_forgotten()
 
     def memory(self) -> dict[str, int]:
         """What the engine holds now (for monitoring and the soak tests): names, schemas, layouts,
         pending steps, kept results and finalized steps it tracks beyond ``done_below``."""
         return {
-            "names": len(self._index),
-            "columns": len(self._names),
-            "schemas": len(self._schemas),
+            **self.columns.counts(),
             "layouts": len(self._layouts),
             "pending": len(self._steps),
             "results": len(self._results),
@@ -371,7 +265,7 @@ class Aggregator:
             self.late += 1
             logger.warning("step %d is finalized; dropped a late contribution of %s", step, keys[0][0])
             return False
-        known = self._columns(packed.schema, step)
+        known = self.columns.of(packed.schema, step)
         st = self._step(step)
         seen = [key in st.seen for key in keys]
         if all(seen):
@@ -457,7 +351,7 @@ class Aggregator:
         """All names have their expected contributions and every registered client closed the step."""
         if not self.is_closed(step):
             return False
-        received, expected = self._steps[step].counts(len(self._names))
+        received, expected = self._steps[step].counts(len(self.columns))
         return not np.any(received < expected)
 
     def missing(self, step: int) -> tuple[list[str], dict[str, list[int]]]:
@@ -465,11 +359,11 @@ class Aggregator:
         st = self._steps.get(step)
         if st is None:
             return sorted(self.clients), {}
-        received, expected = st.counts(len(self._names))
+        received, expected = st.counts(len(self.columns))
         short = np.nonzero(received < expected)[0]
         return (
             sorted(self.clients - st.closed),
-            {self._names[c]: [int(received[c]), int(expected[c])] for c in short},
+            {self.columns.names[c]: [int(received[c]), int(expected[c])] for c in short},
         )
 
     def contributions(self, step: int) -> tuple[int, int]:
@@ -478,7 +372,7 @@ class Aggregator:
         st = self._steps.get(step)
         if st is None:
             return 0, 0
-        received, expected = st.counts(len(self._names))
+        received, expected = st.counts(len(self.columns))
         return int(np.minimum(received, expected).sum()), int(expected.sum())
 
     # -------------------------------------------------------------------------------- output
@@ -544,7 +438,7 @@ class Aggregator:
             for i, col in enumerate(group.cols.tolist()):
                 if col in st.states:  # a name in several schemas: its merged state goes once
                     states[i] = st.states.pop(col)
-            packed = Packed(self._schemas[sid].accepted(), group.fold().copy(), states, group.received)
+            packed = Packed(self.columns.accepted(sid), group.fold().copy(), states, group.received)
             out.append((packed, group.world_size))
         return out
 
@@ -561,20 +455,20 @@ class Aggregator:
             allc = np.concatenate([g.cols for g in groups])
             _, first = np.unique(allc, return_index=True)
             cols = allc[np.sort(first)]
-            pos_of = np.empty(len(self._names), np.int64)
+            pos_of = np.empty(len(self.columns), np.int64)
             pos_of[cols] = np.arange(len(cols))
             positions = [pos_of[g.cols] for g in groups]
         by_red: dict[str, list[int]] = {}
         for i, c in enumerate(cols.tolist()):
-            by_red.setdefault(self._reductions[c], []).append(i)
+            by_red.setdefault(self.columns.reductions[c], []).append(i)
         reductions = [(parse_reduction(r), np.asarray(idx)) for r, idx in by_red.items()]
         lay = _Layout(
             cols=cols,
             positions=positions,
-            out_names=[self._out_names[c] for c in cols.tolist()],
+            out_names=[self.columns.out_names[c] for c in cols.tolist()],
             plain=[(r, idx) for r, idx in reductions if not r.needs_sketch],
             quantiles=[i for r, idx in reductions if r.needs_sketch for i in idx.tolist()],
-            derived=any(self._names[c].startswith(AUX_PREFIX) for c in cols.tolist()),
+            derived=any(self.columns.names[c].startswith(AUX_PREFIX) for c in cols.tolist()),
         )
         if len(self._layouts) >= 1024:
             self._layouts.clear()
@@ -638,7 +532,8 @@ class Aggregator:
         for col, state in st.states.items():
             i = position[col]
             name = lay.out_names[i]
-            got = state.reduce(name, parse_reduction(self._reductions[col]), Stat.from_array(total[:, i]))
+            reduction = parse_reduction(self.columns.reductions[col])
+            got = state.reduce(name, reduction, Stat.from_array(total[:, i]))
             if name in got:
                 out[i] = got.pop(name)
             extra.update(got)
