@@ -35,103 +35,17 @@ import math
 import numbers
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from rlmetrics.columns import ColumnIndex
 from rlmetrics.messages import PartlyMergedError, RefusedNamesError, StepMeta, StepResult, SubmissionError
-from rlmetrics.metrics import AUX_PREFIX, derive_metrics
 from rlmetrics.packing import MAX_WORLD_SIZE, Packed
-from rlmetrics.reduce import DEFAULT_RENAMES, Reduction, parse_reduction
-from rlmetrics.stat import Stat, empty_arrays, merge_arrays, reduce_parts, stats_of_rows
+from rlmetrics.reduce import DEFAULT_RENAMES
 from rlmetrics.states import State
+from rlmetrics.steps import Group, Layout, Step, layout_of, reduce_step
 
 logger = logging.getLogger(__name__)
-
-_BLOCK = 1 << 21  # floats stacked per schema and step before they are folded into one stat array
-
-
-class _Group:
-    """Pending contributions of one schema in one step.
-
-    Single-observation contributions (1-D) are stacked as plain values and summarized in one pass
-    (:func:`~rlmetrics.stat.stats_of_rows`); others are stacked field-major for
-    :func:`~rlmetrics.stat.reduce_parts`. Blocks are sized to hold about 2M floats.
-    """
-
-    __slots__ = ("cols", "rows", "n_rows", "parts", "n_parts", "received", "world_size")
-
-    def __init__(self, cols: np.ndarray) -> None:
-        self.cols = cols
-        self.rows: np.ndarray | None = None
-        self.n_rows = 0
-        self.parts: np.ndarray | None = None
-        self.n_parts = 0
-        self.received = 0
-        self.world_size = 0
-
-    def add(self, stats: np.ndarray, world_size: int, contributions: int = 1) -> None:
-        if stats.ndim == 1:
-            if self.rows is None:
-                self.rows = np.empty((max(4, min(256, _BLOCK // len(self.cols))), len(self.cols)))
-            elif self.n_rows == len(self.rows):
-                self._add_part(stats_of_rows(self.rows))
-                self.n_rows = 0
-            self.rows[self.n_rows] = stats
-            self.n_rows += 1
-        else:
-            self._add_part(stats)
-        self.received += contributions
-        self.world_size = max(self.world_size, world_size)
-
-    def _add_part(self, stats: np.ndarray) -> None:
-        if self.parts is None:
-            self.parts = np.empty((5, max(2, min(64, _BLOCK // (5 * len(self.cols)))), len(self.cols)))
-        elif self.n_parts == self.parts.shape[1]:
-            self.parts[:, 0] = reduce_parts(self.parts)
-            self.n_parts = 1
-        self.parts[:, self.n_parts] = stats
-        self.n_parts += 1
-
-    def fold(self) -> np.ndarray:
-        """Everything received, as one ``(5, M)`` stat array."""
-        if self.n_rows:
-            self._add_part(stats_of_rows(self.rows[: self.n_rows]))
-            self.n_rows = 0
-        if self.n_parts > 1:
-            self.parts[:, 0] = reduce_parts(self.parts[:, : self.n_parts])
-            self.n_parts = 1
-        return self.parts[:, 0]
-
-
-@dataclass
-class _Layout:
-    cols: np.ndarray  # the step's global columns
-    positions: list[np.ndarray] | None  # per group: its columns' positions in cols (None: one group)
-    out_names: list[str]
-    plain: list[tuple[Reduction, np.ndarray]]  # reductions of the stat array, with their positions
-    quantiles: list[int]  # positions whose reduction reads a sketch (NaN where the step has none)
-    derived: bool  # auxiliary names present: derived metrics are computed from the merged values
-
-
-@dataclass
-class _Step:
-    groups: dict[bytes, _Group] = field(default_factory=dict)
-    states: dict[int, State] = field(default_factory=dict)  # sketches, validation samples: by column
-    seen: set = field(default_factory=set)
-    contributors: set = field(default_factory=set)
-    closed: set = field(default_factory=set)
-    refused: dict = field(default_factory=dict)  # names refused in this step: their reason
-
-    def counts(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """Contributions received and expected per column (expected: the largest world_size given)."""
-        received = np.zeros(n, np.int64)
-        expected = np.zeros(n, np.int64)
-        for g in self.groups.values():
-            received[g.cols] += g.received
-            expected[g.cols] = np.maximum(expected[g.cols], g.world_size)
-        return received, expected
 
 
 class Aggregator:
@@ -162,12 +76,12 @@ class Aggregator:
         self.newest_closed: int | None = None  # the newest step any client closed
         self._newest_final = -1  # the newest finalized step
         self.columns = ColumnIndex(self.renames)
-        self._steps: dict[int, _Step] = {}
+        self._steps: dict[int, Step] = {}
         self._results: OrderedDict[int, StepResult] = OrderedDict()
         self._finalized: set[int] = set()  # finalized steps >= _done_below
         self._done_below = 0  # every step below it is finalized
         self._nan_warned: set[str] = set()
-        self._layouts: dict[tuple[bytes, ...], _Layout] = {}
+        self._layouts: dict[tuple[bytes, ...], Layout] = {}
 
     # -------------------------------------------------------------------------------- intake
     def _forget(self, step: int) -> None:
@@ -226,6 +140,7 @@ class Aggregator:
 
         >>> from rlmetrics.packing import pack
         >>> engine = Aggregator()
+        >>> from rlmetrics.stat import stats_of_rows
         >>> rows = stats_of_rows(np.array([[1.0], [3.0]]))  # two clients' values, pre-merged
         >>> both = Packed(pack({"r/mean": 1.0}).schema, rows, contributions=2)
         >>> engine.submit_merged((("a", 0), ("b", 0)), 0, 2, both), engine.submit("a", 0, 0, 2, both)
@@ -282,7 +197,7 @@ class Aggregator:
         if len(known.cols):
             group = st.groups.get(packed.schema.id)
             if group is None:
-                group = st.groups[packed.schema.id] = _Group(known.cols)
+                group = st.groups[packed.schema.id] = Group(known.cols)
             group.add(
                 stats if known.keep is None else stats[..., known.keep], int(world_size), packed.contributions
             )
@@ -310,12 +225,12 @@ class Aggregator:
         if self.newest_closed is None or step > self.newest_closed:
             self.newest_closed = step
 
-    def _step(self, step: int) -> _Step:
+    def _step(self, step: int) -> Step:
         """The pending state of ``step``, new if needed; beyond ``max_pending`` pending steps the
         oldest is finalized as it stands."""
         st = self._steps.get(step)
         if st is None:
-            st = self._steps[step] = _Step()
+            st = self._steps[step] = Step()
             while len(self._steps) > self.max_pending:
                 oldest = min(s for s in self._steps if s != step)
                 logger.warning("step %d finalized partial: %d newer steps pending", oldest, self.max_pending)
@@ -442,38 +357,22 @@ class Aggregator:
             out.append((packed, group.world_size))
         return out
 
-    def _layout(self, st: _Step) -> _Layout:
-        """Columns, output names and reduction groups of a step, cached by its set of schemas."""
+    def _values(self, st: Step) -> tuple[dict[str, float], list[str]]:
+        """The step's values and empty names (:func:`~rlmetrics.steps.reduce_step`), its layout
+        cached by its set of schemas; a non-finite value is logged once per name."""
         key = tuple(st.groups)
         lay = self._layouts.get(key)
-        if lay is not None:
-            return lay
-        groups = list(st.groups.values())
-        if len(groups) == 1:
-            cols, positions = groups[0].cols, None
-        else:
-            allc = np.concatenate([g.cols for g in groups])
-            _, first = np.unique(allc, return_index=True)
-            cols = allc[np.sort(first)]
-            pos_of = np.empty(len(self.columns), np.int64)
-            pos_of[cols] = np.arange(len(cols))
-            positions = [pos_of[g.cols] for g in groups]
-        by_red: dict[str, list[int]] = {}
-        for i, c in enumerate(cols.tolist()):
-            by_red.setdefault(self.columns.reductions[c], []).append(i)
-        reductions = [(parse_reduction(r), np.asarray(idx)) for r, idx in by_red.items()]
-        lay = _Layout(
-            cols=cols,
-            positions=positions,
-            out_names=[self.columns.out_names[c] for c in cols.tolist()],
-            plain=[(r, idx) for r, idx in reductions if not r.needs_sketch],
-            quantiles=[i for r, idx in reductions if r.needs_sketch for i in idx.tolist()],
-            derived=any(self.columns.names[c].startswith(AUX_PREFIX) for c in cols.tolist()),
-        )
-        if len(self._layouts) >= 1024:
-            self._layouts.clear()
-        self._layouts[key] = lay
-        return lay
+        if lay is None:
+            if len(self._layouts) >= 1024:
+                self._layouts.clear()
+            lay = self._layouts[key] = layout_of(st, self.columns)
+        values, empty = reduce_step(st, lay, self.columns)
+        if not np.isfinite(np.fromiter(values.values(), float, len(values))).all():
+            bad = [n for n, v in values.items() if not math.isfinite(v) and n not in self._nan_warned]
+            if bad:
+                self._nan_warned.update(bad)
+                logger.warning("non-finite value in metric(s) %s", bad[:10])
+        return values, empty
 
     _FINALIZED_CAP = 4096
 
@@ -489,55 +388,6 @@ class Aggregator:
             floor = min(self._steps) if self._steps else max(self._finalized) + 1
             self._finalized = {s for s in self._finalized if s >= floor}
             self._done_below = max(self._done_below, floor)
-
-    def _values(self, st: _Step) -> tuple[dict[str, float], list[str]]:
-        lay = self._layout(st)
-        groups = list(st.groups.values())
-        if lay.positions is None:
-            total = groups[0].fold()
-        else:
-            total = empty_arrays(len(lay.cols))
-            for group, pos in zip(groups, lay.positions):
-                total[:, pos] = merge_arrays(total[:, pos], group.fold())
-        out = np.empty(len(lay.cols))
-        for red, idx in lay.plain:
-            out[idx] = red.apply_arrays(total[:, idx])
-        out[lay.quantiles] = math.nan  # unless a sketch reduces them
-        extra = self._reduce_states(st, lay, total, out)
-        has_data = total[0] > 0
-        if has_data.all():
-            values, empty = dict(zip(lay.out_names, out.tolist())), []
-        else:
-            flags = has_data.tolist()
-            values = {n: v for n, v, ok in zip(lay.out_names, out.tolist(), flags) if ok}
-            empty = [n for n, ok in zip(lay.out_names, flags) if not ok]
-        if lay.derived:
-            values = derive_metrics(values)
-        values.update(extra)
-        if not np.isfinite(out[has_data]).all():
-            bad = [n for n, v in values.items() if not math.isfinite(v) and n not in self._nan_warned]
-            if bad:
-                self._nan_warned.update(bad)
-                logger.warning("non-finite value in metric(s) %s", bad[:10])
-        return values, empty
-
-    def _reduce_states(self, st: _Step, lay: _Layout, total: np.ndarray, out: np.ndarray) -> dict[str, float]:
-        """Each state's values (:mod:`rlmetrics.states`): its own column's into ``out`` (a sketch's
-        quantile), the others returned (validation samples' metrics, computed once over every rank's
-        samples)."""
-        extra: dict[str, float] = {}
-        if not st.states:
-            return extra
-        position = {c: i for i, c in enumerate(lay.cols.tolist())}
-        for col, state in st.states.items():
-            i = position[col]
-            name = lay.out_names[i]
-            reduction = parse_reduction(self.columns.reductions[col])
-            got = state.reduce(name, reduction, Stat.from_array(total[:, i]))
-            if name in got:
-                out[i] = got.pop(name)
-            extra.update(got)
-        return extra
 
     def finalized_state(self) -> tuple[int, list[int]]:
         """``(done_below, finalized)``: every step below ``done_below`` and those listed are finalized."""

@@ -1,0 +1,194 @@
+"""One step's pending state and its reduction to values: the engine's inner loop.
+
+:class:`Step` holds a step's contributions, one :class:`Group` per schema (stacked, folded into a
+``(5, M)`` stat array once), and its other states by column (:mod:`rlmetrics.states`).
+:func:`layout_of` resolves a step's schemas to global columns, output names and reduction groups
+once per set of schemas; :func:`reduce_step` turns a step into ``{name: value}``.
+:class:`~rlmetrics.aggregator.Aggregator` owns the steps, the bookkeeping and the messages.
+
+>>> from rlmetrics.columns import ColumnIndex
+>>> from rlmetrics.packing import pack
+>>> columns = ColumnIndex({})
+>>> packed = pack({"reward/mean": [1.0, 2.0, 6.0]})
+>>> known = columns.of(packed.schema, step=0)
+>>> st = Step()
+>>> st.groups[packed.schema.id] = Group(known.cols)
+>>> st.groups[packed.schema.id].add(packed.stats, world_size=1)
+>>> reduce_step(st, layout_of(st, columns), columns)
+({'reward/mean': 3.0}, [])
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rlmetrics.columns import ColumnIndex
+from rlmetrics.metrics import AUX_PREFIX, derive_metrics
+from rlmetrics.reduce import Reduction, parse_reduction
+from rlmetrics.stat import Stat, empty_arrays, merge_arrays, reduce_parts, stats_of_rows
+from rlmetrics.states import State
+
+_BLOCK = 1 << 21  # floats stacked per schema and step before they are folded into one stat array
+
+
+class Group:
+    """Pending contributions of one schema in one step.
+
+    Single-observation contributions (1-D) are stacked as plain values and summarized in one pass
+    (:func:`~rlmetrics.stat.stats_of_rows`); others are stacked field-major for
+    :func:`~rlmetrics.stat.reduce_parts`. Blocks are sized to hold about 2M floats.
+    """
+
+    __slots__ = ("cols", "rows", "n_rows", "parts", "n_parts", "received", "world_size")
+
+    def __init__(self, cols: np.ndarray) -> None:
+        self.cols = cols
+        self.rows: np.ndarray | None = None
+        self.n_rows = 0
+        self.parts: np.ndarray | None = None
+        self.n_parts = 0
+        self.received = 0
+        self.world_size = 0
+
+    def add(self, stats: np.ndarray, world_size: int, contributions: int = 1) -> None:
+        if stats.ndim == 1:
+            if self.rows is None:
+                self.rows = np.empty((max(4, min(256, _BLOCK // len(self.cols))), len(self.cols)))
+            elif self.n_rows == len(self.rows):
+                self._add_part(stats_of_rows(self.rows))
+                self.n_rows = 0
+            self.rows[self.n_rows] = stats
+            self.n_rows += 1
+        else:
+            self._add_part(stats)
+        self.received += contributions
+        self.world_size = max(self.world_size, world_size)
+
+    def _add_part(self, stats: np.ndarray) -> None:
+        if self.parts is None:
+            self.parts = np.empty((5, max(2, min(64, _BLOCK // (5 * len(self.cols)))), len(self.cols)))
+        elif self.n_parts == self.parts.shape[1]:
+            self.parts[:, 0] = reduce_parts(self.parts)
+            self.n_parts = 1
+        self.parts[:, self.n_parts] = stats
+        self.n_parts += 1
+
+    def fold(self) -> np.ndarray:
+        """Everything received, as one ``(5, M)`` stat array."""
+        if self.n_rows:
+            self._add_part(stats_of_rows(self.rows[: self.n_rows]))
+            self.n_rows = 0
+        if self.n_parts > 1:
+            self.parts[:, 0] = reduce_parts(self.parts[:, : self.n_parts])
+            self.n_parts = 1
+        return self.parts[:, 0]
+
+
+@dataclass
+class Layout:
+    """Columns, output names and reduction groups of a step (cached by its set of schemas)."""
+
+    cols: np.ndarray  # the step's global columns
+    positions: list[np.ndarray] | None  # per group: its columns' positions in cols (None: one group)
+    out_names: list[str]
+    plain: list[tuple[Reduction, np.ndarray]]  # reductions of the stat array, with their positions
+    quantiles: list[int]  # positions whose reduction reads a sketch (NaN where the step has none)
+    derived: bool  # auxiliary names present: derived metrics are computed from the merged values
+
+
+@dataclass
+class Step:
+    """One pending step: its contributions by schema, states by column, and who took part."""
+
+    groups: dict[bytes, Group] = field(default_factory=dict)
+    states: dict[int, State] = field(default_factory=dict)  # sketches, validation samples: by column
+    seen: set = field(default_factory=set)
+    contributors: set = field(default_factory=set)
+    closed: set = field(default_factory=set)
+    refused: dict = field(default_factory=dict)  # names refused in this step: their reason
+
+    def counts(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Contributions received and expected per column (expected: the largest world_size given)."""
+        received = np.zeros(n, np.int64)
+        expected = np.zeros(n, np.int64)
+        for g in self.groups.values():
+            received[g.cols] += g.received
+            expected[g.cols] = np.maximum(expected[g.cols], g.world_size)
+        return received, expected
+
+
+def layout_of(st: Step, columns: ColumnIndex) -> Layout:
+    """The :class:`Layout` of a step's schemas (its groups, in order)."""
+    groups = list(st.groups.values())
+    if len(groups) == 1:
+        cols, positions = groups[0].cols, None
+    else:
+        allc = np.concatenate([g.cols for g in groups])
+        _, first = np.unique(allc, return_index=True)
+        cols = allc[np.sort(first)]
+        pos_of = np.empty(len(columns), np.int64)
+        pos_of[cols] = np.arange(len(cols))
+        positions = [pos_of[g.cols] for g in groups]
+    by_red: dict[str, list[int]] = {}
+    for i, c in enumerate(cols.tolist()):
+        by_red.setdefault(columns.reductions[c], []).append(i)
+    reductions = [(parse_reduction(r), np.asarray(idx)) for r, idx in by_red.items()]
+    return Layout(
+        cols=cols,
+        positions=positions,
+        out_names=[columns.out_names[c] for c in cols.tolist()],
+        plain=[(r, idx) for r, idx in reductions if not r.needs_sketch],
+        quantiles=[i for r, idx in reductions if r.needs_sketch for i in idx.tolist()],
+        derived=any(columns.names[c].startswith(AUX_PREFIX) for c in cols.tolist()),
+    )
+
+
+def reduce_step(st: Step, lay: Layout, columns: ColumnIndex) -> tuple[dict[str, float], list[str]]:
+    """``(values, empty)``: the step's reduced values by output name (derived metrics added when
+    the step has auxiliary names) and the names no contribution had data for (left out of values)."""
+    groups = list(st.groups.values())
+    if lay.positions is None:
+        total = groups[0].fold()
+    else:
+        total = empty_arrays(len(lay.cols))
+        for group, pos in zip(groups, lay.positions):
+            total[:, pos] = merge_arrays(total[:, pos], group.fold())
+    out = np.empty(len(lay.cols))
+    for red, idx in lay.plain:
+        out[idx] = red.apply_arrays(total[:, idx])
+    out[lay.quantiles] = math.nan  # unless a sketch reduces them
+    extra = _reduce_states(st, lay, total, out, columns)
+    has_data = total[0] > 0
+    if has_data.all():
+        values, empty = dict(zip(lay.out_names, out.tolist())), []
+    else:
+        flags = has_data.tolist()
+        values = {n: v for n, v, ok in zip(lay.out_names, out.tolist(), flags) if ok}
+        empty = [n for n, ok in zip(lay.out_names, flags) if not ok]
+    if lay.derived:
+        values = derive_metrics(values)
+    values.update(extra)
+    return values, empty
+
+
+def _reduce_states(
+    st: Step, lay: Layout, total: np.ndarray, out: np.ndarray, columns: ColumnIndex
+) -> dict[str, float]:
+    """Each state's values (:mod:`rlmetrics.states`): its own column's into ``out`` (a sketch's
+    quantile), the others returned (validation samples' metrics, computed once over every rank's
+    samples)."""
+    extra: dict[str, float] = {}
+    if not st.states:
+        return extra
+    position = {c: i for i, c in enumerate(lay.cols.tolist())}
+    for col, state in st.states.items():
+        i = position[col]
+        name = lay.out_names[i]
+        got = state.reduce(name, parse_reduction(columns.reductions[col]), Stat.from_array(total[:, i]))
+        if name in got:
+            out[i] = got.pop(name)
+        extra.update(got)
+    return extra
