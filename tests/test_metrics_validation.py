@@ -343,13 +343,13 @@ def test_random_splits_merge_exactly():
     turns = [np.arange(3), np.arange(2), np.zeros(0, int), np.arange(4)]
     cuts = sorted(rng.choice(np.arange(1, n), size=2, replace=False).tolist())
     records = _split(ds, prompts, infos, turns, [cuts[0], cuts[0], cuts[1]])  # rank 1 is empty
-    assert len(records[1]["group"]) == 0
+    assert records[1].n_samples == 0
     merged = merge_samples(records)
     direct = encode_samples(ds, prompts, infos, turns)
     for key in ("sources", "prompts", "pred_table"):
-        assert merged[key] == direct[key]
+        assert getattr(merged, key) == getattr(direct, key)
     for key in ("group", "group_source", "pred", "turns"):
-        assert np.array_equal(merged[key], direct[key])
+        assert np.array_equal(getattr(merged, key), getattr(direct, key))
     assert process_samples(merged, seed=7, exact=True) == process_validation_metrics(
         ds, prompts, infos, turns, seed=7, exact=True
     )
@@ -357,7 +357,7 @@ def test_random_splits_merge_exactly():
                               digest_prompts=True),
                encode_samples(ds[cuts[0]:], prompts[cuts[0]:], {k: v[cuts[0]:] for k, v in infos.items()},
                               digest_prompts=True)]  # fmt: skip
-    assert all(isinstance(p, bytes) and len(p) == 16 for p in digests[0]["prompts"])
+    assert all(isinstance(p, bytes) and len(p) == 16 for p in digests[0].prompts)
     assert process_samples(merge_samples(digests)) == process_validation_metrics(ds, prompts, infos)
 
 
@@ -365,7 +365,7 @@ def test_merge_mixed_string_columns_and_mismatched_variables():
     a = encode_samples(["s"] * 2, ["p"] * 2, {"v": ["x", "y"], "acc": [1, 0]})
     b = encode_samples(["s"] * 2, ["q"] * 2, {"v": [1.0, 2.0], "acc": [1, 1]})
     merged = merge_samples([a, b])
-    assert merged["numeric"]["v"].tolist() == [False, False, True, True]
+    assert merged.numeric["v"].tolist() == [False, False, True, True]
     assert process_samples(merged) == process_validation_metrics(
         ["s"] * 4, ["p", "p", "q", "q"], {"v": ["x", "y", 1.0, 2.0], "acc": [1, 0, 1, 1]}
     )

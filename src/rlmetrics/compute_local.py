@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlmetrics.packing import pack
+
+if TYPE_CHECKING:
+    from rlmetrics.metrics.validation import SampleRecord
 
 
 class ComputeLocal:
@@ -124,13 +127,13 @@ class ComputeLocal:
             data_sources, sample_inputs, infos_dict, sample_turns, exact=exact,
             nan_strategy=self.nan_strategy, **record_options,
         )  # fmt: skip
-        packed = pack({VALIDATION_SAMPLES: float(len(record["group"]))})
+        packed = pack({VALIDATION_SAMPLES: float(record.n_samples)})
         with self._lock:
             seq = self._next_seq()
             packed.states[0] = Samples([(self._rank_key(record, seq), record)])
             self.submit_packed(packed, int(ws), self.step if step is None else int(step), seq)
 
-    def _rank_key(self, record: Mapping[str, Any], seq: int) -> tuple[int, int, int, str]:
+    def _rank_key(self, record: SampleRecord, seq: int) -> tuple[int, int, int, str]:
         """Where a record goes in the merged order: ``(0, rank, seq, digest)`` for a client with a
         rank, ``(1, 0, 0, digest)`` without; ``digest`` is the record's content hash."""
         from rlmetrics.metrics.validation import record_digest

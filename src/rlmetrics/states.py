@@ -23,12 +23,13 @@ on a name whose reduction reads quantiles, :class:`Samples` on :data:`VALIDATION
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
 from rlmetrics.metrics import AUX_PREFIX, validation_metrics
+from rlmetrics.metrics.validation.records import SampleRecord
 from rlmetrics.reduce import Reduction
 from rlmetrics.sketch import Sketch
 from rlmetrics.stat import Stat
@@ -69,7 +70,7 @@ class Samples:
 
     kind: ClassVar[str] = "samples"
 
-    def __init__(self, records: Iterable[tuple[Any, Mapping[str, Any]]] = ()) -> None:
+    def __init__(self, records: Iterable[tuple[Any, SampleRecord]] = ()) -> None:
         self.records = list(records)
 
     def merge(self, other: Samples) -> Samples:
@@ -87,7 +88,7 @@ class Samples:
         if not isinstance(arr, np.ndarray) or arr.dtype != object or arr.ndim != 1:
             raise ValueError("samples travel as a 1-D object array")
         pairs = arr.tolist()
-        if not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], Mapping) for p in pairs):
+        if not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], SampleRecord) for p in pairs):
             raise ValueError("samples must be (rank key, record) pairs")
         return cls(pairs)
 

@@ -143,7 +143,7 @@ def validation_metrics(records: list) -> dict[str, float]:
     from rlmetrics.metrics.validation import merge_samples, process_samples
 
     merged = merge_samples([record for _, record in sorted(records, key=lambda pair: pair[0])])
-    return process_samples(merged, exact=merged["exact"])
+    return process_samples(merged, exact=merged.exact)
 
 
 def derive_metrics(values: Mapping[str, float]) -> dict[str, float]:

@@ -67,11 +67,12 @@ vote by a dynamic program over the vote counts, exact up to float rounding; its 
 Like every key here, they are final values over all samples (computed once, after merging the
 records), not inputs to a per-name reduction.
 
-**Distributed.** :func:`encode_samples` turns one rank's samples into a compact record (codes plus
-tables, float64 columns); :func:`merge_samples` concatenates records in the given (rank) order; and
-:func:`process_samples` computes the metrics of a record. ``process_samples(merge_samples(records))``
-equals ``process_validation_metrics`` on the concatenated inputs exactly; averaging per-rank
-results instead is wrong whenever a prompt's samples sit on several ranks.
+**Distributed.** :func:`encode_samples` turns one rank's samples into a compact
+:class:`SampleRecord` (codes plus tables, float64 columns); :func:`merge_samples` concatenates
+records in the given (rank) order; and :func:`process_samples` computes the metrics of a record.
+``process_samples(merge_samples(records))`` equals ``process_validation_metrics`` on the
+concatenated inputs exactly; averaging per-rank results instead is wrong whenever a prompt's samples
+sit on several ranks.
 
 >>> m = process_validation_metrics(["gsm8k"] * 4, ["q1", "q1", "q2", "q2"],
 ...                                {"acc": [1.0, 0.0, 1.0, 1.0], "pred": ["4", "5", "7", "7"]})
@@ -108,6 +109,7 @@ from rlmetrics.metrics.validation.exact import pass_at_k
 from rlmetrics.metrics.validation.records import (
     RECORD_VERSION,
     STYLES,
+    SampleRecord,
     encode_samples,
     is_number,
     merge_samples,
@@ -242,7 +244,7 @@ def aggregate_validation_metrics(
 
 
 def process_samples(
-    record: Mapping[str, Any],
+    record: SampleRecord,
     seed: int | None = None,
     *,
     exact: bool = False,
@@ -256,7 +258,7 @@ def process_samples(
     >>> process_samples(r) == process_validation_metrics(["a", "a"], ["p", "p"], {"acc": [1.0, 0.0]})
     True
     """
-    res = compute(record, record.get("seed", 42) if seed is None else seed, n_bootstrap, exact)
+    res = compute(record, record.seed if seed is None else seed, n_bootstrap, exact)
     out: dict[str, float] = {}
     for (src, var), metrics in res.metrics.items():
         core = "acc" if (src, "acc") in res.metrics else "reward"
@@ -266,7 +268,7 @@ def process_samples(
             out[f"{'val-core' if is_core else 'val-aux'}/{src}/{var}/{name}"] = value
         for name, value in res.extras.get((src, var), {}).items():
             out[f"val-aux/{src}/{var}/{name}"] = value
-    turns = np.asarray(record["turns"], dtype=np.float64)
+    turns = np.asarray(record.turns, dtype=np.float64)
     if len(turns):
         out["val-aux/num_turns/min"] = float(turns.min())
         out["val-aux/num_turns/max"] = float(turns.max())
@@ -276,7 +278,7 @@ def process_samples(
 
 
 def samples_by_source(
-    record: Mapping[str, Any],
+    record: SampleRecord,
     seed: int | None = None,
     *,
     exact: bool = False,
@@ -289,7 +291,7 @@ def samples_by_source(
     >>> samples_by_source(r)
     {'a': {'acc': {'mean@1': 1.0}}}
     """
-    res = compute(record, record.get("seed", 42) if seed is None else seed, n_bootstrap, exact)
+    res = compute(record, record.seed if seed is None else seed, n_bootstrap, exact)
     out: dict[Any, dict[str, dict[str, float]]] = {}
     for (src, var), metrics in res.metrics.items():
         out.setdefault(src, {})[var] = {**metrics, **res.extras.get((src, var), {})}
@@ -305,7 +307,7 @@ def _float_array_or_none(data: Sequence[Any]) -> np.ndarray | None:
 
 
 __all__ = [
-    "CACHE_BYTES", "CHUNK_BYTES", "N_BOOTSTRAP", "RECORD_VERSION", "STYLES", "TABLE_MAX_N",
+    "CACHE_BYTES", "CHUNK_BYTES", "N_BOOTSTRAP", "RECORD_VERSION", "STYLES", "TABLE_MAX_N", "SampleRecord",
     "aggregate_validation_metrics", "bootstrap_indices", "bootstrap_metric", "bootstrap_sizes",
     "calc_maj_val", "encode_samples", "merge_samples", "pass_at_k", "process_samples",
     "process_validation_metrics", "record_digest", "samples_by_source",

@@ -5,7 +5,6 @@ prompts grouped by their number of samples.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +12,7 @@ import numpy as np
 
 from rlmetrics.metrics.validation.bootstrap import bootstrap_group, bootstrap_sizes, dense_codes
 from rlmetrics.metrics.validation.exact import exact_group
+from rlmetrics.metrics.validation.records import SampleRecord
 from rlmetrics.metrics.validation.views import View, seed_view, verl_views
 
 logger = logging.getLogger("rlmetrics.metrics.validation")
@@ -71,14 +71,14 @@ def at_n(name: str) -> int:
     return int(name.split("@")[-1].split("/")[0])
 
 
-def compute(record: Mapping[str, Any], seed: int, n_bootstrap: int, exact: bool) -> Result:
-    sources = record["sources"]
+def compute(record: SampleRecord, seed: int, n_bootstrap: int, exact: bool) -> Result:
+    sources = record.sources
     n_src = len(sources)
-    verl = record.get("style", "seed") == "verl"
+    verl = record.style == "verl"
     if verl:
         views, group_source, variables = verl_views(record)
     else:
-        views, group_source = [seed_view(record)], np.asarray(record["group_source"], dtype=np.intp)
+        views, group_source = [seed_view(record)], np.asarray(record.group_source, dtype=np.intp)
         variables = list(views[0].values)
     run = _Run(group_source, _Sums(n_src), seed, n_bootstrap, exact)
     run.pooled = {v: (np.zeros(n_src), np.zeros(n_src)) for v in variables}
@@ -119,10 +119,10 @@ def compute(record: Mapping[str, Any], seed: int, n_bootstrap: int, exact: bool)
                         value = sums.mean(v, name, s)
                         if name not in extras and value is not None:
                             extras[name] = value
-    reward = record["values"].get("reward")
+    reward = record.values.get("reward")
     if reward is not None and not verl:
-        group = np.asarray(record["group"], dtype=np.intp)
-        masks = record.get("numeric", {})
+        group = np.asarray(record.group, dtype=np.intp)
+        masks = record.numeric
         sample_src = group_source[group]
         weight = masks["reward"].astype(np.float64) if "reward" in masks else np.ones(len(reward))
         total = np.bincount(sample_src, weights=reward, minlength=n_src)

@@ -1,12 +1,15 @@
-"""One rank's validation samples as a compact record (:func:`encode_samples`), records of several ranks
-concatenated in rank order (:func:`merge_samples`), and a record's content hash (:func:`record_digest`).
+"""One rank's validation samples as a compact :class:`SampleRecord` (:func:`encode_samples`), records of
+several ranks concatenated in rank order (:func:`merge_samples`), and a record's content hash
+(:func:`record_digest`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -18,6 +21,47 @@ RECORD_VERSION = 1
 
 STYLES = ("seed", "verl")
 """Record styles: the seed's (siiRL's) semantics, or verl 0.9.1's (see the module docstring)."""
+
+
+@dataclass
+class SampleRecord:
+    """Validation samples of one rank (or of several, merged), as codes plus tables:
+
+    - ``sources``: data source names in order of first appearance;
+    - ``prompts``, ``group_source`` (int32): one entry per ``(data_source, prompt)`` group in order of
+      first appearance: the prompt (or its 16-byte blake2b digest) and the index of its data source;
+    - ``group`` (int32, one per sample): the sample's group;
+    - ``values``: ``{var: float64 array}`` in ``infos_dict`` order, NaN where a value is not a number,
+      ``None`` when no value is; ``numeric``: ``{var: bool array}`` only for variables that mix numbers
+      and non-numbers (which samples are numbers); ``none``: ``{var: bool array}`` for variables with
+      ``None`` values (which samples are None);
+    - ``turns``: the turn counts (float64);
+    - ``pred`` (int32 codes) and ``pred_table`` (distinct preds, order of first appearance), when the
+      samples have a ``pred`` (preds are compared as dict keys, as the seed does);
+    - ``exact``: whether the metrics of the record add the ``exact=True`` keys;
+    - ``style`` (:data:`STYLES`), ``seed`` (of the bootstrap) and ``expected``: ``(data_source, prompt,
+      count)`` triples (verl's ``expected_acc_counts``), which only the ``"verl"`` style reads.
+    """
+
+    sources: list[Any]
+    prompts: list[Any]
+    group_source: np.ndarray
+    group: np.ndarray
+    values: dict[str, np.ndarray | None]
+    numeric: dict[str, np.ndarray]
+    none: dict[str, np.ndarray]
+    turns: np.ndarray
+    pred: np.ndarray | None = None
+    pred_table: list[Any] = field(default_factory=list)
+    exact: bool = False
+    style: str = "seed"
+    seed: int = 42
+    expected: list[tuple[Any, Any, int]] = field(default_factory=list)
+    version: int = RECORD_VERSION
+
+    @property
+    def n_samples(self) -> int:
+        return len(self.group)
 
 
 def encode_samples(
@@ -32,25 +76,11 @@ def encode_samples(
     seed: int = 42,
     expected_counts: Mapping[tuple[Any, Any], int] | None = None,
     nan_strategy: str = "propagate",
-) -> dict[str, Any]:
-    """One rank's validation samples as a compact record (plain dict of numpy arrays and lists):
-
-    - ``sources``: data source names in order of first appearance;
-    - ``prompts``, ``group_source`` (int32): one entry per ``(data_source, prompt)`` group in order of
-      first appearance: the prompt (its 16-byte blake2b digest with ``digest_prompts=True``) and the
-      index of its data source;
-    - ``group`` (int32, one per sample): the sample's group;
-    - ``values``: ``{var: float64 array}`` in ``infos_dict`` order, NaN where a value is not a number,
-      ``None`` when no value is; ``numeric``: ``{var: bool array}`` only for variables that mix numbers
-      and non-numbers (which samples are numbers);
-    - ``pred`` (int32 codes) and ``pred_table`` (distinct preds, order of first appearance), when
-      ``infos_dict`` has ``pred`` (preds are compared as dict keys, as the seed does);
-    - ``turns``: the turn counts (float64);
-    - ``exact``: whether :func:`process_samples` of the merged records adds the ``exact=True`` keys;
-    - ``none``: ``{var: bool array}`` for variables with ``None`` values (which samples are None);
-    - ``style`` (:data:`STYLES`), ``seed`` (of the bootstrap) and ``expected``: ``(data_source, prompt,
-      count)`` triples of ``expected_counts`` (verl's ``expected_acc_counts``, keyed by
-      ``(data_source, prompt)``), which only the ``"verl"`` style reads.
+) -> SampleRecord:
+    """One rank's validation samples as a :class:`SampleRecord`. ``digest_prompts=True`` keeps a
+    16-byte blake2b digest of each prompt; ``exact``: whether the metrics of the merged records add
+    the ``exact=True`` keys; ``expected_counts``: verl's ``expected_acc_counts``, keyed by
+    ``(data_source, prompt)`` (read by the ``"verl"`` style only).
 
     Non-finite numbers (NaN, inf) follow ``nan_strategy``: ``"propagate"`` keeps them (they reach the
     metrics as in the seed), ``"drop"`` leaves out every sample that has one (in any variable, with
@@ -58,9 +88,9 @@ def encode_samples(
     ``"error"`` raises :class:`~rlmetrics.stat.MetricValueError` naming the variable.
 
     >>> r = encode_samples(["a", "b", "a"], ["p", "p", "p"], {"acc": [1, 0, 1], "pred": ["x", "y", "x"]})
-    >>> r["sources"], r["group"].tolist(), r["values"]["pred"], r["pred"].tolist(), r["pred_table"]
+    >>> r.sources, r.group.tolist(), r.values["pred"], r.pred.tolist(), r.pred_table
     (['a', 'b'], [0, 1, 0], None, [0, 1, 0], ['x', 'y'])
-    >>> encode_samples(["a", "a"], ["p", "p"], {"acc": [1.0, float("nan")]}, nan_strategy="drop")["group"]
+    >>> encode_samples(["a", "a"], ["p", "p"], {"acc": [1.0, float("nan")]}, nan_strategy="drop").group
     array([0], dtype=int32)
     """
     if nan_strategy not in NAN_STRATEGIES:
@@ -103,36 +133,33 @@ def encode_samples(
             numeric[var] = mask
         if nones is not None:
             none[var] = nones
-    record: dict[str, Any] = {
-        "version": RECORD_VERSION,
-        "sources": list(sources),
-        "prompts": prompts,
-        "group_source": np.asarray(group_source, dtype=np.int32),
-        "group": np.asarray(codes, dtype=np.int32),
-        "values": values,
-        "numeric": numeric,
-        "pred": None,
-        "pred_table": [],
-        "turns": _turns_array(sample_turns),
-        "exact": bool(exact),
-        "none": none,
-        "style": style,
-        "seed": int(seed),
-        "expected": [
+    record = SampleRecord(
+        sources=list(sources),
+        prompts=prompts,
+        group_source=np.asarray(group_source, dtype=np.int32),
+        group=np.asarray(codes, dtype=np.int32),
+        values=values,
+        numeric=numeric,
+        none=none,
+        turns=_turns_array(sample_turns),
+        exact=bool(exact),
+        style=style,
+        seed=int(seed),
+        expected=[
             (src, _digest(p) if digest_prompts else p, int(c))
             for (src, p), c in (expected_counts or {}).items()
         ],
-    }
+    )
     if "pred" in infos_dict:
         col = infos_dict["pred"]
         table: dict[Any, int] = {}
         items = col.tolist() if isinstance(col, np.ndarray) else col
-        record["pred"] = np.asarray([table.setdefault(v, len(table)) for v in items], dtype=np.int32)
-        record["pred_table"] = list(table)
+        record.pred = np.asarray([table.setdefault(v, len(table)) for v in items], dtype=np.int32)
+        record.pred_table = list(table)
     return record
 
 
-def merge_samples(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+def merge_samples(records: Iterable[SampleRecord]) -> SampleRecord:
     """Concatenate records in the given order (rank order): the samples of record 0, then record 1, ...
 
     The merged record equals :func:`encode_samples` of the concatenated inputs, so the order of the
@@ -142,34 +169,34 @@ def merge_samples(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     >>> r0 = encode_samples(["a", "a"], ["p", "q"], {"acc": [1.0, 0.0]})
     >>> r1 = encode_samples(["a", "b"], ["q", "p"], {"acc": [1.0, 1.0]})
     >>> m = merge_samples([r0, r1])
-    >>> m["sources"], m["prompts"], m["group"].tolist(), m["values"]["acc"].tolist()
+    >>> m.sources, m.prompts, m.group.tolist(), m.values["acc"].tolist()
     (['a', 'b'], ['p', 'q', 'p'], [0, 1, 1, 2], [1.0, 0.0, 1.0, 1.0])
     """
-    records = [r for r in records]
+    records = list(records)
     for r in records:
-        if r.get("version") != RECORD_VERSION:
-            raise ValueError(f"unknown validation record version {r.get('version')!r}")
-    settings = {(r.get("style", "seed"), r.get("seed", 42)) for r in records}
+        if not isinstance(r, SampleRecord) or r.version != RECORD_VERSION:
+            version = r.version if isinstance(r, SampleRecord) else type(r).__name__
+            raise ValueError(f"not a validation SampleRecord of version {RECORD_VERSION}: {version!r}")
+    settings = {(r.style, r.seed) for r in records}
     if len(settings) > 1:
         raise ValueError(f"records of different styles or seeds: {sorted(settings)}")
     style, seed = settings.pop() if settings else ("seed", 42)
     common = {
         "style": style,
         "seed": seed,
-        "expected": [triple for r in records for triple in r.get("expected", ())],
-        "turns": _concat([r["turns"] for r in records], np.float64),
-        "exact": any(r.get("exact", False) for r in records),
+        "expected": [triple for r in records for triple in r.expected],
+        "turns": _concat([r.turns for r in records], np.float64),
+        "exact": any(r.exact for r in records),
     }
-    full = [r for r in records if len(r["group"])]
+    full = [r for r in records if r.n_samples]
     if not full:
-        base = dict(records[0]) if records else encode_samples([], [], {})
-        return {**base, **common}
-    variables = list(full[0]["values"])
-    has_pred = full[0]["pred"] is not None
+        return dataclasses.replace(records[0] if records else encode_samples([], [], {}), **common)
+    variables = list(full[0].values)
+    has_pred = full[0].pred is not None
     for r in full[1:]:
-        if set(r["values"]) != set(variables):
-            raise ValueError(f"records have different variables: {variables} vs {list(r['values'])}")
-        if (r["pred"] is not None) != has_pred:
+        if set(r.values) != set(variables):
+            raise ValueError(f"records have different variables: {variables} vs {list(r.values)}")
+        if (r.pred is not None) != has_pred:
             raise ValueError("some records have a 'pred' variable and some do not")
 
     sources: dict[Any, int] = {}
@@ -179,59 +206,56 @@ def merge_samples(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     group_source: list[int] = []
     group_parts, pred_parts = [], []
     for r in full:
-        src_map = [sources.setdefault(s, len(sources)) for s in r["sources"]]
-        group_map = np.empty(len(r["prompts"]), dtype=np.int64)
-        for g, (s, prompt) in enumerate(zip(r["group_source"].tolist(), r["prompts"])):
-            key = (r["sources"][s], prompt)
+        src_map = [sources.setdefault(s, len(sources)) for s in r.sources]
+        group_map = np.empty(len(r.prompts), dtype=np.int64)
+        for g, (s, prompt) in enumerate(zip(r.group_source.tolist(), r.prompts)):
+            key = (r.sources[s], prompt)
             code = groups.get(key)
             if code is None:
                 code = groups[key] = len(groups)
                 prompts.append(prompt)
                 group_source.append(src_map[s])
             group_map[g] = code
-        group_parts.append(group_map[r["group"]])
+        group_parts.append(group_map[r.group])
         if has_pred:
-            pred_map = np.asarray([preds.setdefault(v, len(preds)) for v in r["pred_table"]], dtype=np.int64)
-            pred_parts.append(pred_map[r["pred"]] if len(pred_map) else np.zeros(0, np.int64))
+            pred_map = np.asarray([preds.setdefault(v, len(preds)) for v in r.pred_table], dtype=np.int64)
+            pred_parts.append(pred_map[r.pred] if len(pred_map) else np.zeros(0, np.int64))
 
     values: dict[str, np.ndarray | None] = {}
     numeric: dict[str, np.ndarray] = {}
     none: dict[str, np.ndarray] = {}
-    sizes = [len(r["group"]) for r in full]
+    sizes = [r.n_samples for r in full]
     for var in variables:
-        if any(var in r.get("none", {}) for r in full):
-            none[var] = _concat(
-                [r.get("none", {}).get(var, np.zeros(n, bool)) for r, n in zip(full, sizes)], bool
-            )
-        cols = [r["values"][var] for r in full]
+        if any(var in r.none for r in full):
+            none[var] = _concat([r.none.get(var, np.zeros(n, bool)) for r, n in zip(full, sizes)], bool)
+        cols = [r.values[var] for r in full]
         if all(c is None for c in cols):
             values[var] = None
             continue
         values[var] = _concat(
             [np.full(n, np.nan) if c is None else c for c, n in zip(cols, sizes)], np.float64
         )
-        if any(c is None or var in r["numeric"] for c, r in zip(cols, full)):
+        if any(c is None or var in r.numeric for c, r in zip(cols, full)):
             masks = [
-                np.zeros(n, bool) if c is None else r["numeric"].get(var, np.ones(n, bool))
+                np.zeros(n, bool) if c is None else r.numeric.get(var, np.ones(n, bool))
                 for c, r, n in zip(cols, full, sizes)
             ]
             numeric[var] = _concat(masks, np.bool_)
-    return {
-        "version": RECORD_VERSION,
-        "sources": list(sources),
-        "prompts": prompts,
-        "group_source": np.asarray(group_source, dtype=np.int32),
-        "group": _concat(group_parts, np.int32),
-        "values": values,
-        "numeric": numeric,
-        "pred": _concat(pred_parts, np.int32) if has_pred else None,
-        "pred_table": list(preds),
-        "none": none,
+    return SampleRecord(
+        sources=list(sources),
+        prompts=prompts,
+        group_source=np.asarray(group_source, dtype=np.int32),
+        group=_concat(group_parts, np.int32),
+        values=values,
+        numeric=numeric,
+        none=none,
+        pred=_concat(pred_parts, np.int32) if has_pred else None,
+        pred_table=list(preds),
         **common,
-    }
+    )
 
 
-def record_digest(record: Mapping[str, Any]) -> str:
+def record_digest(record: SampleRecord) -> str:
     """A hash of a record's content (independent of when or where it was made): the order of
     records from clients without a rank.
 
@@ -252,11 +276,11 @@ def record_digest(record: Mapping[str, Any]) -> str:
         h.update(b"\0")
 
     for key in ("sources", "prompts", "group_source", "group", "pred", "pred_table", "turns"):
-        add(record[key])
-    for var, vals in record["values"].items():
+        add(getattr(record, key))
+    for var, vals in record.values.items():
         add(var)
         add(vals)
-        add(record["numeric"].get(var))
+        add(record.numeric.get(var))
     return h.hexdigest()
 
 
@@ -335,5 +359,6 @@ def _numeric_column(col: Any, var: str) -> tuple[np.ndarray | None, np.ndarray |
 
 
 __all__ = [
-    "RECORD_VERSION", "STYLES", "encode_samples", "is_number", "merge_samples", "record_digest",
+    "RECORD_VERSION", "STYLES", "SampleRecord", "encode_samples", "is_number", "merge_samples",
+    "record_digest",
 ]  # fmt: skip

@@ -5,11 +5,12 @@ and variable and pads ``acc`` up to ``expected_acc_counts`` (:func:`verl_views`)
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from rlmetrics.metrics.validation.records import SampleRecord
 
 
 @dataclass
@@ -28,17 +29,17 @@ class View:
     vote: np.ndarray | None = None  # per group: whether its prompts vote (None: all of them)
 
 
-def seed_view(record: Mapping[str, Any]) -> View:
-    pred = record.get("pred")
+def seed_view(record: SampleRecord) -> View:
+    pred = record.pred
     return View(
-        group=np.asarray(record["group"], dtype=np.intp),
-        values={v: vals for v, vals in record["values"].items() if vals is not None},
-        numeric=record.get("numeric", {}),
+        group=np.asarray(record.group, dtype=np.intp),
+        values={v: vals for v, vals in record.values.items() if vals is not None},
+        numeric=record.numeric,
         pred=None if pred is None else np.asarray(pred, dtype=np.intp),
     )
 
 
-def verl_views(record: Mapping[str, Any]) -> tuple[list[View], np.ndarray, list[str]]:
+def verl_views(record: SampleRecord) -> tuple[list[View], np.ndarray, list[str]]:
     """verl's grouping of a record: per prompt and variable, its values that are not None, in order.
 
     With ``expected`` (verl's ``expected_acc_counts``; only for data sources where some ``acc`` is
@@ -48,9 +49,9 @@ def verl_views(record: Mapping[str, Any]) -> tuple[list[View], np.ndarray, list[
     samples; the variable's i-th value then pairs with the prompt's i-th pred, as verl's ``zip``.
     Returns the views, the groups' data sources (new prompts appended) and the variables in order.
     """
-    group = np.asarray(record["group"], dtype=np.intp)
-    group_source = np.asarray(record["group_source"], dtype=np.intp)
-    values, numeric, none = record["values"], record.get("numeric", {}), record.get("none", {})
+    group = np.asarray(record.group, dtype=np.intp)
+    group_source = np.asarray(record.group_source, dtype=np.intp)
+    values, numeric, none = record.values, record.numeric, record.none
     expected = _expected_counts(record, group, group_source)
     if expected and "acc_success_only" in values:
         raise ValueError(
@@ -61,10 +62,10 @@ def verl_views(record: Mapping[str, Any]) -> tuple[list[View], np.ndarray, list[
     raw = np.bincount(group, minlength=len(group_source))
     order = np.argsort(group, kind="stable")
     starts = np.concatenate([[0], np.cumsum(raw)[:-1]]).astype(np.intp)
-    pred = record.get("pred")
+    pred = record.pred
     vote_ok = None
     if pred is not None:
-        none_codes = [i for i, p in enumerate(record["pred_table"]) if p is None]
+        none_codes = [i for i, p in enumerate(record.pred_table) if p is None]
         bad = np.isin(pred, none_codes)
         vote_ok = (np.bincount(group, weights=bad, minlength=len(group_source)) == 0) & (raw > 0)
 
@@ -116,17 +117,17 @@ def verl_views(record: Mapping[str, Any]) -> tuple[list[View], np.ndarray, list[
     return views, group_source, order_out
 
 
-def _expected_counts(record: Mapping[str, Any], group: np.ndarray, group_source: np.ndarray) -> dict:
+def _expected_counts(record: SampleRecord, group: np.ndarray, group_source: np.ndarray) -> dict:
     """``{group: expected count}`` of the record's ``expected`` triples whose data source has an
     ``acc`` that is not None (the largest count where ranks name a prompt twice); under the key None
     the ``(prompt, source index)`` of prompts without samples, which become new groups."""
-    triples = record.get("expected") or []
-    if not triples or "acc" not in record["values"]:
+    triples = record.expected
+    if not triples or "acc" not in record.values:
         return {}
-    sources = record["sources"]
-    not_none = ~record.get("none", {}).get("acc", np.zeros(len(group), bool))
+    sources = record.sources
+    not_none = ~record.none.get("acc", np.zeros(len(group), bool))
     acc_sources = {sources[s] for s in np.unique(group_source[group[not_none]]).tolist()}
-    index = {(sources[s], p): g for g, (s, p) in enumerate(zip(group_source.tolist(), record["prompts"]))}
+    index = {(sources[s], p): g for g, (s, p) in enumerate(zip(group_source.tolist(), record.prompts))}
     source_index = {src: s for s, src in enumerate(sources)}
     out: dict[Any, Any] = {}
     new: list[tuple[Any, int]] = []
