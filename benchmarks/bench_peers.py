@@ -78,7 +78,7 @@ DATA_TARGET = 2.0
 VAL_CELLS = ((128, 16), (512, 16))
 QUICK_VAL_CELLS = ((32, 16),)
 VAL_REPS, QUICK_VAL_REPS = 5, 3
-SIIRL_PROMPTS, QUICK_SIIRL_PROMPTS = 128, 8
+SIIRL_PROMPTS, QUICK_SIIRL_PROMPTS = 128, 2
 VAL_TARGET_CELL, VAL_TARGET = (512, 16), 100.0
 
 
@@ -127,7 +127,7 @@ class DataRow:
     shape: tuple[int, int, int]
     threads: int
     ours_s: float
-    compiled_s: float  # rlmetrics with torch_compile=True
+    compiled_s: float  # rlmetrics with torch_compile=True (NaN: not measured, in --quick)
     siirl_s: float
     checked: int
     malloc: str = "default"
@@ -170,24 +170,28 @@ def compile_data_metric(shape: tuple[int, int, int]) -> float:
     return time.perf_counter() - start
 
 
-def measure_data(shape: tuple[int, int, int], reps: int, threads: int, malloc: str = "default") -> DataRow:
+def measure_data(
+    shape: tuple[int, int, int], reps: int, threads: int, malloc: str = "default", compiled: bool = True
+) -> DataRow:
+    """siiRL's and our ``compute_data_metric`` (eager, and compiled unless ``compiled=False``)."""
     _, siirl_metrics = siirl_modules()
     data = make_tensordict(*shape)
     siirl_out = {k: float(v) for k, v in siirl_metrics.compute_data_metric(data).items()}
     checked = bench_data.check_same(compute_data_metric(data), siirl_out)
-    bench_data.check_same(compute_data_metric(data, torch_compile=True), siirl_out)
+    if compiled:
+        bench_data.check_same(compute_data_metric(data, torch_compile=True), siirl_out)
     torch.set_num_threads(threads)
     try:  # alternate the sides so that a noisy neighbour slows all alike
-        ours, compiled, peer = [], [], []
+        ours, comp, peer = [], [math.nan], []
         for _ in range(3):
             ours.append(bench_data._median_time(lambda: compute_data_metric(data), reps))
-            compiled.append(
-                bench_data._median_time(lambda: compute_data_metric(data, torch_compile=True), reps)
-            )
+            if compiled:
+                run = lambda: compute_data_metric(data, torch_compile=True)  # noqa: E731
+                comp.append(bench_data._median_time(run, reps))
             peer.append(bench_data._median_time(lambda: siirl_metrics.compute_data_metric(data), reps))
     finally:
         torch.set_num_threads(bench_data.DEFAULT_THREADS)
-    return DataRow(shape, threads, min(ours), min(compiled), min(peer), checked, malloc)
+    return DataRow(shape, threads, min(ours), min(comp[1:], default=math.nan), min(peer), checked, malloc)
 
 
 def render_data(rows: list[DataRow]) -> str:
@@ -196,7 +200,8 @@ def render_data(rows: list[DataRow]) -> str:
          "rlmetrics torch_compile ms", "speed-up", "names checked"],
         [
             [*r.shape, r.threads, r.malloc, f"{r.siirl_s * 1e3:.2f}", f"{r.ours_s * 1e3:.2f}",
-             f"{r.ratio:.1f}x", f"{r.compiled_s * 1e3:.2f}", f"{r.compiled_ratio:.1f}x", r.checked]
+             f"{r.ratio:.1f}x", f"{r.compiled_s * 1e3:.2f}" if r.compiled_s == r.compiled_s else "–",
+             f"{r.compiled_ratio:.1f}x" if r.compiled_s == r.compiled_s else "–", r.checked]
             for r in rows
         ],
     )  # fmt: skip
@@ -328,7 +333,7 @@ def _ray_runtime_env() -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> tuple[list[bench_ray.Row], list[DataRow], list[ValRow]]:
-    parser = report.parser(__doc__, "W=8, M=100; a small batch; 32 prompts (siiRL timed on 8)")
+    parser = report.parser(__doc__, "W=8, M=100; a small batch; 32 prompts (siiRL timed on 2), eager only")
     parser.add_argument("--siirl-prompts", type=int, help="prompts siiRL's validation is timed on")
     args = parser.parse_args(argv)
 
@@ -354,12 +359,12 @@ def main(argv: list[str] | None = None) -> tuple[list[bench_ray.Row], list[DataR
     finally:
         ray.shutdown()
     threads = sorted({bench_data.DEFAULT_THREADS, 1}, reverse=True)
-    compile_s = compile_data_metric(data_shape)
-    data_rows = [measure_data(data_shape, data_reps, t) for t in threads]
+    compile_s = None if q else compile_data_metric(data_shape)  # compiling takes ~20 s: not in --quick
+    data_rows = [measure_data(data_shape, data_reps, t, compiled=not q) for t in threads]
     sync_rows = measure_syncs(data_shape)
     val_rows = [measure_validation(p, n, val_reps, siirl_prompts) for p, n in val_cells]
     if keep_freed_memory():  # last: it changes the allocator for the rest of the process
-        data_rows.append(measure_data(data_shape, data_reps, bench_data.DEFAULT_THREADS, KEPT_MEMORY))
+        data_rows.append(measure_data(data_shape, data_reps, bench_data.DEFAULT_THREADS, KEPT_MEMORY, not q))
 
     body = "\n\n".join(
         [
@@ -379,9 +384,13 @@ def main(argv: list[str] | None = None) -> tuple[list[bench_ray.Row], list[DataR
         f"median of {ray_steps} steps after {bench_ray.WARMUP_STEPS} warm-up; siiRL first in every step; "
         "results asserted per step (.../mean names = numpy mean over ranks, all names = siiRL's, rel 1e-9)",
         f"compute_data_metric: best of 3 medians of {data_reps} calls per side, alternating; CPU tensors; "
-        f"{data_rows[0].checked} names asserted equal (rel 1e-5), eager and compiled; "
+        f"{data_rows[0].checked} names asserted equal (rel 1e-5), eager{'' if q else ' and compiled'}; "
         "__num_turns__ float32 (siiRL raises on int); "
-        f"the first torch_compile=True call took {compile_s:.1f} s (compiling; not in the medians)",
+        + (
+            "torch_compile=True not measured in --quick"
+            if compile_s is None
+            else f"the first torch_compile=True call took {compile_s:.1f} s (compiling; not in the medians)"
+        ),
         f"process_validation_metrics: rlmetrics median of {val_reps} calls; siiRL one call on the first "
         f"prompts, scaled linearly to all; {sum(r.checked for r in val_rows)} keys asserted equal (1e-12)",
         target_ray(ray_rows),
