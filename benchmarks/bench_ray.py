@@ -28,8 +28,8 @@ in a real run), calls ``submit_metric(d, W)`` then ``wait_submit()``.
 
 All run side by side on the same hosts, one after the other in every step (naive first); the median
 over the steps after one warm-up step is reported (7 steps; 2 with ``--quick``, which also runs
-M = 100 only). Each step asserts: the result is that step's, rlmetrics ``.../mean`` names equal the numpy mean over all ranks' values,
-and every name equals the naive result (relative 1e-9).
+M = 100 only). Each step asserts: the result is that step's, rlmetrics ``.../mean`` names equal the
+numpy mean over all ranks' values, and every name equals the naive result (relative 1e-9).
 
 Run: ``python benchmarks/bench_ray.py [--quick] [--markdown PATH]`` (needs the ``ray`` extra).
 """
