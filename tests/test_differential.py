@@ -42,6 +42,8 @@ from rlmetrics.backends import local
 
 torch = pytest.importorskip("torch")
 
+pytestmark = pytest.mark.torch
+
 from rlmetrics.metrics.data import compute_data_metric  # noqa: E402
 from rlmetrics.metrics.timing import compute_throughput_metrics, compute_timing_metrics  # noqa: E402
 from rlmetrics.metrics.validation import process_validation_metrics  # noqa: E402
@@ -237,7 +239,7 @@ def test_local_threads_equal_the_concatenated_batch(sc, read):
 def test_a_mean_of_means_is_caught(monkeypatch):
     """The harness fails when the engine merges stat arrays as an equal-weight mean of the parts'
     means (what a per-rank-average system reports)."""
-    from rlmetrics import aggregator
+    from rlmetrics import steps
 
     def mean_of_means(parts):
         counts, sums = parts[0], parts[1]
@@ -253,7 +255,7 @@ def test_a_mean_of_means_is_caught(monkeypatch):
           "steps": [{"sizes": [1, 5, 2], "prompt": 3, "response": 5, "multi_turn": False, "float64": True,
                      "bad": None, "val": [0, 0, 0]}] * STEPS}  # fmt: skip
     run_local(sc, "final")  # the real merge passes
-    monkeypatch.setattr(aggregator, "reduce_parts", mean_of_means)
+    monkeypatch.setattr(steps, "reduce_parts", mean_of_means)
     with pytest.raises(AssertionError):
         run_local(sc, "final")
 
@@ -267,6 +269,8 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::UserWarning")
 def test_ray_actors_equal_the_concatenated_batch(ray_session):
     ray = ray_session
@@ -327,6 +331,7 @@ def _torch_rank(rank: int, out_dir: str) -> None:
     (Path(out_dir) / f"rank{rank}.pkl").write_bytes(pickle.dumps(results))
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::UserWarning")
 def test_torch_gloo_ranks_equal_the_concatenated_batch(tmp_path):
     scs = draw_scenarios(4, world=TORCH_WORLD)

@@ -23,6 +23,8 @@ pytest.importorskip("tensorboard")
 
 STEPS, NAN_STEP, SPIKE_STEP, SILENT_RANK_STEP = 12, 6, 8, 10
 
+pytestmark = pytest.mark.slow
+
 
 def partial_step(step, metrics):
     """A user rule: some contributions of the step did not arrive."""

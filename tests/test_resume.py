@@ -34,6 +34,8 @@ from tests.trackers import (
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "resumable_run.py"
 STEPS, NAN_STEP, KILL_AFTER = 16, 12, 13  # killed once 13 steps are in the JSONL file (0..12)
 
+pytestmark = pytest.mark.slow
+
 
 def example():
     spec = importlib.util.spec_from_file_location("resumable_run", EXAMPLE)
