@@ -13,3 +13,12 @@ def _restore_reduction_registry():
     reduce._GLOBS.clear()
     reduce._GLOBS.update(globs)
     reduce._resolve_by_rules.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """A local Ray instance for the tests of one module (4 logical CPUs, quiet), shut down after."""
+    ray = pytest.importorskip("ray")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    yield ray
+    ray.shutdown()

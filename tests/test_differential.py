@@ -261,14 +261,6 @@ def test_a_mean_of_means_is_caught(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------- Ray
-@pytest.fixture(scope="module")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::UserWarning")

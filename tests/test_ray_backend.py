@@ -20,10 +20,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ray_instance():
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    yield
-    ray.shutdown()
+def ray_instance(ray_session):
+    """Every test of this module runs on the module's Ray instance (tests/conftest.py)."""
 
 
 @pytest.fixture

@@ -96,14 +96,6 @@ def check_step(res, step: int, world: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- Ray
-@pytest.fixture(scope="module")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def _rank_host_class(ray):
     @ray.remote(num_cpus=0)
     class RankHost:
