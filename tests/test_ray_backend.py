@@ -57,6 +57,10 @@ class Rank:
         pace = random.Random(seed)
         return [self.step(s, pace.random() * 0.02, read) for s in range(steps)]
 
+    def grouped(self, metrics, group_by):
+        self.client.submit_metric(metrics, group_by=group_by)
+        self.client.wait_submit()
+
     def flush(self):
         self.client.flush()
 
@@ -123,6 +127,30 @@ def test_eight_ranks_without_a_barrier_steps_exact_and_unmixed(name):
     for step, res in enumerate(out[0]):
         assert res.step == step
         check_step(res, step, range(world))
+
+
+def test_group_breakdowns_spread_unevenly_over_ranks_equal_the_concatenation(name):
+    """Group "a" on ranks 0 and 1, "b" on ranks 0 and 2, "c" on rank 2 only: each group's numbers are
+    numpy's on its values of all ranks, and the groups a rank lacks do not hold the step."""
+    rng = np.random.default_rng(7)
+    labels = [["a", "b", "a", "a"], ["a"] * 6, ["c", "b", "c"]]
+    values = [rng.normal(size=len(lab)) for lab in labels]
+    ranks = [Rank.remote(r, 3, name) for r in range(3)]
+    ray.get(
+        [
+            rank.grouped.remote({"score/mean": v, "score/min": v, "score/std": v}, {"source": np.array(lab)})
+            for rank, v, lab in zip(ranks, values, labels)
+        ]
+    )
+    res = rlmetrics.connect("ray", name=name).result(0, timeout=30)
+    assert res.meta.complete, res.meta
+    allv, alll = np.concatenate(values), np.concatenate(labels)
+    for group in "abc":
+        x = allv[alll == group]
+        assert res[f"group/source/{group}/score/mean"] == pytest.approx(x.mean(), rel=1e-12)
+        assert res[f"group/source/{group}/score/min"] == x.min()
+        assert res[f"group/source/{group}/score/std"] == pytest.approx(x.std(), rel=1e-12)
+    assert res["score/mean"] == pytest.approx(allv.mean(), rel=1e-12)
 
 
 def test_one_rpc_per_step_per_client(name):

@@ -39,24 +39,31 @@ class ComputeLocal:
         step: int | None = None,
         *,
         torch_compile: bool = False,
+        group_by: Any = None,
     ) -> None:
         """Compute the seed's data metrics of this rank's batch (plus every function added with
         :func:`~rlmetrics.metrics.custom.register_metric`) and submit them as mergeable Stats, so
         token- and sequence-weighted global values are exact. ``data``: a mapping, a TensorDict or a
         verl ``DataProto`` (:mod:`rlmetrics.metrics.batch`). ``DEBUG_METRICS=1`` logs them.
-        ``torch_compile``: see :func:`~rlmetrics.metrics.data.compute_data_stats`."""
+        ``torch_compile``, ``group_by`` (e.g. ``"data_source"``: the data metrics of each data
+        source too): see :func:`~rlmetrics.metrics.data.compute_data_stats`; grouped names are
+        submitted as :meth:`submit_metric` with ``group_by`` does."""
         from rlmetrics.metrics.batch import as_batch
         from rlmetrics.metrics.custom import debug_enabled, debug_report, run_custom_metrics
         from rlmetrics.metrics.data import compute_data_stats
+        from rlmetrics.metrics.data.grouped import split_grouped
 
         batch = as_batch(data, "compute_local_data_metric")
-        metrics: dict[str, Any] = dict(
-            compute_data_stats(batch, torch_compile=torch_compile, nan_strategy=self._compute_strategy())
+        stats = compute_data_stats(
+            batch, torch_compile=torch_compile, nan_strategy=self._compute_strategy(), group_by=group_by
         )
+        metrics, grouped = split_grouped(stats)
         metrics.update(run_custom_metrics(data))
         if debug_enabled():
-            debug_report(batch, metrics)
+            debug_report(batch, {**metrics, **grouped})
         self.submit_metric(metrics, world_size, step)
+        if grouped:
+            self.submit_metric(grouped, 1, step)
 
     def compute_local_timing_metrics(
         self,

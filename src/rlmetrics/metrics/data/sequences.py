@@ -75,22 +75,26 @@ def add_counts(t: BatchTensors, seq: dict[str, Any]) -> None:
             seq[key] = x
 
 
-def fetch(seq: Mapping[str, Any], tokens: TokenSummaries | None) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """The per-sequence vectors as host arrays and the ``(5, K)`` token block, moved in one copy."""
+def fetch(
+    seq: Mapping[str, Any], tokens: TokenSummaries | None, extra: Sequence[Any] = ()
+) -> tuple[dict[str, np.ndarray], np.ndarray, list[np.ndarray]]:
+    """The per-sequence vectors as host arrays, the token block as a ``(5, K)`` host array (``(5,
+    K * B)`` for per-sequence token summaries) and the ``extra`` tensors as host arrays (group
+    labels), moved in one copy."""
     plan = HostPlan()
     plan.add(list(seq.values()), lambda *arrays: dict(zip(seq, arrays)))
+    plan.add(list(extra), lambda *arrays: list(arrays))
     if tokens is not None:
         plan.add([tokens.block], lambda block: block.reshape(5, -1))
-    host, *block = plan.run()
-    return host, block[0] if block else empty_arrays(0)
+    host, extra_host, *block = plan.run()
+    return host, block[0] if block else empty_arrays(0), extra_host
 
 
 # -------------------------------------------------------------------------------- on the host
-def sequence_summaries(
-    seq: Mapping[str, np.ndarray], t: BatchTensors, nan_strategy: str
-) -> tuple[list[tuple[str, ...]], np.ndarray]:
-    """The per-sequence metrics' name groups and ``(5, K)`` summaries, from the sequence vectors on
-    the host (:func:`sequence_tensors`); non-finite values as ``nan_strategy`` says."""
+def sequence_parts(seq: Mapping[str, np.ndarray], t: BatchTensors, nan_strategy: str) -> list[Part]:
+    """The per-sequence metrics as parts (name groups, per-sequence values, which to keep; their
+    summaries: :func:`part_summaries`), from the sequence vectors on the host
+    (:func:`sequence_tensors`); non-finite rewards as ``nan_strategy`` says."""
     parts: list[Part] = [(triple(prefix), seq[key], None) for key, prefix in SEQUENCE_METRICS if key in seq]
     lengths = seq.get("response_mask")
     if lengths is not None:
@@ -108,7 +112,7 @@ def sequence_summaries(
     prompt = seq.get("prompt_mask")
     if prompt is not None:
         parts.append((("prompt/clip_ratio/mean",), (prompt == t.prompt_width) * 1.0, None))
-    return part_summaries(parts, nan_strategy)
+    return parts
 
 
 def part_summaries(
@@ -137,6 +141,25 @@ def part_summaries(
                     keep[row] = parts[i][2]
         out[:, idx] = summarize(values, keep, nan_strategy=nan_strategy)
     return [names for names, _, _ in parts], out
+
+
+def part_rows(parts: list[Part], n: int, nan_strategy: str = "propagate") -> np.ndarray:
+    """The ``(5, K, n)`` summaries of each of the ``n`` sequences in each part (one observation or
+    none): what group breakdowns merge. A part without one value per sequence raises, naming it.
+
+    >>> part_rows([(("x/mean",), np.array([1.0, 2.0]), np.array([True, False]))], 2)[:, 0].tolist()
+    [[1.0, 0.0], [1.0, 0.0], [0.0, 0.0], [1.0, inf], [1.0, -inf]]
+    """
+    for names, values, _ in parts:
+        if values.shape != (n,):
+            raise MetricValueError(
+                f"metric {names[0]!r}: {values.size} values for {n} sequences; a group breakdown needs "
+                "one per sequence"
+            )
+    values = np.stack([v for _, v, _ in parts]) if parts else np.zeros((0, n))
+    keep = np.stack([np.ones(n, bool) if k is None else k for _, _, k in parts]) if parts else None
+    strategy = "drop" if nan_strategy == "drop" else "propagate"
+    return summarize(values[..., None], None if keep is None else keep[..., None], nan_strategy=strategy)
 
 
 def with_token_block(
@@ -202,6 +225,7 @@ def _reductions(names: tuple[str, ...]) -> list[tuple[Any, np.ndarray]]:
 
 
 __all__ = [
-    "CORRECT_THRESHOLD", "SEQUENCE_METRICS", "VF_AUX", "add_counts", "add_sums", "column_values", "fetch",
-    "metrics_of_arrays", "part_summaries", "sequence_summaries", "sequence_tensors", "with_token_block",
+    "CORRECT_THRESHOLD", "SEQUENCE_METRICS", "VF_AUX", "Part", "add_counts", "add_sums", "column_values",
+    "fetch", "metrics_of_arrays", "part_rows", "part_summaries", "sequence_parts",
+    "sequence_tensors", "with_token_block",
 ]  # fmt: skip

@@ -72,7 +72,7 @@ def verl_data_arrays(
         keys = ("advantages", "returns", "values") if use_critic else ("advantages", "returns")
         tokens = TokenSummaries.of(t, t.response_mask, torch_compile, keys)
     add_counts(t, seq)
-    host, block = fetch(seq, tokens)
+    host, block, _ = fetch(seq, tokens)
     token_names = [] if tokens is None else tokens.names
     return with_token_block(*part_summaries(_verl_parts(host, t)), token_names, block)
 
