@@ -270,3 +270,78 @@ def test_grouped_names_through_jsonl_and_tensorboard(tmp_path):
     for name in names:
         assert run.series(name)[1].tolist() == [got[name]]
         assert tb_got[name] == {3: pytest.approx(got[name], rel=1e-6)}  # TensorBoard stores float32
+
+
+# ------------------------------------------------------------------------------------ difficulty
+def grpo_batches(seed: int) -> list[dict]:
+    """Three ranks of a GRPO step: 4 prompts of up to 6 samples, spread over ranks (as after a
+    batch balancing): prompt "p0" all correct, "p1" all wrong, "p2" mixed only across ranks (its
+    correct samples on rank 0, its wrong ones on rank 2), "p3" mixed on rank 1 with equal rewards
+    elsewhere."""
+    rng = np.random.default_rng(seed)
+    plan = [  # rank -> (uid, correct) per sample
+        [("p0", 1), ("p2", 1), ("p0", 1), ("p2", 1), ("p1", 0)],
+        [("p3", 1), ("p3", 0), ("p0", 1), ("p1", 0), ("p1", 0)],
+        [("p2", 0), ("p2", 0), ("p1", 0)],
+    ]
+    out = []
+    for samples in plan:
+        batch = make_batch(rng, len(samples), 3, 5, dtype=torch.float64)
+        rewards = torch.zeros_like(batch["token_level_rewards"])
+        rewards[:, 0] = torch.tensor([float(c) for _, c in samples], dtype=torch.float64)
+        batch["token_level_rewards"] = batch["token_level_scores"] = rewards
+        batch["uid"] = np.array([u for u, _ in samples], dtype=object)
+        out.append(batch)
+    return out
+
+
+def expected_difficulty(batches: list[dict]) -> dict[str, float]:
+    """Each prompt classified on its samples of all ranks; each class's data metrics by the loop reference."""
+    uids = np.concatenate([b["uid"] for b in batches])
+    correct = np.concatenate([b["token_level_rewards"].sum(-1).numpy() > 0.5 for b in batches])
+    reward = np.concatenate([b["token_level_rewards"].sum(-1).numpy() for b in batches])
+    kinds = {}
+    for u in sorted(set(uids)):
+        c = correct[uids == u]
+        kinds[u] = "all_correct" if c.all() else "all_wrong" if not c.any() else "mixed"
+    out = {"difficulty/prompts": float(len(kinds))}
+    for cls in ("all_correct", "all_wrong", "mixed"):
+        members = [u for u, k in kinds.items() if k == cls]
+        out[f"difficulty/{cls}_ratio"] = len(members) / len(kinds)
+        parts = [rows(b, np.nonzero(np.isin(b["uid"], members))[0]) for b in batches]
+        parts = [p for p in parts if len(p["responses"])]
+        if parts:
+            out.update({f"group/difficulty/{cls}/{n}": v for n, v in reference(concatenate(parts)).items()})
+    same = [u for u in kinds if np.ptp(reward[uids == u]) == 0]
+    out["difficulty/zero_reward_std_ratio"] = len(same) / len(kinds)
+    return out
+
+
+def check_difficulty(result, batches):
+    want = expected_difficulty(batches)
+    got = {n: v for n, v in result.items() if n.startswith(("difficulty/", "group/difficulty/"))}
+    skip = [f"group/difficulty/{c}/{n}" for c in ("all_correct", "all_wrong", "mixed") for n in CLIP]
+    assert_matches(got, {n: v for n, v in want.items()}, skip=tuple(skip))
+    assert want["difficulty/mixed_ratio"] == 0.5  # p2 and p3: p2 is mixed only across ranks
+
+
+def test_difficulty_groups_of_one_batch_equal_the_reference():
+    batch = concatenate(grpo_batches(9))
+    batch["uid"] = np.concatenate([b["uid"] for b in grpo_batches(9)])
+    got = compute_data_metric(batch, difficulty=True)
+    check_difficulty(got, [batch])
+
+
+def test_difficulty_groups_across_local_ranks_decide_on_every_rank_s_samples(request):
+    batches = grpo_batches(10)
+    try:
+        result = run_threads(
+            request.node.name, batches, lambda c, b: c.compute_local_data_metric(b, difficulty=True)
+        )
+    finally:
+        local.drop_worker(request.node.name)
+    assert result.meta.complete, result.meta
+    check_difficulty(result, batches)
+    # the test can fail: deciding per rank calls p2 all correct on rank 0 and all wrong on rank 2
+    per_rank = [compute_data_metric(b, difficulty=True)["difficulty/mixed_ratio"] for b in batches]
+    assert per_rank[0] == 0.0 and per_rank[2] == 0.0

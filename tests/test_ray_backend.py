@@ -441,6 +441,25 @@ def test_validation_records_travel_and_merge_in_rank_order(name):
     assert clients[0].result(0, timeout=30) == process_validation_metrics(sources, prompts, infos)
 
 
+def test_difficulty_groups_travel_and_decide_on_every_rank_s_samples(name):
+    """Data breakdowns and prompt records of three clients through the Ray aggregator: a prompt whose
+    samples sit on two ranks is classified once, on all of them."""
+    from tests.test_groups import SOURCES, check_difficulty, grpo_batches
+
+    batches = grpo_batches(11)
+    for b in batches:
+        b["data_source"] = np.array([SOURCES[i % 3] for i in range(len(b["uid"]))], dtype=object)
+    worker = rlmetrics.get_metric_worker(name=name)
+    clients = [rlmetrics.MetricClient(worker, label=f"rank{r}", world_size=3) for r in range(3)]
+    for client, batch in zip(clients, batches):
+        client.compute_local_data_metric(batch, group_by="data_source", difficulty=True)
+        client.wait_submit()
+    result = clients[0].result(0, timeout=30)
+    assert result.meta.complete, result.meta
+    check_difficulty(result, batches)
+    assert "group/data_source/math/critic/rewards/mean" in result
+
+
 AFTER_SHUTDOWN = """
 import ray
 import rlmetrics

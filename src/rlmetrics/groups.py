@@ -86,14 +86,17 @@ class Labels:
         self.tag, self.values, self.codes = tag, values, codes
 
     @classmethod
-    def of(cls, tag: str, labels: Any) -> Labels:
+    def of(cls, tag: str, labels: Any, *, segments: bool = True) -> Labels:
         """The labels of one tag: a 1-D sequence (list, numpy array, host tensor) of strings or
-        numbers, one per sample. Refuses a tag or labels that do not make distinct segments."""
+        numbers, one per sample. Refuses a tag or labels that do not make distinct segments
+        (``segments=False``: the values are the labels as strings, e.g. prompt ids)."""
         check_tag(tag)
         arr = np.asarray(labels.tolist() if is_torch(labels) else labels)
         if arr.ndim != 1:
             raise MetricValueError(f"group tag {tag!r}: labels must be 1-D (one per sample), got {arr.shape}")
         uniq, codes = np.unique(arr, return_inverse=True) if arr.size else (arr, np.zeros(0, np.int64))
+        if not segments:
+            return cls(tag, [str(v) for v in uniq.tolist()], codes.reshape(-1))
         values = [segment(v) for v in uniq.tolist()]
         if len(set(values)) < len(values):
             seen: dict[str, Any] = {}

@@ -56,7 +56,7 @@ import psutil
 
 from rlmetrics.groups import GroupBy
 from rlmetrics.metrics import is_aux
-from rlmetrics.metrics.data.grouped import Breakdowns, grouped_arrays
+from rlmetrics.metrics.data.grouped import Breakdowns
 from rlmetrics.metrics.data.sequences import (
     CORRECT_THRESHOLD,
     column_values,
@@ -74,6 +74,7 @@ from rlmetrics.metrics.data.verl_style import (
     verl_data_arrays,
     verl_lengths,
 )
+from rlmetrics.metrics.difficulty import difficulty_metrics
 from rlmetrics.metrics.tensors import Batch, BatchTensors
 from rlmetrics.stat import Stat, empty_arrays, reduce_parts
 from rlmetrics.summary import NAN_STRATEGIES
@@ -112,19 +113,43 @@ def compute_data_stats(
     >>> (s.count, s.mean, stats["response/length/mean"].count)
     (5.0, 3.0, 2.0)
     """
-    names, arrays = _data_arrays(batch, torch_compile, nan_strategy, group_by)
+    return data_stats_and_prompts(
+        batch, aux=aux, torch_compile=torch_compile, nan_strategy=nan_strategy, group_by=group_by
+    )[0]
+
+
+def data_stats_and_prompts(
+    batch: Batch,
+    *,
+    aux: bool = True,
+    torch_compile: bool = False,
+    nan_strategy: str = "propagate",
+    group_by: GroupBy = None,
+    difficulty: bool | str = False,
+) -> tuple[dict[str, Stat], dict[str, Any] | None]:
+    """:func:`compute_data_stats` and, with ``difficulty`` (the batch key of each sample's prompt
+    id: ``True`` for ``"uid"``, verl's), the batch's prompt record of the difficulty groups
+    (:func:`~rlmetrics.metrics.difficulty.prompt_record`; None without), from one transfer."""
+    names, arrays, record = _data_arrays(batch, torch_compile, nan_strategy, group_by, difficulty)
     stats = {name: Stat(*column) for name, column in zip(names, arrays.T.tolist())}
     if not aux:
         for name in [n for n in stats if is_aux(n)]:
             stats.pop(name, None)
-    return stats
+    return stats, record
 
 
 def compute_data_metric(
-    batch: Batch, *, torch_compile: bool = False, nan_strategy: str = "propagate", group_by: GroupBy = None
+    batch: Batch,
+    *,
+    torch_compile: bool = False,
+    nan_strategy: str = "propagate",
+    group_by: GroupBy = None,
+    difficulty: bool | str = False,
 ) -> dict[str, float]:
     """The seed's data metrics of ``batch`` as ``{name: float}`` (``nan_strategy``, ``group_by``: as
-    :func:`compute_data_stats`).
+    :func:`compute_data_stats`); ``difficulty``: also the difficulty groups of GRPO
+    (:mod:`rlmetrics.metrics.difficulty`), ``True`` reading prompt ids from the ``uid`` key (verl's),
+    a string from that key.
 
     >>> import torch
     >>> attention_mask = torch.tensor([[1, 1, 1, 1, 0], [0, 1, 1, 1, 1]])  # prompt 2, response 3
@@ -140,8 +165,15 @@ def compute_data_metric(
     >>> m = compute_data_metric(batch, group_by="data_source")
     >>> m["group/data_source/gsm8k/response/length/mean"], m["group/data_source/math/critic/rewards/mean"]
     (2.0, 1.0)
+    >>> batch["uid"] = ["p", "p"]  # one prompt, one of its two samples correct
+    >>> compute_data_metric(batch, difficulty=True)["difficulty/mixed_ratio"]
+    1.0
     """
-    return metrics_of_arrays(*_data_arrays(batch, torch_compile, nan_strategy, group_by))
+    names, arrays, record = _data_arrays(batch, torch_compile, nan_strategy, group_by, difficulty)
+    out = metrics_of_arrays(names, arrays)
+    if record is not None:
+        out.update(difficulty_metrics([record]))
+    return out
 
 
 def data_metrics_from_stats(stats: Mapping[str, Stat]) -> dict[str, float]:
@@ -174,14 +206,15 @@ def _process() -> Any:
 
 
 def _data_arrays(
-    batch: Batch, torch_compile: bool, nan_strategy: str, group_by: GroupBy = None
-) -> tuple[list[str], np.ndarray]:
+    batch: Batch, torch_compile: bool, nan_strategy: str, group_by: GroupBy, difficulty: bool | str
+) -> tuple[list[str], np.ndarray, dict[str, Any] | None]:
     """The data metrics' names and their ``(5, K)`` stat array: count, sum, m2, min, max (the
-    groups' after the batch's)."""
+    groups' after the batch's), and the prompt record of the difficulty groups (None without)."""
     if nan_strategy not in NAN_STRATEGIES:
         raise ValueError(f"nan_strategy must be one of {NAN_STRATEGIES}, got {nan_strategy!r}")
     t = BatchTensors(batch)
-    breakdowns = Breakdowns(group_by, t.batch, batch)
+    prompts = ("uid" if difficulty is True else difficulty) or None
+    breakdowns = Breakdowns(group_by, t.batch, batch, prompts)
     seq = sequence_tensors(t)
     mask = t.response_mask
     tokens = None if mask is None else TokenSummaries.of(t, mask, torch_compile, rows=bool(breakdowns))
@@ -196,14 +229,16 @@ def _data_arrays(
         block = reduce_parts(token_rows.transpose(0, 2, 1)) if has_rows else empty_arrays(len(token_names))
     parts = sequence_parts(host, t, nan_strategy)
     names, arrays = with_token_block(*part_summaries(parts, nan_strategy), token_names, block)
+    record = None
     if breakdowns:
-        labels = breakdowns.labels(moved)
-        group_names, group_arrays = grouped_arrays(labels, parts, token_names, token_rows, nan_strategy)
+        group_names, group_arrays, record = breakdowns.arrays(
+            moved, parts, token_names, token_rows, nan_strategy
+        )
         names += group_names
         arrays = np.concatenate([arrays, group_arrays], axis=1)
     rss_gb = _process().memory_info().rss / 1024**3
     names.append("perf/process_cpu_mem_used_gb")
-    return names, np.concatenate([arrays, np.array([(1.0, rss_gb, 0.0, rss_gb, rss_gb)]).T], axis=1)
+    return names, np.concatenate([arrays, np.array([(1.0, rss_gb, 0.0, rss_gb, rss_gb)]).T], axis=1), record
 
 
 __all__ = [
@@ -214,6 +249,7 @@ __all__ = [
     "column_values",
     "compute_verl_data_stats",
     "data_metrics_from_stats",
+    "data_stats_and_prompts",
     "verl_data_arrays",
     "verl_lengths",
 ]
