@@ -7,9 +7,11 @@ sources drawn at random, so groups have unequal sizes. With ``group_by`` the res
 summaries are computed per sequence (one device pass, as without) and merged per group on the host;
 every data metric is reported for the batch and for each of the G groups.
 
-Timed: the median of N calls after one warm-up (N = 15, 5 with ``--quick``), three times with the
-sides alternating, best median kept, at torch's default thread count. Before timing, every grouped
-number is checked against ``compute_data_metric`` of that group's sequences alone (relative 1e-5).
+Timed: N rounds (N = 45, 10 with ``--quick``) that call each side once in turn, after a warm-up, at
+torch's default thread count: the median time of each side, and the median over the rounds of the
+grouped / ungrouped ratio of neighbouring calls (robust on a shared machine whose load changes).
+Before timing, every grouped number is checked against ``compute_data_metric`` of that group's
+sequences alone (relative 1e-5).
 
 Run: ``PYTHONPATH=src python benchmarks/bench_groups.py [--quick] [--markdown PATH]``.
 """
@@ -43,11 +45,12 @@ class Row:
     groups: int
     plain_s: float
     grouped_s: float
+    ratio: float  # the median of the rounds' grouped / ungrouped
     checked: int
 
-    @property
-    def ratio(self) -> float:
-        return self.grouped_s / self.plain_s
+    def cells(self) -> list[object]:
+        times = (f"{self.plain_s * 1e3:.2f}", f"{self.grouped_s * 1e3:.2f}", f"{self.ratio:.2f}x")
+        return [self.batch, self.prompt, self.response, self.groups, *times, self.checked]
 
 
 def grouped_batch(b: int, p: int, r: int, g: int) -> dict:
@@ -77,28 +80,27 @@ def check_groups(batch: dict, got: dict[str, float]) -> int:
 def measure(b: int, p: int, r: int, g: int, reps: int) -> Row:
     batch = grouped_batch(b, p, r, g)
     checked = check_groups(batch, compute_data_metric(batch, group_by="data_source"))
-    plain, grouped = [], []
-    for _ in range(3):  # alternate the two sides so that a noisy neighbour slows both alike
-        plain.append(statistics.median(report.timed(lambda: compute_data_metric(batch), reps)[0]))
-        grouped.append(
-            statistics.median(
-                report.timed(lambda: compute_data_metric(batch, group_by="data_source"), reps)[0]
-            )
-        )
-    return Row(b, p, r, g, min(plain), min(grouped), checked)
+    plain, grouped = report.interleaved(
+        [lambda: compute_data_metric(batch), lambda: compute_data_metric(batch, group_by="data_source")], reps
+    )
+    ratio = statistics.median(g / p for p, g in zip(plain, grouped))
+    return Row(b, p, r, g, statistics.median(plain), statistics.median(grouped), ratio, checked)
+
+
+COLUMNS = (
+    "B",
+    "prompt",
+    "response",
+    "groups",
+    "ungrouped ms",
+    "grouped ms",
+    "grouped / ungrouped",
+    "grouped names checked",
+)
 
 
 def render(rows: list[Row]) -> str:
-    columns = ["B", "prompt", "response", "groups", "ungrouped ms", "grouped ms", "grouped / ungrouped",
-               "grouped names checked"]  # fmt: skip
-    return report.table(
-        columns,
-        [
-            [r.batch, r.prompt, r.response, r.groups, f"{r.plain_s * 1e3:.2f}", f"{r.grouped_s * 1e3:.2f}",
-             f"{r.ratio:.2f}x", r.checked]
-            for r in rows
-        ],
-    )  # fmt: skip
+    return report.table(COLUMNS, [row.cells() for row in rows])
 
 
 def target_line(rows: list[Row]) -> str:
@@ -114,14 +116,14 @@ def target_line(rows: list[Row]) -> str:
 def main(argv: list[str] | None = None) -> list[Row]:
     args = report.parse_args(__doc__, "fewer repetitions, fewer and smaller shapes", argv)
     start = time.perf_counter()
-    shapes, reps = (QUICK_SHAPES, 5) if args.quick else (SHAPES, 15)
+    shapes, reps = (QUICK_SHAPES, 10) if args.quick else (SHAPES, 45)
     head = report.header(
         "group-breakdown", f"{torch.get_num_threads()} torch threads", f"torch {torch.__version__}"
     )
     print(head, flush=True)
     rows = [measure(b, p, r, g, reps) for b, p, r, g in shapes]
     notes = [
-        f"best of 3 medians of {reps} calls (after a warm-up) per side, the sides alternating; CPU tensors",
+        f"medians of {reps} rounds calling each side once in turn (after a warm-up); CPU tensors",
         f"grouped numbers asserted equal (rel 1e-5) to each group alone: {sum(r.checked for r in rows)}",
         target_line(rows),
         f"total runtime: {time.perf_counter() - start:.1f} s",

@@ -5,7 +5,9 @@ only, ranks without some groups); grouped names reach the trackers unchanged."""
 from __future__ import annotations
 
 import math
-import threading
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ import torch
 import rlmetrics
 from rlmetrics.backends import local
 from rlmetrics.groups import group_name, segment
+from rlmetrics.metrics import VF_RESIDUAL_STD, VF_RETURNS_STD, VF_TOKENS
 from rlmetrics.metrics.data import compute_data_metric, compute_data_stats
 from rlmetrics.reduce import resolve
 from rlmetrics.sinks import JsonlSink, TensorBoardSink, read_jsonl
@@ -165,27 +168,37 @@ def test_a_batch_without_sequences_gives_every_name_and_no_group():
     )
 
 
+def test_verl_data_metrics_by_data_source_equal_each_source_alone():
+    from rlmetrics.integrations.verl import compute_data_metrics
+
+    batch = rank_batches(12)[0]
+    got = compute_data_metrics(batch, group_by="data_source")
+    for source in SOURCES:
+        want = compute_data_metrics(rows(batch, np.nonzero(batch["data_source"] == source)[0]))
+        mine = grouped(got, "data_source", source)
+        assert sorted(mine) == sorted(want)
+        np.testing.assert_allclose([mine[n] for n in want], list(want.values()), rtol=1e-9, equal_nan=True)
+    assert not [n for n in got if "_aux/" in n]
+    prefix = "group/data_source/code/"
+    assert set(got[prefix + "critic/vf_explained_var"].aux) == {
+        prefix + n for n in (VF_RETURNS_STD, VF_RESIDUAL_STD, VF_TOKENS)
+    }
+
+
 # --------------------------------------------------------------------------------- across ranks
-def run_threads(name: str, batches: list[dict], submit) -> rlmetrics.StepResult:
+def run_threads(name: str, batches: list, submit) -> rlmetrics.StepResult:
+    """Each rank a thread with its own local client: ``submit(client, its batch)``, then wait_submit."""
     world = len(batches)
     clients = [
         rlmetrics.connect("local", world_size=world, name=name, label=f"rank{r}") for r in range(world)
     ]
-    errors = []
 
     def rank(r):
-        try:
-            submit(clients[r], batches[r])
-            clients[r].wait_submit()
-        except Exception as exc:  # pragma: no cover - reported below
-            errors.append(exc)
+        submit(clients[r], batches[r])
+        clients[r].wait_submit()
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    with ThreadPoolExecutor(world) as pool:
+        list(pool.map(rank, range(world)))  # re-raises a rank's error
     return clients[0].result(0, timeout=5)
 
 
@@ -254,6 +267,20 @@ def test_submit_metric_refuses_a_value_of_another_length_alone(request):
     finally:
         local.drop_worker(request.node.name)
     assert result["group/env/a/ok"] == 2.5 and result["short"] == 1.5 and "group/env/a/short" not in result
+
+
+# ----------------------------------------------------------------------------------------- docs
+def test_the_examples_of_docs_groups_print_what_they_say(capsys):
+    text = (Path(__file__).resolve().parents[1] / "docs" / "groups.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) == 3
+    try:
+        for block in blocks:
+            exec(compile(block, "docs/groups.md", "exec"), {})
+    finally:
+        local.drop_worker("groups-doc")
+    said = [line.split("  # ", 1)[1] for b in blocks for line in b.splitlines() if line.startswith("print(")]
+    assert capsys.readouterr().out.splitlines() == said
 
 
 # ------------------------------------------------------------------------------------- trackers

@@ -23,7 +23,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
-from rlmetrics.groups import Labels, grouped_values
+from rlmetrics.groups import Labels, grouped_values, split_grouped
 from rlmetrics.messages import StepResult
 from rlmetrics.packing import MAX_WORLD_SIZE, Packed, pack
 from rlmetrics.server import Submission
@@ -178,9 +178,9 @@ class ClientCore:
         ``group_by``: ``{tag: labels}``, one label per sample; each per-sample value (a 1-D list,
         array or tensor, or a ``(values, weights)`` pair) is also submitted per group, as
         ``group/<tag>/<label>/<name>`` (:func:`rlmetrics.groups.grouped_values`). A rank sends only
-        the groups it has, so grouped names expect one contribution: their step completes when
-        every registered rank closed it and the names without group have all theirs
-        (``docs/groups.md``).
+        the groups it has, so grouped names (these, and any name starting with ``group/``) expect
+        one contribution: their step completes when every registered rank closed it and the names
+        without group have all theirs (``docs/groups.md``).
         """
         ws = self.world_size if world_size is None else world_size
         if ws is None:
@@ -194,12 +194,15 @@ class ClientCore:
                 f"metrics must be a mapping of name to value, got {type(metrics).__name__}"
             )
         errors: dict[str, str] = {}
+        plain, grouped = split_grouped(metrics)
         if group_by is not None:
             if not isinstance(group_by, Mapping):
                 raise TypeError(f"group_by must map a tag to its labels, got {type(group_by).__name__}")
             labels = [Labels.of(tag, labels) for tag, labels in group_by.items()]
-            self._queue(grouped_values(metrics, labels, errors), 1, step, errors)
-        self._queue(metrics, ws, step, errors)
+            grouped.update(grouped_values(metrics, labels, errors))
+        self._queue(plain, ws, step, errors)
+        if grouped:
+            self._queue(grouped, 1, step, errors)
         if errors:
             raise MetricValueError("; ".join(errors.values()))
 

@@ -47,15 +47,14 @@ class ComputeLocal:
         token- and sequence-weighted global values are exact. ``data``: a mapping, a TensorDict or a
         verl ``DataProto`` (:mod:`rlmetrics.metrics.batch`). ``DEBUG_METRICS=1`` logs them.
         ``torch_compile``, ``group_by`` (e.g. ``"data_source"``: the data metrics of each data
-        source too): see :func:`~rlmetrics.metrics.data.compute_data_stats`; grouped names are
-        submitted as :meth:`submit_metric` with ``group_by`` does. ``difficulty`` (``True``: prompt
+        source too): see :func:`~rlmetrics.metrics.data.compute_data_stats`; grouped names expect
+        one contribution (:meth:`submit_metric`). ``difficulty`` (``True``: prompt
         ids in the ``uid`` key, verl's; or the key): the difficulty groups of GRPO, decided on each
         prompt's samples of all ranks (this rank sends its per-prompt summaries,
         :mod:`rlmetrics.metrics.difficulty`)."""
         from rlmetrics.metrics.batch import as_batch
         from rlmetrics.metrics.custom import debug_enabled, debug_report, run_custom_metrics
         from rlmetrics.metrics.data import data_stats_and_prompts
-        from rlmetrics.metrics.data.grouped import split_grouped
 
         batch = as_batch(data, "compute_local_data_metric")
         stats, prompts = data_stats_and_prompts(
@@ -65,13 +64,11 @@ class ComputeLocal:
             group_by=group_by,
             difficulty=difficulty,
         )
-        metrics, grouped = split_grouped(stats)
+        metrics: dict[str, Any] = dict(stats)
         metrics.update(run_custom_metrics(data))
         if debug_enabled():
-            debug_report(batch, {**metrics, **grouped})
+            debug_report(batch, metrics)
         self.submit_metric(metrics, world_size, step)
-        if grouped:
-            self.submit_metric(grouped, 1, step)
         if prompts is not None:
             from rlmetrics.states import PROMPT_STATS, PromptStats
 

@@ -76,6 +76,18 @@ def split_group_name(name: str) -> tuple[str, str] | None:
     return name[: len(name) - len(parts[3])], parts[3]
 
 
+def split_grouped(metrics: Mapping[str, Any]) -> tuple[Mapping[str, Any], dict[str, Any]]:
+    """``(ungrouped, grouped)`` entries of a metrics dict (grouped: names starting with ``group/``).
+
+    >>> split_grouped({"a": 1, "group/env/x/a": 2})
+    ({'a': 1}, {'group/env/x/a': 2})
+    """
+    grouped = {n: v for n, v in metrics.items() if isinstance(n, str) and n.startswith(GROUP_PREFIX)}
+    if not grouped:
+        return metrics, grouped
+    return {n: v for n, v in metrics.items() if n not in grouped}, grouped
+
+
 class Labels:
     """One tag's labels of a batch's samples: ``values`` (the groups' segments, sorted) and
     ``codes`` (each sample's group: an index into ``values``), made by :meth:`of`."""
@@ -223,5 +235,5 @@ def _take(x: Any, idx: np.ndarray) -> Any:
 
 __all__ = [
     "GROUP_PREFIX", "GroupBy", "Labels", "check_tag", "group_name", "grouped_values", "segment",
-    "split_group_name", "tag_sources",
+    "split_group_name", "split_grouped", "tag_sources",
 ]  # fmt: skip

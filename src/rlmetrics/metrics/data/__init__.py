@@ -62,10 +62,8 @@ from rlmetrics.metrics.data.sequences import (
     column_values,
     fetch,
     metrics_of_arrays,
-    part_summaries,
     sequence_parts,
     sequence_tensors,
-    with_token_block,
 )
 from rlmetrics.metrics.data.tokens import TokenSummaries
 from rlmetrics.metrics.data.verl_style import (
@@ -76,7 +74,7 @@ from rlmetrics.metrics.data.verl_style import (
 )
 from rlmetrics.metrics.difficulty import difficulty_metrics
 from rlmetrics.metrics.tensors import Batch, BatchTensors
-from rlmetrics.stat import Stat, empty_arrays, reduce_parts
+from rlmetrics.stat import Stat
 from rlmetrics.summary import NAN_STRATEGIES
 
 
@@ -221,21 +219,8 @@ def _data_arrays(
     host, block, moved = fetch(seq, tokens, breakdowns.tensors)
     if nan_strategy != "propagate" and tokens is not None:
         block = tokens.finite(block, nan_strategy)
-    token_names = [] if tokens is None else tokens.names
-    token_rows = None
-    if tokens is not None and tokens.rows:  # each sequence's token summaries: the batch's are their merge
-        token_rows = block.reshape(5, len(token_names), -1)
-        has_rows = token_rows.shape[2] > 0
-        block = reduce_parts(token_rows.transpose(0, 2, 1)) if has_rows else empty_arrays(len(token_names))
     parts = sequence_parts(host, t, nan_strategy)
-    names, arrays = with_token_block(*part_summaries(parts, nan_strategy), token_names, block)
-    record = None
-    if breakdowns:
-        group_names, group_arrays, record = breakdowns.arrays(
-            moved, parts, token_names, token_rows, nan_strategy
-        )
-        names += group_names
-        arrays = np.concatenate([arrays, group_arrays], axis=1)
+    names, arrays, record = breakdowns.assemble(moved, parts, tokens, block, nan_strategy)
     rss_gb = _process().memory_info().rss / 1024**3
     names.append("perf/process_cpu_mem_used_gb")
     return names, np.concatenate([arrays, np.array([(1.0, rss_gb, 0.0, rss_gb, rss_gb)]).T], axis=1), record

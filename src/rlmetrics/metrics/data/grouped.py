@@ -16,16 +16,15 @@ tensors, in its one transfer.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from rlmetrics.groups import GROUP_PREFIX, GroupBy, Labels, group_name, tag_sources
+from rlmetrics.groups import GroupBy, Labels, group_name, tag_sources
 from rlmetrics.metrics.batch import BatchView, key_error
-from rlmetrics.metrics.data.sequences import Part, part_rows, with_token_block
+from rlmetrics.metrics.data.sequences import Part, part_rows, part_summaries, with_token_block
 from rlmetrics.metrics.difficulty import prompt_record
-from rlmetrics.stat import reduce_runs
+from rlmetrics.stat import empty_arrays, reduce_parts, reduce_runs
 from rlmetrics.values import MetricValueError, is_torch
 
 
@@ -51,6 +50,27 @@ class Breakdowns:
     def tensors(self) -> list[Any]:
         """The label tensors, for the batch's one transfer."""
         return [v for v in [*self.raw.values(), self.prompts] if is_torch(v)]
+
+    def assemble(
+        self, moved: list[np.ndarray], parts: list[Part], tokens: Any, block: np.ndarray, nan_strategy: str
+    ) -> tuple[list[str], np.ndarray, dict[str, Any] | None]:
+        """Names and ``(5, K)`` stat array of the batch's metrics, then its groups', and the prompt
+        record (None without): from the moved label tensors, the per-sequence ``parts``, the
+        :class:`~rlmetrics.metrics.data.tokens.TokenSummaries` (or None) and their host ``block``
+        (per sequence when there are breakdowns: the batch's is their merge)."""
+        token_names = [] if tokens is None else tokens.names
+        token_rows = None
+        if tokens is not None and tokens.rows:
+            token_rows = block.reshape(5, len(token_names), -1)
+            has_rows = token_rows.shape[2] > 0
+            block = (
+                reduce_parts(token_rows.transpose(0, 2, 1)) if has_rows else empty_arrays(len(token_names))
+            )
+        names, arrays = with_token_block(*part_summaries(parts, nan_strategy), token_names, block)
+        if not self:
+            return names, arrays, None
+        group_names, group_arrays, record = self.arrays(moved, parts, token_names, token_rows, nan_strategy)
+        return names + group_names, np.concatenate([arrays, group_arrays], axis=1), record
 
     def arrays(
         self,
@@ -130,10 +150,4 @@ def _prefixed(tag: str, value: str, names: tuple[str, ...]) -> list[str]:
     return [group_name(tag, value, name) for name in names]
 
 
-def split_grouped(stats: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(ungrouped, grouped)`` entries of a metrics dict."""
-    grouped = {name: v for name, v in stats.items() if name.startswith(GROUP_PREFIX)}
-    return {name: v for name, v in stats.items() if name not in grouped}, grouped
-
-
-__all__ = ["Breakdowns", "grouped_arrays", "split_grouped"]
+__all__ = ["Breakdowns", "grouped_arrays"]
