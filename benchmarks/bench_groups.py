@@ -94,7 +94,7 @@ COLUMNS = (
     "groups",
     "ungrouped ms",
     "grouped ms",
-    "grouped / ungrouped",
+    "grouped / ungrouped (median of rounds)",
     "grouped names checked",
 )
 
