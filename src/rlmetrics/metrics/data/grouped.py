@@ -39,6 +39,7 @@ class Breakdowns:
             if labels is None:
                 raise key_error(str(source), f"not in the batch (group_by tag {tag!r})")
             self.raw[tag] = labels
+        self.prompts_key = prompts
         self.prompts = None if prompts is None else view.get(prompts)
         if prompts is not None and self.prompts is None:
             raise key_error(prompts, "not in the batch (difficulty groups need each sample's prompt id)")
@@ -89,14 +90,16 @@ class Breakdowns:
             return next(moved_iter) if is_torch(raw) else raw
 
         labels = [Labels.of(tag, on_host(raw)) for tag, raw in self.raw.items()]
-        prompts = None if self.prompts is None else Labels.of("uid", on_host(self.prompts), segments=False)
+        prompts = None
+        if self.prompts is not None:
+            prompts = Labels.of("prompt", on_host(self.prompts), segments=False)
         n = len((labels or [prompts])[0].codes)
         groups, per_seq = sequence_rows(n, parts, token_names, token_rows, nan_strategy)
         names, arrays = grouped_arrays(labels, groups, per_seq)
         if prompts is None:
             return names, arrays, None
         if len(prompts.codes) != n:
-            raise key_error("uid", f"{len(prompts.codes)} prompt ids for {n} sequences")
+            raise key_error(str(self.prompts_key), f"{len(prompts.codes)} prompt ids for {n} sequences")
         return names, arrays, prompt_record(prompts.values, groups, group_blocks(prompts, per_seq))
 
 
