@@ -8,8 +8,9 @@ summaries are computed per sequence (one device pass, as without) and merged per
 every data metric is reported for the batch and for each of the G groups.
 
 Timed: N rounds (N = 45; ``--quick``: 5, one small shape) that call each side once in turn, after
-a warm-up, at torch's default thread count: the median time of each side, and the median over the rounds of the
-grouped / ungrouped ratio of neighbouring calls (robust on a shared machine whose load changes).
+a warm-up, at torch's default thread count: the median time of each side, and the median over the
+rounds of the grouped / ungrouped ratio of neighbouring calls (robust on a shared machine whose load
+changes).
 Before timing, every grouped number is checked against ``compute_data_metric`` of that group's
 sequences alone (relative 1e-5).
 
