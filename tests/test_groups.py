@@ -372,3 +372,13 @@ def test_difficulty_groups_across_local_ranks_decide_on_every_rank_s_samples(req
     # the test can fail: deciding per rank calls p2 all correct on rank 0 and all wrong on rank 2
     per_rank = [compute_data_metric(b, difficulty=True)["difficulty/mixed_ratio"] for b in batches]
     assert per_rank[0] == 0.0 and per_rank[2] == 0.0
+
+
+def test_a_malformed_prompt_record_is_refused_when_it_arrives():
+    from rlmetrics.states import PromptStats, decode_state, encode_state
+
+    record = {"uids": ["p"], "groups": [("critic/rewards/mean",)], "stats": np.zeros((5, 1, 1))}
+    assert decode_state(*encode_state(PromptStats([("c", record)]))).records[0][1] is record
+    for bad in ({"uids": ["p"]}, {**record, "stats": np.zeros((5, 2, 1))}, {**record, "groups": ["x"]}):
+        with pytest.raises(ValueError, match="not a prompt record"):
+            decode_state(*encode_state(PromptStats([("c", bad)])))

@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import numpy as np
 
 from rlmetrics.metrics import AUX_PREFIX, validation_metrics
-from rlmetrics.metrics.difficulty import difficulty_metrics
+from rlmetrics.metrics.difficulty import check_record, difficulty_metrics
 from rlmetrics.reduce import Reduction
 from rlmetrics.sketch import Sketch
 from rlmetrics.stat import Stat
@@ -106,6 +106,14 @@ class PromptStats(Samples):
     groups (:func:`~rlmetrics.metrics.difficulty.difficulty_metrics`)."""
 
     kind: ClassVar[str] = "prompts"
+
+    @classmethod
+    def from_array(cls, arr: np.ndarray) -> PromptStats:
+        """Inverse of :meth:`to_array`; ValueError unless every record is a prompt record."""
+        state = super().from_array(arr)
+        for _, record in state.records:
+            check_record(record)
+        return state
 
     def reduce(self, name: str, reduction: Reduction | None, stat: Stat) -> dict[str, float]:
         return difficulty_metrics([record for _, record in self.records])

@@ -60,7 +60,26 @@ def prompt_record(
             "difficulty groups need the sequence rewards and response lengths (batch keys "
             "token_level_rewards and response_mask or attention_mask)"
         )
-    return {"uids": [str(u) for u in uids], "groups": [tuple(g) for g in groups], "stats": np.asarray(stats)}
+    stats = np.asarray(stats, dtype=np.float64)
+    return {"uids": [str(u) for u in uids], "groups": [tuple(g) for g in groups], "stats": stats}
+
+
+def check_record(record: Any) -> None:
+    """Refuse (ValueError) what is not a prompt record: ids, name groups and a ``(5, ids, groups)``
+    float array (a record arrives from the wire; the aggregator must not fail on it later)."""
+    try:
+        uids, groups, stats = record["uids"], record["groups"], record["stats"]
+        ok = (
+            isinstance(stats, np.ndarray)
+            and stats.dtype == np.float64
+            and stats.shape == (5, len(uids), len(groups))
+            and all(isinstance(u, str) for u in uids)
+            and all(isinstance(g, tuple) and g and all(isinstance(n, str) for n in g) for g in groups)
+        )
+    except (TypeError, KeyError) as exc:
+        raise ValueError(f"not a prompt record ({type(exc).__name__}: {exc})") from None
+    if not ok:
+        raise ValueError("not a prompt record: ids, name groups and a (5, ids, groups) float64 array")
 
 
 def difficulty_metrics(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
@@ -103,4 +122,4 @@ def _column_of(groups: list[tuple[str, ...]], name: str) -> int:
     return next(i for i, g in enumerate(groups) if name in g)
 
 
-__all__ = ["CLASSES", "TAG", "difficulty_metrics", "prompt_record"]
+__all__ = ["CLASSES", "TAG", "check_record", "difficulty_metrics", "prompt_record"]
