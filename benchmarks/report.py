@@ -30,6 +30,26 @@ def timed(fn: Callable[[], Any], reps: int) -> tuple[list[float], Any]:
     return times, out
 
 
+def interleaved(fns: Sequence[Callable[[], Any]], reps: int) -> list[list[float]]:
+    """Seconds of ``reps`` rounds that call each of ``fns`` once in turn, after one warm-up call of
+    each, the garbage collector paused: ``times[i][k]`` is ``fns[i]`` in round ``k``. Calls of one
+    round are neighbours, so their ratio is robust to a machine whose load changes."""
+    for fn in fns:
+        fn()
+    gc.collect()
+    gc.disable()
+    times: list[list[float]] = [[] for _ in fns]
+    try:
+        for _ in range(reps):
+            for fn, out in zip(fns, times):
+                t0 = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - t0)
+    finally:
+        gc.enable()
+    return times
+
+
 def parser(doc: str, quick_help: str) -> argparse.ArgumentParser:
     """``--quick`` (a smoke run) and ``--markdown PATH`` (also write the report there)."""
     out = argparse.ArgumentParser(description=doc.splitlines()[0])

@@ -55,6 +55,10 @@ class Rank:
         pace = random.Random(seed)
         return [self.step(s, pace.random() * 0.02, read) for s in range(steps)]
 
+    def grouped(self, metrics, group_by):
+        self.client.submit_metric(metrics, group_by=group_by)
+        self.client.wait_submit()
+
     def flush(self):
         self.client.flush()
 
@@ -121,6 +125,30 @@ def test_eight_ranks_without_a_barrier_steps_exact_and_unmixed(name):
     for step, res in enumerate(out[0]):
         assert res.step == step
         check_step(res, step, range(world))
+
+
+def test_group_breakdowns_spread_unevenly_over_ranks_equal_the_concatenation(name):
+    """Group "a" on ranks 0 and 1, "b" on ranks 0 and 2, "c" on rank 2 only: each group's numbers are
+    numpy's on its values of all ranks, and the groups a rank lacks do not hold the step."""
+    rng = np.random.default_rng(7)
+    labels = [["a", "b", "a", "a"], ["a"] * 6, ["c", "b", "c"]]
+    values = [rng.normal(size=len(lab)) for lab in labels]
+    ranks = [Rank.remote(r, 3, name) for r in range(3)]
+    ray.get(
+        [
+            rank.grouped.remote({"score/mean": v, "score/min": v, "score/std": v}, {"source": np.array(lab)})
+            for rank, v, lab in zip(ranks, values, labels)
+        ]
+    )
+    res = rlmetrics.connect("ray", name=name).result(0, timeout=30)
+    assert res.meta.complete, res.meta
+    allv, alll = np.concatenate(values), np.concatenate(labels)
+    for group in "abc":
+        x = allv[alll == group]
+        assert res[f"group/source/{group}/score/mean"] == pytest.approx(x.mean(), rel=1e-12)
+        assert res[f"group/source/{group}/score/min"] == x.min()
+        assert res[f"group/source/{group}/score/std"] == pytest.approx(x.std(), rel=1e-12)
+    assert res["score/mean"] == pytest.approx(allv.mean(), rel=1e-12)
 
 
 def test_one_rpc_per_step_per_client(name):
@@ -409,6 +437,25 @@ def test_validation_records_travel_and_merge_in_rank_order(name):
         )
         clients[r].wait_submit()
     assert clients[0].result(0, timeout=30) == process_validation_metrics(sources, prompts, infos)
+
+
+def test_difficulty_groups_travel_and_decide_on_every_rank_s_samples(name):
+    """Data breakdowns and prompt records of three clients through the Ray aggregator: a prompt whose
+    samples sit on two ranks is classified once, on all of them."""
+    from tests.test_groups import SOURCES, check_difficulty, grpo_batches
+
+    batches = grpo_batches(11)
+    for b in batches:
+        b["data_source"] = np.array([SOURCES[i % 3] for i in range(len(b["uid"]))], dtype=object)
+    worker = rlmetrics.get_metric_worker(name=name)
+    clients = [rlmetrics.MetricClient(worker, label=f"rank{r}", world_size=3) for r in range(3)]
+    for client, batch in zip(clients, batches):
+        client.compute_local_data_metric(batch, group_by="data_source", difficulty=True)
+        client.wait_submit()
+    result = clients[0].result(0, timeout=30)
+    assert result.meta.complete, result.meta
+    check_difficulty(result, batches)
+    assert "group/data_source/math/critic/rewards/mean" in result
 
 
 AFTER_SHUTDOWN = """

@@ -74,6 +74,15 @@ def validation_split():
     return whole, [tuple(cut(v, a, b) for v in whole) for a, b in zip(bounds, bounds[1:])]
 
 
+def group_batch(rank: int, step: int) -> tuple[np.ndarray, list[str], np.ndarray, list[str]]:
+    """Values with a source label (source "c" on rank 2 only, rank 1 without "b") and a GRPO batch's
+    sequence rewards with prompt ids (prompt "q" on ranks 0 and 3: all its samples decide it)."""
+    rng = np.random.default_rng(500 + 10 * step + rank)
+    sources = [["a", "b", "a"], ["a"] * 5, ["c", "b"], ["b"] * 4][rank]
+    rewards, uids = [([1.0, 1.0], ["p", "q"]), ([0.0], ["r"]), ([1.0, 0.0], ["s", "s"]), ([0.0], ["q"])][rank]
+    return rng.normal(size=len(sources)), sources, np.array(rewards), uids
+
+
 def drop_batch(rank: int, step: int) -> np.ndarray:
     x = np.random.default_rng(77 + 10 * step + rank).normal(size=4 + 3 * rank)
     x[rank % len(x)] = [np.nan, np.inf, -np.inf, np.nan][rank]
@@ -141,6 +150,27 @@ def _drop_scenario(rank: int, exchange: str) -> dict:
     for step in range(2):
         x = drop_batch(rank, step)
         client.submit_metric({"d/mean": x, "d/max": x, "d/min": x, "d/std": x, "d/p50": x, "d/n/sum": [1.0]})
+        client.wait_submit()
+        out[step] = client.result(step)
+    return out
+
+
+def _groups_scenario(rank: int) -> dict:
+    import torch
+
+    import rlmetrics
+
+    client = rlmetrics.connect("torch")
+    out = {}
+    for step in range(2):
+        x, sources, rewards, uids = group_batch(rank, step)
+        client.submit_metric({"g/mean": x, "g/max": x, "g/std": x}, group_by={"src": sources})
+        n = len(uids)
+        token_rewards = torch.zeros(n, 2, dtype=torch.float64)
+        token_rewards[:, 1] = torch.as_tensor(rewards)
+        grpo = {"responses": torch.zeros(n, 2), "attention_mask": torch.ones(n, 3, dtype=torch.long)}
+        grpo.update(token_level_rewards=token_rewards, uid=np.array(uids, dtype=object))
+        client.compute_local_data_metric(grpo, difficulty=True)
         client.wait_submit()
         out[step] = client.result(step)
     return out
@@ -224,6 +254,7 @@ def _worker(rank: int, out_dir: str) -> None:
         out = {
             "main": {e: _main_scenario(rank, e) for e in EXCHANGES},
             "drop": {e: _drop_scenario(rank, e) for e in EXCHANGES},
+            "groups": _groups_scenario(rank),
             "result_on": _result_on_scenario(rank),
             "failure": _failure_scenario(rank),
             "subgroup": _subgroup_scenario(rank),
@@ -413,6 +444,26 @@ def test_a_subgroup_merges_its_own_ranks_only(ranks):
             assert set(got) == set(exp)
             assert all(same(got[k], float(v), 1e-12) for k, v in exp.items()), (got, exp)
     assert ranks[0]["subgroup"] == {}
+
+
+def test_group_breakdowns_and_difficulty_groups_equal_the_concatenation(ranks):
+    for step in range(2):
+        data = [group_batch(r, step) for r in range(WORLD)]
+        x = np.concatenate([d[0] for d in data])
+        src = np.concatenate([d[1] for d in data])
+        for rank in ranks:
+            res = rank["groups"][step]
+            assert res.meta.complete
+            for group in "abc":
+                v = x[src == group]
+                assert res[f"group/src/{group}/g/mean"] == pytest.approx(v.mean(), rel=1e-12)
+                assert res[f"group/src/{group}/g/max"] == v.max()
+                assert res[f"group/src/{group}/g/std"] == pytest.approx(v.std(), rel=1e-9)
+            # prompts p (1), q (1 on rank 0, 0 on rank 3: mixed), r (0), s (1 and 0: mixed)
+            assert res["difficulty/prompts"] == 4
+            assert (res["difficulty/all_correct_ratio"], res["difficulty/all_wrong_ratio"]) == (0.25, 0.25)
+            assert (res["difficulty/mixed_ratio"], res["difficulty/zero_reward_std_ratio"]) == (0.5, 0.5)
+            assert res["group/difficulty/mixed/critic/rewards/mean"] == 0.5
 
 
 def test_result_on_rank_zero_only(ranks):

@@ -23,6 +23,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
+from rlmetrics.groups import Labels, grouped_values, split_grouped
 from rlmetrics.messages import StepResult
 from rlmetrics.packing import MAX_WORLD_SIZE, Packed, pack
 from rlmetrics.server import Submission
@@ -161,13 +162,25 @@ class ClientCore:
         self.world_size = int(world_size)
 
     def submit_metric(
-        self, metrics: Mapping[str, Any], world_size: int | None = None, step: int | None = None
+        self,
+        metrics: Mapping[str, Any],
+        world_size: int | None = None,
+        step: int | None = None,
+        *,
+        group_by: Mapping[str, Any] | None = None,
     ) -> None:
         """Summarize ``metrics`` and queue them for ``step`` (default: the current step).
 
         Returns at once; nothing is sent before :meth:`wait_submit`. A value that cannot be
         summarized raises :class:`~rlmetrics.stat.MetricValueError` naming it, after the other
         metrics of the call were queued.
+
+        ``group_by``: ``{tag: labels}``, one label per sample; each per-sample value (a 1-D list,
+        array or tensor, or a ``(values, weights)`` pair) is also submitted per group, as
+        ``group/<tag>/<label>/<name>`` (:func:`rlmetrics.groups.grouped_values`). A rank sends only
+        the groups it has, so grouped names (these, and any name starting with ``group/``) expect
+        one contribution: their step completes when every registered rank closed it and the names
+        without group have all theirs (``docs/groups.md``).
         """
         ws = self.world_size if world_size is None else world_size
         if ws is None:
@@ -181,6 +194,20 @@ class ClientCore:
                 f"metrics must be a mapping of name to value, got {type(metrics).__name__}"
             )
         errors: dict[str, str] = {}
+        plain, grouped = split_grouped(metrics)
+        if group_by is not None:
+            if not isinstance(group_by, Mapping):
+                raise TypeError(f"group_by must map a tag to its labels, got {type(group_by).__name__}")
+            labels = [Labels.of(tag, labels) for tag, labels in group_by.items()]
+            grouped.update(grouped_values(metrics, labels, errors))
+        self._queue(plain, ws, step, errors)
+        if grouped:
+            self._queue(grouped, 1, step, errors)
+        if errors:
+            raise MetricValueError("; ".join(errors.values()))
+
+    def _queue(self, metrics: Mapping[str, Any], ws: int, step: int, errors: dict[str, str]) -> None:
+        """Pack ``metrics`` and queue them; messages about refused names go to ``errors``."""
         reductions = None
         if self.naming is not None:
             metrics, reductions = self.naming.prepare(metrics)
@@ -190,8 +217,6 @@ class ClientCore:
         with self._lock:
             if packed.schema.names:
                 self._buffer.append((step, self._next_seq(), ws, packed))
-        if errors:
-            raise MetricValueError("; ".join(errors.values()))
 
     # ------------------------------------------------------------------------------ sending
     def _flush(self, close: list[int]) -> None:

@@ -42,24 +42,40 @@ class ComputeLocal:
         step: int | None = None,
         *,
         torch_compile: bool = False,
+        group_by: Any = None,
+        difficulty: bool | str = False,
     ) -> None:
         """Compute the seed's data metrics of this rank's batch (plus every function added with
         :func:`~rlmetrics.metrics.custom.register_metric`) and submit them as mergeable Stats, so
         token- and sequence-weighted global values are exact. ``data``: a mapping, a TensorDict or a
         verl ``DataProto`` (:mod:`rlmetrics.metrics.batch`). ``DEBUG_METRICS=1`` logs them.
-        ``torch_compile``: see :func:`~rlmetrics.metrics.data.compute_data_stats`."""
+        ``torch_compile``, ``group_by`` (e.g. ``"data_source"``: the data metrics of each data
+        source too): see :func:`~rlmetrics.metrics.data.compute_data_stats`; grouped names expect
+        one contribution (:meth:`submit_metric`). ``difficulty`` (``True``: prompt
+        ids in the ``uid`` key, verl's; or the key): the difficulty groups of GRPO, decided on each
+        prompt's samples of all ranks (this rank sends its per-prompt summaries,
+        :mod:`rlmetrics.metrics.difficulty`)."""
         from rlmetrics.metrics.batch import as_batch
         from rlmetrics.metrics.custom import debug_enabled, debug_report, run_custom_metrics
-        from rlmetrics.metrics.data import compute_data_stats
+        from rlmetrics.metrics.data import data_stats_and_prompts
 
         batch = as_batch(data, "compute_local_data_metric")
-        metrics: dict[str, Any] = dict(
-            compute_data_stats(batch, torch_compile=torch_compile, nan_strategy=self._compute_strategy())
+        stats, prompts = data_stats_and_prompts(
+            batch,
+            torch_compile=torch_compile,
+            nan_strategy=self._compute_strategy(),
+            group_by=group_by,
+            difficulty=difficulty,
         )
+        metrics: dict[str, Any] = dict(stats)
         metrics.update(run_custom_metrics(data))
         if debug_enabled():
             debug_report(batch, metrics)
         self.submit_metric(metrics, world_size, step)
+        if prompts is not None:
+            from rlmetrics.states import PROMPT_STATS, PromptStats
+
+            self._submit_state(PROMPT_STATS, PromptStats([(self.client_id, prompts)]), world_size, step)
 
     def compute_local_timing_metrics(
         self,
@@ -120,18 +136,26 @@ class ComputeLocal:
         from rlmetrics.metrics.validation import encode_samples
         from rlmetrics.states import VALIDATION_SAMPLES, Samples
 
-        ws = self.world_size if world_size is None else world_size
-        if ws is None:
-            raise ValueError("process_local_validation_metrics needs world_size")
         record = encode_samples(
             data_sources, sample_inputs, infos_dict, sample_turns, exact=exact,
             nan_strategy=self.nan_strategy, **record_options,
         )  # fmt: skip
-        packed = pack({VALIDATION_SAMPLES: float(record.n_samples)})
         with self._lock:
-            seq = self._next_seq()
-            packed.states[0] = Samples([(self._rank_key(record, seq), record)])
-            self.submit_packed(packed, int(ws), self.step if step is None else int(step), seq)
+            seq = self._seq  # the next seq: the one _submit_state takes
+            state = Samples([(self._rank_key(record, seq), record)])
+            self._submit_state(VALIDATION_SAMPLES, state, world_size, step, float(record.n_samples))
+
+    def _submit_state(
+        self, name: str, state: Any, world_size: int | None, step: int | None, value: float | None = None
+    ) -> None:
+        """Queue ``state`` on the column ``name`` (its value: ``value``, else the state's records)."""
+        ws = self.world_size if world_size is None else world_size
+        if ws is None:
+            raise ValueError(f"{name}: needs world_size (or a client created with world_size=...)")
+        packed = pack({name: float(len(state.records)) if value is None else value})
+        packed.states[0] = state
+        with self._lock:
+            self.submit_packed(packed, int(ws), self.step if step is None else int(step), self._next_seq())
 
     def _rank_key(self, record: SampleRecord, seq: int) -> tuple[int, int, int, str]:
         """Where a record goes in the merged order: ``(0, rank, seq, digest)`` for a client with a

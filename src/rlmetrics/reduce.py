@@ -11,6 +11,8 @@ registry → tokens of the name → ``MEAN``. Tokens: the last path segment is s
 ``median``, ``std``, ``pNN``/``pNN.N`` → percentile decide (the last such token of the segment); a
 segment without one passes to the segment before it. Built in: ``graph_output_handling`` → max (the
 seed's special metric) and ``val/test_score/*`` → mean (its last segment is a data source name).
+A grouped name (``group/<tag>/<value>/<metric>``, :mod:`rlmetrics.groups`) not in the registry itself
+resolves as its metric.
 
 >>> [resolve(n).name for n in ("critic/score/max", "actor/minibatch_loss", "perf/total_num_tokens",
 ...                            "custom/latency/p95", "val-core/minerva_math/acc/mean@16")]
@@ -31,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from rlmetrics.groups import GROUP_PREFIX, split_group_name
 from rlmetrics.sketch import Sketch
 from rlmetrics.stat import Stat
 
@@ -204,9 +207,16 @@ def _from_tokens(segment: str) -> Reduction | None:
 
 
 def resolve(name: str) -> Reduction:
-    """The reduction for a metric name (see the module docstring for the rules)."""
+    """The reduction for a metric name (see the module docstring for the rules).
+
+    >>> resolve("group/data_source/max_problems/actor/minibatch_loss").name
+    'mean'
+    """
     found = SPECIAL_METRICS.get(name)
-    return found if found is not None else _resolve_by_rules(name)
+    if found is not None:
+        return found
+    grouped = split_group_name(name) if name.startswith(GROUP_PREFIX) else None
+    return _resolve_by_rules(name) if grouped is None else resolve(grouped[1])
 
 
 @functools.lru_cache(maxsize=65536)

@@ -94,6 +94,26 @@ def reduce_parts(parts: np.ndarray) -> np.ndarray:
     return np.stack([n, s, m2, parts[3].min(axis=0), parts[4].max(axis=0)])
 
 
+def reduce_runs(parts: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Merge runs of consecutive parts: ``parts`` stacked field-major ``(5, k, M)``, run ``i`` from
+    ``starts[i]`` to the next start (runs are not empty); ``(5, len(starts), M)``, each run as
+    :func:`reduce_parts` merges it (group breakdowns merge each group's sequences at once).
+
+    >>> parts = np.stack([Stat.of(p).to_array()[:, None] for p in ([1.0, 2.0], [3.0], [4.0, 5.0])], axis=1)
+    >>> reduce_runs(parts, np.array([0, 1]))[:, :, 0].T.tolist()
+    [[2.0, 3.0, 0.5, 1.0, 2.0], [3.0, 12.0, 2.0, 3.0, 5.0]]
+    """
+    counts, sums = parts[0], parts[1]
+    n = np.add.reduceat(counts, starts, axis=0)
+    s = np.add.reduceat(sums, starts, axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.divide(s, n, out=np.zeros_like(s), where=n > 0)
+    lengths = np.diff(np.append(starts, counts.shape[0]))
+    m2 = np.add.reduceat(parts[2] + spread(counts, sums, np.repeat(mean, lengths, axis=0)), starts, axis=0)
+    lo, hi = np.minimum.reduceat(parts[3], starts, axis=0), np.maximum.reduceat(parts[4], starts, axis=0)
+    return np.stack([n, s, m2, lo, hi])
+
+
 def spread(counts: np.ndarray, sums: np.ndarray, mean: np.ndarray) -> np.ndarray:
     """What parts add to the merged M2 beyond their own M2: ``count * (part mean - mean) ** 2``.
 
@@ -383,5 +403,5 @@ def _caught(fn: Callable[..., Stat], **options: Any) -> Callable[..., Stat | Met
 
 __all__ = [
     "FIELDS", "NAN_STRATEGIES", "MetricValueError", "Stat", "check_tensor", "empty_arrays", "is_dataless",
-    "merge_arrays", "reduce_parts", "scalar_value", "spread", "stats_of_rows", "to_host",
+    "merge_arrays", "reduce_parts", "reduce_runs", "scalar_value", "spread", "stats_of_rows", "to_host",
 ]  # fmt: skip

@@ -12,7 +12,8 @@ Every state implements one small protocol, :class:`State`:
 :class:`~rlmetrics.stat.Stat` (count, sum, M2, min, max) is every column's state and the fast path:
 a contribution carries all of them as one ``(5, M)`` float64 array, merged as matrices. The other
 states ride on a column of a contribution (``Packed.states``): a :class:`~rlmetrics.sketch.Sketch`
-on a name whose reduction reads quantiles, :class:`Samples` on :data:`VALIDATION_SAMPLES`.
+on a name whose reduction reads quantiles, :class:`Samples` on :data:`VALIDATION_SAMPLES`,
+:class:`PromptStats` on :data:`PROMPT_STATS`.
 
 >>> from rlmetrics.reduce import resolve
 >>> a, b = Sketch.of([1.0, 2.0]), Sketch.of([3.0, 4.0, 5.0])
@@ -29,6 +30,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import numpy as np
 
 from rlmetrics.metrics import AUX_PREFIX, validation_metrics
+from rlmetrics.metrics.difficulty import check_record, difficulty_metrics
 from rlmetrics.metrics.validation.records import SampleRecord
 from rlmetrics.reduce import Reduction
 from rlmetrics.sketch import Sketch
@@ -36,6 +38,8 @@ from rlmetrics.stat import Stat
 
 VALIDATION_SAMPLES = AUX_PREFIX + "validation/samples/total"
 """The column validation samples ride on (its value: how many samples a contribution holds)."""
+PROMPT_STATS = AUX_PREFIX + "difficulty/prompts/total"
+"""The column prompt records ride on (its value: how many prompts a contribution holds)."""
 
 
 @runtime_checkable
@@ -74,7 +78,7 @@ class Samples:
         self.records = list(records)
 
     def merge(self, other: Samples) -> Samples:
-        return Samples(self.records + other.records)
+        return type(self)(self.records + other.records)
 
     def to_array(self) -> np.ndarray:
         arr = np.empty(len(self.records), dtype=object)
@@ -96,7 +100,27 @@ class Samples:
         return validation_metrics(self.records)
 
 
-KINDS: dict[str, Any] = {Sketch.kind: Sketch, Samples.kind: Samples}
+class PromptStats(Samples):
+    """Per-prompt summaries of one or more ranks' data metrics: ``(client id, prompt record)`` pairs
+    (:func:`~rlmetrics.metrics.difficulty.prompt_record`), travelling and merging as
+    :class:`Samples`; reducing merges each prompt's records of all ranks and gives the difficulty
+    groups (:func:`~rlmetrics.metrics.difficulty.difficulty_metrics`)."""
+
+    kind: ClassVar[str] = "prompts"
+
+    @classmethod
+    def from_array(cls, arr: np.ndarray) -> PromptStats:
+        """Inverse of :meth:`to_array`; ValueError unless every record is a prompt record."""
+        state = super().from_array(arr)
+        for _, record in state.records:
+            check_record(record)
+        return state
+
+    def reduce(self, name: str, reduction: Reduction | None, stat: Stat) -> dict[str, float]:
+        return difficulty_metrics([record for _, record in self.records])
+
+
+KINDS: dict[str, Any] = {Sketch.kind: Sketch, Samples.kind: Samples, PromptStats.kind: PromptStats}
 """Every state kind by its wire name."""
 
 

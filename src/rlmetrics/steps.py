@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rlmetrics.columns import ColumnIndex
-from rlmetrics.metrics import AUX_PREFIX, derive_metrics
+from rlmetrics.metrics import derive_metrics, is_aux
 from rlmetrics.reduce import Reduction, parse_reduction
 from rlmetrics.stat import Stat, empty_arrays, merge_arrays, reduce_parts, stats_of_rows
 from rlmetrics.states import State
@@ -142,7 +142,7 @@ def layout_of(st: Step, columns: ColumnIndex) -> Layout:
         out_names=[columns.out_names[c] for c in cols.tolist()],
         plain=[(r, idx) for r, idx in reductions if not r.needs_sketch],
         quantiles=[i for r, idx in reductions if r.needs_sketch for i in idx.tolist()],
-        derived=any(columns.names[c].startswith(AUX_PREFIX) for c in cols.tolist()),
+        derived=any(is_aux(columns.names[c]) for c in cols.tolist()),
     )
 
 

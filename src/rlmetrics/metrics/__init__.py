@@ -30,6 +30,8 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from rlmetrics.groups import GROUP_PREFIX, split_group_name
+
 AUX_PREFIX = "_aux/"
 """Names under this prefix carry the ingredients of derived metrics; they are not reported."""
 
@@ -147,13 +149,56 @@ def validation_metrics(records: list) -> dict[str, float]:
 
 
 def derive_metrics(values: Mapping[str, float]) -> dict[str, float]:
-    """The reported metrics of a merged result: derived metrics computed, auxiliary names dropped."""
-    out = {name: v for name, v in values.items() if not name.startswith(AUX_PREFIX)}
-    for name, fn in DERIVED_METRICS.items():
-        v = fn(values)
-        if v is not None:
+    """The reported metrics of a merged result: derived metrics computed, auxiliary names dropped;
+    for each group of grouped names (:mod:`rlmetrics.groups`) from that group's names.
+
+    >>> a = "group/src/a/"
+    >>> derived = derive_metrics({a + VF_TOKENS: 11.0, a + VF_RETURNS_STD: 1.0, a + VF_RESIDUAL_STD: 0.5})
+    >>> list(derived), round(derived[a + "critic/vf_explained_var"], 4)
+    (['group/src/a/critic/vf_explained_var'], 0.75)
+    """
+    out: dict[str, float] = {}
+    prefixes: dict[str, None] = {}  # groups with ingredients ("": no group), in order
+    for name, v in values.items():
+        if AUX_PREFIX in name and is_aux(name):
+            grouped = split_group_name(name) if name.startswith(GROUP_PREFIX) else None
+            prefixes[grouped[0] if grouped else ""] = None
+        else:
             out[name] = v
+    for prefix in prefixes:
+        group = _Group(values, prefix)
+        for name, fn in DERIVED_METRICS.items():
+            v = fn(group)
+            if v is not None:
+                out[prefix + name] = v
     return out
+
+
+class _Group(Mapping):
+    """The names of one group of a result, without the group's prefix (a view)."""
+
+    def __init__(self, values: Mapping[str, float], prefix: str) -> None:
+        self._values, self._prefix = values, prefix
+
+    def __getitem__(self, name: str) -> float:
+        return self._values[self._prefix + name]
+
+    def __iter__(self) -> Any:
+        n = len(self._prefix)
+        return (name[n:] for name in self._values if name.startswith(self._prefix))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def is_aux(name: str) -> bool:
+    """Whether ``name`` carries an ingredient of a derived metric (also in a group).
+
+    >>> is_aux(VF_TOKENS), is_aux("group/src/a/" + VF_TOKENS), is_aux("critic/score/mean")
+    (True, True, False)
+    """
+    grouped = split_group_name(name) if name.startswith(GROUP_PREFIX) else None
+    return (name if grouped is None else grouped[1]).startswith(AUX_PREFIX)
 
 
 _LAZY = {
@@ -176,6 +221,6 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AUX_PREFIX", "DERIVED_METRICS", "THROUGHPUT_GPUS", "THROUGHPUT_GPU_SECONDS", "THROUGHPUT_SECONDS",
     "THROUGHPUT_TOKENS", "TIMED_STAGES", "VF_EPS", "VF_RESIDUAL_STD", "VF_RETURNS_STD", "VF_TOKENS",
-    "VP_SEQUENCES", "derive_metrics", "throughput", "timing_aux", "validation_metrics",
+    "VP_SEQUENCES", "derive_metrics", "is_aux", "throughput", "timing_aux", "validation_metrics",
     "variance_proxy_noise", "vf_explained_var", *sorted(_LAZY),
 ]  # fmt: skip

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rlmetrics.groups import split_group_name
 from rlmetrics.metrics import (
-    AUX_PREFIX,
     THROUGHPUT_GPU_SECONDS,
     THROUGHPUT_TOKENS,
     TIMED_STAGES,
@@ -18,6 +18,7 @@ from rlmetrics.metrics import (
     VF_TOKENS,
     VP_SEQUENCES,
     derive_metrics,
+    is_aux,
     timing_aux,
 )
 from rlmetrics.metrics.validation import encode_samples, samples_by_source
@@ -59,18 +60,20 @@ class Value(float):
         return float.__repr__(self)
 
 
-def compute_data_metrics(batch: Any, use_critic: bool = True) -> dict[str, Value]:
+def compute_data_metrics(batch: Any, use_critic: bool = True, *, group_by: Any = None) -> dict[str, Value]:
     """verl's ``compute_data_metrics``: ``critic/score|rewards/*`` of the responses that are not empty,
     ``critic/advantages|returns/*`` (and with ``use_critic`` ``critic/values/*`` and
     ``critic/vf_explained_var``) over ``response_mask`` tokens, ``response_length/*``,
     ``response_length_non_aborted/*``, ``response/aborted_ratio``, ``prompt_length/*`` (lengths from
     ``attention_mask``), ``num_turns/*`` and ``tool_call_counts/*``. NaN where verl reports NaN (no
     token, no response that is not empty); a key the batch lacks skips its metrics (verl raises).
-    See :func:`rlmetrics.metrics.data.compute_verl_data_stats`.
+    See :func:`rlmetrics.metrics.data.compute_verl_data_stats`. ``group_by`` (an rlmetrics extension,
+    e.g. ``"data_source"``): every metric also per group, as ``group/<tag>/<value>/<metric>``
+    (``docs/groups.md``).
     """
     from rlmetrics.metrics.data import column_values, verl_data_arrays
 
-    names, arrays = verl_data_arrays(batch, use_critic=use_critic)
+    names, arrays = verl_data_arrays(batch, use_critic=use_critic, group_by=group_by)
     stats = {name: Stat(*column) for name, column in zip(names, arrays.T.tolist())}
     return values_of(stats, dict(zip(names, column_values(names, arrays).tolist())))
 
@@ -175,15 +178,16 @@ def values_of(stats: Mapping[str, Stat], plain: Mapping[str, float] | None = Non
     derived = derive_metrics({name: v for name, v in plain.items() if stats[name].count > 0})
     out = {}
     for name, stat in stats.items():
-        if name.startswith(AUX_PREFIX):
+        if is_aux(name):
             continue
-        aux = {a: stats[a] for a in _DERIVED_AUX.get(name, ()) if a in stats}
+        prefix, metric = split_group_name(name) or ("", name)  # a group's ingredients are its own
+        aux = {prefix + a: stats[prefix + a] for a in _DERIVED_AUX.get(metric, ()) if prefix + a in stats}
         out[name] = Value(derived.get(name, plain[name]), stat, aux)
     return out
 
 
 def _reduction(name: str) -> Reduction:
-    return VERL_REDUCTIONS.get(name) or resolve(name)
+    return VERL_REDUCTIONS.get((split_group_name(name) or ("", name))[1]) or resolve(name)
 
 
 __all__ = [

@@ -54,15 +54,16 @@ from typing import Any
 import numpy as np
 import psutil
 
+from rlmetrics.groups import GroupBy
+from rlmetrics.metrics import is_aux
+from rlmetrics.metrics.data.grouped import Breakdowns
 from rlmetrics.metrics.data.sequences import (
     CORRECT_THRESHOLD,
-    VF_AUX,
     column_values,
     fetch,
     metrics_of_arrays,
-    sequence_summaries,
+    sequence_parts,
     sequence_tensors,
-    with_token_block,
 )
 from rlmetrics.metrics.data.tokens import TokenSummaries
 from rlmetrics.metrics.data.verl_style import (
@@ -71,6 +72,7 @@ from rlmetrics.metrics.data.verl_style import (
     verl_data_arrays,
     verl_lengths,
 )
+from rlmetrics.metrics.difficulty import difficulty_metrics
 from rlmetrics.metrics.tensors import Batch, BatchTensors
 from rlmetrics.stat import Stat
 from rlmetrics.summary import NAN_STRATEGIES
@@ -78,7 +80,12 @@ from rlmetrics.summary import NAN_STRATEGIES
 
 # ----------------------------------------------------------------------------------------- public
 def compute_data_stats(
-    batch: Batch, *, aux: bool = True, torch_compile: bool = False, nan_strategy: str = "propagate"
+    batch: Batch,
+    *,
+    aux: bool = True,
+    torch_compile: bool = False,
+    nan_strategy: str = "propagate",
+    group_by: GroupBy = None,
 ) -> dict[str, Stat]:
     """One mergeable :class:`Stat` per data metric of ``batch`` (see the module docstring).
 
@@ -90,6 +97,10 @@ def compute_data_stats(
     computes the token summaries (advantages, returns, values) with ``torch.compile``: fused kernels,
     about 2.5x faster for them on this CPU, after a first call that compiles for 10-30 s (a C++
     compiler on CPU, Triton on GPU; where compiling fails, a warning and the eager path).
+    ``group_by``: per-sample tags (a batch key such as ``"data_source"``, a named function of the
+    batch, a list of them or ``{tag: key or function}``); every per-sample metric is also given per
+    group, as ``group/<tag>/<value>/<metric>`` (:mod:`rlmetrics.metrics.data.grouped`,
+    ``docs/groups.md``).
 
     >>> import torch
     >>> attention_mask = torch.tensor([[1, 1, 1, 1, 0], [0, 1, 1, 1, 1]])  # prompt 2, response 3
@@ -100,19 +111,43 @@ def compute_data_stats(
     >>> (s.count, s.mean, stats["response/length/mean"].count)
     (5.0, 3.0, 2.0)
     """
-    names, arrays = _data_arrays(batch, torch_compile, nan_strategy)
+    return data_stats_and_prompts(
+        batch, aux=aux, torch_compile=torch_compile, nan_strategy=nan_strategy, group_by=group_by
+    )[0]
+
+
+def data_stats_and_prompts(
+    batch: Batch,
+    *,
+    aux: bool = True,
+    torch_compile: bool = False,
+    nan_strategy: str = "propagate",
+    group_by: GroupBy = None,
+    difficulty: bool | str = False,
+) -> tuple[dict[str, Stat], dict[str, Any] | None]:
+    """:func:`compute_data_stats` and, with ``difficulty`` (the batch key of each sample's prompt
+    id: ``True`` for ``"uid"``, verl's), the batch's prompt record of the difficulty groups
+    (:func:`~rlmetrics.metrics.difficulty.prompt_record`; None without), from one transfer."""
+    names, arrays, record = _data_arrays(batch, torch_compile, nan_strategy, group_by, difficulty)
     stats = {name: Stat(*column) for name, column in zip(names, arrays.T.tolist())}
     if not aux:
-        for name in VF_AUX:
+        for name in [n for n in stats if is_aux(n)]:
             stats.pop(name, None)
-    return stats
+    return stats, record
 
 
 def compute_data_metric(
-    batch: Batch, *, torch_compile: bool = False, nan_strategy: str = "propagate"
+    batch: Batch,
+    *,
+    torch_compile: bool = False,
+    nan_strategy: str = "propagate",
+    group_by: GroupBy = None,
+    difficulty: bool | str = False,
 ) -> dict[str, float]:
-    """The seed's data metrics of ``batch`` as ``{name: float}`` (``nan_strategy``: as
-    :func:`compute_data_stats`).
+    """The seed's data metrics of ``batch`` as ``{name: float}`` (``nan_strategy``, ``group_by``: as
+    :func:`compute_data_stats`); ``difficulty``: also the difficulty groups of GRPO
+    (:mod:`rlmetrics.metrics.difficulty`), ``True`` reading prompt ids from the ``uid`` key (verl's),
+    a string from that key.
 
     >>> import torch
     >>> attention_mask = torch.tensor([[1, 1, 1, 1, 0], [0, 1, 1, 1, 1]])  # prompt 2, response 3
@@ -124,8 +159,19 @@ def compute_data_metric(
     (2.5, 2.0, 0.5)
     >>> m["critic/rewards/mean"], m["response/correct_length/mean"], m["response/wrong_length/mean"]
     (0.5, 3.0, 2.0)
+    >>> batch["data_source"] = ["gsm8k", "math"]
+    >>> m = compute_data_metric(batch, group_by="data_source")
+    >>> m["group/data_source/gsm8k/response/length/mean"], m["group/data_source/math/critic/rewards/mean"]
+    (2.0, 1.0)
+    >>> batch["uid"] = ["p", "p"]  # one prompt, one of its two samples correct
+    >>> compute_data_metric(batch, difficulty=True)["difficulty/mixed_ratio"]
+    1.0
     """
-    return metrics_of_arrays(*_data_arrays(batch, torch_compile, nan_strategy))
+    names, arrays, record = _data_arrays(batch, torch_compile, nan_strategy, group_by, difficulty)
+    out = metrics_of_arrays(names, arrays)
+    if record is not None:
+        out.update(difficulty_metrics([record]))
+    return out
 
 
 def data_metrics_from_stats(stats: Mapping[str, Stat]) -> dict[str, float]:
@@ -157,21 +203,27 @@ def _process() -> Any:
     return _PROCESSES[pid]
 
 
-def _data_arrays(batch: Batch, torch_compile: bool, nan_strategy: str) -> tuple[list[str], np.ndarray]:
-    """The data metrics' names and their ``(5, K)`` stat array: count, sum, m2, min, max."""
+def _data_arrays(
+    batch: Batch, torch_compile: bool, nan_strategy: str, group_by: GroupBy, difficulty: bool | str
+) -> tuple[list[str], np.ndarray, dict[str, Any] | None]:
+    """The data metrics' names and their ``(5, K)`` stat array: count, sum, m2, min, max (the
+    groups' after the batch's), and the prompt record of the difficulty groups (None without)."""
     if nan_strategy not in NAN_STRATEGIES:
         raise ValueError(f"nan_strategy must be one of {NAN_STRATEGIES}, got {nan_strategy!r}")
     t = BatchTensors(batch)
+    prompts = ("uid" if difficulty is True else difficulty) or None
+    breakdowns = Breakdowns(group_by, t.batch, batch, prompts)
     seq = sequence_tensors(t)
-    tokens = None if t.response_mask is None else TokenSummaries.of(t, t.response_mask, torch_compile)
-    host, block = fetch(seq, tokens)
+    mask = t.response_mask
+    tokens = None if mask is None else TokenSummaries.of(t, mask, torch_compile, rows=bool(breakdowns))
+    host, block, moved = fetch(seq, tokens, breakdowns.tensors)
     if nan_strategy != "propagate" and tokens is not None:
         block = tokens.finite(block, nan_strategy)
-    token_names = [] if tokens is None else tokens.names
-    names, arrays = with_token_block(*sequence_summaries(host, t, nan_strategy), token_names, block)
+    parts = sequence_parts(host, t, nan_strategy)
+    names, arrays, record = breakdowns.assemble(moved, parts, tokens, block, nan_strategy)
     rss_gb = _process().memory_info().rss / 1024**3
     names.append("perf/process_cpu_mem_used_gb")
-    return names, np.concatenate([arrays, np.array([(1.0, rss_gb, 0.0, rss_gb, rss_gb)]).T], axis=1)
+    return names, np.concatenate([arrays, np.array([(1.0, rss_gb, 0.0, rss_gb, rss_gb)]).T], axis=1), record
 
 
 __all__ = [
@@ -182,6 +234,7 @@ __all__ = [
     "column_values",
     "compute_verl_data_stats",
     "data_metrics_from_stats",
+    "data_stats_and_prompts",
     "verl_data_arrays",
     "verl_lengths",
 ]

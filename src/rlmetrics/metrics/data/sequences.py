@@ -9,20 +9,17 @@ host than as device kernels), vectors of one length together.
 
 from __future__ import annotations
 
-import functools
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from rlmetrics.host import HostPlan
-from rlmetrics.metrics import VF_RESIDUAL_STD, VF_RETURNS_STD, VF_TOKENS, derive_metrics, vf_explained_var
+from rlmetrics.metrics.assemble import VF_AUX, column_values, metrics_of_arrays, with_token_block
 from rlmetrics.metrics.batch import key_error
 from rlmetrics.metrics.data.tokens import TokenSummaries, triple
 from rlmetrics.metrics.tensors import BatchTensors, floating
-from rlmetrics.reduce import resolve
-from rlmetrics.stat import Stat, empty_arrays
+from rlmetrics.stat import empty_arrays
 from rlmetrics.summary import nonfinite, summarize
 from rlmetrics.values import MetricValueError
 
@@ -37,8 +34,6 @@ SEQUENCE_METRICS = (  # batch key (the response / prompt mask: its lengths) and 
     ("__num_turns__", "num_turns"),
     ("tool_call_counts", "tool_call_counts"),
 )
-
-VF_AUX = (VF_RETURNS_STD, VF_RESIDUAL_STD, VF_TOKENS)
 
 Part = tuple[tuple[str, ...], np.ndarray, Any]  # names, values, which to keep (None: all)
 
@@ -75,22 +70,26 @@ def add_counts(t: BatchTensors, seq: dict[str, Any]) -> None:
             seq[key] = x
 
 
-def fetch(seq: Mapping[str, Any], tokens: TokenSummaries | None) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """The per-sequence vectors as host arrays and the ``(5, K)`` token block, moved in one copy."""
+def fetch(
+    seq: Mapping[str, Any], tokens: TokenSummaries | None, extra: Sequence[Any] = ()
+) -> tuple[dict[str, np.ndarray], np.ndarray, list[np.ndarray]]:
+    """The per-sequence vectors as host arrays, the token block as a ``(5, K)`` host array (``(5,
+    K * B)`` for per-sequence token summaries) and the ``extra`` tensors as host arrays (group
+    labels), moved in one copy."""
     plan = HostPlan()
     plan.add(list(seq.values()), lambda *arrays: dict(zip(seq, arrays)))
+    plan.add(list(extra), lambda *arrays: list(arrays))
     if tokens is not None:
         plan.add([tokens.block], lambda block: block.reshape(5, -1))
-    host, *block = plan.run()
-    return host, block[0] if block else empty_arrays(0)
+    host, extra_host, *block = plan.run()
+    return host, block[0] if block else empty_arrays(0), extra_host
 
 
 # -------------------------------------------------------------------------------- on the host
-def sequence_summaries(
-    seq: Mapping[str, np.ndarray], t: BatchTensors, nan_strategy: str
-) -> tuple[list[tuple[str, ...]], np.ndarray]:
-    """The per-sequence metrics' name groups and ``(5, K)`` summaries, from the sequence vectors on
-    the host (:func:`sequence_tensors`); non-finite values as ``nan_strategy`` says."""
+def sequence_parts(seq: Mapping[str, np.ndarray], t: BatchTensors, nan_strategy: str) -> list[Part]:
+    """The per-sequence metrics as parts (name groups, per-sequence values, which to keep; their
+    summaries: :func:`part_summaries`), from the sequence vectors on the host
+    (:func:`sequence_tensors`); non-finite rewards as ``nan_strategy`` says."""
     parts: list[Part] = [(triple(prefix), seq[key], None) for key, prefix in SEQUENCE_METRICS if key in seq]
     lengths = seq.get("response_mask")
     if lengths is not None:
@@ -108,7 +107,7 @@ def sequence_summaries(
     prompt = seq.get("prompt_mask")
     if prompt is not None:
         parts.append((("prompt/clip_ratio/mean",), (prompt == t.prompt_width) * 1.0, None))
-    return part_summaries(parts, nan_strategy)
+    return parts
 
 
 def part_summaries(
@@ -139,69 +138,27 @@ def part_summaries(
     return [names for names, _, _ in parts], out
 
 
-def with_token_block(
-    groups: list[tuple[str, ...]], arrays: np.ndarray, token_names: list[tuple[str, ...]], block: np.ndarray
-) -> tuple[list[str], np.ndarray]:
-    """Names and ``(5, K)`` stat array of the per-sequence summaries, the token summaries and, with
-    returns and values, the explained variance (its token count and this batch's value)."""
-    groups = groups + token_names
-    arrays = np.concatenate([arrays, block], axis=1)[
-        :, np.repeat(np.arange(len(groups)), [len(g) for g in groups])
-    ]
-    names = [name for group in groups for name in group]
-    if VF_RETURNS_STD not in names or VF_RESIDUAL_STD not in names:
-        return names, arrays
-    n = arrays[0, names.index(VF_RETURNS_STD)]
-    stds = resolve(VF_RETURNS_STD).apply_arrays(arrays[:, [names.index(k) for k in VF_AUX[:2]]])
-    ev = vf_explained_var(dict(zip(VF_AUX, [*stds.tolist(), n])))
-    names += [VF_TOKENS, "critic/vf_explained_var"]
-    extra = [(1.0, n, 0.0, n, n)]  # one observation: the rank's token count
-    # fallback value for merges without derive_metrics: this rank's value, weighted by its tokens
-    extra += [(0.0, 0.0, 0.0, math.inf, -math.inf) if ev is None else (n, ev * n, 0.0, ev, ev)]
-    return names, np.concatenate([arrays, np.array(extra).T], axis=1)
+def part_rows(parts: list[Part], n: int, nan_strategy: str = "propagate") -> np.ndarray:
+    """The ``(5, K, n)`` summaries of each of the ``n`` sequences in each part (one observation or
+    none): what group breakdowns merge. A part without one value per sequence raises, naming it.
 
-
-# ------------------------------------------------------------------------------------ reduced
-def metrics_of_arrays(
-    names: list[str], arrays: np.ndarray, stats: Mapping[str, Stat] | None = None
-) -> dict[str, float]:
-    """``{name: float}`` of a ``(5, K)`` stat array as the aggregator reports it: each name by its
-    reduction (one vectorised reduction per kind; quantiles from the sketches of ``stats``, the
-    Stats of the array), names without observations left out, then
-    :func:`rlmetrics.metrics.derive_metrics`."""
-    values = column_values(names, arrays, stats)
-    has = (arrays[0] > 0).tolist()
-    return derive_metrics({name: v for name, v, h in zip(names, values.tolist(), has) if h})
-
-
-def column_values(
-    names: Sequence[str], arrays: np.ndarray, stats: Mapping[str, Stat] | None = None
-) -> np.ndarray:
-    """The value of each column of a ``(5, K)`` stat array by its name's reduction (NaN where it
-    holds no observation), one vectorised reduction per kind; quantiles from the sketches of ``stats``.
-
-    >>> column_values(["x/max", "x/mean"], Stat.of([1.0, 3.0]).to_array()[:, None].repeat(2, 1)).tolist()
-    [3.0, 2.0]
+    >>> part_rows([(("x/mean",), np.array([1.0, 2.0]), np.array([True, False]))], 2)[:, 0].tolist()
+    [[1.0, 0.0], [1.0, 0.0], [0.0, 0.0], [1.0, inf], [1.0, -inf]]
     """
-    values = np.empty(len(names))
-    for reduction, idx in _reductions(tuple(names)):
-        if reduction.needs_sketch:  # only a user's merged Stats carry sketches
-            values[idx] = [reduction.apply(stats[names[i]]) for i in idx]
-        else:
-            values[idx] = reduction.apply_arrays(arrays[:, idx])
-    return values
-
-
-@functools.lru_cache(maxsize=256)
-def _reductions(names: tuple[str, ...]) -> list[tuple[Any, np.ndarray]]:
-    """The names' reductions and the indices of the names each one reduces (names repeat per call)."""
-    groups: dict[Any, list[int]] = {}
-    for i, name in enumerate(names):
-        groups.setdefault(resolve(name), []).append(i)
-    return [(reduction, np.array(idx)) for reduction, idx in groups.items()]
+    for names, values, _ in parts:
+        if values.shape != (n,):
+            raise MetricValueError(
+                f"metric {names[0]!r}: {values.size} values for {n} sequences; a group breakdown needs "
+                "one per sequence"
+            )
+    values = np.stack([v for _, v, _ in parts]) if parts else np.zeros((0, n))
+    keep = np.stack([np.ones(n, bool) if k is None else k for _, _, k in parts]) if parts else None
+    strategy = "drop" if nan_strategy == "drop" else "propagate"
+    return summarize(values[..., None], None if keep is None else keep[..., None], nan_strategy=strategy)
 
 
 __all__ = [
-    "CORRECT_THRESHOLD", "SEQUENCE_METRICS", "VF_AUX", "add_counts", "add_sums", "column_values", "fetch",
-    "metrics_of_arrays", "part_summaries", "sequence_summaries", "sequence_tensors", "with_token_block",
+    "CORRECT_THRESHOLD", "SEQUENCE_METRICS", "VF_AUX", "Part", "add_counts", "add_sums", "column_values",
+    "fetch", "metrics_of_arrays", "part_rows", "part_summaries", "sequence_parts",
+    "sequence_tensors", "with_token_block",
 ]  # fmt: skip

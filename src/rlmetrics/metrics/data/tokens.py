@@ -49,11 +49,15 @@ def triple(prefix: str) -> tuple[str, ...]:
 
 class TokenSummaries:
     """The token summaries of one batch: ``names[k]`` are the metric names of column ``k`` of the
-    ``(5, K)`` device tensor ``block`` (count, sum, m2, min, max), made by :meth:`of`."""
+    ``(5, K)`` device tensor ``block`` (count, sum, m2, min, max), made by :meth:`of`; with
+    ``rows=True`` a ``(5, K, B)`` block, each sequence's own summaries (what group breakdowns merge)."""
 
-    def __init__(self, names: list[tuple[str, ...]], block: Any, inputs: Any = None) -> None:
+    def __init__(
+        self, names: list[tuple[str, ...]], block: Any, inputs: Any = None, rows: bool = False
+    ) -> None:
         self.names = names
         self.block = block
+        self.rows = rows
         self._inputs = inputs  # (keys, tensors, residual, mask) of the block
 
     @classmethod
@@ -63,9 +67,12 @@ class TokenSummaries:
         mask: Any,
         torch_compile: bool,
         keys: Sequence[str] = ("advantages", "returns", "values"),
+        *,
+        rows: bool = False,
     ) -> TokenSummaries | None:
         """Advantages, returns, values (those of ``keys`` the batch has) and, with returns and values,
-        the explained variance's ingredients over the tokens of ``mask``; None without any of them."""
+        the explained variance's ingredients over the tokens of ``mask`` (``rows``: of each
+        sequence); None without any of them."""
         found = {}
         for key, _ in TOKEN_METRICS:
             x = t.get(key) if key in keys else None
@@ -85,11 +92,13 @@ class TokenSummaries:
         ] + ([(VF_RESIDUAL_STD,)] if vf else [])
         if mask.numel() == 0:
             empty = torch.tensor([0.0, 0.0, 0.0, math.inf, -math.inf], dtype=torch.float64)  # on the host
-            return cls(names, empty[:, None].expand(5, len(names)))
+            shape = (5, len(names), mask.shape[0]) if rows else (5, len(names))
+            return cls(names, empty.reshape(5, *[1] * (len(shape) - 1)).expand(shape), rows=rows)
         dtype = torch.float64 if any(x.dtype == torch.float64 for x in found.values()) else torch.float32
         xs = tuple(x.to(dtype) for x in found.values())
         residual = (list(found).index("returns"), list(found).index("values")) if vf else None
-        return cls(names, _summaries(xs, residual, mask, torch_compile), (list(found), xs, residual, mask))
+        block = _summaries(xs, residual, mask, torch_compile, rows)
+        return cls(names, block, (list(found), xs, residual, mask), rows)
 
     def finite(self, block: np.ndarray, nan_strategy: str) -> np.ndarray:
         """The host ``block`` under ``nan_strategy`` when it is not finite (a rare path, a second
@@ -115,19 +124,22 @@ class TokenSummaries:
         names, blocks = [], []
         for key, x, f in zip(keys, xs, finite):
             names.append(triple(prefixes[key]))
-            blocks.append(_token_block((x,), None, on & f))
+            blocks.append(_token_block((x,), None, on & f, rows=self.rows))
         if residual is not None:
             i, j = residual
             names += [(VF_RETURNS_STD,), (VF_RESIDUAL_STD,)]
-            blocks.append(_token_block((xs[i], xs[j]), (0, 1), on & finite[i] & finite[j])[:, [0, 2]])
+            both = on & finite[i] & finite[j]
+            blocks.append(_token_block((xs[i], xs[j]), (0, 1), both, rows=self.rows)[:, [0, 2]])
         self.names = names
         return to_host([torch.cat(blocks, 1)])[0].reshape(5, -1)
 
 
-def _summaries(xs: tuple[Any, ...], residual: tuple[int, int] | None, mask: Any, torch_compile: bool) -> Any:
-    """The ``(5, K)`` device block of :func:`_token_block`, compiled if asked (and compiling works)."""
+def _summaries(
+    xs: tuple[Any, ...], residual: tuple[int, int] | None, mask: Any, torch_compile: bool, rows: bool = False
+) -> Any:
+    """The device block of :func:`_token_block`, compiled if asked (and compiling works)."""
     if torch_compile:
-        block = _compiled_token_block(xs, residual, mask)
+        block = _compiled_token_block(xs, residual, mask, rows)
         if block is not None:
             return block
     k, dtype = len(xs) + (residual is not None), xs[0].dtype
@@ -135,11 +147,13 @@ def _summaries(xs: tuple[Any, ...], residual: tuple[int, int] | None, mask: Any,
     # time (a smaller working set stays in cache)
     group = k if k * mask.numel() * dtype.itemsize <= _STACK_BYTES else 1
     itype = torch.int64 if dtype == torch.float64 else torch.int32
-    return _token_block(xs, residual, mask, _scratch((2 + group, *mask.shape), itype, mask.device), group)
+    scratch = _scratch((2 + group, *mask.shape), itype, mask.device)
+    return _token_block(xs, residual, mask, scratch, group, rows)
 
 
 class _TokenMask:
-    """The response mask as the token summaries use it, built once per batch (into ``out`` if given).
+    """The response mask as the token summaries use it, built once per batch (into ``out`` if given);
+    ``count`` and ``divisor`` are per sequence with ``rows``.
 
     Two integer tensors of ``dtype``, as wide as the float data summarized: ``on``
     is 1 on the response (``mask != 0``, as masked_select reads a mask) and 0 off it, ``off`` the
@@ -149,10 +163,11 @@ class _TokenMask:
     several times faster than boolean kernels such as ``torch.where`` on CPU.
     """
 
-    def __init__(self, mask: Any, dtype: Any, out: Any = None) -> None:
+    def __init__(self, mask: Any, dtype: Any, out: Any = None, rows: bool = False) -> None:
         mask = mask.ne(0) if mask.is_floating_point() else mask
         self.on = (mask.to(dtype) if out is None else out[0].copy_(mask)).ne_(0)
-        self.count = self.on.sum(dtype=dtype).to(torch.float64)  # (a float64 sum of ints is slower)
+        count = self.on.sum(-1, dtype=dtype) if rows else self.on.sum(dtype=dtype)
+        self.count = count.to(torch.float64)  # (a float64 sum of ints is slower)
         self.divisor = divisor(torch, self.count)
         self.off = torch.bitwise_xor(self.on, 1, out=None if out is None else out[1])
 
@@ -182,9 +197,12 @@ def _scratch(shape: tuple[int, ...], dtype: Any, device: Any) -> Any:
     return kept[:nbytes].view(dtype).view(shape)
 
 
-def _summarize_tokens(buf: Any, mask: _TokenMask, dtype: Any) -> tuple[Any, Any, Any, Any]:
+def _summarize_tokens(
+    buf: Any, mask: _TokenMask, dtype: Any, rows: bool = False
+) -> tuple[Any, Any, Any, Any]:
     """Sum, m2 (float64), min and max (``dtype``) of ``K`` float tensors of ``dtype`` held as integer
-    bits in ``buf`` ``(K, *mask.shape)``, 0 on padding: four ``(K,)`` tensors. ``buf`` is overwritten.
+    bits in ``buf`` ``(K, *mask.shape)``, 0 on padding: four ``(K,)`` tensors (``rows``: ``(K, B)``,
+    each sequence's, around its own mean). ``buf`` is overwritten.
 
     All ``K`` go through each step together (fewer, larger kernels). Sums run per row in the data's
     precision and across rows in float64 (a row's sum is within ``(width - 1) * eps / 2 * sum|x|``
@@ -194,19 +212,26 @@ def _summarize_tokens(buf: Any, mask: _TokenMask, dtype: Any) -> tuple[Any, Any,
     """
     k = buf.shape[0]
     vals = buf.view(dtype)
-    sums = total(torch, vals, levels=2)
+    levels, col = (1, (k, -1, 1)) if rows else (2, (k, 1, 1))
+    sums = total(torch, vals, levels=levels).to(torch.float64)
     means = (sums / mask.divisor).to(dtype)
-    buf.addcmul_(mask.off, means.view(buf.dtype)[:, None, None])  # padding := mean, in place
-    mins, maxs = extremes(torch, vals.view(k, -1))
-    vals.sub_(means[:, None, None])
-    return sums, total(torch, square_(torch, vals), levels=2), mins, maxs
+    buf.addcmul_(mask.off, means.view(buf.dtype).reshape(col))  # padding := mean, in place
+    mins, maxs = extremes(torch, vals if rows else vals.view(k, -1))
+    vals.sub_(means.reshape(col))
+    return sums, total(torch, square_(torch, vals), levels=levels).to(torch.float64), mins, maxs
 
 
 def _token_block(
-    xs: tuple[Any, ...], residual: tuple[int, int] | None, mask: Any, scratch: Any = None, group: int = 1
+    xs: tuple[Any, ...],
+    residual: tuple[int, int] | None,
+    mask: Any,
+    scratch: Any = None,
+    group: int = 1,
+    rows: bool = False,
 ) -> Any:
     """``(5, K)`` float64 count, sum, m2, min, max of the response tokens of each of ``xs`` (float
-    tensors of one dtype, of the mask's shape) and, with ``residual=(i, j)``, of ``xs[i] - xs[j]``.
+    tensors of one dtype, of the mask's shape) and, with ``residual=(i, j)``, of ``xs[i] - xs[j]``;
+    ``rows``: ``(5, K, B)``, of each sequence's response tokens.
 
     The tensors go through :func:`_summarize_tokens` ``group`` at a time. ``scratch`` is integer
     memory of shape ``(2 + group, *mask.shape)`` for the masks and the data; None: fresh tensors (under
@@ -215,7 +240,7 @@ def _token_block(
     dtype = xs[0].dtype
     itype = torch.int64 if dtype == torch.float64 else torch.int32
     k = len(xs) + (residual is not None)
-    token_mask = _TokenMask(mask, itype, out=None if scratch is None else scratch[:2])
+    token_mask = _TokenMask(mask, itype, out=None if scratch is None else scratch[:2], rows=rows)
     parts = []
     for start in range(0, k, group):
         bufs = []
@@ -228,7 +253,7 @@ def _token_block(
             # x on the response, 0 (all bits) elsewhere
             bufs.append(torch.mul(x.view(itype), token_mask.on, out=out))
         stacked = scratch[2 : 2 + len(bufs)] if scratch is not None else torch.stack(bufs)
-        parts.append(_summarize_tokens(stacked, token_mask, dtype))
+        parts.append(_summarize_tokens(stacked, token_mask, dtype, rows))
     sums, m2s, mins, maxs = (torch.cat(column) for column in zip(*parts))
     return finish(torch, token_mask.count, sums, m2s, mins, maxs, padded=True)
 
@@ -237,7 +262,9 @@ _compiled: dict[str, Any] = {}  # "fn": _token_block under torch.compile; "faile
 _compile_lock = threading.Lock()
 
 
-def _compiled_token_block(xs: tuple[Any, ...], residual: tuple[int, int] | None, mask: Any) -> Any:
+def _compiled_token_block(
+    xs: tuple[Any, ...], residual: tuple[int, int] | None, mask: Any, rows: bool
+) -> Any:
     """:func:`_token_block` under ``torch.compile`` (shapes dynamic, so batch sizes and widths do not
     recompile), or None where compiling fails: a warning then, and eager summaries from then on.
     Calls run one at a time (dynamo's compiling is not thread-safe: ranks as threads of one process
@@ -248,7 +275,7 @@ def _compiled_token_block(xs: tuple[Any, ...], residual: tuple[int, int] | None,
         try:
             if "fn" not in _compiled:
                 _compiled["fn"] = torch.compile(_token_block, dynamic=True)
-            return _compiled["fn"](xs, residual, mask)
+            return _compiled["fn"](xs, residual, mask, rows=rows)
         except Exception as exc:  # no C++ compiler, a device torch.compile does not support, ...
             _compiled["failed"] = True
             warnings.warn(

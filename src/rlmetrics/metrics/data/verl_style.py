@@ -18,16 +18,16 @@ from typing import Any
 import numpy as np
 
 from rlmetrics.extras import require
+from rlmetrics.groups import GroupBy
 from rlmetrics.host import to_host
 from rlmetrics.metrics import VP_SEQUENCES, variance_proxy_noise
+from rlmetrics.metrics.data.grouped import Breakdowns
 from rlmetrics.metrics.data.sequences import (
     SEQUENCE_METRICS,
     Part,
     add_counts,
     add_sums,
     fetch,
-    part_summaries,
-    with_token_block,
 )
 from rlmetrics.metrics.data.tokens import TokenSummaries, triple
 from rlmetrics.metrics.tensors import Batch, BatchTensors, last_dim
@@ -37,10 +37,11 @@ torch = require("torch", "torch")
 
 
 def compute_verl_data_stats(
-    batch: Batch, *, use_critic: bool = True, torch_compile: bool = False
+    batch: Batch, *, use_critic: bool = True, torch_compile: bool = False, group_by: GroupBy = None
 ) -> dict[str, Stat]:
     """verl 0.9.1's ``compute_data_metrics`` of ``batch`` as one mergeable :class:`Stat` per name
-    (verl's names and semantics, see the module docstring), with the explained-variance ingredients.
+    (verl's names and semantics, see the module docstring), with the explained-variance ingredients;
+    ``group_by``: also per group, as :func:`~rlmetrics.metrics.data.compute_data_stats`.
 
     >>> import torch
     >>> attention_mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 0, 0, 0]])  # the second response is empty
@@ -53,15 +54,18 @@ def compute_verl_data_stats(
     >>> stats["response/aborted_ratio"].mean
     0.5
     """
-    names, arrays = verl_data_arrays(batch, use_critic=use_critic, torch_compile=torch_compile)
+    names, arrays = verl_data_arrays(
+        batch, use_critic=use_critic, torch_compile=torch_compile, group_by=group_by
+    )
     return {name: Stat(*column) for name, column in zip(names, arrays.T.tolist())}
 
 
 def verl_data_arrays(
-    batch: Batch, *, use_critic: bool = True, torch_compile: bool = False
+    batch: Batch, *, use_critic: bool = True, torch_compile: bool = False, group_by: GroupBy = None
 ) -> tuple[list[str], np.ndarray]:
     """:func:`compute_verl_data_stats` as names and their ``(5, K)`` stat array."""
     t = BatchTensors(batch)
+    breakdowns = Breakdowns(group_by, t.batch, batch)
     seq: dict[str, Any] = {}
     add_sums(t, seq)
     lengths = _verl_lengths(t)
@@ -70,11 +74,10 @@ def verl_data_arrays(
     tokens = None
     if t.response_mask is not None:
         keys = ("advantages", "returns", "values") if use_critic else ("advantages", "returns")
-        tokens = TokenSummaries.of(t, t.response_mask, torch_compile, keys)
+        tokens = TokenSummaries.of(t, t.response_mask, torch_compile, keys, rows=bool(breakdowns))
     add_counts(t, seq)
-    host, block = fetch(seq, tokens)
-    token_names = [] if tokens is None else tokens.names
-    return with_token_block(*part_summaries(_verl_parts(host, t)), token_names, block)
+    host, block, moved = fetch(seq, tokens, breakdowns.tensors)
+    return breakdowns.assemble(moved, _verl_parts(host, t), tokens, block, "propagate")[:2]
 
 
 def verl_lengths(batch: Batch) -> tuple[Any, Any] | None:

@@ -1,0 +1,156 @@
+"""Group breakdowns of the data metrics: each metric of each group of a per-sample tag, exact under merging.
+
+Every sequence's own summaries (per-sequence values: one observation; response tokens: their
+count, sum, M2 around the sequence's mean, min and max, computed on the device with the other
+summaries, :class:`~rlmetrics.metrics.data.tokens.TokenSummaries` with ``rows=True``) are merged on
+the host over each group's sequences (:func:`~rlmetrics.stat.reduce_runs`, exact), and the metrics
+of each group are assembled as the batch's are (the explained variance's ingredients included), under
+``group/<tag>/<value>/<metric>`` (:mod:`rlmetrics.groups`). A group's Stats merge across ranks as any
+Stat does, so its global values are those of its sequences of all ranks concatenated.
+
+The labels come from the batch (a key: a tensor, a numpy array or a list, also in verl's
+``non_tensor_batch``) or from a function of it; label tensors reach the host with the batch's other
+tensors, in its one transfer.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+
+from rlmetrics.groups import GroupBy, Labels, group_name, tag_sources
+from rlmetrics.metrics.batch import BatchView, key_error
+from rlmetrics.metrics.data.sequences import Part, part_rows, part_summaries, with_token_block
+from rlmetrics.metrics.difficulty import prompt_record
+from rlmetrics.stat import empty_arrays, reduce_parts, reduce_runs
+from rlmetrics.values import MetricValueError, is_torch
+
+
+class Breakdowns:
+    """The ``group_by`` of one call and the prompt ids of its difficulty groups: raw labels (tensors
+    are moved with the batch's others, :attr:`tensors`), turned into grouped Stats by :meth:`arrays`."""
+
+    def __init__(self, group_by: GroupBy, view: BatchView, data: Any, prompts: str | None = None) -> None:
+        self.raw: dict[str, Any] = {}
+        for tag, source in tag_sources(group_by).items():
+            labels = source(data) if callable(source) else view.get(source)
+            if labels is None:
+                raise key_error(str(source), f"not in the batch (group_by tag {tag!r})")
+            self.raw[tag] = labels
+        self.prompts_key = prompts
+        self.prompts = None if prompts is None else view.get(prompts)
+        if prompts is not None and self.prompts is None:
+            raise key_error(prompts, "not in the batch (difficulty groups need each sample's prompt id)")
+
+    def __bool__(self) -> bool:
+        return bool(self.raw) or self.prompts is not None
+
+    @property
+    def tensors(self) -> list[Any]:
+        """The label tensors, for the batch's one transfer."""
+        return [v for v in [*self.raw.values(), self.prompts] if is_torch(v)]
+
+    def assemble(
+        self, moved: list[np.ndarray], parts: list[Part], tokens: Any, block: np.ndarray, nan_strategy: str
+    ) -> tuple[list[str], np.ndarray, dict[str, Any] | None]:
+        """Names and ``(5, K)`` stat array of the batch's metrics, then its groups', and the prompt
+        record (None without): from the moved label tensors, the per-sequence ``parts``, the
+        :class:`~rlmetrics.metrics.data.tokens.TokenSummaries` (or None) and their host ``block``
+        (per sequence when there are breakdowns: the batch's is their merge)."""
+        token_names = [] if tokens is None else tokens.names
+        token_rows = None
+        if tokens is not None and tokens.rows:
+            token_rows = block.reshape(5, len(token_names), -1)
+            has_rows = token_rows.shape[2] > 0
+            block = (
+                reduce_parts(token_rows.transpose(0, 2, 1)) if has_rows else empty_arrays(len(token_names))
+            )
+        names, arrays = with_token_block(*part_summaries(parts, nan_strategy), token_names, block)
+        if not self:
+            return names, arrays, None
+        group_names, group_arrays, record = self.arrays(moved, parts, token_names, token_rows, nan_strategy)
+        return names + group_names, np.concatenate([arrays, group_arrays], axis=1), record
+
+    def arrays(
+        self,
+        moved: list[np.ndarray],
+        parts: list[Part],
+        token_names: list[tuple[str, ...]],
+        token_rows: np.ndarray | None,
+        nan_strategy: str,
+    ) -> tuple[list[str], np.ndarray, dict[str, Any] | None]:
+        """The groups' names and ``(5, K)`` stat array (:func:`grouped_arrays`) and the prompt record
+        of the difficulty groups (None without), given the moved label tensors, the per-sequence
+        ``parts`` and the ``(5, K_tokens, B)`` per-sequence token summaries."""
+        moved_iter = iter(moved)
+
+        def on_host(raw: Any) -> Any:
+            return next(moved_iter) if is_torch(raw) else raw
+
+        labels = [Labels.of(tag, on_host(raw)) for tag, raw in self.raw.items()]
+        prompts = None
+        if self.prompts is not None:
+            prompts = Labels.of("prompt", on_host(self.prompts), segments=False)
+        n = len((labels or [prompts])[0].codes)
+        groups, per_seq = sequence_rows(n, parts, token_names, token_rows, nan_strategy)
+        names, arrays = grouped_arrays(labels, groups, per_seq)
+        if prompts is None:
+            return names, arrays, None
+        if len(prompts.codes) != n:
+            raise key_error(str(self.prompts_key), f"{len(prompts.codes)} prompt ids for {n} sequences")
+        return names, arrays, prompt_record(prompts.values, groups, group_blocks(prompts, per_seq))
+
+
+def sequence_rows(
+    n: int,
+    parts: list[Part],
+    token_names: list[tuple[str, ...]],
+    token_rows: np.ndarray | None,
+    nan_strategy: str,
+) -> tuple[list[tuple[str, ...]], np.ndarray]:
+    """The name groups and ``(5, n, K)`` summaries of each of the ``n`` sequences: ``parts`` (the
+    per-sequence metrics) and ``token_rows`` (``(5, K_tokens, n)``, the token summaries)."""
+    rows = [part_rows(parts, n, nan_strategy).transpose(0, 2, 1)]  # (5, B, K): sequences as parts
+    if token_rows is not None:
+        if token_rows.shape[2] != n:
+            raise MetricValueError(f"group breakdown: {n} labels for {token_rows.shape[2]} sequences")
+        rows.append(token_rows.transpose(0, 2, 1))
+    return [names for names, _, _ in parts] + list(token_names), np.concatenate(rows, axis=2)
+
+
+def grouped_arrays(
+    labels: list[Labels], groups: list[tuple[str, ...]], per_seq: np.ndarray
+) -> tuple[list[str], np.ndarray]:
+    """Names and ``(5, K)`` stat array of every group's metrics, from each sequence's summaries
+    (:func:`sequence_rows`)."""
+    names: list[str] = []
+    arrays: list[np.ndarray] = []
+    empty = np.zeros((5, 0))
+    for lab in labels:
+        if len(lab.codes) != per_seq.shape[1]:
+            raise key_error(lab.tag, f"{len(lab.codes)} labels for {per_seq.shape[1]} sequences")
+        merged = group_blocks(lab, per_seq)  # (5, G, K): every group at once
+        for g, value in enumerate(lab.values):
+            group_names, group_arrays = with_token_block(groups, merged[:, g], [], empty)
+            names += _prefixed(lab.tag, value, tuple(group_names))
+            arrays.append(group_arrays)
+    return names, np.concatenate(arrays, axis=1) if arrays else empty
+
+
+def group_blocks(labels: Labels, per_seq: np.ndarray) -> np.ndarray:
+    """``(5, G, K)``: the sequences' summaries ``(5, B, K)`` merged per group of ``labels``."""
+    if not labels.values:
+        return per_seq[:, :0]
+    order, starts = labels.runs()
+    return reduce_runs(per_seq[:, order], starts)
+
+
+@functools.lru_cache(maxsize=1024)
+def _prefixed(tag: str, value: str, names: tuple[str, ...]) -> list[str]:
+    """The grouped names of ``names`` (the same every step)."""
+    return [group_name(tag, value, name) for name in names]
+
+
+__all__ = ["Breakdowns", "grouped_arrays"]

@@ -1,0 +1,125 @@
+"""Difficulty groups of GRPO, exact across ranks: prompts whose samples are all correct, all wrong or
+mixed, decided on each prompt's samples of *all* ranks.
+
+A rank sends, per prompt id (``uid``), the merged summaries of its samples of that prompt (a
+*prompt record*, :func:`prompt_record`); the aggregator merges the records of all ranks per prompt
+(a prompt's samples may sit on several ranks, as after verl's batch balancing), classifies each
+prompt once, and merges the prompts of each class (:func:`difficulty_metrics`):
+
+- ``difficulty/prompts``: prompts with at least one sample with a reward;
+- ``difficulty/all_correct_ratio``, ``difficulty/all_wrong_ratio``, ``difficulty/mixed_ratio``: the
+  share of those prompts whose samples are all correct (sequence reward above
+  :data:`~rlmetrics.metrics.data.CORRECT_THRESHOLD`), none correct, or some;
+- ``difficulty/zero_reward_std_ratio``: the share whose samples all have the same reward (min = max:
+  no GRPO advantage, no gradient);
+- ``group/difficulty/<class>/<metric>``: every data metric over the samples of that class's prompts.
+
+Numpy only: the aggregator computes it (:class:`~rlmetrics.states.PromptStats`).
+
+>>> from rlmetrics.stat import Stat
+>>> groups = [("critic/rewards/mean",), ("response/correct_length/mean",)]
+>>> def rows(rewards):  # one prompt's samples: their rewards and correct lengths (length 10)
+...     r = np.array(rewards)
+...     return np.stack([Stat.of(r).to_array(), Stat.of(np.full((r > 0.5).sum(), 10.0)).to_array()], 1)
+>>> rank0 = prompt_record(["p", "q"], groups, np.stack([rows([1.0, 1.0]), rows([0.0])], 1))
+>>> rank1 = prompt_record(["q"], groups, rows([1.0])[:, None])  # prompt q's other sample
+>>> m = difficulty_metrics([rank0, rank1])
+>>> m["difficulty/all_correct_ratio"], m["difficulty/mixed_ratio"], m["difficulty/zero_reward_std_ratio"]
+(0.5, 0.5, 0.5)
+>>> m["group/difficulty/mixed/critic/rewards/mean"]
+0.5
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from rlmetrics.groups import group_name
+from rlmetrics.metrics.assemble import metrics_of_arrays, with_token_block
+from rlmetrics.stat import empty_arrays, reduce_parts, reduce_runs
+from rlmetrics.values import MetricValueError
+
+TAG = "difficulty"
+CLASSES = ("all_correct", "all_wrong", "mixed")
+REWARDS = "critic/rewards/mean"
+CORRECT = "response/correct_length/mean"
+
+
+def prompt_record(
+    uids: Sequence[str], groups: Sequence[tuple[str, ...]], stats: np.ndarray
+) -> dict[str, Any]:
+    """One rank's prompt record: prompt ids, the name groups of the data metrics and their
+    ``(5, prompts, groups)`` summaries over each prompt's samples on this rank. The groups must
+    hold the sequence rewards and the correct lengths (``token_level_rewards`` and response lengths)."""
+    flat = {name for group in groups for name in group}
+    if REWARDS not in flat or CORRECT not in flat:
+        raise MetricValueError(
+            "difficulty groups need the sequence rewards and response lengths (batch keys "
+            "token_level_rewards and response_mask or attention_mask)"
+        )
+    stats = np.asarray(stats, dtype=np.float64)
+    return {"uids": [str(u) for u in uids], "groups": [tuple(g) for g in groups], "stats": stats}
+
+
+def check_record(record: Any) -> None:
+    """Refuse (ValueError) what is not a prompt record: ids, name groups and a ``(5, ids, groups)``
+    float array (a record arrives from the wire; the aggregator must not fail on it later)."""
+    try:
+        uids, groups, stats = record["uids"], record["groups"], record["stats"]
+        ok = (
+            isinstance(stats, np.ndarray)
+            and stats.dtype == np.float64
+            and stats.shape == (5, len(uids), len(groups))
+            and all(isinstance(u, str) for u in uids)
+            and all(isinstance(g, tuple) and g and all(isinstance(n, str) for n in g) for g in groups)
+        )
+    except (TypeError, KeyError) as exc:
+        raise ValueError(f"not a prompt record ({type(exc).__name__}: {exc})") from None
+    if not ok:
+        raise ValueError("not a prompt record: ids, name groups and a (5, ids, groups) float64 array")
+
+
+def difficulty_metrics(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """The difficulty metrics (module docstring) of the prompt records of all ranks."""
+    groups = list(dict.fromkeys(g for r in records for g in r["groups"]))
+    column = {g: i for i, g in enumerate(groups)}
+    uids = [u for r in records for u in r["uids"]]
+    stats = np.empty((5, len(uids), len(groups)))
+    stats[:] = empty_arrays(len(groups))[:, None, :]  # a group a rank lacks: no observation
+    at = 0
+    for r in records:
+        n = len(r["uids"])
+        stats[:, at : at + n, [column[g] for g in r["groups"]]] = r["stats"]
+        at += n
+    if not uids:
+        return {}
+    ids, codes = np.unique(np.array(uids), return_inverse=True)
+    order = np.argsort(codes, kind="stable")
+    prompts = reduce_runs(stats[:, order], np.searchsorted(codes[order], np.arange(len(ids))))
+    rewards = prompts[:, :, _column_of(groups, REWARDS)]
+    correct = prompts[0, :, _column_of(groups, CORRECT)]
+    samples = rewards[0]
+    has = samples > 0
+    kinds = np.where(correct >= samples, 0, np.where(correct == 0, 1, 2))
+    total = int(has.sum())
+    if not total:
+        return {}
+    out = {f"{TAG}/prompts": float(total)}
+    for k, cls in enumerate(CLASSES):
+        chosen = has & (kinds == k)
+        out[f"{TAG}/{cls}_ratio"] = float(chosen.sum()) / total
+        if chosen.any():
+            names, arrays = with_token_block(groups, reduce_parts(prompts[:, chosen]), [], np.zeros((5, 0)))
+            out.update((group_name(TAG, cls, n), v) for n, v in metrics_of_arrays(names, arrays).items())
+    out[f"{TAG}/zero_reward_std_ratio"] = float((has & (rewards[3] == rewards[4])).sum()) / total
+    return out
+
+
+def _column_of(groups: list[tuple[str, ...]], name: str) -> int:
+    return next(i for i, g in enumerate(groups) if name in g)
+
+
+__all__ = ["CLASSES", "TAG", "check_record", "difficulty_metrics", "prompt_record"]

@@ -1,0 +1,384 @@
+"""Group breakdowns: every grouped number equals the loop reference (or numpy) on that group's
+sequences of all ranks concatenated, with groups spread unevenly over ranks (a group on one rank
+only, ranks without some groups); grouped names reach the trackers unchanged."""
+
+from __future__ import annotations
+
+import math
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import rlmetrics
+from rlmetrics.backends import local
+from rlmetrics.groups import group_name, segment
+from rlmetrics.metrics import VF_RESIDUAL_STD, VF_RETURNS_STD, VF_TOKENS
+from rlmetrics.metrics.data import compute_data_metric, compute_data_stats
+from rlmetrics.reduce import resolve
+from rlmetrics.sinks import JsonlSink, TensorBoardSink, read_jsonl
+from rlmetrics.sinks.names import TRACKERS, adapt_name
+from rlmetrics.stat import MetricValueError
+from tests.test_metrics_data import (
+    CLIP,
+    CountHostMoves,
+    assert_matches,
+    concatenate,
+    make_batch,
+    reference,
+    to_tensordict,
+)
+from tests.trackers import read_tensorboard
+
+pytestmark = pytest.mark.torch
+
+# rank -> (batch size, prompt width, response width, its sequences' data sources): "math" sits on
+# rank 0 only, rank 2 has no "gsm8k", rank 1 mostly "code"
+LAYOUT = [
+    (9, 3, 6, ["gsm8k", "math", "gsm8k", "code", "math", "gsm8k", "gsm8k", "math", "code"]),
+    (5, 5, 9, ["code", "gsm8k", "code", "code", "code"]),
+    (4, 2, 4, ["code", "code", "code", "code"]),
+]
+SOURCES = ("code", "gsm8k", "math")
+TOKEN_KEYS = ("response_mask", "token_level_scores", "token_level_rewards", "advantages", "returns", "values")
+
+
+def rank_batches(seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for b, p, r, sources in LAYOUT:
+        batch = make_batch(rng, b, p, r, dtype=torch.float64)
+        batch["data_source"] = np.array(sources, dtype=object)  # as verl's non_tensor_batch holds it
+        out.append(batch)
+    return out
+
+
+def rows(batch: dict, idx: np.ndarray) -> dict:
+    """The sequences ``idx`` of a batch (every per-sequence key)."""
+    t = torch.as_tensor(idx, dtype=torch.long)
+    out = {k: v[t] for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    out["__num_turns__"] = np.asarray(batch["__num_turns__"])[idx]
+    return out
+
+
+def expected(batches: list[dict], source: str) -> dict[str, float]:
+    """The loop reference on ``source``'s sequences of all ranks concatenated."""
+    parts = [rows(b, np.nonzero(b["data_source"] == source)[0]) for b in batches]
+    return reference(concatenate([p for p in parts if len(p["responses"])]))
+
+
+def grouped(result, tag: str, value: str) -> dict[str, float]:
+    prefix = f"group/{tag}/{value}/"
+    return {n[len(prefix) :]: v for n, v in result.items() if n.startswith(prefix)}
+
+
+def check_groups(result, batches: list[dict]) -> None:
+    for source in SOURCES:
+        assert_matches(grouped(result, "data_source", source), expected(batches, source), skip=CLIP)
+    assert not [n for n in result if n.startswith("group/") and "/_aux/" in n]  # ingredients dropped
+
+
+# ------------------------------------------------------------------------------------------- names
+def test_grouped_names_reach_every_tracker_unchanged():
+    names = [
+        group_name("data_source", segment(label), metric)
+        for label in ("openai/gsm8k", "../x", "a b@c:d", "ü-math.v2", ".", 3.0)
+        for metric in ("critic/score/mean", "val-core/math/acc/mean@4", "custom/latency/p95")
+    ]
+    for tracker in TRACKERS:
+        if tracker == "mlflow":  # '@' is outside MLflow's set: metrics with it change there, grouped or not
+            names = [n for n in names if "@" not in n]
+        assert [adapt_name(n, tracker) for n in names] == names, tracker
+
+
+def test_a_grouped_name_resolves_as_its_metric():
+    assert resolve("group/data_source/max_set/actor/minibatch_loss").name == "mean"
+    assert resolve("group/env/min/response/length/max").name == "max"
+    assert resolve("group/turn/2/custom/latency/p95").name == "p95"
+    rlmetrics.register_reduction("actor/kl", "max")
+    assert resolve("group/data_source/a/actor/kl").name == "max"
+
+
+def test_labels_that_would_share_a_series_are_refused():
+    batch = make_batch(np.random.default_rng(0), 2, 2, 3)
+    batch["data_source"] = ["a b", "a_b"]
+    with pytest.raises(MetricValueError, match="'a b' and 'a_b' both name group 'a_b'"):
+        compute_data_stats(batch, group_by="data_source")
+
+
+# ------------------------------------------------------------------------------------ one process
+def test_grouped_data_metrics_equal_the_reference_on_each_group():
+    (batch,) = rank_batches(1)[:1]
+    got = compute_data_metric(batch, group_by="data_source")
+    assert_matches({n: v for n, v in got.items() if not n.startswith("group/")}, reference(batch))
+    check_groups(got, [batch])
+
+
+def test_group_by_a_function_and_a_tensor_key_with_one_host_transfer():
+    batch = make_batch(np.random.default_rng(2), 12, 4, 7, dtype=torch.float64)
+    batch["turn"] = torch.tensor([0, 1, 2] * 4)
+
+    def long_prompt(b):
+        return (b["attention_mask"][:, :4].sum(-1) > 2).numpy()
+
+    stats = compute_data_stats(to_tensordict(batch), group_by=["turn", long_prompt])  # warm-up
+    with CountHostMoves() as moves:
+        stats = compute_data_stats(batch, group_by={"turn": "turn"})
+    assert len(moves.moves) == 1, moves.moves  # the label tensor travels with the summaries
+    got = compute_data_metric(batch, group_by=["turn", long_prompt])
+    for turn in range(3):
+        want = reference(rows(batch, np.arange(turn, 12, 3)))
+        assert_matches(grouped(got, "turn", str(turn)), want)
+    flags = long_prompt(batch)
+    for flag in (False, True):
+        assert_matches(
+            grouped(got, "long_prompt", str(flag)), reference(rows(batch, np.nonzero(flags == flag)[0]))
+        )
+    assert "group/turn/1/critic/advantages/mean" in stats
+
+
+@pytest.mark.parametrize("nan_strategy", ["propagate", "drop"])
+def test_non_finite_values_in_a_group_follow_nan_strategy_as_the_group_alone(nan_strategy):
+    batch = rank_batches(8)[0]
+    batch["advantages"][1, 0] = float("nan")  # on a response token of sequence 1 ("math")
+    batch["response_mask"][1, 0] = 1
+    batch["token_level_rewards"][6, 2] = float("inf")
+    got = compute_data_metric(batch, nan_strategy=nan_strategy, group_by="data_source")
+    for source in SOURCES:
+        want = compute_data_metric(
+            rows(batch, np.nonzero(batch["data_source"] == source)[0]), nan_strategy=nan_strategy
+        )
+        want.pop("perf/process_cpu_mem_used_gb")
+        mine = grouped(got, "data_source", source)
+        assert sorted(mine) == sorted(want)
+        np.testing.assert_allclose([mine[n] for n in want], list(want.values()), rtol=1e-9, equal_nan=True)
+    assert math.isnan(got["group/data_source/math/critic/advantages/mean"]) == (nan_strategy == "propagate")
+
+
+def test_a_batch_without_sequences_gives_every_name_and_no_group():
+    batch = make_batch(np.random.default_rng(0), 0, 2, 3)
+    batch["data_source"] = []
+    stats = compute_data_stats(batch, group_by="data_source")
+    assert stats.keys() == compute_data_stats(batch).keys()
+    assert all(
+        s.count == 0 for n, s in stats.items() if not n.startswith(("perf/", "_aux/vf_explained_var/tokens"))
+    )
+
+
+def test_verl_data_metrics_by_data_source_equal_each_source_alone():
+    from rlmetrics.integrations.verl import compute_data_metrics
+
+    batch = rank_batches(12)[0]
+    got = compute_data_metrics(batch, group_by="data_source")
+    for source in SOURCES:
+        want = compute_data_metrics(rows(batch, np.nonzero(batch["data_source"] == source)[0]))
+        mine = grouped(got, "data_source", source)
+        assert sorted(mine) == sorted(want)
+        np.testing.assert_allclose([mine[n] for n in want], list(want.values()), rtol=1e-9, equal_nan=True)
+    assert not [n for n in got if "_aux/" in n]
+    prefix = "group/data_source/code/"
+    assert set(got[prefix + "critic/vf_explained_var"].aux) == {
+        prefix + n for n in (VF_RETURNS_STD, VF_RESIDUAL_STD, VF_TOKENS)
+    }
+
+
+# --------------------------------------------------------------------------------- across ranks
+def run_threads(name: str, batches: list, submit) -> rlmetrics.StepResult:
+    """Each rank a thread with its own local client: ``submit(client, its batch)``, then wait_submit."""
+    world = len(batches)
+    clients = [
+        rlmetrics.connect("local", world_size=world, name=name, label=f"rank{r}") for r in range(world)
+    ]
+
+    def rank(r):
+        submit(clients[r], batches[r])
+        clients[r].wait_submit()
+
+    with ThreadPoolExecutor(world) as pool:
+        list(pool.map(rank, range(world)))  # re-raises a rank's error
+    return clients[0].result(0, timeout=5)
+
+
+def test_local_ranks_with_uneven_groups_equal_the_concatenation(request):
+    batches = rank_batches(3)
+    try:
+        result = run_threads(
+            request.node.name, batches, lambda c, b: c.compute_local_data_metric(b, group_by="data_source")
+        )
+    finally:
+        local.drop_worker(request.node.name)
+    assert result.meta.complete, result.meta  # a group missing on a rank does not hold the step
+    check_groups(result, batches)
+    assert_matches(
+        {n: v for n, v in result.items() if not n.startswith("group/")},
+        {k: v for k, v in reference(concatenate(batches)).items()},
+        skip=CLIP,
+    )
+    # the test can fail: the mean of the ranks' own "code" means is not the global one
+    own = [
+        compute_data_metric(b, group_by="data_source")["group/data_source/code/critic/score/mean"]
+        for b in batches
+    ]
+    assert not np.isclose(np.mean(own), result["group/data_source/code/critic/score/mean"], rtol=1e-6)
+
+
+def test_submit_metric_group_by_equals_numpy_on_the_concatenation(request):
+    rng = np.random.default_rng(4)
+    data = [
+        (rng.normal(size=n), rng.choice(sources, size=n))
+        for n, sources in ((7, ["a", "b"]), (3, ["a"]), (5, ["c", "b"]))
+    ]
+
+    def submit(client, item):
+        reward, env = item
+        client.submit_metric(
+            {"reward/mean": reward, "reward/max": reward, "reward/p50": reward, "loss": 0.5},
+            group_by={"env": env},
+        )
+
+    try:
+        result = run_threads(request.node.name, data, submit)
+    finally:
+        local.drop_worker(request.node.name)
+    assert result.meta.complete, result.meta
+    reward = np.concatenate([r for r, _ in data])
+    env = np.concatenate([e for _, e in data])
+    for value in "abc":
+        x = reward[env == value]
+        assert result[f"group/env/{value}/reward/mean"] == pytest.approx(x.mean(), rel=1e-12)
+        assert result[f"group/env/{value}/reward/max"] == x.max()
+        assert result[f"group/env/{value}/reward/p50"] == pytest.approx(np.quantile(x, 0.5), rel=1e-12)
+        assert f"group/env/{value}/loss" not in result  # a number is not per sample
+    assert result["reward/mean"] == pytest.approx(reward.mean(), rel=1e-12) and result["loss"] == 0.5
+
+
+def test_submit_metric_refuses_a_value_of_another_length_alone(request):
+    try:
+        client = rlmetrics.connect("local", world_size=1, name=request.node.name)
+        with pytest.raises(MetricValueError, match="metric 'short': 2 values, group tag 'env' has 3 labels"):
+            client.submit_metric(
+                {"short": [1.0, 2.0], "ok": [1.0, 2.0, 4.0]}, group_by={"env": ["a", "b", "a"]}
+            )
+        client.wait_submit()
+        result = client.result(0, timeout=5)
+    finally:
+        local.drop_worker(request.node.name)
+    assert result["group/env/a/ok"] == 2.5 and result["short"] == 1.5 and "group/env/a/short" not in result
+
+
+# ----------------------------------------------------------------------------------------- docs
+def test_the_examples_of_docs_groups_print_what_they_say(capsys):
+    text = (Path(__file__).resolve().parents[1] / "docs" / "groups.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) == 3
+    try:
+        for block in blocks:
+            exec(compile(block, "docs/groups.md", "exec"), {})
+    finally:
+        local.drop_worker("groups-doc")
+    said = [line.split("  # ", 1)[1] for b in blocks for line in b.splitlines() if line.startswith("print(")]
+    assert capsys.readouterr().out.splitlines() == said
+
+
+# ------------------------------------------------------------------------------------- trackers
+def test_grouped_names_through_jsonl_and_tensorboard(tmp_path):
+    batch = rank_batches(5)[0]
+    got = compute_data_metric(batch, group_by="data_source")
+    with JsonlSink(tmp_path / "m.jsonl") as jsonl, TensorBoardSink(tmp_path / "tb") as tb:
+        jsonl.log(got, 3)
+        tb.log(got, 3)
+    run = read_jsonl(tmp_path / "m.jsonl")
+    tb_got = read_tensorboard(tmp_path / "tb")
+    names = [n for n in got if n.startswith("group/")]
+    assert len(names) > 60
+    for name in names:
+        assert run.series(name)[1].tolist() == [got[name]]
+        assert tb_got[name] == {3: pytest.approx(got[name], rel=1e-6)}  # TensorBoard stores float32
+
+
+# ------------------------------------------------------------------------------------ difficulty
+def grpo_batches(seed: int) -> list[dict]:
+    """Three ranks of a GRPO step: 4 prompts of up to 6 samples, spread over ranks (as after a
+    batch balancing): prompt "p0" all correct, "p1" all wrong, "p2" mixed only across ranks (its
+    correct samples on rank 0, its wrong ones on rank 2), "p3" mixed on rank 1 with equal rewards
+    elsewhere."""
+    rng = np.random.default_rng(seed)
+    plan = [  # rank -> (uid, correct) per sample
+        [("p0", 1), ("p2", 1), ("p0", 1), ("p2", 1), ("p1", 0)],
+        [("p3", 1), ("p3", 0), ("p0", 1), ("p1", 0), ("p1", 0)],
+        [("p2", 0), ("p2", 0), ("p1", 0)],
+    ]
+    out = []
+    for samples in plan:
+        batch = make_batch(rng, len(samples), 3, 5, dtype=torch.float64)
+        rewards = torch.zeros_like(batch["token_level_rewards"])
+        rewards[:, 0] = torch.tensor([float(c) for _, c in samples], dtype=torch.float64)
+        batch["token_level_rewards"] = batch["token_level_scores"] = rewards
+        batch["uid"] = np.array([u for u, _ in samples], dtype=object)
+        out.append(batch)
+    return out
+
+
+def expected_difficulty(batches: list[dict]) -> dict[str, float]:
+    """Each prompt classified on its samples of all ranks; each class's data metrics by the loop reference."""
+    uids = np.concatenate([b["uid"] for b in batches])
+    correct = np.concatenate([b["token_level_rewards"].sum(-1).numpy() > 0.5 for b in batches])
+    reward = np.concatenate([b["token_level_rewards"].sum(-1).numpy() for b in batches])
+    kinds = {}
+    for u in sorted(set(uids)):
+        c = correct[uids == u]
+        kinds[u] = "all_correct" if c.all() else "all_wrong" if not c.any() else "mixed"
+    out = {"difficulty/prompts": float(len(kinds))}
+    for cls in ("all_correct", "all_wrong", "mixed"):
+        members = [u for u, k in kinds.items() if k == cls]
+        out[f"difficulty/{cls}_ratio"] = len(members) / len(kinds)
+        parts = [rows(b, np.nonzero(np.isin(b["uid"], members))[0]) for b in batches]
+        parts = [p for p in parts if len(p["responses"])]
+        if parts:
+            out.update({f"group/difficulty/{cls}/{n}": v for n, v in reference(concatenate(parts)).items()})
+    same = [u for u in kinds if np.ptp(reward[uids == u]) == 0]
+    out["difficulty/zero_reward_std_ratio"] = len(same) / len(kinds)
+    return out
+
+
+def check_difficulty(result, batches):
+    want = expected_difficulty(batches)
+    got = {n: v for n, v in result.items() if n.startswith(("difficulty/", "group/difficulty/"))}
+    skip = [f"group/difficulty/{c}/{n}" for c in ("all_correct", "all_wrong", "mixed") for n in CLIP]
+    assert_matches(got, {n: v for n, v in want.items()}, skip=tuple(skip))
+    assert want["difficulty/mixed_ratio"] == 0.5  # p2 and p3: p2 is mixed only across ranks
+
+
+def test_difficulty_groups_of_one_batch_equal_the_reference():
+    batch = concatenate(grpo_batches(9))
+    batch["uid"] = np.concatenate([b["uid"] for b in grpo_batches(9)])
+    got = compute_data_metric(batch, difficulty=True)
+    check_difficulty(got, [batch])
+
+
+def test_difficulty_groups_across_local_ranks_decide_on_every_rank_s_samples(request):
+    batches = grpo_batches(10)
+    try:
+        result = run_threads(
+            request.node.name, batches, lambda c, b: c.compute_local_data_metric(b, difficulty=True)
+        )
+    finally:
+        local.drop_worker(request.node.name)
+    assert result.meta.complete, result.meta
+    check_difficulty(result, batches)
+    # the test can fail: deciding per rank calls p2 all correct on rank 0 and all wrong on rank 2
+    per_rank = [compute_data_metric(b, difficulty=True)["difficulty/mixed_ratio"] for b in batches]
+    assert per_rank[0] == 0.0 and per_rank[2] == 0.0
+
+
+def test_a_malformed_prompt_record_is_refused_when_it_arrives():
+    from rlmetrics.states import PromptStats, decode_state, encode_state
+
+    record = {"uids": ["p"], "groups": [("critic/rewards/mean",)], "stats": np.zeros((5, 1, 1))}
+    assert decode_state(*encode_state(PromptStats([("c", record)]))).records[0][1] is record
+    for bad in ({"uids": ["p"]}, {**record, "stats": np.zeros((5, 2, 1))}, {**record, "groups": ["x"]}):
+        with pytest.raises(ValueError, match="not a prompt record"):
+            decode_state(*encode_state(PromptStats([("c", bad)])))
