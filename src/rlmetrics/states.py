@@ -88,13 +88,22 @@ class Samples:
 
     @classmethod
     def from_array(cls, arr: np.ndarray) -> Samples:
-        """Inverse of :meth:`to_array`; ValueError unless every element is a ``(key, record)`` pair."""
+        """Inverse of :meth:`to_array`; ValueError unless every element is a ``(key, record)`` pair
+        whose record passes :meth:`check`."""
         if not isinstance(arr, np.ndarray) or arr.dtype != object or arr.ndim != 1:
-            raise ValueError("samples travel as a 1-D object array")
+            raise ValueError(f"{cls.kind} travel as a 1-D object array")
         pairs = arr.tolist()
-        if not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], SampleRecord) for p in pairs):
-            raise ValueError("samples must be (rank key, record) pairs")
+        if not all(isinstance(p, tuple) and len(p) == 2 for p in pairs):
+            raise ValueError(f"{cls.kind} must be (key, record) pairs")
+        for _, record in pairs:
+            cls.check(record)
         return cls(pairs)
+
+    @staticmethod
+    def check(record: Any) -> None:
+        """ValueError unless ``record`` is a :class:`~rlmetrics.metrics.validation.SampleRecord`."""
+        if not isinstance(record, SampleRecord):
+            raise ValueError(f"samples must be (rank key, SampleRecord) pairs, got {type(record).__name__}")
 
     def reduce(self, name: str, reduction: Reduction | None, stat: Stat) -> dict[str, float]:
         return validation_metrics(self.records)
@@ -108,13 +117,10 @@ class PromptStats(Samples):
 
     kind: ClassVar[str] = "prompts"
 
-    @classmethod
-    def from_array(cls, arr: np.ndarray) -> PromptStats:
-        """Inverse of :meth:`to_array`; ValueError unless every record is a prompt record."""
-        state = super().from_array(arr)
-        for _, record in state.records:
-            check_record(record)
-        return state
+    @staticmethod
+    def check(record: Any) -> None:
+        """ValueError unless ``record`` is a prompt record."""
+        check_record(record)
 
     def reduce(self, name: str, reduction: Reduction | None, stat: Stat) -> dict[str, float]:
         return difficulty_metrics([record for _, record in self.records])
