@@ -84,7 +84,7 @@ class Tracking(Sink):
         extra = coverage_metrics(meta)
         if extra:
             values.update(extra)
-            metrics = StepResult(values, step, meta)
+            metrics = StepResult(values, step, meta, getattr(metrics, "histograms", None))
         alerts = self.health.observe(step, values) if self.health is not None else []
         writing = [(i, sink) for i, sink in enumerate(self.sinks) if self._writes(i, sink, step)]
         if not writing:

@@ -8,6 +8,10 @@ so that merging the Stats of all ranks gives the statistics of the concatenated 
 - ``critic/score|rewards/*`` (sums of the token-level tensors over each sequence), the response and
   prompt lengths, the ratios (clip, aborted), ``num_turns/*`` and ``tool_call_counts/*`` summarize
   sequences: a global mean is sequence-weighted;
+- :data:`HISTOGRAMS`: ``response/length/hist``, ``prompt/length/hist``, ``critic/score/hist``
+  (sequences) and ``critic/advantages/hist`` (response tokens) carry a quantile sketch of their
+  observations and are reported as histograms of all ranks' data (:mod:`rlmetrics.histogram`), not
+  as numbers (``compute_data_stats(..., histograms=False)`` leaves them out);
 - ``critic/vf_explained_var`` is ``1 - Var(returns - values) / (Var(returns) + 1e-5)`` over the
   response tokens (unbiased variances, as siiRL). A ratio of variances does not merge by itself, so
   its ingredients also travel under auxiliary names (pooled stds and the token count, see
@@ -72,13 +76,28 @@ from rlmetrics.metrics.data.verl_style import (
     verl_lengths,
 )
 from rlmetrics.metrics.tensors import Batch, BatchTensors
+from rlmetrics.reduce import resolve
 from rlmetrics.stat import Stat
 from rlmetrics.summary import NAN_STRATEGIES
+
+HISTOGRAMS = {
+    "response_mask": "response/length/hist",
+    "prompt_mask": "prompt/length/hist",
+    "token_level_scores": "critic/score/hist",
+    "advantages": "critic/advantages/hist",
+}
+"""Batch key (a mask: its lengths; ``advantages``: over the response tokens) → histogram name."""
+_HIST_KEYS = ("_hist/advantages", "_hist/response_mask")  # the token tensors, moved with the others
 
 
 # ----------------------------------------------------------------------------------------- public
 def compute_data_stats(
-    batch: Batch, *, aux: bool = True, torch_compile: bool = False, nan_strategy: str = "propagate"
+    batch: Batch,
+    *,
+    aux: bool = True,
+    torch_compile: bool = False,
+    nan_strategy: str = "propagate",
+    histograms: bool = True,
 ) -> dict[str, Stat]:
     """One mergeable :class:`Stat` per data metric of ``batch`` (see the module docstring).
 
@@ -86,7 +105,8 @@ def compute_data_stats(
     and values; sequence scores, rewards, turns, tool calls) reach the statistics (``"propagate"``),
     are left out (``"drop"``; a sequence with a non-finite reward has no correct/wrong length), or
     raise :class:`~rlmetrics.stat.MetricValueError` naming the metric (``"error"``).
-    ``aux=False`` leaves out the auxiliary Stats of the explained variance. ``torch_compile=True``
+    ``aux=False`` leaves out the auxiliary Stats of the explained variance, ``histograms=False`` the
+    Stats (with sketches) of the :data:`HISTOGRAMS`. ``torch_compile=True``
     computes the token summaries (advantages, returns, values) with ``torch.compile``: fused kernels,
     about 2.5x faster for them on this CPU, after a first call that compiles for 10-30 s (a C++
     compiler on CPU, Triton on GPU; where compiling fails, a warning and the eager path).
@@ -100,8 +120,9 @@ def compute_data_stats(
     >>> (s.count, s.mean, stats["response/length/mean"].count)
     (5.0, 3.0, 2.0)
     """
-    names, arrays = _data_arrays(batch, torch_compile, nan_strategy)
+    names, arrays, hists = _data_arrays(batch, torch_compile, nan_strategy, histograms)
     stats = {name: Stat(*column) for name, column in zip(names, arrays.T.tolist())}
+    stats.update(hists)
     if not aux:
         for name in VF_AUX:
             stats.pop(name, None)
@@ -125,12 +146,13 @@ def compute_data_metric(
     >>> m["critic/rewards/mean"], m["response/correct_length/mean"], m["response/wrong_length/mean"]
     (0.5, 3.0, 2.0)
     """
-    return metrics_of_arrays(*_data_arrays(batch, torch_compile, nan_strategy))
+    return metrics_of_arrays(*_data_arrays(batch, torch_compile, nan_strategy)[:2])
 
 
 def data_metrics_from_stats(stats: Mapping[str, Stat]) -> dict[str, float]:
     """Reduce (merged) data Stats to ``{name: float}`` as the aggregator does: each name by its
-    reduction, empty Stats left out, then :func:`rlmetrics.metrics.derive_metrics`.
+    reduction, empty Stats left out, then :func:`rlmetrics.metrics.derive_metrics`; histogram names
+    (:data:`HISTOGRAMS`) are left out too (:class:`~rlmetrics.histogram.Histogram` reads them).
 
     >>> import torch
     >>> a = compute_data_stats({"advantages": torch.tensor([[1.0, 2.0]]), "response_mask": torch.ones(1, 2)})
@@ -139,6 +161,7 @@ def data_metrics_from_stats(stats: Mapping[str, Stat]) -> dict[str, float]:
     >>> data_metrics_from_stats(merged)["critic/advantages/mean"]
     3.0
     """
+    stats = {name: s for name, s in stats.items() if resolve(name).kind != "hist"}
     names = list(stats)
     arrays = np.array([[s.count, s.sum, s.m2, s.min, s.max] for s in stats.values()]).T
     return metrics_of_arrays(names, arrays.reshape(5, len(names)), stats)
@@ -157,25 +180,45 @@ def _process() -> Any:
     return _PROCESSES[pid]
 
 
-def _data_arrays(batch: Batch, torch_compile: bool, nan_strategy: str) -> tuple[list[str], np.ndarray]:
-    """The data metrics' names and their ``(5, K)`` stat array: count, sum, m2, min, max."""
+def _data_arrays(
+    batch: Batch, torch_compile: bool, nan_strategy: str, histograms: bool = False
+) -> tuple[list[str], np.ndarray, dict[str, Stat]]:
+    """The data metrics' names, their ``(5, K)`` stat array (count, sum, m2, min, max) and, with
+    ``histograms``, the Stats with sketches of the :data:`HISTOGRAMS` the batch has."""
     if nan_strategy not in NAN_STRATEGIES:
         raise ValueError(f"nan_strategy must be one of {NAN_STRATEGIES}, got {nan_strategy!r}")
     t = BatchTensors(batch)
     seq = sequence_tensors(t)
+    advantages = t.get("advantages") if histograms and t.response_mask is not None else None
+    if advantages is not None:
+        seq = {**seq, _HIST_KEYS[0]: advantages, _HIST_KEYS[1]: t.response_mask}
     tokens = None if t.response_mask is None else TokenSummaries.of(t, t.response_mask, torch_compile)
     host, block = fetch(seq, tokens)
+    hists = _histogram_stats(host, nan_strategy) if histograms else {}
     if nan_strategy != "propagate" and tokens is not None:
         block = tokens.finite(block, nan_strategy)
     token_names = [] if tokens is None else tokens.names
     names, arrays = with_token_block(*sequence_summaries(host, t, nan_strategy), token_names, block)
     rss_gb = _process().memory_info().rss / 1024**3
     names.append("perf/process_cpu_mem_used_gb")
-    return names, np.concatenate([arrays, np.array([(1.0, rss_gb, 0.0, rss_gb, rss_gb)]).T], axis=1)
+    return names, np.concatenate([arrays, np.array([(1.0, rss_gb, 0.0, rss_gb, rss_gb)]).T], axis=1), hists
+
+
+def _histogram_stats(host: dict[str, np.ndarray], nan_strategy: str) -> dict[str, Stat]:
+    """Stats with sketches of the :data:`HISTOGRAMS` whose vectors are in ``host``."""
+    if _HIST_KEYS[0] in host:
+        tokens = host.pop(_HIST_KEYS[0])[host.pop(_HIST_KEYS[1]) != 0]
+        host = {**host, "advantages": tokens}
+    return {
+        name: Stat.of(host[key], sketch=True, nan_strategy=nan_strategy, name=name)
+        for key, name in HISTOGRAMS.items()
+        if key in host
+    }
 
 
 __all__ = [
     "CORRECT_THRESHOLD",
+    "HISTOGRAMS",
     "compute_data_metric",
     "compute_data_stats",
     "compute_variance_proxy_stats",
