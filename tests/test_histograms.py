@@ -91,6 +91,8 @@ def marked(rank: int, step: int) -> np.ndarray:
 
 @pytest.mark.torch
 def test_threads_histograms_equal_numpy_of_the_concatenated_batches(tmp_path):
+    from rlmetrics.metrics.data import compute_data_stats
+
     name = "test-histograms-threads"
     results, errors = {}, []
 
@@ -98,7 +100,9 @@ def test_threads_histograms_equal_numpy_of_the_concatenated_batches(tmp_path):
         try:
             client = rlmetrics.connect("local", world_size=WORLD, name=name, label=f"rank{r}")
             for step in range(2):
-                client.compute_local_data_metric(rank_batch(r, step), step=step)
+                client.compute_local_data_metric(rank_batch(r, step), step=step)  # the default histograms
+                tokens = compute_data_stats(rank_batch(r, step), histograms=["critic/advantages/hist"])
+                client.submit_metric({"critic/advantages/hist": tokens["critic/advantages/hist"]})
                 entropy = marked(r, step)
                 client.submit_metric({"actor/entropy/hist": entropy, "actor/entropy/mean": entropy})
                 client.wait_submit()

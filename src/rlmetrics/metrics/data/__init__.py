@@ -8,10 +8,11 @@ so that merging the Stats of all ranks gives the statistics of the concatenated 
 - ``critic/score|rewards/*`` (sums of the token-level tensors over each sequence), the response and
   prompt lengths, the ratios (clip, aborted), ``num_turns/*`` and ``tool_call_counts/*`` summarize
   sequences: a global mean is sequence-weighted;
-- :data:`HISTOGRAMS`: ``response/length/hist``, ``prompt/length/hist``, ``critic/score/hist``
-  (sequences) and ``critic/advantages/hist`` (response tokens) carry a quantile sketch of their
-  observations and are reported as histograms of all ranks' data (:mod:`rlmetrics.histogram`), not
-  as numbers (``compute_data_stats(..., histograms=False)`` leaves them out);
+- the histograms ``response/length/hist``, ``prompt/length/hist``, ``critic/score/hist``
+  (:data:`DEFAULT_HISTOGRAMS`, sequences: cheap) and on request ``critic/advantages/hist`` (response
+  tokens: a sketch of every token costs about as much as all the other data metrics) carry a
+  quantile sketch of their observations and are reported as histograms of all ranks' data
+  (:mod:`rlmetrics.histogram`), not as numbers (``compute_data_stats(..., histograms=...)``);
 - ``critic/vf_explained_var`` is ``1 - Var(returns - values) / (Var(returns) + 1e-5)`` over the
   response tokens (unbiased variances, as siiRL). A ratio of variances does not merge by itself, so
   its ingredients also travel under auxiliary names (pooled stds and the token count, see
@@ -52,7 +53,7 @@ Batch keys: ``responses``, ``attention_mask``, ``response_mask``, ``token_level_
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import numpy as np
@@ -87,6 +88,8 @@ HISTOGRAMS = {
     "advantages": "critic/advantages/hist",
 }
 """Batch key (a mask: its lengths; ``advantages``: over the response tokens) → histogram name."""
+DEFAULT_HISTOGRAMS = ("response/length/hist", "prompt/length/hist", "critic/score/hist")
+"""The histograms :func:`compute_data_stats` (and ``compute_local_data_metric``) give by default."""
 _HIST_KEYS = ("_hist/advantages", "_hist/response_mask")  # the token tensors, moved with the others
 
 
@@ -97,7 +100,7 @@ def compute_data_stats(
     aux: bool = True,
     torch_compile: bool = False,
     nan_strategy: str = "propagate",
-    histograms: bool = True,
+    histograms: bool | Collection[str] = True,
 ) -> dict[str, Stat]:
     """One mergeable :class:`Stat` per data metric of ``batch`` (see the module docstring).
 
@@ -105,8 +108,9 @@ def compute_data_stats(
     and values; sequence scores, rewards, turns, tool calls) reach the statistics (``"propagate"``),
     are left out (``"drop"``; a sequence with a non-finite reward has no correct/wrong length), or
     raise :class:`~rlmetrics.stat.MetricValueError` naming the metric (``"error"``).
-    ``aux=False`` leaves out the auxiliary Stats of the explained variance, ``histograms=False`` the
-    Stats (with sketches) of the :data:`HISTOGRAMS`. ``torch_compile=True``
+    ``aux=False`` leaves out the auxiliary Stats of the explained variance. ``histograms``: the
+    names of :data:`HISTOGRAMS` to give as Stats with sketches (True: :data:`DEFAULT_HISTOGRAMS`,
+    False: none). ``torch_compile=True``
     computes the token summaries (advantages, returns, values) with ``torch.compile``: fused kernels,
     about 2.5x faster for them on this CPU, after a first call that compiles for 10-30 s (a C++
     compiler on CPU, Triton on GPU; where compiling fails, a warning and the eager path).
@@ -120,7 +124,11 @@ def compute_data_stats(
     >>> (s.count, s.mean, stats["response/length/mean"].count)
     (5.0, 3.0, 2.0)
     """
-    names, arrays, hists = _data_arrays(batch, torch_compile, nan_strategy, histograms)
+    wanted = DEFAULT_HISTOGRAMS if histograms is True else () if histograms is False else tuple(histograms)
+    unknown = set(wanted) - set(HISTOGRAMS.values())
+    if unknown:
+        raise ValueError(f"unknown histogram(s) {sorted(unknown)}; built in: {sorted(HISTOGRAMS.values())}")
+    names, arrays, hists = _data_arrays(batch, torch_compile, nan_strategy, wanted)
     stats = {name: Stat(*column) for name, column in zip(names, arrays.T.tolist())}
     stats.update(hists)
     if not aux:
@@ -181,20 +189,21 @@ def _process() -> Any:
 
 
 def _data_arrays(
-    batch: Batch, torch_compile: bool, nan_strategy: str, histograms: bool = False
+    batch: Batch, torch_compile: bool, nan_strategy: str, histograms: Collection[str] = ()
 ) -> tuple[list[str], np.ndarray, dict[str, Stat]]:
-    """The data metrics' names, their ``(5, K)`` stat array (count, sum, m2, min, max) and, with
-    ``histograms``, the Stats with sketches of the :data:`HISTOGRAMS` the batch has."""
+    """The data metrics' names, their ``(5, K)`` stat array (count, sum, m2, min, max) and the
+    Stats with sketches of the ``histograms`` the batch has."""
     if nan_strategy not in NAN_STRATEGIES:
         raise ValueError(f"nan_strategy must be one of {NAN_STRATEGIES}, got {nan_strategy!r}")
     t = BatchTensors(batch)
     seq = sequence_tensors(t)
-    advantages = t.get("advantages") if histograms and t.response_mask is not None else None
+    wants_tokens = HISTOGRAMS["advantages"] in histograms and t.response_mask is not None
+    advantages = t.get("advantages") if wants_tokens else None
     if advantages is not None:
         seq = {**seq, _HIST_KEYS[0]: advantages, _HIST_KEYS[1]: t.response_mask}
     tokens = None if t.response_mask is None else TokenSummaries.of(t, t.response_mask, torch_compile)
     host, block = fetch(seq, tokens)
-    hists = _histogram_stats(host, nan_strategy) if histograms else {}
+    hists = _histogram_stats(host, nan_strategy, histograms) if histograms else {}
     if nan_strategy != "propagate" and tokens is not None:
         block = tokens.finite(block, nan_strategy)
     token_names = [] if tokens is None else tokens.names
@@ -204,20 +213,23 @@ def _data_arrays(
     return names, np.concatenate([arrays, np.array([(1.0, rss_gb, 0.0, rss_gb, rss_gb)]).T], axis=1), hists
 
 
-def _histogram_stats(host: dict[str, np.ndarray], nan_strategy: str) -> dict[str, Stat]:
-    """Stats with sketches of the :data:`HISTOGRAMS` whose vectors are in ``host``."""
+def _histogram_stats(
+    host: dict[str, np.ndarray], nan_strategy: str, histograms: Collection[str]
+) -> dict[str, Stat]:
+    """Stats with sketches of the ``histograms`` whose vectors are in ``host``."""
     if _HIST_KEYS[0] in host:
         tokens = host.pop(_HIST_KEYS[0])[host.pop(_HIST_KEYS[1]) != 0]
         host = {**host, "advantages": tokens}
     return {
         name: Stat.of(host[key], sketch=True, nan_strategy=nan_strategy, name=name)
         for key, name in HISTOGRAMS.items()
-        if key in host
+        if key in host and name in histograms
     }
 
 
 __all__ = [
     "CORRECT_THRESHOLD",
+    "DEFAULT_HISTOGRAMS",
     "HISTOGRAMS",
     "compute_data_metric",
     "compute_data_stats",
