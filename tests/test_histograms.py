@@ -145,3 +145,26 @@ def test_a_bucket_mode_histogram_stays_within_the_bound_and_an_exact_one_is_nump
     check(Histogram.of(merged), data)
     check(Histogram.of(Stat.of(data[:4000], sketch=True)), data[:4000])
     assert Histogram.of(Stat.of([1.0, np.inf], sketch=True)) is None  # numpy has no finite edges either
+
+
+def test_a_resumed_run_gives_the_trackers_the_histograms_of_the_jsonl_file(tmp_path):
+    """A driver restarted after a crash: TensorBoard gets the steps it lacks from the JSONL file
+    (make_sinks' catch-up), histograms included."""
+    from rlmetrics.messages import StepResult
+
+    data = [np.arange(float(step), 50.0 + step) for step in range(3)]
+    with make_sinks(["jsonl"], tmp_path, health=None) as tracking:  # TensorBoard was not there yet
+        for step, x in enumerate(data):
+            histogram = Histogram.of(Stat.of(x, sketch=True))
+            tracking.log(StepResult({"x/mean": x.mean()}, step, histograms={"x/hist": histogram}), step)
+    with make_sinks(["jsonl", "tensorboard"], tmp_path, resume=True, health=None):
+        pass
+    got = {
+        e.step: e.histogram_value
+        for e in tensorboard_accumulator(tmp_path / "tensorboard").Histograms("x/hist")
+    }
+    for step, x in enumerate(data):
+        counts, edges = np.histogram(x, HIST_BINS)
+        assert (
+            list(got[step].bucket) == counts.tolist() and list(got[step].bucket_limit) == edges[1:].tolist()
+        )

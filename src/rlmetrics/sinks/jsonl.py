@@ -60,6 +60,7 @@ import numpy as np
 
 from rlmetrics.health import Alert
 from rlmetrics.histogram import Histogram
+from rlmetrics.messages import StepResult
 from rlmetrics.sinks.names import Sink, as_floats, as_step, histograms_of
 
 logger = logging.getLogger(__name__)
@@ -196,6 +197,13 @@ def _ends_with_newline(path: Path, end: int) -> bool:
     with open(path, "rb") as f:
         f.seek(end - 1)
         return f.read(1) == b"\n"
+
+
+def record_result(record: Mapping[str, Any]) -> StepResult:
+    """A metric record of the file as the :class:`~rlmetrics.StepResult` that was logged (its values
+    and histograms; its ``meta`` is not kept)."""
+    histograms = {name: Histogram.from_dict(d) for name, d in record.get("histograms", {}).items()}
+    return StepResult(record["metrics"], record["step"], histograms=histograms)
 
 
 def read_jsonl(path: str | os.PathLike) -> JsonlRun:
