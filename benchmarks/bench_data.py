@@ -19,6 +19,16 @@ thread. The one-thread ratio is the sober one: on a small, busy machine the refe
 ``.item()`` also waits for the device (not measured here). Both sides must agree (relative 1e-5) on
 every name they share; the benchmark asserts it.
 
+Second table: the cost of the built-in histograms (:mod:`rlmetrics.histogram`):
+``compute_data_stats(batch)`` (what ``compute_local_data_metric`` submits: the Stats plus the
+sketches of the default histograms, response and prompt lengths and scores) and
+``compute_data_stats(batch, histograms=HISTOGRAMS.values())`` (also every advantage token) against
+``compute_data_stats(batch, histograms=False)``, with one torch thread (the sober setting, see
+above), and the work the histograms add, timed alone: their Stats with sketches built from the host
+vectors (``Stat.of(v, sketch=True)``). All five calls in turn, 3 N times, the fastest call of each
+kept. The ratios are ``(no histograms + sketches) / no histograms``: on a busy machine the noise of
+the end-to-end columns is larger than the tenth of a millisecond the default sketches cost.
+
 Run: ``PYTHONPATH=src python benchmarks/bench_data.py [--quick] [--markdown PATH]``.
 """
 
@@ -36,7 +46,8 @@ import psutil
 import report
 import torch
 
-from rlmetrics.metrics.data import compute_data_metric
+from rlmetrics.metrics.data import DEFAULT_HISTOGRAMS, HISTOGRAMS, compute_data_metric, compute_data_stats
+from rlmetrics.stat import Stat
 
 SHAPES = ((64, 512, 1024), (256, 1024, 2048))
 QUICK_SHAPES = ((64, 256, 512), (256, 1024, 2048))
@@ -159,6 +170,56 @@ def measure(b: int, p: int, r: int, reps: int, threads: int) -> Row:
     return Row(b, p, r, threads, min(ours), min(ref), checked)
 
 
+def measure_histograms(b: int, p: int, r: int, reps: int) -> tuple[float, float, float, float, float]:
+    """Seconds of ``compute_data_stats`` without histograms, with the default ones, with all; and of
+    the work the histograms add alone (their Stats with sketches from the host vectors: the default
+    ones, the advantage tokens)."""
+    batch = make_batch(b, p, r, seed=b + p + r)
+    every = tuple(HISTOGRAMS.values())
+    assert set(every) <= set(compute_data_stats(batch, histograms=every))
+    mask = batch["response_mask"].numpy() != 0
+    vectors = [
+        mask.sum(-1),
+        batch["attention_mask"].numpy()[:, :p].sum(-1),
+        batch["token_level_scores"].sum(-1).numpy(),
+    ]
+    advantages = batch["advantages"].numpy()
+    calls = [
+        lambda: compute_data_stats(batch, histograms=False),
+        lambda: compute_data_stats(batch),
+        lambda: compute_data_stats(batch, histograms=every),
+        lambda: [Stat.of(v, sketch=True) for v in vectors],
+        lambda: Stat.of(advantages[mask], sketch=True),
+    ]
+    times: list[list[float]] = [[] for _ in calls]
+    torch.set_num_threads(1)
+    try:  # one call of each in turn, so that a noisy neighbour slows all alike; the fastest call kept
+        for call in calls:
+            call()
+        for _ in range(3 * reps):
+            for out, call in zip(times, calls):
+                out.append(report.timed(call, 1)[0][0])
+    finally:
+        torch.set_num_threads(DEFAULT_THREADS)
+    none, default, every_s, default_work, token_work = (min(t) for t in times)
+    return none, default, every_s, default_work, token_work
+
+
+def render_histograms(shapes: list[tuple[int, int, int]], times: list[tuple[float, ...]]) -> str:
+    rows = []
+    for (b, p, r), (none, default, every, default_work, token_work) in zip(shapes, times):
+        rows.append([
+            b, p, r, f"{none * 1e3:.2f}", f"{default * 1e3:.2f}", f"{every * 1e3:.2f}",
+            f"{default_work * 1e3:.3f}", f"{(none + default_work) / none:.3f}x",
+            f"{token_work * 1e3:.2f}", f"{(none + default_work + token_work) / none:.2f}x",
+        ])  # fmt: skip
+    return report.table(
+        ["B", "prompt", "response", "no histograms ms", "default ms", "all ms", "default sketches ms",
+         "ratio", "advantage sketch ms", "ratio"],
+        rows,
+    )  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------- reporting
 def render(rows: list[Row]) -> str:
     columns = [
@@ -208,13 +269,19 @@ def main(argv: list[str] | None = None) -> list[Row]:
     print(head, flush=True)
     thread_counts = sorted({DEFAULT_THREADS, 1}, reverse=True)
     rows = [measure(b, p, r, reps, threads) for b, p, r in shapes for threads in thread_counts]
+    hist_times = [measure_histograms(b, p, r, reps) for b, p, r in shapes]
+    body = (
+        f"{render(rows)}\n\ncompute_data_stats without histograms, with the default ones "
+        f"({', '.join(DEFAULT_HISTOGRAMS)}) and with critic/advantages/hist too, 1 torch thread:\n\n"
+        f"{render_histograms(list(shapes), hist_times)}"
+    )
     notes = [
         f"best of 3 medians of {reps} calls (after a warm-up) per side, the sides alternating; CPU tensors",
         f"results asserted equal (rel 1e-5) on {sum(r.checked for r in rows[:: len(thread_counts)])} names",
         *targets(rows),
         f"total runtime: {time.perf_counter() - start:.1f} s",
     ]
-    report.emit(head, render(rows), notes, args.markdown)
+    report.emit(head, body, notes, args.markdown)
     return rows
 
 

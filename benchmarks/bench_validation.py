@@ -21,6 +21,15 @@ asserts it. Peak memory: a fresh subprocess builds a 10,000 x 64 batch and runs 
 reported are its peak RSS (``ru_maxrss``, inputs and interpreter included) and its RSS just before the
 call.
 
+Exact estimators: at 4096 x 16 (512 x 16 with ``--quick``) the ``exact=True`` call against the plain
+one, the difference being what the exact estimators cost (``pass@k``, the exact bootstrap
+expectations, the unbiased best/worst/maj@k over k-subsets and their confidence intervals; maj@k by
+its dynamic program is most of it), best of 3 calls each. And the bias table: for one prompt of
+``n`` samples, ``c`` of them correct (``acc``; the correct ones share one ``pred``, each wrong one has
+its own), the seed's bootstrap ``best@k/mean`` and ``maj@k/mean`` (1000 draws), their exact
+expectation (``exact_mean``: with replacement) and the unbiased value over k-subsets (``unbiased``),
+and the bias of the bootstrap.
+
 Run: ``PYTHONPATH=src python benchmarks/bench_validation.py [--quick] [--markdown PATH]``.
 """
 
@@ -52,6 +61,10 @@ QUICK_CELLS = ((32, 8), (128, 16))
 TARGET_CELL = (512, 16)
 TARGET_RATIO = 100.0
 TARGET_SECONDS = 0.3
+EXACT_CELL = (4096, 16)
+QUICK_EXACT_CELL = (512, 16)
+EXACT_TARGET_SECONDS = 1.0
+BIAS_CASES = ((4, 1, 4), (4, 2, 4), (8, 1, 8), (8, 2, 4), (8, 4, 8), (16, 2, 16), (16, 4, 8), (16, 8, 16))
 MEMORY_CELL = (10_000, 64)
 QUICK_MEMORY_CELL = (1_000, 64)
 MEMORY_LIMIT = 2 << 30
@@ -200,6 +213,30 @@ def measure(prompts: int, samples: int, reps: int, naive_prompts: int) -> Row:
     return Row(prompts, samples, ours_s, exact_s, m, naive_s, len(naive))
 
 
+def measure_exact(prompts: int, samples: int) -> tuple[float, float]:
+    """Seconds (best of 3) of the plain and the ``exact=True`` call on one batch."""
+    batch = make_batch(prompts, samples, seed=7)
+    plain = min(_timed(lambda: process_validation_metrics(*batch), 1)[0] for _ in range(3))
+    exact = min(_timed(lambda: process_validation_metrics(*batch, exact=True), 1)[0] for _ in range(3))
+    return plain, exact
+
+
+def bias_rows() -> list[list[str]]:
+    """The bias table (see the module docstring), computed here."""
+    rows = []
+    for n, c, k in BIAS_CASES:
+        preds = ["right"] * c + [f"wrong{i}" for i in range(n - c)]
+        acc = [1.0] * c + [0.0] * (n - c)
+        m = process_validation_metrics(["s"] * n, ["q"] * n, {"acc": acc, "pred": preds}, exact=True)
+        for metric in ("best", "maj"):
+            boot = m.get(f"val-core/s/acc/{metric}@{k}/mean", m.get(f"val-aux/s/acc/{metric}@{k}/mean"))
+            expected = m[f"val-aux/s/acc/{metric}@{k}/exact_mean"]
+            unbiased = m[f"val-aux/s/acc/{metric}@{k}/unbiased"]
+            values = [f"{boot:.3f}", f"{expected:.4f}", f"{unbiased:.4f}", f"{boot - unbiased:+.3f}"]
+            rows.append([n, c, f"{metric}@{k}", *values])
+    return rows
+
+
 def memory_child(prompts: int, samples: int) -> None:
     """Runs in a fresh interpreter: build the batch, run once, print peak RSS and time as JSON."""
     batch = make_batch(prompts, samples)
@@ -287,14 +324,46 @@ def main(argv: list[str] | None = None) -> list[Row]:
     print(head, flush=True)
     rows = [measure(p, n, reps, naive_prompts) for p, n in cells]
     mem = measure_memory(*mem_cell)
+    exact_cell = QUICK_EXACT_CELL if args.quick else EXACT_CELL
+    plain_s, exact_s = measure_exact(*exact_cell)
+    exact_table = report.table(
+        ["prompts x samples", "plain s", "exact=True s", "exact estimators s"],
+        [
+            [
+                f"{exact_cell[0]} x {exact_cell[1]}",
+                f"{plain_s:.3f}",
+                f"{exact_s:.3f}",
+                f"{exact_s - plain_s:.3f}",
+            ]
+        ],
+    )
+    bias_table = report.table(
+        [
+            "n",
+            "correct",
+            "metric",
+            "bootstrap (1000 draws)",
+            "exact_mean",
+            "unbiased",
+            "bias of the bootstrap",
+        ],
+        bias_rows(),
+    )
+    body = f"{render(rows, mem)}\n\nexact estimators:\n\n{exact_table}\n\nbias, one prompt:\n\n{bias_table}"
     notes = [
         f"rlmetrics: median of {reps} calls on the raw lists; naive: one run on the first prompts, "
         "scaled linearly to all prompts",
         f"results asserted equal (1e-12) on {sum(r.checked for r in rows)} keys",
         *targets(rows, mem),
+        f"target exact estimators <= {EXACT_TARGET_SECONDS:g} s at {EXACT_CELL[0]} x {EXACT_CELL[1]}: "
+        + (
+            f"{exact_s - plain_s:.3f} s — {report.verdict(exact_s - plain_s <= EXACT_TARGET_SECONDS)}"
+            if exact_cell == EXACT_CELL
+            else "not measured in this run"
+        ),
         f"total runtime: {time.perf_counter() - start:.1f} s",
     ]
-    report.emit(head, render(rows, mem), notes, args.markdown)
+    report.emit(head, body, notes, args.markdown)
     return rows
 
 

@@ -132,6 +132,31 @@ def test_plot_and_compare_write_pngs(run_dir, tmp_path):
         assert png.shape[1] > 300 and png[..., :3].std() > 0.01
 
 
+def test_demo_histograms_equal_numpy_and_plot_hist_draws_them(run_dir, tmp_path):
+    """The demo's length and score histograms (all ranks' data) are numpy's of the concatenated
+    batches; the demo drew them, and ``rlmetrics plot --hist`` draws one."""
+    import matplotlib.image
+
+    from rlmetrics.sinks import read_jsonl
+    from tests.test_histograms import check
+
+    run = read_jsonl(run_dir / "metrics.jsonl")
+    for name in ("response/length/hist", "critic/score/hist"):
+        steps, hists = run.histograms(name)
+        assert steps.tolist() == list(range(STEPS))
+        for step, h in zip(steps, hists):
+            batches = [simulate_batch(r, int(step), STEPS) for r in range(WORKERS)]
+            if name == "response/length/hist":
+                data = np.concatenate([b["response_mask"].numpy().sum(-1) for b in batches]) * 1.0
+            else:  # the row sums, as torch adds them
+                data = np.concatenate([b["token_level_scores"].sum(-1).double().numpy() for b in batches])
+            check(h, data)
+    rlmetrics_cli("plot", str(run_dir), "--hist", "response/length/hist", "-o", str(tmp_path / "h.png"))
+    for png in (tmp_path / "h.png", run_dir / "histograms.png"):
+        image = matplotlib.image.imread(png)
+        assert image.shape[0] > 200 and image[..., :3].std() > 0.01
+
+
 def test_plot_without_a_match_fails_clearly(run_dir, tmp_path):
     out = subprocess.run(
         [

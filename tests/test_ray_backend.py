@@ -493,3 +493,23 @@ def test_a_client_used_after_ray_shut_down_raises_and_starts_no_ray(tmp_path):
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (
         proc.stdout[-2000:] + proc.stderr[-3000:]
     )
+
+
+@ray.remote(num_cpus=0)
+def marked_histogram_rank(rank, world, name):
+    """A rank that submits ``actor/entropy/hist`` (a name marked as a histogram) for step 0."""
+    import rlmetrics
+    from tests.test_histograms import marked
+
+    client = rlmetrics.connect("ray", name=name, world_size=world, label=f"rank{rank}")
+    client.submit_metric({"actor/entropy/hist": marked(rank, 0)}, step=0)
+    client.wait_submit()
+
+
+def test_histograms_of_ray_actors_equal_numpy_of_the_concatenation(name):
+    from tests.test_histograms import check, marked
+
+    ray.get([marked_histogram_rank.remote(r, 3, name) for r in range(3)])
+    res = rlmetrics.connect("ray", name=name).result(0, timeout=60)
+    assert "actor/entropy/hist" not in res
+    check(res.histograms["actor/entropy/hist"], np.concatenate([marked(r, 0) for r in range(3)]))

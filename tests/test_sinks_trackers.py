@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from rlmetrics.histogram import Histogram
+from rlmetrics.messages import StepResult
 from rlmetrics.sinks import (
     JsonlSink,
     MLflowSink,
@@ -19,7 +21,15 @@ from rlmetrics.sinks import (
     make_sinks,
     read_jsonl,
 )
-from tests.trackers import one, read_mlflow, read_swanlab, read_tensorboard, read_wandb
+from rlmetrics.stat import Stat
+from tests.trackers import (
+    one,
+    read_mlflow,
+    read_swanlab,
+    read_tensorboard,
+    read_wandb,
+    tensorboard_accumulator,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -157,11 +167,14 @@ def test_make_sinks_all_trackers_offline(tmp_path):
     out = tmp_path / "out"
     rng = np.random.default_rng(14)
     steps = [{"critic/score/mean": float(rng.normal()), "pass@k": float(rng.random())} for _ in range(3)]
+    lengths = [[rng.integers(0, 500, size=40 * (r + 1)).astype(float) for r in range(3)] for _ in steps]
     names = ["jsonl", "tensorboard", "wandb", "mlflow", "swanlab"]
     with make_sinks(names, out, project="rlmetrics-test", run_name="demo") as tracking:
         for step, metrics in enumerate(steps):
-            tracking.log(metrics, step)
-        assert not tracking.failed
+            ranks = [Stat.of(x, sketch=True) for x in lengths[step]]  # three ranks' data, merged
+            merged = Histogram.of(ranks[0].merge(ranks[1]).merge(ranks[2]))
+            tracking.log(StepResult(metrics, step, histograms={"response/length/hist": merged}), step)
+        assert not tracking.failed  # MLflow and SwanLab have no histogram type: left out, no failure
         mlflow_run = tracking.sinks[3].run_id
     want = [m["pass@k"] for m in steps]
     assert read_jsonl(out / "metrics.jsonl").series("pass@k")[1].tolist() == want
@@ -173,5 +186,15 @@ def test_make_sinks_all_trackers_offline(tmp_path):
     assert [ml[s] for s in range(3)] == want
     sw = read_swanlab(one(out, "swanlab/run-*/run-*.swanlab"))["pass@k"]
     assert [sw[s] for s in range(3)] == want
+    hists = read_jsonl(out / "metrics.jsonl").histograms("response/length/hist")[1]
+    tb_hists = tensorboard_accumulator(out / "tensorboard").Histograms("response/length/hist")
+    for step in range(3):  # numpy's histogram of the concatenated data, as each tracker's reader finds it
+        counts, edges = np.histogram(np.concatenate(lengths[step]), 64)
+        assert hists[step].edges.tolist() == edges.tolist() and hists[step].counts.tolist() == counts.tolist()
+        tb = tb_hists[step].histogram_value
+        assert list(tb.bucket) == counts.tolist() and list(tb.bucket_limit) == edges[1:].tolist()
+        row = wb[step]  # W&B stores a histogram as nested keys
+        assert row["response/length/hist/values"] == counts.tolist()
+        assert row["response/length/hist/bins"] == edges.tolist()
     expected = {"metrics.jsonl", "tensorboard", "wandb", "mlflow.db", "swanlab"}
     assert {p.name for p in out.iterdir()} >= expected

@@ -79,7 +79,7 @@ def test_a_new_state_kind_needs_no_code_in_the_wire_or_the_engine(counts_kind):
     built-in ones: the result reports what its reduce gives for the merged state."""
     engine, table = Aggregator(), SchemaTable()
     for rank, counts in enumerate([[1, 0, 2, 0], [0, 3, 1, 1]]):
-        base = pack({"lengths/hist": [float(rank)]})
+        base = pack({"lengths/tally": [float(rank)]})
         packed = Packed(base.schema, base.stats, {0: Counts(counts)})
         items, close, unknown = decode(encode([(0, 0, 2, packed)], [0], send_names=True), table)
         assert not unknown and isinstance(items[0][3].states[0], Counts)
@@ -88,10 +88,10 @@ def test_a_new_state_kind_needs_no_code_in_the_wire_or_the_engine(counts_kind):
     res = engine.finalize(0)
     assert res.meta.complete
     assert {k: v for k, v in res.items() if "bucket" in k} == {
-        "lengths/hist/bucket0": 1.0, "lengths/hist/bucket1": 3.0, "lengths/hist/bucket2": 3.0,
-        "lengths/hist/bucket3": 1.0,
+        "lengths/tally/bucket0": 1.0, "lengths/tally/bucket1": 3.0, "lengths/tally/bucket2": 3.0,
+        "lengths/tally/bucket3": 1.0,
     }  # fmt: skip
-    assert res["lengths/hist"] == 0.5  # the column's own Stat still merges as usual
+    assert res["lengths/tally"] == 0.5  # the column's own Stat still merges as usual
 
 
 def test_a_state_that_is_not_one_is_refused():

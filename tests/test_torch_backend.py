@@ -110,6 +110,7 @@ def _main_scenario(rank: int, exchange: str) -> dict:
         client.submit_metric(
             {"lat/p50": d["lat"], "w/mean": (x, d["w"]), "w/p90": Stat.of(x, weight=d["w"], sketch=True)}
         )
+        client.submit_metric({"lat/hist": d["lat"]})  # a histogram (rlmetrics.histogram)
         client.submit_metric({"wide/p99": d["wide"], "wide/p10": d["wide"], "wide/median": d["wide"]})
         if rank == 0:  # a rank-0-only timing, below zero: must not become max(0, ...)
             client.submit_metric({"only0/latency/max": -(1.0 + step + np.arange(3.0))})
@@ -353,6 +354,18 @@ def test_every_rank_gets_numpy_on_the_concatenated_data(ranks, step, exchange):
         assert not bad, (r, bad)
         meta = ranks[r]["main"][exchange]["results"][step].meta
         assert meta.complete and meta.exchange == ("gather" if exchange == "auto" else exchange)
+
+
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_histograms_equal_numpy_on_the_concatenated_data(ranks, exchange):
+    from tests.test_histograms import check
+
+    for step in range(STEPS):
+        lat = np.concatenate([batch(r, step)["lat"] for r in range(WORLD)])  # 6000 values: bucket mode
+        for r in range(WORLD):
+            res = ranks[r]["main"][exchange]["results"][step]
+            assert list(res.histograms) == ["lat/hist"] and "lat/hist" not in res
+            check(res.histograms["lat/hist"], lat)
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)

@@ -19,7 +19,7 @@ def one(root: Path, pattern: str) -> Path:
 def tensorboard_accumulator(log_dir):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0, "histograms": 0})
     acc.Reload()
     return acc
 

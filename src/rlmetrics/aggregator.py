@@ -39,6 +39,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from rlmetrics.columns import ColumnIndex
+from rlmetrics.histogram import Histogram
 from rlmetrics.messages import PartlyMergedError, RefusedNamesError, StepMeta, StepResult, SubmissionError
 from rlmetrics.packing import MAX_WORLD_SIZE, Packed
 from rlmetrics.reduce import DEFAULT_RENAMES
@@ -305,7 +306,7 @@ class Aggregator:
         missing_ranks, missing_metrics = self.missing(step)
         st = self._steps.pop(step, None)
         complete = st is not None and not missing_ranks and not missing_metrics
-        values, empty = self._values(st) if st is not None and st.groups else ({}, [])  # closed, no data
+        values, empty, histograms = self._values(st) if st is not None and st.groups else ({}, [], {})
         meta = StepMeta(
             complete=complete,
             missing_ranks=missing_ranks,
@@ -324,7 +325,7 @@ class Aggregator:
                 len(missing_metrics),
                 list(missing_metrics)[:5],
             )
-        result = StepResult(values, step, meta)
+        result = StepResult(values, step, meta, histograms)
         self._mark_finalized(step)
         self._results[step] = result
         while len(self._results) > self.keep_results:
@@ -357,8 +358,8 @@ class Aggregator:
             out.append((packed, group.world_size))
         return out
 
-    def _values(self, st: Step) -> tuple[dict[str, float], list[str]]:
-        """The step's values and empty names (:func:`~rlmetrics.steps.reduce_step`), its layout
+    def _values(self, st: Step) -> tuple[dict[str, float], list[str], dict[str, Histogram]]:
+        """The step's values, empty names and histograms (:func:`~rlmetrics.steps.reduce_step`), its layout
         cached by its set of schemas; a non-finite value is logged once per name."""
         key = tuple(st.groups)
         lay = self._layouts.get(key)
@@ -366,13 +367,13 @@ class Aggregator:
             if len(self._layouts) >= 1024:
                 self._layouts.clear()
             lay = self._layouts[key] = layout_of(st, self.columns)
-        values, empty = reduce_step(st, lay, self.columns)
+        values, empty, histograms = reduce_step(st, lay, self.columns)
         if not np.isfinite(np.fromiter(values.values(), float, len(values))).all():
             bad = [n for n, v in values.items() if not math.isfinite(v) and n not in self._nan_warned]
             if bad:
                 self._nan_warned.update(bad)
                 logger.warning("non-finite value in metric(s) %s", bad[:10])
-        return values, empty
+        return values, empty, histograms
 
     _FINALIZED_CAP = 4096
 

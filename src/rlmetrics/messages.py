@@ -65,15 +65,24 @@ class StepMeta:
 
 
 class StepResult(dict):
-    """``{name: value}`` of one step, with ``step`` and ``meta`` (a :class:`StepMeta`)."""
+    """``{name: value}`` of one step, with ``step``, ``meta`` (a :class:`StepMeta`) and
+    ``histograms``: ``{name: Histogram}`` of the step's ``hist`` names (:mod:`rlmetrics.histogram`),
+    kept apart so that every value stays a float."""
 
-    def __init__(self, values: Mapping[str, float], step: int, meta: StepMeta | None = None) -> None:
+    def __init__(
+        self,
+        values: Mapping[str, float],
+        step: int,
+        meta: StepMeta | None = None,
+        histograms: Mapping[str, Any] | None = None,
+    ) -> None:
         super().__init__(values)
         self.step = step
         self.meta = StepMeta() if meta is None else meta
+        self.histograms = dict(histograms or {})
 
-    def __reduce__(self):  # keep step and meta across pickling (Ray)
-        return (StepResult, (dict(self), self.step, self.meta))
+    def __reduce__(self):  # keep step, meta and histograms across pickling (Ray)
+        return (StepResult, (dict(self), self.step, self.meta, self.histograms))
 
 
 @dataclass

@@ -8,7 +8,8 @@ lower middle value as ``torch.median``, percentiles interpolate linearly as ``to
 Resolution order for a name (:func:`resolve`): exact name in the registry → glob pattern in the
 registry → tokens of the name → ``MEAN``. Tokens: the last path segment is split on ``_ @ - .``
 (``p99.9`` stays whole); ``mean``/``avg`` → mean, ``min``, ``max``, ``sum``/``total``/``count`` → sum,
-``median``, ``std``, ``pNN``/``pNN.N`` → percentile decide (the last such token of the segment); a
+``median``, ``std``, ``pNN``/``pNN.N`` → percentile, ``hist`` → histogram decide (the last such
+token of the segment); a
 segment without one passes to the segment before it. Built in: ``graph_output_handling`` → max (the
 seed's special metric) and ``val/test_score/*`` → mean (its last segment is a data source name).
 A grouped name (``group/<tag>/<value>/<metric>``, :mod:`rlmetrics.groups`) not in the registry itself
@@ -34,18 +35,20 @@ from typing import Any
 import numpy as np
 
 from rlmetrics.groups import GROUP_PREFIX, split_group_name
+from rlmetrics.histogram import Histogram
 from rlmetrics.sketch import Sketch
 from rlmetrics.stat import Stat
 
-_KINDS = ("mean", "sum", "min", "max", "std", "count", "quantile")
+_KINDS = ("mean", "sum", "min", "max", "std", "count", "quantile", "hist")
 
 
 @dataclass(frozen=True)
 class Reduction:
     """How a merged Stat becomes one number.
 
-    ``kind`` is one of ``mean sum min max std count quantile``; ``q`` is the quantile in [0, 1]
-    for ``quantile``. ``name`` is the spec string that :func:`parse_reduction` reads back.
+    ``kind`` is one of ``mean sum min max std count quantile hist``; ``q`` is the quantile in
+    [0, 1] for ``quantile``; ``hist`` gives a :class:`~rlmetrics.histogram.Histogram` (or None), not
+    a number. ``name`` is the spec string that :func:`parse_reduction` reads back.
 
     >>> MAX.apply(Stat.of([1.0, 5.0, 3.0]))
     5.0
@@ -61,15 +64,18 @@ class Reduction:
 
     @property
     def needs_sketch(self) -> bool:
-        return self.kind == "quantile"
+        return self.kind in ("quantile", "hist")
 
-    def apply(self, stat: Stat) -> float:
-        """The reported value for one merged Stat (``nan`` when it holds no observation)."""
+    def apply(self, stat: Stat) -> Any:
+        """The reported value for one merged Stat (``nan`` when it holds no observation; a
+        :class:`~rlmetrics.histogram.Histogram` or None for ``hist``)."""
         if self.needs_sketch:
             if stat.sketch is None:
                 raise ValueError(
                     f"reduction {self.name!r} needs a quantile sketch (Stat.of(..., sketch=True))"
                 )
+            if self.kind == "hist":
+                return Histogram.of(stat)
             if self.name == "median":
                 return float(stat.sketch.median())
             return float(stat.sketch.quantile(self.q))
@@ -113,6 +119,7 @@ MAX = Reduction("max", "max")
 STD = Reduction("std", "std")
 COUNT = Reduction("count", "count")
 MEDIAN = Reduction("median", "quantile", 0.5)
+HIST = Reduction("hist", "hist")
 
 
 def percentile(p: float) -> Reduction:
@@ -128,10 +135,10 @@ def percentile(p: float) -> Reduction:
     return Reduction(f"p{np.format_float_positional(p, trim='-')}", "quantile", p / 100.0)
 
 
-_BY_NAME = {r.name: r for r in (MEAN, SUM, MIN, MAX, STD, COUNT, MEDIAN)}
+_BY_NAME = {r.name: r for r in (MEAN, SUM, MIN, MAX, STD, COUNT, MEDIAN, HIST)}
 _TOKENS = {
     "mean": MEAN, "avg": MEAN, "min": MIN, "minimum": MIN, "max": MAX, "maximum": MAX, "sum": SUM,
-    "total": SUM, "median": MEDIAN, "std": STD, "count": SUM,
+    "total": SUM, "median": MEDIAN, "std": STD, "count": SUM, "hist": HIST,
 }  # fmt: skip
 _TOKEN_RE = re.compile(r"p\d+(?:\.\d+)?(?![^_@.\-])|[^_@.\-]+")
 _PERCENTILE_RE = re.compile(r"p(\d+(?:\.\d+)?)")
@@ -279,7 +286,7 @@ def rename(name: str, renames: dict[str, str]) -> str:
 
 
 __all__ = [
-    "COUNT", "DEFAULT_RENAMES", "MAX", "MEAN", "MEDIAN", "MIN", "STD", "SUM", "SPECIAL_METRICS",
+    "COUNT", "DEFAULT_RENAMES", "HIST", "MAX", "MEAN", "MEDIAN", "MIN", "STD", "SUM", "SPECIAL_METRICS",
     "MaxMetric", "MeanMetric", "MedianMetric", "Metric", "MetricFunc", "MinMetric", "PercentileMetric",
     "Reduction", "SumMetric", "parse_reduction", "percentile", "register_reduction", "rename",
     "resolve", "unregister_reduction",

@@ -3,7 +3,8 @@
 :class:`Step` holds a step's contributions, one :class:`Group` per schema (stacked, folded into a
 ``(5, M)`` stat array once), and its other states by column (:mod:`rlmetrics.states`).
 :func:`layout_of` resolves a step's schemas to global columns, output names and reduction groups
-once per set of schemas; :func:`reduce_step` turns a step into ``{name: value}``.
+once per set of schemas; :func:`reduce_step` turns a step into ``{name: value}`` (and the
+histograms of its ``hist`` names, :mod:`rlmetrics.histogram`).
 :class:`~rlmetrics.aggregator.Aggregator` owns the steps, the bookkeeping and the messages.
 
 >>> from rlmetrics.columns import ColumnIndex
@@ -15,7 +16,7 @@ once per set of schemas; :func:`reduce_step` turns a step into ``{name: value}``
 >>> st.groups[packed.schema.id] = Group(known.cols)
 >>> st.groups[packed.schema.id].add(packed.stats, world_size=1)
 >>> reduce_step(st, layout_of(st, columns), columns)
-({'reward/mean': 3.0}, [])
+({'reward/mean': 3.0}, [], {})
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rlmetrics.columns import ColumnIndex
+from rlmetrics.histogram import Histogram
 from rlmetrics.metrics import derive_metrics, is_aux
 from rlmetrics.reduce import Reduction, parse_reduction
 from rlmetrics.stat import Stat, empty_arrays, merge_arrays, reduce_parts, stats_of_rows
@@ -96,6 +98,7 @@ class Layout:
     out_names: list[str]
     plain: list[tuple[Reduction, np.ndarray]]  # reductions of the stat array, with their positions
     quantiles: list[int]  # positions whose reduction reads a sketch (NaN where the step has none)
+    hists: list[str]  # output names whose reduction is a histogram (never among the values)
     derived: bool  # auxiliary names present: derived metrics are computed from the merged values
 
 
@@ -142,13 +145,17 @@ def layout_of(st: Step, columns: ColumnIndex) -> Layout:
         out_names=[columns.out_names[c] for c in cols.tolist()],
         plain=[(r, idx) for r, idx in reductions if not r.needs_sketch],
         quantiles=[i for r, idx in reductions if r.needs_sketch for i in idx.tolist()],
+        hists=[columns.out_names[cols[i]] for r, idx in reductions if r.kind == "hist" for i in idx.tolist()],
         derived=any(is_aux(columns.names[c]) for c in cols.tolist()),
     )
 
 
-def reduce_step(st: Step, lay: Layout, columns: ColumnIndex) -> tuple[dict[str, float], list[str]]:
-    """``(values, empty)``: the step's reduced values by output name (derived metrics added when
-    the step has auxiliary names) and the names no contribution had data for (left out of values)."""
+def reduce_step(
+    st: Step, lay: Layout, columns: ColumnIndex
+) -> tuple[dict[str, float], list[str], dict[str, Histogram]]:
+    """``(values, empty, histograms)``: the step's reduced values by output name (derived metrics
+    added when the step has auxiliary names), the names no contribution had data for (left out of
+    values) and the histograms of its ``hist`` names that have finite data."""
     groups = list(st.groups.values())
     if lay.positions is None:
         total = groups[0].fold()
@@ -160,7 +167,7 @@ def reduce_step(st: Step, lay: Layout, columns: ColumnIndex) -> tuple[dict[str, 
     for red, idx in lay.plain:
         out[idx] = red.apply_arrays(total[:, idx])
     out[lay.quantiles] = math.nan  # unless a sketch reduces them
-    extra = _reduce_states(st, lay, total, out, columns)
+    extra, histograms = _reduce_states(st, lay, total, out, columns)
     has_data = total[0] > 0
     if has_data.all():
         values, empty = dict(zip(lay.out_names, out.tolist())), []
@@ -168,27 +175,34 @@ def reduce_step(st: Step, lay: Layout, columns: ColumnIndex) -> tuple[dict[str, 
         flags = has_data.tolist()
         values = {n: v for n, v, ok in zip(lay.out_names, out.tolist(), flags) if ok}
         empty = [n for n, ok in zip(lay.out_names, flags) if not ok]
+    for name in lay.hists:
+        values.pop(name, None)
     if lay.derived:
         values = derive_metrics(values)
     values.update(extra)
-    return values, empty
+    return values, empty, histograms
 
 
 def _reduce_states(
     st: Step, lay: Layout, total: np.ndarray, out: np.ndarray, columns: ColumnIndex
-) -> dict[str, float]:
+) -> tuple[dict[str, float], dict[str, Histogram]]:
     """Each state's values (:mod:`rlmetrics.states`): its own column's into ``out`` (a sketch's
-    quantile), the others returned (validation samples' metrics, computed once over every rank's
-    samples)."""
+    quantile) or the histograms, the others returned (validation samples' metrics, computed once
+    over every rank's samples)."""
     extra: dict[str, float] = {}
+    histograms: dict[str, Histogram] = {}
     if not st.states:
-        return extra
+        return extra, histograms
     position = {c: i for i, c in enumerate(lay.cols.tolist())}
     for col, state in st.states.items():
         i = position[col]
         name = lay.out_names[i]
         got = state.reduce(name, parse_reduction(columns.reductions[col]), Stat.from_array(total[:, i]))
         if name in got:
-            out[i] = got.pop(name)
+            value = got.pop(name)
+            if isinstance(value, Histogram):
+                histograms[name] = value
+            elif value is not None:
+                out[i] = value
         extra.update(got)
-    return extra
+    return extra, histograms

@@ -35,9 +35,10 @@ M2, min, max per name), then:
      sum of squares that cancels; a NaN reaches min and max).
    * ``"reduce"`` (beyond): three collectives issued together (async) and awaited together: ``SUM``
      of count and sum of the ``L`` names, ``MAX`` of ``max`` for max names and ``-min`` for min
-     names, and an ``all_gather`` of the whole ``(5, S)`` stat array of the ``S`` std names only, for
-     their exact pooled M2. ``MAX`` is not NaN-safe in every backend: a NaN extreme is flagged in the
-     ``SUM`` and fixed by one extra ``MAX`` of a 0/1 mask (rare).
+     names, and an ``all_gather`` of the whole ``(5, S)`` stat array of the ``S`` std and histogram
+     names only, for their exact pooled M2 (and a histogram's min and max: its edges). ``MAX`` is not
+     NaN-safe in every backend: a NaN extreme is flagged in the ``SUM`` and fixed by one extra
+     ``MAX`` of a 0/1 mask (rare).
 
    Ranks with different layouts, or a rank with a name outside the layout, make every rank do one
    ``all_gather_object`` of name lists, build the sorted union and exchange again (the rare

@@ -78,7 +78,7 @@ class Layout:
             schema,
             float(int.from_bytes(schema.id[:6], "big")),
             {n: i for i, n in enumerate(names)},
-            where(lambda r: r.kind == "std"),
+            where(lambda r: r.kind in ("std", "hist")),  # a histogram reads every field of its Stat
             where(lambda r: r.kind == "max"),
             where(lambda r: r.kind == "min"),
             where(lambda r: r.needs_sketch),

@@ -10,7 +10,8 @@ maj@k and pass@k). ``--simulate`` draws made-up batches instead (fast; threads w
 ``--backend local``). The driver reads each step as soon as every rank closed it — no barrier —
 logs it to the sinks (JSONL and TensorBoard by default) with a progress bar, and at the end prints
 a summary table and writes PNG plots (reward, response length, advantages, update, timing,
-validation) into ``--out``.
+validation, and the heat maps over steps of the response-length and score histograms of all ranks'
+data, ``histograms.png``) into ``--out``.
 
     rlmetrics demo --steps 50 --workers 4 --out runs/demo
     rlmetrics demo --seed 1 --lr 0.1          # another run; a learning rate that collapses the policy
@@ -42,6 +43,7 @@ PLOTS = {  # file name -> metric globs ({k}: --val-samples); a plot without a ma
     "timing": ("perf/delta_time/*", "perf/throughput"),
     "validation": ("val-core/*/mean@*", "val-core/*/maj@*/mean", "val-aux/*/pass@{k}"),
 }
+HISTOGRAMS = ("response/length/hist", "critic/score/hist")  # drawn into histograms.png
 SUMMARY = (
     "critic/*/mean",
     "actor/*",
@@ -255,6 +257,7 @@ def run(args: argparse.Namespace) -> Path:
         )
         for fname, globs in PLOTS.items()
     ]
+    written.append(plot.plot_histograms(run_log, HISTOGRAMS, out / "histograms.png", title="histograms"))
     print(f"metrics: {out / 'metrics.jsonl'}")
     if "tensorboard" in args.sinks.split(","):
         print(f"tensorboard: {out / 'tensorboard'}   (tensorboard --logdir {out / 'tensorboard'})")

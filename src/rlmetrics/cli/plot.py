@@ -1,10 +1,14 @@
 """``rlmetrics plot`` and ``rlmetrics compare``: PNG plots of a run's metrics over steps.
 
     rlmetrics plot runs/demo -m 'critic/score/*' -m 'response/length/mean' -o score.png
+    rlmetrics plot runs/demo --hist response/length/hist -o lengths.png
     rlmetrics compare runs/a runs/b -m 'val-core/*' -o val.png
 
 One panel per metric matching a glob (``*`` matches across ``/``), one line per run; steps where a
 metric was not logged (validation rounds) are skipped, so sparse metrics show as points.
+``--hist NAME`` (repeatable) draws a histogram of the run (``metrics.jsonl``'s ``histograms``) as a
+heat map over steps instead: one column per step, the counts of its bins (re-binned onto one value
+axis for all steps, as each step has its own edges) on a log colour scale.
 """
 
 from __future__ import annotations
@@ -69,6 +73,49 @@ def plot_runs(
     return out
 
 
+HEAT_ROWS = 100
+"""Rows of a histogram heat map (the value axis)."""
+
+
+def plot_histograms(run: object, names: Sequence[str], out: str | Path, title: str = "") -> Path | None:
+    """Heat maps over steps of the histograms ``names`` of a JsonlRun into one PNG at ``out``
+    (one panel per name that the run has); None when it has none of them."""
+    matplotlib = require("matplotlib", "plot")
+
+    matplotlib.use("Agg")
+    import matplotlib.colors
+    import matplotlib.pyplot as plt
+
+    found = [(n, *run.histograms(n)) for n in names]
+    found = [(n, steps, hists) for n, steps, hists in found if len(steps)]
+    if not found:
+        return None
+    fig, axes = plt.subplots(
+        len(found), 1, figsize=(7, 2.8 * len(found)), squeeze=False, layout="constrained"
+    )
+    for ax, (name, steps, hists) in zip(axes.flat, found):
+        lo = min(h.edges[0] for h in hists)
+        hi = max(h.edges[-1] for h in hists)
+        rows = np.histogram_bin_edges([lo, hi], HEAT_ROWS)
+        grid = np.array(
+            [np.histogram((h.edges[:-1] + h.edges[1:]) / 2, rows, weights=h.counts)[0] for h in hists]
+        ).T
+        x = np.append(steps, steps[-1] + 1) - 0.5
+        mesh = ax.pcolormesh(
+            x, rows, np.ma.masked_equal(grid, 0), norm=matplotlib.colors.LogNorm(), cmap="viridis"
+        )
+        fig.colorbar(mesh, ax=ax, label="count")
+        ax.set_title(name, fontsize=8)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=7)
+    fig.suptitle(title, fontsize=10)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def run_label(path: str) -> str:
     """A short legend label for a run path: its folder name.
 
@@ -85,7 +132,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "plot", help="plot metrics of a run to a PNG", description=__doc__, formatter_class=fmt
     )
     p.add_argument("run", help="a metrics.jsonl, or the folder holding one")
-    _add_common(p, "plot.png")
+    _add_common(p, "plot.png", required=False)
+    p.add_argument("--hist", action="append", default=[], metavar="NAME",
+                   help="heat map over steps of histogram NAME (repeatable), not -m's metrics")  # fmt: skip
     p.set_defaults(handler=_plot)
     c = sub.add_parser(
         "compare",
@@ -99,12 +148,20 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     c.set_defaults(handler=_compare)
 
 
-def _add_common(p: argparse.ArgumentParser, default_out: str) -> None:
-    add_metric_option(p, "metrics", required=True)
+def _add_common(p: argparse.ArgumentParser, default_out: str, required: bool = True) -> None:
+    add_metric_option(p, "metrics", required=required)
     p.add_argument("-o", "--output", default=default_out, help=f"PNG file to write (default {default_out})")
 
 
 def _plot(args: argparse.Namespace) -> int:
+    if args.hist:
+        out = plot_histograms(load_run(args.run), args.hist, args.output, title=args.run)
+        if out is None:
+            raise SystemExit(f"rlmetrics: no histogram {args.hist} in {args.run}")
+        print(f"wrote {out}")
+        return 0
+    if not args.metric:
+        raise SystemExit("rlmetrics plot: give -m GLOB (metrics) or --hist NAME (histograms)")
     out = plot_runs([(run_label(args.run), load_run(args.run))], args.metric, args.output, title=args.run)
     return _written(out, args)
 

@@ -60,6 +60,18 @@ CATALOG: tuple[tuple[str, str], ...] = (
         "val-aux/<source>/<var>/{best,worst,maj}@<k>/{exact_mean,exact_std}",
         "exact expectation / std of the bootstrap distribution (exact=True)",
     ),
+    (
+        "val-aux/<source>/<var>/{best,worst,maj}@<k>/unbiased",
+        "best / worst / majority-voted value over all k-subsets: unbiased, no bootstrap (exact=True)",
+    ),
+    (
+        "val-aux/<source>/<var>/pass@<k>/{ci_low,ci_high}",
+        "95 % confidence interval across prompts (exact=True)",
+    ),
+    (
+        "val-aux/<source>/<var>/{best,worst,maj}@<k>/{exact_mean,unbiased}/{ci_low,ci_high}",
+        "95 % confidence interval across prompts (exact=True)",
+    ),
     ("val-aux/num_turns/{min,max,mean}", "turns per validation sample"),
     ("val/test_score/<source>", "mean reward of a data source"),
     # the seed's example pack (rlmetrics.metrics.analysis)

@@ -31,7 +31,7 @@ from pathlib import Path
 from rlmetrics.aggregator import StepResult
 from rlmetrics.health import Alert, Monitor, coverage_metrics
 from rlmetrics.sinks.console import ConsoleSink, format_value, render_table, summary_table
-from rlmetrics.sinks.jsonl import JsonlRun, JsonlSink, read_jsonl
+from rlmetrics.sinks.jsonl import JsonlRun, JsonlSink, read_jsonl, record_result
 from rlmetrics.sinks.mlflow import MLflowSink
 from rlmetrics.sinks.names import NameMap, Sink, adapt_name, as_floats, as_step
 from rlmetrics.sinks.swanlab import SwanLabSink
@@ -84,7 +84,7 @@ class Tracking(Sink):
         extra = coverage_metrics(meta)
         if extra:
             values.update(extra)
-            metrics = StepResult(values, step, meta)
+            metrics = StepResult(values, step, meta, getattr(metrics, "histograms", None))
         alerts = self.health.observe(step, values) if self.health is not None else []
         writing = [(i, sink) for i, sink in enumerate(self.sinks) if self._writes(i, sink, step)]
         if not writing:
@@ -134,7 +134,7 @@ class Tracking(Sink):
                 step = record["step"]
                 if self._writes(i, sink, step) and step not in done:
                     done.add(step)
-                    self._write(i, sink, record["metrics"], step, alerts.get(step, []))
+                    self._write(i, sink, record_result(record), step, alerts.get(step, []))
             sink.resumed_at = max(journal.resumed_at, -1 if sink.resumed_at is None else sink.resumed_at)
 
     def close(self) -> None:

@@ -3,7 +3,9 @@
 Each line is ``{"step": 3, "time": <unix seconds>, "metrics": {name: value, ...}}``, plus ``"meta"``
 when the logged mapping has a ``meta`` of a step that is not complete (a partial
 :class:`~rlmetrics.StepResult`: missing ranks and metrics, contributors), made JSON-safe (tuples
-and sets → lists, other objects → ``str``).
+and sets → lists, other objects → ``str``), and ``"histograms": {name: {"edges": [...], "counts":
+[...], "sum": s, "sum_squares": s2}}`` when it has histograms (:mod:`rlmetrics.histogram`;
+:meth:`JsonlRun.histograms` reads them back).
 
 - Non-finite values are written as Python's ``NaN``, ``Infinity``, ``-Infinity``: ``json.loads``
   (and pandas, and :func:`read_jsonl`) read them back as floats, so a diverging run stays visible as
@@ -57,7 +59,9 @@ from typing import Any
 import numpy as np
 
 from rlmetrics.health import Alert
-from rlmetrics.sinks.names import Sink, as_floats, as_step
+from rlmetrics.histogram import Histogram
+from rlmetrics.messages import StepResult
+from rlmetrics.sinks.names import Sink, as_floats, as_step, histograms_of
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +159,17 @@ class JsonlRun:
         steps, latest = self._latest
         return steps, np.array([_as_float(m.get(name)) for m in latest], dtype=np.float64)
 
+    def histogram_names(self) -> list[str]:
+        """Every histogram name in the file, sorted."""
+        return sorted({name for r in self.records for name in r.get("histograms", {})})
+
+    def histograms(self, name: str) -> tuple[np.ndarray, list[Histogram]]:
+        """``(steps, histograms)`` of the distinct steps that have histogram ``name``, ascending (the
+        later record wins for a step written twice)."""
+        latest = {r["step"]: r["histograms"][name] for r in self.records if name in r.get("histograms", {})}
+        steps = sorted(latest)
+        return np.array(steps, dtype=np.int64), [Histogram.from_dict(latest[s]) for s in steps]
+
     # Built once per run (records are not changed after reading): a report or plot asks per name.
     @cached_property
     def _names(self) -> tuple[str, ...]:
@@ -182,6 +197,13 @@ def _ends_with_newline(path: Path, end: int) -> bool:
     with open(path, "rb") as f:
         f.seek(end - 1)
         return f.read(1) == b"\n"
+
+
+def record_result(record: Mapping[str, Any]) -> StepResult:
+    """A metric record of the file as the :class:`~rlmetrics.StepResult` that was logged (its values
+    and histograms; its ``meta`` is not kept)."""
+    histograms = {name: Histogram.from_dict(d) for name, d in record.get("histograms", {}).items()}
+    return StepResult(record["metrics"], record["step"], histograms=histograms)
 
 
 def read_jsonl(path: str | os.PathLike) -> JsonlRun:
@@ -243,6 +265,9 @@ class JsonlSink(Sink):
         meta = getattr(metrics, "meta", None)
         if meta is not None and not meta.complete:  # a partial step says what it lacks
             record["meta"] = json_safe(meta.to_dict())
+        histograms = histograms_of(metrics)
+        if histograms:
+            record["histograms"] = {name: h.to_dict() for name, h in histograms.items()}
         self._write(record)
         self._steps.add(step)
 

@@ -5,7 +5,9 @@ one ``log_batch`` call (chunks of 1000 metrics, MLflow's batch limit); ``close()
 FINISHED. ``tracking_uri=None`` uses MLflow's default (``MLFLOW_TRACKING_URI`` or its local store).
 MLflow's usage telemetry is switched off (``MLFLOW_DISABLE_TELEMETRY=true``) unless that variable is
 already set. Names are adapted by :func:`rlmetrics.sinks.names.adapt_name` (MLflow refuses ``@``).
-View with ``mlflow ui --backend-store-uri sqlite:///path/mlflow.db``.
+View with ``mlflow ui --backend-store-uri sqlite:///path/mlflow.db``. Histograms
+(:mod:`rlmetrics.histogram`) are not written: MLflow has no histogram metric (the JSONL file,
+TensorBoard and W&B have them).
 
 ``resume=<run id>`` continues that run (marked RUNNING again) and skips every step up to the last one
 it holds (the largest step of its latest metrics but the ``alert/`` ones, written in the same

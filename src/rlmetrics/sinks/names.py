@@ -156,6 +156,12 @@ def as_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
+def histograms_of(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """The :class:`~rlmetrics.histogram.Histogram` s of a logged step (a
+    :class:`~rlmetrics.StepResult`'s ``histograms``; none for a plain mapping)."""
+    return dict(getattr(metrics, "histograms", None) or {})
+
+
 def as_step(step: Any) -> int:
     """The step as an int (``bool`` and floats are refused)."""
     if isinstance(step, bool):
@@ -206,7 +212,8 @@ class Sink:
 
 class RunSink(Sink):
     """A sink around a tracker's run object with ``run.log(dict, step=...)`` (W&B, SwanLab): names
-    adapted for ``tracker``; ``close()`` runs :meth:`finish` once."""
+    adapted for ``tracker``; ``close()`` runs :meth:`finish` once. A step's histograms go in the same
+    ``run.log`` call, as :meth:`media` makes them (the base: none, the tracker has no histogram)."""
 
     def __init__(self, tracker: str, run: Any) -> None:
         self.names = NameMap(tracker)
@@ -217,9 +224,17 @@ class RunSink(Sink):
         if not self._open:
             raise ValueError(f"{self!r} is closed")
         step = as_step(step)
-        values = self.names.adapt(as_floats(metrics))
+        values: dict[str, Any] = self.names.adapt(as_floats(metrics))
         if not self.skips(step):
+            for name, histogram in histograms_of(metrics).items():
+                media = self.media(histogram)
+                if media is not None:
+                    values[self.names(name)] = media
             self.run.log(values, step=step)
+
+    def media(self, histogram: Any) -> Any:
+        """The tracker's object for a :class:`~rlmetrics.histogram.Histogram` (None: not logged)."""
+        return None
 
     @property
     def run_id(self) -> str:

@@ -11,7 +11,9 @@ session writes its own ``run-<time>-<id>`` directory (upload each with ``swanlab
 ``DataStoreReader`` and skips every step up to the last one they hold. SwanLab flushes its file
 when its 8 KB buffer fills and when the run finishes: a killed process loses the steps after the
 last flush (:func:`~rlmetrics.sinks.make_sinks` logs them again from the JSONL file). A health
-alert is a text ``alert/<rule>`` at its step.
+alert is a text ``alert/<rule>`` at its step. Histograms (:mod:`rlmetrics.histogram`) are not
+written: SwanLab 0.10.3 (the version tested) has no histogram type (its newer documentation describes
+a ``swanlab.Histogram``); the JSONL file, TensorBoard and W&B have them.
 """
 
 from __future__ import annotations

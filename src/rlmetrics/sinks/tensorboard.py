@@ -10,7 +10,10 @@ Each session writes a new event file in ``log_dir``. ``resume=True`` first reads
 already there (tensorboard's own ``LegacyEventFileLoader``, which stops at a record cut by a crash) and
 skips every step up to the last one they hold: TensorBoard's reader drops the events after a step
 that goes back ("orphaned" data), so a resumed run must only go forward. A health alert is a text
-summary ``alert/<rule>`` at its step (TensorBoard's Text tab).
+summary ``alert/<rule>`` at its step (TensorBoard's Text tab). A step's histograms
+(:attr:`StepResult.histograms <rlmetrics.StepResult>`) are histogram summaries in the same event
+(``HistogramProto``: ``bucket_limit`` the right edges, ``bucket`` the counts; TensorBoard's Histograms
+and Distributions tabs, ``EventAccumulator.Histograms``).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pathlib import Path
 
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
-from rlmetrics.sinks.names import NameMap, Sink, as_floats, as_step
+from rlmetrics.sinks.names import NameMap, Sink, as_floats, as_step, histograms_of
 
 
 class TensorBoardSink(Sink):
@@ -62,7 +65,14 @@ class TensorBoardSink(Sink):
         if self.skips(step):
             return
         Value = self._summary_pb2.Summary.Value
-        self._write(step, [Value(tag=tag, simple_value=value) for tag, value in values.items()])
+        out = [Value(tag=tag, simple_value=value) for tag, value in values.items()]
+        for name, h in histograms_of(metrics).items():
+            histo = self._summary_pb2.HistogramProto(
+                min=h.edges[0], max=h.edges[-1], num=h.count, sum=h.sum, sum_squares=h.sum_squares,
+                bucket_limit=h.edges[1:].tolist(), bucket=h.counts.tolist(),
+            )  # fmt: skip
+            out.append(Value(tag=self.names(name), histo=histo))
+        self._write(step, out)
 
     def alert(self, alert: Alert) -> None:
         if self._writer is None:

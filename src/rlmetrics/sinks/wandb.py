@@ -10,7 +10,9 @@ is dropped by W&B with a warning. Names are adapted by :func:`rlmetrics.sinks.na
 writes its own ``offline-run-<time>-<id>`` directory, and ``wandb sync <dir>/wandb/offline-run-*-<id>``
 uploads them as one run, in order. The sink first reads the run files of the earlier sessions (and,
 online, the run's step) and skips every step up to the last one they hold, so no step is written
-twice and none below a committed one (W&B would drop it). A health alert is a W&B alert
+twice and none below a committed one (W&B would drop it). A step's histograms
+(:attr:`StepResult.histograms <rlmetrics.StepResult>`) are logged as
+``wandb.Histogram(np_histogram=(counts, edges))`` in the step's row. A health alert is a W&B alert
 (``run.alert``, titled with the rule and the metric; W&B sends an online run's alerts by e-mail or
 Slack) and ``alert/<rule> = 1`` in the step's history.
 
@@ -98,6 +100,7 @@ class WandbSink(RunSink):
         init_kwargs.setdefault("reinit", "create_new")
         if resume:
             init_kwargs.update(id=resume, resume="allow")
+        self._Histogram = wandb.Histogram
         self.project, self.mode, self.close_timeout = project, mode, close_timeout
         super().__init__("wandb", wandb.init(project=project, name=name, dir=dir, mode=mode, **init_kwargs))
         if resume:
@@ -122,6 +125,9 @@ class WandbSink(RunSink):
                 elif kind == "alert":
                     self._alerted.add(record.alert.text)
         self.resumed_at = max(steps, default=None)
+
+    def media(self, histogram: Any) -> Any:
+        return self._Histogram(np_histogram=(histogram.counts, histogram.edges))
 
     def alert(self, alert: Alert) -> None:
         if not self._open:

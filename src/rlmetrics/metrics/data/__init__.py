@@ -8,6 +8,11 @@ so that merging the Stats of all ranks gives the statistics of the concatenated 
 - ``critic/score|rewards/*`` (sums of the token-level tensors over each sequence), the response and
   prompt lengths, the ratios (clip, aborted), ``num_turns/*`` and ``tool_call_counts/*`` summarize
   sequences: a global mean is sequence-weighted;
+- the histograms ``response/length/hist``, ``prompt/length/hist``, ``critic/score/hist``
+  (:data:`DEFAULT_HISTOGRAMS`, sequences: cheap) and on request ``critic/advantages/hist`` (response
+  tokens: a sketch of every token costs about as much as all the other data metrics) carry a
+  quantile sketch of their observations and are reported as histograms of all ranks' data
+  (:mod:`rlmetrics.histogram`), not as numbers (``compute_data_stats(..., histograms=...)``);
 - ``critic/vf_explained_var`` is ``1 - Var(returns - values) / (Var(returns) + 1e-5)`` over the
   response tokens (unbiased variances, as siiRL). A ratio of variances does not merge by itself, so
   its ingredients also travel under auxiliary names (pooled stds and the token count, see
@@ -48,7 +53,7 @@ Batch keys: ``responses``, ``attention_mask``, ``response_mask``, ``token_level_
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import numpy as np
@@ -74,8 +79,20 @@ from rlmetrics.metrics.data.verl_style import (
 )
 from rlmetrics.metrics.difficulty import difficulty_metrics
 from rlmetrics.metrics.tensors import Batch, BatchTensors
+from rlmetrics.reduce import resolve
 from rlmetrics.stat import Stat
 from rlmetrics.summary import NAN_STRATEGIES
+
+HISTOGRAMS = {
+    "response_mask": "response/length/hist",
+    "prompt_mask": "prompt/length/hist",
+    "token_level_scores": "critic/score/hist",
+    "advantages": "critic/advantages/hist",
+}
+"""Batch key (a mask: its lengths; ``advantages``: over the response tokens) → histogram name."""
+DEFAULT_HISTOGRAMS = ("response/length/hist", "prompt/length/hist", "critic/score/hist")
+"""The histograms :func:`compute_data_stats` (and ``compute_local_data_metric``) give by default."""
+_HIST_KEYS = ("_hist/advantages", "_hist/response_mask")  # the token tensors, moved with the others
 
 
 # ----------------------------------------------------------------------------------------- public
@@ -86,6 +103,7 @@ def compute_data_stats(
     torch_compile: bool = False,
     nan_strategy: str = "propagate",
     group_by: GroupBy = None,
+    histograms: bool | Collection[str] = True,
 ) -> dict[str, Stat]:
     """One mergeable :class:`Stat` per data metric of ``batch`` (see the module docstring).
 
@@ -93,7 +111,9 @@ def compute_data_stats(
     and values; sequence scores, rewards, turns, tool calls) reach the statistics (``"propagate"``),
     are left out (``"drop"``; a sequence with a non-finite reward has no correct/wrong length), or
     raise :class:`~rlmetrics.stat.MetricValueError` naming the metric (``"error"``).
-    ``aux=False`` leaves out the auxiliary Stats of the explained variance. ``torch_compile=True``
+    ``aux=False`` leaves out the auxiliary Stats of the explained variance. ``histograms``: the
+    names of :data:`HISTOGRAMS` to give as Stats with sketches (True: :data:`DEFAULT_HISTOGRAMS`,
+    False: none). ``torch_compile=True``
     computes the token summaries (advantages, returns, values) with ``torch.compile``: fused kernels,
     about 2.5x faster for them on this CPU, after a first call that compiles for 10-30 s (a C++
     compiler on CPU, Triton on GPU; where compiling fails, a warning and the eager path).
@@ -112,8 +132,9 @@ def compute_data_stats(
     (5.0, 3.0, 2.0)
     """
     return data_stats_and_prompts(
-        batch, aux=aux, torch_compile=torch_compile, nan_strategy=nan_strategy, group_by=group_by
-    )[0]
+        batch, aux=aux, torch_compile=torch_compile, nan_strategy=nan_strategy, group_by=group_by,
+        histograms=histograms,
+    )[0]  # fmt: skip
 
 
 def data_stats_and_prompts(
@@ -124,12 +145,20 @@ def data_stats_and_prompts(
     nan_strategy: str = "propagate",
     group_by: GroupBy = None,
     difficulty: bool | str = False,
+    histograms: bool | Collection[str] = True,
 ) -> tuple[dict[str, Stat], dict[str, Any] | None]:
     """:func:`compute_data_stats` and, with ``difficulty`` (the batch key of each sample's prompt
     id: ``True`` for ``"uid"``, verl's), the batch's prompt record of the difficulty groups
     (:func:`~rlmetrics.metrics.difficulty.prompt_record`; None without), from one transfer."""
-    names, arrays, record = _data_arrays(batch, torch_compile, nan_strategy, group_by, difficulty)
+    wanted = DEFAULT_HISTOGRAMS if histograms is True else () if histograms is False else tuple(histograms)
+    unknown = set(wanted) - set(HISTOGRAMS.values())
+    if unknown:
+        raise ValueError(f"unknown histogram(s) {sorted(unknown)}; built in: {sorted(HISTOGRAMS.values())}")
+    names, arrays, record, hists = _data_arrays(
+        batch, torch_compile, nan_strategy, group_by, difficulty, wanted
+    )
     stats = {name: Stat(*column) for name, column in zip(names, arrays.T.tolist())}
+    stats.update(hists)
     if not aux:
         for name in [n for n in stats if is_aux(n)]:
             stats.pop(name, None)
@@ -167,7 +196,7 @@ def compute_data_metric(
     >>> compute_data_metric(batch, difficulty=True)["difficulty/mixed_ratio"]
     1.0
     """
-    names, arrays, record = _data_arrays(batch, torch_compile, nan_strategy, group_by, difficulty)
+    names, arrays, record, _ = _data_arrays(batch, torch_compile, nan_strategy, group_by, difficulty)
     out = metrics_of_arrays(names, arrays)
     if record is not None:
         out.update(difficulty_metrics([record]))
@@ -176,7 +205,8 @@ def compute_data_metric(
 
 def data_metrics_from_stats(stats: Mapping[str, Stat]) -> dict[str, float]:
     """Reduce (merged) data Stats to ``{name: float}`` as the aggregator does: each name by its
-    reduction, empty Stats left out, then :func:`rlmetrics.metrics.derive_metrics`.
+    reduction, empty Stats left out, then :func:`rlmetrics.metrics.derive_metrics`; histogram names
+    (:data:`HISTOGRAMS`) are left out too (:class:`~rlmetrics.histogram.Histogram` reads them).
 
     >>> import torch
     >>> a = compute_data_stats({"advantages": torch.tensor([[1.0, 2.0]]), "response_mask": torch.ones(1, 2)})
@@ -185,6 +215,7 @@ def data_metrics_from_stats(stats: Mapping[str, Stat]) -> dict[str, float]:
     >>> data_metrics_from_stats(merged)["critic/advantages/mean"]
     3.0
     """
+    stats = {name: s for name, s in stats.items() if resolve(name).kind != "hist"}
     names = list(stats)
     arrays = np.array([[s.count, s.sum, s.m2, s.min, s.max] for s in stats.values()]).T
     return metrics_of_arrays(names, arrays.reshape(5, len(names)), stats)
@@ -204,10 +235,16 @@ def _process() -> Any:
 
 
 def _data_arrays(
-    batch: Batch, torch_compile: bool, nan_strategy: str, group_by: GroupBy, difficulty: bool | str
-) -> tuple[list[str], np.ndarray, dict[str, Any] | None]:
+    batch: Batch,
+    torch_compile: bool,
+    nan_strategy: str,
+    group_by: GroupBy,
+    difficulty: bool | str,
+    histograms: Collection[str] = (),
+) -> tuple[list[str], np.ndarray, dict[str, Any] | None, dict[str, Stat]]:
     """The data metrics' names and their ``(5, K)`` stat array: count, sum, m2, min, max (the
-    groups' after the batch's), and the prompt record of the difficulty groups (None without)."""
+    groups' after the batch's), the prompt record of the difficulty groups (None without), and the
+    Stats with sketches of the ``histograms`` the batch has."""
     if nan_strategy not in NAN_STRATEGIES:
         raise ValueError(f"nan_strategy must be one of {NAN_STRATEGIES}, got {nan_strategy!r}")
     t = BatchTensors(batch)
@@ -215,19 +252,45 @@ def _data_arrays(
     breakdowns = Breakdowns(group_by, t.batch, batch, prompts)
     seq = sequence_tensors(t)
     mask = t.response_mask
+    if HISTOGRAMS["advantages"] in histograms and mask is not None:
+        advantages = t.get("advantages")
+        if advantages is not None:
+            seq = {**seq, _HIST_KEYS[0]: advantages, _HIST_KEYS[1]: mask}
     tokens = None if mask is None else TokenSummaries.of(t, mask, torch_compile, rows=bool(breakdowns))
     host, block, moved = fetch(seq, tokens, breakdowns.tensors)
+    hists = _histogram_stats(host, nan_strategy, histograms) if histograms else {}
     if nan_strategy != "propagate" and tokens is not None:
         block = tokens.finite(block, nan_strategy)
     parts = sequence_parts(host, t, nan_strategy)
     names, arrays, record = breakdowns.assemble(moved, parts, tokens, block, nan_strategy)
     rss_gb = _process().memory_info().rss / 1024**3
     names.append("perf/process_cpu_mem_used_gb")
-    return names, np.concatenate([arrays, np.array([(1.0, rss_gb, 0.0, rss_gb, rss_gb)]).T], axis=1), record
+    return (
+        names,
+        np.concatenate([arrays, np.array([(1.0, rss_gb, 0.0, rss_gb, rss_gb)]).T], axis=1),
+        record,
+        hists,
+    )
+
+
+def _histogram_stats(
+    host: dict[str, np.ndarray], nan_strategy: str, histograms: Collection[str]
+) -> dict[str, Stat]:
+    """Stats with sketches of the ``histograms`` whose vectors are in ``host``."""
+    if _HIST_KEYS[0] in host:
+        tokens = host.pop(_HIST_KEYS[0])[host.pop(_HIST_KEYS[1]) != 0]
+        host = {**host, "advantages": tokens}
+    return {
+        name: Stat.of(host[key], sketch=True, nan_strategy=nan_strategy, name=name)
+        for key, name in HISTOGRAMS.items()
+        if key in host and name in histograms
+    }
 
 
 __all__ = [
     "CORRECT_THRESHOLD",
+    "DEFAULT_HISTOGRAMS",
+    "HISTOGRAMS",
     "compute_data_metric",
     "compute_data_stats",
     "compute_variance_proxy_stats",

@@ -59,13 +59,16 @@ generator; we draw the same numbers from a private ``RandomState`` and leave the
 
 **Beyond the seed** (``exact=True``; extra keys, always ``val-aux``, the seed's keys unchanged):
 ``pass@k`` for variables whose values in the data source are all 0/1 (the unbiased estimator of
-Chen et al. 2021, ``1 - C(n-c, k) / C(n, k)``, for ``k`` in 1 and :func:`bootstrap_sizes`), and the
+Chen et al. 2021, ``1 - C(n-c, k) / C(n, k)``, for ``k`` in 1 and :func:`bootstrap_sizes`); the
 exact expectation and std of the bootstrap distribution (``k`` draws with replacement), without
-sampling noise: ``best@k/exact_mean|exact_std``, ``worst@k/...`` and ``maj@k/...`` (majority
-vote by a dynamic program over the vote counts, exact up to float rounding; its cost grows with
-``k**3`` times the number of distinct preds: 512 x 16 takes about 0.1 s more, 1000 x 64 about 3 s).
-Like every key here, they are final values over all samples (computed once, after merging the
-records), not inputs to a per-name reduction.
+sampling noise: ``best@k/exact_mean|exact_std``, ``worst@k/...`` and ``maj@k/...``; the unbiased
+estimators over all ``k``-subsets of distinct samples, ``best@k/unbiased``, ``worst@k/unbiased`` and
+``maj@k/unbiased`` (:mod:`~rlmetrics.metrics.validation.exact` says why the bootstrap is biased);
+and a 95 % confidence interval across prompts, ``<name>/ci_low|ci_high``, for each ``pass@k``,
+``exact_mean`` and ``unbiased`` (:mod:`~rlmetrics.metrics.validation.compute`). maj@k is computed
+by a dynamic program over the vote counts, exact up to float rounding, once per distinct multiset
+of class sizes (``docs/validation.md`` has the cost). Like every key here, they are final values
+over all samples (computed once, after merging the records), not inputs to a per-name reduction.
 
 **Distributed.** :func:`encode_samples` turns one rank's samples into a compact
 :class:`SampleRecord` (codes plus tables, float64 columns); :func:`merge_samples` concatenates
@@ -191,7 +194,8 @@ def process_validation_metrics(
     """The seed's validation metrics ``{name: value}`` (see the module docstring for the names).
 
     ``sample_turns`` may be a flat sequence of turn counts or a sequence of arrays (the seed
-    concatenates them). ``exact=True`` adds the ``pass@k`` and ``.../exact_mean|exact_std`` keys.
+    concatenates them). ``exact=True`` adds the ``pass@k``, ``.../exact_mean|exact_std``,
+    ``.../unbiased`` and ``.../ci_low|ci_high`` keys.
     ``nan_strategy``: as :func:`encode_samples`.
 
     >>> m = process_validation_metrics(["a", "a", "b"], ["p", "p", "q"], {"reward": [1.0, 0.0, 0.5]},

@@ -1,10 +1,17 @@
 """The per-prompt metrics of a record and their averages per data source (:func:`compute`), view by view,
 prompts grouped by their number of samples.
+
+The ``exact=True`` estimators (``pass@k``, ``.../exact_mean``, ``.../unbiased``) also get a 95 %
+confidence interval across prompts, ``<name>/ci_low`` and ``<name>/ci_high``: the mean over the data
+source's prompts plus or minus :data:`Z95` standard errors (sample std of the per-prompt values,
+``ddof=1``, over the square root of the number of prompts; the normal approximation, treating
+the prompts as drawn at random). Absent with fewer than two prompts.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,25 +25,47 @@ from rlmetrics.metrics.validation.views import View, seed_view, verl_views
 logger = logging.getLogger("rlmetrics.metrics.validation")
 
 
+Z95 = 1.959963984540054
+"""The standard normal's 97.5 % quantile: a two-sided 95 % interval."""
+
+
+def _has_ci(name: str) -> bool:
+    """The estimators that get a confidence interval: pass@k, exact means, unbiased estimators."""
+    return name.startswith("pass@") or name.endswith(("/exact_mean", "/unbiased"))
+
+
 class _Sums:
-    """Per data source sums and counts of per-prompt values, keyed by (var, metric name)."""
+    """Per data source sums, counts and sums of squares of per-prompt values, keyed by (var, metric
+    name)."""
 
     def __init__(self, n_sources: int) -> None:
         self.n = n_sources
-        self.data: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
+        self.data: dict[tuple[str, str], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def add(self, var: str, name: str, src: np.ndarray, values: np.ndarray) -> None:
         entry = self.data.get((var, name))
         if entry is None:
-            entry = self.data[(var, name)] = (np.zeros(self.n), np.zeros(self.n))
+            entry = self.data[(var, name)] = (np.zeros(self.n), np.zeros(self.n), np.zeros(self.n))
         entry[0][:] += np.bincount(src, weights=values, minlength=self.n)
         entry[1][:] += np.bincount(src, minlength=self.n)
+        entry[2][:] += np.bincount(src, weights=values * values, minlength=self.n)
 
     def mean(self, var: str, name: str, s: int) -> float | None:
         entry = self.data.get((var, name))
         if entry is None or entry[1][s] == 0:
             return None
         return float(entry[0][s] / entry[1][s])
+
+    def interval(self, var: str, name: str, s: int) -> tuple[float, float] | None:
+        """The 95 % confidence interval of :meth:`mean` across prompts (None below two prompts)."""
+        entry = self.data.get((var, name))
+        if entry is None or entry[1][s] < 2:
+            return None
+        total, count, squares = (float(e[s]) for e in entry)
+        mean = total / count
+        var_ = max(squares - count * mean * mean, 0.0) / (count - 1)
+        half = Z95 * math.sqrt(var_ / count)
+        return mean - half, mean + half
 
 
 class Result:
@@ -63,7 +92,7 @@ def _extra_names(n: int, has_pred: bool) -> list[str]:
     names = [f"pass@{k}" for k in (1, *bootstrap_sizes(n))]
     for k in bootstrap_sizes(n):
         for metric in ("best", "worst", "maj") if has_pred else ("best", "worst"):
-            names += [f"{metric}@{k}/exact_mean", f"{metric}@{k}/exact_std"]
+            names += [f"{metric}@{k}/exact_mean", f"{metric}@{k}/exact_std", f"{metric}@{k}/unbiased"]
     return names
 
 
@@ -119,6 +148,9 @@ def compute(record: SampleRecord, seed: int, n_bootstrap: int, exact: bool) -> R
                         value = sums.mean(v, name, s)
                         if name not in extras and value is not None:
                             extras[name] = value
+                            ci = sums.interval(v, name, s) if _has_ci(name) else None
+                            if ci is not None:
+                                extras[f"{name}/ci_low"], extras[f"{name}/ci_high"] = ci
     reward = record.values.get("reward")
     if reward is not None and not verl:
         group = np.asarray(record.group, dtype=np.intp)
@@ -208,4 +240,4 @@ def _add_prompts(
         run.sums.add(v, name, src[keep[v]], vals[keep[v]])
 
 
-__all__ = ["Result", "at_n", "compute"]
+__all__ = ["Z95", "Result", "at_n", "compute"]

@@ -1,8 +1,22 @@
-"""What ``exact=True`` adds (beyond the seed): ``pass@k`` (Chen et al. 2021) and the exact expectation
-and std of the best@k / worst@k / maj@k bootstrap distributions, without sampling noise.
+"""What ``exact=True`` adds (beyond the seed): ``pass@k`` (Chen et al. 2021), the exact expectation
+and std of the best@k / worst@k / maj@k bootstrap distributions, without sampling noise, and the
+unbiased estimators of best@k / worst@k / maj@k over all k-subsets.
+
+Two expectations, two questions. The bootstrap draws ``k`` of a prompt's ``n`` samples *with*
+replacement, so ``.../exact_mean`` (its exact expectation) is biased towards the mean when ``k`` is
+close to ``n``: with 1 correct answer of 4, every 4-draw misses it with probability (3/4)**4, and
+best@4 reads 0.684 (verl PR #7240). ``.../unbiased`` averages over every ``k``-subset of distinct
+samples (a U-statistic, the estimator of Chen et al. for pass@k): the unbiased estimate of the best
+(worst, majority-voted) value of ``k`` fresh samples, 1.0 in that case; for 0/1 values
+``best@k/unbiased`` is ``pass@k``. maj@k over a subset follows the bootstrap's rule for a row in a
+uniformly random order: the most frequent pred wins, ties go to the pred seen first, and the value
+is the first one of the winning pred in the row.
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import numpy as np
 
@@ -25,10 +39,27 @@ def pass_at_k(n: int, c: np.ndarray | int, k: int) -> np.ndarray:
     return 1.0 - table[np.asarray(c, dtype=np.intp)]
 
 
+@functools.lru_cache(maxsize=256)
+def subset_weights(n: int, k: int) -> np.ndarray:
+    """``w[i] = C(i, k - 1) / C(n, k)``: the probability that the ``(i + 1)``-th smallest of ``n``
+    values is the largest of a uniform ``k``-subset (exact integers, one rounding each; read-only).
+
+    >>> subset_weights(4, 2).tolist() == [0.0, 1 / 6, 2 / 6, 3 / 6]
+    True
+    """
+    if not 1 <= k <= n:
+        raise ValueError(f"k-subsets need 1 <= k <= n, got k={k}, n={n}")
+    total = math.comb(n, k)
+    out = np.array([math.comb(i, k - 1) / total for i in range(n)])
+    out.flags.writeable = False
+    return out
+
+
 def exact_group(
     mats: dict[str, np.ndarray], dense: np.ndarray | None, n_classes: np.ndarray | None, n: int
 ) -> dict[tuple[str, str], np.ndarray]:
-    """pass@k and the exact best/worst/maj expectations and stds per prompt (``n`` samples each)."""
+    """pass@k, the exact best/worst/maj expectations and stds of the bootstrap, and the unbiased
+    best/worst/maj over k-subsets, per prompt (``n`` samples each)."""
     out: dict[tuple[str, str], np.ndarray] = {}
     ks = bootstrap_sizes(n)
     for v, mat in mats.items():
@@ -44,53 +75,98 @@ def exact_group(
                 out[(v, f"{metric}@{k}/exact_mean")] = mean
                 with np.errstate(invalid="ignore"):
                     out[(v, f"{metric}@{k}/exact_std")] = np.sqrt(((srt - mean[:, None]) ** 2) @ w)
+            w_subset = subset_weights(n, k)
+            out[(v, f"best@{k}/unbiased")] = srt @ w_subset
+            out[(v, f"worst@{k}/unbiased")] = srt @ w_subset[::-1]
     if dense is not None and n_classes is not None and ks and mats:
         names = list(mats)
+        majority = _exact_majority(mats, names, dense, n_classes, n, ks)
         for k in ks:
-            first, second = _exact_majority(mats, names, dense, n_classes, n, k)
+            first, second = majority[(k, False)]
+            unbiased, _ = majority[(k, True)]
             for j, v in enumerate(names):
                 out[(v, f"maj@{k}/exact_mean")] = first[:, j]
                 with np.errstate(invalid="ignore"):
                     out[(v, f"maj@{k}/exact_std")] = np.sqrt(np.maximum(second[:, j] - first[:, j] ** 2, 0.0))
+                out[(v, f"maj@{k}/unbiased")] = unbiased[:, j]
     return out
 
 
 def _exact_majority(
-    mats: dict[str, np.ndarray], names: list[str], dense: np.ndarray, n_classes: np.ndarray, n: int, k: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """E[maj value] and E[maj value**2] per prompt and variable, under ``k`` draws with replacement.
+    mats: dict[str, np.ndarray],
+    names: list[str],
+    dense: np.ndarray,
+    n_classes: np.ndarray,
+    n: int,
+    ks: list[int],
+) -> dict[tuple[int, bool], tuple[np.ndarray, np.ndarray]]:
+    """``{(k, subsets): (E[maj value], E[maj value**2])}`` per prompt and variable, for ``k`` draws
+    with replacement (``subsets`` False) and for a uniform ``k``-subset in a uniform order (True: the
+    counts multivariate hypergeometric instead of multinomial).
 
     Given the vote counts, the reported value is that of a uniform member of the winning class, and
-    among tied classes each wins with probability 1/(number tied). So E = sum over classes c of
-    P(c wins) * (mean of c). P(c wins) comes from a dynamic program per level L (the winning count):
-    classes are visited in turn, each taking j <= L of the remaining r draws (binomial), tracking how
-    many classes reached exactly L; the channel sums carry the class means of those that did."""
+    among tied classes each wins with probability 1/(number tied); the same holds for subsets. So
+    E = sum over classes c of P(c wins) * (mean of c), and P(c wins) depends on the class sizes
+    alone: it is computed once per distinct multiset of class sizes (a few hundred partitions of
+    ``n`` cover thousands of prompts), by :func:`_win_probabilities`."""
     n_prompts = len(dense)
     rows = np.arange(n_prompts)[:, None]
     size = np.zeros((n_prompts, n))
     np.add.at(size, (rows, dense), 1.0)
-    chans = [np.zeros_like(size)]  # channel 0: the probability mass itself (adds no class value)
+    d_max = int(n_classes.max())
+    order = np.argsort(-size, axis=1, kind="stable")[:, :d_max]  # classes by size, largest first
+    partitions, which = np.unique(np.take_along_axis(size, order, axis=1), axis=0, return_inverse=True)
+    means = []
     for v in names:
         total = np.zeros((n_prompts, n))
         squares = np.zeros((n_prompts, n))
         np.add.at(total, (rows, dense), mats[v])
         np.add.at(squares, (rows, dense), mats[v] ** 2)
         with np.errstate(invalid="ignore", divide="ignore"):  # empty (padding) classes: 0, not NaN
-            chans += [np.where(size > 0, total / size, 0.0), np.where(size > 0, squares / size, 0.0)]
-    chan = np.stack(chans, axis=-1).astype(np.float64)  # (P, classes, 1 + 2 * vars)
-    log_fact = np.concatenate([[0.0], np.cumsum(np.log(np.arange(1, k + 1)))])
-    out = np.empty((n_prompts, chan.shape[-1]))
-    d_max = int(n_classes.max())
-    per_prompt = 8 * (d_max * (k // 2 + 1) * (k + 1) + 3 * (k + 1) * (d_max + 1) * chan.shape[-1])
-    step = max(1, 4 * CHUNK_BYTES // per_prompt)
-    for lo in range(0, n_prompts, step):  # prompts come sorted by class count: little padding
-        d = int(n_classes[lo : lo + step].max())
-        out[lo : lo + step] = _majority_dp(size[lo : lo + step, :d], chan[lo : lo + step, :d], n, k, log_fact)
-    return out[:, 1::2], out[:, 2::2]
+            means.append((np.where(size > 0, total / size, 0.0), np.where(size > 0, squares / size, 0.0)))
+    out = {}
+    for k in ks:
+        for subsets in (False, True):
+            win = np.zeros((n_prompts, n))
+            np.put_along_axis(
+                win, order, _win_probabilities(partitions, n, k, subsets)[which.ravel()], axis=1
+            )
+            first = np.stack([(win * mean).sum(axis=1) for mean, _ in means], axis=1)
+            second = np.stack([(win * square).sum(axis=1) for _, square in means], axis=1)
+            out[(k, subsets)] = first, second
+    return out
 
 
-def _binom_pmf(r: np.ndarray, j: np.ndarray, q: np.ndarray, log_fact: np.ndarray) -> np.ndarray:
-    """P(Bin(r, q) = j), broadcasting; 0 where j > r, exact 0/1 at q in {0, 1}."""
+def _win_probabilities(partitions: np.ndarray, n: int, k: int, subsets: bool) -> np.ndarray:
+    """``P(class c wins)`` for each row of class sizes (largest first, zeros for padding).
+
+    A dynamic program per level L (the winning count): classes are visited in turn, each taking
+    j <= L of the remaining r draws (binomial, or hypergeometric for subsets), tracking how many
+    classes reached exactly L; besides the probability mass, one channel per class carries whether
+    it did."""
+    n_rows, d_max = partitions.shape
+    count = (partitions > 0).sum(axis=1)
+    by_count = np.argsort(count, kind="stable")  # similar class counts share a chunk: little padding
+    log_fact = np.concatenate([[0.0], np.cumsum(np.log(np.arange(1, max(n, k) + 1)))])
+    pmf = _hypergeom_pmf if subsets else _binom_pmf
+    out = np.zeros((n_rows, d_max))
+    per_row = 8 * (d_max * (k // 2 + 1) * (k + 1) + 3 * (k + 1) * (d_max + 1) * (d_max + 1))
+    step = max(1, 4 * CHUNK_BYTES // per_row)
+    for lo in range(0, n_rows, step):
+        idx = by_count[lo : lo + step]
+        d = int(count[idx].max())
+        chan = np.broadcast_to(np.eye(d, d + 1, 1), (len(idx), d, d + 1))  # channel 0: the mass
+        out[idx, :d] = _majority_dp(partitions[idx, :d], chan, n, k, log_fact, pmf)[:, 1:]
+    return out
+
+
+def _binom_pmf(
+    r: np.ndarray, j: np.ndarray, size: np.ndarray, pool: np.ndarray, log_fact: np.ndarray
+) -> np.ndarray:
+    """P(Bin(r, size / pool) = j), broadcasting; 0 where j > r, exact 0/1 at q in {0, 1} (0 when
+    ``pool`` is 0)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        q = np.where(pool > 0, size / pool, 0.0)
     r, j, q = np.broadcast_arrays(r, j, q)
     valid = j <= r
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -99,26 +175,50 @@ def _binom_pmf(r: np.ndarray, j: np.ndarray, q: np.ndarray, log_fact: np.ndarray
     return np.where(valid, np.exp(log_p), 0.0)
 
 
-def _majority_dp(size: np.ndarray, chan: np.ndarray, n: int, k: int, log_fact: np.ndarray) -> np.ndarray:
+def _hypergeom_pmf(
+    r: np.ndarray, j: np.ndarray, size: np.ndarray, pool: np.ndarray, log_fact: np.ndarray
+) -> np.ndarray:
+    """P(j of r draws without replacement from ``pool`` items fall among ``size`` marked ones),
+    ``C(size, j) C(pool - size, r - j) / C(pool, r)``, broadcasting; 0 where impossible."""
+    r, j, size, pool = np.broadcast_arrays(r, j, size, pool)
+    r, j, size, pool = (np.asarray(x).astype(np.intp) for x in (r, j, size, pool))
+    valid = (j <= size) & (r - j >= 0) & (r - j <= pool - size) & (r <= pool)
+
+    def log_comb(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        a, b = np.where(valid, a, 0), np.where(valid, b, 0)
+        return log_fact[a] - log_fact[b] - log_fact[a - b]
+
+    log_p = log_comb(size, j) + log_comb(pool - size, r - j) - log_comb(pool, r)
+    return np.where(valid, np.exp(log_p), 0.0)
+
+
+def _majority_dp(
+    size: np.ndarray, chan: np.ndarray, n: int, k: int, log_fact: np.ndarray, pmf=_binom_pmf
+) -> np.ndarray:
     """E[channel of the winning class] for prompts with (at most) ``d`` classes of the given sizes;
-    empty classes (size 0) are padding."""
+    empty classes (size 0) are padding. ``pmf(r, j, size, pool, log_fact)``: the probability that a
+    class of ``size`` of the ``pool`` samples left takes ``j`` of ``r`` draws (binomial: with
+    replacement; hypergeometric: a subset)."""
     n_prompts, d = size.shape
     n_chan = chan.shape[-1]
-    prob = size / n
-    remaining = n - np.cumsum(size, axis=1) + size
-    with np.errstate(invalid="ignore", divide="ignore"):
-        cond = np.where(remaining > 0, size / remaining, 0.0)  # P(class c | not one of the classes before)
+    remaining = n - np.cumsum(size, axis=1) + size  # samples of class c and the classes after it
     half = k // 2
     r_all, j_all = np.arange(k + 1), np.arange(half + 1)
     tables = [
-        _binom_pmf(r_all[None, None, :], j_all[None, :, None], cond[:, c, None, None], log_fact)
+        pmf(
+            r_all[None, None, :],
+            j_all[None, :, None],
+            size[:, c, None, None],
+            remaining[:, c, None, None],
+            log_fact,
+        )
         for c in range(d)
     ]
     result = np.zeros((n_prompts, n_chan))
     for level in range(-(-k // d), k + 1):
         if 2 * level > k:  # only one class can reach the level, and it wins
-            pmf = _binom_pmf(np.array(k), np.array(level), prob, log_fact)  # (P, d)
-            result += np.einsum("pd,pdc->pc", pmf, chan)
+            at_level = pmf(np.array(k), np.array(level), size, np.array(n), log_fact)  # (P, d)
+            result += np.einsum("pd,pdc->pc", at_level, chan)
             continue
         tied = k // level
         acc = np.zeros(
@@ -144,4 +244,4 @@ def _majority_dp(size: np.ndarray, chan: np.ndarray, n: int, k: int, log_fact: n
     return result
 
 
-__all__ = ["exact_group", "pass_at_k"]
+__all__ = ["exact_group", "pass_at_k", "subset_weights"]
