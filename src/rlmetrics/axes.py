@@ -123,7 +123,7 @@ class AxesClient:
             elif self._newest[axis] is not None:
                 value = self._newest[axis]
             else:
-                raise ValueError(f"submit_metric needs axes={{{axis!r}: ...}}: nothing was submitted on it yet")
+                raise ValueError(f"submit_metric needs axes={{{axis!r}: ...}}: no value was given before")
             self._check(axis, value)
             values[axis] = value
         return values
