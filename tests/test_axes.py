@@ -8,10 +8,13 @@ are read back with their own readers: each axis on its own step metric, W&B step
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import re
 import threading
 import uuid
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -113,30 +116,25 @@ def run_rank(client, role: str, rank: int) -> None:
     client.stop()
 
 
-def run_ranks(backend: str, name: str, ranks: list[tuple[str, int]]) -> None:
-    """``ranks``, one thread each, on ``backend``."""
-    clients = [
-        axes_mod.connect(backend, axes=AXES, world_size=4, name=name, label=f"{r}{k}") for r, k in ranks
-    ]
-    threads = [threading.Thread(target=run_rank, args=(c, *rk)) for c, rk in zip(clients, ranks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-
-
-def run(backend: str, name: str, start) -> dict[str, dict[int, dict]]:
-    """The run: ``start(ranks)`` runs ranks and returns a wait for them; the late worker is held back
-    until the others are done and its train step was read at a deadline. The results, checked."""
-    on_time = [("worker", k) for k in range(WORKERS) if k != LATE[0]] + [
-        ("trainer", j) for j in range(TRAINERS)
-    ]
-    late = start([("worker", LATE[0])])
-    start(on_time)()
+def run(backend: str, name: str) -> dict[str, dict[int, dict]]:
+    """The run, one thread per rank (all connected, hence registered, before any starts); the late
+    worker is held back until the others are done and a reader took its train step at a deadline.
+    The results of every axis, checked."""
+    ranks = [("worker", k) for k in range(WORKERS)] + [("trainer", j) for j in range(TRAINERS)]
+    clients = {
+        rk: axes_mod.connect(backend, axes=AXES, world_size=4, name=name, label=f"{rk[0]}{rk[1]}")
+        for rk in ranks
+    }
+    threads = {rk: threading.Thread(target=run_rank, args=(c, *rk), daemon=True) for rk, c in clients.items()}
+    for thread in threads.values():
+        thread.start()
+    for rk, thread in threads.items():
+        if rk != ("worker", LATE[0]):
+            thread.join(120)
     reader = axes_mod.connect(backend, axes=AXES, name=name)
     with pytest.warns(RuntimeWarning, match="partial"):
         partial = reader.result(LATE[1], timeout=0.5)
-    late()
+    threads["worker", LATE[0]].join(120)
     return check_run(
         lambda step, axis, timeout: (
             partial if (axis, step) == ("train_step", LATE[1]) else reader.result(step, timeout, axis=axis)
@@ -166,13 +164,7 @@ def check_run(read) -> dict[str, dict[int, dict]]:
 def local_run():
     """The run on the in-process backend, one thread per rank; the results of every axis."""
     name = f"axes-{uuid.uuid4().hex[:8]}"
-
-    def start(ranks):
-        thread = threading.Thread(target=run_ranks, args=("local", name, ranks))
-        thread.start()
-        return lambda: thread.join(120)
-
-    got = run("local", name, start)
+    got = run("local", name)
     late_engine = get_worker(name).server.stats()["late"]
     for agg in (name, *(axes_mod.axis_aggregator(name, a) for a in AXES)):
         drop_worker(agg)
@@ -253,12 +245,30 @@ def test_async_run_every_axis_ray():
     ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
         name = f"axes-{uuid.uuid4().hex[:8]}"
-        remote = ray.remote(num_cpus=0)(run_ranks)
-
-        def start(ranks):
-            ref = remote.remote("ray", name, ranks)
-            return lambda: ray.get(ref, timeout=120)
-
-        run("ray", name, start)
+        run("ray", name)
     finally:
         ray.shutdown()
+
+
+# ------------------------------------------------------------------------------------ docs, example
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_docs_example_prints_what_docs_show(capsys):
+    docs = (ROOT / "docs" / "axes.md").read_text()
+    code, shown = re.search(r"```python\n(.*?)```\s*prints\s*```text\n(.*?)```", docs, re.S).groups()
+    exec(compile(code, "docs/axes.md", "exec"), {})
+    assert capsys.readouterr().out.splitlines() == shown.strip().splitlines()
+
+
+def test_example_logs_every_step_of_every_axis(tmp_path):
+    spec = importlib.util.spec_from_file_location("async_axes", ROOT / "examples" / "async_axes.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main([str(tmp_path), "--steps", "8", "--sinks", "jsonl"]) == dict.fromkeys(
+        ("train_step", *AXES), 8
+    )
+    run = read_jsonl(tmp_path / "metrics.jsonl")
+    for on in (run, *(run.on_axis(a) for a in AXES)):
+        assert on.steps == list(range(8))
+        assert all(r["metrics"]["meta/coverage"] == 1.0 for r in on.records)  # every step complete
