@@ -238,8 +238,26 @@ def test_jsonl_and_wandb_each_axis_on_its_own_step(local_run, tmp_path, monkeypa
     assert all(s == sorted(set(s)) for s in seen.values())  # each axis only goes up
 
 
+def test_resumed_run_logs_each_step_of_each_axis_once(tmp_path, monkeypatch):
+    """A driver restarted from an older checkpoint logs steps 2..5 again on both axes: JSONL and W&B
+    skip, per axis, the steps the earlier session holds."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for steps, resume in ((range(4), False), (range(2, 6), True)):
+        with make_sinks(["jsonl", "wandb"], tmp_path, axes=True, health=None, resume=resume) as tracking:
+            for s in steps:
+                tracking.log({"a": s}, s)
+                tracking.log_axis({"b": 2 * s}, s, "policy_version")
+    run = read_jsonl(tmp_path / "metrics.jsonl")
+    assert run.steps == run.on_axis("policy_version").steps == list(range(6))
+    rows = wandb_rows(sorted(tmp_path.glob("wandb/offline-run-*/run-*.wandb")))
+    assert [s for s, _ in rows] == list(range(12))
+    after = [(r.get("train_step"), r.get("policy_version/b")) for _, r in rows[8:]]
+    assert after == [(4, None), (None, 8), (5, None), (None, 10)]
+
+
 # ------------------------------------------------------------------------------------------------ Ray
 @pytest.mark.ray
+@pytest.mark.slow
 def test_async_run_every_axis_ray():
     ray = pytest.importorskip("ray")
     ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
