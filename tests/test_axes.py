@@ -2,8 +2,9 @@
 ahead of the trainer, one of them late for a train step. Every number of every step of every axis
 (``train_step``, ``policy_version``, ``rollout_id``) must be numpy's on the concatenated data of the
 submissions tagged with that step on that axis; the late data, dropped on its final train step, must
-land on its policy version and rollout id. Then the results go through JSONL and W&B (offline) and
-are read back with their own readers: each axis on its own step metric, W&B steps only going up.
+land on its policy version and rollout id. Then the results go through JSONL, W&B (offline) and
+TensorBoard and are read back with their own readers: each axis on its own step metric, W&B steps
+only going up, TensorBoard tags ``<axis>/<name>`` at that axis's steps.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from rlmetrics import axes as axes_mod
 from rlmetrics.backends.local import drop_worker, get_worker
 from rlmetrics.metrics.staleness import staleness_metrics
 from rlmetrics.sinks import make_sinks, read_jsonl
-from tests.trackers import one, wandb_records, wandb_rows
+from tests.trackers import one, read_tensorboard, wandb_records, wandb_rows
 
 STEPS = 6
 WORKERS = TRAINERS = 2
@@ -203,7 +204,7 @@ def test_jsonl_and_wandb_each_axis_on_its_own_step(local_run, tmp_path, monkeypa
         order.append(("train_step", t))
         order += [(a, s) for a in AXES for s in sorted(got[a]) if s <= t and (a, s) not in order]
     order += [(a, s) for a in AXES for s in sorted(got[a]) if (a, s) not in order]
-    with make_sinks(["jsonl", "wandb"], tmp_path, axes=True, health=None) as tracking:
+    with make_sinks(["jsonl", "wandb", "tensorboard"], tmp_path, axes=True, health=None) as tracking:
         for axis, step in order:
             tracking.log_axis(got[axis][step], step, axis)
         assert not tracking.failed
@@ -236,6 +237,13 @@ def test_jsonl_and_wandb_each_axis_on_its_own_step(local_run, tmp_path, monkeypa
             assert row[prefix + name] == pytest.approx(value, rel=1e-12, abs=1e-12)
             assert step_metric[prefix + name] == axis
     assert all(s == sorted(set(s)) for s in seen.values())  # each axis only goes up
+
+    tensorboard = read_tensorboard(tmp_path / "tensorboard")  # its reader drops a tag's steps that go back
+    for axis in ("train_step", *AXES):
+        prefix = "" if axis == "train_step" else f"{axis}/"
+        for step, res in got[axis].items():
+            for name, value in res.items():
+                assert tensorboard[prefix + name][step] == pytest.approx(value, rel=1e-6, abs=1e-6)
 
 
 def test_resumed_run_logs_each_step_of_each_axis_once(tmp_path, monkeypatch):

@@ -33,7 +33,7 @@ import logging
 import os
 import struct
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,12 @@ def _run_records(path: Path) -> Iterator[bytes]:
 def _logged(key: str) -> bool:
     """``key`` of a history row is a metric this sink logged (not W&B's own, not an alert's)."""
     return not key.startswith(("_", "alert/"))
+
+
+def _step_metrics(keys: Iterable[str]) -> set[str]:
+    """The step metrics a row of an ``axes=True`` run may hold: ``train_step`` and the ``a`` of its
+    ``a/...`` names."""
+    return {_TRAIN_STEP} | {k.split("/", 1)[0] for k in keys if "/" in k}
 
 
 def _last_record(path: Path) -> bytes | None:
@@ -132,7 +138,7 @@ class WandbSink(RunSink):
                 if kind == "history":
                     keys = {i.key or "/".join(i.nested_key): i.value_json for i in record.history.item}
                     rows.append(record.history.step.num)
-                    for key in set(keys) & self._step_metrics(keys):
+                    for key in set(keys) & _step_metrics(keys) if self.axes else ():
                         self._marks[key] = max(float(keys[key]), self._marks.get(key, -1.0))
                     if any(_logged(k) for k in keys):
                         steps.append(record.history.step.num)
@@ -142,11 +148,6 @@ class WandbSink(RunSink):
         if self.axes:
             self._row = max(rows, default=-1) + 1
             self.resumed_at = int(self._marks[_TRAIN_STEP]) if _TRAIN_STEP in self._marks else None
-
-    def _step_metrics(self, keys: Any) -> set[str]:
-        """The step-metric keys among a row's ``keys`` (axes): ``train_step`` and the ``a`` of the
-        ``a/...`` names."""
-        return {_TRAIN_STEP} | {k.split("/", 1)[0] for k in keys if "/" in k}
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         if not self.axes:
