@@ -215,3 +215,20 @@ def test_validation_samples_split_over_ranks_give_the_single_process_result(name
     final = clients[0].wait_final_res()  # the seed's flow: submit, wait_submit, rank 0 wait_final_res
     assert final == expected
     assert any(k.startswith("val-core/gsm8k/acc/maj@") for k in final)
+
+
+def test_a_step_read_at_a_deadline_wakes_its_other_readers():
+    """A reader whose deadline finalizes a step wakes the readers of that step without one (as the
+    Ray actor does): they return the same partial result instead of sleeping forever."""
+    worker = local.LocalMetricWorker()
+    rank = rlmetrics.MetricClient(worker, world_size=2)  # one of two contributions: never complete
+    rank.submit_metric({"x": 1.0})
+    rank.wait_submit()
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(worker.result(0)), daemon=True)
+    waiter.start()
+    time.sleep(0.05)
+    with pytest.warns(RuntimeWarning, match="partial"):
+        partial = rlmetrics.MetricClient(worker).result(0, timeout=0.05)
+    waiter.join(10)
+    assert got == [partial] and got[0].meta.missing_metrics == {"x": [1, 2]}

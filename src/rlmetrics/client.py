@@ -18,7 +18,7 @@ import socket
 import threading
 import uuid
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
@@ -152,6 +152,13 @@ class ClientCore:
     def close_step(self, step: int) -> None:
         """Send what is queued and close ``step`` (``wait_submit`` for an explicit step)."""
         self._flush([step])
+
+    def close_steps(self, steps: Iterable[int], block: bool = False) -> None:
+        """Send what is queued and close ``steps`` (none: only send), in one message; ``block``:
+        return once the aggregator holds it (an error about the data raises here)."""
+        self._flush(sorted(steps))
+        if block:
+            self._collect(block=True)
 
     def _next_seq(self) -> int:
         self._seq += 1

@@ -74,7 +74,9 @@ class LocalMetricWorker(SyncTransport):
     def result(self, step: int, timeout: float | None = None) -> StepResult:
         with self._cond:
             self._wait(lambda: self.server.result_ready(step), timeout)
-            return self.server.result(step)
+            out = self.server.result(step)
+            self._cond.notify_all()  # finalized at this reader's deadline: other readers of it return
+            return out
 
     def final(self, timeout: float | None = None) -> StepResult:
         return self.wait_final_res(timeout)

@@ -29,11 +29,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from rlmetrics.aggregator import StepResult
+from rlmetrics.axes import DEFAULT_AXIS
 from rlmetrics.health import Alert, Monitor, coverage_metrics
 from rlmetrics.sinks.console import ConsoleSink, format_value, render_table, summary_table
 from rlmetrics.sinks.jsonl import JsonlRun, JsonlSink, read_jsonl, record_result
 from rlmetrics.sinks.mlflow import MLflowSink
-from rlmetrics.sinks.names import NameMap, Sink, adapt_name, as_floats, as_step
+from rlmetrics.sinks.names import NameMap, Sink, adapt_name, as_floats, as_step, axis_names
 from rlmetrics.sinks.swanlab import SwanLabSink
 from rlmetrics.sinks.tensorboard import TensorBoardSink
 from rlmetrics.sinks.wandb import WandbSink
@@ -96,6 +97,32 @@ class Tracking(Sink):
         if self.health is not None and self.health.on_alert is not None:
             for alert in alerts:
                 self.health.on_alert(alert)
+
+    def log_axis(self, metrics: Mapping[str, float], step: int, axis: str) -> None:
+        """Log ``step`` of the step axis ``axis`` (:mod:`rlmetrics.axes`; ``train_step`` is
+        :meth:`log`) to every active sink (``sink.log_axis``; a sink without it gets
+        :func:`~rlmetrics.sinks.names.axis_names` at ``step``), with ``meta/coverage`` and
+        ``meta/late``; the health rules watch ``train_step`` only."""
+        if axis == DEFAULT_AXIS:
+            return self.log(metrics, step)
+        if self._closed:
+            raise ValueError("Tracking is closed")
+        values = as_floats(metrics)
+        step = as_step(step)
+        meta = getattr(metrics, "meta", None)
+        values.update(coverage_metrics(meta))
+        result = StepResult(values, step, meta)
+        for i, sink in enumerate(self.sinks):
+            if i in self.failed:
+                continue
+            try:
+                if hasattr(sink, "log_axis"):
+                    sink.log_axis(result, step, axis)
+                else:
+                    sink.log(axis_names(values, axis), step)
+            except Exception as exc:
+                self.failed[i] = exc
+                logger.error("sink %r failed at %s %d, disabled: %r", sink, axis, step, exc, exc_info=exc)
 
     def _writes(self, i: int, sink: Sink, step: int) -> bool:
         """Sink ``i`` is active and did not hold ``step`` before a resume."""
@@ -161,8 +188,10 @@ def _swanlab(out_dir: Path, project: str, run_name: str | None, resume: bool | s
     return SwanLabSink(project, logdir=out_dir / "swanlab", mode="offline", resume=_run_id(resume), **extra)
 
 
-def _wandb(out_dir: Path, project: str, run_name: str | None, resume: bool | str) -> WandbSink:
-    return WandbSink(project, run_name, dir=out_dir, mode="offline", resume=_run_id(resume))
+def _wandb(
+    out_dir: Path, project: str, run_name: str | None, resume: bool | str, axes: bool = False
+) -> WandbSink:
+    return WandbSink(project, run_name, dir=out_dir, mode="offline", resume=_run_id(resume), axes=axes)
 
 
 def _run_id(resume: bool | str) -> str | None:
@@ -201,6 +230,7 @@ def make_sinks(
     run_name: str | None = None,
     resume: bool = False,
     health: Monitor | bool | None = True,
+    axes: bool = False,
 ) -> Tracking:
     """A :class:`Tracking` over the sinks named in ``names`` (a list, or one comma-separated str;
     blank names skipped, repeats once), running the ``health`` rules (see :class:`Tracking`).
@@ -211,8 +241,9 @@ def make_sinks(
     crash): the JSONL file and TensorBoard directory, and the tracker runs named in :data:`RUN_IDS`
     (a tracker without a saved id starts a new run); every sink skips the steps up to the last one it
     holds, and with ``jsonl`` among the sinks the trackers first get the steps of the JSONL file they
-    lack (:meth:`Tracking.catch_up`). If one sink cannot be created, the ones already created are
-    closed and the error is raised.
+    lack (:meth:`Tracking.catch_up`). ``axes=True``: the run logs steps of other axes too
+    (:meth:`Tracking.log_axis`): the W&B run is made with ``WandbSink(axes=True)``. If one sink
+    cannot be created, the ones already created are closed and the error is raised.
     """
     if isinstance(names, str):
         names = names.split(",")
@@ -227,7 +258,9 @@ def make_sinks(
     sinks: list[Sink] = []
     try:
         for name in wanted:
-            sinks.append(SINKS[name](out, project, run_name, ids.get(name, True) if resume else False))
+            extra = {"axes": True} if axes and name == "wandb" else {}
+            run_id = ids.get(name, True) if resume else False
+            sinks.append(SINKS[name](out, project, run_name, run_id, **extra))
     except BaseException:
         Tracking(sinks, health=None).close()
         raise

@@ -22,6 +22,10 @@ and sets → lists, other objects → ``str``), and ``"histograms": {name: {"edg
 - A health alert (:class:`~rlmetrics.health.Alert`) is one line ``{"step": 3, "time": ..., "event":
   {"rule": ..., "level": ..., "message": ..., "metric": ..., "value": ...}}``; :func:`read_jsonl`
   returns them in :attr:`JsonlRun.events`, apart from the metric records.
+- A step of another step axis (:mod:`rlmetrics.axes`, :meth:`JsonlSink.log_axis`) is a line with
+  ``"axis": "policy_version"`` and that axis's step; :func:`read_jsonl` keeps those apart from the
+  ``train_step`` records (:meth:`JsonlRun.on_axis`), each axis a step space of its own (a step is
+  logged once per axis, and a resumed file skips each axis's steps up to its last one).
 - A crash mid-write leaves an incomplete last line: :func:`read_jsonl` ignores it with a warning and
   reports it in :attr:`JsonlRun.truncated`; ``JsonlSink(path, append=True)`` cuts it off before
   appending. A corrupt line anywhere else is an error naming the line.
@@ -103,6 +107,7 @@ def _parse(line: bytes) -> dict:
         and isinstance(record.get("step"), int)
         and not isinstance(record["step"], bool)
         and (isinstance(record.get("metrics"), dict) or isinstance(record.get("event"), dict))
+        and isinstance(record.get("axis", ""), str)
     ):
         raise ValueError("not an object with an integer 'step' and a 'metrics' or 'event' object")
     return record
@@ -135,12 +140,33 @@ def _scan(path: Path) -> tuple[list[dict], str | None, int]:
 
 @dataclass
 class JsonlRun:
-    """The metric records and the event records (health alerts) of a JSONL file, in file order."""
+    """The metric records and the event records (health alerts) of a JSONL file, in file order;
+    ``records`` are those of ``train_step``, ``axis_records`` those of the other axes."""
 
     path: Path
     records: list[dict]
     truncated: str | None = None
     events: list[dict] = field(default_factory=list)
+    axis_records: list[dict] = field(default_factory=list)
+
+    @property
+    def axes(self) -> list[str]:
+        """The other axes the file has records of, sorted."""
+        return sorted({r["axis"] for r in self.axis_records})
+
+    def on_axis(self, axis: str) -> JsonlRun:
+        """The records of ``axis`` as a run of their own (steps: that axis's values).
+
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "metrics.jsonl")
+        >>> with JsonlSink(path) as sink:
+        ...     sink.log({"actor/loss": 0.5}, step=7)
+        ...     sink.log_axis({"reward/mean": 0.25}, step=5, axis="policy_version")
+        >>> run = read_jsonl(path)
+        >>> run.steps, run.axes, run.on_axis("policy_version").series("reward/mean")
+        ([7], ['policy_version'], (array([5]), array([0.25])))
+        """
+        return JsonlRun(self.path, [r for r in self.axis_records if r["axis"] == axis], self.truncated)
 
     @property
     def steps(self) -> list[int]:
@@ -210,8 +236,9 @@ def read_jsonl(path: str | os.PathLike) -> JsonlRun:
     """Parse a metrics JSONL file (``json.loads`` only); see the module doc for truncated files."""
     path = Path(path)
     records, truncated, _ = _scan(path)
-    metrics = [r for r in records if "metrics" in r]
-    return JsonlRun(path, metrics, truncated, [r for r in records if "metrics" not in r])
+    metrics = [r for r in records if "metrics" in r and "axis" not in r]
+    events = [r for r in records if "metrics" not in r]
+    return JsonlRun(path, metrics, truncated, events, [r for r in records if "metrics" in r and "axis" in r])
 
 
 class JsonlSink(Sink):
@@ -233,14 +260,19 @@ class JsonlSink(Sink):
         self.path = Path(path)
         self.overwrite = overwrite
         self.fsync = fsync
-        self._steps: set[int] = set()
+        self._steps: set[tuple[str | None, int]] = set()  # (axis, step), axis None: train_step
+        self._resumed: dict[str, int] = {}  # other axes: the last step a resumed file holds
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if (append or resume) and self.path.exists():
             records, truncated, good_end = _scan(self.path)
-            self._steps.update(r["step"] for r in records if "metrics" in r)
+            self._steps.update((r.get("axis"), r["step"]) for r in records if "metrics" in r)
             self._alerted = {_alert_key(r["step"], r["event"]) for r in records if "event" in r}
-            if resume and self._steps:
-                self.resumed_at = max(self._steps)
+            if resume:
+                for axis, step in self._steps:
+                    if axis is None:
+                        self.resumed_at = max(step, -1 if self.resumed_at is None else self.resumed_at)
+                    else:
+                        self._resumed[axis] = max(step, self._resumed.get(axis, -1))
             if truncated:
                 os.truncate(self.path, good_end)
             self._file = open(self.path, "ab")
@@ -250,18 +282,28 @@ class JsonlSink(Sink):
             self._file = open(self.path, "wb")
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
+        self._log(metrics, step, None)
+
+    def log_axis(self, metrics: Mapping[str, float], step: int, axis: str) -> None:
+        """Log ``step`` of ``axis`` (a line with ``"axis"``; names as they are)."""
+        self._log(metrics, step, axis)
+
+    def _log(self, metrics: Mapping[str, float], step: int, axis: str | None) -> None:
         if self._file is None:
             raise ValueError(f"{self!r} is closed")
         step = as_step(step)
         values = as_floats(metrics)
-        if self.skips(step):
+        if self.skips(step) if axis is None else step <= self._resumed.get(axis, -1):
             return
-        if step in self._steps and not self.overwrite:
+        if (axis, step) in self._steps and not self.overwrite:
+            where = "" if axis is None else f" of axis {axis!r}"
             raise ValueError(
-                f"step {step} is already in {self.path}; pass overwrite=True to log it again "
+                f"step {step}{where} is already in {self.path}; pass overwrite=True to log it again "
                 "(the later record wins)"
             )
         record: dict[str, Any] = {"step": step, "time": time.time(), "metrics": values}
+        if axis is not None:
+            record["axis"] = axis
         meta = getattr(metrics, "meta", None)
         if meta is not None and not meta.complete:  # a partial step says what it lacks
             record["meta"] = json_safe(meta.to_dict())
@@ -269,7 +311,7 @@ class JsonlSink(Sink):
         if histograms:
             record["histograms"] = {name: h.to_dict() for name, h in histograms.items()}
         self._write(record)
-        self._steps.add(step)
+        self._steps.add((axis, step))
 
     def alert(self, alert: Alert) -> None:
         if self._file is None:

@@ -162,6 +162,16 @@ def histograms_of(metrics: Mapping[str, Any]) -> dict[str, Any]:
     return dict(getattr(metrics, "histograms", None) or {})
 
 
+def axis_names(metrics: Mapping[str, float], axis: str) -> dict[str, float]:
+    """``metrics`` of a step of ``axis`` (:mod:`rlmetrics.axes`) as a tracker without step axes
+    logs them: each name under ``<axis>/``.
+
+    >>> axis_names({"reward/mean": 0.5}, "policy_version")
+    {'policy_version/reward/mean': 0.5}
+    """
+    return {f"{axis}/{name}": value for name, value in metrics.items()}
+
+
 def as_step(step: Any) -> int:
     """The step as an int (``bool`` and floats are refused)."""
     if isinstance(step, bool):
@@ -182,6 +192,16 @@ class Sink:
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def log_axis(self, metrics: Mapping[str, float], step: int, axis: str) -> None:
+        """Log ``step`` of the step axis ``axis`` (:mod:`rlmetrics.axes`). The base class logs
+        :func:`axis_names` at ``step`` (a series per name, its steps the axis's values: TensorBoard,
+        MLflow, SwanLab, the console); the skip of a resumed run is about ``train_step`` only."""
+        resumed, self.resumed_at = self.resumed_at, None
+        try:
+            self.log(axis_names(metrics, axis), step)
+        finally:
+            self.resumed_at = resumed
 
     def alert(self, alert: Alert) -> None:
         """Write a health alert of a step this sink logged (the base class ignores it)."""

@@ -16,6 +16,13 @@ twice and none below a committed one (W&B would drop it). A step's histograms
 (``run.alert``, titled with the rule and the metric; W&B sends an online run's alerts by e-mail or
 Slack) and ``alert/<rule> = 1`` in the step's history.
 
+``axes=True`` (for :mod:`rlmetrics.axes`): every ``log``, ``log_axis`` and alert is a W&B step of
+its own (W&B's ``_step`` only counts rows, so it never goes back and no row is dropped), and each
+metric is plotted against its axis: a ``train_step`` metric holds ``train_step`` in its row and is
+declared ``run.define_metric(name, step_metric="train_step")``, a metric of axis ``a`` is logged as
+``a/<name>`` beside ``a`` with ``step_metric=a``. A resumed run skips each axis's steps up to the
+last one its earlier sessions hold.
+
 ``run.finish()`` can return before W&B's service has written the run file (``run-<id>.wandb``, a
 leveldb-log framed stream of wandb ``Record`` protobufs): ``close()`` then waits, up to
 ``close_timeout`` seconds, until the file ends with W&B's ``exit`` record, so the run is complete on
@@ -28,13 +35,14 @@ import logging
 import os
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from rlmetrics.axes import DEFAULT_AXIS as _TRAIN_STEP
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
-from rlmetrics.sinks.names import RunSink
+from rlmetrics.sinks.names import RunSink, as_floats, as_step, axis_names
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +75,12 @@ def _logged(key: str) -> bool:
     return not key.startswith(("_", "alert/"))
 
 
+def _step_metrics(keys: Iterable[str]) -> set[str]:
+    """The step metrics a row of an ``axes=True`` run may hold: ``train_step`` and the ``a`` of its
+    ``a/...`` names."""
+    return {_TRAIN_STEP} | {k.split("/", 1)[0] for k in keys if "/" in k}
+
+
 def _last_record(path: Path) -> bytes | None:
     """The payload of the last complete record of a W&B run file (None if there is none)."""
     records = list(_run_records(path))
@@ -84,6 +98,7 @@ class WandbSink(RunSink):
         mode: str = "offline",
         close_timeout: float = 30.0,
         resume: str | None = None,
+        axes: bool = False,
         **init_kwargs: Any,
     ) -> None:
         wandb = require("wandb", "trackers")
@@ -102,6 +117,10 @@ class WandbSink(RunSink):
             init_kwargs.update(id=resume, resume="allow")
         self._Histogram = wandb.Histogram
         self.project, self.mode, self.close_timeout = project, mode, close_timeout
+        self.axes = axes
+        self._row = 0  # axes: the next W&B step
+        self._marks: dict[str, float] = {}  # axes: the last value of each step metric, when resumed
+        self._defined: set[str] = set()  # axes: names declared with their step metric
         super().__init__("wandb", wandb.init(project=project, name=name, dir=dir, mode=mode, **init_kwargs))
         if resume:
             self._read_back()
@@ -112,19 +131,59 @@ class WandbSink(RunSink):
         run_file = Path(self.run.settings.sync_file)
         files = [f for f in run_file.parent.parent.glob(f"*-{self.run.id}/{run_file.name}") if f != run_file]
         steps = [self.run.step - 1] if self.run.step else []
+        rows = list(steps)
         self._alerted = set()
         for path in files:
             for payload in _run_records(path):
                 record = self._Record()
                 record.ParseFromString(payload)
                 kind = record.WhichOneof("record_type")
-                if kind == "history" and any(
-                    _logged(i.key or "/".join(i.nested_key)) for i in record.history.item
-                ):
-                    steps.append(record.history.step.num)
+                if kind == "history":
+                    keys = {i.key or "/".join(i.nested_key): i.value_json for i in record.history.item}
+                    rows.append(record.history.step.num)
+                    for key in set(keys) & _step_metrics(keys) if self.axes else ():
+                        self._marks[key] = max(float(keys[key]), self._marks.get(key, -1.0))
+                    if any(_logged(k) for k in keys):
+                        steps.append(record.history.step.num)
                 elif kind == "alert":
                     self._alerted.add(record.alert.text)
         self.resumed_at = max(steps, default=None)
+        if self.axes:
+            self._row = max(rows, default=-1) + 1
+            self.resumed_at = int(self._marks[_TRAIN_STEP]) if _TRAIN_STEP in self._marks else None
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        if not self.axes:
+            return super().log(metrics, step)
+        if not self._open:
+            raise ValueError(f"{self!r} is closed")
+        step = as_step(step)
+        values = self.names.adapt(as_floats(metrics))
+        if not self.skips(step):
+            self._write_row(values, _TRAIN_STEP, step)
+
+    def log_axis(self, metrics: Mapping[str, float], step: int, axis: str) -> None:
+        if not self.axes:
+            raise ValueError(f"{self!r} logs steps of axes when created with axes=True")
+        if not self._open:
+            raise ValueError(f"{self!r} is closed")
+        step = as_step(step)
+        values = self.names.adapt(axis_names(as_floats(metrics), axis))
+        if step > self._marks.get(axis, -1):
+            self._write_row(values, axis, step)
+
+    def _write_row(self, values: dict[str, float], axis: str, step: int) -> None:
+        """One W&B step: ``values`` and ``axis = step``, each name declared with ``axis`` as its
+        step metric the first time it is seen."""
+        if axis not in self._defined:
+            self._defined.add(axis)
+            self.run.define_metric(axis)
+        for name in values:
+            if name not in self._defined:
+                self._defined.add(name)
+                self.run.define_metric(name, step_metric=axis)
+        self.run.log({**values, axis: step}, step=self._row)
+        self._row += 1
 
     def media(self, histogram: Any) -> Any:
         return self._Histogram(np_histogram=(histogram.counts, histogram.edges))
@@ -137,7 +196,10 @@ class WandbSink(RunSink):
         level = "ERROR" if alert.level == "error" else "WARN"
         title = f"{alert.rule}: {alert.metric}" if alert.metric else alert.rule
         self.run.alert(title=title[:63], text=str(alert), level=level)
-        self.run.log({self.names(f"alert/{alert.rule}"): 1.0}, step=alert.step)
+        if self.axes:
+            self._write_row({self.names(f"alert/{alert.rule}"): 1.0}, _TRAIN_STEP, alert.step)
+        else:
+            self.run.log({self.names(f"alert/{alert.rule}"): 1.0}, step=alert.step)
 
     def finish(self) -> None:
         run_file = Path(self.run.settings.sync_file)

@@ -1,0 +1,234 @@
+"""Step axes for asynchronous RL: one submission, several clocks.
+
+In fully asynchronous training the trainer's step, the policy version that generated a batch and the
+rollout id differ: rollout workers run ahead of the trainer with weights one or two versions old,
+and their data can reach the aggregator after its train step is final. An *axis* is a step space of
+its own. The default axis, ``train_step``, is the client's ``step``, merged exactly as without
+axes. Each other axis (``policy_version``, ``rollout_id``, or any name) is merged by an aggregator of
+its own, named ``<name>@<axis>``, whose steps are that axis's values. A submission carries its value
+on each of the client's axes (``axes={"policy_version": 3}``) and lands on its own step of every
+axis: data late for a train step already final (dropped there and counted in ``meta.late``) still
+lands on its policy version and rollout id.
+
+An axis step completes when every rank moved past it. A client's values on an axis only go up (a
+worker's policy version, the trainer's version, a rollout id): ``wait_submit()`` closes, on each
+axis, every step below the newest value the client submitted on it; ``advance(axis, value)`` closes
+below ``value`` without data (a worker that loaded new weights); ``stop()`` closes everything. An
+axis step is complete, hence final, once every client registered on that axis (``connect(...,
+world_size=W)`` registers at once) closed it. A value below one the client already closed is
+refused: it could only be dropped. Values on an axis are consecutive ints; every value in between
+two is a step of its own (an empty one when nobody submitted there).
+
+>>> from rlmetrics.backends.local import drop_worker
+>>> trainer = connect("local", axes=("policy_version",), world_size=2, name="axes-doc", label="trainer")
+>>> worker = connect("local", axes=("policy_version",), world_size=2, name="axes-doc", label="worker")
+>>> for step in range(3):  # the worker generates step s with the weights of version s - 1
+...     batch = {"reward/mean": [float(step)] * 2}  # each name from one rank: world_size=1
+...     worker.submit_metric(batch, world_size=1, axes={"policy_version": max(step - 1, 0)})
+...     worker.wait_submit()
+...     trainer.submit_metric({"actor/loss": step / 10}, world_size=1, axes={"policy_version": step})
+...     trainer.wait_submit()
+>>> trainer.result(2)  # train step 2: the batch of version 1 and the update of version 2
+{'reward/mean': 2.0, 'actor/loss': 0.2}
+>>> trainer.result(0, axis="policy_version")  # version 0 generated the batches of steps 0 and 1
+{'reward/mean': 0.5, 'actor/loss': 0.0}
+>>> for client in (trainer, worker):
+...     client.stop()
+>>> trainer.result(2, axis="policy_version")  # final once both stopped
+{'actor/loss': 0.2}
+>>> for axis in ("", "@policy_version"):
+...     drop_worker("axes-doc" + axis)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from rlmetrics.backends import connect as connect_backend
+from rlmetrics.client import ClientCore, _step_arg
+from rlmetrics.messages import StepResult
+from rlmetrics.stat import MetricValueError
+
+DEFAULT_AXIS = "train_step"
+"""The client's own ``step``: merged as without axes."""
+
+AXES = ("policy_version", "rollout_id")
+"""The axes :func:`connect` gives a client unless told otherwise (any identifier is an axis)."""
+
+MAX_GAP = 1024
+"""How far one submission may jump ahead of what its client closed on an axis (every value in
+between is a step)."""
+
+
+def axis_aggregator(name: str, axis: str) -> str:
+    """The name of the aggregator that merges ``axis`` for the aggregator ``name``.
+
+    >>> axis_aggregator("default", "policy_version")
+    'default@policy_version'
+    """
+    return f"{name}@{axis}"
+
+
+class AxesClient:
+    """A rank's client on several axes: ``main`` merges ``train_step``, ``axes[axis]`` each other
+    axis (see the module docstring). Made by :func:`connect`."""
+
+    def __init__(self, main: ClientCore, axes: Mapping[str, ClientCore]) -> None:
+        self.main = main
+        self.axes = dict(axes)
+        self._newest: dict[str, int | None] = dict.fromkeys(self.axes)
+        self._closed_below = dict.fromkeys(self.axes, 0)
+
+    @property
+    def step(self) -> int:
+        """The current ``train_step``."""
+        return self.main.step
+
+    def submit_metric(
+        self,
+        metrics: Mapping[str, Any],
+        world_size: int | None = None,
+        step: int | None = None,
+        axes: Mapping[str, int] | None = None,
+    ) -> None:
+        """Queue ``metrics`` for ``step`` (the train step, as :meth:`ClientCore.submit_metric`) and
+        for their value on each axis of this client: ``axes={"policy_version": v, ...}``; an axis left
+        out takes this client's newest value on it."""
+        values = self._values(axes)
+        error = None
+        try:
+            self.main.submit_metric(metrics, world_size, step)
+        except MetricValueError as exc:  # the other names were queued: they go to every axis too
+            error = exc
+        for axis, value in values.items():
+            try:
+                self.axes[axis].submit_metric(metrics, 1, value)
+            except MetricValueError:
+                pass  # the same names as on train_step: raised once, below
+            newest = self._newest[axis]
+            self._newest[axis] = value if newest is None else max(newest, value)
+        if error is not None:
+            raise error
+
+    def _values(self, given: Mapping[str, int] | None) -> dict[str, int]:
+        given = dict(given or {})
+        unknown = sorted(set(given) - set(self.axes))
+        if unknown:
+            raise ValueError(f"{unknown} are not axes of this client (it has {sorted(self.axes)})")
+        values = {}
+        for axis in self.axes:
+            if axis in given:
+                value = _step_arg(given[axis])
+            elif self._newest[axis] is not None:
+                value = self._newest[axis]
+            else:
+                raise ValueError(f"submit_metric needs axes={{{axis!r}: ...}}: no value was given before")
+            self._check(axis, value)
+            values[axis] = value
+        return values
+
+    def _check(self, axis: str, value: int) -> None:
+        below = self._closed_below[axis]
+        if value < below:
+            raise ValueError(
+                f"{axis} {value} is below {below}: this client closed the steps below {below} on that "
+                "axis (a client's values on an axis only go up), its data would be dropped"
+            )
+        if value - below > MAX_GAP:
+            raise ValueError(
+                f"{axis} {value} jumps {value - below} steps past {below}, the lowest open one; "
+                f"values on an axis are consecutive ints (at most {MAX_GAP} apart)"
+            )
+
+    def _close(self, axis: str, below: int, block: bool) -> None:
+        """Send what is queued on ``axis`` and close its steps below ``below``."""
+        low = self._closed_below[axis]
+        self.axes[axis].close_steps(range(low, below), block=block)
+        self._closed_below[axis] = max(low, below)
+
+    def _close_all(self, through: int, block: bool | None) -> None:
+        """:meth:`_close` every axis below its newest value (+ ``through``); an error about the data
+        (the same on every axis) is raised once, after every axis was closed."""
+        blocking = self.main.blocking if block is None else block
+        error = None
+        for axis in self.axes:
+            newest = self._newest[axis]
+            try:
+                self._close(axis, 0 if newest is None else newest + through, blocking)
+            except MetricValueError as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+
+    def wait_submit(self, step: int | None = None, block: bool | None = None) -> None:
+        """:meth:`ClientCore.wait_submit` on ``train_step``; on each other axis send what is queued
+        and close every step below this client's newest value."""
+        try:
+            self.main.wait_submit(step, block)
+        finally:
+            self._close_all(0, block)
+
+    def advance(self, axis: str, value: int) -> None:
+        """This client will submit nothing below ``value`` on ``axis``: close the steps below it
+        (a rollout worker that loaded the weights of version ``value``)."""
+        if axis not in self.axes:
+            raise ValueError(f"{axis!r} is not an axis of this client (it has {sorted(self.axes)})")
+        value = _step_arg(value)
+        self._check(axis, value)
+        newest = self._newest[axis]
+        self._newest[axis] = value if newest is None else max(newest, value)
+        self._close(axis, value, self.main.blocking)
+
+    def result(self, step: int, timeout: float | None = None, axis: str = DEFAULT_AXIS) -> StepResult:
+        """The result of ``step`` on ``axis`` (:meth:`ClientCore.result`): complete once every rank
+        closed it, at ``timeout`` partial."""
+        return self._client(axis).result(step, timeout)
+
+    def wait_final_res(self, timeout: float | None = None) -> StepResult:
+        """The seed's read, on ``train_step``."""
+        return self.main.wait_final_res(timeout)
+
+    def _client(self, axis: str) -> ClientCore:
+        if axis == DEFAULT_AXIS:
+            return self.main
+        if axis not in self.axes:
+            raise ValueError(f"unknown axis {axis!r}: this client has {[DEFAULT_AXIS, *self.axes]}")
+        return self.axes[axis]
+
+    def stop(self) -> None:
+        """Close every step this client submitted to, on every axis, and leave them all."""
+        try:
+            self._close_all(1, True)
+        finally:
+            for client in (self.main, *self.axes.values()):
+                client.stop()
+
+
+def connect(
+    backend: str = "local",
+    *,
+    axes: Iterable[str] = AXES,
+    world_size: int | None = None,
+    name: str = "default",
+    **options: Any,
+) -> AxesClient:
+    """An :class:`AxesClient` of the aggregator ``name`` of ``backend`` (``"local"`` or ``"ray"``)
+    on ``train_step`` and ``axes``: a :func:`rlmetrics.connect` client per axis, the one of axis
+    ``a`` on the aggregator :func:`axis_aggregator` ``(name, a)``. Options go to every one of them;
+    with ``world_size`` the client is a rank registered on each of its axes at once, so no step of
+    them completes before it moved past it: give a rank only the axes it submits on."""
+    if backend == "torch":
+        raise ValueError("step axes need an aggregator process: backend 'local' or 'ray', not 'torch'")
+    axes = tuple(axes)
+    bad = [a for a in axes if not isinstance(a, str) or not a.isidentifier() or a == DEFAULT_AXIS]
+    if bad or len(set(axes)) != len(axes):
+        raise ValueError(f"axes must be distinct identifiers other than {DEFAULT_AXIS!r}, got {axes!r}")
+    main = connect_backend(backend, world_size=world_size, name=name, **options)
+    return AxesClient(
+        main,
+        {
+            a: connect_backend(backend, world_size=world_size, name=axis_aggregator(name, a), **options)
+            for a in axes
+        },
+    )

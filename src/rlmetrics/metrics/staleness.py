@@ -1,0 +1,69 @@
+"""Staleness of an asynchronous batch: how many policy versions the samples lag behind the trainer
+that consumes them, weighted by tokens, exact over all ranks.
+
+A sample generated with the weights of versions ``min_version`` … ``max_version`` (a partial rollout
+resumed after a weight sync spans several) lags ``current_version - min_version`` versions: its
+oldest tokens. :func:`staleness_metrics` gives the values to submit; every one is a mean or a max of
+per-sample values weighted by the samples' tokens, so the merged result equals the one of the
+concatenated batch of all ranks:
+
+- ``staleness/version_lag/mean``: token-weighted mean lag; ``.../max``: the largest lag;
+- ``staleness/version_lag/hist/<k>``: the fraction of tokens with lag ``k``, for ``k`` below ``bins``,
+  and ``.../hist/<bins>+`` the fraction with lag ``bins`` or more (a histogram with fixed names);
+- ``staleness/version_span/mean`` (with ``max_version``): token-weighted ``max_version - min_version``.
+
+>>> from rlmetrics.packing import pack
+>>> m = staleness_metrics(7, min_version=[7, 6, 5], max_version=[7, 7, 6], tokens=[10, 20, 10], bins=2)
+>>> from rlmetrics.aggregator import Aggregator
+>>> engine = Aggregator()
+>>> _ = engine.submit("rank0", 0, 0, 1, pack(m))
+>>> {k: round(v, 4) for k, v in engine.finalize(0).items()}  # doctest: +NORMALIZE_WHITESPACE
+{'staleness/version_lag/mean': 1.0, 'staleness/version_lag/max': 2.0,
+ 'staleness/version_lag/hist/0': 0.25, 'staleness/version_lag/hist/1': 0.5,
+ 'staleness/version_lag/hist/2+': 0.25, 'staleness/version_span/mean': 0.75}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from rlmetrics.values import MetricValueError
+
+LAG = "staleness/version_lag"
+SPAN = "staleness/version_span/mean"
+
+
+def staleness_metrics(
+    current_version: int,
+    min_version: Any,
+    max_version: Any = None,
+    tokens: Any = None,
+    bins: int = 4,
+) -> dict[str, Any]:
+    """``{name: value}`` of the batch's staleness (module docstring), to pass to ``submit_metric``.
+
+    ``min_version`` / ``max_version``: per sample, the oldest / newest policy version that generated
+    its tokens (array-likes on the host); ``tokens``: per sample, its response tokens (default: 1
+    each, a per-sample weighting); ``bins``: the histogram's lags ``0 … bins - 1``, then ``bins+``.
+    """
+    lo = np.asarray(min_version, dtype=np.float64).reshape(-1)
+    lag = float(current_version) - lo
+    w = np.ones_like(lo) if tokens is None else np.asarray(tokens, dtype=np.float64).reshape(-1)
+    if w.shape != lo.shape:
+        raise MetricValueError(f"{LAG}: tokens has {w.size} samples, min_version {lo.size}")
+    if lag.size and lag.min() < 0:
+        raise MetricValueError(
+            f"{LAG}: a sample's min_version {lo.max():g} is above current_version {current_version}"
+        )
+    out: dict[str, Any] = {f"{LAG}/mean": (lag, w), f"{LAG}/max": lag}
+    for k in range(bins):
+        out[f"{LAG}/hist/{k}"] = ((lag == k).astype(np.float64), w)
+    out[f"{LAG}/hist/{bins}+"] = ((lag >= bins).astype(np.float64), w)
+    if max_version is not None:
+        hi = np.asarray(max_version, dtype=np.float64).reshape(-1)
+        if hi.shape != lo.shape or (hi < lo).any():
+            raise MetricValueError(f"{SPAN}: max_version must have one value per sample, each >= min_version")
+        out[SPAN] = (hi - lo, w)
+    return out

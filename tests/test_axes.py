@@ -1,0 +1,300 @@
+"""Step axes in an asynchronous RL run (issue 20, point 2): rollout workers one or two policy versions
+ahead of the trainer, one of them late for a train step. Every number of every step of every axis
+(``train_step``, ``policy_version``, ``rollout_id``) must be numpy's on the concatenated data of the
+submissions tagged with that step on that axis; the late data, dropped on its final train step, must
+land on its policy version and rollout id. Then the results go through JSONL, W&B (offline) and
+TensorBoard and are read back with their own readers: each axis on its own step metric, W&B steps
+only going up, TensorBoard tags ``<axis>/<name>`` at that axis's steps.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+import threading
+import uuid
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rlmetrics import axes as axes_mod
+from rlmetrics.backends.local import drop_worker, get_worker
+from rlmetrics.metrics.staleness import staleness_metrics
+from rlmetrics.sinks import make_sinks, read_jsonl
+from tests.trackers import one, read_tensorboard, wandb_records, wandb_rows
+
+STEPS = 6
+WORKERS = TRAINERS = 2
+LATE = (1, 3)  # (worker, rollout): submitted after its train step was read at a deadline
+AXES = ("policy_version", "rollout_id")
+
+
+# ------------------------------------------------------------------------------------------------ data
+def rollout(worker: int, r: int) -> dict:
+    """Worker ``worker``'s rollout ``r``: made with the weights of version ``r - 1`` or ``r - 2``
+    (never going back), its samples' versions (a partial rollout spans two) and token counts."""
+    rng = np.random.default_rng([worker, r])
+    version = max(0, r - 1 - (worker + r) % 2)
+    n = 2 + (worker * 5 + r * 3) % 5
+    min_version = np.maximum(version - rng.integers(0, 2, n), 0)
+    return {
+        "version": version,
+        "rewards": rng.normal(size=n),
+        "tokens": rng.integers(1, 40, n).astype(float),
+        "min_version": min_version,
+        "max_version": np.full(n, version),
+    }
+
+
+def submissions() -> list[tuple[str, int, int, dict, dict]]:
+    """Every submission of the run: ``(role, rank, train step, {axis: value}, metrics)``."""
+    out = []
+    for t in range(STEPS):
+        for k in range(WORKERS):
+            b = rollout(k, t)
+            metrics = {
+                "reward/mean": b["rewards"],
+                "reward/max": b["rewards"],
+                "reward/min": b["rewards"],
+                "response_length/mean": b["tokens"],
+            }
+            out.append(("worker", k, t, {"policy_version": b["version"], "rollout_id": t}, metrics))
+        for j in range(TRAINERS):  # trainer rank j trains on worker j's rollout t with version t
+            b = rollout(j, t)
+            loss = float(np.random.default_rng([99, j, t]).normal())
+            metrics = {
+                "actor/loss": loss,
+                **staleness_metrics(t, b["min_version"], b["max_version"], tokens=b["tokens"], bins=2),
+            }
+            out.append(("trainer", j, t, {"policy_version": t, "rollout_id": t}, metrics))
+    return out
+
+
+def expected(items: list[dict]) -> dict[str, float]:
+    """numpy on the concatenated values of ``items`` per name: max/min, else the weighted mean."""
+    values: dict[str, list] = {}
+    for metrics in items:
+        for name, v in metrics.items():
+            x, w = v if isinstance(v, tuple) else (v, np.ones_like(np.atleast_1d(v), dtype=float))
+            values.setdefault(name, []).append((np.atleast_1d(np.asarray(x, float)), np.atleast_1d(w)))
+    out = {}
+    for name, parts in values.items():
+        x = np.concatenate([p[0] for p in parts])
+        w = np.concatenate([p[1] for p in parts])
+        last = name.rsplit("/", 1)[-1]
+        out[name] = float(
+            x.max() if last == "max" else x.min() if last == "min" else np.average(x, weights=w)
+        )
+    return out
+
+
+def reference() -> dict[str, dict[int, dict[str, float]]]:
+    """``{axis: {step: {name: value}}}`` of the run; the late rollout is on its policy version and
+    rollout id, not on its train step."""
+    groups: dict[str, dict[int, list]] = {}
+    for role, rank, t, at, metrics in submissions():
+        for axis, step in {"train_step": t, **at}.items():
+            if axis == "train_step" and (role, (rank, t)) == ("worker", LATE):
+                continue
+            groups.setdefault(axis, {}).setdefault(step, []).append(metrics)
+    return {axis: {s: expected(items) for s, items in steps.items()} for axis, steps in groups.items()}
+
+
+# ------------------------------------------------------------------------------------------ the ranks
+def run_rank(client, role: str, rank: int) -> None:
+    """What one rank does: its submissions in train-step order, each with its axes. The late worker
+    first waits until its train step is final: a reader took it at a deadline."""
+    for t, at, metrics in ((t, at, m) for r, k, t, at, m in submissions() if (r, k) == (role, rank)):
+        if (role, (rank, t)) == ("worker", LATE):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # partial, as it should be
+                client.result(t)
+        client.submit_metric(metrics, world_size=2, step=t, axes=at)
+        client.wait_submit(step=t)
+    client.stop()
+
+
+def run(backend: str, name: str) -> dict[str, dict[int, dict]]:
+    """The run, one thread per rank (all connected, hence registered, before any starts); the late
+    worker is held back until the others are done and a reader took its train step at a deadline.
+    The results of every axis, checked."""
+    ranks = [("worker", k) for k in range(WORKERS)] + [("trainer", j) for j in range(TRAINERS)]
+    clients = {
+        rk: axes_mod.connect(backend, axes=AXES, world_size=4, name=name, label=f"{rk[0]}{rk[1]}")
+        for rk in ranks
+    }
+    threads = {rk: threading.Thread(target=run_rank, args=(c, *rk), daemon=True) for rk, c in clients.items()}
+    for thread in threads.values():
+        thread.start()
+    for rk, thread in threads.items():
+        if rk != ("worker", LATE[0]):
+            thread.join(120)
+    reader = axes_mod.connect(backend, axes=AXES, name=name)
+    with pytest.warns(RuntimeWarning, match="partial"):
+        partial = reader.result(LATE[1], timeout=0.5)
+    threads["worker", LATE[0]].join(120)
+    return check_run(
+        lambda step, axis, timeout: (
+            partial if (axis, step) == ("train_step", LATE[1]) else reader.result(step, timeout, axis=axis)
+        )
+    )
+
+
+def check_run(read) -> dict[str, dict[int, dict]]:
+    """Every step of every axis, read with ``read(step, axis, timeout)``, against :func:`reference`."""
+    ref = reference()
+    got: dict[str, dict[int, dict]] = {}
+    for axis, steps in ref.items():
+        got[axis] = {}
+        for step, want in sorted(steps.items()):
+            res = read(step, axis, 60)
+            assert res.meta.complete == (axis != "train_step" or step != LATE[1]), (axis, step, res.meta)
+            assert sorted(res) == sorted(want), (axis, step)
+            for name, value in want.items():
+                assert math.isclose(res[name], value, rel_tol=1e-12, abs_tol=1e-12), (axis, step, name)
+            got[axis][step] = res
+    assert got["train_step"][LATE[1] + 1].meta.late == 1  # dropped there, counted on the next one
+    return got
+
+
+# -------------------------------------------------------------------------------------- local threads
+@pytest.fixture(scope="module")
+def local_run():
+    """The run on the in-process backend, one thread per rank; the results of every axis."""
+    name = f"axes-{uuid.uuid4().hex[:8]}"
+    got = run("local", name)
+    late_engine = get_worker(name).server.stats()["late"]
+    for agg in (name, *(axes_mod.axis_aggregator(name, a) for a in AXES)):
+        drop_worker(agg)
+    return got, late_engine
+
+
+def test_async_run_every_axis_local(local_run):
+    got, late = local_run
+    assert late == 1
+    assert sorted(got["policy_version"]) == sorted(reference()["policy_version"])
+
+
+def test_values_only_go_up_on_an_axis():
+    name = f"axes-{uuid.uuid4().hex[:8]}"
+    client = axes_mod.connect("local", axes=("policy_version",), world_size=1, name=name)
+    client.submit_metric({"x": 1.0}, axes={"policy_version": 3})
+    client.wait_submit()  # closes the versions below 3
+    with pytest.raises(ValueError, match="policy_version 2 is below 3"):
+        client.submit_metric({"x": 1.0}, axes={"policy_version": 2})
+    with pytest.raises(ValueError, match="not axes of this client"):
+        client.submit_metric({"x": 1.0}, axes={"rollout_id": 2})
+    client.submit_metric({"x": 5.0})  # the newest value: version 3
+    client.advance("policy_version", 4)
+    assert client.result(3, timeout=5, axis="policy_version") == {"x": 3.0}
+    client.stop()
+    for agg in (name, axes_mod.axis_aggregator(name, "policy_version")):
+        drop_worker(agg)
+
+
+# ---------------------------------------------------------------------------------------- the sinks
+def test_jsonl_and_wandb_each_axis_on_its_own_step(local_run, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    got, _ = local_run
+    order = []  # as a driver logs: each train step, then whatever became final on the other axes
+    for t in range(STEPS):
+        order.append(("train_step", t))
+        order += [(a, s) for a in AXES for s in sorted(got[a]) if s <= t and (a, s) not in order]
+    order += [(a, s) for a in AXES for s in sorted(got[a]) if (a, s) not in order]
+    with make_sinks(["jsonl", "wandb", "tensorboard"], tmp_path, axes=True, health=None) as tracking:
+        for axis, step in order:
+            tracking.log_axis(got[axis][step], step, axis)
+        assert not tracking.failed
+
+    run = read_jsonl(tmp_path / "metrics.jsonl")
+    assert run.axes == sorted(AXES)
+    for axis in ("train_step", *AXES):
+        on = run if axis == "train_step" else run.on_axis(axis)
+        assert on.steps == sorted(got[axis])
+        for step, res in got[axis].items():
+            record = next(r["metrics"] for r in on.records if r["step"] == step)
+            assert {k: v for k, v in record.items() if not k.startswith("meta/")} == dict(res)
+            assert record["meta/late"] == res.meta.late
+
+    run_file = one(tmp_path, "wandb/offline-run-*/run-*.wandb")
+    rows = wandb_rows([run_file])
+    assert [s for s, _ in rows] == list(range(len(order)))  # one W&B step per logged step, never back
+    step_metric = {
+        r.metric.name: r.metric.step_metric
+        for r in wandb_records(run_file)
+        if r.WhichOneof("record_type") == "metric" and r.metric.name
+    }
+    seen: dict[str, list[int]] = {}
+    for (axis, step), (_, row) in zip(order, rows):
+        assert row[axis] == step
+        assert not ({"train_step", *AXES} - {axis}) & set(row)
+        seen.setdefault(axis, []).append(step)
+        prefix = "" if axis == "train_step" else f"{axis}/"
+        for name, value in got[axis][step].items():
+            assert row[prefix + name] == pytest.approx(value, rel=1e-12, abs=1e-12)
+            assert step_metric[prefix + name] == axis
+    assert all(s == sorted(set(s)) for s in seen.values())  # each axis only goes up
+
+    tensorboard = read_tensorboard(tmp_path / "tensorboard")  # its reader drops a tag's steps that go back
+    for axis in ("train_step", *AXES):
+        prefix = "" if axis == "train_step" else f"{axis}/"
+        for step, res in got[axis].items():
+            for name, value in res.items():
+                assert tensorboard[prefix + name][step] == pytest.approx(value, rel=1e-6, abs=1e-6)
+
+
+def test_resumed_run_logs_each_step_of_each_axis_once(tmp_path, monkeypatch):
+    """A driver restarted from an older checkpoint logs steps 2..5 again on both axes: JSONL and W&B
+    skip, per axis, the steps the earlier session holds."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for steps, resume in ((range(4), False), (range(2, 6), True)):
+        with make_sinks(["jsonl", "wandb"], tmp_path, axes=True, health=None, resume=resume) as tracking:
+            for s in steps:
+                tracking.log({"a": s}, s)
+                tracking.log_axis({"b": 2 * s}, s, "policy_version")
+    run = read_jsonl(tmp_path / "metrics.jsonl")
+    assert run.steps == run.on_axis("policy_version").steps == list(range(6))
+    rows = wandb_rows(sorted(tmp_path.glob("wandb/offline-run-*/run-*.wandb")))
+    assert [s for s, _ in rows] == list(range(12))
+    after = [(r.get("train_step"), r.get("policy_version/b")) for _, r in rows[8:]]
+    assert after == [(4, None), (None, 8), (5, None), (None, 10)]
+
+
+# ------------------------------------------------------------------------------------------------ Ray
+@pytest.mark.ray
+@pytest.mark.slow
+def test_async_run_every_axis_ray():
+    ray = pytest.importorskip("ray")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    try:
+        name = f"axes-{uuid.uuid4().hex[:8]}"
+        run("ray", name)
+    finally:
+        ray.shutdown()
+
+
+# ------------------------------------------------------------------------------------ docs, example
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_docs_example_prints_what_docs_show(capsys):
+    docs = (ROOT / "docs" / "axes.md").read_text()
+    code, shown = re.search(r"```python\n(.*?)```\s*prints\s*```text\n(.*?)```", docs, re.S).groups()
+    exec(compile(code, "docs/axes.md", "exec"), {})
+    assert capsys.readouterr().out.splitlines() == shown.strip().splitlines()
+
+
+def test_example_logs_every_step_of_every_axis(tmp_path):
+    spec = importlib.util.spec_from_file_location("async_axes", ROOT / "examples" / "async_axes.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main([str(tmp_path), "--steps", "8", "--sinks", "jsonl"]) == dict.fromkeys(
+        ("train_step", *AXES), 8
+    )
+    run = read_jsonl(tmp_path / "metrics.jsonl")
+    for on in (run, *(run.on_axis(a) for a in AXES)):
+        assert on.steps == list(range(8))
+        assert all(r["metrics"]["meta/coverage"] == 1.0 for r in on.records)  # every step complete
