@@ -8,8 +8,8 @@ per-sample values weighted by the samples' tokens, so the merged result equals t
 concatenated batch of all ranks:
 
 - ``staleness/version_lag/mean``: token-weighted mean lag; ``.../max``: the largest lag;
-- ``staleness/version_lag/hist/<k>``: the fraction of tokens with lag ``k``, for ``k`` below ``bins``,
-  and ``.../hist/<bins>+`` the fraction with lag ``bins`` or more (a histogram with fixed names);
+- ``staleness/version_lag/share/<k>``: the fraction of tokens with lag ``k``, for ``k`` below ``bins``,
+  and ``.../share/<bins>+`` the fraction with lag ``bins`` or more (a histogram with fixed names);
 - ``staleness/version_span/mean`` (with ``max_version``): token-weighted ``max_version - min_version``.
 
 >>> from rlmetrics.packing import pack
@@ -19,8 +19,8 @@ concatenated batch of all ranks:
 >>> _ = engine.submit("rank0", 0, 0, 1, pack(m))
 >>> {k: round(v, 4) for k, v in engine.finalize(0).items()}  # doctest: +NORMALIZE_WHITESPACE
 {'staleness/version_lag/mean': 1.0, 'staleness/version_lag/max': 2.0,
- 'staleness/version_lag/hist/0': 0.25, 'staleness/version_lag/hist/1': 0.5,
- 'staleness/version_lag/hist/2+': 0.25, 'staleness/version_span/mean': 0.75}
+ 'staleness/version_lag/share/0': 0.25, 'staleness/version_lag/share/1': 0.5,
+ 'staleness/version_lag/share/2+': 0.25, 'staleness/version_span/mean': 0.75}
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ def staleness_metrics(
         )
     out: dict[str, Any] = {f"{LAG}/mean": (lag, w), f"{LAG}/max": lag}
     for k in range(bins):
-        out[f"{LAG}/hist/{k}"] = ((lag == k).astype(np.float64), w)
-    out[f"{LAG}/hist/{bins}+"] = ((lag >= bins).astype(np.float64), w)
+        out[f"{LAG}/share/{k}"] = ((lag == k).astype(np.float64), w)
+    out[f"{LAG}/share/{bins}+"] = ((lag >= bins).astype(np.float64), w)
     if max_version is not None:
         hi = np.asarray(max_version, dtype=np.float64).reshape(-1)
         if hi.shape != lo.shape or (hi < lo).any():
