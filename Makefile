@@ -91,7 +91,7 @@ bench-peers: install-peers
 	$(BIN)/python benchmarks/bench_peers.py
 	$(BIN)/python benchmarks/bench_verl.py
 
-# Not part of `make test` (which runs 200 and 50 steps of them): the long runs of README's Reliability.
+# Not part of `make test` (which runs 200 and 50 steps of them): the long runs of docs/reliability.md.
 soak: install-test
 	$(BIN)/python benchmarks/soak.py
 

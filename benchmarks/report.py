@@ -1,4 +1,12 @@
-"""What every benchmark shares: the command line, the header line, markdown tables, verdicts."""
+"""What every benchmark shares: the command line, the header line, markdown tables, verdicts; and
+putting their reports into docs/benchmarks.md.
+
+Every ``bench_*.py`` (and ``soak.py``, ``chaos.py``) takes ``--markdown PATH`` and writes its report
+there: the header line (date, machine, versions), the command that ran, the tables and the notes.
+``python benchmarks/report.py docs/benchmarks.md PATH ...`` puts each report into the page between
+``<!-- NAME -->`` and ``<!-- /NAME -->``, NAME the report's file stem (``bench_merge``), so the
+page's tables are always a run's output, never typed by hand.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +14,8 @@ import argparse
 import gc
 import os
 import platform
+import re
+import sys
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
@@ -63,12 +73,13 @@ def parse_args(doc: str, quick_help: str, argv: Sequence[str] | None) -> argpars
 
 
 def header(title: str, *versions: str) -> str:
-    """``rlmetrics <title> benchmark — date, machine, CPUs, Python, <versions>``."""
+    """``rlmetrics <title> benchmark — date, machine, CPUs, load average (1 min), Python, <versions>``."""
     return ", ".join(
         [
             f"rlmetrics {title} benchmark — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
             f"{platform.processor() or 'unknown'}/{platform.machine()}",
             f"{os.cpu_count()} CPUs",
+            f"load average {os.getloadavg()[0]:.1f}",
             f"Python {platform.python_version()}",
             *versions,
         ]
@@ -92,9 +103,48 @@ def ratio_target(what: str, ratio: float | None, target: float, digits: int = 1)
     return f"target >= {target:g}x {what}: {got}"
 
 
+def command(argv: Sequence[str] | None = None) -> str:
+    """The command that ran this benchmark, without ``--markdown PATH`` (where the report went)."""
+    script, *args = sys.argv if argv is None else argv
+    kept, i = [], 0
+    while i < len(args):
+        if args[i] == "--markdown":
+            i += 2
+            continue
+        if not args[i].startswith("--markdown="):
+            kept.append(args[i])
+        i += 1
+    return " ".join(["python", f"benchmarks/{Path(script).name}", *kept])
+
+
 def emit(head: str, body: str, notes: Sequence[str], markdown: Path | None) -> None:
-    """Print the report (and write it to ``markdown`` when given)."""
+    """Print the report (and write it to ``markdown`` when given, with the command that ran)."""
     text = body + "\n\n" + "\n".join(notes)
     print("\n" + text)
     if markdown:
-        markdown.write_text(f"{head}\n\n{text}\n", encoding="utf-8")
+        markdown.write_text(f"{head}\n\n`{command()}`\n\n{text}\n", encoding="utf-8")
+
+
+def splice(doc: str, name: str, report: str) -> str:
+    """``doc`` with ``report`` between its ``<!-- name -->`` and ``<!-- /name -->`` lines (each a
+    line of its own); ValueError when ``doc`` has no such block."""
+    block = re.compile(rf"^<!-- {re.escape(name)} -->\n.*?^<!-- /{re.escape(name)} -->$", re.S | re.M)
+    if not block.search(doc):
+        raise ValueError(f"no <!-- {name} --> ... <!-- /{name} --> block")
+    return block.sub(lambda _: f"<!-- {name} -->\n{report.rstrip()}\n<!-- /{name} -->", doc, count=1)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Put benchmark reports (--markdown files) into a docs page.")
+    p.add_argument("doc", type=Path, help="the page, e.g. docs/benchmarks.md")
+    p.add_argument("reports", type=Path, nargs="+", help="reports named by benchmark (bench_merge.md)")
+    args = p.parse_args(argv)
+    doc = args.doc.read_text(encoding="utf-8")
+    for report in args.reports:
+        doc = splice(doc, report.stem, report.read_text(encoding="utf-8"))
+    args.doc.write_text(doc, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

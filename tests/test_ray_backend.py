@@ -321,9 +321,9 @@ def test_schema_lost_in_a_restart_is_resent_transparently(name):
 
 
 def test_the_aggregator_outlives_its_creator_dropping_the_handle(name):
-    """Ray ends a non-detached actor when its creator drops the last handle; README's pattern (a bare
-    get_metric_worker in the driver) relies on rlmetrics keeping one, or the ranks would create
-    their own aggregator, owned by one of them and dying with it."""
+    """Ray ends a non-detached actor when its creator drops the last handle; the pattern of
+    docs/backends.md (a bare get_metric_worker in the driver) relies on rlmetrics keeping one, or the
+    ranks would create their own aggregator, owned by one of them and dying with it."""
     first = ray.get(rlmetrics.get_metric_worker(name=name).ping.remote())  # the handle is dropped
     gc.collect()
     time.sleep(3)

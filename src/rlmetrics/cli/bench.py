@@ -1,7 +1,7 @@
 """``rlmetrics bench``: run the benchmark suite of a source checkout and print its tables.
 
 Each ``benchmarks/bench_*.py`` runs in its own process and prints a table with ratios against a
-baseline measured in the same run (see README, "Benchmarks"). ``bench_peers`` needs siiRL 0.2.0
+baseline measured in the same run (see ``docs/benchmarks.md``). ``bench_peers`` needs siiRL 0.2.0
 (``make bench-peers`` installs it).
 
     rlmetrics bench --quick

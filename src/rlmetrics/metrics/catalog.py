@@ -1,8 +1,8 @@
 """The metric reference: every built-in metric name, what it means and how ranks are merged.
 
-README's "Metric reference" is :func:`markdown_table` verbatim (a test keeps them equal, and another
-that every name the metric functions produce is listed here). Patterns: ``{a,b}`` stands for each
-alternative, ``<x>`` for any segment. The merge column is computed from the name rules
+The reference table of ``docs/metrics.md`` is :func:`markdown_table` verbatim (a test keeps them
+equal, and another that every name the metric functions produce is listed here). Patterns: ``{a,b}``
+stands for each alternative, ``<x>`` for any segment. The merge column is computed from the name rules
 (:func:`rlmetrics.resolve`), except for validation metrics, computed once over all ranks' samples.
 
 >>> expand("critic/score/{mean,max}")
@@ -91,7 +91,7 @@ CATALOG: tuple[tuple[str, str], ...] = (
     ("model/hidden_norm/{mean,std}", "L2 norm of hidden states"),
     ("conversation/quality/{mean,std,min,max}", "0.3 length fit + 0.3 vocabulary + 0.4 non-repetition"),
 )
-"""(pattern, meaning) of every built-in metric, in README order."""
+"""(pattern, meaning) of every built-in metric, in the order of ``docs/metrics.md``."""
 
 _ALTERNATIVES = re.compile(r"\{([^}]*)\}")
 _EXAMPLES = {"stage": "gen", "source": "gsm8k", "var": "acc", "n": "8", "k": "4"}
@@ -135,7 +135,7 @@ def merge_of(pattern: str) -> str:
 
 
 def markdown_table() -> str:
-    """The metric reference as a markdown table (README's "Metric reference")."""
+    """The metric reference as a markdown table (the one of ``docs/metrics.md``)."""
     lines = ["| name | meaning | merged over ranks |", "|---|---|---|"]
     lines += [f"| `{p}` | {meaning} | {merge_of(p)} |" for p, meaning in CATALOG]
     return "\n".join(lines) + "\n"
