@@ -67,6 +67,26 @@ def reference_reward(prompt, tokens):
     return right / max(len(answer), len(want)), float(EOS in tokens and answer == want)
 
 
+def data_want(b, scores, lengths, prompt_lengths, rows):
+    """The data metrics of the responses in ``rows`` (a boolean mask over the concatenated batch)."""
+    mask = b["response_mask"].astype(bool) & rows[:, None]
+    scores, lengths, prompt_lengths = scores[rows], lengths[rows], prompt_lengths[rows]
+    want = {}
+    for name, values in (("critic/score", scores), ("critic/rewards", b["token_level_rewards"][rows].sum(1)),
+                         ("critic/advantages", b["advantages"][mask]), ("critic/returns", b["returns"][mask]),
+                         ("response/length", lengths), ("prompt/length", prompt_lengths),
+                         ("response/correct_length", lengths[scores > 0.5]),
+                         ("response/wrong_length", lengths[scores <= 0.5])):  # fmt: skip
+        if len(values):
+            want.update(
+                {f"{name}/mean": values.mean(), f"{name}/max": values.max(), f"{name}/min": values.min()}
+            )
+    want["response/clip_ratio/mean"] = (lengths == RESPONSE_LEN).mean()
+    want["prompt/clip_ratio/mean"] = (prompt_lengths == PROMPT_LEN).mean()
+    want["response/aborted_ratio"] = (lengths == 0).mean()
+    return want
+
+
 def expected_train(ranks):
     """Numpy on the concatenated batches of all ranks, and the update recomputed per token."""
     keys = ("responses", "attention_mask", "response_mask", "token_level_scores", "token_level_rewards",
@@ -83,19 +103,11 @@ def expected_train(ranks):
     groups = scores.reshape(-1, GROUP)
     adv = (groups - groups.mean(1, keepdims=True)) / (groups.std(1, ddof=1, keepdims=True) + 1e-6)
     assert b["advantages"] == pytest.approx(np.where(mask, adv.reshape(-1, 1), 0.0), abs=1e-5)
-    want = {}
-    for name, values in (("critic/score", scores), ("critic/rewards", b["token_level_rewards"].sum(1)),
-                         ("critic/advantages", b["advantages"][mask]), ("critic/returns", b["returns"][mask]),
-                         ("response/length", lengths), ("prompt/length", prompt_lengths),
-                         ("response/correct_length", lengths[scores > 0.5]),
-                         ("response/wrong_length", lengths[scores <= 0.5])):  # fmt: skip
-        if len(values):
-            want.update(
-                {f"{name}/mean": values.mean(), f"{name}/max": values.max(), f"{name}/min": values.min()}
-            )
-    want["response/clip_ratio/mean"] = (lengths == RESPONSE_LEN).mean()
-    want["prompt/clip_ratio/mean"] = (prompt_lengths == PROMPT_LEN).mean()
-    want["response/aborted_ratio"] = (lengths == 0).mean()
+    want = data_want(b, scores, lengths, prompt_lengths, np.ones(len(scores), bool))
+    tasks = np.array([p[0] for p in prompts])
+    for task in sorted(set(tasks)):  # group_by="task": the same metrics over the task's responses
+        part = data_want(b, scores, lengths, prompt_lengths, tasks == task)
+        want.update({f"group/task/{task}/{name}": value for name, value in part.items()})
     # timing and throughput: seconds averaged over ranks; per-token times and throughput over the
     # tokens of all ranks (each rank ran on one GPU)
     for stage in ranks[0]["timing"]:

@@ -652,3 +652,30 @@ def test_imports_stay_light():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize("group_by", [None, "task"])
+def test_min_and_max_are_the_datas_own_values_when_a_sequence_is_constant(group_by):
+    """GRPO's advantages are one value per sequence: the float32 mean of a sequence's equal values can
+    lie an ulp outside them, so the padding must not take the mean where min and max are read."""
+    gen = torch.Generator().manual_seed(0)
+    b, r = 64, 8
+    mask = (torch.rand(b, r, generator=gen) > 0.3).float()
+    mask[:, 0] = 1
+    adv = torch.randn(b, 1, generator=gen) * mask
+    batch = {
+        "responses": torch.ones(b, r, dtype=torch.long), "prompts": torch.ones(b, 3, dtype=torch.long),
+        "attention_mask": torch.cat([torch.ones(b, 3), mask], 1), "response_mask": mask,
+        "token_level_scores": torch.rand(b, r, generator=gen), "advantages": adv, "returns": adv / 3,
+        "task": ["copy", "reverse"] * (b // 2),
+    }  # fmt: skip
+    got = compute_data_metric(batch, group_by=group_by)
+    tasks = np.array(batch["task"])
+    parts = [("", np.ones(b, bool))]
+    if group_by:
+        parts += [(f"group/task/{t}/", tasks == t) for t in ("copy", "reverse")]
+    for prefix, rows in parts:
+        on = mask.bool().numpy() & rows[:, None]
+        for name, x in (("critic/advantages", adv), ("critic/returns", adv / 3)):
+            values = x.double().numpy()[on]
+            assert (got[f"{prefix}{name}/min"], got[f"{prefix}{name}/max"]) == (values.min(), values.max())

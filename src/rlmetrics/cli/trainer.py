@@ -11,7 +11,8 @@ gloo), so the replicas take identical steps and stay in sync.
 Metrics go through rlmetrics' public client, as a training rank of siiRL or verl would send them:
 
 - ``compute_local_data_metric`` of the step's batch (``prompts``, ``responses``, ``attention_mask``,
-  ``response_mask``, ``token_level_scores``, ``token_level_rewards``, ``advantages``, ``returns``);
+  ``response_mask``, ``token_level_scores``, ``token_level_rewards``, ``advantages``, ``returns``),
+  also per task (``group_by="task"``: ``group/task/<copy|reverse>/...``);
 - ``compute_local_timing_metrics`` / ``compute_local_throughout_metrics`` of the measured phases
   ``gen`` (rollout), ``reward``, ``old_log_prob``, ``ref``, ``adv``, ``update_actor`` and ``step``;
 - ``submit_metric`` of ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/ppo_kl``,
@@ -169,6 +170,7 @@ class GRPORank:
             "returns": advantages,  # GRPO's returns are its advantages
             "old_log_probs": old_logp,
             "ref_log_prob": ref_logp,
+            "task": [task for task, _ in prompts],  # each response's task: the data metrics' groups
         }
         with _timed(timing, "update_actor"):
             update = self.update(batch)
@@ -217,9 +219,10 @@ class GRPORank:
     def submit(
         self, step: int, batch: dict[str, Any], timing: dict[str, float], update: dict[str, Any]
     ) -> None:
-        """This rank's metrics of the step, through the seed's client calls."""
+        """This rank's metrics of the step, through the seed's client calls; the data metrics also
+        per task (``group/task/<copy|reverse>/...``, each over that task's responses of all ranks)."""
         w = self.workers
-        self.client.compute_local_data_metric(batch, w, step)
+        self.client.compute_local_data_metric(batch, w, step, group_by="task")
         self.client.compute_local_timing_metrics(batch, timing, w, step)
         self.client.compute_local_throughout_metrics(batch, timing, 1, w, step)
         metrics: dict[str, Any] = {f"actor/{k}": (update[k], update["tokens"]) for k in UPDATE_TERMS}

@@ -170,6 +170,8 @@ class _TokenMask:
         self.count = count.to(torch.float64)  # (a float64 sum of ints is slower)
         self.divisor = divisor(torch, self.count)
         self.off = torch.bitwise_xor(self.on, 1, out=None if out is None else out[1])
+        # a response token of each sequence (of the batch without ``rows``): its first one
+        self.first = self.on.argmax(-1) if rows else self.on.reshape(-1).argmax()
 
 
 _SCRATCH_LIMIT = 32 * 2**20
@@ -206,18 +208,25 @@ def _summarize_tokens(
 
     All ``K`` go through each step together (fewer, larger kernels). Sums run per row in the data's
     precision and across rows in float64 (a row's sum is within ``(width - 1) * eps / 2 * sum|x|``
-    of the exact one, in any order of summation: eager and compiled, on any CPU). Padding is replaced
-    with its tensor's mean before min/max and centering, so it changes neither, and no shape depends
-    on the data (no sync).
+    of the exact one, in any order of summation: eager and compiled, on any CPU). For min/max the
+    padding holds a response token of its sequence (its first; of the batch without ``rows``), so the
+    extremes are the data's own values (the mean would do but for rounding: the float32 mean of a
+    sequence of equal values can lie an ulp outside them); for centering it is 0 again, so it adds
+    nothing to m2. No shape depends on the data (no sync).
     """
     k = buf.shape[0]
     vals = buf.view(dtype)
     levels, col = (1, (k, -1, 1)) if rows else (2, (k, 1, 1))
     sums = total(torch, vals, levels=levels).to(torch.float64)
     means = (sums / mask.divisor).to(dtype)
-    buf.addcmul_(mask.off, means.view(buf.dtype).reshape(col))  # padding := mean, in place
+    if rows:
+        fill = buf.gather(-1, mask.first.view(1, -1, 1).expand(k, -1, 1))
+    else:
+        fill = buf.view(k, -1).index_select(1, mask.first.view(1)).view(k, 1, 1)  # a copy, not a view
+    buf.addcmul_(mask.off, fill)  # padding := a response token (its bits; padding holds 0 bits)
     mins, maxs = extremes(torch, vals if rows else vals.view(k, -1))
     vals.sub_(means.reshape(col))
+    buf.mul_(mask.on)  # padding := 0
     return sums, total(torch, square_(torch, vals), levels=levels).to(torch.float64), mins, maxs
 
 
