@@ -99,8 +99,9 @@ def test_demo_writes_tensorboard_and_readable_plots(run_dir):
     import matplotlib.image
 
     assert list((run_dir / "tensorboard").rglob("events.out.tfevents.*"))
-    assert not (run_dir / "actor.png").exists()  # a simulated run has no update metrics
-    for name in PLOTS.keys() - {"actor"}:
+    for name in ("actor", "tasks"):  # a simulated run has no update metrics and no tasks
+        assert not (run_dir / f"{name}.png").exists()
+    for name in PLOTS.keys() - {"actor", "tasks"}:
         png = matplotlib.image.imread(run_dir / f"{name}.png")
         assert png.shape[0] > 200 and png.shape[1] > 300
         assert png[..., :3].std() > 0.01, f"{name}.png is blank"

@@ -37,6 +37,7 @@ MAX_PROMPT, MAX_RESPONSE = 256, 512
 PROGRESS = ("critic/score/mean", "response/length/mean")
 PLOTS = {  # file name -> metric globs ({k}: --val-samples); a plot without a matching metric is not written
     "reward": ("critic/score/mean", "critic/rewards/mean", "response/correct_length/mean"),
+    "tasks": ("group/task/*/critic/score/mean", "group/task/*/response/length/mean"),  # per task
     "response_length": ("response/length/*", "response/clip_ratio/mean"),
     "advantages": ("critic/advantages/*",),
     "actor": ("actor/*",),
