@@ -16,6 +16,11 @@ Contributions with the same schema are stacked and merged as matrices (names are
 schema, never per value). ``(client_id, step, seq)`` is merged once, so retries are harmless. The
 engine is not thread-safe and never waits; backends add locking and waiting around it.
 
+Where it lives: this module keeps the bookkeeping of steps (contributions, closes, completion,
+finalization, export and restore: ~440 lines, a third of them docstrings, one class whose methods
+share one state); the name registry is :mod:`rlmetrics.columns`, a step's merge and reduction
+:mod:`rlmetrics.steps`.
+
 >>> from rlmetrics.packing import pack
 >>> agg = Aggregator()
 >>> for rank, values in enumerate([[1.0, 2.0], [3.0, 4.0, 5.0]]):

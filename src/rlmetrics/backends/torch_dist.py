@@ -66,7 +66,8 @@ that step's values (listed in ``meta.empty``). NaN follows ``nan_strategy``; wit
 ``all_gather_object`` in the steps that have them, and merged.
 
 The exchange itself (the layout, both forms, the sketch plans) is
-:mod:`rlmetrics.backends.torch_exchange`; this module holds the transport and the client.
+:mod:`rlmetrics.backends.torch_exchange`; this module holds the transport and the client (~420
+lines, a third of them docstrings).
 
 ``world_size`` and partial results: in a collective every rank of the group is present by
 construction, so each step is complete; ``world_size`` given to ``submit_metric`` is accepted for
