@@ -75,7 +75,7 @@ test: install-test install-peers
 
 # The core in seconds: no Ray, no torch, nothing slow (the markers of pyproject.toml; conftest.py)
 test-core: install-test
-	$(BIN)/python -m pytest -m "not slow and not ray and not torch"
+	$(BIN)/python -m pytest -n 2 -m "not slow and not ray and not torch"
 
 lint: install-test
 	$(BIN)/ruff check src tests benchmarks conftest.py

@@ -336,6 +336,7 @@ def test_tracking_adds_coverage_and_late_to_step_results(tmp_path):
     assert run.records[0]["meta"]["missing_ranks"] == ["r1"]  # the partial step still says what it lacks
 
 
+@pytest.mark.slow
 def test_docs_examples_print_what_they_show():
     docs = Path(__file__).resolve().parents[1] / "docs" / "health.md"
     assert doctest.testfile(str(docs), module_relative=False).failed == 0

@@ -154,6 +154,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 def test_matches_loop_reference(case):
     rng = np.random.default_rng(sorted(CASES).index(case))
