@@ -79,6 +79,13 @@ def program_blocks() -> list:
 BLOCKS = program_blocks()
 
 
+@pytest.fixture(autouse=True)
+def _a_new_ray_instance(monkeypatch):
+    """A block's ``ray.init()`` starts its own Ray instance, as on a user's machine with none running,
+    never joining the one another pytest worker runs here (``make test`` runs two)."""
+    monkeypatch.setenv("RAY_ADDRESS", "local")
+
+
 def test_readme_is_a_page_for_users():
     lines = TEXTS[README].count("\n")
     assert lines <= 300, f"README.md has {lines} lines; move details to docs/"
