@@ -262,6 +262,98 @@ def test_a_batch_the_actor_asks_to_repeat_is_repeated_at_once_not_at_the_clients
     assert ray.get(worker.stats.remote())["calls"]["send_many"] == 1
 
 
+def in_threads(work, args, timeout=30):
+    """``work(arg)`` for each of ``args`` at once, one thread each; False if one is still running at
+    ``timeout`` (a liveness check: done in milliseconds unless a sender waits for its ``linger``)."""
+    import threading
+
+    threads = [threading.Thread(target=work, args=(a,), daemon=True) for a in args]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return not any(t.is_alive() for t in threads)
+
+
+@pytest.fixture
+def long_linger(monkeypatch):
+    """A sender lingers up to a minute: a test passes only by the rules that end its wait."""
+    from rlmetrics.backends.ray.transport import _Sender
+
+    monkeypatch.setattr(_Sender, "linger", 60.0)
+
+
+def seed_step(clients, step):
+    """Rank ``r`` (``clients[r]``, blocking) submits and closes ``step``, in a thread of its own."""
+    import threading
+
+    barrier = threading.Barrier(len(clients))
+
+    def rank(r):
+        barrier.wait()
+        clients[r].submit_metric(host_scalars(r, step))
+        clients[r].wait_submit()
+
+    return in_threads(rank, range(len(clients)))
+
+
+def check_scalars(res, step, ranks):
+    a = np.array([host_scalars(r, step)["s/mean"] for r in ranks])
+    assert res.step == step and res.meta.complete, res.meta
+    assert res["s/mean"] == pytest.approx(a.mean(), rel=1e-12, abs=1e-12)
+    assert (res["s/min"], res["s/max"], res["ranks/total"]) == (a.min(), a.max(), len(ranks))
+
+
+def test_ranks_in_threads_of_one_process_send_each_step_in_one_call(name, long_linger):
+    """The seed loop with ranks as threads of one process: from the second step on, the sender
+    waits for every rank that closed the step before, and the step travels in one call (before,
+    the quickest rank's message went alone and the others in one or more calls after it)."""
+    world, steps = 6, 5
+    worker = rlmetrics.get_metric_worker(name=name)
+    clients = [rlmetrics.connect("ray", name=name, world_size=world, label=f"rank{r}") for r in range(world)]
+    reader = rlmetrics.MetricClient(worker)
+    assert seed_step(clients, 0)
+    check_scalars(reader.wait_final_res(), 0, range(world))
+    first = ray.get(worker.stats.remote())["calls"]["send_many"]
+    for s in range(1, steps):
+        assert seed_step(clients, s)
+        check_scalars(reader.wait_final_res(), s, range(world))
+    assert ray.get(worker.stats.remote())["calls"]["send_many"] - first == steps - 1
+
+
+def test_ranks_taking_turns_in_one_thread_do_not_wait_for_each_other(name, long_linger):
+    """Blocking clients closing a step one after the other in one thread: each message goes at once
+    (the thread that would post the next one waits for this one's reply)."""
+    world = 4
+    worker = rlmetrics.get_metric_worker(name=name)
+    clients = [rlmetrics.connect("ray", name=name, world_size=world, label=f"rank{r}") for r in range(world)]
+
+    def run(_):
+        for s in range(3):
+            for r, client in enumerate(clients):
+                client.submit_metric(host_scalars(r, s))
+                client.wait_submit()
+
+    assert in_threads(run, [None])
+    check_scalars(rlmetrics.MetricClient(worker).wait_final_res(), 2, range(world))
+
+
+def test_a_departed_client_is_not_waited_for(name, long_linger):
+    world = 3
+    worker = rlmetrics.get_metric_worker(name=name)
+    reader = rlmetrics.MetricClient(worker)
+    clients = [rlmetrics.connect("ray", name=name, world_size=world, label=f"rank{r}") for r in range(world)]
+    assert seed_step(clients, 0)
+    check_scalars(reader.wait_final_res(), 0, range(world))
+    clients.pop().stop()
+    for client in clients:
+        client.set_world_size(world - 1)
+    for s in (1, 2):
+        assert seed_step(clients, s)
+        check_scalars(reader.wait_final_res(), s, range(world - 1))
+
+
 def seed_style_names(m):
     """Names as the seed's conventions produce them; at M=1000 most are validation metrics."""
     sources = ["openai/gsm8k", "lighteval/MATH", "aime_2024", "minerva_math", "olympiadbench", "amc23",

@@ -12,7 +12,7 @@ contribution.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 
@@ -54,14 +54,21 @@ class StepMeta:
 
     def to_dict(self) -> dict[str, Any]:
         """The fields that differ from a complete step's defaults, JSON-ready (JSONL, saved state)."""
-        default = StepMeta()
-        return {k: v for k, v in asdict(self).items() if v != getattr(default, k)}
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if v != _DEFAULT_META[f.name]:
+                out[f.name] = list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> StepMeta:
         """Inverse of :meth:`to_dict` (unknown keys are ignored)."""
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
+
+
+_DEFAULT_META = {f.name: getattr(StepMeta(), f.name) for f in fields(StepMeta)}
 
 
 class StepResult(dict):

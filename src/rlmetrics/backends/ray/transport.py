@@ -89,7 +89,7 @@ class RayTransport:
         future, client_id, items, close = posted
         if not block and not future.done():
             return None
-        return self._track(future.result(), client_id, items, close, False)
+        return self._track(self._sender.wait(future), client_id, items, close, False)
 
     def result(self, step: int, timeout: float | None) -> StepResult:
         return self._call("result", step, timeout, actor=self.root)
@@ -101,6 +101,7 @@ class RayTransport:
         self._call("register", client_id)
 
     def depart(self, client_id: str) -> None:
+        self._sender.forget(client_id)
         self._call("depart", client_id)
 
     def watch(self, client: Any) -> None:
@@ -132,18 +133,30 @@ def _per_actor(cls: Any, transport: RayTransport) -> Any:
 
 class _Sender:
     """Group commit: a ``send_many`` call carries every message posted while the previous call was
-    in flight, so no message waits for a timer and a busy process makes few calls; the steady
-    scalar submissions of several clients for one step and schema travel pre-merged
-    (:func:`_premerge`), so the aggregator's work per step follows processes, not ranks."""
+    in flight, and the steady scalar submissions of several clients for one step and schema travel
+    pre-merged (:func:`_premerge`), so the aggregator's work per step follows processes, not ranks.
+
+    A process that hosts several ranks sends each step in one call, not in a first call with the
+    quickest rank and more behind it (a call costs both sides far more than a rank's message in
+    it): a message that closes step ``s`` waits, at most ``linger`` seconds, for this process's
+    other clients that closed ``s - 1`` — unless every thread that posted those closes is waiting
+    for a reply of a message still queued (ranks taking turns in one thread, or fewer threads than
+    ranks: no more messages will come). A process with one client never waits.
+    """
 
     _by_actor: dict[str, _Sender] = {}
     _lock = threading.Lock()
+    linger = 0.05
 
     def __init__(self, transport: RayTransport) -> None:
         self.handle = transport.handle
         self.reconnect_timeout = transport.reconnect_timeout
-        self._queue: list[tuple[str, tuple, Future]] = []
+        self._queue: list[tuple[RayTransport, str, list[Submission], list[int], Future]] = []
         self._cond = threading.Condition()
+        self._closed: dict[str, int] = {}  # the newest step each client closed in a message sent
+        self._posters: dict[int, set[int]] = {}  # threads that posted the closes of a recent step
+        self._poster: dict[Future, int] = {}  # the thread that posted each queued message
+        self._waiting: set[int] = set()  # threads waiting for the reply of a queued message
         threading.Thread(target=self._run, name="rlmetrics-send", daemon=True).start()
 
     @classmethod
@@ -156,15 +169,64 @@ class _Sender:
         future: Future = Future()
         with self._cond:
             self._queue.append((transport, client_id, items, close, future))
+            self._poster[future] = threading.get_ident()
             self._cond.notify()
         return future
+
+    def wait(self, future: Future) -> Any:
+        """``future.result()``; while its message is queued the sender knows this thread waits."""
+        if not future.done():
+            with self._cond:
+                if future in self._poster:
+                    self._waiting.add(threading.get_ident())
+                    self._cond.notify()
+        return future.result()
+
+    def forget(self, client_id: str) -> None:
+        """``client_id`` left: no message waits for it."""
+        with self._cond:
+            self._closed.pop(client_id, None)
+
+    def _take(self) -> list[tuple]:
+        """The next batch (called holding ``_cond``)."""
+        while not self._queue:
+            self._cond.wait()
+        closes = [step for *_, close, _ in self._queue for step in close]
+        if closes and len(self._closed) > 1:
+            self._linger(max(closes))
+        batch, self._queue = self._queue, []
+        for _, client_id, _, close, future in batch:
+            if close:
+                self._closed[client_id] = max(self._closed.get(client_id, -1), *close)
+                self._posters.setdefault(max(close), set()).add(self._poster.get(future))
+        self._poster.clear()
+        self._waiting.clear()
+        newest = max(self._closed.values(), default=0)
+        for client_id in [c for c, step in self._closed.items() if step < newest - 1]:
+            del self._closed[client_id]  # out of step: awaited by no one (and the dict stays small)
+        for step in [s for s in self._posters if s < newest - 1]:
+            del self._posters[step]
+        return batch
+
+    def _linger(self, step: int) -> None:
+        """Wait until the clients that closed ``step - 1`` posted, every thread that posted those
+        closes waits for a queued reply, or ``linger`` passed (see the class docstring)."""
+        awaited = {c for c, s in self._closed.items() if s == step - 1}
+        threads = len(self._posters.get(step - 1, ()))
+        deadline = time.monotonic() + self.linger
+        seen = 0
+        while True:
+            awaited.difference_update(entry[1] for entry in self._queue[seen:])
+            seen = len(self._queue)
+            left = deadline - time.monotonic()
+            if not awaited or len(self._waiting) >= threads or left <= 0:
+                return
+            self._cond.wait(left)
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue:
-                    self._cond.wait()
-                batch, self._queue = self._queue, []
+                batch = self._take()
             try:
                 replies = compat.get(compat.remote(self.handle.send_many, *_premerge(batch)))
             except compat.UNAVAILABLE:
