@@ -68,7 +68,7 @@ RAY_CPUS = 8  # logical: 4 rank hosts (num_cpus=1 each) + siiRL's MetricWorker (
 RAY_CELLS = [(w, m) for w in bench_ray.WORLD_SIZES for m in bench_ray.METRIC_COUNTS]
 QUICK_RAY_CELLS = [(8, 100)]
 RAY_STEPS, QUICK_RAY_STEPS = 3, 2
-RAY_TARGET_CELL, RAY_TARGET = (256, 1000), 10.0
+RAY_TARGET_CELL, RAY_TARGET = (256, 1000), 20.0
 
 DATA_SHAPE = (256, 1024, 2048)
 QUICK_DATA_SHAPE = (64, 256, 512)

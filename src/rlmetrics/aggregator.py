@@ -356,7 +356,7 @@ class Aggregator:
         out = []
         for sid, group in sorted(st.groups.items()):
             states = {}
-            for i, col in enumerate(group.cols.tolist()):
+            for i, col in enumerate(group.cols.tolist() if st.states else ()):
                 if col in st.states:  # a name in several schemas: its merged state goes once
                     states[i] = st.states.pop(col)
             packed = Packed(self.columns.accepted(sid), group.fold().copy(), states, group.received)

@@ -29,8 +29,10 @@ M2, min, max per name), then:
    depends only on the layout and the group size, so every rank picks the same one (``exchange=``
    forces one):
 
-   * ``"gather"`` (while ``W x (5 L + header)`` is at most :data:`GATHER_LIMIT` floats): one
-     ``all_gather`` of the whole vector; every rank merges the ``W`` stat arrays itself with
+   * ``"gather"`` (while ``W x (F + header)`` is at most :data:`GATHER_LIMIT` floats): one
+     ``all_gather`` of the vector, whose ``F`` stat fields are those the names' reductions read
+     (count and sum of a mean, count and max of a max, all five of a std or a quantile: about two
+     per name rather than five); every rank merges the ``W`` stat arrays itself with
      :func:`~rlmetrics.stat.reduce_parts`, as the in-process aggregator does (exact pooled M2, no
      sum of squares that cancels; a NaN reaches min and max).
    * ``"reduce"`` (beyond): three collectives issued together (async) and awaited together: ``SUM``

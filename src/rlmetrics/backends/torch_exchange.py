@@ -48,6 +48,8 @@ class Layout:
     >>> lay = Layout.of({"b/max": "max", "a/mean": "mean", "c/p95": "p95"})
     >>> lay.names, lay.maxes.tolist(), lay.quantiles.tolist()
     (('a/mean', 'b/max', 'c/p95'), [1], [2])
+    >>> lay.gathered.size  # fields the gather form sends: count, sum of a; count, max of b; all of c
+    9
     >>> lay.fingerprint == Layout.of({"a/mean": "mean", "c/p95": "p95", "b/max": "max"}).fingerprint
     True
     """
@@ -61,6 +63,7 @@ class Layout:
     maxes: np.ndarray = field(repr=False)
     mins: np.ndarray = field(repr=False)
     quantiles: np.ndarray = field(repr=False)
+    gathered: np.ndarray = field(repr=False)  # flat indices into (5, L): the fields the gather form sends
 
     @classmethod
     def of(cls, keys: Mapping[str, str]) -> Layout:
@@ -82,7 +85,21 @@ class Layout:
             where(lambda r: r.kind == "max"),
             where(lambda r: r.kind == "min"),
             where(lambda r: r.needs_sketch),
+            _read_fields(kinds),
         )
+
+
+_READS = {"count": (0,), "mean": (0, 1), "sum": (0, 1), "std": (0, 1, 2), "min": (0, 3), "max": (0, 4)}
+"""The fields of a name's merged Stat its reduction reads (count, sum, m2, min, max: 0 to 4); a
+quantile or histogram reads all five."""
+
+
+def _read_fields(kinds: list[Any]) -> np.ndarray:
+    """Flat indices into a ``(5, L)`` stat array of the fields the reductions ``kinds`` read."""
+    reads = np.zeros((5, len(kinds)), dtype=bool)
+    for i, r in enumerate(kinds):
+        reads[_READS.get(r.kind, range(5)), i] = True
+    return np.flatnonzero(reads)
 
 
 def exchange_form(exchange: str, world_size: int, layout: Layout) -> str:
@@ -95,7 +112,7 @@ def exchange_form(exchange: str, world_size: int, layout: Layout) -> str:
     """
     if exchange != "auto":
         return exchange
-    row = _HEAD + 1 + len(layout.quantiles) * (1 + _SK_INFO) + 5 * len(layout.names)
+    row = _HEAD + 1 + len(layout.quantiles) * (1 + _SK_INFO) + layout.gathered.size
     return "gather" if world_size * row <= GATHER_LIMIT else "reduce"
 
 
@@ -142,11 +159,13 @@ def exchange_state(
     sums = np.array([float(len(others)), *(size for size, _ in info)])
     infos = np.concatenate([np.empty(0), *(i for _, i in info)])
     if form == "gather":
-        (rows,) = collect((np.concatenate([head, sums, infos, local.ravel()]), None))
+        (rows,) = collect((np.concatenate([head, sums, infos, local.ravel()[lay.gathered]]), None))
         if not _agreed(rows[:, :_HEAD].max(axis=0)):
             return None
         cut = np.cumsum([_HEAD, sums.size, infos.size])
-        parts = rows[:, cut[2] :].reshape(world_size, 5, n_names).transpose(1, 0, 2)
+        parts = np.repeat(empty_arrays(n_names)[None], world_size, axis=0)  # fields not sent: empty
+        parts.reshape(world_size, -1)[:, lay.gathered] = rows[:, cut[2] :]
+        parts = parts.transpose(1, 0, 2)
         return (
             reduce_parts(parts),
             rows[:, cut[0] : cut[1]].sum(axis=0),
