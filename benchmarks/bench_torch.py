@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         f"median of {steps} steps on rank 0 after 1 warm-up step, the sides taking turns within each step "
         "(order rotating, gc paused); "
         "every form's result asserted equal to the seed's merge (rel 1e-9) where both rules pick the same "
-        f"reduction; auto gathers while W x (5 M + header) <= {GATHER_LIMIT:,} floats",
+        f"reduction; auto gathers while W x (the stat fields the reductions read + header) <= {GATHER_LIMIT:,} floats",
         report.ratio_target(
             f"a bare all_gather_object of the dict in every cell (worst: W={worst.world}, M={worst.metrics})",
             worst.ratio(),
