@@ -147,6 +147,91 @@ def _worker(rank: int, world: int, out_dir: str, metric_counts: tuple[int, ...],
         (Path(out_dir) / "rows.pkl").write_bytes(pickle.dumps(rows))
 
 
+# ------------------------------------------------------------------ where one rank's step goes
+_STAGES = (  # (label, module, attribute path): timed around every call, in one process (W = 1)
+    ("submit_metric", "rlmetrics.client", "ClientCore.submit_metric"),
+    ("wait_submit", "rlmetrics.backends.torch_dist", "TorchMetricClient.wait_submit"),
+    ("send: merge into the rank's aggregator", "rlmetrics.backends.torch_dist", "TorchDistTransport.send"),
+    ("close_step", "rlmetrics.backends.torch_dist", "TorchDistTransport.close_step"),
+    ("take the rank's submissions", "rlmetrics.aggregator", "Aggregator.take"),
+    ("local columns", "rlmetrics.backends.torch_dist", "TorchDistTransport._local_columns"),
+    ("exchange_state", "rlmetrics.backends.torch_dist", "exchange_state"),
+    ("collective (gloo, W = 1)", "rlmetrics.backends.torch_dist", "TorchDistTransport._collect"),
+    ("finalize into {name: value}", "rlmetrics.backends.torch_dist", "TorchDistTransport._finish"),
+    ("result(step)", "rlmetrics.client", "ClientCore.result"),
+)
+
+
+def stage_profile(m: int, steps: int) -> tuple[float, float, dict[str, float]]:
+    """One process (a gloo group of 1): µs per step of rlmetrics (gather form) and of a bare
+    ``all_gather_object``, and µs per step in each of :data:`_STAGES` (nested: ``close_step``
+    holds take, local columns, exchange_state and finalize; exchange_state holds the collective)."""
+    import importlib
+
+    import torch.distributed as dist
+
+    import rlmetrics
+
+    spent: dict[str, float] = {label: 0.0 for label, _, _ in _STAGES}
+    saved = []
+
+    def timed(label: str, fn):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[label] += time.perf_counter() - t0
+
+        return run
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mine = rank_dicts(1, m, seed=m)[0]
+        client = rlmetrics.connect("torch", exchange="gather")
+        gathered: list = [None]
+
+        def ours(step: int) -> None:
+            client.submit_metric(mine)
+            client.wait_submit()
+            client.result(step)
+
+        ours(0)
+        bare_s, ours_s = [], []
+        for step in range(1, steps + 1):
+            t0 = time.perf_counter()
+            dist.all_gather_object(gathered, mine)
+            t1 = time.perf_counter()
+            ours(step)
+            bare_s.append(t1 - t0)
+            ours_s.append(time.perf_counter() - t1)
+        for label, module, path in _STAGES:
+            owner = importlib.import_module(module)
+            *parents, attr = path.split(".")
+            for part in parents:
+                owner = getattr(owner, part)
+            saved.append((owner, attr, getattr(owner, attr)))
+            setattr(owner, attr, timed(label, getattr(owner, attr)))
+        for step in range(steps + 1, 2 * steps + 1):
+            ours(step)
+    finally:
+        for owner, attr, fn in reversed(saved):
+            setattr(owner, attr, fn)
+        dist.destroy_process_group()
+    per_step = {label: seconds / steps * 1e6 for label, seconds in spent.items()}
+    return statistics.median(ours_s) * 1e6, statistics.median(bare_s) * 1e6, per_step
+
+
+def render_stages(profiles: dict[int, tuple[float, float, dict[str, float]]]) -> str:
+    ms = list(profiles)
+    rows = [
+        ["rlmetrics step (median, untimed stages)", *(f"{profiles[m][0]:.0f}" for m in ms)],
+        ["bare all_gather_object (median)", *(f"{profiles[m][1]:.0f}" for m in ms)],
+    ]
+    rows += [[label, *(f"{profiles[m][2][label]:.0f}" for m in ms)] for label, _, _ in _STAGES]
+    return report.table(["µs per step, one process (W = 1)", *(f"M = {m}" for m in ms)], rows)
+
+
 def render(rows: list[Row]) -> str:
     columns = [
         "W",
@@ -194,12 +279,14 @@ def main(argv: list[str] | None = None) -> list[Row]:
         with tempfile.TemporaryDirectory() as tmp:
             mp.start_processes(_worker, (world, tmp, metric_counts, steps), nprocs=world, start_method=method)
             rows += pickle.loads((Path(tmp) / "rows.pkl").read_bytes())
+    profiles = {m: stage_profile(m, 200 if args.quick else 2000) for m in metric_counts}
     worst = min(rows, key=lambda r: r.ratio())
     notes = [
         f"median of {steps} steps on rank 0 after 1 warm-up step, the sides taking turns within each step "
         "(order rotating, gc paused); "
         "every form's result asserted equal to the seed's merge (rel 1e-9) where both rules pick the same "
-        f"reduction; auto gathers while W x (the stat fields the reductions read + header) <= {GATHER_LIMIT:,} floats",
+        f"reduction; auto gathers while W x (the stat fields the reductions read + header) <= "
+        f"{GATHER_LIMIT:,} floats",
         report.ratio_target(
             f"a bare all_gather_object of the dict in every cell (worst: W={worst.world}, M={worst.metrics})",
             worst.ratio(),
@@ -207,7 +294,16 @@ def main(argv: list[str] | None = None) -> list[Row]:
         ),
         f"numpy {np.__version__}; total runtime: {time.perf_counter() - start:.1f} s",
     ]
-    report.emit(head, render(rows), notes, args.markdown)
+    body = "\n\n".join(
+        [
+            render(rows),
+            "Where a step goes: the same step in one process (a gloo group of one), each stage timed "
+            "around every call (nested: close_step holds take, local columns, exchange_state and "
+            "finalize; exchange_state holds the collective)",
+            render_stages(profiles),
+        ]
+    )
+    report.emit(head, body, notes, args.markdown)
     return rows
 
 

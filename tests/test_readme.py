@@ -213,3 +213,22 @@ def test_benchmarks_page_holds_one_generated_report_per_script():
     assert spliced.replace("new report\n", blocks[scripts[0]]) == doc
     with pytest.raises(ValueError):
         report.splice(doc, "bench_nothing", "x")
+
+
+def test_a_report_shown_on_another_page_is_the_same_run():
+    """A page that shows a benchmark's report (torch-distributed.md) holds a copy of
+    docs/benchmarks.md's block, spliced by report.py from the same run: the two cannot diverge."""
+    blocks = {}
+    for page in PAGES:
+        for name, body in re.findall(r"^<!-- (\w+) -->\n(.*?)^<!-- /\1 -->$", TEXTS[page], re.S | re.M):
+            blocks.setdefault(name, []).append((page.name, body))
+    main = dict(
+        re.findall(
+            r"^<!-- (\w+) -->\n(.*?)^<!-- /\1 -->$", TEXTS[ROOT / "docs" / "benchmarks.md"], re.S | re.M
+        )
+    )
+    copies = [(name, page) for name, shown in blocks.items() for page, _ in shown if page != "benchmarks.md"]
+    assert ("bench_torch", "torch-distributed.md") in copies
+    for name, shown in blocks.items():
+        for page, body in shown:
+            assert body == main[name], f"{page}: the {name} report differs from docs/benchmarks.md's"
