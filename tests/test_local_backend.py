@@ -1,9 +1,11 @@
 """The in-process backend with threads as ranks, through the seed's MetricClient API."""
 
+import math
 import random
 import statistics
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -232,3 +234,22 @@ def test_a_step_read_at_a_deadline_wakes_its_other_readers():
         partial = rlmetrics.MetricClient(worker).result(0, timeout=0.05)
     waiter.join(10)
     assert got == [partial] and got[0].meta.missing_metrics == {"x": [1, 2]}
+
+
+def test_a_non_finite_value_warns_once_and_finite_values_whose_sum_overflows_do_not(name):
+    """The reader's non-finite check: a NaN or inf value warns (once per name); values that are
+    all finite never do, even where their sum overflows (the check's fast path sums them)."""
+    client = rlmetrics.connect("local", world_size=1, name=name)
+    client.submit_metric({"big/max": 1.5e308, "huge/max": 1.7e308, "x/mean": 1.0})
+    client.wait_submit()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert client.result(0)["huge/max"] == 1.7e308
+    for step in (1, 2):
+        client.submit_metric({"big/max": 1.5e308, "huge/max": 1.7e308, "x/mean": float("nan")})
+        client.wait_submit()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert math.isnan(client.result(step)["x/mean"])
+        warned = [str(w.message) for w in caught if "non-finite" in str(w.message)]
+        assert warned == (["rlmetrics: non-finite value in metric(s) ['x/mean']"] if step == 1 else [])

@@ -373,7 +373,7 @@ class Aggregator:
                 self._layouts.clear()
             lay = self._layouts[key] = layout_of(st, self.columns)
         values, empty, histograms = reduce_step(st, lay, self.columns)
-        if not np.isfinite(np.fromiter(values.values(), float, len(values))).all():
+        if not math.isfinite(sum(values.values())):  # a sum of finite values is finite, but for overflow
             bad = [n for n, v in values.items() if not math.isfinite(v) and n not in self._nan_warned]
             if bad:
                 self._nan_warned.update(bad)

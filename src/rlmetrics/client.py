@@ -21,8 +21,6 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-import numpy as np
-
 from rlmetrics.groups import Labels, grouped_values, split_grouped
 from rlmetrics.messages import StepResult
 from rlmetrics.packing import MAX_WORLD_SIZE, Packed, pack
@@ -357,7 +355,7 @@ class ClientCore:
                 RuntimeWarning,
                 stacklevel=3,
             )
-        if np.isfinite(np.fromiter(res.values(), np.float64, len(res))).all():
+        if math.isfinite(sum(res.values())):  # else a value is not finite, or the sum overflowed
             return res
         bad = [n for n, v in res.items() if not math.isfinite(v) and n not in self._nan_warned]
         if bad:
