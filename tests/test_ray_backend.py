@@ -278,10 +278,12 @@ def in_threads(work, args, timeout=30):
 
 @pytest.fixture
 def long_linger(monkeypatch):
-    """A sender lingers up to a minute: a test passes only by the rules that end its wait."""
+    """A sender lingers up to a minute, through any silence: a test passes only by the rules that
+    end its wait (every awaited client posted; every poster waits for a queued reply)."""
     from rlmetrics.backends.ray.transport import _Sender
 
     monkeypatch.setattr(_Sender, "linger", 60.0)
+    monkeypatch.setattr(_Sender, "silence", 60.0)
 
 
 def seed_step(clients, step):
@@ -337,6 +339,26 @@ def test_ranks_taking_turns_in_one_thread_do_not_wait_for_each_other(name, long_
 
     assert in_threads(run, [None])
     check_scalars(rlmetrics.MetricClient(worker).wait_final_res(), 2, range(world))
+
+
+def test_a_client_that_stops_submitting_delays_the_others_by_the_silence_only(name, monkeypatch):
+    """Two ranks in one process; from step 1 one of them stops submitting (without leaving). The
+    other's messages wait for it only until no message came for ``silence`` seconds, never the
+    whole ``linger``."""
+    from rlmetrics.backends.ray.transport import _Sender
+
+    monkeypatch.setattr(_Sender, "linger", 60.0)
+    clients = [rlmetrics.connect("ray", name=name, world_size=2, label=f"rank{r}") for r in range(2)]
+    assert seed_step(clients, 0)
+
+    def rank0(_):
+        for s in (1, 2, 3):
+            clients[0].submit_metric(host_scalars(0, s))
+            clients[0].wait_submit()
+
+    start = time.monotonic()
+    assert in_threads(rank0, [None], timeout=20)
+    assert time.monotonic() - start < 10
 
 
 def test_a_departed_client_is_not_waited_for(name, long_linger):

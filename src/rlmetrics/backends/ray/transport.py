@@ -141,12 +141,15 @@ class _Sender:
     it): a message that closes step ``s`` waits, at most ``linger`` seconds, for this process's
     other clients that closed ``s - 1`` — unless every thread that posted those closes is waiting
     for a reply of a message still queued (ranks taking turns in one thread, or fewer threads than
-    ranks: no more messages will come). A process with one client never waits.
+    ranks: no more messages will come), or no message came for ``silence`` seconds. A process with
+    one client never waits.
     """
 
     _by_actor: dict[str, _Sender] = {}
     _lock = threading.Lock()
-    linger = 0.05
+    linger = 0.05  # the longest a message waits for the process's other clients of its step
+    quiet = 0.001  # no message for this long, every poster waiting: no more will come
+    silence = 0.01  # no message for this long: none is coming soon
 
     def __init__(self, transport: RayTransport) -> None:
         self.handle = transport.handle
@@ -210,18 +213,29 @@ class _Sender:
 
     def _linger(self, step: int) -> None:
         """Wait until the clients that closed ``step - 1`` posted, every thread that posted those
-        closes waits for a queued reply, or ``linger`` passed (see the class docstring)."""
+        closes waits for a queued reply (and no message came for ``quiet`` seconds: a pool's idle
+        thread may still be picking up a rank's work), no message came for ``silence`` seconds, or
+        ``linger`` passed (see the class docstring)."""
         awaited = {c for c, s in self._closed.items() if s == step - 1}
         threads = len(self._posters.get(step - 1, ()))
-        deadline = time.monotonic() + self.linger
+        now = last = time.monotonic()
+        deadline = now + self.linger
         seen = 0
         while True:
-            awaited.difference_update(entry[1] for entry in self._queue[seen:])
-            seen = len(self._queue)
-            left = deadline - time.monotonic()
-            if not awaited or len(self._waiting) >= threads or left <= 0:
+            if len(self._queue) > seen:
+                awaited.difference_update(entry[1] for entry in self._queue[seen:])
+                seen, last = len(self._queue), now
+            quiet = now - last
+            if (
+                not awaited
+                or (len(self._waiting) >= threads and quiet >= self.quiet)
+                or quiet >= self.silence
+                or now >= deadline
+            ):
                 return
-            self._cond.wait(left)
+            wake = deadline if len(self._waiting) < threads else min(deadline, last + self.quiet)
+            self._cond.wait(max(0.0, min(wake, last + self.silence) - now))
+            now = time.monotonic()
 
     def _run(self) -> None:
         while True:
