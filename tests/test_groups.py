@@ -269,6 +269,27 @@ def test_submit_metric_refuses_a_value_of_another_length_alone(request):
     assert result["group/env/a/ok"] == 2.5 and result["short"] == 1.5 and "group/env/a/short" not in result
 
 
+def test_a_dict_of_grouped_names_expects_one_contribution_in_every_step(request):
+    """Names starting with ``group/`` submitted as they are, step after step: each step completes
+    with the one rank that has the group, also once the client knows the names (the steady path
+    that packs known names as one vector must not treat them as ungrouped)."""
+    try:
+        a = rlmetrics.connect("local", world_size=2, name=request.node.name, label="a")
+        b = rlmetrics.connect("local", world_size=2, name=request.node.name, label="b")
+        for step in range(3):
+            a.submit_metric({"group/env/x/reward/mean": float(step), "reward/mean": 1.0})
+            a.submit_metric({"group/env/x/len/mean": 2.0 * step})  # grouped names alone
+            b.submit_metric({"reward/mean": 3.0})
+            a.wait_submit()
+            b.wait_submit()
+            res = a.result(step, timeout=5)
+            assert res.meta.complete, (step, res.meta)
+            assert (res["group/env/x/reward/mean"], res["group/env/x/len/mean"]) == (step, 2.0 * step)
+            assert res["reward/mean"] == 2.0
+    finally:
+        local.drop_worker(request.node.name)
+
+
 # ----------------------------------------------------------------------------------------- docs
 def test_the_examples_of_docs_groups_print_what_they_say(capsys):
     text = (Path(__file__).resolve().parents[1] / "docs" / "groups.md").read_text()

@@ -23,7 +23,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from rlmetrics.groups import Labels, grouped_values, split_grouped
 from rlmetrics.messages import StepResult
-from rlmetrics.packing import MAX_WORLD_SIZE, Packed, pack
+from rlmetrics.packing import MAX_WORLD_SIZE, Packed, pack, pack_known
 from rlmetrics.server import Submission
 from rlmetrics.stat import NAN_STRATEGIES, MetricValueError
 
@@ -198,6 +198,12 @@ class ClientCore:
             raise MetricValueError(
                 f"metrics must be a mapping of name to value, got {type(metrics).__name__}"
             )
+        if group_by is None and self.naming is None and type(metrics) is dict:
+            packed = pack_known(metrics, self.nan_strategy, self._schemas)  # the steady state
+            if packed is not None:
+                with self._lock:
+                    self._buffer.append((step, self._next_seq(), ws, packed))
+                return
         errors: dict[str, str] = {}
         plain, grouped = split_grouped(metrics)
         if group_by is not None:

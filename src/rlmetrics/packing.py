@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from rlmetrics.groups import GROUP_PREFIX
 from rlmetrics.reduce import MEAN, STD, Reduction, parse_reduction, resolve
 from rlmetrics.sketch import Sketch
 from rlmetrics.stat import MetricValueError, Stat, scalar_value
@@ -36,6 +37,7 @@ class Schema:
     reductions: tuple[str, ...]
     id: bytes = field(default=b"", compare=False)
     needs_sketch: bool = field(default=False, compare=False)
+    grouped: bool = field(default=False, compare=False)  # a name starts with ``group/``
 
     @classmethod
     def of(cls, names: tuple[str, ...], reductions: tuple[str, ...]) -> Schema:
@@ -43,7 +45,8 @@ class Schema:
         for n, r in zip(names, reductions):
             b = n.encode("utf-8", "surrogatepass")  # length-prefixed: a name may contain NUL bytes
             h.update(len(b).to_bytes(8, "little") + b + b"\0" + r.encode() + b"\0")
-        return cls(names, reductions, h.digest(), any(parse_reduction(r).needs_sketch for r in reductions))
+        sketch = any(parse_reduction(r).needs_sketch for r in reductions)
+        return cls(names, reductions, h.digest(), sketch, any(n.startswith(GROUP_PREFIX) for n in names))
 
 
 @dataclass
@@ -106,7 +109,7 @@ def pack(
     (('a/mean', 'b/max'), ('mean', 'max'), [2.0, 7.0])
     """
     if schemas is not None:
-        fast = _pack_scalars(metrics, nan_strategy, schemas)
+        fast = pack_known(metrics, nan_strategy, schemas, grouped=True)
         if fast is not None:
             return fast
     names: list[str] = []
@@ -192,10 +195,22 @@ def pack(
 _FAST_TYPES = frozenset({float, int, np.float64, np.float32, np.int64, np.int32})
 
 
-def _pack_scalars(metrics: Mapping[str, Any], nan_strategy: str, schemas: dict) -> Packed | None:
-    """The steady-state path: names seen before with plain numbers become one vector (or None)."""
+def pack_known(
+    metrics: Mapping[str, Any], nan_strategy: str, schemas: dict, grouped: bool = False
+) -> Packed | None:
+    """The steady-state path: names :func:`pack` saw before (in ``schemas``) with plain numbers
+    become one vector; None otherwise. Unless ``grouped``, None also when a name is grouped (a
+    client splits those off first: they expect one contribution).
+
+    >>> schemas = {}
+    >>> pack_known({"a/mean": 1.0}, "propagate", schemas) is None
+    True
+    >>> _ = pack({"a/mean": 1.0}, schemas=schemas)
+    >>> pack_known({"a/mean": 2.0}, "propagate", schemas).stats.tolist()
+    [2.0]
+    """
     schema = schemas.get(tuple(metrics))
-    if schema is None or schema.needs_sketch:
+    if schema is None or schema.needs_sketch or (schema.grouped and not grouped):
         return None
     values = metrics.values()
     if not set(map(type, values)) <= _FAST_TYPES:
