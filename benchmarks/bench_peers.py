@@ -67,7 +67,7 @@ SIIRL_LOG_DIRECTORY = str(Path(tempfile.gettempdir()) / "rlmetrics-bench-siirl-l
 RAY_CPUS = 8  # logical: 4 rank hosts (num_cpus=1 each) + siiRL's MetricWorker (num_cpus=1)
 RAY_CELLS = [(w, m) for w in bench_ray.WORLD_SIZES for m in bench_ray.METRIC_COUNTS]
 QUICK_RAY_CELLS = [(8, 100)]
-RAY_STEPS, QUICK_RAY_STEPS = 3, 2
+RAY_STEPS, QUICK_RAY_STEPS = 5, 2
 RAY_TARGET_CELL, RAY_TARGET = (256, 1000), 20.0
 
 DATA_SHAPE = (256, 1024, 2048)
