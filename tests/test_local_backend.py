@@ -253,3 +253,23 @@ def test_a_non_finite_value_warns_once_and_finite_values_whose_sum_overflows_do_
             assert math.isnan(client.result(step)["x/mean"])
         warned = [str(w.message) for w in caught if "non-finite" in str(w.message)]
         assert warned == (["rlmetrics: non-finite value in metric(s) ['x/mean']"] if step == 1 else [])
+
+
+def test_empty_dicts_and_tuple_keys_take_the_same_path_however_often_they_come(name):
+    """The steady path for known names never queues an empty dict (no step, no late contribution)
+    and never mistakes a dict with tuple keys for known names (it is refused, each time)."""
+    client = rlmetrics.connect("local", world_size=1, name=name)
+    for _ in range(3):
+        client.submit_metric({}, step=7)
+    client.flush()
+    assert local._WORKERS[name].server.stats()["pending"] == []
+    client.submit_metric({"a": 1.0})
+    client.wait_submit()
+    for _ in range(2):
+        client.submit_metric({}, step=0)  # a step already final: nothing arrives late
+        with pytest.raises(rlmetrics.MetricValueError, match="metric name must be a non-empty str"):
+            client.submit_metric({("a",): 1.0, ("mean",): 2.0})
+    client.submit_metric({"a": 3.0})
+    client.wait_submit()
+    res = client.result(1)
+    assert res["a"] == 3.0 and res.meta.late == 0

@@ -61,6 +61,21 @@ def _stall_forwarder(node_actor, seconds):
     node_actor._forwarder.submit(time.sleep, seconds)
 
 
+def _saved_clients(actor):
+    """Run inside an aggregator: the registered clients of its saved state (None: nothing saved)."""
+    import json
+    import time
+
+    from rlmetrics.backends.ray import compat
+
+    for _ in range(100):  # the save lands from the actor's saver thread
+        saved = compat.kv_get(actor._kv_key)
+        if saved is not None:
+            return json.loads(saved)["clients"]
+        time.sleep(0.05)
+    return None
+
+
 def run(node_ids, hierarchy, read="result", stall=0.0):
     name = f"h-{uuid.uuid4().hex[:8]}"
     root = rlmetrics.get_metric_worker(name=name, hierarchy=hierarchy)
@@ -81,6 +96,7 @@ def run(node_ids, hierarchy, read="result", stall=0.0):
         results.append(reader.result(s, timeout=60) if read == "result" else reader.wait_final_res())
     assert sorted(set(placed)) == sorted(node_ids)  # ranks really spread over the three nodes
     stats = ray.get(root.stats.remote())
+    stats["saved"] = [ray.get(n.__ray_call__.remote(_saved_clients)) for n in nodes]
     for a in ranks:
         ray.kill(a)
     return results, stats
@@ -105,6 +121,8 @@ def test_node_hierarchy_equals_flat_and_root_gets_one_message_per_node_per_step(
     assert flat_stats["calls"]["messages"] == RANKS * STEPS
     assert tree_stats["calls"]["messages"] == NODES * STEPS
     assert len(tree_stats["clients"]) == NODES and all(c.startswith("node:") for c in tree_stats["clients"])
+    # each node saved its own ranks, which a restarted node waits for
+    assert [len(saved or ()) for saved in tree_stats["saved"]] == [RANKS // NODES] * NODES
 
 
 def test_seed_loop_through_node_sub_aggregators_reads_each_steps_own_numbers(cluster):

@@ -188,10 +188,11 @@ def pack(
         if schemas is not None:
             schemas[key] = schema
     if schemas is not None and stats.ndim == 1:
-        schemas[key[0]] = schema  # names alone: the key of the all-numbers fast path
+        schemas[_KNOWN, key[0]] = schema  # names alone: the key of the all-numbers fast path
     return Packed(schema, stats, states)
 
 
+_KNOWN = "names"  # tags the fast path's keys: a dict with tuple keys never meets (names, reductions)
 _FAST_TYPES = frozenset({float, int, np.float64, np.float32, np.int64, np.int32})
 
 
@@ -209,8 +210,8 @@ def pack_known(
     >>> pack_known({"a/mean": 2.0}, "propagate", schemas).stats.tolist()
     [2.0]
     """
-    schema = schemas.get(tuple(metrics))
-    if schema is None or schema.needs_sketch or (schema.grouped and not grouped):
+    schema = schemas.get((_KNOWN, tuple(metrics)))
+    if schema is None or not schema.names or schema.needs_sketch or (schema.grouped and not grouped):
         return None
     values = metrics.values()
     if not set(map(type, values)) <= _FAST_TYPES:

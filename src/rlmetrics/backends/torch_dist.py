@@ -31,10 +31,10 @@ M2, min, max per name), then:
 
    * ``"gather"`` (while ``W x (F + header)`` is at most :data:`GATHER_LIMIT` floats): one
      ``all_gather`` of the vector, whose ``F`` stat fields are those the names' reductions read
-     (count and sum of a mean, count and max of a max, all five of a std or a quantile: about two
-     per name rather than five); every rank merges the ``W`` stat arrays itself with
-     :func:`~rlmetrics.stat.reduce_parts`, as the in-process aggregator does (exact pooled M2, no
-     sum of squares that cancels; a NaN reaches min and max).
+     (count and sum of a mean, count and max of a max, count, sum and M2 of a std, all five of a
+     quantile or histogram: about two per name rather than five); every rank merges the ``W``
+     stat arrays itself with :func:`~rlmetrics.stat.reduce_parts`, as the in-process aggregator
+     does (exact pooled M2, no sum of squares that cancels; a NaN reaches min and max).
    * ``"reduce"`` (beyond): three collectives issued together (async) and awaited together: ``SUM``
      of count and sum of the ``L`` names, ``MAX`` of ``max`` for max names and ``-min`` for min
      names, and an ``all_gather`` of the whole ``(5, S)`` stat array of the ``S`` std and histogram

@@ -112,13 +112,16 @@ class _MetricWorker:
     def _write_state(self) -> None:
         self._save_scheduled = False
         state = self._state
-        self._encoded = {
-            step: self._encoded.get(step) or json.dumps([step, dict(res), res.meta.to_dict()])
-            for step, res in state["results"]
-        }
-        head = json.dumps({k: v for k, v in state.items() if k != "results"})
-        body = f'{head[:-1]}, "results": [{", ".join(self._encoded.values())}]}}'
-        compat.kv_put(self._kv_key, body.encode())
+        try:
+            self._encoded = {
+                step: self._encoded.get(step) or json.dumps([step, dict(res), res.meta.to_dict()])
+                for step, res in state.get("results", ())
+            }
+            head = json.dumps({k: v for k, v in state.items() if k != "results"})
+            body = f'{head[:-1]}, "results": [{", ".join(self._encoded.values())}]}}'
+            compat.kv_put(self._kv_key, body.encode())
+        except Exception:  # in the saver thread: nobody else would see it
+            logger.exception("saving the aggregator's state failed; a restart would resume without it")
 
     async def _wait(self, ready: Any, timeout: float | None) -> None:
         """Until ``ready()`` holds or the deadline; woken by every change and at the end of a

@@ -141,8 +141,8 @@ class _Sender:
     it): a message that closes step ``s`` waits, at most ``linger`` seconds, for this process's
     other clients that closed ``s - 1`` — unless every thread that posted those closes is waiting
     for a reply of a message still queued (ranks taking turns in one thread, or fewer threads than
-    ranks: no more messages will come), or no message came for ``silence`` seconds. A process with
-    one client never waits.
+    ranks: no more messages will come) and none came for ``quiet`` seconds, or none came for
+    ``silence`` seconds. A process with one client never waits.
     """
 
     _by_actor: dict[str, _Sender] = {}
