@@ -45,9 +45,9 @@ def to_host(tensors: Sequence[Any]) -> list[np.ndarray]:
 
     Accelerator tensors are concatenated on the first one's device (others join it by a
     device-to-device copy) and come over at once: on CUDA into pinned memory without blocking, then
-    waiting for the current stream only. Host tensors are concatenated where they are: moving them
-    to the device first would be a blocking copy, a sync of its own. mps has no float64: its
-    tensors come over one by one.
+    waiting for the current stream only. Host tensors are concatenated where they are, converted to
+    float64 as they are (one op): moving them to the device first would be a blocking copy, a sync
+    of its own. mps has no float64: its tensors come over one by one.
 
     >>> import torch
     >>> [a.tolist() for a in to_host([torch.tensor([1, 2]), torch.ones(1, 2)])]
@@ -63,9 +63,13 @@ def to_host(tensors: Sequence[Any]) -> list[np.ndarray]:
             continue
         first = tensors[idx[0]].device if fetch is _device_to_host else torch.device("cpu")
         moved = [t if t.device == first else t.to(first) for t in (tensors[i].detach() for i in idx)]
-        flat = [t.reshape(-1).to(torch.float64) for t in moved]
-        host = fetch(torch.cat(flat))
-        for i, t, end in zip(idx, flat, itertools.accumulate(t.numel() for t in flat)):
+        flat = [t.reshape(-1) for t in moved]
+        ends = list(itertools.accumulate(t.numel() for t in flat))
+        if fetch is _device_to_host:
+            host = fetch(torch.cat([t.to(torch.float64) for t in flat]))
+        else:  # converted while concatenated (one op)
+            host = fetch(torch.cat(flat, out=torch.empty(ends[-1], dtype=torch.float64)))
+        for i, t, end in zip(idx, flat, ends):
             out[i] = host[end - t.numel() : end]
     return out
 

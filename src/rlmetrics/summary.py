@@ -58,7 +58,7 @@ def total(xp: Any, x: Any, levels: int = 1) -> Any:
 
 def divisor(xp: Any, count: Any) -> Any:
     """What sums are divided by for a mean: ``count``, or 1 where there is no observation."""
-    return count + (count == 0)
+    return xp.clip(count, 1, None)
 
 
 def extremes(xp: Any, x: Any, keep: Any = None) -> tuple[Any, Any]:

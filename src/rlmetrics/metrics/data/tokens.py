@@ -50,7 +50,8 @@ def triple(prefix: str) -> tuple[str, ...]:
 class TokenSummaries:
     """The token summaries of one batch: ``names[k]`` are the metric names of column ``k`` of the
     ``(5, K)`` device tensor ``block`` (count, sum, m2, min, max), made by :meth:`of`; with
-    ``rows=True`` a ``(5, K, B)`` block, each sequence's own summaries (what group breakdowns merge)."""
+    ``rows=True`` a ``(5, K, B)`` block, each sequence's own summaries (what group breakdowns merge).
+    The device block leaves the extremes of empty columns as they come: :meth:`on_host` sets them."""
 
     def __init__(
         self, names: list[tuple[str, ...]], block: Any, inputs: Any = None, rows: bool = False
@@ -90,15 +91,20 @@ class TokenSummaries:
             for key, prefix in TOKEN_METRICS
             if key in found
         ] + ([(VF_RESIDUAL_STD,)] if vf else [])
-        if mask.numel() == 0:
-            empty = torch.tensor([0.0, 0.0, 0.0, math.inf, -math.inf], dtype=torch.float64)  # on the host
+        if mask.numel() == 0:  # nothing to summarize: an empty block on the host
             shape = (5, len(names), mask.shape[0]) if rows else (5, len(names))
-            return cls(names, empty.reshape(5, *[1] * (len(shape) - 1)).expand(shape), rows=rows)
+            return cls(names, torch.zeros(shape, dtype=torch.float64), rows=rows)
         dtype = torch.float64 if any(x.dtype == torch.float64 for x in found.values()) else torch.float32
-        xs = tuple(x.to(dtype) for x in found.values())
+        xs = tuple(x if x.dtype == dtype else x.to(dtype) for x in found.values())
         residual = (list(found).index("returns"), list(found).index("values")) if vf else None
         block = _summaries(xs, residual, mask, torch_compile, rows)
         return cls(names, block, (list(found), xs, residual, mask), rows)
+
+    @staticmethod
+    def on_host(block: np.ndarray) -> np.ndarray:
+        """The ``(5, K)`` host block (``(5, K * B)`` per sequence) of a moved device block: empty
+        columns get ``min = inf`` and ``max = -inf``."""
+        return finish(np, *block.reshape(5, -1), padded=True)
 
     def finite(self, block: np.ndarray, nan_strategy: str) -> np.ndarray:
         """The host ``block`` under ``nan_strategy`` when it is not finite (a rare path, a second
@@ -131,7 +137,7 @@ class TokenSummaries:
             both = on & finite[i] & finite[j]
             blocks.append(_token_block((xs[i], xs[j]), (0, 1), both, rows=self.rows)[:, [0, 2]])
         self.names = names
-        return to_host([torch.cat(blocks, 1)])[0].reshape(5, -1)
+        return self.on_host(to_host([torch.cat(blocks, 1)])[0])
 
 
 def _summaries(
@@ -153,7 +159,7 @@ def _summaries(
 
 class _TokenMask:
     """The response mask as the token summaries use it, built once per batch (into ``out`` if given);
-    ``count`` and ``divisor`` are per sequence with ``rows``.
+    ``count`` (integers) and ``divisor`` are per sequence with ``rows``.
 
     Two integer tensors of ``dtype``, as wide as the float data summarized: ``on``
     is 1 on the response (``mask != 0``, as masked_select reads a mask) and 0 off it, ``off`` the
@@ -164,14 +170,20 @@ class _TokenMask:
     """
 
     def __init__(self, mask: Any, dtype: Any, out: Any = None, rows: bool = False) -> None:
-        mask = mask.ne(0) if mask.is_floating_point() else mask
-        self.on = (mask.to(dtype) if out is None else out[0].copy_(mask)).ne_(0)
-        count = self.on.sum(-1, dtype=dtype) if rows else self.on.sum(dtype=dtype)
-        self.count = count.to(torch.float64)  # (a float64 sum of ints is slower)
+        on = self.on = mask.ne(0).to(dtype) if out is None else torch.ne(mask, 0, out=out[0])
+        counts = on.sum(-1, dtype=dtype)
+        # a response token of each sequence: its last one (0 without), as ``on * column`` peaks there
+        # (argmax reads several times slower than this product and its max)
+        columns = torch.arange(on.shape[-1], dtype=dtype, device=on.device)
+        self.last = torch.mul(on, columns, out=None if out is None else out[1]).amax(-1)
+        self.off = torch.bitwise_xor(on, 1, out=None if out is None else out[1])
+        if not rows:  # a response token of the batch: in its fullest sequence
+            self.count = counts.sum(dtype=dtype)
+            row = counts.argmax(-1, keepdim=True)
+            self.last = row * on.shape[-1] + self.last.index_select(0, row)
+        else:
+            self.count = counts
         self.divisor = divisor(torch, self.count)
-        self.off = torch.bitwise_xor(self.on, 1, out=None if out is None else out[1])
-        # a response token of each sequence (of the batch without ``rows``): its first one
-        self.first = self.on.argmax(-1) if rows else self.on.reshape(-1).argmax()
 
 
 _SCRATCH_LIMIT = 32 * 2**20
@@ -209,25 +221,27 @@ def _summarize_tokens(
     All ``K`` go through each step together (fewer, larger kernels). Sums run per row in the data's
     precision and across rows in float64 (a row's sum is within ``(width - 1) * eps / 2 * sum|x|``
     of the exact one, in any order of summation: eager and compiled, on any CPU). For min/max the
-    padding holds a response token of its sequence (its first; of the batch without ``rows``), so the
+    padding holds a response token of its sequence (its last; of the batch without ``rows``), so the
     extremes are the data's own values (the mean would do but for rounding: the float32 mean of a
     sequence of equal values can lie an ulp outside them); for centering it is 0 again, so it adds
     nothing to m2. No shape depends on the data (no sync).
     """
     k = buf.shape[0]
     vals = buf.view(dtype)
-    levels, col = (1, (k, -1, 1)) if rows else (2, (k, 1, 1))
-    sums = total(torch, vals, levels=levels).to(torch.float64)
+    levels = 1 if rows else 2
+    sums = total(torch, vals, levels)
+    sums = sums if levels == 2 else sums.to(torch.float64)
     means = (sums / mask.divisor).to(dtype)
     if rows:
-        fill = buf.gather(-1, mask.first.view(1, -1, 1).expand(k, -1, 1))
+        fill = buf.gather(-1, mask.last.view(1, -1, 1).expand(k, -1, 1))
     else:
-        fill = buf.view(k, -1).index_select(1, mask.first.view(1)).view(k, 1, 1)  # a copy, not a view
+        fill = buf.view(k, -1).index_select(1, mask.last).view(k, 1, 1)  # a copy, not a view
     buf.addcmul_(mask.off, fill)  # padding := a response token (its bits; padding holds 0 bits)
     mins, maxs = extremes(torch, vals if rows else vals.view(k, -1))
-    vals.sub_(means.reshape(col))
+    vals.sub_(means.view((k, -1, 1) if rows else (k, 1, 1)))
     buf.mul_(mask.on)  # padding := 0
-    return sums, total(torch, square_(torch, vals), levels=levels).to(torch.float64), mins, maxs
+    m2 = total(torch, square_(torch, vals), levels)
+    return sums, m2 if levels == 2 else m2.to(torch.float64), mins, maxs
 
 
 def _token_block(
@@ -263,8 +277,9 @@ def _token_block(
             bufs.append(torch.mul(x.view(itype), token_mask.on, out=out))
         stacked = scratch[2 : 2 + len(bufs)] if scratch is not None else torch.stack(bufs)
         parts.append(_summarize_tokens(stacked, token_mask, dtype, rows))
-    sums, m2s, mins, maxs = (torch.cat(column) for column in zip(*parts))
-    return finish(torch, token_mask.count, sums, m2s, mins, maxs, padded=True)
+    sums, m2s, mins, maxs = parts[0] if len(parts) == 1 else (torch.cat(column) for column in zip(*parts))
+    count = token_mask.count.to(torch.float64).expand_as(sums)
+    return torch.stack([count, sums, m2s, mins.to(torch.float64), maxs.to(torch.float64)])
 
 
 _compiled: dict[str, Any] = {}  # "fn": _token_block under torch.compile; "failed": compiling failed
