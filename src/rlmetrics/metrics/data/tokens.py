@@ -16,6 +16,7 @@ before the batch's one transfer.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import warnings
@@ -29,7 +30,7 @@ from rlmetrics.host import to_host
 from rlmetrics.metrics import VF_RESIDUAL_STD, VF_RETURNS_STD
 from rlmetrics.metrics.batch import key_error
 from rlmetrics.metrics.tensors import BatchTensors, floating
-from rlmetrics.summary import divisor, extremes, finish, square_, total
+from rlmetrics.summary import divisor, extremes, square_, total
 from rlmetrics.values import MetricValueError
 
 torch = require("torch", "torch")
@@ -42,6 +43,7 @@ TOKEN_METRICS = (  # batch key and metric prefix
 _MMM = ("mean", "max", "min")
 
 
+@functools.lru_cache(maxsize=256)
 def triple(prefix: str) -> tuple[str, ...]:
     """``prefix/mean``, ``prefix/max``, ``prefix/min``."""
     return tuple(f"{prefix}/{r}" for r in _MMM)
@@ -104,7 +106,10 @@ class TokenSummaries:
     def on_host(block: np.ndarray) -> np.ndarray:
         """The ``(5, K)`` host block (``(5, K * B)`` per sequence) of a moved device block: empty
         columns get ``min = inf`` and ``max = -inf``."""
-        return finish(np, *block.reshape(5, -1), padded=True)
+        block = block.reshape(5, -1)
+        empty = block[0] == 0  # their extremes are padding's: a response token of the batch, or 0
+        block[3, empty], block[4, empty] = math.inf, -math.inf
+        return block
 
     def finite(self, block: np.ndarray, nan_strategy: str) -> np.ndarray:
         """The host ``block`` under ``nan_strategy`` when it is not finite (a rare path, a second
