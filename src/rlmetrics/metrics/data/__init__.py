@@ -222,16 +222,27 @@ def data_metrics_from_stats(stats: Mapping[str, Stat]) -> dict[str, float]:
 
 
 # -------------------------------------------------------------------------------------- internals
-_PROCESSES: dict[int, Any] = {}
+_STATM: dict[int, int | None] = {}  # pid -> its open /proc/<pid>/statm (None: no /proc, psutil)
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def _process() -> Any:
-    """This process's ``psutil.Process``, made once per pid (making one reads ``/proc`` twice)."""
+def _rss_bytes() -> int:
+    """This process's resident set size, as psutil's ``memory_info().rss``: on Linux one read of
+    ``/proc/<pid>/statm`` kept open per pid (a fork reopens it), elsewhere through psutil."""
     pid = os.getpid()
-    if pid not in _PROCESSES:
-        _PROCESSES.clear()
-        _PROCESSES[pid] = psutil.Process(pid)
-    return _PROCESSES[pid]
+    if pid not in _STATM:
+        for fd in _STATM.values():  # the parent's, inherited by a fork
+            if fd is not None:
+                os.close(fd)
+        _STATM.clear()
+        try:
+            _STATM[pid] = os.open(f"/proc/{pid}/statm", os.O_RDONLY)
+        except OSError:
+            _STATM[pid] = None
+    fd = _STATM[pid]
+    if fd is None:
+        return psutil.Process(pid).memory_info().rss
+    return int(os.pread(fd, 128, 0).split()[1]) * _PAGE
 
 
 def _data_arrays(
@@ -263,7 +274,7 @@ def _data_arrays(
         block = tokens.finite(block, nan_strategy)
     parts = sequence_parts(host, t, nan_strategy)
     names, arrays, record = breakdowns.assemble(moved, parts, tokens, block, nan_strategy)
-    rss_gb = _process().memory_info().rss / 1024**3
+    rss_gb = _rss_bytes() / 1024**3
     names.append("perf/process_cpu_mem_used_gb")
     return (
         names,
