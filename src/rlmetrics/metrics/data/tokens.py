@@ -157,7 +157,7 @@ def _summaries(
     # small batches go through the summaries together (fewer kernels), large ones one tensor at a
     # time (a smaller working set stays in cache)
     group = k if k * mask.numel() * dtype.itemsize <= _STACK_BYTES else 1
-    itype = torch.int64 if dtype == torch.float64 else torch.int32
+    itype = itype_of(dtype)
     scratch = _scratch((2 + group, *mask.shape), itype, mask.device)
     return _token_block(xs, residual, mask, scratch, group, rows)
 
@@ -233,20 +233,27 @@ def _summarize_tokens(
     """
     k = buf.shape[0]
     vals = buf.view(dtype)
-    levels = 1 if rows else 2
-    sums = total(torch, vals, levels)
-    sums = sums if levels == 2 else sums.to(torch.float64)
-    means = (sums / mask.divisor).to(dtype)
     if rows:
-        fill = buf.gather(-1, mask.last.view(1, -1, 1).expand(k, -1, 1))
-    else:
-        fill = buf.view(k, -1).index_select(1, mask.last).view(k, 1, 1)  # a copy, not a view
-    buf.addcmul_(mask.off, fill)  # padding := a response token (its bits; padding holds 0 bits)
-    mins, maxs = extremes(torch, vals if rows else vals.view(k, -1))
-    vals.sub_(means.view((k, -1, 1) if rows else (k, 1, 1)))
+        sums = vals.sum(-1).to(torch.float64)
+        means = (sums / mask.divisor).to(dtype)
+        buf.addcmul_(mask.off, buf.gather(-1, mask.last.view(1, -1, 1).expand(k, -1, 1)))
+        mins, maxs = extremes(torch, vals)
+        vals.sub_(means.view(k, -1, 1))
+        buf.mul_(mask.on)  # padding := 0
+        return sums, square_(torch, vals).sum(-1).to(torch.float64), mins, maxs
+    sums = total(torch, vals, levels=2)  # the batch's, as float64: the sums of the rows' sums
+    means = (sums / mask.divisor).to(dtype)
+    flat = vals.view(k, -1)  # what needs no rows
+    buf.addcmul_(mask.off, flat.view(buf.dtype).index_select(1, mask.last).view(k, 1, 1))
+    mins, maxs = flat.amin(-1), flat.amax(-1)
+    flat.sub_(means.view(k, 1))
     buf.mul_(mask.on)  # padding := 0
-    m2 = total(torch, square_(torch, vals), levels)
-    return sums, m2 if levels == 2 else m2.to(torch.float64), mins, maxs
+    return sums, total(torch, square_(torch, vals), levels=2), mins, maxs
+
+
+def itype_of(dtype: Any) -> Any:
+    """The integer type as wide as float ``dtype`` (that holds its bits)."""
+    return torch.int64 if dtype == torch.float64 else torch.int32
 
 
 def _token_block(
@@ -266,14 +273,15 @@ def _token_block(
     ``torch.compile``, which fuses them away).
     """
     dtype = xs[0].dtype
-    itype = torch.int64 if dtype == torch.float64 else torch.int32
+    itype = itype_of(dtype)
     k = len(xs) + (residual is not None)
-    token_mask = _TokenMask(mask, itype, out=None if scratch is None else scratch[:2], rows=rows)
+    slots = None if scratch is None else scratch.unbind(0)  # one op for all the views
+    token_mask = _TokenMask(mask, itype, out=slots, rows=rows)
     parts = []
     for start in range(0, k, group):
         bufs = []
         for i in range(start, min(start + group, k)):
-            out = None if scratch is None else scratch[2 + i - start]
+            out = None if slots is None else slots[2 + i - start]
             if i < len(xs):
                 x = xs[i]
             else:  # the residual, into its slot
