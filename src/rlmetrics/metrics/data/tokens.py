@@ -175,7 +175,13 @@ class _TokenMask:
     """
 
     def __init__(self, mask: Any, dtype: Any, out: Any = None, rows: bool = False) -> None:
-        on = self.on = mask.ne(0).to(dtype) if out is None else torch.ne(mask, 0, out=out[0])
+        if out is None:
+            on = mask.ne(0).to(dtype)
+        elif mask.is_floating_point():
+            on = torch.ne(mask, 0, out=out[0])
+        else:  # an integer copy compared in place: faster than a comparison into another dtype
+            on = out[0].copy_(mask).ne_(0)
+        self.on = on
         counts = on.sum(-1, dtype=dtype)
         # a response token of each sequence: its last one (0 without), as ``on * column`` peaks there
         # (argmax reads several times slower than this product and its max)
@@ -245,7 +251,7 @@ def _summarize_tokens(
     means = (sums / mask.divisor).to(dtype)
     flat = vals.view(k, -1)  # what needs no rows
     buf.addcmul_(mask.off, flat.view(buf.dtype).index_select(1, mask.last).view(k, 1, 1))
-    mins, maxs = flat.amin(-1), flat.amax(-1)
+    mins, maxs = extremes(torch, flat)  # one pass for both when K == 1
     flat.sub_(means.view(k, 1))
     buf.mul_(mask.on)  # padding := 0
     return sums, total(torch, square_(torch, vals), levels=2), mins, maxs
