@@ -327,6 +327,33 @@ def test_low_precision_and_bool_masks():
     assert got["critic/advantages/max"] == pytest.approx(want["critic/advantages/max"], rel=1e-2)
 
 
+def test_process_memory_is_psutils_rss_also_in_a_forked_child():
+    """``perf/process_cpu_mem_used_gb`` reads /proc/<pid>/statm kept open: psutil's rss (field 2
+    times the page size, not the virtual size of field 1), and a fork reads its own, not its
+    parent's (the file is reopened per pid)."""
+    import os
+
+    import psutil
+
+    from rlmetrics.metrics.data import _rss_bytes
+
+    def close_to_psutil() -> bool:  # memory moves a little between two reads
+        return abs(_rss_bytes() - psutil.Process().memory_info().rss) < 2**22
+
+    assert close_to_psutil()
+    ballast = np.ones(2**25)  # the parent grows by 256 MiB (written pages); the child lets them go
+    assert close_to_psutil()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        del ballast
+        os.write(write, b"1" if close_to_psutil() else b"0")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read, 1) == b"1"
+    assert close_to_psutil() and ballast.size == 2**25
+
+
 def test_every_name_of_the_seed():
     batch = make_batch(np.random.default_rng(2), 8, 4, 6, tool_calls=True)
     names = set(compute_data_metric(batch))

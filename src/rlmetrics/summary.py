@@ -22,7 +22,7 @@ deviations) and :func:`finish` (the stat array). Masked values enter the sums as
 extremes as ``inf`` / ``-inf`` and M2 as a deviation of 0: M2 sums squared deviations from the mean
 (no sum of squares that cancels), and a masked value far from the mean adds no ``0 * inf``.
 
-**The response-token kernel** (:mod:`rlmetrics.metrics.data_tokens`) stays specialised, built from
+**The response-token kernel** (:mod:`rlmetrics.metrics.data.tokens`) stays specialised, built from
 the same pieces: on the CPU the generic kernel's boolean selections (``where``) cost several times
 the arithmetic for the millions of tokens of a PPO batch, so it masks with integer arithmetic on the
 float bits in scratch memory kept between calls, sums each row in the data's precision, and runs
