@@ -196,7 +196,14 @@ def compute_data_metric(
     >>> compute_data_metric(batch, difficulty=True)["difficulty/mixed_ratio"]
     1.0
     """
-    names, arrays, record, _ = _data_arrays(batch, torch_compile, nan_strategy, group_by, difficulty)
+    names, arrays, record, _ = _data_arrays(
+        batch,
+        torch_compile,
+        nan_strategy,
+        group_by,
+        difficulty,
+        m2=False,  # no std of them is reported
+    )
     out = metrics_of_arrays(names, arrays)
     if record is not None:
         out.update(difficulty_metrics([record]))
@@ -252,10 +259,12 @@ def _data_arrays(
     group_by: GroupBy,
     difficulty: bool | str,
     histograms: Collection[str] = (),
+    m2: bool = True,
 ) -> tuple[list[str], np.ndarray, dict[str, Any] | None, dict[str, Stat]]:
     """The data metrics' names and their ``(5, K)`` stat array: count, sum, m2, min, max (the
     groups' after the batch's), the prompt record of the difficulty groups (None without), and the
-    Stats with sketches of the ``histograms`` the batch has."""
+    Stats with sketches of the ``histograms`` the batch has. ``m2=False``: the M2 that no metric
+    reads (of advantages and values) may be NaN (:meth:`TokenSummaries.of`)."""
     if nan_strategy not in NAN_STRATEGIES:
         raise ValueError(f"nan_strategy must be one of {NAN_STRATEGIES}, got {nan_strategy!r}")
     t = BatchTensors(batch)
@@ -267,7 +276,7 @@ def _data_arrays(
         advantages = t.get("advantages")
         if advantages is not None:
             seq = {**seq, _HIST_KEYS[0]: advantages, _HIST_KEYS[1]: mask}
-    tokens = None if mask is None else TokenSummaries.of(t, mask, torch_compile, rows=bool(breakdowns))
+    tokens = None if mask is None else TokenSummaries.of(t, mask, torch_compile, rows=bool(breakdowns), m2=m2)
     host, block, moved = fetch(seq, tokens, breakdowns.tensors)
     hists = _histogram_stats(host, nan_strategy, histograms) if histograms else {}
     if nan_strategy != "propagate" and tokens is not None:

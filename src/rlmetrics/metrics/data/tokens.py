@@ -66,6 +66,7 @@ class TokenSummaries:
         self.block = block
         self.rows = rows
         self._inputs = inputs  # (keys, tensors, residual, mask) of the block
+        self._columns: list[int] | None = None  # the block's column of each name group (None: the same)
 
     @classmethod
     def of(
@@ -76,10 +77,13 @@ class TokenSummaries:
         keys: Sequence[str] = ("advantages", "returns", "values"),
         *,
         rows: bool = False,
+        m2: bool = True,
     ) -> TokenSummaries | None:
         """Advantages, returns, values (those of ``keys`` the batch has) and, with returns and values,
         the explained variance's ingredients over the tokens of ``mask`` (``rows``: of each
-        sequence); None without any of them."""
+        sequence); None without any of them. ``m2=False`` (not with ``rows``): M2 only where the
+        explained variance reads it (returns and the residual), NaN for the others, which saves
+        four passes over each of them (for metrics that read no std of them, never for Stats)."""
         found = {}
         for key, _ in TOKEN_METRICS:
             x = t.get(key) if key in keys else None
@@ -101,16 +105,25 @@ class TokenSummaries:
             shape = (5, len(names), mask.shape[0]) if rows else (5, len(names))
             return cls(names, torch.zeros(shape, dtype=torch.float64), rows=rows)
         dtype = torch.float64 if any(x.dtype == torch.float64 for x in found.values()) else torch.float32
-        xs = tuple(x if x.dtype == dtype else x.to(dtype) for x in found.values())
-        residual = (list(found).index("returns"), list(found).index("values")) if vf else None
-        block = _summaries(xs, residual, mask, torch_compile, rows)
-        return cls(names, block, (list(found), xs, residual, mask), rows)
+        keys = list(found)
+        m2_from = 0
+        if not m2 and not rows:  # those without M2 first: M2 over the last columns only
+            keys = [key for key in found if not (vf and key == "returns")] + (["returns"] if vf else [])
+            m2_from = len(keys) - 1 if vf else len(keys) + 1
+        xs = tuple(found[key] if found[key].dtype == dtype else found[key].to(dtype) for key in keys)
+        residual = (keys.index("returns"), keys.index("values")) if vf else None
+        block = _summaries(xs, residual, mask, torch_compile, rows, m2_from)
+        out = cls(names, block, (keys, xs, residual, mask), rows)
+        if keys != list(found):
+            out._columns = [keys.index(key) for key in found] + ([len(keys)] if vf else [])
+        return out
 
-    @staticmethod
-    def on_host(block: np.ndarray) -> np.ndarray:
-        """The ``(5, K)`` host block (``(5, K * B)`` per sequence) of a moved device block: empty
-        columns get ``min = inf`` and ``max = -inf``."""
+    def on_host(self, block: np.ndarray) -> np.ndarray:
+        """The ``(5, K)`` host block (``(5, K * B)`` per sequence) of a moved device block, in the
+        order of :attr:`names`: empty columns get ``min = inf`` and ``max = -inf``."""
         block = block.reshape(5, -1)
+        if self._columns is not None:
+            block = block[:, self._columns]
         empty = block[0] == 0  # their extremes are padding's: a response token of the batch, or 0
         block[3, empty], block[4, empty] = math.inf, -math.inf
         return block
@@ -145,16 +158,21 @@ class TokenSummaries:
             names += [(VF_RETURNS_STD,), (VF_RESIDUAL_STD,)]
             both = on & finite[i] & finite[j]
             blocks.append(_token_block((xs[i], xs[j]), (0, 1), both, rows=self.rows)[:, [0, 2]])
-        self.names = names
+        self.names, self._columns = names, None
         return self.on_host(to_host([torch.cat(blocks, 1)])[0])
 
 
 def _summaries(
-    xs: tuple[Any, ...], residual: tuple[int, int] | None, mask: Any, torch_compile: bool, rows: bool = False
+    xs: tuple[Any, ...],
+    residual: tuple[int, int] | None,
+    mask: Any,
+    torch_compile: bool,
+    rows: bool = False,
+    m2_from: int = 0,
 ) -> Any:
     """The device block of :func:`_token_block`, compiled if asked (and compiling works)."""
     if torch_compile:
-        block = _compiled_token_block(xs, residual, mask, rows)
+        block = _compiled_token_block(xs, residual, mask, rows, m2_from)
         if block is not None:
             return block
     k, dtype = len(xs) + (residual is not None), xs[0].dtype
@@ -163,7 +181,7 @@ def _summaries(
     group = k if k * mask.numel() * dtype.itemsize <= _STACK_BYTES else 1
     itype = itype_of(dtype)
     scratch = _scratch((2 + group, *mask.shape), itype, mask.device)
-    return _token_block(xs, residual, mask, scratch, group, rows)
+    return _token_block(xs, residual, mask, scratch, group, rows, m2_from)
 
 
 class _TokenMask:
@@ -227,7 +245,7 @@ def _scratch(shape: tuple[int, ...], dtype: Any, device: Any) -> Any:
 
 
 def _summarize_tokens(
-    buf: Any, mask: _TokenMask, dtype: Any, rows: bool = False
+    buf: Any, mask: _TokenMask, dtype: Any, rows: bool = False, m2_from: int = 0
 ) -> tuple[Any, Any, Any, Any]:
     """Sum, m2 (float64), min and max (``dtype``) of ``K`` float tensors of ``dtype`` held as integer
     bits in ``buf`` ``(K, *mask.shape)``, 0 on padding: four ``(K,)`` tensors (``rows``: ``(K, B)``,
@@ -239,7 +257,8 @@ def _summarize_tokens(
     padding holds a response token of its sequence (its last; of the batch without ``rows``), so the
     extremes are the data's own values (the mean would do but for rounding: the float32 mean of a
     sequence of equal values can lie an ulp outside them); for centering it is 0 again, so it adds
-    nothing to m2. No shape depends on the data (no sync).
+    nothing to m2. M2 of the tensors before ``m2_from`` (not with ``rows``) is not computed: NaN.
+    No shape depends on the data (no sync).
     """
     k = buf.shape[0]
     vals = buf.view(dtype)
@@ -256,9 +275,14 @@ def _summarize_tokens(
     flat = vals.view(k, -1)  # what needs no rows
     buf.addcmul_(mask.off, flat.view(buf.dtype).index_select(1, mask.last).view(k, 1, 1))
     mins, maxs = extremes(torch, flat)  # one pass for both when K == 1
-    flat.sub_(means.view(k, 1))
+    if m2_from >= k:
+        return sums, torch.full_like(sums, math.nan), mins, maxs
+    if m2_from > 0:
+        buf, vals, flat, means = buf[m2_from:], vals[m2_from:], flat[m2_from:], means[m2_from:]
+    flat.sub_(means.view(-1, 1))
     buf.mul_(mask.on)  # padding := 0
-    return sums, total(torch, square_(torch, vals), levels=2), mins, maxs
+    m2 = total(torch, square_(torch, vals), levels=2)
+    return sums, m2 if m2_from == 0 else torch.cat([sums[:m2_from] * math.nan, m2]), mins, maxs
 
 
 def itype_of(dtype: Any) -> Any:
@@ -273,10 +297,12 @@ def _token_block(
     scratch: Any = None,
     group: int = 1,
     rows: bool = False,
+    m2_from: int = 0,
 ) -> Any:
     """``(5, K)`` float64 count, sum, m2, min, max of the response tokens of each of ``xs`` (float
     tensors of one dtype, of the mask's shape) and, with ``residual=(i, j)``, of ``xs[i] - xs[j]``;
-    ``rows``: ``(5, K, B)``, of each sequence's response tokens.
+    ``rows``: ``(5, K, B)``, of each sequence's response tokens; M2 only from the ``m2_from``-th on
+    (NaN before it; not with ``rows``).
 
     The tensors go through :func:`_summarize_tokens` ``group`` at a time. ``scratch`` is integer
     memory of shape ``(2 + group, *mask.shape)`` for the masks and the data; None: fresh tensors (under
@@ -299,7 +325,7 @@ def _token_block(
             # x on the response, 0 (all bits) elsewhere
             bufs.append(torch.mul(x.view(itype), token_mask.on, out=out))
         stacked = scratch[2 : 2 + len(bufs)] if scratch is not None else torch.stack(bufs)
-        parts.append(_summarize_tokens(stacked, token_mask, dtype, rows))
+        parts.append(_summarize_tokens(stacked, token_mask, dtype, rows, m2_from - start))
     sums, m2s, mins, maxs = parts[0] if len(parts) == 1 else (torch.cat(column) for column in zip(*parts))
     count = token_mask.count.to(torch.float64).expand_as(sums)
     return torch.stack([count, sums, m2s, mins.to(torch.float64), maxs.to(torch.float64)])
@@ -310,7 +336,7 @@ _compile_lock = threading.Lock()
 
 
 def _compiled_token_block(
-    xs: tuple[Any, ...], residual: tuple[int, int] | None, mask: Any, rows: bool
+    xs: tuple[Any, ...], residual: tuple[int, int] | None, mask: Any, rows: bool, m2_from: int = 0
 ) -> Any:
     """:func:`_token_block` under ``torch.compile`` (shapes dynamic, so batch sizes and widths do not
     recompile), or None where compiling fails: a warning then, and eager summaries from then on.
@@ -322,7 +348,7 @@ def _compiled_token_block(
         try:
             if "fn" not in _compiled:
                 _compiled["fn"] = torch.compile(_token_block, dynamic=True)
-            return _compiled["fn"](xs, residual, mask, rows=rows)
+            return _compiled["fn"](xs, residual, mask, rows=rows, m2_from=m2_from)
         except Exception as exc:  # no C++ compiler, a device torch.compile does not support, ...
             _compiled["failed"] = True
             warnings.warn(
