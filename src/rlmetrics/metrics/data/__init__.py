@@ -229,25 +229,28 @@ def data_metrics_from_stats(stats: Mapping[str, Stat]) -> dict[str, float]:
 
 
 # -------------------------------------------------------------------------------------- internals
-_STATM: dict[int, int | None] = {}  # pid -> its open /proc/<pid>/statm (None: no /proc, psutil)
+_STATM: dict[int, int] = {}  # pid -> its open /proc/<pid>/statm (-1: no /proc, psutil then)
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def _rss_bytes() -> int:
     """This process's resident set size, as psutil's ``memory_info().rss``: on Linux one read of
-    ``/proc/<pid>/statm`` kept open per pid (a fork reopens it), elsewhere through psutil."""
+    ``/proc/<pid>/statm`` kept open per pid (a fork opens its own), elsewhere through psutil. Safe
+    for threads: only the thread that removes an entry closes its file, the first one to add wins."""
     pid = os.getpid()
     if pid not in _STATM:
-        for fd in _STATM.values():  # the parent's, inherited by a fork
-            if fd is not None:
-                os.close(fd)
-        _STATM.clear()
+        for other in [p for p in list(_STATM) if p != pid]:  # the parent's, inherited by a fork
+            stale = _STATM.pop(other, -1)
+            if stale >= 0:
+                os.close(stale)
         try:
-            _STATM[pid] = os.open(f"/proc/{pid}/statm", os.O_RDONLY)
+            fd = os.open(f"/proc/{pid}/statm", os.O_RDONLY)
         except OSError:
-            _STATM[pid] = None
+            fd = -1
+        if _STATM.setdefault(pid, fd) != fd and fd >= 0:
+            os.close(fd)  # another thread's came first
     fd = _STATM[pid]
-    if fd is None:
+    if fd < 0:
         return psutil.Process(pid).memory_info().rss
     return int(os.pread(fd, 128, 0).split()[1]) * _PAGE
 
