@@ -268,6 +268,27 @@ def test_token_tensors_summarized_together_or_one_at_a_time_agree(monkeypatch, d
         assert_matches(compute_data_metric(batch), reference(batch))
 
 
+@pytest.mark.parametrize("stack_bytes", [2**40, 0])  # the tensors together, or one at a time
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_metrics_skip_the_m2_no_metric_reads_and_stats_keep_it(monkeypatch, stack_bytes, dtype):
+    """``compute_data_metric`` computes no M2 of advantages and values (no reported metric reads it):
+    its numbers are the bits of the reduced ``compute_data_stats`` all the same (the explained
+    variance's M2 of returns and of the residual included), and those Stats keep their M2."""
+    monkeypatch.setattr(tokens_module, "_STACK_BYTES", stack_bytes)
+    for seed, values in ((0, True), (1, True), (2, False)):
+        batch = make_batch(np.random.default_rng(seed), 9, 4, 13, dtype=dtype, values=values)
+        got = compute_data_metric(batch)
+        stats = compute_data_stats(batch)
+        want = data_metrics_from_stats(stats)
+        assert got.keys() == want.keys()
+        assert {k: v for k, v in got.items() if k != MEM} == {k: v for k, v in want.items() if k != MEM}
+        for key in ("advantages", "values") if values else ("advantages",):
+            x, on = batch[key].double(), batch["response_mask"] != 0
+            m2 = float(((x[on] - x[on].mean()) ** 2).sum())
+            assert stats[f"critic/{key}/mean"].m2 == pytest.approx(m2, rel=1e-5)
+        assert_matches(got, reference(batch))
+
+
 def test_per_sequence_vectors_of_another_length_are_summarized_on_their_own():
     batch = make_batch(np.random.default_rng(8), 5, 3, 4)
     batch["__num_turns__"] = np.array([1, 2, 3, 4, 5, 6, 7], dtype=np.int32)  # 7 values for 5 sequences
@@ -325,6 +346,33 @@ def test_low_precision_and_bool_masks():
     assert set(got) - {MEM} == set(want)
     assert got["response/length/mean"] == want["response/length/mean"]
     assert got["critic/advantages/max"] == pytest.approx(want["critic/advantages/max"], rel=1e-2)
+
+
+def test_process_memory_is_psutils_rss_also_in_a_forked_child():
+    """``perf/process_cpu_mem_used_gb`` reads /proc/<pid>/statm kept open: psutil's rss (field 2
+    times the page size, not the virtual size of field 1), and a fork reads its own, not its
+    parent's (the file is reopened per pid)."""
+    import os
+
+    import psutil
+
+    from rlmetrics.metrics.data import _rss_bytes
+
+    def close_to_psutil() -> bool:  # memory moves a little between two reads
+        return abs(_rss_bytes() - psutil.Process().memory_info().rss) < 2**22
+
+    assert close_to_psutil()
+    ballast = np.ones(2**25)  # the parent grows by 256 MiB (written pages); the child lets them go
+    assert close_to_psutil()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        del ballast
+        os.write(write, b"1" if close_to_psutil() else b"0")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read, 1) == b"1"
+    assert close_to_psutil() and ballast.size == 2**25
 
 
 def test_every_name_of_the_seed():

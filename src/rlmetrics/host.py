@@ -45,9 +45,9 @@ def to_host(tensors: Sequence[Any]) -> list[np.ndarray]:
 
     Accelerator tensors are concatenated on the first one's device (others join it by a
     device-to-device copy) and come over at once: on CUDA into pinned memory without blocking, then
-    waiting for the current stream only. Host tensors are concatenated where they are: moving them
-    to the device first would be a blocking copy, a sync of its own. mps has no float64: its
-    tensors come over one by one.
+    waiting for the current stream only. Host tensors are concatenated where they are, converted to
+    float64 as they are (one op): moving them to the device first would be a blocking copy, a sync
+    of its own. mps has no float64: its tensors come over one by one.
 
     >>> import torch
     >>> [a.tolist() for a in to_host([torch.tensor([1, 2]), torch.ones(1, 2)])]
@@ -56,18 +56,35 @@ def to_host(tensors: Sequence[Any]) -> list[np.ndarray]:
     import torch
 
     out: list[Any] = [None] * len(tensors)
-    on_device = [i for i, t in enumerate(tensors) if t.device.type not in ("cpu", "mps")]
-    on_host = [i for i, t in enumerate(tensors) if t.device.type in ("cpu", "mps")]
-    for idx, fetch in ((on_device, _device_to_host), (on_host, lambda flat: flat.numpy())):
-        if not idx:
-            continue
-        first = tensors[idx[0]].device if fetch is _device_to_host else torch.device("cpu")
-        moved = [t if t.device == first else t.to(first) for t in (tensors[i].detach() for i in idx)]
+    on_device: list[int] = []
+    on_host: list[int] = []
+    for i, t in enumerate(tensors):
+        (on_host if t.is_cpu or t.device.type == "mps" else on_device).append(i)
+    if on_device:
+        first = tensors[on_device[0]].device
+        moved = [t if t.device == first else t.to(first) for t in (tensors[i].detach() for i in on_device)]
         flat = [t.reshape(-1).to(torch.float64) for t in moved]
-        host = fetch(torch.cat(flat))
-        for i, t, end in zip(idx, flat, itertools.accumulate(t.numel() for t in flat)):
-            out[i] = host[end - t.numel() : end]
+        _spread(_device_to_host(torch.cat(flat)), on_device, flat, out)
+    if on_host:
+        flat = [_flat(tensors[i].detach()) for i in on_host]
+        host = torch.cat(flat, out=torch.empty(sum(t.numel() for t in flat), dtype=torch.float64))
+        _spread(host.numpy(), on_host, flat, out)  # converted to float64 as concatenated: one op
     return out
+
+
+def _flat(t: Any) -> Any:
+    """A host tensor of :func:`to_host` (an mps one copied over), flat."""
+    t = t if t.is_cpu else t.cpu()
+    return t if t.dim() == 1 else t.reshape(-1)
+
+
+def _spread(host: np.ndarray, idx: list[int], flat: list[Any], out: list[Any]) -> None:
+    """``out[i]`` := the part of the concatenated ``host`` that holds ``flat[k]``, for ``i = idx[k]``."""
+    start = 0
+    for i, t in zip(idx, flat):
+        end = start + t.numel()
+        out[i] = host[start:end]
+        start = end
 
 
 def _device_to_host(flat: Any) -> np.ndarray:

@@ -84,11 +84,9 @@ class Reduction:
     def apply_arrays(self, arrays: np.ndarray) -> np.ndarray:
         """Vectorised :meth:`apply` over the columns of a ``(5, M)`` stat array (not for quantiles)."""
         count = arrays[0]
-        with np.errstate(invalid="ignore", divide="ignore"):
-            if self.kind == "mean":
-                return np.where(count > 0, arrays[1] / count, np.nan)
-            if self.kind == "std":
-                return np.where(count > 0, np.sqrt(np.maximum(arrays[2], 0.0) / count), np.nan)
+        if self.kind in ("mean", "std"):
+            count = np.where(count > 0, count, np.nan)  # dividing by NaN: NaN, and no warning
+            return arrays[1] / count if self.kind == "mean" else np.sqrt(np.maximum(arrays[2], 0.0) / count)
         if self.kind == "sum":
             return arrays[1].copy()
         if self.kind == "count":

@@ -17,12 +17,12 @@ single observations), the per-sequence and device summaries of :mod:`rlmetrics.m
 [1.0, 2.0, 0.0, 2.0, 2.0]
 
 The kernel is a sequence of pieces, each written once: :func:`total` (sums), :func:`divisor` (of means),
-:func:`extremes` (min and max), :func:`square_` (squared deviations) and :func:`finish` (the stat
-array, empty rows with ``min = inf`` and ``max = -inf``). Masked values enter the sums as 0, the
+:func:`extremes` (min and max; ``inf`` / ``-inf`` for empty rows), :func:`square_` (squared
+deviations) and :func:`finish` (the stat array). Masked values enter the sums as 0, the
 extremes as ``inf`` / ``-inf`` and M2 as a deviation of 0: M2 sums squared deviations from the mean
 (no sum of squares that cancels), and a masked value far from the mean adds no ``0 * inf``.
 
-**The response-token kernel** (:mod:`rlmetrics.metrics.data_tokens`) stays specialised, built from
+**The response-token kernel** (:mod:`rlmetrics.metrics.data.tokens`) stays specialised, built from
 the same pieces: on the CPU the generic kernel's boolean selections (``where``) cost several times
 the arithmetic for the millions of tokens of a PPO batch, so it masks with integer arithmetic on the
 float bits in scratch memory kept between calls, sums each row in the data's precision, and runs
@@ -87,15 +87,10 @@ def square_(xp: Any, dev: Any, weight: Any = None) -> Any:
     return dev if weight is None else dev.mul_(weight)
 
 
-def finish(xp: Any, count: Any, sums: Any, m2: Any, mins: Any, maxs: Any, *, padded: bool = False) -> Any:
-    """The ``(5, ...)`` float64 stat array. ``padded``: ``mins`` and ``maxs`` come from data whose
-    unobserved values were set to the mean, so rows without observations get ``inf`` / ``-inf`` here
-    (:func:`extremes` gives them already otherwise)."""
+def finish(xp: Any, count: Any, sums: Any, m2: Any, mins: Any, maxs: Any) -> Any:
+    """The ``(5, ...)`` float64 stat array."""
     if xp is not np:
         mins, maxs = mins.to(xp.float64), maxs.to(xp.float64)
-    if padded:
-        has = count > 0
-        mins, maxs = xp.where(has, mins, math.inf), xp.where(has, maxs, -math.inf)
     if tuple(count.shape) != tuple(sums.shape):
         count = xp.broadcast_to(count, sums.shape)
     return xp.stack([count, sums, m2, mins, maxs])

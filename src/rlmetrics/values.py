@@ -66,7 +66,7 @@ def is_dataless(tensor: Any) -> bool:
     itself, as a test's emulated accelerator does, reports the meta device and still has data.)"""
     import torch
 
-    return tensor.device.type == "meta" and type(tensor).__torch_dispatch__ == torch.Tensor.__torch_dispatch__
+    return tensor.is_meta and type(tensor).__torch_dispatch__ == torch.Tensor.__torch_dispatch__
 
 
 def check_tensor(tensor: Any, name: str, what: str) -> None:

@@ -183,6 +183,9 @@ class _Group(Mapping):
     def __getitem__(self, name: str) -> float:
         return self._values[self._prefix + name]
 
+    def get(self, name: str, default: Any = None) -> Any:  # no KeyError raised for the usual miss
+        return self._values.get(self._prefix + name, default)
+
     def __iter__(self) -> Any:
         n = len(self._prefix)
         return (name[n:] for name in self._values if name.startswith(self._prefix))

@@ -29,21 +29,31 @@ def with_token_block(
 ) -> tuple[list[str], np.ndarray]:
     """Names and ``(5, K)`` stat array of the per-sequence summaries, the token summaries and, with
     returns and values, the explained variance (its token count and this batch's value)."""
-    groups = groups + token_names
-    arrays = np.concatenate([arrays, block], axis=1)[
-        :, np.repeat(np.arange(len(groups)), [len(g) for g in groups])
-    ]
-    names = [name for group in groups for name in group]
-    if VF_RETURNS_STD not in names or VF_RESIDUAL_STD not in names:
-        return names, arrays
-    n = arrays[0, names.index(VF_RETURNS_STD)]
-    stds = resolve(VF_RETURNS_STD).apply_arrays(arrays[:, [names.index(k) for k in VF_AUX[:2]]])
+    names, take, vf = _spread(tuple(groups), tuple(token_names))
+    arrays = np.concatenate([arrays, block], axis=1)[:, take]
+    if vf is None:
+        return list(names), arrays
+    n = arrays[0, vf[0]]
+    stds = resolve(VF_RETURNS_STD).apply_arrays(arrays[:, vf])
     ev = vf_explained_var(dict(zip(VF_AUX, [*stds.tolist(), n])))
-    names += [VF_TOKENS, "critic/vf_explained_var"]
     extra = [(1.0, n, 0.0, n, n)]  # one observation: the rank's token count
     # fallback value for merges without derive_metrics: this rank's value, weighted by its tokens
     extra += [(0.0, 0.0, 0.0, math.inf, -math.inf) if ev is None else (n, ev * n, 0.0, ev, ev)]
-    return names, np.concatenate([arrays, np.array(extra).T], axis=1)
+    return [*names, VF_TOKENS, "critic/vf_explained_var"], np.concatenate([arrays, np.array(extra).T], axis=1)
+
+
+@functools.lru_cache(maxsize=256)
+def _spread(
+    groups: tuple[tuple[str, ...], ...], token_names: tuple[tuple[str, ...], ...]
+) -> tuple[tuple[str, ...], np.ndarray, list[int] | None]:
+    """The names of the name groups, the column of each name's group, and the columns of the
+    explained variance's two stds (None without both): the same every step."""
+    groups += token_names
+    names = tuple(name for group in groups for name in group)
+    take = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
+    if VF_RETURNS_STD not in names or VF_RESIDUAL_STD not in names:
+        return names, take, None
+    return names, take, [names.index(k) for k in VF_AUX[:2]]
 
 
 # ------------------------------------------------------------------------------------ reduced

@@ -196,7 +196,14 @@ def compute_data_metric(
     >>> compute_data_metric(batch, difficulty=True)["difficulty/mixed_ratio"]
     1.0
     """
-    names, arrays, record, _ = _data_arrays(batch, torch_compile, nan_strategy, group_by, difficulty)
+    names, arrays, record, _ = _data_arrays(
+        batch,
+        torch_compile,
+        nan_strategy,
+        group_by,
+        difficulty,
+        m2=False,  # no std of them is reported
+    )
     out = metrics_of_arrays(names, arrays)
     if record is not None:
         out.update(difficulty_metrics([record]))
@@ -222,16 +229,30 @@ def data_metrics_from_stats(stats: Mapping[str, Stat]) -> dict[str, float]:
 
 
 # -------------------------------------------------------------------------------------- internals
-_PROCESSES: dict[int, Any] = {}
+_STATM: dict[int, int] = {}  # pid -> its open /proc/<pid>/statm (-1: no /proc, psutil then)
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def _process() -> Any:
-    """This process's ``psutil.Process``, made once per pid (making one reads ``/proc`` twice)."""
+def _rss_bytes() -> int:
+    """This process's resident set size, as psutil's ``memory_info().rss``: on Linux one read of
+    ``/proc/<pid>/statm`` kept open per pid (a fork opens its own), elsewhere through psutil. Safe
+    for threads: only the thread that removes an entry closes its file, the first one to add wins."""
     pid = os.getpid()
-    if pid not in _PROCESSES:
-        _PROCESSES.clear()
-        _PROCESSES[pid] = psutil.Process(pid)
-    return _PROCESSES[pid]
+    if pid not in _STATM:
+        for other in [p for p in list(_STATM) if p != pid]:  # the parent's, inherited by a fork
+            stale = _STATM.pop(other, -1)
+            if stale >= 0:
+                os.close(stale)
+        try:
+            fd = os.open(f"/proc/{pid}/statm", os.O_RDONLY)
+        except OSError:
+            fd = -1
+        if _STATM.setdefault(pid, fd) != fd and fd >= 0:
+            os.close(fd)  # another thread's came first
+    fd = _STATM[pid]
+    if fd < 0:
+        return psutil.Process(pid).memory_info().rss
+    return int(os.pread(fd, 128, 0).split()[1]) * _PAGE
 
 
 def _data_arrays(
@@ -241,10 +262,12 @@ def _data_arrays(
     group_by: GroupBy,
     difficulty: bool | str,
     histograms: Collection[str] = (),
+    m2: bool = True,
 ) -> tuple[list[str], np.ndarray, dict[str, Any] | None, dict[str, Stat]]:
     """The data metrics' names and their ``(5, K)`` stat array: count, sum, m2, min, max (the
     groups' after the batch's), the prompt record of the difficulty groups (None without), and the
-    Stats with sketches of the ``histograms`` the batch has."""
+    Stats with sketches of the ``histograms`` the batch has. ``m2=False``: the M2 that no metric
+    reads (of advantages and values) may be NaN (:meth:`TokenSummaries.of`)."""
     if nan_strategy not in NAN_STRATEGIES:
         raise ValueError(f"nan_strategy must be one of {NAN_STRATEGIES}, got {nan_strategy!r}")
     t = BatchTensors(batch)
@@ -256,14 +279,14 @@ def _data_arrays(
         advantages = t.get("advantages")
         if advantages is not None:
             seq = {**seq, _HIST_KEYS[0]: advantages, _HIST_KEYS[1]: mask}
-    tokens = None if mask is None else TokenSummaries.of(t, mask, torch_compile, rows=bool(breakdowns))
+    tokens = None if mask is None else TokenSummaries.of(t, mask, torch_compile, rows=bool(breakdowns), m2=m2)
     host, block, moved = fetch(seq, tokens, breakdowns.tensors)
     hists = _histogram_stats(host, nan_strategy, histograms) if histograms else {}
     if nan_strategy != "propagate" and tokens is not None:
         block = tokens.finite(block, nan_strategy)
     parts = sequence_parts(host, t, nan_strategy)
     names, arrays, record = breakdowns.assemble(moved, parts, tokens, block, nan_strategy)
-    rss_gb = _process().memory_info().rss / 1024**3
+    rss_gb = _rss_bytes() / 1024**3
     names.append("perf/process_cpu_mem_used_gb")
     return (
         names,

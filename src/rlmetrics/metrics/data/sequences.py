@@ -80,7 +80,7 @@ def fetch(
     plan.add(list(seq.values()), lambda *arrays: dict(zip(seq, arrays)))
     plan.add(list(extra), lambda *arrays: list(arrays))
     if tokens is not None:
-        plan.add([tokens.block], lambda block: block.reshape(5, -1))
+        plan.add([tokens.block], tokens.on_host)
     host, extra_host, *block = plan.run()
     return host, block[0] if block else empty_arrays(0), extra_host
 

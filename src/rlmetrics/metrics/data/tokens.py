@@ -3,19 +3,24 @@ variance's ingredients, over the tokens where ``response_mask != 0``.
 
 This is the summary kernel of :mod:`rlmetrics.summary`, specialised for millions of tokens on the
 CPU and built from its pieces (:func:`~rlmetrics.summary.total`, :func:`~rlmetrics.summary.divisor`,
-:func:`~rlmetrics.summary.extremes`, :func:`~rlmetrics.summary.square_`,
-:func:`~rlmetrics.summary.finish`). What differs is the masking: the tensors are masked with integer
-arithmetic on their float bits (:class:`_TokenMask`) rather than boolean selections, the padding is
-then set to the mean (so it changes neither the extremes nor M2), the work happens in scratch memory
-each thread keeps between calls (up to :data:`_SCRATCH_LIMIT` bytes: two masks and the tensors
-summarized together) rather than in fresh temporaries, whose page faults cost more than the
-arithmetic, and sums run per row in the data's precision. With ``torch_compile=True`` the kernel runs
-under ``torch.compile`` (fused kernels). No shape depends on the data: nothing is read on the host
-before the batch's one transfer.
+:func:`~rlmetrics.summary.extremes`, :func:`~rlmetrics.summary.square_`). What differs is the
+masking: the tensors are masked with integer arithmetic on their float bits (:class:`_TokenMask`)
+rather than boolean selections (``torch.where`` runs ~30x slower here), the padding is then set to a
+response token (so it does not change the extremes; then 0 again for M2), the work happens in scratch
+memory each thread keeps between calls (up to :data:`_SCRATCH_LIMIT` bytes: two masks and the
+tensors summarized together) rather than in fresh temporaries, whose page faults cost more than the
+arithmetic, and sums run per row in the data's precision. Small batches are dominated by the fixed
+cost of each torch op (a few microseconds), so the kernel keeps their number low: all tensors of a
+small batch go through each step together, views come from one ``unbind``, no ``argmax`` (a response
+token is found as the peak of ``mask * column``), and the float64 block is finished on the host
+(:meth:`TokenSummaries.on_host`). With ``torch_compile=True`` the kernel runs under
+``torch.compile`` (fused kernels). No shape depends on the data: nothing is read on the host before
+the batch's one transfer.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import warnings
@@ -29,7 +34,7 @@ from rlmetrics.host import to_host
 from rlmetrics.metrics import VF_RESIDUAL_STD, VF_RETURNS_STD
 from rlmetrics.metrics.batch import key_error
 from rlmetrics.metrics.tensors import BatchTensors, floating
-from rlmetrics.summary import divisor, extremes, finish, square_, total
+from rlmetrics.summary import divisor, extremes, square_, total
 from rlmetrics.values import MetricValueError
 
 torch = require("torch", "torch")
@@ -42,6 +47,7 @@ TOKEN_METRICS = (  # batch key and metric prefix
 _MMM = ("mean", "max", "min")
 
 
+@functools.lru_cache(maxsize=256)
 def triple(prefix: str) -> tuple[str, ...]:
     """``prefix/mean``, ``prefix/max``, ``prefix/min``."""
     return tuple(f"{prefix}/{r}" for r in _MMM)
@@ -50,7 +56,8 @@ def triple(prefix: str) -> tuple[str, ...]:
 class TokenSummaries:
     """The token summaries of one batch: ``names[k]`` are the metric names of column ``k`` of the
     ``(5, K)`` device tensor ``block`` (count, sum, m2, min, max), made by :meth:`of`; with
-    ``rows=True`` a ``(5, K, B)`` block, each sequence's own summaries (what group breakdowns merge)."""
+    ``rows=True`` a ``(5, K, B)`` block, each sequence's own summaries (what group breakdowns merge).
+    The device block leaves the extremes of empty columns as they come: :meth:`on_host` sets them."""
 
     def __init__(
         self, names: list[tuple[str, ...]], block: Any, inputs: Any = None, rows: bool = False
@@ -59,6 +66,7 @@ class TokenSummaries:
         self.block = block
         self.rows = rows
         self._inputs = inputs  # (keys, tensors, residual, mask) of the block
+        self._columns: list[int] | None = None  # the block's column of each name group (None: the same)
 
     @classmethod
     def of(
@@ -69,10 +77,13 @@ class TokenSummaries:
         keys: Sequence[str] = ("advantages", "returns", "values"),
         *,
         rows: bool = False,
+        m2: bool = True,
     ) -> TokenSummaries | None:
         """Advantages, returns, values (those of ``keys`` the batch has) and, with returns and values,
         the explained variance's ingredients over the tokens of ``mask`` (``rows``: of each
-        sequence); None without any of them."""
+        sequence); None without any of them. ``m2=False`` (not with ``rows``): M2 only where the
+        explained variance reads it (returns and the residual), NaN for the others, which saves
+        four passes over each of them (for metrics that read no std of them, never for Stats)."""
         found = {}
         for key, _ in TOKEN_METRICS:
             x = t.get(key) if key in keys else None
@@ -90,15 +101,32 @@ class TokenSummaries:
             for key, prefix in TOKEN_METRICS
             if key in found
         ] + ([(VF_RESIDUAL_STD,)] if vf else [])
-        if mask.numel() == 0:
-            empty = torch.tensor([0.0, 0.0, 0.0, math.inf, -math.inf], dtype=torch.float64)  # on the host
+        if mask.numel() == 0:  # nothing to summarize: an empty block on the host
             shape = (5, len(names), mask.shape[0]) if rows else (5, len(names))
-            return cls(names, empty.reshape(5, *[1] * (len(shape) - 1)).expand(shape), rows=rows)
+            return cls(names, torch.zeros(shape, dtype=torch.float64), rows=rows)
         dtype = torch.float64 if any(x.dtype == torch.float64 for x in found.values()) else torch.float32
-        xs = tuple(x.to(dtype) for x in found.values())
-        residual = (list(found).index("returns"), list(found).index("values")) if vf else None
-        block = _summaries(xs, residual, mask, torch_compile, rows)
-        return cls(names, block, (list(found), xs, residual, mask), rows)
+        keys = list(found)
+        m2_from = 0
+        if not m2 and not rows:  # those without M2 first: M2 over the last columns only
+            keys = [key for key in found if not (vf and key == "returns")] + (["returns"] if vf else [])
+            m2_from = len(keys) - 1 if vf else len(keys) + 1
+        xs = tuple(found[key] if found[key].dtype == dtype else found[key].to(dtype) for key in keys)
+        residual = (keys.index("returns"), keys.index("values")) if vf else None
+        block = _summaries(xs, residual, mask, torch_compile, rows, m2_from)
+        out = cls(names, block, (keys, xs, residual, mask), rows)
+        if keys != list(found):
+            out._columns = [keys.index(key) for key in found] + ([len(keys)] if vf else [])
+        return out
+
+    def on_host(self, block: np.ndarray) -> np.ndarray:
+        """The ``(5, K)`` host block (``(5, K * B)`` per sequence) of a moved device block, in the
+        order of :attr:`names`: empty columns get ``min = inf`` and ``max = -inf``."""
+        block = block.reshape(5, -1)
+        if self._columns is not None:
+            block = block[:, self._columns]
+        empty = block[0] == 0  # their extremes are padding's: a response token of the batch, or 0
+        block[3, empty], block[4, empty] = math.inf, -math.inf
+        return block
 
     def finite(self, block: np.ndarray, nan_strategy: str) -> np.ndarray:
         """The host ``block`` under ``nan_strategy`` when it is not finite (a rare path, a second
@@ -130,30 +158,35 @@ class TokenSummaries:
             names += [(VF_RETURNS_STD,), (VF_RESIDUAL_STD,)]
             both = on & finite[i] & finite[j]
             blocks.append(_token_block((xs[i], xs[j]), (0, 1), both, rows=self.rows)[:, [0, 2]])
-        self.names = names
-        return to_host([torch.cat(blocks, 1)])[0].reshape(5, -1)
+        self.names, self._columns = names, None
+        return self.on_host(to_host([torch.cat(blocks, 1)])[0])
 
 
 def _summaries(
-    xs: tuple[Any, ...], residual: tuple[int, int] | None, mask: Any, torch_compile: bool, rows: bool = False
+    xs: tuple[Any, ...],
+    residual: tuple[int, int] | None,
+    mask: Any,
+    torch_compile: bool,
+    rows: bool = False,
+    m2_from: int = 0,
 ) -> Any:
     """The device block of :func:`_token_block`, compiled if asked (and compiling works)."""
     if torch_compile:
-        block = _compiled_token_block(xs, residual, mask, rows)
+        block = _compiled_token_block(xs, residual, mask, rows, m2_from)
         if block is not None:
             return block
     k, dtype = len(xs) + (residual is not None), xs[0].dtype
     # small batches go through the summaries together (fewer kernels), large ones one tensor at a
     # time (a smaller working set stays in cache)
     group = k if k * mask.numel() * dtype.itemsize <= _STACK_BYTES else 1
-    itype = torch.int64 if dtype == torch.float64 else torch.int32
+    itype = itype_of(dtype)
     scratch = _scratch((2 + group, *mask.shape), itype, mask.device)
-    return _token_block(xs, residual, mask, scratch, group, rows)
+    return _token_block(xs, residual, mask, scratch, group, rows, m2_from)
 
 
 class _TokenMask:
     """The response mask as the token summaries use it, built once per batch (into ``out`` if given);
-    ``count`` and ``divisor`` are per sequence with ``rows``.
+    ``count`` (integers) and ``divisor`` are per sequence with ``rows``.
 
     Two integer tensors of ``dtype``, as wide as the float data summarized: ``on``
     is 1 on the response (``mask != 0``, as masked_select reads a mask) and 0 off it, ``off`` the
@@ -164,14 +197,26 @@ class _TokenMask:
     """
 
     def __init__(self, mask: Any, dtype: Any, out: Any = None, rows: bool = False) -> None:
-        mask = mask.ne(0) if mask.is_floating_point() else mask
-        self.on = (mask.to(dtype) if out is None else out[0].copy_(mask)).ne_(0)
-        count = self.on.sum(-1, dtype=dtype) if rows else self.on.sum(dtype=dtype)
-        self.count = count.to(torch.float64)  # (a float64 sum of ints is slower)
+        if out is None:
+            on = mask.ne(0).to(dtype)
+        elif mask.is_floating_point():
+            on = torch.ne(mask, 0, out=out[0])
+        else:  # an integer copy compared in place: faster than a comparison into another dtype
+            on = out[0].copy_(mask).ne_(0)
+        self.on = on
+        counts = on.sum(-1, dtype=dtype)
+        # a response token of each sequence: its last one (0 without), as ``on * column`` peaks there
+        # (argmax reads several times slower than this product and its max)
+        columns = torch.arange(on.shape[-1], dtype=dtype, device=on.device)
+        self.last = torch.mul(on, columns, out=None if out is None else out[1]).amax(-1)
+        self.off = torch.bitwise_xor(on, 1, out=None if out is None else out[1])
+        if not rows:  # a response token of the batch: in its fullest sequence
+            self.count = counts.sum(dtype=dtype)
+            row = counts.argmax(-1, keepdim=True)
+            self.last = row * on.shape[-1] + self.last.index_select(0, row)
+        else:
+            self.count = counts
         self.divisor = divisor(torch, self.count)
-        self.off = torch.bitwise_xor(self.on, 1, out=None if out is None else out[1])
-        # a response token of each sequence (of the batch without ``rows``): its first one
-        self.first = self.on.argmax(-1) if rows else self.on.reshape(-1).argmax()
 
 
 _SCRATCH_LIMIT = 32 * 2**20
@@ -200,7 +245,7 @@ def _scratch(shape: tuple[int, ...], dtype: Any, device: Any) -> Any:
 
 
 def _summarize_tokens(
-    buf: Any, mask: _TokenMask, dtype: Any, rows: bool = False
+    buf: Any, mask: _TokenMask, dtype: Any, rows: bool = False, m2_from: int = 0
 ) -> tuple[Any, Any, Any, Any]:
     """Sum, m2 (float64), min and max (``dtype``) of ``K`` float tensors of ``dtype`` held as integer
     bits in ``buf`` ``(K, *mask.shape)``, 0 on padding: four ``(K,)`` tensors (``rows``: ``(K, B)``,
@@ -209,25 +254,40 @@ def _summarize_tokens(
     All ``K`` go through each step together (fewer, larger kernels). Sums run per row in the data's
     precision and across rows in float64 (a row's sum is within ``(width - 1) * eps / 2 * sum|x|``
     of the exact one, in any order of summation: eager and compiled, on any CPU). For min/max the
-    padding holds a response token of its sequence (its first; of the batch without ``rows``), so the
+    padding holds a response token of its sequence (its last; of the batch without ``rows``), so the
     extremes are the data's own values (the mean would do but for rounding: the float32 mean of a
     sequence of equal values can lie an ulp outside them); for centering it is 0 again, so it adds
-    nothing to m2. No shape depends on the data (no sync).
+    nothing to m2. M2 of the tensors before ``m2_from`` (not with ``rows``) is not computed: NaN.
+    No shape depends on the data (no sync).
     """
     k = buf.shape[0]
     vals = buf.view(dtype)
-    levels, col = (1, (k, -1, 1)) if rows else (2, (k, 1, 1))
-    sums = total(torch, vals, levels=levels).to(torch.float64)
-    means = (sums / mask.divisor).to(dtype)
     if rows:
-        fill = buf.gather(-1, mask.first.view(1, -1, 1).expand(k, -1, 1))
-    else:
-        fill = buf.view(k, -1).index_select(1, mask.first.view(1)).view(k, 1, 1)  # a copy, not a view
-    buf.addcmul_(mask.off, fill)  # padding := a response token (its bits; padding holds 0 bits)
-    mins, maxs = extremes(torch, vals if rows else vals.view(k, -1))
-    vals.sub_(means.reshape(col))
+        sums = vals.sum(-1).to(torch.float64)
+        means = (sums / mask.divisor).to(dtype)
+        buf.addcmul_(mask.off, buf.gather(-1, mask.last.view(1, -1, 1).expand(k, -1, 1)))
+        mins, maxs = extremes(torch, vals)
+        vals.sub_(means.view(k, -1, 1))
+        buf.mul_(mask.on)  # padding := 0
+        return sums, square_(torch, vals).sum(-1).to(torch.float64), mins, maxs
+    sums = total(torch, vals, levels=2)  # the batch's, as float64: the sums of the rows' sums
+    means = (sums / mask.divisor).to(dtype)
+    flat = vals.view(k, -1)  # what needs no rows
+    buf.addcmul_(mask.off, flat.view(buf.dtype).index_select(1, mask.last).view(k, 1, 1))
+    mins, maxs = extremes(torch, flat)  # one pass for both when K == 1
+    if m2_from >= k:
+        return sums, torch.full_like(sums, math.nan), mins, maxs
+    if m2_from > 0:
+        buf, vals, flat, means = buf[m2_from:], vals[m2_from:], flat[m2_from:], means[m2_from:]
+    flat.sub_(means.view(-1, 1))
     buf.mul_(mask.on)  # padding := 0
-    return sums, total(torch, square_(torch, vals), levels=levels).to(torch.float64), mins, maxs
+    m2 = total(torch, square_(torch, vals), levels=2)
+    return sums, m2 if m2_from == 0 else torch.cat([sums[:m2_from] * math.nan, m2]), mins, maxs
+
+
+def itype_of(dtype: Any) -> Any:
+    """The integer type as wide as float ``dtype`` (that holds its bits)."""
+    return torch.int64 if dtype == torch.float64 else torch.int32
 
 
 def _token_block(
@@ -237,24 +297,27 @@ def _token_block(
     scratch: Any = None,
     group: int = 1,
     rows: bool = False,
+    m2_from: int = 0,
 ) -> Any:
     """``(5, K)`` float64 count, sum, m2, min, max of the response tokens of each of ``xs`` (float
     tensors of one dtype, of the mask's shape) and, with ``residual=(i, j)``, of ``xs[i] - xs[j]``;
-    ``rows``: ``(5, K, B)``, of each sequence's response tokens.
+    ``rows``: ``(5, K, B)``, of each sequence's response tokens; M2 only from the ``m2_from``-th on
+    (NaN before it; not with ``rows``).
 
     The tensors go through :func:`_summarize_tokens` ``group`` at a time. ``scratch`` is integer
     memory of shape ``(2 + group, *mask.shape)`` for the masks and the data; None: fresh tensors (under
     ``torch.compile``, which fuses them away).
     """
     dtype = xs[0].dtype
-    itype = torch.int64 if dtype == torch.float64 else torch.int32
+    itype = itype_of(dtype)
     k = len(xs) + (residual is not None)
-    token_mask = _TokenMask(mask, itype, out=None if scratch is None else scratch[:2], rows=rows)
+    slots = None if scratch is None else scratch.unbind(0)  # one op for all the views
+    token_mask = _TokenMask(mask, itype, out=slots, rows=rows)
     parts = []
     for start in range(0, k, group):
         bufs = []
         for i in range(start, min(start + group, k)):
-            out = None if scratch is None else scratch[2 + i - start]
+            out = None if slots is None else slots[2 + i - start]
             if i < len(xs):
                 x = xs[i]
             else:  # the residual, into its slot
@@ -262,9 +325,10 @@ def _token_block(
             # x on the response, 0 (all bits) elsewhere
             bufs.append(torch.mul(x.view(itype), token_mask.on, out=out))
         stacked = scratch[2 : 2 + len(bufs)] if scratch is not None else torch.stack(bufs)
-        parts.append(_summarize_tokens(stacked, token_mask, dtype, rows))
-    sums, m2s, mins, maxs = (torch.cat(column) for column in zip(*parts))
-    return finish(torch, token_mask.count, sums, m2s, mins, maxs, padded=True)
+        parts.append(_summarize_tokens(stacked, token_mask, dtype, rows, m2_from - start))
+    sums, m2s, mins, maxs = parts[0] if len(parts) == 1 else (torch.cat(column) for column in zip(*parts))
+    count = token_mask.count.to(torch.float64).expand_as(sums)
+    return torch.stack([count, sums, m2s, mins.to(torch.float64), maxs.to(torch.float64)])
 
 
 _compiled: dict[str, Any] = {}  # "fn": _token_block under torch.compile; "failed": compiling failed
@@ -272,7 +336,7 @@ _compile_lock = threading.Lock()
 
 
 def _compiled_token_block(
-    xs: tuple[Any, ...], residual: tuple[int, int] | None, mask: Any, rows: bool
+    xs: tuple[Any, ...], residual: tuple[int, int] | None, mask: Any, rows: bool, m2_from: int = 0
 ) -> Any:
     """:func:`_token_block` under ``torch.compile`` (shapes dynamic, so batch sizes and widths do not
     recompile), or None where compiling fails: a warning then, and eager summaries from then on.
@@ -284,7 +348,7 @@ def _compiled_token_block(
         try:
             if "fn" not in _compiled:
                 _compiled["fn"] = torch.compile(_token_block, dynamic=True)
-            return _compiled["fn"](xs, residual, mask, rows=rows)
+            return _compiled["fn"](xs, residual, mask, rows=rows, m2_from=m2_from)
         except Exception as exc:  # no C++ compiler, a device torch.compile does not support, ...
             _compiled["failed"] = True
             warnings.warn(
