@@ -14,7 +14,6 @@ import math
 import re
 import threading
 import uuid
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -104,14 +103,13 @@ def reference() -> dict[str, dict[int, dict[str, float]]]:
 
 
 # ------------------------------------------------------------------------------------------ the ranks
-def run_rank(client, role: str, rank: int) -> None:
+def run_rank(client, role: str, rank: int, taken: threading.Event) -> None:
     """What one rank does: its submissions in train-step order, each with its axes. The late worker
-    first waits until its train step is final: a reader took it at a deadline."""
+    first waits until its train step is final: a reader took it at a deadline (``taken``; not a read
+    of its own, whose warning filter would be the whole process's, the reader's too)."""
     for t, at, metrics in ((t, at, m) for r, k, t, at, m in submissions() if (r, k) == (role, rank)):
         if (role, (rank, t)) == ("worker", LATE):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)  # partial, as it should be
-                client.result(t)
+            assert taken.wait(120)
         client.submit_metric(metrics, world_size=2, step=t, axes=at)
         client.wait_submit(step=t)
     client.stop()
@@ -126,7 +124,10 @@ def run(backend: str, name: str) -> dict[str, dict[int, dict]]:
         rk: axes_mod.connect(backend, axes=AXES, world_size=4, name=name, label=f"{rk[0]}{rk[1]}")
         for rk in ranks
     }
-    threads = {rk: threading.Thread(target=run_rank, args=(c, *rk), daemon=True) for rk, c in clients.items()}
+    taken = threading.Event()
+    threads = {
+        rk: threading.Thread(target=run_rank, args=(c, *rk, taken), daemon=True) for rk, c in clients.items()
+    }
     for thread in threads.values():
         thread.start()
     for rk, thread in threads.items():
@@ -135,6 +136,7 @@ def run(backend: str, name: str) -> dict[str, dict[int, dict]]:
     reader = axes_mod.connect(backend, axes=AXES, name=name)
     with pytest.warns(RuntimeWarning, match="partial"):
         partial = reader.result(LATE[1], timeout=0.5)
+    taken.set()
     threads["worker", LATE[0]].join(120)
     return check_run(
         lambda step, axis, timeout: (
