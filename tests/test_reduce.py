@@ -333,3 +333,18 @@ def test_rename() -> None:
     assert rename("a/b/c", {"a/": "x/", "a/b/": "y/"}) == "x/b/c"  # the first matching prefix
     assert rename("a/b/c", {"a/b/": "y/", "a/": "x/"}) == "y/c"
     assert resolve(rename("timing_s/gen", DEFAULT_RENAMES)) == MEAN
+
+
+def test_a_reduction_registered_after_a_first_reduce_applies_to_the_next():
+    """Reducing caches each name list's reductions; registering (and unregistering) a reduction
+    later still changes the next reduce of those names."""
+    from rlmetrics.metrics.assemble import column_values
+
+    arrays = np.array([[2.0], [6.0], [0.0], [1.0], [5.0]])  # count 2, sum 6, min 1, max 5
+    assert column_values(["lat/decode"], arrays).tolist() == [3.0]  # mean
+    register_reduction("lat/decode", "max")
+    try:
+        assert column_values(["lat/decode"], arrays).tolist() == [5.0]
+    finally:
+        unregister_reduction("lat/decode")
+    assert column_values(["lat/decode"], arrays).tolist() == [3.0]

@@ -172,6 +172,15 @@ every resolution, so editing it directly works too."""
 _GLOBS: dict[str, Reduction] = dict(_BUILTIN_GLOBS)
 
 
+_RULES = [0]  # bumped by every (un)registration: caches of resolved names key on it
+
+
+def rules_version() -> int:
+    """A number that changes whenever :func:`register_reduction` or :func:`unregister_reduction`
+    runs (a cache of :func:`resolve` results keys on it)."""
+    return _RULES[0]
+
+
 def register_reduction(name_or_glob: str, reduction: str | Reduction, *, glob: bool | None = None) -> None:
     """Fix the reduction for an exact name or a glob pattern (``*``, ``?``, ``[...]``).
 
@@ -184,6 +193,7 @@ def register_reduction(name_or_glob: str, reduction: str | Reduction, *, glob: b
     >>> unregister_reduction("custom/latency/*")
     """
     r = parse_reduction(reduction)
+    _RULES[0] += 1
     if glob if glob is not None else any(c in name_or_glob for c in "*?["):
         _GLOBS.pop(name_or_glob, None)
         _GLOBS[name_or_glob] = r
@@ -194,6 +204,7 @@ def register_reduction(name_or_glob: str, reduction: str | Reduction, *, glob: b
 
 def unregister_reduction(name_or_glob: str) -> None:
     """Undo :func:`register_reduction`; a built-in entry returns to its built-in reduction."""
+    _RULES[0] += 1
     for table, builtin in ((SPECIAL_METRICS, _BUILTIN), (_GLOBS, _BUILTIN_GLOBS)):
         table.pop(name_or_glob, None)
         if name_or_glob in builtin:
@@ -287,5 +298,5 @@ __all__ = [
     "COUNT", "DEFAULT_RENAMES", "HIST", "MAX", "MEAN", "MEDIAN", "MIN", "STD", "SUM", "SPECIAL_METRICS",
     "MaxMetric", "MeanMetric", "MedianMetric", "Metric", "MetricFunc", "MinMetric", "PercentileMetric",
     "Reduction", "SumMetric", "parse_reduction", "percentile", "register_reduction", "rename",
-    "resolve", "unregister_reduction",
+    "resolve", "rules_version", "unregister_reduction",
 ]  # fmt: skip

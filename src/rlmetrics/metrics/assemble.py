@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from rlmetrics.metrics import VF_RESIDUAL_STD, VF_RETURNS_STD, VF_TOKENS, derive_metrics, vf_explained_var
-from rlmetrics.reduce import resolve
+from rlmetrics.reduce import resolve, rules_version
 from rlmetrics.stat import Stat
 
 VF_AUX = (VF_RETURNS_STD, VF_RESIDUAL_STD, VF_TOKENS)
@@ -79,7 +79,7 @@ def column_values(
     [3.0, 2.0]
     """
     values = np.empty(len(names))
-    for reduction, idx in _reductions(tuple(names)):
+    for reduction, idx in _reductions(tuple(names), rules_version()):
         if reduction.needs_sketch:  # only a user's merged Stats carry sketches
             values[idx] = [reduction.apply(stats[names[i]]) for i in idx]
         else:
@@ -88,8 +88,9 @@ def column_values(
 
 
 @functools.lru_cache(maxsize=256)
-def _reductions(names: tuple[str, ...]) -> list[tuple[Any, np.ndarray]]:
-    """The names' reductions and the indices of the names each one reduces (names repeat per call)."""
+def _reductions(names: tuple[str, ...], rules: int) -> list[tuple[Any, np.ndarray]]:
+    """The names' reductions and the indices of the names each one reduces (names repeat per call;
+    ``rules``: :func:`~rlmetrics.reduce.rules_version`, so a reduction registered later counts)."""
     groups: dict[Any, list[int]] = {}
     for i, name in enumerate(names):
         groups.setdefault(resolve(name), []).append(i)
