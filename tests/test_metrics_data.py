@@ -727,3 +727,48 @@ def test_min_and_max_are_the_datas_own_values_when_a_sequence_is_constant(group_
         for name, x in (("critic/advantages", adv), ("critic/returns", adv / 3)):
             values = x.double().numpy()[on]
             assert (got[f"{prefix}{name}/min"], got[f"{prefix}{name}/max"]) == (values.min(), values.max())
+
+
+def test_process_memory_survives_its_file_closed_or_reused_behind_its_back(tmp_path):
+    """An application that closes descriptors it did not open (or reuses their numbers) neither
+    breaks ``perf/process_cpu_mem_used_gb`` nor gets its own file read or closed by it."""
+    import os
+
+    import psutil
+
+    from rlmetrics.metrics import data
+
+    def close_to_psutil() -> bool:
+        return abs(data._rss_bytes() - psutil.Process().memory_info().rss) < 2**22
+
+    assert close_to_psutil()
+    fd = data._STATM[os.getpid()][0]
+    os.close(fd)  # closed behind its back
+    assert close_to_psutil()
+    fd = data._STATM[os.getpid()][0]
+    os.close(fd)
+    (tmp_path / "log").write_text("12 999999999 3\n")
+    mine = os.open(tmp_path / "log", os.O_RDONLY)  # takes the freed number
+    try:
+        assert mine == fd and close_to_psutil()
+        os.fstat(mine)  # still open: not closed by the library
+        assert os.pread(mine, 5, 0) == b"12 99"
+    finally:
+        os.close(mine)
+
+
+def test_a_registered_reduction_that_reads_m2_gets_it_for_advantages():
+    """compute_data_metric skips the M2 of advantages and values only while no reduction of their
+    names reads it: a std registered for them is the std of the response tokens."""
+    from rlmetrics.reduce import register_reduction, unregister_reduction
+
+    batch = make_batch(np.random.default_rng(5), 6, 3, 7)
+    adv = np.asarray(batch["advantages"], float)[np.asarray(batch["attention_mask"])[:, -7:] != 0]
+    register_reduction("critic/advantages/*", "std")
+    try:
+        got = compute_data_metric(batch)["critic/advantages/mean"]
+    finally:
+        unregister_reduction("critic/advantages/*")
+    assert got == pytest.approx(adv.std(), rel=1e-5)
+    mean = compute_data_metric(batch)["critic/advantages/mean"]
+    assert mean == pytest.approx(adv.mean(), rel=1e-5, abs=1e-6)

@@ -168,7 +168,8 @@ _BUILTIN_GLOBS: dict[str, Reduction] = {"val/test_score/*": MEAN}  # the last se
 
 SPECIAL_METRICS: dict[str, Reduction] = dict(_BUILTIN)
 """Exact metric names with a fixed reduction (the seed's ``Special_Metric``); a plain dict, read on
-every resolution, so editing it directly works too."""
+every resolution. Prefer :func:`register_reduction`: the data metrics' caches of resolved names
+see a direct edit only for names they have not reduced yet."""
 _GLOBS: dict[str, Reduction] = dict(_BUILTIN_GLOBS)
 
 

@@ -52,6 +52,7 @@ Batch keys: ``responses``, ``attention_mask``, ``response_mask``, ``token_level_
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Collection, Mapping
 from typing import Any
@@ -70,7 +71,7 @@ from rlmetrics.metrics.data.sequences import (
     sequence_parts,
     sequence_tensors,
 )
-from rlmetrics.metrics.data.tokens import TokenSummaries
+from rlmetrics.metrics.data.tokens import TokenSummaries, triple
 from rlmetrics.metrics.data.verl_style import (
     compute_variance_proxy_stats,
     compute_verl_data_stats,
@@ -79,7 +80,7 @@ from rlmetrics.metrics.data.verl_style import (
 )
 from rlmetrics.metrics.difficulty import difficulty_metrics
 from rlmetrics.metrics.tensors import Batch, BatchTensors
-from rlmetrics.reduce import resolve
+from rlmetrics.reduce import resolve, rules_version
 from rlmetrics.stat import Stat
 from rlmetrics.summary import NAN_STRATEGIES
 
@@ -202,7 +203,7 @@ def compute_data_metric(
         nan_strategy,
         group_by,
         difficulty,
-        m2=False,  # no std of them is reported
+        m2=_m2_read(rules_version()),  # by default no reported metric reads them
     )
     out = metrics_of_arrays(names, arrays)
     if record is not None:
@@ -229,30 +230,65 @@ def data_metrics_from_stats(stats: Mapping[str, Stat]) -> dict[str, float]:
 
 
 # -------------------------------------------------------------------------------------- internals
-_STATM: dict[int, int] = {}  # pid -> its open /proc/<pid>/statm (-1: no /proc, psutil then)
+@functools.lru_cache(maxsize=8)
+def _m2_read(rules: int) -> bool:
+    """Whether the reduction of an advantages or values name reads M2 (a std, quantile or
+    histogram registered for it with :func:`~rlmetrics.reduce.register_reduction`); ``rules``:
+    :func:`~rlmetrics.reduce.rules_version`."""
+    names = [*triple("critic/advantages"), *triple("critic/values")]
+    return any(resolve(n).kind not in ("mean", "max", "min", "sum", "count") for n in names)
+
+
+_STATM: dict[int, tuple[int, int, int]] = {}  # pid -> (fd, st_dev, st_ino) of its open /proc/<pid>/statm
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def _rss_bytes() -> int:
     """This process's resident set size, as psutil's ``memory_info().rss``: on Linux one read of
-    ``/proc/<pid>/statm`` kept open per pid (a fork opens its own), elsewhere through psutil. Safe
-    for threads: only the thread that removes an entry closes its file, the first one to add wins."""
+    ``/proc/<pid>/statm`` kept open per pid (a fork opens its own), elsewhere, or when that read
+    fails, through psutil. The kept file is checked to be the one opened (device and inode) before
+    each read: a descriptor closed or reused by the application is never read nor closed."""
     pid = os.getpid()
-    if pid not in _STATM:
-        for other in [p for p in list(_STATM) if p != pid]:  # the parent's, inherited by a fork
-            stale = _STATM.pop(other, -1)
-            if stale >= 0:
-                os.close(stale)
+    entry = _STATM.get(pid)
+    if entry is None or not _is_ours(entry):
+        entry = _open_statm(pid)
+    if entry is not None:
         try:
-            fd = os.open(f"/proc/{pid}/statm", os.O_RDONLY)
-        except OSError:
-            fd = -1
-        if _STATM.setdefault(pid, fd) != fd and fd >= 0:
-            os.close(fd)  # another thread's came first
-    fd = _STATM[pid]
-    if fd < 0:
-        return psutil.Process(pid).memory_info().rss
-    return int(os.pread(fd, 128, 0).split()[1]) * _PAGE
+            return int(os.pread(entry[0], 128, 0).split()[1]) * _PAGE
+        except (OSError, ValueError, IndexError):
+            _STATM.pop(pid, None)
+    return psutil.Process(pid).memory_info().rss
+
+
+def _is_ours(entry: tuple[int, int, int]) -> bool:
+    try:
+        st = os.fstat(entry[0])
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == entry[1:]
+
+
+def _open_statm(pid: int) -> tuple[int, int, int] | None:
+    """Open ``/proc/<pid>/statm`` and keep it (None without /proc); close the kept files of other
+    pids (a parent's, inherited by a fork) that are still ours. Safe for threads: the first entry
+    added wins, the others close their own file."""
+    for other in [p for p in list(_STATM) if p != pid]:
+        stale = _STATM.pop(other, None)
+        if stale is not None and _is_ours(stale):
+            os.close(stale[0])
+    stale = _STATM.get(pid)
+    if stale is not None and not _is_ours(stale):
+        _STATM.pop(pid, None)  # closed or reused by someone else: not ours to close
+    try:
+        fd = os.open(f"/proc/{pid}/statm", os.O_RDONLY)
+    except OSError:
+        return None
+    st = os.fstat(fd)
+    entry = (fd, st.st_dev, st.st_ino)
+    kept = _STATM.setdefault(pid, entry)
+    if kept is not entry:
+        os.close(fd)  # another thread's came first
+    return kept
 
 
 def _data_arrays(
