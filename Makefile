@@ -1,8 +1,6 @@
 # All set-up happens here: `make demo` and `make test` work on a fresh machine.
 PYTHON ?= python3
 VENV ?= .venv
-# pip installs without byte-compiling (--no-compile): Python compiles the modules a run imports, a
-# fraction of the ~22,000 files of the test extras (compiling them all took about a minute of the install).
 BIN := $(VENV)/bin
 # The CPU build of torch that lies on this machine's disk; any other spec may pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
@@ -17,15 +15,15 @@ $(BIN)/python:
 
 # Install the CPU torch first when the venv has none; an installed torch is kept as it is.
 $(VENV)/.torch: | $(BIN)/python
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q --no-compile "$(TORCH_SPEC)"
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	touch $@
 
 $(VENV)/.installed-demo: pyproject.toml $(VENV)/.torch
-	$(BIN)/python -m pip install -q --no-compile -e ".[$(DEMO_EXTRAS)]"
+	$(BIN)/python -m pip install -q -e ".[$(DEMO_EXTRAS)]"
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
-	$(BIN)/python -m pip install -q --no-compile -e ".[$(TEST_EXTRAS)]"
+	$(BIN)/python -m pip install -q -e ".[$(TEST_EXTRAS)]"
 	touch $@
 
 # The peer system of tests/peers and benchmarks/bench_peers.py: siiRL 0.2.0 without its pins (they would
@@ -57,8 +55,8 @@ remove-stray = $(BIN)/python -c "import importlib.metadata as md, pathlib, shuti
 
 # Both peers in one pip call each (without their pins, then what their metric modules import).
 $(VENV)/.installed-peers: $(VENV)/.installed-test
-	$(BIN)/python -m pip install -q --no-compile --no-deps "$(PEERS_SPEC)" "$(VERL_SPEC)"
-	$(BIN)/python -m pip install -q --no-compile $(PEERS_DEPS) $(VERL_DEPS)
+	$(BIN)/python -m pip install -q --no-deps "$(PEERS_SPEC)" "$(VERL_SPEC)"
+	$(BIN)/python -m pip install -q $(PEERS_DEPS) $(VERL_DEPS)
 	$(call remove-stray,siirl,$(PEERS_STRAY))
 	$(call remove-stray,verl,$(VERL_STRAY))
 	touch $@
