@@ -201,8 +201,7 @@ class ClientCore:
         if group_by is None and self.naming is None and type(metrics) is dict:
             packed = pack_known(metrics, self.nan_strategy, self._schemas)  # the steady state
             if packed is not None:
-                with self._lock:
-                    self._buffer.append((step, self._next_seq(), ws, packed))
+                self.submit_packed(packed, ws, step)
                 return
         errors: dict[str, str] = {}
         plain, grouped = split_grouped(metrics)
@@ -225,9 +224,8 @@ class ClientCore:
         if len(self._schemas) > _SCHEMA_CACHE:
             self._schemas.clear()
         packed = pack(metrics, self.nan_strategy, self._schemas, errors, reductions)
-        with self._lock:
-            if packed.schema.names:
-                self._buffer.append((step, self._next_seq(), ws, packed))
+        if packed.schema.names:
+            self.submit_packed(packed, ws, step)
 
     # ------------------------------------------------------------------------------ sending
     def _flush(self, close: list[int]) -> None:

@@ -82,12 +82,6 @@ def split_grouped(metrics: Mapping[str, Any]) -> tuple[Mapping[str, Any], dict[s
     >>> split_grouped({"a": 1, "group/env/x/a": 2})
     ({'a': 1}, {'group/env/x/a': 2})
     """
-    try:  # one scan of the names in C: most dicts have no grouped name (a NUL in a name: the loop)
-        none = f"\0{GROUP_PREFIX}" not in "\0" + "\0".join(metrics)
-    except TypeError:  # a name that is not a str: the loop (pack refuses it)
-        none = False
-    if none:
-        return metrics, {}
     grouped = {n: v for n, v in metrics.items() if isinstance(n, str) and n.startswith(GROUP_PREFIX)}
     if not grouped:
         return metrics, grouped
