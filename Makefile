@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 DEMO_EXTRAS := ray,torch,console,tensorboard,plot
 TEST_EXTRAS := ray,torch,console,trackers,plot,dev
 
-.PHONY: demo test test-core lint bench bench-peers soak chaos install install-test install-peers clean
+.PHONY: demo test test-core compile lint bench bench-peers soak chaos install install-test install-peers clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -65,12 +65,18 @@ install: $(VENV)/.installed-demo
 install-test: $(VENV)/.installed-test
 install-peers: $(VENV)/.installed-peers
 
-demo: install
+demo: install compile
 	$(BIN)/rlmetrics demo
+
+# Byte-compile our own sources (the editable install leaves them to each process): where
+# PYTHONDONTWRITEBYTECODE is set, every Ray worker and subprocess would compile them again on import.
+# Only changed files are compiled; a stale .pyc is never used (Python checks the source's mtime).
+compile: | $(BIN)/python
+	$(BIN)/python -m compileall -q src tests benchmarks examples conftest.py > /dev/null
 
 # Two pytest workers, one test file each at a time (a file's Ray instance and fixtures stay in one
 # process): most tests wait on Ray, subprocesses or sockets, so two run in about 55% of the time.
-test: install-test install-peers
+test: install-test install-peers compile
 	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 # The core in seconds: no Ray, no torch, nothing slow (the markers of pyproject.toml; conftest.py)

@@ -28,7 +28,7 @@ torch = pytest.importorskip("torch")
 
 pytestmark = [pytest.mark.torch, pytest.mark.ray, pytest.mark.slow]
 
-STEPS = 20
+STEPS = 10
 PROMPT, RESPONSE = 5, 12
 
 
