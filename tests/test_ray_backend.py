@@ -13,6 +13,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 import rlmetrics  # noqa: E402
+from rlmetrics.backends.ray.actor import _MetricWorker  # noqa: E402
 from rlmetrics.packing import pack  # noqa: E402
 from rlmetrics.wire import encode  # noqa: E402
 
@@ -487,6 +488,46 @@ def test_aggregator_killed_and_restarted_loses_nothing_counts_nothing_twice(name
         results[s] = reader.result(s, timeout=90)
     for s in range(steps):
         check_step(results[s], s, range(world))
+
+
+def incarnation(worker):
+    """The incarnation of the aggregator actor answering now (None while it restarts)."""
+    try:
+        return ray.get(worker.ping.remote(), timeout=30)
+    except ray.exceptions.ActorUnavailableError:
+        return None
+
+
+class _LateSavingWorker(_MetricWorker):
+    """The aggregator with its state saves landing 1 s late, as a loaded machine's saver thread may."""
+
+    def _write_state(self):
+        time.sleep(1.0)
+        super()._write_state()
+
+
+LateSavingWorker = ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)(_LateSavingWorker)
+
+
+def test_a_step_finalized_but_not_yet_saved_comes_back_whole_after_a_restart(name):
+    """A reply lets a rank forget a step only once the aggregator's saved state records it finalized:
+    killed after finalizing step 1 in memory but before saving that, the aggregator gets the step
+    again from every rank's resend (before, the rank whose message completed the step had forgotten
+    it, and the step came back partial)."""
+    worker = LateSavingWorker.options(name=name).remote(recovery_timeout=60)
+    ranks = [Rank.remote(r, 2, name) for r in range(2)]
+    reader = rlmetrics.connect("ray", name=name)
+    ray.get([a.step.remote(0) for a in ranks])
+    check_step(reader.result(0, timeout=30), 0, range(2))
+    time.sleep(2.5)  # every save so far landed
+    first = ray.get(worker.ping.remote())
+    ray.get([a.step.remote(1) for a in ranks])  # step 1 finalized; its save lands 1 s later
+    ray.kill(worker, no_restart=False)
+    while incarnation(worker) == first:  # the read below goes to the next incarnation
+        time.sleep(0.05)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # not partial
+        check_step(reader.result(1, timeout=15), 1, range(2))
 
 
 def test_duplicate_delivery_is_merged_once(name):

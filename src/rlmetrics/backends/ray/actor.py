@@ -3,7 +3,7 @@
 - ``MetricWorker.remote()`` / ``get_metric_worker(name, namespace)``: one aggregator actor (async,
   ``num_cpus=0`` by default, ``max_restarts=-1``).
 - Clients send one message per step (:mod:`rlmetrics.wire`: names once per schema, then float64
-  buffers) and keep it until the step is finalized.
+  buffers) and keep it until the actor's saved state records the step finalized.
 - Restarts: the actor saves its registered clients and finalized steps in Ray's internal KV store.
   A new incarnation waits (at most ``recovery_timeout`` seconds) until every registered client has
   resent what it keeps; each client learns of the restart from a failed call, from the new
@@ -56,6 +56,8 @@ class _MetricWorker:
         if saved:  # an earlier incarnation of this actor: resume and wait for the clients' resends
             self.server.restore(json.loads(saved), recovery_timeout)
         self._saved: tuple = self._marker()
+        # what replies let clients forget: the finalized steps of the state saved last (see _reply)
+        self._durable: tuple[int, list[int]] = self.engine.finalized_state()
         self._state: dict = {}
         self._encoded: dict[int, str] = {}  # JSON of kept results by step (a result never changes)
         self._save_scheduled = False
@@ -78,7 +80,7 @@ class _MetricWorker:
             engine.finalized_state()[0],
             len(engine.finalized_state()[1]),
             engine.newest_closed,
-            engine.memory()["results"] and max(engine._results),
+            tuple(step for step, _ in engine.newest_results(1)),
         )
 
     def _changed_state(self) -> None:
@@ -106,7 +108,7 @@ class _MetricWorker:
         once (a result never changes; copying and encoding 1000 values and a meta listing every
         rank on the event loop at every finalized step slowed the steps)."""
         state = self.engine.export_state(results=0)
-        state["results"] = list(self.engine._results.items())[-_SAVED_RESULTS:]
+        state["results"] = self.engine.newest_results(_SAVED_RESULTS)
         return state
 
     def _write_state(self) -> None:
@@ -122,6 +124,8 @@ class _MetricWorker:
             compat.kv_put(self._kv_key, body.encode())
         except Exception:  # in the saver thread: nobody else would see it
             logger.exception("saving the aggregator's state failed; a restart would resume without it")
+        # saved (or never will be: the clients must not keep every step then)
+        self._durable = (state["done_below"], state["finalized"])
 
     async def _wait(self, ready: Any, timeout: float | None) -> None:
         """Until ``ready()`` holds or the deadline; woken by every change and at the end of a
@@ -216,7 +220,12 @@ class _MetricWorker:
         return [self._reply(errs) if errs else shared for errs in errors]
 
     def _reply(self, errors: dict[str, str]) -> Reply:
-        return self.server.reply(errors)
+        """The reply to a send. The steps it lets the client forget are those finalized in the state
+        saved last, not in memory: a next incarnation resumes from the saved state, and a step it
+        does not know finalized is merged again from the clients' resends."""
+        reply = self.server.reply(errors)
+        reply.done_below, reply.finalized = self._durable
+        return reply
 
     async def _announce(self, close: list[int]) -> None:
         """Nothing here: a node sub-aggregator tells the root of new closes before it replies."""
