@@ -348,18 +348,24 @@ def test_low_precision_and_bool_masks():
     assert got["critic/advantages/max"] == pytest.approx(want["critic/advantages/max"], rel=1e-2)
 
 
+def close_to_psutil() -> bool:
+    """``perf/process_cpu_mem_used_gb``'s reading is psutil's rss: between two of psutil's readings
+    (memory may move between reads), give or take 1 MiB."""
+    import psutil
+
+    from rlmetrics.metrics.data import _rss_bytes
+
+    before = psutil.Process().memory_info().rss
+    ours = _rss_bytes()
+    after = psutil.Process().memory_info().rss
+    return min(before, after) - 2**20 <= ours <= max(before, after) + 2**20
+
+
 def test_process_memory_is_psutils_rss_also_in_a_forked_child():
     """``perf/process_cpu_mem_used_gb`` reads /proc/<pid>/statm kept open: psutil's rss (field 2
     times the page size, not the virtual size of field 1), and a fork reads its own, not its
     parent's (the file is reopened per pid)."""
     import os
-
-    import psutil
-
-    from rlmetrics.metrics.data import _rss_bytes
-
-    def close_to_psutil() -> bool:  # memory moves a little between two reads
-        return abs(_rss_bytes() - psutil.Process().memory_info().rss) < 2**22
 
     assert close_to_psutil()
     ballast = np.ones(2**25)  # the parent grows by 256 MiB (written pages); the child lets them go
@@ -734,12 +740,7 @@ def test_process_memory_survives_its_file_closed_or_reused_behind_its_back(tmp_p
     breaks ``perf/process_cpu_mem_used_gb`` nor gets its own file read or closed by it."""
     import os
 
-    import psutil
-
     from rlmetrics.metrics import data
-
-    def close_to_psutil() -> bool:
-        return abs(data._rss_bytes() - psutil.Process().memory_info().rss) < 2**22
 
     assert close_to_psutil()
     fd = data._STATM[os.getpid()][0]
