@@ -35,6 +35,7 @@ True
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import numbers
@@ -414,7 +415,7 @@ class Aggregator:
         >>> again.result(0)["x"], again.is_finalized(0)
         (2.0, True)
         """
-        newest = list(self._results.items())[-results:] if results > 0 else []
+        newest = self.newest_results(results)
         return {
             "clients": sorted(self.clients),
             "done_below": self._done_below,
@@ -437,6 +438,10 @@ class Aggregator:
     def result(self, step: int) -> StepResult | None:
         """A kept finalized result, or None."""
         return self._results.get(step)
+
+    def newest_results(self, n: int) -> list[tuple[int, StepResult]]:
+        """The ``n`` results finalized last (of those kept) as ``(step, result)``, oldest first."""
+        return list(itertools.islice(reversed(self._results.items()), max(n, 0)))[::-1]
 
     def direct_step(self) -> int:
         """Where a submission without a client and without a step goes (the seed's

@@ -40,6 +40,7 @@ from rlmetrics.sketch import Sketch
 from rlmetrics.stat import Stat
 
 _KINDS = ("mean", "sum", "min", "max", "std", "count", "quantile", "hist")
+_FIELDS_READ = {"count": (0,), "mean": (0, 1), "sum": (0, 1), "std": (0, 1, 2), "min": (0, 3), "max": (0, 4)}
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,16 @@ class Reduction:
                 return float(stat.sketch.median())
             return float(stat.sketch.quantile(self.q))
         return float(self.apply_arrays(stat.to_array()[:, None])[0])
+
+    @property
+    def fields(self) -> tuple[int, ...]:
+        """The rows of a merged stat array (:data:`~rlmetrics.stat.FIELDS`) that :meth:`apply` reads:
+        all five for a quantile or histogram (a Stat's sketch comes with all of them).
+
+        >>> STD.fields, MAX.fields
+        ((0, 1, 2), (0, 4))
+        """
+        return _FIELDS_READ.get(self.kind, (0, 1, 2, 3, 4))
 
     def apply_arrays(self, arrays: np.ndarray) -> np.ndarray:
         """Vectorised :meth:`apply` over the columns of a ``(5, M)`` stat array (not for quantiles)."""

@@ -89,16 +89,11 @@ class Layout:
         )
 
 
-_READS = {"count": (0,), "mean": (0, 1), "sum": (0, 1), "std": (0, 1, 2), "min": (0, 3), "max": (0, 4)}
-"""The fields of a name's merged Stat its reduction reads (count, sum, m2, min, max: 0 to 4); a
-quantile or histogram reads all five."""
-
-
 def _read_fields(kinds: list[Any]) -> np.ndarray:
     """Flat indices into a ``(5, L)`` stat array of the fields the reductions ``kinds`` read."""
     reads = np.zeros((5, len(kinds)), dtype=bool)
     for i, r in enumerate(kinds):
-        reads[_READS.get(r.kind, range(5)), i] = True
+        reads[r.fields, i] = True
     return np.flatnonzero(reads)
 
 

@@ -208,14 +208,14 @@ class _TokenMask:
         # a response token of each sequence: its last one (0 without), as ``on * column`` peaks there
         # (argmax reads several times slower than this product and its max)
         columns = torch.arange(on.shape[-1], dtype=dtype, device=on.device)
-        self.last = torch.mul(on, columns, out=None if out is None else out[1]).amax(-1)
-        self.off = torch.bitwise_xor(on, 1, out=None if out is None else out[1])
-        if not rows:  # a response token of the batch: in its fullest sequence
+        if rows:
+            self.count = counts
+            self.last = torch.mul(on, columns, out=None if out is None else out[1]).amax(-1)
+        else:  # a response token of the batch: the last of its fullest sequence
             self.count = counts.sum(dtype=dtype)
             row = counts.argmax(-1, keepdim=True)
-            self.last = row * on.shape[-1] + self.last.index_select(0, row)
-        else:
-            self.count = counts
+            self.last = row * on.shape[-1] + (on.index_select(0, row) * columns).amax(-1)
+        self.off = torch.bitwise_xor(on, 1, out=None if out is None else out[1])
         self.divisor = divisor(torch, self.count)
 
 
