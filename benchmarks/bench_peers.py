@@ -2,8 +2,9 @@
 
 Three tables, each side measured right after the other on the same inputs, results asserted equal:
 
-1. **Ray step** (the harness of ``bench_ray.py``: 4 rank-host processes simulating W ranks, a thread
-   per rank, each rank submitting one dict of M scalar floats per step). Baseline: siiRL's own
+1. **Ray step** (the harness of ``bench_ray.py``: 4 rank-host processes, 1 with ``--quick``,
+   simulating W ranks, a thread per rank, each rank submitting one dict of M scalar floats per
+   step). Baseline: siiRL's own
    ``MetricWorker`` actor (``siirl.execution.metric_worker.metric_worker``), started with
    ``worker.start``, one siiRL ``MetricClient`` per simulated rank calling ``submit_metric(d, W)``
    then ``wait_submit()``; once every host has returned, the driver calls
@@ -112,8 +113,8 @@ def _start_siirl() -> tuple[Any, Any]:
 SIIRL = bench_ray.Baseline("siiRL MetricWorker", _start_siirl, _siirl_client)
 
 
-def measure_ray(world_size: int, m: int, steps: int) -> bench_ray.Row:
-    return bench_ray.measure(world_size, m, steps, SIIRL, kinds=("seed", "posted"))
+def measure_ray(world_size: int, m: int, steps: int, hosts: int = bench_ray.HOSTS) -> bench_ray.Row:
+    return bench_ray.measure(world_size, m, steps, SIIRL, kinds=("seed", "posted"), hosts=hosts)
 
 
 def render_ray(rows: list[bench_ray.Row]) -> str:
@@ -342,13 +343,17 @@ def _ray_runtime_env() -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> tuple[list[bench_ray.Row], list[DataRow], list[ValRow]]:
-    parser = report.parser(__doc__, "W=8, M=100; a small batch; 32 prompts (siiRL timed on 2), eager only")
+    parser = report.parser(
+        __doc__,
+        "W=8, M=100 in one rank-host process; a small batch; 32 prompts (siiRL timed on 2), eager only",
+    )
     parser.add_argument("--siirl-prompts", type=int, help="prompts siiRL's validation is timed on")
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
     q = args.quick
     ray_cells, ray_steps = (QUICK_RAY_CELLS, QUICK_RAY_STEPS) if q else (RAY_CELLS, RAY_STEPS)
+    hosts = bench_ray.QUICK_HOSTS if q else bench_ray.HOSTS
     data_shapes = (QUICK_DATA_SHAPE,) if q else DATA_SHAPES
     data_reps = {shape: QUICK_DATA_REPS if q else DATA_REPS[shape] for shape in data_shapes}
     val_cells, val_reps = (QUICK_VAL_CELLS, QUICK_VAL_REPS) if q else (VAL_CELLS, VAL_REPS)
@@ -365,7 +370,7 @@ def main(argv: list[str] | None = None) -> tuple[list[bench_ray.Row], list[DataR
 
     ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, runtime_env=_ray_runtime_env())
     try:
-        ray_rows = [measure_ray(w, m, ray_steps) for w, m in ray_cells]
+        ray_rows = [measure_ray(w, m, ray_steps, hosts) for w, m in ray_cells]
     finally:
         ray.shutdown()
     threads = sorted({bench_data.DEFAULT_THREADS, 1}, reverse=True)
@@ -395,7 +400,7 @@ def main(argv: list[str] | None = None) -> tuple[list[bench_ray.Row], list[DataR
         ]
     )
     notes = [
-        f"Ray: {bench_ray.HOSTS} rank-host processes, Ray with {RAY_CPUS} logical CPUs; "
+        f"Ray: {hosts} rank-host process{'es' if hosts > 1 else ''}, Ray with {RAY_CPUS} logical CPUs; "
         f"median of {ray_steps} steps after {bench_ray.WARMUP_STEPS} warm-up; siiRL first in every step; "
         "results asserted per step (.../mean names = numpy mean over ranks, all names = siiRL's, rel 1e-9)",
         "compute_data_metric: best of 3 medians of "

@@ -28,8 +28,9 @@ in a real run), calls ``submit_metric(d, W)`` then ``wait_submit()``.
 
 All run side by side on the same hosts, one after the other in every step (naive first); the median
 over the steps after two warm-up steps is reported (7 steps; 2 with ``--quick``, which also runs
-W = 8, M = 100 only). Each step asserts: the result is that step's, rlmetrics ``.../mean`` names equal the
-numpy mean over all ranks' values, and every name equals the naive result (relative 1e-9).
+W = 8, M = 100 only, in one rank-host process). Each step asserts: the result is that step's,
+rlmetrics ``.../mean`` names equal the numpy mean over all ranks' values, and every name equals the
+naive result (relative 1e-9).
 
 Run: ``python benchmarks/bench_ray.py [--quick] [--markdown PATH]`` (needs the ``ray`` extra).
 """
@@ -54,6 +55,7 @@ import rlmetrics
 WORLD_SIZES = (8, 64, 256)
 METRIC_COUNTS = (100, 1000, 3000)
 HOSTS = 4
+QUICK_HOSTS = 1  # --quick: one rank-host process (each costs seconds of start-up)
 WARMUP_STEPS = 2  # step 0 teaches the names; a host's sender groups its ranks from step 1
 TARGET_CELL = (256, 1000)
 TARGET_RATIO = 10.0
@@ -127,12 +129,13 @@ class NaiveClient:
 # ------------------------------------------------------------------------------------------ rank hosts
 @ray.remote(num_cpus=1)
 class RankHost:
-    """One process simulating W/HOSTS ranks, each with rlmetrics clients and a naive client; the
-    ranks of a step run concurrently, one thread each (in a real run they are processes)."""
+    """One of ``hosts`` processes simulating W/hosts ranks, each with rlmetrics clients and a naive
+    client; the ranks of a step run concurrently, one thread each (in a real run they are processes)."""
 
     def __init__(
         self,
         host: int,
+        hosts: int,
         world_size: int,
         m: int,
         worker_names: tuple[str, str, str],
@@ -141,7 +144,7 @@ class RankHost:
     ) -> None:
         """``naive``: the baseline worker; ``baseline_client(worker)`` makes its clients (default
         :class:`NaiveClient`; ``bench_peers.py`` passes siiRL's ``MetricClient``)."""
-        per_host = world_size // HOSTS
+        per_host = world_size // hosts
         self.ranks = range(host * per_host, (host + 1) * per_host)
         self.world_size = world_size
         self.names = metric_names(m)
@@ -283,13 +286,20 @@ def check(world_size: int, m: int, step: int, ours: rlmetrics.StepResult, naive:
 
 
 def measure(
-    world_size: int, m: int, steps: int, baseline: Baseline = NAIVE, kinds: tuple[str, ...] = tuple(KINDS)
+    world_size: int,
+    m: int,
+    steps: int,
+    baseline: Baseline = NAIVE,
+    kinds: tuple[str, ...] = tuple(KINDS),
+    hosts: int = HOSTS,
 ) -> Row:
     """Median seconds per step of ``baseline`` and of each of our ``kinds``, side by side in every
-    step (baseline first), each step's results checked."""
+    step (baseline first), each step's results checked; the ranks live in ``hosts`` processes."""
     ours = OurWorkers.start(f"bench-{baseline.name}")
     worker, read = baseline.start()
-    hosts = [RankHost.remote(h, world_size, m, ours.names, worker, baseline.client) for h in range(HOSTS)]
+    hosts = [
+        RankHost.remote(h, hosts, world_size, m, ours.names, worker, baseline.client) for h in range(hosts)
+    ]
     times: dict[str, list[float]] = defaultdict(list)
     submit_s: list[float] = []
     try:
@@ -349,21 +359,22 @@ def targets(rows: list[Row]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
-    args = report.parse_args(__doc__, "W = 8, M = 100, 2 steps", argv)
+    args = report.parse_args(__doc__, f"W = 8, M = 100, 2 steps, {QUICK_HOSTS} rank-host process", argv)
 
     start = time.perf_counter()
     world_sizes, metric_counts, steps = ((8,), (100,), 2) if args.quick else (WORLD_SIZES, METRIC_COUNTS, 7)
+    hosts = QUICK_HOSTS if args.quick else HOSTS
     versions = (f"numpy {np.__version__}", f"ray {ray.__version__}", f"rlmetrics {rlmetrics.__version__}")
     head = report.header("Ray step", *versions)
     print(head, flush=True)
     ray.init(address="local", num_cpus=HOSTS, include_dashboard=False)
     try:
-        rows = [measure(w, m, steps) for w in world_sizes for m in metric_counts]
+        rows = [measure(w, m, steps, hosts=hosts) for w in world_sizes for m in metric_counts]
     finally:
         ray.shutdown()
     notes = [
-        f"{HOSTS} rank-host processes; median of {steps} steps after {WARMUP_STEPS} warm-up step(s); "
-        f"submit µs: median over all ranks and timed steps",
+        f"{hosts} rank-host process{'es' if hosts > 1 else ''}; median of {steps} steps after "
+        f"{WARMUP_STEPS} warm-up step(s); submit µs: median over all ranks and timed steps",
         "results asserted per step: .../mean names = numpy mean over ranks, all names = naive (rel 1e-9)",
         *targets(rows),
         f"total runtime: {time.perf_counter() - start:.1f} s",

@@ -81,9 +81,11 @@ class TokenSummaries:
     ) -> TokenSummaries | None:
         """Advantages, returns, values (those of ``keys`` the batch has) and, with returns and values,
         the explained variance's ingredients over the tokens of ``mask`` (``rows``: of each
-        sequence); None without any of them. ``m2=False`` (not with ``rows``): M2 only where the
-        explained variance reads it (returns and the residual), NaN for the others, which saves
-        four passes over each of them (for metrics that read no std of them, never for Stats)."""
+        sequence); None without any of them. ``m2=False`` (eager, not with ``rows``): M2 only where
+        the explained variance reads it (returns and the residual), NaN for the others, which saves
+        four passes over each of them (for metrics that read no std of them, never for Stats);
+        compiled, every M2 is computed (one fused pass each), so that one graph serves every call
+        (each variant would cost a compile of its own)."""
         found = {}
         for key, _ in TOKEN_METRICS:
             x = t.get(key) if key in keys else None
@@ -107,7 +109,7 @@ class TokenSummaries:
         dtype = torch.float64 if any(x.dtype == torch.float64 for x in found.values()) else torch.float32
         keys = list(found)
         m2_from = 0
-        if not m2 and not rows:  # those without M2 first: M2 over the last columns only
+        if not m2 and not rows and not torch_compile:  # those without M2 first: M2 over the last ones
             keys = [key for key in found if not (vf and key == "returns")] + (["returns"] if vf else [])
             m2_from = len(keys) - 1 if vf else len(keys) + 1
         xs = tuple(found[key] if found[key].dtype == dtype else found[key].to(dtype) for key in keys)
