@@ -11,11 +11,11 @@ TEST_EXTRAS := ray,torch,console,trackers,plot,dev
 # venv's packages once over every core (unchanged files are skipped) takes about half the time. Left
 # out: packages' own test suites and transformers' 2,000 model files, which nothing here imports (a
 # module without a .pyc still imports, compiled in memory). The exit status is ignored: a few files of
-# some wheels are not Python 3.11 (pip skips them too).
+# some wheels are not valid for the venv's Python (pip skips them too).
 PIP_INSTALL := $(BIN)/python -m pip install -q --no-compile
 SITE_PACKAGES = $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
-compile-venv = $(BIN)/python -m compileall -q -j 0 -x '/tests/|/transformers/models/' "$(SITE_PACKAGES)" \
-	> /dev/null || true
+compile-venv = $(BIN)/python -m compileall -q -j 0 -x 'site-packages/([^/]+/)*tests/|site-packages/transformers/models/' \
+	"$(SITE_PACKAGES)" > /dev/null || true
 
 .PHONY: demo test test-core compile lint bench bench-peers soak chaos install install-test install-peers clean
 
@@ -85,7 +85,7 @@ demo: install compile
 # PYTHONDONTWRITEBYTECODE is set, every Ray worker and subprocess would compile them again on import.
 # Only changed files are compiled; a stale .pyc is never used (Python checks the source's mtime).
 compile: | $(BIN)/python
-	$(BIN)/python -m compileall -q src tests benchmarks examples conftest.py > /dev/null
+	$(BIN)/python -m compileall -q $(wildcard src tests benchmarks examples conftest.py) > /dev/null
 
 # Two pytest workers, one test file each at a time (a file's Ray instance and fixtures stay in one
 # process): most tests wait on Ray, subprocesses or sockets, so two run in about 55% of the time.

@@ -1,8 +1,9 @@
 """End-to-end step latency on a local Ray instance: rlmetrics' ``MetricWorker`` against a naive actor.
 
 One step: each of W ranks submits one dict of M scalar floats, then rank 0 gets the step's result.
-Ranks are simulated by 4 Ray actor processes ("rank hosts"), each hosting W/4 clients labelled
-``rank{r}``; rank ``r`` submits values drawn from ``(r, step)``, so the driver can recompute them.
+Ranks are simulated by 4 Ray actor processes ("rank hosts"; 1 with ``--quick``), each hosting W/4
+clients labelled ``rank{r}``; rank ``r`` submits values drawn from ``(r, step)``, so the driver can
+recompute them.
 The dicts of a step are built before it starts (the application's work, not the metrics system's).
 Timed: from telling all hosts to go (one ``ray.get([host.step.remote() ...])`` round) until the
 step's result is in. In every host each rank, in a thread of its own (ranks are concurrent processes
@@ -144,8 +145,7 @@ class RankHost:
     ) -> None:
         """``naive``: the baseline worker; ``baseline_client(worker)`` makes its clients (default
         :class:`NaiveClient`; ``bench_peers.py`` passes siiRL's ``MetricClient``)."""
-        per_host = world_size // hosts
-        self.ranks = range(host * per_host, (host + 1) * per_host)
+        self.ranks = range(host, world_size, hosts)
         self.world_size = world_size
         self.names = metric_names(m)
         seed, posted, tree = worker_names
@@ -165,7 +165,7 @@ class RankHost:
         }
         self.naive_clients = [(baseline_client or NaiveClient)(naive) for _ in self.ranks]
         self.dicts: list[dict[str, float]] = []
-        self.pool = ThreadPoolExecutor(max_workers=per_host)
+        self.pool = ThreadPoolExecutor(max_workers=len(self.ranks))
 
     def prepare(self, step: int) -> None:
         """Build this step's dicts (untimed)."""
@@ -295,23 +295,25 @@ def measure(
 ) -> Row:
     """Median seconds per step of ``baseline`` and of each of our ``kinds``, side by side in every
     step (baseline first), each step's results checked; the ranks live in ``hosts`` processes."""
+    if not 1 <= hosts <= min(world_size, HOSTS):  # a host takes one of Ray's HOSTS CPUs
+        raise ValueError(f"hosts must be in 1..{min(world_size, HOSTS)}, got {hosts}")
     ours = OurWorkers.start(f"bench-{baseline.name}")
     worker, read = baseline.start()
-    hosts = [
+    host_actors = [
         RankHost.remote(h, hosts, world_size, m, ours.names, worker, baseline.client) for h in range(hosts)
     ]
     times: dict[str, list[float]] = defaultdict(list)
     submit_s: list[float] = []
     try:
         for step in range(WARMUP_STEPS + steps):
-            ray.get([h.prepare.remote(step) for h in hosts])
+            ray.get([h.prepare.remote(step) for h in host_actors])
             t0 = time.perf_counter()
-            ray.get([h.step_naive.remote() for h in hosts])
+            ray.get([h.step_naive.remote() for h in host_actors])
             base_res = read()
             step_s = {"baseline": time.perf_counter() - t0}
             for kind in kinds:
                 t0 = time.perf_counter()
-                submits, res = ours.step(hosts, step, kind)
+                submits, res = ours.step(host_actors, step, kind)
                 step_s[kind] = time.perf_counter() - t0
                 check(world_size, m, step, res, base_res)
                 submit_s += submits if kind == kinds[0] else []
@@ -319,7 +321,7 @@ def measure(
                 for kind, seconds in step_s.items():
                     times[kind].append(seconds)
     finally:
-        for actor in (*hosts, worker):
+        for actor in (*host_actors, worker):
             ray.kill(actor)
         ours.kill()
     medians = {k: statistics.median(v) for k, v in times.items()}

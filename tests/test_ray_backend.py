@@ -13,6 +13,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 import rlmetrics  # noqa: E402
+from rlmetrics.backends.ray import compat  # noqa: E402
 from rlmetrics.backends.ray.actor import _MetricWorker  # noqa: E402
 from rlmetrics.packing import pack  # noqa: E402
 from rlmetrics.wire import encode  # noqa: E402
@@ -494,7 +495,7 @@ def incarnation(worker):
     """The incarnation of the aggregator actor answering now (None while it restarts)."""
     try:
         return ray.get(worker.ping.remote(), timeout=30)
-    except ray.exceptions.ActorUnavailableError:
+    except (*compat.UNAVAILABLE, ray.exceptions.GetTimeoutError):
         return None
 
 

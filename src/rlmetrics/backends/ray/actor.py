@@ -55,7 +55,7 @@ class _MetricWorker:
         saved = compat.kv_get(self._kv_key)
         if saved:  # an earlier incarnation of this actor: resume and wait for the clients' resends
             self.server.restore(json.loads(saved), recovery_timeout)
-        self._saved: tuple = self._marker()
+        self._saved: tuple | None = self._marker()
         # what replies let clients forget: the finalized steps of the state saved last (see _reply)
         self._durable: tuple[int, list[int]] = self.engine.finalized_state()
         self._state: dict = {}
@@ -123,8 +123,9 @@ class _MetricWorker:
             body = f'{head[:-1]}, "results": [{", ".join(self._encoded.values())}]}}'
             compat.kv_put(self._kv_key, body.encode())
         except Exception:  # in the saver thread: nobody else would see it
-            logger.exception("saving the aggregator's state failed; a restart would resume without it")
-        # saved (or never will be: the clients must not keep every step then)
+            logger.exception("saving the aggregator's state failed; the next call saves it again")
+            self._saved = None  # so the next call saves again; until a save lands, clients keep their steps
+            return
         self._durable = (state["done_below"], state["finalized"])
 
     async def _wait(self, ready: Any, timeout: float | None) -> None:

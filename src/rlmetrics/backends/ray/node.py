@@ -26,9 +26,10 @@ class _NodeWorker(_MetricWorker):
     that step (:meth:`_MetricWorker.announce`), so a ``wait_final_res`` at the root after the ranks'
     blocking ``wait_submit`` is about that step and waits for this node's forward.
 
-    Clients keep their data until the root finalized the step (the node relays the root's finalized
-    steps), and the node forwards with a fixed client id and fixed sequence numbers, so a restarted
-    node re-forwards what its clients resend and the root merges it once.
+    Clients keep their data until the root's saved state records the step finalized (the node
+    relays what the root's replies say), and the node forwards with a fixed client id and fixed
+    sequence numbers, so a restarted node re-forwards what its clients resend and the root merges
+    it once.
     """
 
     _auto_finalize = False
