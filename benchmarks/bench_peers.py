@@ -2,9 +2,10 @@
 
 Three tables, each side measured right after the other on the same inputs, results asserted equal:
 
-1. **Ray step** (the harness of ``bench_ray.py``: 4 rank-host processes, 1 with ``--quick``,
-   simulating W ranks, a thread per rank, each rank submitting one dict of M scalar floats per
-   step). Baseline: siiRL's own
+1. **Ray step** (the harness of ``bench_ray.py``: 4 rank-host processes simulating W ranks, a
+   thread per rank, each rank submitting one dict of M scalar floats per step; not in ``--quick``,
+   whose start-ups of siiRL's actor and of a host importing siiRL cost half a minute, while
+   ``bench_ray.py --quick`` runs the same harness). Baseline: siiRL's own
    ``MetricWorker`` actor (``siirl.execution.metric_worker.metric_worker``), started with
    ``worker.start``, one siiRL ``MetricClient`` per simulated rank calling ``submit_metric(d, W)``
    then ``wait_submit()``; once every host has returned, the driver calls
@@ -68,8 +69,7 @@ SIIRL_VERSION = version("siirl")
 SIIRL_LOG_DIRECTORY = str(Path(tempfile.gettempdir()) / "rlmetrics-bench-siirl-logs")
 RAY_CPUS = 8  # logical: 4 rank hosts (num_cpus=1 each) + siiRL's MetricWorker (num_cpus=1)
 RAY_CELLS = [(w, m) for w in bench_ray.WORLD_SIZES for m in bench_ray.METRIC_COUNTS]
-QUICK_RAY_CELLS = [(8, 100)]
-RAY_STEPS, QUICK_RAY_STEPS = 5, 2
+RAY_STEPS = 5
 RAY_TARGET_CELL, RAY_TARGET = (256, 1000), 20.0
 
 DATA_SHAPE = (256, 1024, 2048)
@@ -113,8 +113,8 @@ def _start_siirl() -> tuple[Any, Any]:
 SIIRL = bench_ray.Baseline("siiRL MetricWorker", _start_siirl, _siirl_client)
 
 
-def measure_ray(world_size: int, m: int, steps: int, hosts: int = bench_ray.HOSTS) -> bench_ray.Row:
-    return bench_ray.measure(world_size, m, steps, SIIRL, kinds=("seed", "posted"), hosts=hosts)
+def measure_ray(world_size: int, m: int, steps: int) -> bench_ray.Row:
+    return bench_ray.measure(world_size, m, steps, SIIRL, kinds=("seed", "posted"))
 
 
 def render_ray(rows: list[bench_ray.Row]) -> str:
@@ -345,15 +345,15 @@ def _ray_runtime_env() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> tuple[list[bench_ray.Row], list[DataRow], list[ValRow]]:
     parser = report.parser(
         __doc__,
-        "W=8, M=100 in one rank-host process; a small batch; 32 prompts (siiRL timed on 2), eager only",
+        "no Ray step (bench_ray.py --quick runs its harness); a small batch; 32 prompts (siiRL timed on 2), "
+        "eager only",
     )
     parser.add_argument("--siirl-prompts", type=int, help="prompts siiRL's validation is timed on")
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
     q = args.quick
-    ray_cells, ray_steps = (QUICK_RAY_CELLS, QUICK_RAY_STEPS) if q else (RAY_CELLS, RAY_STEPS)
-    hosts = bench_ray.QUICK_HOSTS if q else bench_ray.HOSTS
+    ray_cells = () if q else RAY_CELLS
     data_shapes = (QUICK_DATA_SHAPE,) if q else DATA_SHAPES
     data_reps = {shape: QUICK_DATA_REPS if q else DATA_REPS[shape] for shape in data_shapes}
     val_cells, val_reps = (QUICK_VAL_CELLS, QUICK_VAL_REPS) if q else (VAL_CELLS, VAL_REPS)
@@ -368,11 +368,13 @@ def main(argv: list[str] | None = None) -> tuple[list[bench_ray.Row], list[DataR
     )
     print(head, flush=True)
 
-    ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, runtime_env=_ray_runtime_env())
-    try:
-        ray_rows = [measure_ray(w, m, ray_steps, hosts) for w, m in ray_cells]
-    finally:
-        ray.shutdown()
+    ray_rows = []
+    if ray_cells:
+        ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, runtime_env=_ray_runtime_env())
+        try:
+            ray_rows = [measure_ray(w, m, RAY_STEPS) for w, m in ray_cells]
+        finally:
+            ray.shutdown()
     threads = sorted({bench_data.DEFAULT_THREADS, 1}, reverse=True)
     compile_s = None if q else compile_data_metric(data_shapes[0])  # compiling takes ~20 s: not in --quick
     data_rows = [
@@ -386,10 +388,14 @@ def main(argv: list[str] | None = None) -> tuple[list[bench_ray.Row], list[DataR
             measure_data(shape, data_reps[shape], bench_data.DEFAULT_THREADS, KEPT_MEMORY, not q)
         )
 
+    ray_part = (
+        ["Ray step: siiRL's MetricWorker vs rlmetrics (seed mode, and non-blocking)", render_ray(ray_rows)]
+        if ray_rows
+        else []
+    )
     body = "\n\n".join(
         [
-            "Ray step: siiRL's MetricWorker vs rlmetrics (seed mode, and non-blocking)",
-            render_ray(ray_rows),
+            *ray_part,
             "compute_data_metric: siiRL vs rlmetrics",
             render_data(data_rows),
             "compute_data_metric: device→host synchronisations of one call (B={}, prompt {}, response {}; "
@@ -399,10 +405,13 @@ def main(argv: list[str] | None = None) -> tuple[list[bench_ray.Row], list[DataR
             render_validation(val_rows),
         ]
     )
+    ray_note = (
+        f"Ray: {bench_ray.HOSTS} rank-host processes, Ray with {RAY_CPUS} logical CPUs; "
+        f"median of {RAY_STEPS} steps after {bench_ray.WARMUP_STEPS} warm-up; siiRL first in every step; "
+        "results asserted per step (.../mean names = numpy mean over ranks, all names = siiRL's, rel 1e-9)"
+    )
     notes = [
-        f"Ray: {hosts} rank-host process{'es' if hosts > 1 else ''}, Ray with {RAY_CPUS} logical CPUs; "
-        f"median of {ray_steps} steps after {bench_ray.WARMUP_STEPS} warm-up; siiRL first in every step; "
-        "results asserted per step (.../mean names = numpy mean over ranks, all names = siiRL's, rel 1e-9)",
+        *([ray_note] if ray_rows else []),
         "compute_data_metric: best of 3 medians of "
         + ", ".join(f"{n} calls (B={shape[0]})" for shape, n in data_reps.items())
         + " per side, alternating; CPU tensors; "
