@@ -75,10 +75,11 @@ class _MetricWorker:
     def _marker(self) -> tuple:
         """What the saved state depends on: registered clients and finalized steps."""
         engine = self.engine
+        done_below, finalized = engine.finalized_state()
         return (
             frozenset(engine.clients),
-            engine.finalized_state()[0],
-            len(engine.finalized_state()[1]),
+            done_below,
+            len(finalized),
             engine.newest_closed,
             tuple(step for step, _ in engine.newest_results(1)),
         )
@@ -224,9 +225,7 @@ class _MetricWorker:
         """The reply to a send. The steps it lets the client forget are those finalized in the state
         saved last, not in memory: a next incarnation resumes from the saved state, and a step it
         does not know finalized is merged again from the clients' resends."""
-        reply = self.server.reply(errors)
-        reply.done_below, reply.finalized = self._durable
-        return reply
+        return Reply(errors, self.incarnation, *self._durable)
 
     async def _announce(self, close: list[int]) -> None:
         """Nothing here: a node sub-aggregator tells the root of new closes before it replies."""

@@ -105,9 +105,7 @@ class _NodeWorker(_MetricWorker):
             logger.exception("forwarding step %d upstream failed", step)
 
     def _reply(self, errors: dict[str, str]) -> Reply:
-        reply = super()._reply(errors)
-        reply.done_below, reply.finalized = self.upstream.finalized_state
-        return reply
+        return Reply(errors, self.incarnation, *self.upstream.finalized_state)
 
     async def result(self, step: int, timeout: float | None = None) -> StepResult:
         return await asyncio.get_running_loop().run_in_executor(

@@ -81,7 +81,7 @@ from rlmetrics.metrics.data.verl_style import (
 from rlmetrics.metrics.difficulty import difficulty_metrics
 from rlmetrics.metrics.tensors import Batch, BatchTensors
 from rlmetrics.reduce import resolve, rules_version
-from rlmetrics.stat import Stat
+from rlmetrics.stat import FIELDS, Stat
 from rlmetrics.summary import NAN_STRATEGIES
 
 HISTOGRAMS = {
@@ -236,7 +236,7 @@ def _m2_read(rules: int) -> bool:
     histogram registered for it with :func:`~rlmetrics.reduce.register_reduction`); ``rules``:
     :func:`~rlmetrics.reduce.rules_version`."""
     names = [*triple("critic/advantages"), *triple("critic/values")]
-    return any(resolve(n).kind not in ("mean", "max", "min", "sum", "count") for n in names)
+    return any(FIELDS.index("m2") in resolve(n).fields for n in names)
 
 
 _STATM: dict[int, tuple[int, int, int]] = {}  # pid -> (fd, st_dev, st_ino) of its open /proc/<pid>/statm
