@@ -7,17 +7,15 @@ TORCH_SPEC ?= torch==2.13.0
 DEMO_EXTRAS := ray,torch,console,tensorboard,plot
 TEST_EXTRAS := ray,torch,console,trackers,plot,dev
 
-# pip byte-compiles the files it installs one at a time; installing with --no-compile, then compiling the
-# venv's packages once over every core (unchanged files are skipped) takes about half the time. Left
-# out: packages' own test suites and transformers' 2,000 model files, which nothing here imports (a
-# module without a .pyc still imports, compiled in memory). The exit status is ignored: a few files of
-# some wheels are not valid for the venv's Python (pip skips them too).
+# Python caches each module's bytecode (.pyc) on its first import, in every process of a run: the Ray
+# workers and subprocesses of the tests would otherwise compile the same modules again at every start
+# where the environment sets PYTHONDONTWRITEBYTECODE (an empty value turns it off). pip installs
+# without compiling: it would compile the venv's 22,500 files one at a time (80 s of CPU), of which a
+# run imports a fraction.
+export PYTHONDONTWRITEBYTECODE =
 PIP_INSTALL := $(BIN)/python -m pip install -q --no-compile
-SITE_PACKAGES = $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
-compile-venv = $(BIN)/python -m compileall -q -j 0 -x 'site-packages/([^/]+/)*tests/|site-packages/transformers/models/' \
-	"$(SITE_PACKAGES)" > /dev/null || true
 
-.PHONY: demo test test-core compile lint bench bench-peers soak chaos install install-test install-peers clean
+.PHONY: demo test test-core lint bench bench-peers soak chaos install install-test install-peers clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,12 +28,10 @@ $(VENV)/.torch: | $(BIN)/python
 
 $(VENV)/.installed-demo: pyproject.toml $(VENV)/.torch
 	$(PIP_INSTALL) -e ".[$(DEMO_EXTRAS)]"
-	$(compile-venv)
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
 	$(PIP_INSTALL) -e ".[$(TEST_EXTRAS)]"
-	$(compile-venv)
 	touch $@
 
 # The peer system of tests/peers and benchmarks/bench_peers.py: siiRL 0.2.0 without its pins (they would
@@ -71,25 +67,18 @@ $(VENV)/.installed-peers: $(VENV)/.installed-test
 	$(PIP_INSTALL) $(PEERS_DEPS) $(VERL_DEPS)
 	$(call remove-stray,siirl,$(PEERS_STRAY))
 	$(call remove-stray,verl,$(VERL_STRAY))
-	$(compile-venv)
 	touch $@
 
 install: $(VENV)/.installed-demo
 install-test: $(VENV)/.installed-test
 install-peers: $(VENV)/.installed-peers
 
-demo: install compile
+demo: install
 	$(BIN)/rlmetrics demo
-
-# Byte-compile our own sources (the editable install leaves them to each process): where
-# PYTHONDONTWRITEBYTECODE is set, every Ray worker and subprocess would compile them again on import.
-# Only changed files are compiled; a stale .pyc is never used (Python checks the source's mtime).
-compile: | $(BIN)/python
-	$(BIN)/python -m compileall -q $(wildcard src tests benchmarks examples conftest.py) > /dev/null
 
 # Two pytest workers, one test file each at a time (a file's Ray instance and fixtures stay in one
 # process): most tests wait on Ray, subprocesses or sockets, so two run in about 55% of the time.
-test: install-test install-peers compile
+test: install-test install-peers
 	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 # The core in seconds: no Ray, no torch, nothing slow (the markers of pyproject.toml; conftest.py)
