@@ -41,7 +41,7 @@ VAL_CELLS = ((512, 16, False), (4096, 16, False), (512, 16, True))  # prompts, s
 QUICK_VAL_CELLS = ((64, 16, True),)
 TARGET_CELLS = ((512, 16), (4096, 16))
 VAL_REPS, QUICK_VAL_REPS = 5, 3
-VERL_PROMPTS, QUICK_VERL_PROMPTS = 24, 3
+VERL_PROMPTS, QUICK_VERL_PROMPTS = 24, 1
 VAL_TARGET = 1000.0
 NONE_EVERY = 37  # every 37th acc value is None in the rows "with None"
 
@@ -201,7 +201,7 @@ def render_data(rows: list[DataRow]) -> str:
 
 # ------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> tuple[list[ValRow], list[DataRow]]:
-    parser = report.parser(__doc__, "64 prompts with None values (verl timed on 3); a small batch")
+    parser = report.parser(__doc__, "64 prompts with None values (verl timed on 1); a small batch")
     parser.add_argument("--verl-prompts", type=int, help="prompts verl's validation is timed on")
     args = parser.parse_args(argv)
 

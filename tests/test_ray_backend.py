@@ -6,6 +6,7 @@ import random
 import time
 import uuid
 import warnings
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -28,7 +29,15 @@ def ray_instance(ray_session):
 
 @pytest.fixture
 def name():
-    return f"test-{uuid.uuid4().hex[:8]}"
+    """The test's aggregator name; an aggregator of that name is killed after the test (rlmetrics
+    keeps a handle of the driver's, and a module's idle aggregators would cost CPU until its end)."""
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    yield name
+    for namespace in (None, "ns-test"):
+        try:
+            ray.kill(ray.get_actor(name, namespace=namespace))
+        except ValueError:  # no such actor
+            pass
 
 
 def rank_data(rank, step):
@@ -529,6 +538,37 @@ def test_a_step_finalized_but_not_yet_saved_comes_back_whole_after_a_restart(nam
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # not partial
         check_step(reader.result(1, timeout=15), 1, range(2))
+
+
+class _RefusedSaveWorker(_MetricWorker):
+    """The aggregator with every state save refused by the KV store, as a GCS briefly down would."""
+
+    def _write_state(self):
+        with mock.patch.object(compat, "kv_put", side_effect=ConnectionError("the GCS refused the write")):
+            super()._write_state()
+
+
+RefusedSaveWorker = ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)(_RefusedSaveWorker)
+
+
+def test_a_step_whose_save_failed_is_kept_by_its_ranks_and_comes_back_whole_after_a_restart(name):
+    """A failed save leaves what replies let ranks forget as it was: step 0 was finalized but never
+    saved, so rank 0 keeps it although a later reply (to its step 1) comes after the failure, and the
+    next incarnation, which starts without state, gets the whole step again from both ranks."""
+    worker = RefusedSaveWorker.options(name=name).remote(recovery_timeout=60)
+    ranks = [Rank.remote(r, 2, name) for r in range(2)]
+    reader = rlmetrics.connect("ray", name=name)
+    ray.get([a.step.remote(0) for a in ranks])
+    check_step(reader.result(0, timeout=30), 0, range(2))
+    time.sleep(1.0)  # the save of step 0 was tried and refused
+    ray.get(ranks[0].step.remote(1))  # a reply to rank 0 after the failure
+    first = ray.get(worker.ping.remote())
+    ray.kill(worker, no_restart=False)
+    while incarnation(worker) == first:
+        time.sleep(0.05)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # not partial
+        check_step(reader.result(0, timeout=15), 0, range(2))
 
 
 def test_duplicate_delivery_is_merged_once(name):
