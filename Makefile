@@ -7,11 +7,11 @@ TORCH_SPEC ?= torch==2.13.0
 DEMO_EXTRAS := ray,torch,console,tensorboard,plot
 TEST_EXTRAS := ray,torch,console,trackers,plot,dev
 
-# Python caches each module's bytecode (.pyc) on its first import, in every process of a run: the Ray
-# workers and subprocesses of the tests would otherwise compile the same modules again at every start
-# where the environment sets PYTHONDONTWRITEBYTECODE (an empty value turns it off). pip installs
-# without compiling: it would compile the venv's 22,500 files one at a time (80 s of CPU), of which a
-# run imports a fraction.
+# Recipes run with PYTHONDONTWRITEBYTECODE empty, which Python treats as unset (the export below): each
+# module's bytecode (.pyc) is cached by the first process that imports it. Where the environment sets
+# it, every Ray worker and subprocess of the tests compiled the same modules again at each start
+# (a pytest run outside make still does). pip installs without compiling: it would compile the venv's
+# 22,500 files one at a time (80 s of CPU), most of which a run never imports.
 export PYTHONDONTWRITEBYTECODE =
 PIP_INSTALL := $(BIN)/python -m pip install -q --no-compile
 
@@ -97,7 +97,8 @@ bench-peers: install-peers
 	$(BIN)/python benchmarks/bench_peers.py
 	$(BIN)/python benchmarks/bench_verl.py
 
-# Not part of `make test` (which runs 200 and 50 steps of them): the long runs of docs/reliability.md.
+# Not part of `make test` (which runs soaks of 120 to 2,000 steps and 50 steps of chaos): the long runs
+# of docs/reliability.md.
 soak: install-test
 	$(BIN)/python benchmarks/soak.py
 

@@ -541,11 +541,19 @@ def test_a_step_finalized_but_not_yet_saved_comes_back_whole_after_a_restart(nam
 
 
 class _RefusedSaveWorker(_MetricWorker):
-    """The aggregator with every state save refused by the KV store, as a GCS briefly down would."""
+    """The aggregator with every state save refused by the KV store (a GCS that takes no writes)."""
+
+    refused_finalized = False  # a refused save recorded step 0 finalized
 
     def _write_state(self):
-        with mock.patch.object(compat, "kv_put", side_effect=ConnectionError("the GCS refused the write")):
+        state = self._state
+        refuse = mock.patch.object(compat, "kv_put", side_effect=ConnectionError("the GCS refused the write"))
+        with refuse:
             super()._write_state()
+        self.refused_finalized |= state["done_below"] > 0 or 0 in state["finalized"]
+
+    def step_0_save_refused(self):
+        return self.refused_finalized
 
 
 RefusedSaveWorker = ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)(_RefusedSaveWorker)
@@ -560,7 +568,8 @@ def test_a_step_whose_save_failed_is_kept_by_its_ranks_and_comes_back_whole_afte
     reader = rlmetrics.connect("ray", name=name)
     ray.get([a.step.remote(0) for a in ranks])
     check_step(reader.result(0, timeout=30), 0, range(2))
-    time.sleep(1.0)  # the save of step 0 was tried and refused
+    while not ray.get(worker.step_0_save_refused.remote()):
+        time.sleep(0.05)
     ray.get(ranks[0].step.remote(1))  # a reply to rank 0 after the failure
     first = ray.get(worker.ping.remote())
     ray.kill(worker, no_restart=False)
@@ -569,6 +578,27 @@ def test_a_step_whose_save_failed_is_kept_by_its_ranks_and_comes_back_whole_afte
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # not partial
         check_step(reader.result(0, timeout=15), 0, range(2))
+
+
+def test_a_client_of_an_aggregator_killed_for_good_fails_at_once_and_stops_watching(name):
+    """Killed without a restart, the aggregator never comes back: the client's next call raises
+    ConnectionError at once, and its watcher thread ends (before, both waited the reconnect timeout,
+    120 s, pinging the dead actor ten times a second)."""
+    import threading
+
+    client = rlmetrics.connect("ray", name=name, world_size=1)
+    client.submit_metric({"x/mean": 1.0})
+    client.wait_submit()
+    assert client.result(0, timeout=30) == {"x/mean": 1.0}
+    ray.kill(ray.get_actor(name))
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match="gone"):
+        client.submit_metric({"x/mean": 2.0})
+        client.wait_submit()
+    deadline = time.monotonic() + 30
+    while any(t.name == "rlmetrics-watch" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert time.monotonic() - start < 30, "waited for an incarnation that never comes"
 
 
 def test_duplicate_delivery_is_merged_once(name):

@@ -1,6 +1,6 @@
 """Soaks on real Ray (``benchmarks/soak.py``): memory flat after warm-up, every step read logged.
 
-Three patterns: the steady run (16 ranks x 500 metrics, 120 steps); 1200 steps whose 200 names
+Three patterns: the steady run (16 ranks x 500 metrics, 120 steps); 2000 steps whose 200 names
 change every step (the aggregator and the clients must forget what no step uses any more); and a
 driver that reads only every 10th step (the other steps must be finalized all the same). The
 script's own checks must pass (RSS of the aggregator and of the rank hosts, the engine's and the
@@ -25,7 +25,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
 SEED = 7
 PATTERNS = {  # name: (steps, ranks, metrics, new names per step, read every, warm-up)
     "steady": (120, 16, 500, 0, 1, 60),
-    "new-names": (1200, 2, 10, 200, 1, 600),  # a client clears its 512 schemas once after warm-up
+    "new-names": (2000, 2, 10, 200, 1, 1000),
     "sparse-reads": (200, 4, 50, 0, 10, 100),
 }
 

@@ -10,6 +10,8 @@
   made the next ``ray.init`` fail). Without ``__wrapped__`` they fall back to Ray's own calls:
   correct, but racy again.
 - ``actor_key``: a stable key of an actor handle (``ActorHandle._actor_id``).
+- ``actor_dead``: whether the GCS's actor table (``ray._private.state.actors``) records an actor dead
+  for good, so that a client stops waiting for an incarnation that never comes.
 
 :func:`check` says which of them the installed Ray lacks; ``tests/test_ray_compat.py`` fails loudly
 when a Ray upgrade removes one.
@@ -62,6 +64,16 @@ def actor_key(handle: Any) -> str:
     return handle._actor_id.hex()
 
 
+def actor_dead(handle: Any) -> bool:
+    """Whether Ray records the actor behind ``handle`` dead for good (killed without restart, or out
+    of restarts); False while it runs or restarts, and when the GCS cannot say."""
+    try:
+        info = ray._private.state.actors(actor_id=actor_key(handle))
+    except Exception:  # noqa: BLE001 - no answer is no proof of death: the caller keeps waiting
+        return False
+    return isinstance(info, dict) and info.get("State") == "DEAD"
+
+
 def check() -> list[str]:
     """The private Ray APIs above that the installed Ray does not have (empty: all present)."""
     from ray.actor import ActorHandle, ActorMethod
@@ -74,4 +86,6 @@ def check() -> list[str]:
         missing.append("ray.actor.ActorMethod._remote.__wrapped__")
     if not isinstance(getattr(ActorHandle, "_actor_id", None), property):
         missing.append("ray.actor.ActorHandle._actor_id")
+    if not callable(getattr(getattr(ray._private, "state", None), "actors", None)):
+        missing.append("ray._private.state.actors")
     return missing

@@ -115,6 +115,8 @@ def _wait_alive(handle: Any, timeout: float) -> str:
         try:
             return compat.get(compat.remote(handle.ping), timeout=10)
         except (*compat.UNAVAILABLE, ray.exceptions.GetTimeoutError):
+            if compat.actor_dead(handle):  # no incarnation will come: fail now, not at the timeout
+                raise ConnectionError("metric worker is gone: Ray records it dead for good") from None
             if time.monotonic() > deadline:
                 raise ConnectionError(f"metric worker unreachable for {timeout} s") from None
             time.sleep(0.1)
