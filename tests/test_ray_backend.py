@@ -15,7 +15,7 @@ ray = pytest.importorskip("ray")
 
 import rlmetrics  # noqa: E402
 from rlmetrics.backends.ray import compat  # noqa: E402
-from rlmetrics.backends.ray.actor import _MetricWorker  # noqa: E402
+from rlmetrics.backends.ray.actor import ACTOR_OPTIONS, _MetricWorker  # noqa: E402
 from rlmetrics.packing import pack  # noqa: E402
 from rlmetrics.wire import encode  # noqa: E402
 
@@ -508,6 +508,21 @@ def incarnation(worker):
         return None
 
 
+def kill_and_wait_for_the_next_incarnation(worker):
+    """Kill the aggregator (Ray restarts it) and return once another incarnation answers."""
+    first = ray.get(worker.ping.remote())
+    ray.kill(worker, no_restart=False)
+    while incarnation(worker) == first:
+        time.sleep(0.05)
+
+
+def check_whole_step(reader, step, ranks):
+    """``check_step`` on the step read from ``reader``, a partial result failing it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        check_step(reader.result(step, timeout=15), step, ranks)
+
+
 class _LateSavingWorker(_MetricWorker):
     """The aggregator with its state saves landing 1 s late, as a loaded machine's saver thread may."""
 
@@ -516,7 +531,7 @@ class _LateSavingWorker(_MetricWorker):
         super()._write_state()
 
 
-LateSavingWorker = ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)(_LateSavingWorker)
+LateSavingWorker = ray.remote(**ACTOR_OPTIONS)(_LateSavingWorker)
 
 
 def test_a_step_finalized_but_not_yet_saved_comes_back_whole_after_a_restart(name):
@@ -530,14 +545,9 @@ def test_a_step_finalized_but_not_yet_saved_comes_back_whole_after_a_restart(nam
     ray.get([a.step.remote(0) for a in ranks])
     check_step(reader.result(0, timeout=30), 0, range(2))
     time.sleep(2.5)  # every save so far landed
-    first = ray.get(worker.ping.remote())
     ray.get([a.step.remote(1) for a in ranks])  # step 1 finalized; its save lands 1 s later
-    ray.kill(worker, no_restart=False)
-    while incarnation(worker) == first:  # the read below goes to the next incarnation
-        time.sleep(0.05)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # not partial
-        check_step(reader.result(1, timeout=15), 1, range(2))
+    kill_and_wait_for_the_next_incarnation(worker)
+    check_whole_step(reader, 1, range(2))
 
 
 class _RefusedSaveWorker(_MetricWorker):
@@ -556,7 +566,7 @@ class _RefusedSaveWorker(_MetricWorker):
         return self.refused_finalized
 
 
-RefusedSaveWorker = ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)(_RefusedSaveWorker)
+RefusedSaveWorker = ray.remote(**ACTOR_OPTIONS)(_RefusedSaveWorker)
 
 
 def test_a_step_whose_save_failed_is_kept_by_its_ranks_and_comes_back_whole_after_a_restart(name):
@@ -571,13 +581,8 @@ def test_a_step_whose_save_failed_is_kept_by_its_ranks_and_comes_back_whole_afte
     while not ray.get(worker.step_0_save_refused.remote()):
         time.sleep(0.05)
     ray.get(ranks[0].step.remote(1))  # a reply to rank 0 after the failure
-    first = ray.get(worker.ping.remote())
-    ray.kill(worker, no_restart=False)
-    while incarnation(worker) == first:
-        time.sleep(0.05)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # not partial
-        check_step(reader.result(0, timeout=15), 0, range(2))
+    kill_and_wait_for_the_next_incarnation(worker)
+    check_whole_step(reader, 0, range(2))
 
 
 def test_a_client_of_an_aggregator_killed_for_good_fails_at_once_and_stops_watching(name):

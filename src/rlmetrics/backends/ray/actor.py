@@ -312,7 +312,11 @@ def _is_key(key: Any) -> bool:
     return isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str) and type(key[1]) is int
 
 
-MetricWorker = ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=100_000)(_MetricWorker)
+ACTOR_OPTIONS = {"num_cpus": 0, "max_restarts": -1, "max_concurrency": 100_000}
+"""How aggregator actors are made: no training slot, restarted whenever they die, every waiting call
+served at once (readers wait inside the actor)."""
+
+MetricWorker = ray.remote(**ACTOR_OPTIONS)(_MetricWorker)
 
 
 def get_metric_worker(

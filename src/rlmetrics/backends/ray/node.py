@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rlmetrics.backends.ray import compat
-from rlmetrics.backends.ray.actor import _MetricWorker, keep
+from rlmetrics.backends.ray.actor import ACTOR_OPTIONS, _MetricWorker, keep
 from rlmetrics.backends.ray.compat import ray
 from rlmetrics.messages import Reply, StepResult
 
@@ -118,7 +118,7 @@ class _NodeWorker(_MetricWorker):
         )
 
 
-NodeWorker = ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=100_000)(_NodeWorker)
+NodeWorker = ray.remote(**ACTOR_OPTIONS)(_NodeWorker)
 
 
 def node_worker(name: str, namespace: str | None, node_id: str | None = None, **options: Any) -> Any:
