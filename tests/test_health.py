@@ -5,6 +5,7 @@ options, the callback, and alerts written to the sinks by Tracking."""
 from __future__ import annotations
 
 import doctest
+import fnmatch
 import io
 import logging
 import math
@@ -25,11 +26,12 @@ from rlmetrics.health import (
     NonFinite,
     ResponseClipSpike,
     Silent,
+    WindowRule,
     ZeroStdGroups,
     coverage_metrics,
     default_rules,
 )
-from rlmetrics.sinks import ConsoleSink, JsonlSink, Tracking, read_jsonl
+from rlmetrics.sinks import ConsoleSink, JsonlSink, Tracking, make_sinks, read_jsonl
 
 NAN, INF = math.nan, math.inf
 
@@ -197,26 +199,69 @@ def test_kl_blowup_ceiling_and_jump(seed):
     check(KLBlowup(), series, spike_holds(series, "actor/ppo_kl", 10.0, 0.01, ceiling=1.0))
 
 
+SILENT_OPTIONS = [
+    {},  # the defaults: steps 5, regular 5, val/*, group/*, correct/wrong lengths ignored
+    {"steps": 3, "regular": 2, "ignore": ["val*"]},
+    {"regular": 1, "ignore": []},  # every name once logged, as a name opted in
+]
+
+
+@pytest.mark.parametrize("options", SILENT_OPTIONS)
 @pytest.mark.parametrize("seed", range(3))
-def test_silent_metric(seed):
+def test_silent_metric(seed, options):
     rng = np.random.default_rng(seed)
-    names = ("a", "b/c", "val-core/x/acc/mean@4", "val/test_score/x")
+    names = (
+        "a", "b/c", "val-core/x/acc/mean@4", "val/test_score/x", "group/task/1/score/mean",
+        "response/correct_length/mean",
+    )  # fmt: skip
     series, present = [], dict.fromkeys(names, True)
-    for step in range(0, 200, 2):
+    for step in range(0, 400, 2):
         for n in names:
-            if rng.random() < 0.08:
+            if rng.random() < 0.1:
                 present[n] = not present[n]
         series.append((step, {n: 1.0 for n in names if present[n]}))
+    rule = Silent(**options)
+    watched = [n for n in names if not any(fnmatch.fnmatchcase(n, p) for p in rule.ignore)]
 
     def holds(t):
-        out = set()
-        for n in ("a", "b/c"):
-            seen = [i for i in range(t + 1) if n in series[i][1]]
-            if seen and t - seen[-1] >= 5:
-                out.add(n)
-        return out
+        """Names last logged ``steps`` logged steps before the t-th, after ``regular`` in a row."""
+        start = t - rule.steps - rule.regular + 1
+        if start < 0:
+            return set()
+        logged = [series[i][1] for i in range(start, t + 1)]
+        return {
+            n for n in watched
+            if all(n in m for m in logged[: rule.regular]) and not any(n in m for m in logged[rule.regular :])
+        }  # fmt: skip
 
-    check(Silent(), series, holds)
+    got = check(rule, series, holds)
+    assert {m for _, m in got} == set(watched)
+
+
+def test_silent_state_holds_only_recent_names_whatever_the_churn():
+    """Names live a few steps each (a new batch of names every step, as per-prompt or per-task
+    names): each one logged on ``regular`` steps or more alerts once, ``steps`` after it is gone;
+    the rule holds the names of its last ``steps`` logged steps at most."""
+    rule = Silent()
+    monitor = Monitor([rule])
+    lives = [1, 2, 4, 5, 9]  # logged steps of the names born at a step, by their index in it
+    got, held, logged = [], [], []
+    for step in range(300):
+        metrics = {f"task/{born}/{i}/score": 1.0 for born in range(step - 8, step + 1)
+                   for i, life in enumerate(lives) if born >= 0 and step - born < life}  # fmt: skip
+        got += [(a.step, a.metric) for a in monitor.observe(step, metrics)]
+        logged.append(set(metrics))
+        held.append((len(rule._last), len(set().union(*logged[-rule.steps :]))))
+    want = [
+        (born + life - 1 + rule.steps, f"task/{born}/{i}/score")
+        for born in range(300)
+        for i, life in enumerate(lives)
+        if life >= rule.regular and born + life - 1 + rule.steps < 300
+    ]
+    assert sorted(got) == sorted(want)
+    assert len(rule._steps) <= rule.steps and rule._start.keys() == rule._last.keys()
+    assert all(n <= bound for n, bound in held)  # the names of its last ``steps`` logged steps at most
+    assert max(held[100:]) == max(held[:100])  # flat after warm-up
 
 
 # ------------------------------------------------------------------------- monitor and user rules
@@ -334,6 +379,116 @@ def test_tracking_adds_coverage_and_late_to_step_results(tmp_path):
         {"a": 2.0},
     ]
     assert run.records[0]["meta"]["missing_ranks"] == ["r1"]  # the partial step still says what it lacks
+
+
+# ------------------------------------------------------------- names that churn or come and go
+STEADY = {  # names of every step, with values no rule objects to
+    "actor/entropy": 1.0, "actor/pg_clipfrac": 0.02, "actor/ppo_kl": 0.001, "actor/grad_norm": 1.0,
+    "critic/score/mean": 0.5, "response/clip_ratio/mean": 0.05, "critic/zero_var_groups/mean": 0.1,
+}  # fmt: skip
+GROUPED = ("critic/score/mean", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm", "response/length/max")
+
+
+def churned_step(step: int, tasks: int = 40) -> dict[str, float]:
+    """STEADY and 200 names never seen before: the breakdowns of ``tasks`` new tasks."""
+    grouped = {f"group/task/{step * tasks + i}/{n}": 0.5 + i / 100 for i in range(tasks) for n in GROUPED}
+    return STEADY | grouped
+
+
+def rule_state(monitor: Monitor) -> dict[str, int]:
+    """How much the default rules hold: Silent's names, the longest window rule's histories, the
+    conditions the Monitor remembers."""
+    (silent,) = [r for r in monitor.rules if isinstance(r, Silent)]
+    return {
+        "silent names": len(silent._last),
+        "histories": max(len(r._history) for r in monitor.rules if isinstance(r, WindowRule)),
+        "holding": sum(map(len, monitor._holding.values())),
+    }
+
+
+def log_through_jsonl(out: Path, steps: list[tuple[int, dict[str, float]]]):
+    """``steps`` logged through ``make_sinks(["jsonl"], out)`` (the default health rules): the run
+    read back, and the Monitor."""
+    with make_sinks(["jsonl"], out) as tracking:
+        for step, metrics in steps:
+            tracking.log(metrics, step)
+    return read_jsonl(out / "metrics.jsonl"), tracking.health
+
+
+def test_200_new_group_names_per_step_raise_no_alert_and_the_rules_stay_bounded(tmp_path):
+    sizes = []
+    with make_sinks(["jsonl"], tmp_path) as tracking:
+        for step in range(1000):
+            tracking.log(churned_step(step), step)
+            if step % 50 == 49:
+                sizes.append(rule_state(tracking.health))
+    run = read_jsonl(tmp_path / "metrics.jsonl")
+    assert run.events == []
+    assert run.steps == list(range(1000))
+    assert [r["metrics"] for r in run.records[::97]] == [churned_step(s) for s in range(0, 1000, 97)]
+    # the bounds of docs/health.md: Silent holds the watched names of its last ``steps`` steps (here
+    # the steady ones: group names are not watched), a window rule ``max_names`` histories, the
+    # Monitor the conditions of the previous step (none), a rule's name matching its answers for
+    # at most twice the step's names plus 1024
+    assert max(s["silent names"] for s in sizes) <= len(STEADY)
+    (silent,) = [r for r in tracking.health.rules if isinstance(r, Silent)]
+    assert len(silent._steps) <= silent.steps
+    step_names = len(churned_step(0))
+    assert all(len(r.matches._known) <= 2 * step_names + 1024 for r in tracking.health.rules)
+    assert max(s["histories"] for s in sizes) <= WindowRule.max_names
+    assert max(s["holding"] for s in sizes) == 0
+    assert sizes[-1] == sizes[0]  # nothing grows after warm-up
+    for rule in tracking.health.rules:  # the steady names keep their history among the churn
+        if isinstance(rule, WindowRule):
+            kept = [n for n in STEADY if rule.matches(n)]
+            assert kept and all(len(rule._history[n]) == rule.window for n in kept), rule
+
+
+def test_a_source_sampled_every_10th_step_is_not_silent(tmp_path):
+    sampled = {"data/aime/acc": 0.3, "group/data_source/aime/critic/score/mean": 0.3}
+    steps = [(s, STEADY | (sampled if s % 10 == 0 else {})) for s in range(60)]
+    run, _ = log_through_jsonl(tmp_path, steps)
+    assert run.steps == list(range(60))
+    assert run.events == []
+
+
+def test_a_metric_logged_every_step_then_gone_alerts_once_and_is_forgotten(tmp_path):
+    gone, source_gone = 20, 30  # the first steps without actor/pg_loss, and without the gsm8k source
+    steps = []
+    for s in range(60):
+        m = dict(STEADY)
+        if s < gone:
+            m["actor/pg_loss"] = 0.1
+        if s < source_gone:  # a data source that leaves the mix: normal
+            m["group/data_source/gsm8k/critic/score/mean"] = 0.4
+        steps.append((s, m))
+    run, monitor = log_through_jsonl(tmp_path, steps)
+    events = [(e["step"], e["event"]["rule"], e["event"]["metric"]) for e in run.events]
+    assert events == [(gone - 1 + Silent.steps, "silent", "actor/pg_loss")]
+    assert f"since step {gone - 1} " in run.events[0]["event"]["message"]
+    (silent,) = [r for r in monitor.rules if isinstance(r, Silent)]
+    assert "actor/pg_loss" not in silent._last and rule_state(monitor)["holding"] == 0  # forgotten
+
+
+@pytest.mark.torch
+def test_correct_and_wrong_lengths_on_some_steps_only_raise_no_alert(tmp_path):
+    """Real data metrics of batches whose responses are sometimes all wrong or all correct:
+    ``response/correct_length/*`` or ``response/wrong_length/*`` is absent for 8 steps in a row."""
+    from rlmetrics.metrics.data import compute_data_metric
+
+    rng = np.random.default_rng(3)
+    steps = []
+    for s in range(80):
+        share = (0.5, 0.0, 0.5, 1.0)[(s // 8) % 4]  # of correct responses, in phases of 8 steps
+        rewards = np.zeros((8, 4))
+        rewards[:, -1] = rng.random(8) < share
+        batch = {"responses": np.zeros((8, 4)), "attention_mask": np.ones((8, 6), np.int64)}
+        steps.append((s, compute_data_metric(batch | {"token_level_rewards": rewards})))
+    present = {("response/correct_length/mean" in m, "response/wrong_length/mean" in m) for _, m in steps}
+    assert present == {(True, True), (False, True), (True, False)}
+    run, _ = log_through_jsonl(tmp_path, steps)
+    assert run.steps == list(range(80))
+    assert run.events == []
 
 
 @pytest.mark.slow

@@ -6,7 +6,8 @@ condition), or ``{metric: message}`` (one condition per metric). Its ``name`` at
 ``__name__``) names it; a ``level`` attribute (``"warning"``, the default, or ``"error"``) grades it.
 :class:`Monitor` runs its rules in order on each step and alerts once per ``(rule, metric)`` when the
 condition starts to hold; it alerts again only after a step where it did not hold. A rule that raises
-is reported (``logging.error``) and disabled; the others go on.
+is reported (``logging.error``) and disabled; the others go on. The built-in rules and the Monitor
+cost O(names of the step) per step and hold bounded memory, however many names a run has seen.
 
 The default rules (:func:`default_rules`), each a class whose attributes are its defaults and whose
 keyword arguments override them (docs/health.md lists them with their thresholds): ``non_finite``
@@ -37,7 +38,8 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
-from collections import deque
+import re
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -70,19 +72,42 @@ def rule_name(rule: Callable) -> str:
     return str(getattr(rule, "name", None) or getattr(rule, "__name__", None) or type(rule).__name__)
 
 
-def _matcher(patterns: Iterable[str], ignore: Iterable[str] = ()) -> Callable[[str], bool]:
-    patterns, ignore = tuple(patterns), tuple(ignore)
-    cache: dict[str, bool] = {}
+class _Globs:
+    """Whole metric names matching one of the ``fnmatch`` globs ``patterns`` and none of ``ignore``:
+    ``globs(name)``, and ``globs.select(metrics)``, the names of ``metrics`` that do, in order.
 
-    def matches(name: str) -> bool:
-        hit = cache.get(name)
-        if hit is None:
-            hit = cache[name] = any(fnmatch.fnmatchcase(name, p) for p in patterns) and not any(
-                fnmatch.fnmatchcase(name, p) for p in ignore
-            )
-        return hit
+    ``select`` remembers its answers for at most twice as many names as it is given plus 1024 (it
+    forgets them all when it would hold more): a name seen at the previous steps costs one dict
+    lookup, and a run whose names churn holds no more than that.
 
-    return matches
+    >>> globs = _Globs(["*grad_norm*", "actor/kl"], ignore=["val/*"])
+    >>> globs.select({"actor/grad_norm": 1.0, "val/grad_norm": 1.0, "actor/kl": 1.0, "actor/kl/mean": 1.0})
+    ['actor/grad_norm', 'actor/kl']
+    """
+
+    def __init__(self, patterns: Iterable[str], ignore: Iterable[str] = ()) -> None:
+        self._want, self._skip = _regex(patterns), _regex(ignore)
+        self._known: dict[str, bool] = {}
+
+    def __call__(self, name: str) -> bool:
+        return self._want(name) is not None and self._skip(name) is None
+
+    def select(self, metrics: Mapping[str, Any]) -> list[str]:
+        names = metrics.keys()
+        new = names - self._known.keys()
+        if new:
+            if len(self._known) + len(new) > 2 * len(names) + 1024:
+                self._known.clear()
+                new = names
+            hits = set(filter(self._want, new))
+            self._known.update(dict.fromkeys(new, False))
+            self._known.update(dict.fromkeys(hits.difference(filter(self._skip, hits)), True))
+        return list(filter(self._known.__getitem__, names))
+
+
+def _regex(patterns: Iterable[str]) -> Callable[[str], re.Match | None]:
+    """The ``match`` of one regex for the globs (none: a regex that matches nothing)."""
+    return re.compile("|".join(fnmatch.translate(p) for p in patterns) or "(?!)").match
 
 
 class Rule:
@@ -101,10 +126,10 @@ class Rule:
             setattr(self, key, tuple(value) if key in ("patterns", "ignore") else value)
         if self.level not in LEVELS:
             raise ValueError(f"level must be one of {LEVELS}, got {self.level!r}")
-        self.matches = _matcher(self.patterns, self.ignore)
+        self.matches = _Globs(self.patterns, self.ignore)
 
     def watched(self, metrics: Mapping[str, float]) -> Iterable[tuple[str, float]]:
-        return ((n, v) for n, v in metrics.items() if self.matches(n))
+        return ((n, metrics[n]) for n in self.matches.select(metrics))
 
     def __call__(self, step: int, metrics: Mapping[str, float]) -> Mapping[str, str] | str | None:
         raise NotImplementedError  # pragma: no cover - interface
@@ -119,7 +144,7 @@ class NonFinite(Rule):
     name, level = "non_finite", "error"
 
     def __call__(self, step, metrics):
-        return {n: f"{n} is {v}" for n, v in self.watched(metrics) if not math.isfinite(v)}
+        return {n: f"{n} is {v}" for n, v in metrics.items() if not math.isfinite(v) and self.matches(n)}
 
 
 class ZeroStdGroups(Rule):
@@ -151,15 +176,20 @@ class GradNorm(Rule):
 
 class WindowRule(Rule):
     """A rule on each watched metric's recent finite values (a non-finite one is ``non_finite``'s
-    business): :meth:`check` sees the value and the metric's previous (up to ``window``) values."""
+    business): :meth:`check` sees the value and the metric's previous (up to ``window``) values.
+    The histories of the ``max_names`` metrics logged most recently are kept; a metric pushed out
+    by newer names starts afresh when it comes back."""
 
     window = 10
+    max_names = 1000
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         if self.window < 2:
             raise ValueError(f"window must be >= 2, got {self.window}")
-        self._history: dict[str, deque] = {}
+        if self.max_names < 1:
+            raise ValueError(f"max_names must be >= 1, got {self.max_names}")
+        self._history: OrderedDict[str, deque] = OrderedDict()  # least recently logged first
 
     def __call__(self, step, metrics):
         out = {}
@@ -169,6 +199,10 @@ class WindowRule(Rule):
             history = self._history.get(n)
             if history is None:
                 history = self._history[n] = deque(maxlen=self.window)
+                if len(self._history) > self.max_names:
+                    self._history.popitem(last=False)
+            else:
+                self._history.move_to_end(n)
             message = self.check(n, v, step, history)
             history.append((step, v))
             if message:
@@ -259,28 +293,56 @@ class KLBlowup(Spike):
 
 
 class Silent(Rule):
-    """A metric seen before was absent from the last ``steps`` logged steps."""
+    """A metric logged on ``regular`` consecutive logged steps, then absent from the next ``steps``.
+
+    It is reported once, at the logged step where its absence reaches ``steps``, and forgotten: logged
+    again, it is watched afresh. A name logged less regularly (every k-th step, or only when the
+    batch has such samples) is sparse by design and never reported, nor are names matching
+    ``ignore``: validation (``val/*``, ``val-*``), group breakdowns (``group/*``: a group absent
+    from a step is normal) and the lengths of correct or wrong responses (absent when a batch has
+    none). ``regular=1`` watches every name once logged.
+
+    State: the watched names of each of the last ``steps`` logged steps; when a step is ``steps``
+    old, its names not logged since are gone (and reported if their run was long enough). So a step
+    costs O(its names + the names of the step ``steps`` before), whatever the names seen earlier.
+
+    >>> rule = Silent(steps=2, regular=2)
+    >>> logged = [{"a": 1.0, "b": 1.0}, {"a": 1.0}, {"a": 1.0}, {}, {}, {}]
+    >>> [rule(step, metrics) for step, metrics in enumerate(logged)]
+    [{}, {}, {}, {}, {'a': 'a not logged since step 2 (2 logged steps)'}, {}]
+    """
 
     name = "silent"
     steps = 5
-    ignore = ("val/*", "val-*")
+    regular = 5
+    ignore = ("val/*", "val-*", "group/*", "response/correct_length/*", "response/wrong_length/*")
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
-        if self.steps < 1:
-            raise ValueError(f"steps must be >= 1, got {self.steps}")
-        self._seen = 0
-        self._last: dict[str, tuple[int, int]] = {}  # name -> (logged-step index, step)
+        for option in ("steps", "regular"):
+            if getattr(self, option) < 1:
+                raise ValueError(f"{option} must be >= 1, got {getattr(self, option)}")
+        self._seen = 0  # logged steps so far
+        self._steps: deque[tuple[int, int, dict[str, None]]] = deque()  # (index, step, watched names)
+        self._last: dict[str, int] = {}  # name -> index of the logged step where it was last logged
+        self._start: dict[str, int] = {}  # name -> index where its run of consecutive steps started
 
     def __call__(self, step, metrics):
-        self._seen += 1
-        for n in metrics:
-            self._last[n] = (self._seen, step)
-        return {
-            n: f"{n} not logged since step {at} ({self._seen - i} steps)"
-            for n, (i, at) in self._last.items()
-            if self._seen - i >= self.steps and self.matches(n)
-        }
+        now = self._seen = self._seen + 1
+        names = dict.fromkeys(self.matches.select(metrics))
+        before = self._steps[-1][2] if self._steps else {}
+        self._start.update(dict.fromkeys(names.keys() - before.keys(), now))
+        self._last.update(dict.fromkeys(names, now))
+        self._steps.append((now, step, names))
+        out = {}
+        if len(self._steps) > self.steps:
+            index, at, old = self._steps.popleft()
+            for n in old:
+                if self._last[n] == index:  # not logged since
+                    del self._last[n]
+                    if index - self._start.pop(n) + 1 >= self.regular:
+                        out[n] = f"{n} not logged since step {at} ({self.steps} logged steps)"
+        return out
 
 
 DEFAULT_RULES: dict[str, type[Rule]] = {
@@ -310,7 +372,8 @@ def default_rules(**options: Mapping[str, Any] | None) -> list[Rule]:
 class Monitor:
     """Runs ``rules`` (default: :func:`default_rules`) on each step; ``on_alert(alert)`` is called
     by :class:`~rlmetrics.sinks.Tracking` after every sink got the step's alerts (an exception it
-    raises reaches the caller of ``log``: raise to stop the run)."""
+    raises reaches the caller of ``log``: raise to stop the run). It holds the conditions that held
+    at the previous step, nothing older."""
 
     def __init__(
         self, rules: Iterable[Callable] | None = None, on_alert: Callable[[Alert], Any] | None = None
@@ -318,7 +381,7 @@ class Monitor:
         self.rules = list(default_rules() if rules is None else rules)
         self.on_alert = on_alert
         self.disabled: dict[str, BaseException] = {}  # rule name -> the exception that disabled it
-        self._holding: dict[int, set[str]] = {}  # rule index -> metrics (or "") where it holds
+        self._holding: dict[int, set[str]] = {}  # rule index -> metrics (or "") where it held last step
 
     def observe(self, step: int, metrics: Mapping[str, float]) -> list[Alert]:
         """The alerts of ``step``: the conditions that hold now and did not at the previous step."""
@@ -339,7 +402,10 @@ class Monitor:
                 if metric not in before:
                     value = metrics.get(metric) if metric else None
                     alerts.append(Alert(name, step, message, level, metric or None, value))
-            self._holding[i] = set(found)
+            if found:
+                self._holding[i] = set(found)
+            else:
+                self._holding.pop(i, None)
         return alerts
 
 
