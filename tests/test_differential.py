@@ -19,6 +19,11 @@ its last bits, ~ width * 2**-24).
 Backends: in-process threads (hypothesis, many scenarios), Ray actors (a few scenarios, one actor
 per rank) and torch.distributed gloo processes (3 ranks). ``test_a_mean_of_means_is_caught`` runs
 the harness with one merge replaced by a mean of means and checks it fails.
+
+Churned names through the sinks: local ranks break their samples down by tasks that are new at every
+step (``group/task/<task>/...``, each rank holding a few of them) and the driver logs each result
+through ``make_sinks(["jsonl"])`` with the default health rules; every step read back from the JSONL
+file equals numpy on the concatenated samples of all ranks, and no rule alerts.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from hypothesis import strategies as st
 
 import rlmetrics
 from rlmetrics.backends import local
+from rlmetrics.sinks import make_sinks, read_jsonl
 
 torch = pytest.importorskip("torch")
 
@@ -258,6 +264,82 @@ def test_a_mean_of_means_is_caught(monkeypatch):
     monkeypatch.setattr(steps, "reduce_parts", mean_of_means)
     with pytest.raises(AssertionError):
         run_local(sc, "final")
+
+
+# ------------------------------------------------------------------------ churned names, the sinks
+CHURN_WORLD, CHURN_STEPS, CHURN_TASKS = 3, 30, 6
+
+
+def churn_rank_step(rank: int, step: int) -> dict:
+    """One rank's samples of ``step``: rewards and lengths, each sample's task (of CHURN_TASKS tasks
+    new at this step; a rank draws a few of them, or has no sample at all), and a scalar loss."""
+    rng = np.random.default_rng([step, rank, 29])
+    n = int(rng.integers(0, 9))
+    own = rng.choice(CHURN_TASKS, size=int(rng.integers(1, 4)), replace=False)
+    return {
+        "reward": rng.normal(size=n),
+        "length": rng.integers(1, 60, n).astype(float),
+        "task": [f"s{step}t{t}" for t in rng.choice(own, n)],
+        "loss": float(rng.uniform()),
+    }
+
+
+def churn_metrics(d: dict) -> dict:
+    return {"reward/mean": d["reward"], "reward/max": d["reward"], "reward/std": d["reward"],
+            "length/p90": d["length"], "loss": d["loss"]}  # fmt: skip
+
+
+def churn_expected(step: int) -> dict[str, float]:
+    """numpy on the concatenation of all ranks' samples of ``step``; a name without samples is absent."""
+    parts = [churn_rank_step(r, step) for r in range(CHURN_WORLD)]
+    reward, length = (np.concatenate([p[k] for p in parts]) for k in ("reward", "length"))
+    task = np.array(sum((p["task"] for p in parts), []))
+    want = {"loss": float(np.mean([p["loss"] for p in parts]))}
+    subsets = [("", np.ones(len(task), bool))] + [(f"group/task/{t}/", task == t) for t in set(task)]
+    for prefix, keep in subsets:
+        if keep.any():
+            r, q = reward[keep], np.quantile(length[keep], 0.9)
+            want |= {f"{prefix}reward/mean": r.mean(), f"{prefix}reward/max": r.max(),
+                     f"{prefix}reward/std": r.std(), f"{prefix}length/p90": q}  # fmt: skip
+    return {k: float(v) for k, v in want.items()}
+
+
+def test_churned_group_names_through_the_sinks_equal_numpy_and_raise_no_alert(tmp_path):
+    name = f"diff-churn-{uuid.uuid4().hex[:8]}"
+    clients = [
+        rlmetrics.connect("local", world_size=CHURN_WORLD, label=f"rank{r}", rank=r, name=name)
+        for r in range(CHURN_WORLD)
+    ]
+    driver = rlmetrics.connect("local", name=name)
+
+    def rank(r: int, step: int) -> None:
+        d = churn_rank_step(r, step)
+        clients[r].submit_metric(churn_metrics(d), CHURN_WORLD, step, group_by={"task": d["task"]})
+        clients[r].wait_submit(step=step)
+
+    try:
+        with make_sinks(["jsonl"], tmp_path) as tracking:
+            for step in range(CHURN_STEPS):
+                threads = [threading.Thread(target=rank, args=(r, step)) for r in range(CHURN_WORLD)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                tracking.log(driver.result(step, timeout=30), step)
+    finally:
+        local.drop_worker(name)
+    run = read_jsonl(tmp_path / "metrics.jsonl")
+    assert run.steps == list(range(CHURN_STEPS))
+    assert run.events == []
+    grouped = set()
+    for step, record in enumerate(run.records):
+        got, want = dict(record["metrics"]), churn_expected(step)
+        assert (got.pop("meta/coverage"), got.pop("meta/late")) == (1.0, 0.0), step
+        assert got.keys() == want.keys(), (step, sorted(got.keys() ^ want.keys()))
+        close = {k: math.isclose(got[k], v, rel_tol=1e-9, abs_tol=1e-12) for k, v in want.items()}
+        assert all(close.values()), (step, {k: (got[k], want[k]) for k, ok in close.items() if not ok})
+        grouped |= {k for k in got if k.startswith("group/")}
+    assert len(grouped) > 10 * CHURN_STEPS  # every step brings new names
 
 
 # ------------------------------------------------------------------------------------------- Ray
