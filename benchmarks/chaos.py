@@ -144,7 +144,7 @@ def run(
         def read(step: int) -> rlmetrics.StepResult | None:
             t_read = time.perf_counter()
             try:
-                return reader.result(step, timeout=result_timeout)
+                return reader.result(step, timeout=result_timeout, finalize=True)
             except Exception as exc:  # noqa: BLE001 - reported; the step is then missing from the JSONL
                 errors.append(f"step {step}: result failed: {exc!r}")
                 return None

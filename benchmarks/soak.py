@@ -254,7 +254,7 @@ def soak(s: Soak, out_dir: Path, seed: int = 0) -> Soak:
                     inflight.append([h.step.remote(launched) for h in hosts])
                     launched += 1
                 if step % s.read_every == 0:
-                    res = reader.result(step, timeout=RESULT_TIMEOUT_S)
+                    res = reader.result(step, timeout=RESULT_TIMEOUT_S, finalize=True)
                     sink.log(res, step)
                     if not res.meta.complete:
                         s.partial.append(step)

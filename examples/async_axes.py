@@ -95,18 +95,18 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
     logged = dict.fromkeys(("train_step", *AXES), 0)
     with make_sinks(args.sinks, args.out, axes=True) as tracking:
         for t in range(args.steps):
-            tracking.log(reader.result(t, timeout=60), t)
+            tracking.log(reader.result(t, timeout=60, finalize=True), t)
             logged["train_step"] += 1
             for axis in AXES:  # a step of another axis is final once every rank moved past it
                 while logged[axis] < t - WORKERS:
                     step = logged[axis]
-                    tracking.log_axis(reader.result(step, timeout=60, axis=axis), step, axis)
+                    tracking.log_axis(reader.result(step, timeout=60, axis=axis, finalize=True), step, axis)
                     logged[axis] += 1
         for thread in ranks:
             thread.join()
         for axis in AXES:  # the last ones: final when the ranks stopped
             for step in range(logged[axis], args.steps):
-                tracking.log_axis(reader.result(step, timeout=60, axis=axis), step, axis)
+                tracking.log_axis(reader.result(step, timeout=60, axis=axis, finalize=True), step, axis)
                 logged[axis] += 1
     for name in ("async", *(axes.axis_aggregator("async", a) for a in AXES)):
         drop_worker(name)

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
             for rank, client in enumerate(ranks):
                 client.submit_metric(rank_batch(step, rank, args.nan_step), step=step)
                 client.wait_submit(step=step)
-            tracking.log(reader.result(step, timeout=30), step)
+            tracking.log(reader.result(step, timeout=30, finalize=True), step)
             if (step + 1) % args.ckpt_every == 0:
                 tmp = ckpt.with_suffix(".tmp")
                 tmp.write_text(json.dumps({"next_step": step + 1}))

@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> dict:
                     for rank, shard, part in zip(ranks, chunk(batch, cuts), validation)
                 ])  # fmt: skip
                 policy.load_state_dict({k: torch.stack([s[k] for s in states]).mean(0) for k in states[0]})
-                result = driver.result(step, timeout=60)
+                result = driver.result(step, timeout=60, finalize=True)
                 sinks.log(result, step)
                 full = {  # the verl driver's own calls, on the whole batch
                     **verl.compute_data_metrics(batch, use_critic=False),

@@ -135,7 +135,7 @@ def run(backend: str, name: str) -> dict[str, dict[int, dict]]:
             thread.join(120)
     reader = axes_mod.connect(backend, axes=AXES, name=name)
     with pytest.warns(RuntimeWarning, match="partial"):
-        partial = reader.result(LATE[1], timeout=0.5)
+        partial = reader.result(LATE[1], timeout=0.5, finalize=True)
     taken.set()
     threads["worker", LATE[0]].join(120)
     return check_run(

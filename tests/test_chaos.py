@@ -105,7 +105,7 @@ def test_a_result_finalized_just_before_a_restart_is_not_lost():
             assert dict(ray.get(root.result.remote(step, 30))) == want  # this reply is "lost"
             time.sleep(1.0)  # the incarnation's state (the step is finalized) reaches Ray's KV store
             ray.kill(root, no_restart=False)
-            res = reader.result(step, timeout=60)
+            res = reader.result(step, timeout=60, finalize=True)
             assert dict(res) == want and res.meta.complete, res.meta
     finally:
         ray.shutdown()

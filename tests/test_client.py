@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlmetrics.client import AggregatorRestarted, ClientCore, Transport
+from rlmetrics.client import AggregatorRestarted, ClientCore, Transport, identity
 from rlmetrics.messages import StepResult
 from rlmetrics.server import Server
 
@@ -43,9 +43,9 @@ class RestartingTransport:
     def _save(self) -> None:  # what a Ray actor writes to Ray's KV store after a change
         self.saved = self.server.engine.export_state()
 
-    def send(self, client_id, items, close, resync=False) -> dict:
+    def send(self, who, items, close, resync=False) -> dict:
         server = self._live()
-        errors = server.merge(client_id, items, close, resync)
+        errors = server.merge(identity(who)[0], items, close, resync)
         server.finalize_complete({it[0] for it in items} | set(close))
         self._save()
         return server.reply(errors)
@@ -60,9 +60,9 @@ class RestartingTransport:
             reply = self.send(*posted)
         return reply
 
-    def result(self, step, timeout) -> StepResult:
+    def result(self, step, timeout, finalize=False) -> StepResult:
         server = self._live()
-        out = server.result(step)
+        out = server.result(step, finalize)
         self._save()
         return out
 
@@ -72,12 +72,12 @@ class RestartingTransport:
         self._save()
         return out
 
-    def register(self, client_id) -> None:
-        self._live().register(client_id)
+    def register(self, who) -> None:
+        self._live().register(identity(who)[0])
         self._save()
 
-    def depart(self, client_id) -> None:
-        self._live().depart(client_id)
+    def depart(self, who) -> None:
+        self._live().depart(identity(who)[0])
         self._save()
 
     def watch(self, client) -> None:
@@ -135,7 +135,9 @@ def test_a_finalized_step_survives_the_restart_and_is_not_kept_by_clients():
     assert list(a._kept) == [1]
     transport.restart()
     with pytest.warns(RuntimeWarning, match="step 1 is partial"):
-        res = a.result(1, timeout=0)  # the retried read finds the new incarnation, a resent step 1
+        res = a.result(
+            1, timeout=0, finalize=True
+        )  # the retried read finds the new incarnation, a resent step 1
     assert transport.incarnations == 2 and dict(res) == {"x": 2.0} and res.meta.missing_ranks
     assert dict(a.result(0)) == {"x": 1.0}  # kept across the restart
 

@@ -45,7 +45,7 @@ def test_partial_step_and_late_submission(tmp_path, worker_name):
                 ranks[rank].submit_metric({n: float(rank + step) for n in sorted(names)}, step=step)
                 ranks[rank].wait_submit(step=step)
             with pytest.warns(RuntimeWarning, match="partial") if step == 1 else nullcontext():
-                result = reader.result(step, timeout=0.3 if step == 1 else 10)
+                result = reader.result(step, timeout=0.3 if step == 1 else 10, finalize=True)
             if step == 1:  # rank 2 wakes up: its step 1 arrives after the step is final
                 ranks[2].submit_metric({"a": 9.0}, step=1)
                 ranks[2].wait_submit(step=1)

@@ -28,11 +28,13 @@ file equals numpy on the concatenated samples of all ranks, and no rule alerts.
 
 from __future__ import annotations
 
+import json
 import math
 import pickle
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -168,9 +170,10 @@ def run_rank(client, sc: dict, rank: int, step: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------- reference
-def expected(sc: dict, step: int) -> dict[str, float]:
-    """The single-process computation on the concatenation of all ranks' inputs of ``step``."""
-    parts = [rank_step(sc, r, step) for r in range(sc["world"])]
+def expected(sc: dict, step: int, ranks: list[int] | None = None) -> dict[str, float]:
+    """The single-process computation on the concatenation of the inputs of ``step`` of all ranks
+    (or of ``ranks``)."""
+    parts = [rank_step(sc, r, step) for r in (range(sc["world"]) if ranks is None else ranks)]
     batch = {k: torch.cat([p["batch"][k] for p in parts]) for k in parts[0]["batch"]}
     ns = sc["nan_strategy"]
     want = dict(compute_data_metric(batch, nan_strategy=ns))
@@ -191,10 +194,12 @@ def expected(sc: dict, step: int) -> dict[str, float]:
     return {k: float(v) for k, v in want.items() if k not in UNCHECKABLE}
 
 
-def check(sc: dict, step: int, got) -> None:
+def check(sc: dict, step: int, got, ranks: list[int] | None = None) -> None:
+    """``got`` is ``step`` of ``sc``: complete and equal to the reference, or with ``ranks`` final,
+    partial and equal to the reference over those ranks alone."""
     assert got.step == step, (got.step, step)
-    assert got.meta.complete, got.meta
-    want = expected(sc, step)
+    assert got.meta.complete == (ranks is None) and not got.meta.provisional, got.meta
+    want = expected(sc, step, ranks)
     names = set(got) - UNCHECKABLE - {"meta/coverage", "meta/late"}
     assert names == set(want), ("names differ", sorted(names ^ set(want)))
     CHECKED.append(len(want))
@@ -342,12 +347,80 @@ def test_churned_group_names_through_the_sinks_equal_numpy_and_raise_no_alert(tm
     assert len(grouped) > 10 * CHURN_STEPS  # every step brings new names
 
 
-# ------------------------------------------------------------------------------------------- Ray
-@pytest.mark.ray
-@pytest.mark.slow
+# -------------------------------------------------------------- two readers with different deadlines
+SLOW_RANK_S = 0.5  # the last rank's delay at every step
+DASHBOARD_TIMEOUT_S = 0.2  # the second reader's deadline: shorter than the slow rank's delay
+
+
+def read_beside_a_dashboard(sc: dict, driver, dashboard, run_step) -> list:
+    """Each step: ``run_step(step)`` starts the ranks (the last one late by ``SLOW_RANK_S``) and the
+    driver reads it with ``finalize=True`` and a long deadline, while a dashboard thread reads the
+    newest step again and again with a deadline shorter than the slow rank's delay. Every step the
+    driver gets is checked against the reference; the dashboard's reads are returned."""
+    newest, stop, seen = [0], threading.Event(), []
+
+    def watch() -> None:
+        while not stop.is_set():
+            seen.append(dashboard.result(newest[0], timeout=DASHBOARD_TIMEOUT_S))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        for step in range(STEPS):
+            newest[0] = step
+            finish = run_step(step)
+            got = driver.result(step, timeout=60, finalize=True)
+            finish()
+            check(sc, step, got)
+    finally:
+        stop.set()
+        watcher.join(30)
+    return seen
+
+
+def check_dashboard(seen: list) -> None:
+    """The dashboard's reads ended at its own deadline (provisional) and finalized nothing."""
+    assert any(r.meta.provisional for r in seen), [r.meta for r in seen]
+    assert all(r.meta.complete or r.meta.provisional for r in seen), [
+        r.meta for r in seen if not r.meta.provisional
+    ]
+
+
+def slow_last_rank(client, sc: dict, rank: int, step: int) -> None:
+    if rank == sc["world"] - 1:
+        time.sleep(SLOW_RANK_S)
+    run_rank(client, sc, rank, step)
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::UserWarning")
-def test_ray_actors_equal_the_concatenated_batch(ray_session):
-    ray = ray_session
+def test_local_a_second_readers_short_deadline_finalizes_nothing():
+    """Before, the dashboard's deadline finalized the step for everyone: the driver got every step
+    partial and the slow rank's data was dropped as late."""
+    for sc in draw_scenarios(2, world=3):
+        name = f"diff-{uuid.uuid4().hex[:8]}"
+        opts = {"nan_strategy": sc["nan_strategy"], "name": name}
+        clients = [
+            rlmetrics.connect("local", world_size=3, label=f"rank{r}", rank=r, **opts) for r in range(3)
+        ]
+
+        def run_step(step: int, sc=sc, clients=clients):
+            threads = [
+                threading.Thread(target=slow_last_rank, args=(c, sc, r, step)) for r, c in enumerate(clients)
+            ]
+            for t in threads:
+                t.start()
+            return lambda: [t.join() for t in threads]
+
+        try:
+            driver, dashboard = (rlmetrics.connect("local", name=name) for _ in range(2))
+            check_dashboard(read_beside_a_dashboard(sc, driver, dashboard, run_step))
+        finally:
+            local.drop_worker(name)
+
+
+# ------------------------------------------------------------------------------------------- Ray
+def ray_ranks(ray, n: int) -> list:
+    """``n`` rank actors; each connects once per aggregator name, as the options of its first step say."""
 
     @ray.remote(num_cpus=0)
     class Rank:
@@ -355,23 +428,36 @@ def test_ray_actors_equal_the_concatenated_batch(ray_session):
             self.rank = rank
             self.clients = {}
 
-        def step(self, name, sc, step, blocking):
+        def client(self, name, sc, blocking=True, hierarchy=None):
             if name not in self.clients:
                 self.clients[name] = rlmetrics.connect(
                     "ray", name=name, world_size=sc["world"], label=f"rank{self.rank}", rank=self.rank,
-                    nan_strategy=sc["nan_strategy"], blocking=blocking,
+                    nan_strategy=sc["nan_strategy"], blocking=blocking, hierarchy=hierarchy,
                 )  # fmt: skip
-            run_rank(self.clients[name], sc, self.rank, step)
+            return self.clients[name].client_id
 
-    actors = [Rank.remote(r) for r in range(4)]
+        def step(self, name, sc, step, blocking=True, slow=False):
+            (slow_last_rank if slow else run_rank)(self.clients[name], sc, self.rank, step)
+
+    return [Rank.remote(r) for r in range(n)]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::UserWarning")
+def test_ray_actors_equal_the_concatenated_batch(ray_session):
+    ray = ray_session
+    actors = ray_ranks(ray, 4)
     for i, sc in enumerate(draw_scenarios(4)):
         read = ("final", "result")[i % 2]
         name = f"diff-{uuid.uuid4().hex[:8]}"
         worker = rlmetrics.get_metric_worker(name=name)
         driver = rlmetrics.MetricClient(worker)
+        ranks = actors[: sc["world"]]
         try:
+            ray.get([a.client.remote(name, sc, read == "final") for a in ranks])
             for step in range(STEPS):
-                ray.get([a.step.remote(name, sc, step, read == "final") for a in actors[: sc["world"]]])
+                ray.get([a.step.remote(name, sc, step) for a in ranks])
                 check(
                     sc, step, driver.wait_final_res() if read == "final" else driver.result(step, timeout=60)
                 )
@@ -379,6 +465,162 @@ def test_ray_actors_equal_the_concatenated_batch(ray_session):
             ray.kill(worker)
     for a in actors:
         ray.kill(a)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::UserWarning")
+def test_ray_a_second_readers_short_deadline_finalizes_nothing(ray_session):
+    ray = ray_session
+    (sc,) = draw_scenarios(1, world=3)
+    actors = ray_ranks(ray, 3)
+    name = f"diff-{uuid.uuid4().hex[:8]}"
+    worker = rlmetrics.get_metric_worker(name=name)
+    try:
+        ray.get([a.client.remote(name, sc) for a in actors])
+
+        def run_step(step: int):
+            refs = [a.step.remote(name, sc, step, slow=True) for a in actors]
+            return lambda: ray.get(refs)
+
+        driver, dashboard = (rlmetrics.connect("ray", name=name) for _ in range(2))
+        check_dashboard(read_beside_a_dashboard(sc, driver, dashboard, run_step))
+    finally:
+        ray.kill(worker)
+        for a in actors:
+            ray.kill(a)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::UserWarning")
+@pytest.mark.parametrize(
+    "hierarchy, read",
+    [(None, "result"), ("node", "result"), ("node", "final")],
+    ids=["flat", "node", "node-seed"],
+)
+def test_ray_a_rank_dead_mid_step_gives_the_survivors_concatenation_in_both_layouts(
+    ray_session, hierarchy, read
+):
+    """Three ranks, the last one dies before its calls of step 1; the driver's read ends at its
+    deadline (``result(finalize=True)``, or the seed's ``wait_final_res``): step 1 equals the
+    reference over the two survivors and names the dead rank, with or without node sub-aggregators."""
+    ray = ray_session
+    (sc,) = draw_scenarios(1, world=3)
+    for spec in sc["steps"]:
+        spec["val"] = [0, 0, 0]  # a validation round without the dead rank's share has other names
+    actors = ray_ranks(ray, 3)
+    name = f"diff-{uuid.uuid4().hex[:8]}"
+    worker = rlmetrics.get_metric_worker(name=name, hierarchy=hierarchy)
+    driver = rlmetrics.connect("ray", name=name)
+    try:
+        ids = ray.get([a.client.remote(name, sc, True, hierarchy) for a in actors])
+        ray.get([a.step.remote(name, sc, 0) for a in actors])
+        check(sc, 0, driver.result(0, timeout=60))
+        ray.kill(actors[2])
+        ray.get([a.step.remote(name, sc, 1) for a in actors[:2]])
+        got = (
+            driver.result(1, timeout=3, finalize=True)
+            if read == "result"
+            else driver.wait_final_res(timeout=3)
+        )
+        check(sc, 1, got, ranks=[0, 1])
+        assert got.meta.missing_ranks == [ids[2]] and got.meta.contributors == sorted(ids[:2]), got.meta
+    finally:
+        ray.kill(worker)
+        for a in actors[:2]:
+            ray.kill(a)
+
+
+RESUMED_DRIVER = """
+import json, pickle, sys, time
+import ray, rlmetrics
+
+args = json.loads(sys.argv[1])
+sys.path.insert(0, args["root"])
+from tests.test_differential import STEPS  # noqa: E402
+
+ray.init(address=args["address"], namespace=args["namespace"], logging_level="ERROR", log_to_driver=False)
+sc = pickle.loads(open(args["scenario"], "rb").read())
+name, namespace = args["name"], args["namespace"]
+rlmetrics.get_metric_worker(name=name, namespace=namespace, lifetime="detached")
+
+
+@ray.remote(num_cpus=0)
+class Rank:
+    def __init__(self, rank):
+        sys.path.insert(0, args["root"])
+        self.rank = rank
+        self.client = rlmetrics.connect(
+            "ray", name=name, namespace=namespace, world_size=sc["world"], label=f"rank{rank}", rank=rank,
+            nan_strategy=sc["nan_strategy"],
+        )
+
+    def step(self, step):
+        from tests.test_differential import run_rank
+
+        run_rank(self.client, sc, self.rank, step)
+
+
+ranks = [Rank.remote(r) for r in range(sc["world"])]
+if args["killed"]:
+    ray.get(ranks[0].step.remote(0))  # rank 0 closed step 0, the others did not: the driver is killed now
+    print("READY", flush=True)
+    time.sleep(600)
+reader = rlmetrics.connect("ray", name=name, namespace=namespace)
+results = []
+for step in range(STEPS):  # the restarted run, from its checkpoint at step 0
+    ray.get([a.step.remote(step) for a in ranks])
+    results.append(reader.result(step, timeout=30, finalize=True))
+open(args["out"], "wb").write(pickle.dumps(results))
+"""
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::UserWarning")
+def test_ray_a_run_resumed_on_a_detached_aggregator_never_merges_the_killed_runs_data(ray_session, tmp_path):
+    """A driver with a detached aggregator is killed (SIGKILL) after its rank 0 closed step 0 and before
+    the other ranks did; the run restarts from its checkpoint with new rank actors and other data.
+    Every step equals the reference on the new run's data alone, and is complete: the killed run's
+    half step is dropped and its ranks are not waited for. Before, step 0 merged the dead rank 0's
+    data with the new ranks' (its ``meta.contributions`` still read whole) and step 1 waited for the
+    dead rank until the deadline."""
+    ray = ray_session
+    killed_sc, resumed_sc = draw_scenarios(2, world=2)
+    common = {
+        "root": str(Path(__file__).resolve().parents[1]),
+        "address": ray.get_runtime_context().gcs_address,
+        "namespace": f"ns-{uuid.uuid4().hex[:8]}",
+        "name": "resumed",
+        "out": str(tmp_path / "out.pkl"),
+    }
+    script = tmp_path / "driver.py"
+    script.write_text(RESUMED_DRIVER)
+
+    def driver(sc: dict, killed: bool) -> subprocess.Popen:
+        path = tmp_path / f"scenario-{killed}.pkl"
+        path.write_bytes(pickle.dumps(sc))
+        spec = json.dumps({**common, "scenario": str(path), "killed": killed})
+        return subprocess.Popen([sys.executable, str(script), spec], stdout=subprocess.PIPE, text=True)
+
+    first = driver(killed_sc, killed=True)
+    try:
+        assert first.stdout.readline().strip() == "READY", first.communicate(timeout=10)
+    finally:
+        first.kill()  # SIGKILL: Ray ends the run's rank actors with it, not the detached aggregator
+        first.wait(30)
+    second = driver(resumed_sc, killed=False)
+    try:
+        assert second.wait(240) == 0
+        results = pickle.loads((tmp_path / "out.pkl").read_bytes())
+        for step, res in enumerate(results):
+            check(resumed_sc, step, res)
+            received, expected_count = res.meta.contributions
+            assert received == expected_count > 0 and len(res.meta.contributors) == 2, res.meta
+    finally:
+        second.kill()
+        ray.kill(ray.get_actor("resumed", namespace=common["namespace"]))
 
 
 # ------------------------------------------------------------------------------------------- torch

@@ -313,7 +313,7 @@ def check_results(sc, reader, base, check=check_value):
 
 def late_submission_is_dropped(sc, clients, reader, base):
     """A contribution to a finalized step does not change its kept result."""
-    before = dict(reader.result(base, timeout=1))
+    before = dict(reader.result(base, timeout=1, finalize=True))
     clients[0].submit_metric(sc["data"][(0, 0)][0], step=base)
     clients[0].close_step(base)
     clients[0].flush()
@@ -420,7 +420,7 @@ def test_a_colliding_name_is_refused_alone_and_the_step_lists_it():
     with pytest.raises(MetricValueError, match=r"'perf/delta_time/gen'.*other 2 metric\(s\) were merged"):
         b.wait_submit()
     with pytest.warns(RuntimeWarning, match="step 0 is partial"):  # rank 1's gen time never came
-        res = a.result(0, timeout=0.5)
+        res = a.result(0, timeout=0.5, finalize=True)
     assert dict(res) == {"perf/delta_time/gen": 1.0, "actor/pg_loss": 1.0, "critic/score/mean": 2.0}
     assert res.meta.missing_metrics == {"timing_s/gen": [1, 2]}
     assert "would both be reported as 'perf/delta_time/gen'" in res.meta.refused["perf/delta_time/gen"]

@@ -66,7 +66,7 @@ def run_diverging(out, name="health-run"):
                     client.wait_submit(step=step)
                 timeout = 0.3 if step == SILENT_RANK_STEP else 10
                 with pytest.warns(RuntimeWarning) if step in (NAN_STEP, SILENT_RANK_STEP) else nullcontext():
-                    result = reader.result(step, timeout=timeout)
+                    result = reader.result(step, timeout=timeout, finalize=True)
                 tracking.log(result, step)
             assert not tracking.failed
             return tracking.sinks[3].run_id

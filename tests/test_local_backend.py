@@ -108,7 +108,7 @@ def test_result_times_out_with_a_partial_step(name):
     fast.wait_submit()
     t0 = time.monotonic()
     with pytest.warns(RuntimeWarning, match="partial"):
-        res = fast.result(1, timeout=0.3)
+        res = fast.result(1, timeout=0.3, finalize=True)
     assert 0.25 < time.monotonic() - t0 < 5
     assert res == {"a": 5.0}
     assert res.meta.missing_ranks[0].startswith("slow@")
@@ -231,7 +231,7 @@ def test_a_step_read_at_a_deadline_wakes_its_other_readers():
     waiter.start()
     time.sleep(0.05)
     with pytest.warns(RuntimeWarning, match="partial"):
-        partial = rlmetrics.MetricClient(worker).result(0, timeout=0.05)
+        partial = rlmetrics.MetricClient(worker).result(0, timeout=0.05, finalize=True)
     waiter.join(10)
     assert got == [partial] and got[0].meta.missing_metrics == {"x": [1, 2]}
 

@@ -1,6 +1,7 @@
 """The Ray backend on a real local Ray instance: seed API, steps without a barrier, wire, faults."""
 
 import gc
+import json
 import pickle
 import random
 import time
@@ -15,7 +16,7 @@ ray = pytest.importorskip("ray")
 
 import rlmetrics  # noqa: E402
 from rlmetrics.backends.ray import compat  # noqa: E402
-from rlmetrics.backends.ray.actor import ACTOR_OPTIONS, _MetricWorker  # noqa: E402
+from rlmetrics.backends.ray.actor import AggregatorClass, _MetricWorker  # noqa: E402
 from rlmetrics.packing import pack  # noqa: E402
 from rlmetrics.wire import encode  # noqa: E402
 
@@ -75,6 +76,9 @@ class Rank:
 
     def set_world_size(self, world):
         self.client.set_world_size(world)
+
+    def client_id(self):
+        return self.client.client_id
 
     def pid(self):
         import os
@@ -467,7 +471,7 @@ def test_rank_killed_mid_run_gives_partial_then_continues_with_new_world_size(na
     ray.get([a.flush.remote() for a in ranks[:3]])  # delivered: the 2 s below wait for rank 3 only
     reader = rlmetrics.connect("ray", name=name)
     with pytest.warns(RuntimeWarning, match="partial"):
-        res = reader.result(2, timeout=2)
+        res = reader.result(2, timeout=2, finalize=True)
     assert res.meta.complete is False
     assert len(res.meta.missing_ranks) == 1 and res.meta.missing_ranks[0].startswith("rank3@")
     assert res.meta.missing_metrics["x/mean"] == [3, 4]
@@ -498,6 +502,86 @@ def test_aggregator_killed_and_restarted_loses_nothing_counts_nothing_twice(name
         results[s] = reader.result(s, timeout=90)
     for s in range(steps):
         check_step(results[s], s, range(world))
+
+
+def test_resends_after_restarts_are_not_counted_late(name):
+    """The aggregator killed three times over 12 steps, every rank on time: ``meta.late`` stays 0
+    (before, the ranks' resends of steps the new incarnation restored as final were counted late:
+    most steps after a restart carried a late count although no rank was late)."""
+    world = 4
+    worker = rlmetrics.get_metric_worker(name=name, recovery_timeout=60)
+    ranks = [Rank.remote(r, world, name) for r in range(world)]
+    reader = rlmetrics.connect("ray", name=name)
+    lates = []
+    for s in range(12):
+        if s in (3, 6, 9):
+            ray.kill(worker, no_restart=False)
+        ray.get([a.step.remote(s) for a in ranks])
+        res = reader.result(s, timeout=90, finalize=True)
+        check_step(res, s, range(world))
+        lates.append(res.meta.late)
+    assert lates == [0] * 12, lates
+
+
+CO_TENANT = """
+import json, sys
+import ray
+from ray.experimental import internal_kv
+from rlmetrics.packing import pack
+from rlmetrics.wire import encode
+
+name, address, rank0, seq = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+ray.init(address=address, logging_level="ERROR", log_to_driver=False)  # another job, same cluster
+found = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] == name]
+handle = ray.get_actor(name, namespace=found[0]["namespace"])
+clients = ray.get(handle.stats.remote())["clients"]
+forged = encode([(2, seq, 2, pack({"x/mean": [50.0], "x/min": [50.0], "x/max": [50.0]}))], [], True)
+replies = [ray.get(handle.send.remote(who, forged)).errors for who in (rank0, rank0 + "#0123#")]
+key = f"rlmetrics/state/{handle._actor_id.hex()}".encode()
+state = {"clients": [], "done_below": 10**6, "finalized": [], "newest_closed": None}
+internal_kv._internal_kv_put(key, json.dumps(state).encode(), overwrite=True)
+ray.kill(handle, no_restart=False)
+print("RESULT " + json.dumps({"clients": clients, "replies": replies}))
+"""
+
+
+def test_a_co_tenant_job_can_neither_send_under_a_ranks_id_nor_plant_a_saved_state(name, tmp_path):
+    """Another job on the cluster finds the aggregator (also in this job's anonymous namespace),
+    reads the ranks' ids, sends a message under rank 0's id with its next seq, overwrites the saved
+    state in Ray's KV store (every step below 10**6 final) and kills the actor. The message is refused
+    (its sender lacks rank 0's secret), the restarted aggregator refuses the planted state (it is not
+    signed with the aggregator's secret) and starts empty, and the steps after are complete and
+    exact. Before, the forged values replaced rank 0's (50.0 in step 2, complete) and every later
+    step came back empty and "evicted"."""
+    import subprocess
+    import sys
+
+    world = 2
+    worker = rlmetrics.get_metric_worker(name=name, recovery_timeout=30)
+    ranks = [Rank.remote(r, world, name) for r in range(world)]
+    reader = rlmetrics.connect("ray", name=name)
+    for s in range(2):  # each step: two submissions (seqs 2s and 2s + 1) per rank
+        ray.get([a.step.remote(s) for a in ranks])
+        check_step(reader.result(s, timeout=60), s, range(world))
+    rank0 = ray.get(ranks[0].client_id.remote())
+    first = ray.get(worker.ping.remote())
+    script = tmp_path / "co_tenant.py"
+    script.write_text(CO_TENANT)
+    address = ray.get_runtime_context().gcs_address
+    out = subprocess.run(
+        [sys.executable, str(script), name, address, rank0, "4"], capture_output=True, text=True, timeout=120
+    )
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, out.stderr[-3000:]
+    seen = json.loads(lines[-1][len("RESULT ") :])
+    assert rank0 in seen["clients"]  # a co-tenant reads the ids ...
+    assert all(errors and "key does not match" in str(errors) for errors in seen["replies"]), seen
+    while incarnation(worker) in (first, None):  # ... and kills the actor: Ray restarts it
+        time.sleep(0.05)
+    for s in range(2, 5):
+        ray.get([a.step.remote(s) for a in ranks])
+        check_step(reader.result(s, timeout=60), s, range(world))
+    assert "refused" in ray.get(worker.stats.remote())["refused_state"]
 
 
 def incarnation(worker):
@@ -531,7 +615,7 @@ class _LateSavingWorker(_MetricWorker):
         super()._write_state()
 
 
-LateSavingWorker = ray.remote(**ACTOR_OPTIONS)(_LateSavingWorker)
+LateSavingWorker = AggregatorClass(_LateSavingWorker)
 
 
 def test_a_step_finalized_but_not_yet_saved_comes_back_whole_after_a_restart(name):
@@ -566,7 +650,7 @@ class _RefusedSaveWorker(_MetricWorker):
         return self.refused_finalized
 
 
-RefusedSaveWorker = ray.remote(**ACTOR_OPTIONS)(_RefusedSaveWorker)
+RefusedSaveWorker = AggregatorClass(_RefusedSaveWorker)
 
 
 def test_a_step_whose_save_failed_is_kept_by_its_ranks_and_comes_back_whole_after_a_restart(name):

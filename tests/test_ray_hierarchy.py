@@ -53,6 +53,12 @@ class Rank:
         self.client.flush()
         return ray.get_runtime_context().get_node_id()
 
+    def set_world_size(self, world):
+        self.client.set_world_size(world)
+
+    def client_id(self):
+        return self.client.client_id
+
 
 def _stall_forwarder(node_actor, seconds):
     """Run inside a node sub-aggregator: its next forward upstream waits ``seconds`` (a slow link)."""
@@ -70,8 +76,8 @@ def _saved_clients(actor):
 
     for _ in range(100):  # the save lands from the actor's saver thread
         saved = compat.kv_get(actor._kv_key)
-        if saved is not None:
-            return json.loads(saved)["clients"]
+        if saved is not None:  # its signature, then the state
+            return json.loads(saved.partition(b"\n")[2])["clients"]
         time.sleep(0.05)
     return None
 
@@ -120,7 +126,9 @@ def test_node_hierarchy_equals_flat_and_root_gets_one_message_per_node_per_step(
         assert tree[s].keys() == flat[s].keys()
     assert flat_stats["calls"]["messages"] == RANKS * STEPS
     assert tree_stats["calls"]["messages"] == NODES * STEPS
-    assert len(tree_stats["clients"]) == NODES and all(c.startswith("node:") for c in tree_stats["clients"])
+    # the root knows the ranks, as in the flat layout: every step names them as its contributors
+    assert len(tree_stats["clients"]) == RANKS and all(c.startswith("rank") for c in tree_stats["clients"])
+    assert all(len(tree[s].meta.contributors) == RANKS for s in range(STEPS))
     # each node saved its own ranks, which a restarted node waits for
     assert [len(saved or ()) for saved in tree_stats["saved"]] == [RANKS // NODES] * NODES
 
@@ -132,3 +140,54 @@ def test_seed_loop_through_node_sub_aggregators_reads_each_steps_own_numbers(clu
     tree, _ = run(cluster, "node", read="final", stall=0.5)
     for s in range(STEPS):
         check_step(tree[s], s)
+
+
+def check_partial(res, s, ranks):
+    """``res`` is final, partial, and exact over ``ranks`` alone."""
+    allv = np.concatenate([rank_data(r, s) for r in ranks])
+    assert res.step == s and not res.meta.complete and not res.meta.provisional, res.meta
+    assert res["x/mean"] == pytest.approx(allv.mean(), rel=1e-12)
+    assert res["x/max"] == allv.max() and res["n/total"] == len(ranks)
+    assert res.meta.missing_metrics["x/mean"] == [len(ranks), 3]
+
+
+@pytest.mark.parametrize(
+    "hierarchy, read",
+    [(None, "finalize"), ("node", "finalize"), ("node", "step deadline")],
+    ids=["flat", "node", "node-step-deadline"],
+)
+def test_a_rank_dead_below_a_node_is_named_at_the_readers_deadline_as_in_the_flat_layout(
+    cluster, hierarchy, read
+):
+    """Three ranks on one node, rank 2 dies before it closes step 2. The driver's read of step 2
+    ends at its deadline (``finalize=True``), or the step's own deadline ends it (``final_timeout``):
+    in both layouts step 2 is final and exact over ranks 0-1, ``missing_ranks`` names rank 2 (the node
+    forwarded what it held when the root's deadline came), and after ``set_world_size(2)`` steps 3-4
+    are complete. Before, the node waited its own 30 s while the root finalized without its forward:
+    the step came back empty, missing ``node:...``."""
+    name = f"d-{uuid.uuid4().hex[:8]}"
+    opts = {"final_timeout": 3.0} if read == "step deadline" else {}
+    rlmetrics.get_metric_worker(name=name, hierarchy=hierarchy, **opts)
+    on_node0 = NodeAffinitySchedulingStrategy(cluster[0], soft=False)
+    ranks = [Rank.options(scheduling_strategy=on_node0).remote(r, name, hierarchy) for r in range(3)]
+    ray.get([a.set_world_size.remote(3) for a in ranks])  # connected with world_size=RANKS
+    ids = ray.get([a.client_id.remote() for a in ranks])
+    reader = rlmetrics.connect("ray", name=name)
+    for s in range(2):
+        ray.get([a.step.remote(s) for a in ranks])
+        assert reader.result(s, timeout=60).meta.complete
+    ray.kill(ranks[2])
+    ray.get([a.step.remote(2) for a in ranks[:2]])
+    with pytest.warns(RuntimeWarning, match="step 2 is partial"):
+        res = reader.result(2, timeout=3.0, finalize=True) if read == "finalize" else reader.result(2)
+    check_partial(res, 2, range(2))
+    assert res.meta.missing_ranks == [ids[2]]
+    ray.get([a.set_world_size.remote(2) for a in ranks[:2]])
+    for s in (3, 4):
+        ray.get([a.step.remote(s) for a in ranks[:2]])
+        res = reader.result(s, timeout=60)
+        allv = np.concatenate([rank_data(r, s) for r in range(2)])
+        assert res.meta.complete and res.meta.contributors == sorted(ids[:2]), res.meta
+        assert res["x/mean"] == pytest.approx(allv.mean(), rel=1e-12) and res["n/total"] == 2
+    for a in ranks[:2]:
+        ray.kill(a)

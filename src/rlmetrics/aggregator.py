@@ -124,13 +124,18 @@ class Aggregator:
         packed: Packed,
         *,
         register: bool = True,
+        count_late: bool = True,
     ) -> bool:
         """Merge one contribution; False when ``(client_id, step, seq)`` was merged before or the
         step is already finalized (late). Raises :class:`SubmissionError` for a malformed one.
 
-        ``register=False`` leaves the sender out of the clients whose step closing is awaited.
+        ``register=False`` leaves the sender out of the clients whose step closing is awaited;
+        ``count_late=False``: a contribution for a finalized step is not counted in ``late`` (a
+        client's resend after a restart of what the aggregator had merged before).
         """
-        return self.submit_merged(((client_id, seq),), step, world_size, packed, register=register)
+        return self.submit_merged(
+            ((client_id, seq),), step, world_size, packed, register=register, count_late=count_late
+        )
 
     def submit_merged(
         self,
@@ -140,6 +145,7 @@ class Aggregator:
         packed: Packed,
         *,
         register: bool = True,
+        count_late: bool = True,
     ) -> bool:
         """Merge a contribution that already merges the submissions ``keys`` (``(client_id, seq)``
         pairs) of one step, as a process pre-merges its clients'. All of them are new, or all were
@@ -184,8 +190,9 @@ class Aggregator:
         if type(packed.contributions) is not int or not 1 <= packed.contributions <= MAX_WORLD_SIZE:
             raise SubmissionError(f"contributions must be a positive int, got {packed.contributions!r}")
         if self.is_finalized(step):
-            self.late += 1
-            logger.warning("step %d is finalized; dropped a late contribution of %s", step, keys[0][0])
+            if count_late:
+                self.late += 1
+                logger.warning("step %d is finalized; dropped a late contribution of %s", step, keys[0][0])
             return False
         known = self.columns.of(packed.schema, step)
         st = self._step(step)
@@ -208,6 +215,7 @@ class Aggregator:
             group.add(
                 stats if known.keep is None else stats[..., known.keep], int(world_size), packed.contributions
             )
+            group.keys.extend(keys)
         for i, state in packed.states.items():
             col = int(known.at[i])
             if col >= 0:
@@ -226,6 +234,27 @@ class Aggregator:
         if self.is_finalized(step):
             return
         self._step(step).closed.add(client_id)
+
+    def discard(self, clients: set[str]) -> list[int]:
+        """Forget ``clients`` (the ranks of a run that ended): no step waits for them, and the
+        pending steps only they contributed to start afresh; the steps changed. A step they share
+        with other clients keeps its data (contributions are merged as they arrive) and is listed."""
+        self.clients.difference_update(clients)
+        changed = []
+        for step, st in self._steps.items():
+            if not (st.contributors & clients or st.closed & clients):
+                continue
+            changed.append(step)
+            if st.contributors and st.contributors <= clients:
+                self._steps[step] = Step(closed=st.closed - clients)
+            else:
+                st.closed.difference_update(clients)
+                if st.contributors & clients:
+                    logger.warning(
+                        "step %d holds data of ended clients %s and of %s: it is kept whole",
+                        step, sorted(st.contributors & clients)[:5], sorted(st.contributors - clients)[:5],
+                    )  # fmt: skip
+        return changed
 
     def note_closed(self, step: int) -> None:
         """Some client closed ``step`` (here or below a node sub-aggregator)."""
@@ -309,29 +338,19 @@ class Aggregator:
             if kept is not None:
                 return kept
             return StepResult({}, step, StepMeta(complete=False, evicted=True))
-        missing_ranks, missing_metrics = self.missing(step)
-        st = self._steps.pop(step, None)
-        complete = st is not None and not missing_ranks and not missing_metrics
-        values, empty, histograms = self._values(st) if st is not None and st.groups else ({}, [], {})
-        meta = StepMeta(
-            complete=complete,
-            missing_ranks=missing_ranks,
-            missing_metrics=missing_metrics,
-            empty=empty,
-            contributors=sorted(st.contributors) if st is not None else [],
-            refused=dict(st.refused) if st is not None else {},
-        )
-        if not complete:
+        result = self._result_of(step)
+        self._steps.pop(step, None)
+        meta = result.meta
+        if not meta.complete:
             # A rank missing at a deadline is not waited for again until it submits again.
-            self.clients.difference_update(missing_ranks)
+            self.clients.difference_update(meta.missing_ranks)
             logger.warning(
                 "step %d is partial: missing ranks %s, %d incomplete metric(s) %s",
                 step,
-                missing_ranks,
-                len(missing_metrics),
-                list(missing_metrics)[:5],
+                meta.missing_ranks,
+                len(meta.missing_metrics),
+                list(meta.missing_metrics)[:5],
             )
-        result = StepResult(values, step, meta, histograms)
         self._mark_finalized(step)
         self._results[step] = result
         while len(self._results) > self.keep_results:
@@ -341,15 +360,54 @@ class Aggregator:
             self._forget(step)
         return result
 
-    def closed_by_contributors(self, step: int) -> bool:
-        """Every client that contributed to ``step`` closed it."""
-        st = self._steps.get(step)
-        return st is not None and bool(st.contributors) and st.contributors <= st.closed
+    def peek(self, step: int) -> StepResult:
+        """``step`` as it stands, leaving it pending (``meta.provisional``): what a reader gets at
+        its deadline when it does not finalize; a finalized step's result as :meth:`finalize`.
 
-    def take(self, step: int) -> list[tuple[Packed, int]]:
+        >>> from rlmetrics.packing import pack
+        >>> engine = Aggregator()
+        >>> engine.register("b")
+        >>> _ = engine.submit("a", 0, 0, 2, pack({"x/mean": 1.0}))
+        >>> res = engine.peek(0)
+        >>> res["x/mean"], res.meta.provisional, res.meta.missing_metrics, engine.pending_steps()
+        (1.0, True, {'x/mean': [1, 2]}, [0])
+        """
+        if self.is_finalized(step):
+            return self.finalize(step)
+        result = self._result_of(step)
+        result.meta.provisional = True
+        return result
+
+    def _result_of(self, step: int) -> StepResult:
+        """The result of pending (or unknown) ``step`` as it stands; its state is left as it is."""
+        missing_ranks, missing_metrics = self.missing(step)
+        st = self._steps.get(step)
+        values, empty, histograms = self._values(st) if st is not None and st.groups else ({}, [], {})
+        meta = StepMeta(
+            complete=st is not None and not missing_ranks and not missing_metrics,
+            missing_ranks=missing_ranks,
+            missing_metrics=missing_metrics,
+            empty=empty,
+            contributors=sorted(st.contributors) if st is not None else [],
+            refused=dict(st.refused) if st is not None else {},
+        )
+        return StepResult(values, step, meta, histograms)
+
+    def closed_by_contributors(self, step: int) -> bool:
+        """Some client closed ``step`` and every client that contributed to it did."""
+        st = self._steps.get(step)
+        return st is not None and bool(st.closed) and st.contributors <= st.closed
+
+    def closers(self, step: int) -> set[str]:
+        """The clients that closed pending ``step``."""
+        st = self._steps.get(step)
+        return set(st.closed) if st is not None else set()
+
+    def take(self, step: int) -> list[tuple[Packed, int, tuple[tuple[str, int], ...]]]:
         """The step's merged contributions so far, one :class:`Packed` per schema with its
-        contribution count, and the largest world_size given; the step starts afresh (a node
-        forwards them upstream, and forwards what arrives later the same way)."""
+        contribution count, the largest world_size given and the ``(client_id, seq)`` keys merged
+        in it; the step starts afresh (a node forwards them upstream, and forwards what arrives
+        later the same way)."""
         st = self._steps.pop(step, None)
         self._forget(step)
         if st is None:
@@ -361,7 +419,7 @@ class Aggregator:
                 if col in st.states:  # a name in several schemas: its merged state goes once
                     states[i] = st.states.pop(col)
             packed = Packed(self.columns.accepted(sid), group.fold().copy(), states, group.received)
-            out.append((packed, group.world_size))
+            out.append((packed, group.world_size, tuple(group.keys)))
         return out
 
     def _values(self, st: Step) -> tuple[dict[str, float], list[str], dict[str, Histogram]]:

@@ -180,10 +180,12 @@ class AxesClient:
         self._newest[axis] = value if newest is None else max(newest, value)
         self._close(axis, value, self.main.blocking)
 
-    def result(self, step: int, timeout: float | None = None, axis: str = DEFAULT_AXIS) -> StepResult:
+    def result(
+        self, step: int, timeout: float | None = None, axis: str = DEFAULT_AXIS, *, finalize: bool = False
+    ) -> StepResult:
         """The result of ``step`` on ``axis`` (:meth:`ClientCore.result`): complete once every rank
-        closed it, at ``timeout`` partial."""
-        return self._client(axis).result(step, timeout)
+        closed it; at ``timeout`` provisional, or final and partial with ``finalize=True``."""
+        return self._client(axis).result(step, timeout, finalize=finalize)
 
     def wait_final_res(self, timeout: float | None = None) -> StepResult:
         """The seed's read, on ``train_step``."""

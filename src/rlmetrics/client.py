@@ -7,24 +7,31 @@ aggregator holds it (siiRL's ``ray.get`` of its submissions). It keeps what it s
 aggregator reports the step finalized; if the aggregator restarted (a new ``incarnation`` in a
 reply, or :class:`AggregatorRestarted` from the transport) it resends what it keeps, which the
 aggregator merges once thanks to ``(client_id, step, seq)``.
+
+Identity: a client's id (``rank3@host:pid:<16 hex>``, shown in every ``meta``) ends with a hash of a
+secret that only the client holds; it speaks to its transport with its *credential*
+(:func:`credential`: id, secret and session), which the aggregator checks (:func:`identity`). Another
+job that reads the ids in results cannot send under one of them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
 import os
+import re
+import secrets
 import socket
 import threading
-import uuid
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from rlmetrics.groups import Labels, grouped_values, split_grouped
-from rlmetrics.messages import StepResult
+from rlmetrics.messages import StepResult, SubmissionError
 from rlmetrics.packing import MAX_WORLD_SIZE, Packed, pack, pack_known
-from rlmetrics.server import Submission
+from rlmetrics.server import Close, Submission
 from rlmetrics.stat import NAN_STRATEGIES, MetricValueError
 
 T = TypeVar("T")
@@ -39,28 +46,26 @@ class AggregatorRestarted(ConnectionError):
 class Transport(Protocol):
     """What a backend provides to a client.
 
-    ``send`` replies ``{"errors": {...}, "incarnation": str, "done_below": int, "finalized": [...]}``
-    (steps below ``done_below`` and those listed are finalized); ``post`` sends without waiting
-    and ``collect(posted, block)`` gives its reply (None while not there and not ``block``);
-    ``watch(client)`` makes the transport call ``client.resync()`` when the aggregator restarts.
-    Any call may raise :class:`AggregatorRestarted`.
+    ``send`` replies a :class:`~rlmetrics.messages.Reply` (its errors, and which steps are final);
+    ``post`` sends without waiting and ``collect(posted, block)`` gives its reply (None while not
+    there and not ``block``); ``watch(client)`` makes the transport call ``client.resync()`` when the
+    aggregator restarts. ``who`` is the client's :func:`credential`. Any call may raise
+    :class:`AggregatorRestarted`.
     """
 
-    def send(
-        self, client_id: str, items: list[Submission], close: list[int], resync: bool = False
-    ) -> dict: ...
+    def send(self, who: str, items: list[Submission], close: list[Close], resync: bool = False) -> Any: ...
 
-    def post(self, client_id: str, items: list[Submission], close: list[int]) -> Any: ...
+    def post(self, who: str, items: list[Submission], close: list[Close]) -> Any: ...
 
-    def collect(self, posted: Any, block: bool = True) -> dict | None: ...
+    def collect(self, posted: Any, block: bool = True) -> Any: ...
 
-    def result(self, step: int, timeout: float | None) -> StepResult: ...
+    def result(self, step: int, timeout: float | None, finalize: bool = False) -> StepResult: ...
 
     def final(self, timeout: float | None = None) -> StepResult: ...
 
-    def register(self, client_id: str) -> None: ...
+    def register(self, who: str) -> None: ...
 
-    def depart(self, client_id: str) -> None: ...
+    def depart(self, who: str) -> None: ...
 
     def watch(self, client: ClientCore) -> None: ...
 
@@ -69,8 +74,8 @@ class SyncTransport:
     """The :class:`Transport` methods of a transport whose ``send`` returns at once (in-process
     ones): ``post`` is ``send``, nothing restarts."""
 
-    def post(self, client_id: str, items: list[Submission], close: list[int]) -> dict:
-        return self.send(client_id, items, close)  # type: ignore[attr-defined]
+    def post(self, who: str, items: list[Submission], close: list[Close]) -> Any:
+        return self.send(who, items, close)  # type: ignore[attr-defined]
 
     def collect(self, posted: dict, block: bool = True) -> dict:
         return posted
@@ -79,10 +84,52 @@ class SyncTransport:
         """Nothing restarts in-process."""
 
 
-def new_client_id(label: str | None = None) -> str:
-    """A unique id; ``label`` (e.g. ``"rank3"``) leads it so that ``meta`` stays readable."""
-    suffix = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-    return f"{label}@{suffix}" if label else suffix
+_HASHED = re.compile(r"@.*:([0-9a-f]{16})$")  # an id new_identity made: it ends with its secret's hash
+
+
+def new_identity(label: str | None = None) -> tuple[str, str]:
+    """``(client_id, secret)``: a unique id that ``label`` (e.g. ``"rank3"``) leads, so that ``meta``
+    stays readable, and that ends with a hash of the secret.
+
+    >>> client_id, secret = new_identity("rank3")
+    >>> client_id.startswith("rank3@"), identity(credential(client_id, secret, "job1")) == (client_id, "job1")
+    (True, True)
+    """
+    secret = secrets.token_hex(16)
+    return f"{label or ''}@{socket.gethostname()}:{os.getpid()}:{_digest(secret)}", secret
+
+
+def _digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()[:16]
+
+
+def credential(client_id: str, secret: str = "", session: str | None = None) -> str:
+    """What a client hands its transport for itself: its id, secret and session (its run)."""
+    return f"{client_id}#{secret}#{session or ''}"
+
+
+def identity(who: str) -> tuple[str, str | None]:
+    """``(client_id, session)`` of a :func:`credential`; a bare id is its own ``client_id``.
+    Raises :class:`~rlmetrics.messages.SubmissionError` when the secret does not match an id
+    :func:`new_identity` made (someone else's id).
+
+    >>> identity("rank0")
+    ('rank0', None)
+    >>> identity("rank0@h:1:0123456789abcdef#wrong#")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    rlmetrics.messages.SubmissionError: client id rank0@h:1:0123456789abcdef: its key does not match ...
+    """
+    if not isinstance(who, str):
+        raise SubmissionError(f"a client id is a str, got {type(who).__name__}")
+    parts = who.rsplit("#", 2)
+    client_id, secret, session = parts if len(parts) == 3 else (who, "", "")
+    hashed = _HASHED.search(client_id)
+    if hashed is not None and _digest(secret) != hashed.group(1):
+        raise SubmissionError(
+            f"client id {client_id}: its key does not match (a message under another client's id is refused)"
+        )
+    return client_id, session or None
 
 
 class ClientCore:
@@ -91,7 +138,7 @@ class ClientCore:
     ``world_size``: default number of contributions expected per metric name and step (change it
     with :meth:`set_world_size`, e.g. after a rank died). ``nan_strategy``: ``"propagate"``
     (default), ``"drop"`` or ``"error"`` for non-finite values. ``label``: leads the client id;
-    ``client_id``: a fixed id instead (for a client that must keep its identity across restarts).
+    ``client_id``: a fixed id instead (anyone may send under a fixed id: it has no secret).
     ``blocking``: ``wait_submit()`` returns once the aggregator holds the step (default, the seed's
     behaviour, needed before a ``wait_final_res()``); ``False`` returns at once and raises an error
     about the data at this client's next call (for ranks whose driver reads with ``result(step)``).
@@ -127,13 +174,15 @@ class ClientCore:
         self.world_size = world_size
         self.nan_strategy = nan_strategy
         self.naming = naming
-        self.client_id = client_id or new_client_id(label)
+        self.client_id, secret = (client_id, "") if client_id else new_identity(label)
+        self.credential = credential(self.client_id, secret, getattr(transport, "session", None))
         self.blocking = blocking
         self.step = 0
         self._seq = 0
         self._buffer: list[Submission] = []
         self._kept: dict[int, list[Submission]] = {}  # sent, not yet finalized, by step
-        self._closed: set[int] = set()  # steps closed by this client, not yet finalized
+        # steps closed, not yet finalized: None closed by this client, else the clients closed on behalf of
+        self._closed: dict[int, set[str] | None] = {}
         self._incarnation: str | None = None
         self._inflight: list[Any] = []  # posted sends whose replies are not handled yet
         self._schemas: dict = {}
@@ -147,9 +196,16 @@ class ClientCore:
         with self._lock:
             self._buffer.append((step, self._next_seq() if seq is None else seq, world_size, packed))
 
-    def close_step(self, step: int) -> None:
-        """Send what is queued and close ``step`` (``wait_submit`` for an explicit step)."""
-        self._flush([step])
+    def close_step(self, step: int, on_behalf: Iterable[str] | None = None) -> None:
+        """Send what is queued and close ``step`` (``wait_submit`` for an explicit step); with
+        ``on_behalf``, close it for those clients instead (a node sub-aggregator for its ranks)."""
+        if on_behalf is None:
+            self._flush([step])
+            return
+        with self._lock:
+            closers = self._closed.setdefault(step, set())
+            closers.update(on_behalf)
+            self._flush([(step, tuple(sorted(closers)))])
 
     def close_steps(self, steps: Iterable[int], block: bool = False) -> None:
         """Send what is queued and close ``steps`` (none: only send), in one message; ``block``:
@@ -235,9 +291,11 @@ class ClientCore:
                 return
             for item in items:
                 self._kept.setdefault(item[0], []).append(item)
-            self._closed.update(close)
+            for entry in close:
+                if not isinstance(entry, tuple):
+                    self._closed[entry] = None
             try:
-                self._inflight.append(self.transport.post(self.client_id, items, close))
+                self._inflight.append(self.transport.post(self.credential, items, close))
             except AggregatorRestarted:
                 self.resync()  # what was just sent is kept, so it goes with the resend
                 return
@@ -263,8 +321,9 @@ class ClientCore:
         with self._lock:
             for _ in range(self.max_restarts_per_call):
                 items = [item for step in sorted(self._kept) for item in self._kept[step]]
+                close = [s if v is None else (s, tuple(sorted(v))) for s, v in sorted(self._closed.items())]
                 try:
-                    reply = self.transport.send(self.client_id, items, sorted(self._closed), resync=True)
+                    reply = self.transport.send(self.credential, items, close, resync=True)
                 except AggregatorRestarted:
                     continue
                 self._incarnation = reply.incarnation
@@ -283,7 +342,8 @@ class ClientCore:
         self.finalized_state = (done_below, reply.finalized)
         for step in [s for s in self._kept if s < done_below or s in finalized]:
             del self._kept[step]
-        self._closed = {s for s in self._closed if s >= done_below and s not in finalized}
+        for step in [s for s in self._closed if s < done_below or s in finalized]:
+            del self._closed[step]
         if reply.errors:
             raise MetricValueError("; ".join(reply.errors.values()))
 
@@ -327,11 +387,16 @@ class ClientCore:
             if self.blocking if block is None else block:
                 self._collect(block=True)
 
-    def result(self, step: int, timeout: float | None = None) -> StepResult:
-        """The result of ``step`` as soon as it is complete; at ``timeout`` (seconds) the partial
-        result, whose ``meta`` names the missing ranks and metrics (and a RuntimeWarning says so)."""
+    def result(self, step: int, timeout: float | None = None, *, finalize: bool = False) -> StepResult:
+        """The result of ``step`` as soon as it is complete (or final); at ``timeout`` (seconds) what
+        arrived, whose ``meta`` names the missing ranks and metrics: *provisional*
+        (``meta.provisional``: the step stays open, for the rest of its data and for other readers)
+        unless ``finalize=True``, which makes it the step's final, partial result (a RuntimeWarning
+        says so) and stops waiting for the missing ranks. The reader that logs the run passes
+        ``finalize=True``; a dashboard does not. A step nobody finalizes is final
+        ``final_timeout`` seconds after a rank first closed it (default 60)."""
         self.flush()
-        return self._checked(self._retrying(lambda: self.transport.result(step, timeout)))
+        return self._checked(self._retrying(lambda: self.transport.result(step, timeout, finalize)))
 
     def wait_final_res(self, timeout: float | None = None) -> StepResult:
         """The seed's read: the newest step any rank closed, once every registered rank closed it
@@ -351,6 +416,8 @@ class ClientCore:
                 RuntimeWarning,
                 stacklevel=3,
             )
+        elif meta.provisional:
+            pass  # the reader asked for a bounded look, not for the step's end
         elif not meta.complete:
             missing = meta.missing_metrics
             warnings.warn(
@@ -377,12 +444,12 @@ class ClientCore:
         Without this a client registers with its first submission; ``connect(..., world_size=W)``
         calls it, so that a rank that is slow to send its first step is waited for.
         """
-        self._retrying(lambda: self.transport.register(self.client_id))
+        self._retrying(lambda: self.transport.register(self.credential))
 
     def stop(self) -> None:
         """Send what is queued and leave: no step waits for this client afterwards."""
         self.flush()
-        self._retrying(lambda: self.transport.depart(self.client_id))
+        self._retrying(lambda: self.transport.depart(self.credential))
 
 
 def _step_arg(step: Any) -> int:

@@ -33,6 +33,9 @@ class StepMeta:
       previous step was finalized;
     - ``evicted``: the result is no longer kept (more than ``keep_results`` newer ones), its values
       are gone; ``stale``: finalized because more than ``max_pending`` newer steps were pending;
+    - ``provisional``: the step is not final: a reader's deadline passed and the reader did not
+      finalize it (``result(step, timeout)`` without ``finalize=True``); what arrived so far, and
+      the step stays open for the rest;
     - torch.distributed only: ``ranks`` in the group, ``relayout`` (the ranks agreed on new names),
       ``exchange`` (the form of the state exchange), ``result_on`` (the rank that has the values).
     """
@@ -47,6 +50,7 @@ class StepMeta:
     late: int = 0
     evicted: bool = False
     stale: bool = False
+    provisional: bool = False
     ranks: int | None = None
     relayout: bool = False
     exchange: str | None = None

@@ -5,7 +5,11 @@ and when a read may return. Backends add only locking and waiting (a thread cond
   finalized at once, read or not (its result is kept, up to ``keep_results``), so memory follows
   the steps in flight, not the steps nobody reads.
 - ``result(step)`` may return once the step is complete or finalized; at the reader's deadline it
-  finalizes that step, and only that step, as it stands.
+  gives the step as it stands, *provisional* (``meta.provisional``: the step stays open), unless
+  the reader asks to finalize it (``finalize=True``: the logging reader). A step also has a deadline
+  of its own: ``final_timeout`` seconds after a client first closed it, it is finalized as it
+  stands (:meth:`Server.due_steps`), so a dead rank never keeps steps open for readers that only
+  look.
 - A step finalized here says how whole it is: ``meta.contributions`` is ``[received, expected]``
   contributions summed over its names, ``meta.late`` counts the contributions that arrived for
   steps already final since the previous step was finalized (they were dropped).
@@ -16,6 +20,13 @@ and when a read may return. Backends add only locking and waiting (a thread cond
   next submission starts a new round.
 - A restarted incarnation (Ray) knows the registered clients from its saved state and waits, at most
   ``recovery_timeout`` seconds, until each of them resent what it keeps.
+- Sessions (Ray: a client's job, i.e. the driver run it belongs to): when a client of a session not
+  seen before contributes, every session that ``session_ended`` reports over is closed: its clients
+  are no longer waited for, their open contributions are dropped, and later messages of that session
+  are refused. A restarted run never merges the killed run's half-submitted steps.
+- A node sub-aggregator speaks for the ranks it relayed (:meth:`Server.relay`): it forwards their
+  merged submissions keyed by each rank's ``(client_id, seq)`` and closes steps on their behalf, so
+  the steps, their completion and their ``meta`` are the flat layout's, by rank.
 
 >>> from rlmetrics.packing import pack
 >>> server = Server()
@@ -28,16 +39,19 @@ and when a read may return. Backends add only locking and waiting (a thread cond
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from rlmetrics.aggregator import Aggregator
 from rlmetrics.messages import Reply, StepResult, SubmissionError
 from rlmetrics.packing import Packed, pack
 
-Submission = tuple[int, int, int, Packed]  # (step, seq, world_size, packed)
+Submission = tuple[int, Any, int, Packed]  # (step, seq or (client_id, seq) keys, world_size, packed)
+Close = Any  # a step closed by the sender, or (step, client ids): closed on behalf of those (a node)
+logger = logging.getLogger(__name__)
 
 FINAL_TIMEOUT = 60.0
 """Seconds ``wait_final_res()`` waits for the newest closed step to complete before it returns it
@@ -47,9 +61,11 @@ partial (with ``meta`` naming what is missing, and a warning)."""
 class Server:
     """The engine and the rules of every call on it (see the module docstring).
 
-    ``final_timeout``: default deadline of :meth:`final` reads; ``incarnation``: this server's id
-    (a restarted Ray actor gets a new one); ``auto_finalize=False`` keeps complete steps pending
-    (a node sub-aggregator forwards them instead); the rest goes to
+    ``final_timeout``: default deadline of :meth:`final` reads, and every step's own deadline after
+    its first close; ``incarnation``: this server's id (a restarted Ray actor gets a new one);
+    ``auto_finalize=False`` keeps complete steps pending and gives steps no deadline (a node
+    sub-aggregator forwards them, the root decides); ``session_ended(session)``: whether a session
+    is over (None: sessions are not tracked); the rest goes to
     :class:`~rlmetrics.aggregator.Aggregator` (``renames``, ``keep_results``, ``forget_after``,
     ``max_pending``).
     """
@@ -60,23 +76,48 @@ class Server:
         final_timeout: float = FINAL_TIMEOUT,
         incarnation: str | None = None,
         auto_finalize: bool = True,
+        session_ended: Callable[[str], bool] | None = None,
         **engine_options: Any,
     ) -> None:
         self.engine = Aggregator(**engine_options)
         self.final_timeout = final_timeout
         self.incarnation = incarnation or uuid.uuid4().hex
         self.auto_finalize = auto_finalize
+        self.session_ended = session_ended
         self.awaiting: set[str] = set()  # registered clients a restarted incarnation waits for
         self.recovery_deadline = 0.0
+        self.sessions: dict[str, str] = {}  # client -> its session
+        self.ended: set[str] = set()  # sessions found over: their messages are refused
+        self.via: dict[str, str] = {}  # rank -> the node client that speaks for it
+        self.nodes: dict[str, str] = {}  # node client -> its address (the backend's, e.g. an actor name)
+        self._seen_sessions: set[str] = set()
+        self._closed_at: dict[int, float] = {}  # pending steps: when a client first closed them
         self._direct = itertools.count()
         self._late = 0  # the engine's late count when the previous step was finalized
 
     # ------------------------------------------------------------------------------- recovery
+    def export_state(self, results: int = 2) -> dict:
+        """What a next incarnation resumes from (JSON-ready): the engine's state
+        (:meth:`~rlmetrics.aggregator.Aggregator.export_state`), the clients' sessions, the ended
+        sessions and who speaks for whom."""
+        state = self.engine.export_state(results)
+        state["sessions"] = dict(self.sessions)
+        state["ended"] = sorted(self.ended)
+        state["via"] = dict(self.via)
+        state["nodes"] = dict(self.nodes)
+        return state
+
     def restore(self, state: Mapping, recovery_timeout: float) -> None:
-        """Resume from the engine state an earlier incarnation saved, and wait (at most
-        ``recovery_timeout`` seconds) for its registered clients' resends."""
+        """Resume from the state an earlier incarnation saved (:meth:`export_state`), and wait (at
+        most ``recovery_timeout`` seconds) for its registered clients' resends (a node resends for
+        the ranks it speaks for)."""
         self.engine.restore_state(state)
-        self.awaiting = set(state["clients"])
+        self.sessions = dict(state.get("sessions", {}))
+        self.ended = set(state.get("ended", ()))
+        self.via = dict(state.get("via", {}))
+        self.nodes = dict(state.get("nodes", {}))
+        self._seen_sessions = set(self.sessions.values()) | self.ended
+        self.awaiting = {c for c in state["clients"] if c not in self.via}
         self.recovery_deadline = time.monotonic() + recovery_timeout
 
     def recovering(self) -> bool:
@@ -84,20 +125,102 @@ class Server:
 
     # --------------------------------------------------------------------------------- intake
     def receive(
-        self, client_id: str, items: list[Submission], close: list[int], resync: bool = False
+        self,
+        client_id: str,
+        items: list[Submission],
+        close: list[Close],
+        resync: bool = False,
+        session: str | None = None,
     ) -> Reply:
         """Merge one client's message (:meth:`merge`) and build its reply."""
-        errors = self.merge(client_id, items, close, resync)
-        self.finalize_complete(_steps_of(items, close))
+        errors = self.merge(client_id, items, close, resync, session)
+        self.finalize_complete(steps_of(items, close))
         return self.reply(errors)
 
-    def merge(self, client_id: str, items: list[Submission], close: list[int], resync: bool = False) -> dict:
-        """:func:`merge_items`, and a resend after a restart ends the wait for that client. Call
+    def merge(
+        self,
+        client_id: str,
+        items: list[Submission],
+        close: list[Close],
+        resync: bool = False,
+        session: str | None = None,
+    ) -> dict:
+        """:func:`merge_items` (a resend after a restart is not late: it was merged before), and a
+        resend ends the wait for that client; a message of an ended session is refused whole. Call
         :meth:`finalize_complete` after."""
-        errors = merge_items(self.engine, client_id, items, close)
+        refused = self.join(client_id, session)
+        if refused:
+            return {client_id: refused}
+        closed: set[int] = set()
+        errors = merge_items(
+            self.engine, client_id, items, close, count_late=not resync, speaks=self._speaks, closed=closed
+        )
+        now = time.monotonic()
+        for step in closed:
+            self._closed_at.setdefault(step, now)
         if resync:
             self.awaiting.discard(client_id)
         return errors
+
+    def _speaks(self, sender: str, client_id: str) -> bool:
+        return client_id == sender or self.via.get(client_id) == sender
+
+    def join(self, client_id: str, session: str | None) -> str | None:
+        """Note the session of ``client_id``; None, or why its message is refused (its session
+        ended). The first client of a new session ends the sessions found over (module docstring)."""
+        if session is None or self.session_ended is None:
+            return None
+        if session in self.ended:
+            return (
+                f"client {client_id} belongs to run {session}, which ended: a restarted run's clients "
+                "are new clients (this one's data is not merged)"
+            )
+        if session not in self._seen_sessions:
+            self._seen_sessions.add(session)
+            self._end_sessions(session)
+        self.sessions.setdefault(client_id, session)
+        return None
+
+    def _end_sessions(self, new: str) -> None:
+        for old in sorted(self._seen_sessions - self.ended - {new}):
+            if not self.session_ended(old):
+                continue
+            self.ended.add(old)
+            gone = {c for c, s in self.sessions.items() if s == old}
+            for c in gone:
+                del self.sessions[c]
+                self.via.pop(c, None)
+            self.awaiting.difference_update(gone)
+            changed = self.engine.discard(gone)
+            logger.warning(
+                "run %s ended (run %s started): %d of its clients are no longer waited for, their open "
+                "contributions to steps %s are dropped",
+                old, new, len(gone), changed[:10],
+            )  # fmt: skip
+        self.finalize_complete(self.engine.pending_steps())
+
+    def relay(self, node: str, client_id: str, address: str, session: str | None = None) -> str | None:
+        """``node`` (a node sub-aggregator at ``address``) speaks for ``client_id`` from now on, which
+        registers; None, or why it is refused (as :meth:`join`)."""
+        refused = self.join(client_id, session)
+        if refused:
+            return refused
+        self.via[client_id] = node
+        self.nodes[node] = address
+        self.engine.register(client_id)
+        return None
+
+    def announce(self, step: int) -> None:
+        """A client closed ``step`` below a node sub-aggregator, whose forward follows."""
+        self.engine.note_closed(step)
+        self._closed_at.setdefault(step, time.monotonic())
+
+    def nodes_of(self, step: int) -> list[str]:
+        """The addresses of the nodes that speak for a rank ``step`` misses (a deadline drains them)."""
+        missing, _ = self.engine.missing(step)
+        return sorted(
+            {self.nodes[self.via[c]] for c in missing if c in self.via and self.via[c] in self.nodes}
+        )
 
     def finalize_complete(self, steps: Iterable[int]) -> None:
         """Finalize those of ``steps`` that hold data, some client closed, and are complete now."""
@@ -117,18 +240,36 @@ class Server:
         target = self.engine.direct_step() if step is None else step
         self.engine.submit("direct", target, next(self._direct), world_size, pack(metrics), register=False)
 
-    def register(self, client_id: str) -> None:
-        self.engine.register(client_id)
-
-    def announce(self, client_id: str, step: int) -> None:
-        """``client_id`` (a node sub-aggregator) will close ``step``: a rank below it closed it."""
-        self.engine.register(client_id)
-        self.engine.note_closed(step)
+    def register(self, client_id: str, session: str | None = None) -> str | None:
+        """Wait for ``client_id`` in every step from now on; None, or why it is refused (as :meth:`join`)."""
+        refused = self.join(client_id, session)
+        if refused is None:
+            self.engine.register(client_id)
+        return refused
 
     def depart(self, client_id: str) -> None:
         """``client_id`` leaves: no step waits for it, and steps that waited only for it finalize."""
         self.engine.depart(client_id)
         self.finalize_complete(self.engine.pending_steps())
+
+    # ------------------------------------------------------------------------------ deadlines
+    def due_steps(self, now: float | None = None) -> list[int]:
+        """Pending steps whose own deadline (``final_timeout`` after their first close) passed."""
+        if not self.auto_finalize or self.recovering():
+            return []
+        now = time.monotonic() if now is None else now
+        engine = self.engine
+        for step in [s for s in self._closed_at if engine.is_finalized(s)]:
+            del self._closed_at[step]
+        return sorted(s for s, t in self._closed_at.items() if t + self.final_timeout <= now)
+
+    def next_due(self) -> float | None:
+        """When the next step's own deadline passes (``time.monotonic()``), None without one."""
+        if not self.auto_finalize or not self._closed_at:
+            return None
+        if self.recovering():
+            return self.recovery_deadline
+        return min(self._closed_at.values()) + self.final_timeout
 
     # ---------------------------------------------------------------------------------- reads
     def result_ready(self, step: int) -> bool:
@@ -136,9 +277,15 @@ class Server:
         engine = self.engine
         return not self.recovering() and (engine.is_finalized(step) or engine.is_complete(step))
 
-    def result(self, step: int) -> StepResult:
-        """``step``'s result now: kept, complete, or partial (a reader's deadline passed)."""
-        return self.finalize(step)
+    def result(self, step: int, finalize: bool = False) -> StepResult:
+        """``step``'s result now: kept or complete; else, at a reader's deadline, partial and final
+        when ``finalize``, otherwise what arrived so far, provisional (the step stays open)."""
+        if finalize or self.result_ready(step):
+            return self.finalize(step)
+        result = self.engine.peek(step)
+        if result.meta.provisional:
+            result.meta.contributions = list(self.engine.contributions(step))
+        return result
 
     def finalize(self, step: int) -> StepResult:
         """The engine's :meth:`~rlmetrics.aggregator.Aggregator.finalize`; a step finalized now also
@@ -148,6 +295,7 @@ class Server:
             return engine.finalize(step)
         counts = engine.contributions(step)
         result = engine.finalize(step)
+        self._closed_at.pop(step, None)
         result.meta.contributions = list(counts)
         result.meta.late, self._late = engine.late - self._late, engine.late
         return result
@@ -183,19 +331,65 @@ class Server:
 
 
 def merge_items(
-    engine: Aggregator, client_id: str, items: list[Submission], close: list[int]
+    engine: Aggregator,
+    client_id: str,
+    items: list[Submission],
+    close: list[Close],
+    *,
+    count_late: bool = True,
+    speaks: Callable[[str, str], bool] | None = None,
+    closed: set[int] | None = None,
 ) -> dict[str, str]:
-    """Merge a client's items, then its step closings; the errors keyed by client, step and seq
-    (a rejected item does not stop the others)."""
+    """Merge a client's items, then its step closings (the steps closed go to ``closed``); the
+    errors keyed by client, step and seq (a rejected item does not stop the others). An item keyed
+    by ``(client_id, seq)`` pairs and a close ``(step, client ids)`` are on behalf of those clients
+    (a node's forward): refused unless ``speaks(sender, client)`` for each."""
     errors: dict[str, str] = {}
     for step, seq, world_size, packed in items:
         try:
-            engine.submit(client_id, step, seq, world_size, packed)
+            if isinstance(seq, tuple):
+                _check_behalf(client_id, [key[0] for key in seq], speaks)
+                engine.submit_merged(seq, step, world_size, packed, count_late=count_late)
+            else:
+                engine.submit(client_id, step, seq, world_size, packed, count_late=count_late)
         except (SubmissionError, ValueError) as exc:
-            errors[f"{client_id}/{step}/{seq}"] = f"step {step}: {exc}"
-    for step in close:
-        engine.close(client_id, step)
+            errors[f"{client_id}/{step}/{_seq_text(seq)}"] = f"step {step}: {exc}"
+    for entry in close:
+        try:
+            step, closers = _close_entry(entry)
+            if closers is not None:
+                _check_behalf(client_id, closers, speaks)
+        except SubmissionError as exc:
+            errors[f"{client_id}/close/{entry!r:.40}"] = str(exc)
+            continue
+        for closer in (client_id,) if closers is None else closers:
+            engine.close(closer, step)
+        if closed is not None:
+            closed.add(step)
     return errors
+
+
+def _close_entry(entry: Any) -> tuple[int, tuple[str, ...] | None]:
+    """``(step, None)`` for a step the sender closes, ``(step, client ids)`` for one closed on
+    their behalf; SubmissionError for anything else."""
+    closers = None
+    if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], tuple):
+        entry, closers = entry
+        if not all(isinstance(c, str) for c in closers):
+            raise SubmissionError("a close on behalf of clients names them by their str ids")
+    if type(entry) is not int or entry < 0:
+        raise SubmissionError(f"a closed step must be a non-negative int, got {entry!r:.40}")
+    return entry, closers
+
+
+def _check_behalf(sender: str, clients: Iterable[str], speaks: Callable[[str, str], bool] | None) -> None:
+    others = [c for c in clients if c != sender and (speaks is None or not speaks(sender, c))]
+    if others:
+        raise SubmissionError(f"{sender} does not speak for {others[:3]} (no node relayed them)")
+
+
+def _seq_text(seq: Any) -> str:
+    return str(seq) if not isinstance(seq, tuple) else f"merged({len(seq)})"
 
 
 def make_reply(engine: Aggregator, errors: dict[str, str], incarnation: str) -> Reply:
@@ -205,5 +399,12 @@ def make_reply(engine: Aggregator, errors: dict[str, str], incarnation: str) -> 
     return Reply(errors, incarnation, done_below, finalized)
 
 
-def _steps_of(items: list[Submission], close: list[int]) -> set[int]:
-    return {item[0] for item in items} | set(close)
+def steps_of(items: list[Submission], close: list[Close]) -> set[int]:
+    """The steps a message's items and well-formed closes are about."""
+    steps = {item[0] for item in items if type(item[0]) is int}
+    for entry in close:
+        try:
+            steps.add(_close_entry(entry)[0])
+        except SubmissionError:
+            pass
+    return steps

@@ -44,10 +44,11 @@ class Group:
     :func:`~rlmetrics.stat.reduce_parts`. Blocks are sized to hold about 2M floats.
     """
 
-    __slots__ = ("cols", "rows", "n_rows", "parts", "n_parts", "received", "world_size")
+    __slots__ = ("cols", "rows", "n_rows", "parts", "n_parts", "received", "world_size", "keys")
 
     def __init__(self, cols: np.ndarray) -> None:
         self.cols = cols
+        self.keys: list[tuple[str, int]] = []  # the (client_id, seq) of every contribution merged
         self.rows: np.ndarray | None = None
         self.n_rows = 0
         self.parts: np.ndarray | None = None

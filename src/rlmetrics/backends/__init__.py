@@ -68,7 +68,7 @@ def connect(backend: str = "local", *, world_size: int | None = None, name: str 
     ``naming`` (a naming profile, e.g. :data:`rlmetrics.integrations.verl.NAMING`: its ``renames``
     are the aggregator's default); aggregator options on first use: ``final_timeout``, ``renames``,
     ``keep_results``, ``forget_after``, ``max_pending`` (and for Ray ``namespace``, ``num_cpus``,
-    ``recovery_timeout``, ``node_timeout``).
+    ``recovery_timeout``).
 
     >>> client = connect("local", world_size=1, name="connect-doc")
     >>> client.submit_metric({"timing_s/gen": 0.5})
@@ -101,11 +101,10 @@ def _connect_ray(name: str, world_size: int | None, client_opts: dict, options: 
 
     name = name if name != "default" else ray_backend.DEFAULT_NAME
     hierarchy = options.pop("hierarchy", None)
-    node_opts = {k: options.pop(k) for k in ("node_timeout",) if k in options}
     root = ray_backend.get_metric_worker(name, **options)
     if hierarchy is None:
         return MetricClient(root, world_size=world_size, **client_opts)
     if hierarchy != "node":
         raise ValueError(f"hierarchy must be None or 'node', got {hierarchy!r}")
-    node = ray_backend.node_worker(name, options.get("namespace"), **node_opts)
+    node = ray_backend.node_worker(name, options.get("namespace"))
     return MetricClient(ray_backend.RayTransport(node, root=root), world_size=world_size, **client_opts)

@@ -21,9 +21,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rlmetrics.client import SyncTransport
-from rlmetrics.messages import Reply, StepResult
-from rlmetrics.server import Server, Submission
+from rlmetrics.client import SyncTransport, identity
+from rlmetrics.messages import Reply, StepResult, SubmissionError
+from rlmetrics.server import Close, Server, Submission
 
 _WORKERS: dict[str, LocalMetricWorker] = {}  # named in-process aggregators, like Ray's named actors
 _WORKERS_LOCK = threading.Lock()
@@ -65,42 +65,60 @@ class LocalMetricWorker(SyncTransport):
             return self.server.final(target)
 
     # ----------------------------------------------------------------- transport for clients
-    def send(self, client_id: str, items: list[Submission], close: list[int], resync: bool = False) -> Reply:
+    def send(self, who: str, items: list[Submission], close: list[Close], resync: bool = False) -> Reply:
+        try:
+            client_id, session = identity(who)
+        except SubmissionError as exc:
+            return Reply({str(who)[:80]: str(exc)}, self.server.incarnation)
         with self._cond:
-            reply = self.server.receive(client_id, items, close, resync)
+            reply = self.server.receive(client_id, items, close, resync, session)
+            self._finalize_due()
             self._cond.notify_all()
         return reply
 
-    def result(self, step: int, timeout: float | None = None) -> StepResult:
+    def result(self, step: int, timeout: float | None = None, finalize: bool = False) -> StepResult:
+        """``step`` once complete; at ``timeout`` final when ``finalize``, else provisional
+        (:meth:`~rlmetrics.server.Server.result`)."""
         with self._cond:
             self._wait(lambda: self.server.result_ready(step), timeout)
-            out = self.server.result(step)
+            out = self.server.result(step, finalize)
             self._cond.notify_all()  # finalized at this reader's deadline: other readers of it return
             return out
 
     def final(self, timeout: float | None = None) -> StepResult:
         return self.wait_final_res(timeout)
 
-    def register(self, client_id: str) -> None:
+    def register(self, who: str) -> None:
         with self._cond:
-            self.server.register(client_id)
+            self.server.register(*identity(who))
 
-    def depart(self, client_id: str) -> None:
+    def depart(self, who: str) -> None:
         with self._cond:
-            self.server.depart(client_id)
+            self.server.depart(identity(who)[0])
             self._cond.notify_all()
 
     def _deadline(self, timeout: float | None) -> float:
         return self.server.final_timeout if timeout is None else timeout
 
     def _wait(self, ready: Callable[[], bool], timeout: float | None) -> None:
-        """Until ``ready()`` (called with the lock held) or ``timeout`` seconds (None: no limit)."""
+        """Until ``ready()`` (called with the lock held) or ``timeout`` seconds (None: no limit);
+        steps whose own deadline passes meanwhile are finalized (a waiting reader sees to it)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not ready():
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
+        while True:
+            self._finalize_due()
+            now = time.monotonic()
+            if ready() or (deadline is not None and deadline <= now):
                 return
-            self._cond.wait(left)
+            ends = [t for t in (deadline, self.server.next_due()) if t is not None]
+            self._cond.wait(max(min(ends) - now, 0.0) if ends else None)
+
+    def _finalize_due(self) -> None:
+        """Finalize the steps whose own deadline passed (with the lock held)."""
+        due = self.server.due_steps()
+        for step in due:
+            self.server.finalize(step)
+        if due:
+            self._cond.notify_all()
 
 
 def get_worker(name: str = "default", **options: Any) -> LocalMetricWorker:

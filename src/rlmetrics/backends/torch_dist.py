@@ -96,7 +96,7 @@ from rlmetrics.backends.torch_exchange import (
     exchange_state,
     merge_sketches,
 )
-from rlmetrics.client import ClientCore, SyncTransport
+from rlmetrics.client import ClientCore, SyncTransport, identity
 from rlmetrics.compute_local import ComputeLocal
 from rlmetrics.messages import Reply, StepMeta, StepResult
 from rlmetrics.packing import Packed, Schema
@@ -172,8 +172,9 @@ class TorchDistTransport(SyncTransport):
         self._cond = threading.Condition()
 
     # ------------------------------------------------------------------------- Transport protocol
-    def send(self, client_id: str, items: list[Submission], close: list[int], resync: bool = False) -> Reply:
+    def send(self, who: str, items: list[Submission], close: list, resync: bool = False) -> Reply:
         """Merge this rank's submissions locally; ``close`` is ignored (steps close in the collective)."""
+        client_id = identity(who)[0]
         with self._cond:
             late = [it for it in items if it[0] < self.next_step]
             errors = merge_items(self._local, client_id, [it for it in items if it[0] >= self.next_step], [])
@@ -183,8 +184,9 @@ class TorchDistTransport(SyncTransport):
                 )
             return make_reply(self._engine, errors, "torch")
 
-    def result(self, step: int, timeout: float | None = None) -> StepResult:
-        """The result of a collected step; waits up to ``timeout`` for another thread's ``wait_submit``."""
+    def result(self, step: int, timeout: float | None = None, finalize: bool = False) -> StepResult:
+        """The result of a collected step (final: every step is, once collected); waits up to
+        ``timeout`` for another thread's ``wait_submit``."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while step >= self.next_step:
@@ -206,10 +208,10 @@ class TorchDistTransport(SyncTransport):
                 return StepResult({}, -1)
             return self._last
 
-    def register(self, client_id: str) -> None:
+    def register(self, who: str) -> None:
         """Nothing to do: every rank of the group takes part in every step."""
 
-    def depart(self, client_id: str) -> None:
+    def depart(self, who: str) -> None:
         """Nothing to do: a rank leaves with its process group."""
 
     # ---------------------------------------------------------------------------- the collective
@@ -217,7 +219,7 @@ class TorchDistTransport(SyncTransport):
         """Collect ``step`` from every rank of the group (a collective; see the module docstring)."""
         with self._cond:
             self.bytes_last_step = self.bytes_received_last_step = self.collectives_last_step = 0
-            parts = self._local.take(step)
+            parts = [(packed, ws) for packed, ws, _keys in self._local.take(step)]
             relayout = False
             while True:
                 lay = self._layout

@@ -275,7 +275,7 @@ def _log_steps(driver: Any, tracking: Any, steps: int, poll: Any) -> None:
 
     with tqdm(range(steps), desc="steps", unit="step") as bar:
         for step in bar:
-            res = driver.result(step, timeout=120)
+            res = driver.result(step, timeout=120, finalize=True)
             poll()  # a rank that died: its error now, not a partial result every step
             tracking.log(res, step)
             bar.set_postfix({k.split("/")[1]: f"{res[k]:.3g}" for k in PROGRESS if k in res})

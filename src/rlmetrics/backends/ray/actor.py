@@ -3,18 +3,28 @@
 - ``MetricWorker.remote()`` / ``get_metric_worker(name, namespace)``: one aggregator actor (async,
   ``num_cpus=0`` by default, ``max_restarts=-1``).
 - Clients send one message per step (:mod:`rlmetrics.wire`: names once per schema, then float64
-  buffers) and keep it until the actor's saved state records the step finalized.
-- Restarts: the actor saves its registered clients and finalized steps in Ray's internal KV store.
-  A new incarnation waits (at most ``recovery_timeout`` seconds) until every registered client has
-  resent what it keeps; each client learns of the restart from a failed call, from the new
-  incarnation id in a reply, or from its watcher (:mod:`~rlmetrics.backends.ray.transport`).
+  buffers) with their credential (:func:`~rlmetrics.client.credential`), and keep it until the
+  actor's saved state records the step finalized.
+- Restarts: the actor saves its registered clients and finalized steps in Ray's internal KV store,
+  signed with a secret the actor was created with (Ray hands a restarted actor its creation
+  arguments again): a state that another job wrote there is refused, never obeyed. A new
+  incarnation waits (at most ``recovery_timeout`` seconds) until every registered client has resent
+  what it keeps; each client learns of the restart from a failed call, from the new incarnation id
+  in a reply, or from its watcher (:mod:`~rlmetrics.backends.ray.transport`).
+- Deadlines: a step is finalized as it stands at the deadline of a reader that finalizes
+  (``result(step, timeout, finalize=True)``, ``wait_final_res``) or at its own deadline
+  (``final_timeout`` after its first close); first, the node sub-aggregators that speak for a rank
+  the step misses forward what they hold of it (:mod:`~rlmetrics.backends.ray.node`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import logging
+import secrets
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -23,12 +33,14 @@ from typing import Any
 
 from rlmetrics.backends.ray import compat
 from rlmetrics.backends.ray.compat import ray
+from rlmetrics.client import identity
 from rlmetrics.messages import PartlyMergedError, Reply, StepResult, SubmissionError
-from rlmetrics.server import Server
+from rlmetrics.server import Server, steps_of
 from rlmetrics.wire import SchemaTable, decode
 
 DEFAULT_NAME = "rlmetrics"
 _SAVED_RESULTS = 2  # newest results a next incarnation resumes with (a read retried across a restart)
+DRAIN_TIMEOUT = 10.0  # seconds a deadline waits for a node sub-aggregator's forward
 logger = logging.getLogger(__name__)
 
 
@@ -37,24 +49,31 @@ class _MetricWorker:
     call), the schema table, waiting on asyncio, and the state a restarted incarnation resumes from
     (saved in Ray's internal KV store).
 
-    Options: ``recovery_timeout`` (seconds a restarted incarnation waits for clients to resend);
-    the rest goes to the Server (``final_timeout``, ``renames``, ``keep_results``,
-    ``forget_after``, ``max_pending``).
+    Options: ``recovery_timeout`` (seconds a restarted incarnation waits for clients to resend),
+    ``secret`` (the key that signs the saved state; :data:`MetricWorker` gives every new actor one);
+    the rest goes to the Server (``final_timeout``, ``renames``, ``keep_results``, ``forget_after``,
+    ``max_pending``).
     """
 
     _auto_finalize = True
 
-    def __init__(self, recovery_timeout: float = 30.0, **options: Any) -> None:
-        self.server = Server(auto_finalize=self._auto_finalize, **options)
+    def __init__(self, recovery_timeout: float = 30.0, secret: str | None = None, **options: Any) -> None:
+        self.server = Server(auto_finalize=self._auto_finalize, session_ended=compat.job_dead, **options)
         self.engine = self.server.engine
         self.table = SchemaTable()
         self.calls: Counter[str] = Counter()
         self.running = True
         self._changed = asyncio.Event()
-        self._kv_key = f"rlmetrics/state/{ray.get_runtime_context().get_actor_id()}".encode()
-        saved = compat.kv_get(self._kv_key)
-        if saved:  # an earlier incarnation of this actor: resume and wait for the clients' resends
-            self.server.restore(json.loads(saved), recovery_timeout)
+        context = ray.get_runtime_context()
+        self._namespace = context.namespace
+        self._kv_key = f"rlmetrics/state/{context.get_actor_id()}".encode()
+        self._secret = (secret or secrets.token_hex(32)).encode()
+        self.refused_state: str | None = None  # why a saved state was refused (stats)
+        saved = self._verified(compat.kv_get(self._kv_key))
+        if (
+            saved is not None
+        ):  # an earlier incarnation of this actor: resume and wait for the clients' resends
+            self.server.restore(saved, recovery_timeout)
         self._saved: tuple | None = self._marker()
         # what replies let clients forget: the finalized steps of the state saved last (see _reply)
         self._durable: tuple[int, list[int]] = self.engine.finalized_state()
@@ -62,6 +81,8 @@ class _MetricWorker:
         self._encoded: dict[int, str] = {}  # JSON of kept results by step (a result never changes)
         self._save_scheduled = False
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlmetrics-save")
+        self._deadlines: asyncio.Task | None = None
+        self._nodes: dict[str, Any] = {}  # node sub-aggregator handles by actor name
 
     @property
     def incarnation(self) -> str:
@@ -73,8 +94,8 @@ class _MetricWorker:
         self._changed = asyncio.Event()
 
     def _marker(self) -> tuple:
-        """What the saved state depends on: registered clients and finalized steps."""
-        engine = self.engine
+        """What the saved state depends on: registered clients, finalized steps, sessions, nodes."""
+        server, engine = self.server, self.engine
         done_below, finalized = engine.finalized_state()
         return (
             frozenset(engine.clients),
@@ -82,6 +103,9 @@ class _MetricWorker:
             len(finalized),
             engine.newest_closed,
             tuple(step for step, _ in engine.newest_results(1)),
+            len(server.sessions),
+            len(server.ended),
+            len(server.via),
         )
 
     def _changed_state(self) -> None:
@@ -93,6 +117,8 @@ class _MetricWorker:
         if marker != self._saved:
             self._saved = marker
             self._save()
+        if self._deadlines is None and self._auto_finalize:
+            self._deadlines = asyncio.get_running_loop().create_task(self._end_due_steps())
         self._wake()
 
     def _save(self) -> None:
@@ -105,10 +131,10 @@ class _MetricWorker:
             self._saver.submit(self._write_state)
 
     def _export_state(self) -> dict:
-        """The engine's state, its newest results as ``(step, StepResult)``: the writer encodes each
+        """The server's state, its newest results as ``(step, StepResult)``: the writer encodes each
         once (a result never changes; copying and encoding 1000 values and a meta listing every
         rank on the event loop at every finalized step slowed the steps)."""
-        state = self.engine.export_state(results=0)
+        state = self.server.export_state(results=0)
         state["results"] = self.engine.newest_results(_SAVED_RESULTS)
         return state
 
@@ -121,13 +147,31 @@ class _MetricWorker:
                 for step, res in state.get("results", ())
             }
             head = json.dumps({k: v for k, v in state.items() if k != "results"})
-            body = f'{head[:-1]}, "results": [{", ".join(self._encoded.values())}]}}'
-            compat.kv_put(self._kv_key, body.encode())
+            body = f'{head[:-1]}, "results": [{", ".join(self._encoded.values())}]}}'.encode()
+            compat.kv_put(self._kv_key, self._sign(body) + b"\n" + body)
         except Exception:  # in the saver thread: nobody else would see it
             logger.exception("saving the aggregator's state failed; the next call saves it again")
             self._saved = None  # so the next call saves again; until a save lands, clients keep their steps
             return
         self._durable = (state["done_below"], state["finalized"])
+
+    def _sign(self, body: bytes) -> bytes:
+        return hmac.new(self._secret, self._kv_key + b"\n" + body, hashlib.sha256).hexdigest().encode()
+
+    def _verified(self, saved: bytes | None) -> dict | None:
+        """The state an earlier incarnation saved, or None: nothing saved, or a state this actor did
+        not sign (written by another job, or by another aggregator), which is refused and logged."""
+        if not saved:
+            return None
+        mac, _, body = saved.partition(b"\n")
+        if hmac.compare_digest(mac, self._sign(body)):
+            return json.loads(body)
+        self.refused_state = (
+            f"the saved state under {self._kv_key.decode()} is not this aggregator's (its signature does "
+            "not match): refused; starting empty, the clients resend what they keep"
+        )
+        logger.error("rlmetrics: %s", self.refused_state)
+        return None
 
     async def _wait(self, ready: Any, timeout: float | None) -> None:
         """Until ``ready()`` holds or the deadline; woken by every change and at the end of a
@@ -143,6 +187,41 @@ class _MetricWorker:
                 await asyncio.wait_for(self._changed.wait(), min(limits) if limits else None)
             except asyncio.TimeoutError:
                 pass
+
+    async def _end_due_steps(self) -> None:
+        """Finalize every step whose own deadline passes (``final_timeout`` after its first close)."""
+        while True:
+            changed, due = self._changed, self.server.next_due()
+            try:
+                await asyncio.wait_for(
+                    changed.wait(), None if due is None else max(0.0, due - time.monotonic())
+                )
+            except asyncio.TimeoutError:
+                pass
+            steps = self.server.due_steps()
+            for step in steps:
+                await self._drain(step)
+                self.server.finalize(step)
+            if steps:
+                self._changed_state()
+
+    async def _drain(self, step: int) -> None:
+        """Before ``step`` is finalized at a deadline: the node sub-aggregators that speak for a rank
+        it misses forward what they hold of it (each at most ``DRAIN_TIMEOUT`` seconds)."""
+        for address in self.server.nodes_of(step):
+            try:
+                node = self._nodes.get(address) or ray.get_actor(address, namespace=self._namespace)
+                self._nodes[address] = node
+                await asyncio.wait_for(compat.remote(node.drain, step), DRAIN_TIMEOUT)
+            except Exception as exc:  # noqa: BLE001 - a node gone: the ranks it spoke for are missing
+                logger.warning("node sub-aggregator %s did not forward step %d: %r", address, step, exc)
+
+    def _who(self, who: str) -> tuple[str, str | None] | str:
+        """``(client_id, session)`` of a credential, or why it is refused."""
+        try:
+            return identity(who)
+        except SubmissionError as exc:
+            return str(exc)
 
     # ------------------------------------------------------------------ the seed's worker API
     async def start(self) -> None:
@@ -164,21 +243,30 @@ class _MetricWorker:
         return await self.final(timeout)
 
     # ------------------------------------------------------------------------ client calls
-    async def send(self, client_id: str, msg: tuple) -> Reply:
-        """One client's message (:mod:`rlmetrics.wire`)."""
+    async def send(self, who: str, msg: tuple) -> Reply:
+        """One client's message (:mod:`rlmetrics.wire`); ``who``: its credential."""
         self.calls["send"] += 1
         self.calls["messages"] += 1
+        client = self._who(who)
+        if isinstance(client, str):
+            return self._reply({str(who).rsplit("#", 2)[0][:80]: client})
+        client_id, session = client
         decoded = self._decode(client_id, msg)
         if isinstance(decoded, dict):
             return self._reply(decoded)
         items, close, unknown = decoded
         if unknown:  # merge nothing (a close must not overtake its data): the client repeats with names
             return Reply({}, self.incarnation, unknown=unknown)
-        await self._announce(close)
-        errors = self.server.merge(client_id, items, close, msg[4])
-        self.server.finalize_complete(_steps(items, close))
+        errors = await self._merge(who, client_id, session, items, close, msg[4])
+        self.server.finalize_complete(steps_of(items, close))
         self._changed_state()
         return self._reply(errors)
+
+    async def _merge(
+        self, who: str, client_id: str, session: str | None, items: list, close: list, resync: bool
+    ) -> dict[str, str]:
+        """The server's merge of one client's message (a node relays the client to the root first)."""
+        return self.server.merge(client_id, items, close, resync, session)
 
     async def send_many(self, batch: list[tuple[str, tuple]], merged: tuple | None = None) -> list[Reply]:
         """Messages of several clients of one process, posted while its previous call was in flight.
@@ -192,28 +280,31 @@ class _MetricWorker:
         """
         self.calls["send_many"] += 1
         self.calls["messages"] += len(batch)
-        decoded = [self._decode(client_id, msg) for client_id, msg in batch]
+        clients = [self._who(who) for who, _ in batch]
+        decoded = [
+            self._decode(c[0], msg) if isinstance(c, tuple) else {str(who)[:80]: c}
+            for (who, msg), c in zip(batch, clients)
+        ]
         pre = self._decode("merged", merged) if merged is not None else ([], [], [])
         unknown = [sid for d in (*decoded, pre) if isinstance(d, tuple) for sid in d[2]]
         if unknown:
             return [Reply({}, self.incarnation, unknown=unknown)] * len(batch)
-        await self._announce([step for d in decoded if isinstance(d, tuple) for step in d[1]])
-        clients = [client_id for client_id, _ in batch]
+        ids = [c[0] for c in clients if isinstance(c, tuple)]
         resend = False
         steps: set[int] = set()
         if isinstance(pre, tuple):
-            pre_errors, resend = self._merge_premerged(pre[0], clients)
-            steps |= _steps(pre[0], [])
+            pre_errors, resend = self._merge_premerged(pre[0], ids)
+            steps |= steps_of(pre[0], [])
         else:  # a malformed merged message concerns every client of the batch
-            pre_errors = {client_id: pre for client_id in clients}
+            pre_errors = {client_id: pre for client_id in ids}
         errors = []
-        for (client_id, msg), d in zip(batch, decoded):
+        for (who, msg), c, d in zip(batch, clients, decoded):
             if isinstance(d, dict):
                 errs = d
             else:
-                errs = self.server.merge(client_id, d[0], d[1], msg[4])
-                steps |= _steps(d[0], d[1])
-            errors.append({**errs, **pre_errors.get(client_id, {})})
+                errs = await self._merge(who, c[0], c[1], d[0], d[1], msg[4])
+                steps |= steps_of(d[0], d[1])
+            errors.append({**errs, **pre_errors.get(c[0] if isinstance(c, tuple) else "", {})})
         self.server.finalize_complete(steps)
         self._changed_state()
         if resend:
@@ -227,9 +318,6 @@ class _MetricWorker:
         does not know finalized is merged again from the clients' resends."""
         return Reply(errors, self.incarnation, *self._durable)
 
-    async def _announce(self, close: list[int]) -> None:
-        """Nothing here: a node sub-aggregator tells the root of new closes before it replies."""
-
     def _decode(self, client_id: str, msg: tuple) -> tuple | dict:
         """``decode``'s (items, close, unknown), or the errors of a malformed message."""
         try:
@@ -238,16 +326,20 @@ class _MetricWorker:
             return {client_id: str(exc)}
 
     def _merge_premerged(self, items: list, clients: list[str]) -> tuple[dict[str, dict[str, str]], bool]:
-        """Merge pre-merged items; their errors by client (malformed keys: every client's), and
-        whether one was partly merged before (left out: the clients must resend one by one)."""
+        """Merge pre-merged items of ``clients`` (whose credentials the batch carried); their errors
+        by client (malformed keys, or keys of another client: every client's), and whether one was
+        partly merged before (left out: the clients must resend one by one)."""
         errors: dict[str, dict[str, str]] = {}
         resend = False
+        members = set(clients)
         for step, keys, world_size, packed in items:
             try:
-                if not (isinstance(keys, tuple) and keys and all(_is_key(k) for k in keys)):
+                if not (
+                    isinstance(keys, tuple) and keys and all(_is_key(k) and k[0] in members for k in keys)
+                ):
                     for client_id in clients:
                         errors.setdefault(client_id, {})["merged"] = (
-                            "a merged item needs (client_id, seq) keys"
+                            "a merged item needs (client_id, seq) keys of the batch's clients"
                         )
                     continue
                 self.engine.submit_merged(keys, step, world_size, packed)
@@ -259,10 +351,14 @@ class _MetricWorker:
                     errors.setdefault(client_id, {})[f"{client_id}/{step}/{seq}"] = f"step {step}: {exc}"
         return errors, resend
 
-    async def result(self, step: int, timeout: float | None = None) -> StepResult:
+    async def result(self, step: int, timeout: float | None = None, finalize: bool = False) -> StepResult:
+        """``step`` once complete; at ``timeout`` final and partial when ``finalize``, else
+        provisional (:meth:`~rlmetrics.server.Server.result`)."""
         self.calls["result"] += 1
         await self._wait(lambda: self.server.result_ready(step), timeout)
-        out = self.server.result(step)
+        if finalize and not self.server.result_ready(step):
+            await self._drain(step)
+        out = self.server.result(step, finalize)
         self._changed_state()
         return out
 
@@ -274,21 +370,42 @@ class _MetricWorker:
         await self._wait(lambda: not self.server.recovering(), None)
         target = self.server.final_target()
         await self._wait(lambda: self.server.final_ready(target), max(0.0, deadline - time.monotonic()))
+        if target is not None and not self.server.final_ready(target):
+            await self._drain(target)
         out = self.server.final(target)
         self._changed_state()
         return out
 
-    async def announce(self, client_id: str, step: int) -> None:
-        """A node sub-aggregator's client ``client_id`` will close ``step`` (one of its ranks did)."""
-        self.server.announce(client_id, step)
+    async def relay(self, node: str, ranks: list[str], step: int | None, address: str) -> dict[str, str]:
+        """A node sub-aggregator (``node``: its credential; ``address``: its actor name) speaks for
+        ``ranks`` (their credentials) from now on, and one of its ranks closed ``step``; the
+        refused ranks, with why."""
+        sender = self._who(node)
+        if isinstance(sender, str):
+            raise SubmissionError(sender)
+        refused = {}
+        for who in ranks:
+            rank = self._who(who)
+            why = rank if isinstance(rank, str) else self.server.relay(sender[0], rank[0], address, rank[1])
+            if why:
+                refused[str(who).rsplit("#", 2)[0][:80]] = why
+        if step is not None:
+            self.server.announce(step)
+        self._changed_state()
+        return refused
+
+    async def register(self, who: str) -> None:
+        client = self._who(who)
+        refused = client if isinstance(client, str) else self.server.register(*client)
+        if refused:
+            raise SubmissionError(refused)
         self._changed_state()
 
-    async def register(self, client_id: str) -> None:
-        self.server.register(client_id)
-        self._changed_state()
-
-    async def depart(self, client_id: str) -> None:
-        self.server.depart(client_id)
+    async def depart(self, who: str) -> None:
+        client = self._who(who)
+        if isinstance(client, str):
+            raise SubmissionError(client)
+        self.server.depart(client[0])
         self._changed_state()
 
     async def watch(self) -> None:
@@ -300,12 +417,8 @@ class _MetricWorker:
 
     async def stats(self) -> dict:
         """Calls received by method, registered clients, pending steps and what the engine holds
-        (for tests and monitoring)."""
-        return {"calls": dict(self.calls), **self.server.stats()}
-
-
-def _steps(items: list, close: list[int]) -> set[int]:
-    return {item[0] for item in items} | set(close)
+        (for tests and monitoring), and why a saved state was refused (if one was)."""
+        return {"calls": dict(self.calls), **self.server.stats(), "refused_state": self.refused_state}
 
 
 def _is_key(key: Any) -> bool:
@@ -316,7 +429,37 @@ ACTOR_OPTIONS = {"num_cpus": 0, "max_restarts": -1, "max_concurrency": 100_000}
 """How aggregator actors are made: no training slot, restarted whenever they die, every waiting call
 served at once (readers wait inside the actor)."""
 
-MetricWorker = ray.remote(**ACTOR_OPTIONS)(_MetricWorker)
+
+class AggregatorClass:
+    """``ray.remote(**ACTOR_OPTIONS)(cls)`` whose every new actor gets a fresh ``secret`` among its
+    creation arguments: Ray gives a restarted actor the same arguments, so each incarnation can
+    check that the state it resumes from was signed by this actor (a job reading Ray's KV store
+    does not see the arguments). ``.remote(...)`` and ``.options(...).remote(...)`` as Ray's."""
+
+    def __init__(self, cls: type) -> None:
+        self.actor_class = ray.remote(**ACTOR_OPTIONS)(cls)
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return self.actor_class.remote(*args, **_with_secret(kwargs))
+
+    def options(self, **options: Any) -> Any:
+        made = self.actor_class.options(**options)
+
+        class _Options:
+            @staticmethod
+            def remote(*args: Any, **kwargs: Any) -> Any:
+                return made.remote(*args, **_with_secret(kwargs))
+
+        return _Options
+
+
+def _with_secret(kwargs: dict) -> dict:
+    return {"secret": secrets.token_hex(32), **kwargs}
+
+
+MetricWorker = AggregatorClass(_MetricWorker)
+"""The aggregator actor class: ``MetricWorker.remote(**options)``,
+``MetricWorker.options(name=...).remote(...)``."""
 
 
 def get_metric_worker(
@@ -337,7 +480,6 @@ def get_metric_worker(
     :func:`node_worker`).
     """
     actor_opts = {k: options.pop(k) for k in ("lifetime",) if k in options}
-    node_opts = {k: options.pop(k) for k in ("node_timeout",) if k in options}
     root = MetricWorker.options(
         name=name, namespace=namespace, get_if_exists=True, num_cpus=num_cpus, **actor_opts
     ).remote(**options)
@@ -346,11 +488,7 @@ def get_metric_worker(
         from rlmetrics.backends.ray.node import node_worker
 
         ray.get(root.ping.remote())
-        nodes = [
-            node_worker(name, namespace, n["NodeID"], **actor_opts, **node_opts)
-            for n in ray.nodes()
-            if n["Alive"]
-        ]
+        nodes = [node_worker(name, namespace, n["NodeID"], **actor_opts) for n in ray.nodes() if n["Alive"]]
         ray.get([n.ping.remote() for n in nodes])
     elif hierarchy is not None:
         raise ValueError(f"hierarchy must be None or 'node', got {hierarchy!r}")

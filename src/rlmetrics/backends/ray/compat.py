@@ -12,6 +12,8 @@
 - ``actor_key``: a stable key of an actor handle (``ActorHandle._actor_id``).
 - ``actor_dead``: whether the GCS's actor table (``ray._private.state.actors``) records an actor dead
   for good, so that a client stops waiting for an incarnation that never comes.
+- ``job_dead``: whether the GCS's job table (``ray._private.state.state.job_table``) records a job
+  (a driver run: a client's session) ended, so that an aggregator drops what an ended run left open.
 
 :func:`check` says which of them the installed Ray lacks; ``tests/test_ray_compat.py`` fails loudly
 when a Ray upgrade removes one.
@@ -74,6 +76,16 @@ def actor_dead(handle: Any) -> bool:
     return isinstance(info, dict) and info.get("State") == "DEAD"
 
 
+def job_dead(job_id: str) -> bool:
+    """Whether Ray records the job ``job_id`` (hex) ended (its driver exited or was killed); False
+    while it runs and when the GCS cannot say."""
+    try:
+        jobs = ray._private.state.state.job_table()
+    except Exception:  # noqa: BLE001 - no answer is no proof of an end: the run's data is kept
+        return False
+    return any(job.get("JobID") == job_id and job.get("IsDead") for job in jobs)
+
+
 def check() -> list[str]:
     """The private Ray APIs above that the installed Ray does not have (empty: all present)."""
     from ray.actor import ActorHandle, ActorMethod
@@ -86,6 +98,9 @@ def check() -> list[str]:
         missing.append("ray.actor.ActorMethod._remote.__wrapped__")
     if not isinstance(getattr(ActorHandle, "_actor_id", None), property):
         missing.append("ray.actor.ActorHandle._actor_id")
-    if not callable(getattr(getattr(ray._private, "state", None), "actors", None)):
+    state = getattr(ray._private, "state", None)
+    if not callable(getattr(state, "actors", None)):
         missing.append("ray._private.state.actors")
+    if not callable(getattr(getattr(state, "state", None), "job_table", None)):
+        missing.append("ray._private.state.state.job_table")
     return missing

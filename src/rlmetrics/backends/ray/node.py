@@ -1,5 +1,5 @@
 """Per-node sub-aggregators (``hierarchy="node"``): a ``NodeWorker`` on every node merges its node's
-ranks and forwards one message per step to the root aggregator."""
+ranks and forwards one message per step to the root aggregator, speaking for its ranks there."""
 
 from __future__ import annotations
 
@@ -10,106 +10,151 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rlmetrics.backends.ray import compat
-from rlmetrics.backends.ray.actor import ACTOR_OPTIONS, _MetricWorker, keep
+from rlmetrics.backends.ray.actor import AggregatorClass, _MetricWorker, keep
 from rlmetrics.backends.ray.compat import ray
-from rlmetrics.messages import Reply, StepResult
+from rlmetrics.messages import Reply, StepResult, SubmissionError
 
 logger = logging.getLogger(__name__)
 
 
 class _NodeWorker(_MetricWorker):
     """A per-node sub-aggregator: merges the ranks of its node and forwards each step upstream in
-    one message, once every local client closed it (or ``node_timeout`` seconds after the step's
-    first data, leaving out the local clients that did not close it).
+    one message once every local rank closed it, or when the root asks (:meth:`drain`: a reader's
+    deadline there, or the step's own), leaving out the local ranks that did not close it.
 
-    Before it answers a message that closes a step, it tells the root that its client will close
-    that step (:meth:`_MetricWorker.announce`), so a ``wait_final_res`` at the root after the ranks'
-    blocking ``wait_submit`` is about that step and waits for this node's forward.
+    It speaks for its ranks at the root, so the root keeps the flat layout's steps, completion and
+    ``meta``, by rank: before it answers a rank's first message, or one that closes a step no rank
+    of this node closed before, it relays the rank (registered at the root) and announces the step
+    (a ``wait_final_res`` at the root after the ranks' blocking ``wait_submit`` is about that step
+    and waits for this node's forward). A forward carries each merged contribution with the
+    ``(client_id, seq)`` keys of the ranks' submissions in it, and closes the step on behalf of the
+    ranks that closed it; the root merges every submission once.
 
-    Clients keep their data until the root's saved state records the step finalized (the node
-    relays what the root's replies say), and the node forwards with a fixed client id and fixed
-    sequence numbers, so a restarted node re-forwards what its clients resend and the root merges
-    it once.
+    Ranks keep their data until the root's saved state records the step finalized (the node relays
+    what the root's replies say). After a restart of this node its ranks resend what they keep,
+    which it forwards unmerged, each submission keyed by its own rank (some of them may have reached
+    the root before).
     """
 
     _auto_finalize = False
 
-    def __init__(self, root: str, namespace: str | None, node_id: str, node_timeout: float = 30.0, **options):
+    def __init__(self, root: str, namespace: str | None, node_id: str, **options: Any) -> None:
         super().__init__(**options)
-        self.node_timeout = node_timeout
-        self._first_seen: dict[int, float] = {}
-        self._forwards: dict[int, int] = {}  # messages forwarded per step not yet finalized upstream
+        self.address = node_actor_name(root, node_id)
+        self._relayed: set[str] = set()  # ranks the root knows this node speaks for
         self._announced = -1
+        self._forwards: dict[int, int] = {}  # forwards per step not yet finalized upstream
         self._forwarder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlmetrics-forward")
         from rlmetrics.backends import MetricClient
+        from rlmetrics.backends.ray.transport import RayTransport
 
-        self.upstream = MetricClient(
-            ray.get_actor(root, namespace=namespace), client_id=f"node:{node_id}", blocking=False
-        )
-        self._timer: asyncio.Task | None = None
+        # no session: the node serves every run that reaches it; the root checks the ranks' sessions
+        uplink = RayTransport(ray.get_actor(root, namespace=namespace), session=None)
+        self.upstream = MetricClient(uplink, label=f"node:{node_id}", blocking=False)
 
     def _export_state(self) -> dict:  # finalized steps are the root's business
-        return {"clients": sorted(self.engine.clients), "done_below": 0, "finalized": []}
+        state = self.server.export_state(results=0)
+        return {**state, "done_below": 0, "finalized": [], "results": []}
 
-    async def _announce(self, close: list[int]) -> None:
-        step = max(close, default=-1)
-        if step > self._announced:
-            self._announced = step
-            await compat.remote(self.upstream.transport.handle.announce, self.upstream.client_id, step)
+    def _marker(self) -> tuple:
+        return (frozenset(self.engine.clients), len(self.server.sessions), len(self.server.ended))
+
+    async def _merge(
+        self, who: str, client_id: str, session: str | None, items: list, close: list, resync: bool
+    ) -> dict[str, str]:
+        step = max((c for c in close if type(c) is int), default=-1)
+        refused = await self._relay(who, client_id, step if step > self._announced else None)
+        if refused:
+            return {client_id: refused}
+        if not resync:
+            return self.server.merge(client_id, items, close, False, session)
+        for step, seq, world_size, packed in items:  # each keyed by its rank: some reached the root before
+            self.upstream.submit_packed(packed, world_size, step, seq=((client_id, seq),))
+        return self.server.merge(client_id, [], close, True, session)
+
+    async def _relay(self, who: str, client_id: str, step: int | None) -> str | None:
+        """Tell the root that this node speaks for ``client_id`` (once) and that a rank closed
+        ``step`` (once per step); why the root refused the rank, if it did."""
+        new = client_id not in self._relayed
+        if not new and step is None:
+            return None
+        refused = await compat.remote(
+            self.upstream.transport.handle.relay,
+            self.upstream.credential,
+            [who] if new else [],
+            step,
+            self.address,
+        )
+        if refused:
+            return next(iter(refused.values()))
+        self._relayed.add(client_id)
+        if step is not None:
+            self._announced = max(self._announced, step)
+        return None
+
+    async def register(self, who: str) -> None:
+        await super().register(who)
+        refused = await self._relay(who, self._who(who)[0], None)
+        if refused:
+            raise SubmissionError(refused)
+
+    async def depart(self, who: str) -> None:
+        await super().depart(who)
+        await compat.remote(self.upstream.transport.handle.depart, who)
 
     def _changed_state(self) -> None:
         super()._changed_state()
-        now = time.monotonic()
-        for step in self.engine.pending_steps():
-            self._first_seen.setdefault(step, now)
         self._forward_ready()
-        if self._timer is None:
-            self._timer = asyncio.get_running_loop().create_task(self._tick())
-
-    def _marker(self) -> tuple:
-        return (frozenset(self.engine.clients),)
-
-    async def _tick(self) -> None:
-        while True:
-            await asyncio.sleep(min(1.0, self.node_timeout / 4))
-            self._forward_ready()
 
     def _forward_ready(self) -> None:
-        """Forward each step once every local client closed it; data of a client that joins after
-        that (its first submission) follows in another message, which the root merges too."""
+        """Forward each step once every local rank closed it; data of a rank that joins after that
+        (its first submission) follows in another message, which the root merges too."""
         if self.server.recovering():
             return
-        now = time.monotonic()
         done_below = self.upstream.finalized_state[0]
         self._forwards = {s: n for s, n in self._forwards.items() if s >= done_below}
         for step in self.engine.pending_steps():
-            late = now - self._first_seen.get(step, now) > self.node_timeout
-            forwards = self._forwards.get(step, 0)
-            ready = self.engine.is_closed(step) if forwards == 0 else self.engine.closed_by_contributors(step)
-            if ready or late:
-                if late:  # like a deadline at the root: stop waiting for the silent local clients
-                    missing, _ = self.engine.missing(step)
-                    logger.warning("node step %d forwarded without %s", step, missing)
-                    self.engine.clients.difference_update(missing)
-                parts = self.engine.take(step)
-                self._first_seen.pop(step, None)
-                self._forwards[step] = forwards + 1
-                self._forwarder.submit(self._forward, step, parts, forwards)
+            first = step not in self._forwards
+            if self.engine.is_closed(step) if first else self.engine.closed_by_contributors(step):
+                self._forward(step)
 
-    def _forward(self, step: int, parts: list, forwards: int) -> None:
+    def _forward(self, step: int) -> Any:
+        """Send what this node holds of ``step`` upstream (in the forwarder thread: the upstream
+        client blocks); the future of that send."""
+        closers = self.engine.closers(step)
+        parts = self.engine.take(step)
+        self._forwards[step] = self._forwards.get(step, 0) + 1
+        return self._forwarder.submit(self._send_upstream, step, parts, closers)
+
+    def _send_upstream(self, step: int, parts: list, closers: set[str]) -> None:
         try:
-            for i, (packed, world_size) in enumerate(parts):  # fixed seqs: a re-forward merges once
-                self.upstream.submit_packed(packed, world_size, step, seq=forwards * 1_000_000 + i)
-            self.upstream.close_step(step)
+            for packed, world_size, keys in parts:
+                self.upstream.submit_packed(packed, world_size, step, seq=keys)
+            self.upstream.close_step(step, on_behalf=closers)
         except Exception:  # the upstream client resends what it keeps once the root answers
             logger.exception("forwarding step %d upstream failed", step)
+
+    async def drain(self, step: int) -> None:
+        """The root ends ``step`` at a deadline: forward what this node holds of it now, and return
+        once the root has it; the local ranks that did not close it are not waited for any more
+        (as at the root), until they submit again."""
+        missing = self.engine.clients - self.engine.closers(step)
+        if missing:
+            logger.warning("node step %d forwarded at the root's deadline without %s", step, sorted(missing))
+            self.engine.clients.difference_update(missing)
+        if step in self.engine.pending_steps():
+            self._forward(step)
+        await asyncio.wrap_future(self._forwarder.submit(self.upstream.flush))
 
     def _reply(self, errors: dict[str, str]) -> Reply:
         return Reply(errors, self.incarnation, *self.upstream.finalized_state)
 
-    async def result(self, step: int, timeout: float | None = None) -> StepResult:
+    async def relay(self, *args: Any) -> dict:
+        raise SubmissionError("a node sub-aggregator does not speak for another node")
+
+    async def result(self, step: int, timeout: float | None = None, finalize: bool = False) -> StepResult:
         return await asyncio.get_running_loop().run_in_executor(
-            self._forwarder, lambda: self.upstream.result(step, timeout)
+            self._forwarder, lambda: self.upstream.result(step, timeout, finalize=finalize)
         )
 
     async def final(self, timeout: float | None = None) -> StepResult:
@@ -118,7 +163,12 @@ class _NodeWorker(_MetricWorker):
         )
 
 
-NodeWorker = ray.remote(**ACTOR_OPTIONS)(_NodeWorker)
+NodeWorker = AggregatorClass(_NodeWorker)
+
+
+def node_actor_name(root: str, node_id: str) -> str:
+    """The actor name of aggregator ``root``'s sub-aggregator on node ``node_id``."""
+    return f"{root}/node/{node_id}"
 
 
 def node_worker(name: str, namespace: str | None, node_id: str | None = None, **options: Any) -> Any:
@@ -127,7 +177,7 @@ def node_worker(name: str, namespace: str | None, node_id: str | None = None, **
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     node_id = node_id or ray.get_runtime_context().get_node_id()
-    actor_name = f"{name}/node/{node_id}"
+    actor_name = node_actor_name(name, node_id)
     try:
         return ray.get_actor(actor_name, namespace=namespace)
     except ValueError:

@@ -14,7 +14,7 @@ import numpy as np
 
 from rlmetrics.backends.ray import compat
 from rlmetrics.backends.ray.compat import ray
-from rlmetrics.client import AggregatorRestarted
+from rlmetrics.client import AggregatorRestarted, identity
 from rlmetrics.messages import Reply, StepResult
 from rlmetrics.packing import Packed
 from rlmetrics.server import Submission
@@ -29,12 +29,18 @@ class RayTransport:
 
     ``post`` is the non-blocking send: every client of the same actor in this process shares one
     :class:`_Sender`, so messages posted while a call is in flight travel together in the next one.
+    ``session``: the run its clients belong to, by default this process's Ray job (the driver's,
+    for the actors it created): a restarted run is a new job, and the aggregator drops what the
+    ended one left open (:class:`~rlmetrics.server.Server`); None for a client of no run.
     """
 
-    def __init__(self, handle: Any, reconnect_timeout: float = 120.0, root: Any = None) -> None:
+    def __init__(
+        self, handle: Any, reconnect_timeout: float = 120.0, root: Any = None, session: Any = "job"
+    ) -> None:
         self.handle = handle  # where sends go: the root, or this node's sub-aggregator
         self.root = root if root is not None else handle  # where results come from
         self.reconnect_timeout = reconnect_timeout
+        self.session = ray.get_runtime_context().get_job_id() if session == "job" else session
         self._known: set[bytes] = set()  # schema ids the current incarnation has
         self._incarnation: str | None = None
         self._sender = _Sender.of(self)
@@ -62,47 +68,45 @@ class RayTransport:
         self._known.update(item[3].schema.id for item in items)
         return msg
 
-    def _track(
-        self, reply: dict, client_id: str, items: list[Submission], close: list[int], resync: bool
-    ) -> Reply:
+    def _track(self, reply: Reply, who: str, items: list[Submission], close: list, resync: bool) -> Reply:
         if reply.unknown is not None:
-            reply = self.repeat(client_id, items, close, resync)
+            reply = self.repeat(who, items, close, resync)
         if reply.incarnation != self._incarnation:
             self._known = {item[3].schema.id for item in items}
             self._incarnation = reply.incarnation
         return reply
 
-    def repeat(self, client_id: str, items: list[Submission], close: list[int], resync: bool) -> Reply:
+    def repeat(self, who: str, items: list[Submission], close: list, resync: bool) -> Reply:
         """Send a message again on its own, with every schema's names: the answer to an "unknown"
         reply (the actor lost some schemas, or could not merge a pre-merged item)."""
-        return self._call("send", client_id, encode(items, close, True, resync))
+        return self._call("send", who, encode(items, close, True, resync))
 
-    def send(self, client_id: str, items: list[Submission], close: list[int], resync: bool = False) -> Reply:
-        reply = self._call("send", client_id, self._encode(items, close, resync))
-        return self._track(reply, client_id, items, close, resync)
+    def send(self, who: str, items: list[Submission], close: list, resync: bool = False) -> Reply:
+        reply = self._call("send", who, self._encode(items, close, resync))
+        return self._track(reply, who, items, close, resync)
 
-    def post(self, client_id: str, items: list[Submission], close: list[int]) -> tuple:
+    def post(self, who: str, items: list[Submission], close: list) -> tuple:
         """Send without waiting; :meth:`collect` gives the reply (or raises AggregatorRestarted)."""
-        return (self._sender.post(self, client_id, items, close), client_id, items, close)
+        return (self._sender.post(self, who, items, close), who, items, close)
 
-    def collect(self, posted: tuple, block: bool = True) -> dict | None:
-        future, client_id, items, close = posted
+    def collect(self, posted: tuple, block: bool = True) -> Reply | None:
+        future, who, items, close = posted
         if not block and not future.done():
             return None
-        return self._track(self._sender.wait(future), client_id, items, close, False)
+        return self._track(self._sender.wait(future), who, items, close, False)
 
-    def result(self, step: int, timeout: float | None) -> StepResult:
-        return self._call("result", step, timeout, actor=self.root)
+    def result(self, step: int, timeout: float | None, finalize: bool = False) -> StepResult:
+        return self._call("result", step, timeout, finalize, actor=self.root)
 
     def final(self, timeout: float | None = None) -> StepResult:
         return self._call("final", timeout, actor=self.root)
 
-    def register(self, client_id: str) -> None:
-        self._call("register", client_id)
+    def register(self, who: str) -> None:
+        self._call("register", who)
 
-    def depart(self, client_id: str) -> None:
-        self._sender.forget(client_id)
-        self._call("depart", client_id)
+    def depart(self, who: str) -> None:
+        self._sender.forget(who)
+        self._call("depart", who)
 
     def watch(self, client: Any) -> None:
         """Resend ``client``'s kept submissions whenever the actor restarts (one thread per actor)."""
@@ -196,14 +200,15 @@ class _Sender:
         """The next batch (called holding ``_cond``)."""
         while not self._queue:
             self._cond.wait()
-        closes = [step for *_, close, _ in self._queue for step in close]
+        closes = [step for *_, close, _ in self._queue for step in _own_closes(close)]
         if closes and len(self._closed) > 1:
             self._linger(max(closes))
         batch, self._queue = self._queue, []
         for _, client_id, _, close, future in batch:
-            if close:
-                self._closed[client_id] = max(self._closed.get(client_id, -1), *close)
-                self._posters.setdefault(max(close), set()).add(self._poster.get(future))
+            own = _own_closes(close)
+            if own:
+                self._closed[client_id] = max(self._closed.get(client_id, -1), *own)
+                self._posters.setdefault(max(own), set()).add(self._poster.get(future))
         self._poster.clear()
         self._waiting.clear()
         newest = max(self._closed.values(), default=0)
@@ -270,6 +275,11 @@ class _Sender:
                 future.set_result(reply)
 
 
+def _own_closes(close: list) -> list[int]:
+    """The steps a message closes for its own client (not those closed on behalf of others)."""
+    return [step for step in close if not isinstance(step, tuple)]
+
+
 def _premerge(batch: list[tuple]) -> tuple[list[tuple[str, tuple]], tuple | None]:
     """The clients' messages of a batch, and one message with the items merged across clients:
     1-D submissions (one value per metric) of one step, world size and known schema become one
@@ -293,7 +303,7 @@ def _premerge(batch: list[tuple]) -> tuple[list[tuple[str, tuple]], tuple | None
             continue
         packs = [item[3] for _, item, _ in members]
         stats = stats_of_rows(np.stack([p.stats for p in packs]))
-        keys = tuple((client_id, item[1]) for client_id, item, _ in members)
+        keys = tuple((identity(who)[0], item[1]) for who, item, _ in members)
         contributions = sum(p.contributions for p in packs)
         merged.append((step, keys, world_size, Packed(packs[0].schema, stats, contributions=contributions)))
     messages = [(b[1], b[0]._encode(mine, b[3])) for b, mine in zip(batch, own)]
