@@ -182,7 +182,8 @@ class ClientCore:
 
         ``group_by``: ``{tag: labels}``, one label per sample; each per-sample value (a 1-D list,
         array or tensor, or a ``(values, weights)`` pair) is also submitted per group, as
-        ``group/<tag>/<label>/<name>`` (:func:`rlmetrics.groups.grouped_values`). A rank sends only
+        ``group/<tag>/<label's name>/<name>`` (:func:`rlmetrics.groups.segment`: missing labels have
+        a group of their own; :func:`rlmetrics.groups.grouped_values`). A rank sends only
         the groups it has, so grouped names (these, and any name starting with ``group/``) expect
         one contribution: their step completes when every registered rank closed it and the names
         without group have all theirs (``docs/groups.md``).
@@ -208,7 +209,12 @@ class ClientCore:
         if group_by is not None:
             if not isinstance(group_by, Mapping):
                 raise TypeError(f"group_by must map a tag to its labels, got {type(group_by).__name__}")
-            labels = [Labels.of(tag, labels) for tag, labels in group_by.items()]
+            labels = []
+            for tag, tag_labels in group_by.items():
+                try:
+                    labels.append(Labels.of(tag, tag_labels))
+                except ValueError as exc:  # that tag's groups only: the call's other names go on
+                    errors[f"group tag {tag!r}"] = str(exc)
             grouped.update(grouped_values(metrics, labels, errors))
         self._queue(plain, ws, step, errors)
         if grouped:

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from rlmetrics.packing import pack
+from rlmetrics.values import MetricValueError
 
 if TYPE_CHECKING:
     from rlmetrics.metrics.validation import SampleRecord
@@ -54,28 +55,37 @@ class ComputeLocal:
         one contribution (:meth:`submit_metric`). ``difficulty`` (``True``: prompt
         ids in the ``uid`` key, verl's; or the key): the difficulty groups of GRPO, decided on each
         prompt's samples of all ranks (this rank sends its per-prompt summaries,
-        :mod:`rlmetrics.metrics.difficulty`)."""
+        :mod:`rlmetrics.metrics.difficulty`). Missing labels (None, NaN) are a group of their own
+        (``docs/groups.md``); labels refused (not one per sample) and values refused raise
+        :class:`~rlmetrics.stat.MetricValueError` after the call's other metrics were queued."""
         from rlmetrics.metrics.batch import as_batch
         from rlmetrics.metrics.custom import debug_enabled, debug_report, run_custom_metrics
         from rlmetrics.metrics.data import data_stats_and_prompts
 
         batch = as_batch(data, "compute_local_data_metric")
+        errors: dict[str, str] = {}
         stats, prompts = data_stats_and_prompts(
             batch,
             torch_compile=torch_compile,
             nan_strategy=self._compute_strategy(),
             group_by=group_by,
             difficulty=difficulty,
+            errors=errors,
         )
         metrics: dict[str, Any] = dict(stats)
         metrics.update(run_custom_metrics(data))
         if debug_enabled():
             debug_report(batch, metrics)
-        self.submit_metric(metrics, world_size, step)
+        try:
+            self.submit_metric(metrics, world_size, step)
+        except MetricValueError as exc:  # the other names were queued; so are the prompts, below
+            errors["metrics"] = str(exc)
         if prompts is not None:
             from rlmetrics.states import PROMPT_STATS, PromptStats
 
             self._submit_state(PROMPT_STATS, PromptStats([(self.client_id, prompts)]), world_size, step)
+        if errors:
+            raise MetricValueError("; ".join(errors.values()))
 
     def compute_local_timing_metrics(
         self,
