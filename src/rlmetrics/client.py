@@ -23,6 +23,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from rlmetrics.groups import Labels, grouped_values, split_grouped
 from rlmetrics.messages import StepResult
+from rlmetrics.metrics import without_reserved
 from rlmetrics.packing import MAX_WORLD_SIZE, Packed, pack, pack_known
 from rlmetrics.server import Submission
 from rlmetrics.stat import NAN_STRATEGIES, MetricValueError
@@ -178,7 +179,8 @@ class ClientCore:
 
         Returns at once; nothing is sent before :meth:`wait_submit`. A value that cannot be
         summarized raises :class:`~rlmetrics.stat.MetricValueError` naming it, after the other
-        metrics of the call were queued.
+        metrics of the call were queued; so does a name under the reserved prefix ``_aux/`` that is
+        no ingredient of a derived metric (:func:`rlmetrics.metrics.without_reserved`).
 
         ``group_by``: ``{tag: labels}``, one label per sample; each per-sample value (a 1-D list,
         array or tensor, or a ``(values, weights)`` pair) is also submitted per group, as
@@ -205,6 +207,7 @@ class ClientCore:
                 self.submit_packed(packed, ws, step)
                 return
         errors: dict[str, str] = {}
+        metrics = without_reserved(metrics, errors)
         plain, grouped = split_grouped(metrics)
         if group_by is not None:
             if not isinstance(group_by, Mapping):
