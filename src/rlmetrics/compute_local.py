@@ -1,11 +1,13 @@
 """The seed's ``compute_local_*`` methods, on every client: compute a family of built-in metrics on this
 rank's batch and submit it as mergeable Stats (or, for validation, as a record of samples).
 
-:class:`ComputeLocal` is a mixin over :class:`~rlmetrics.client.ClientCore` (it calls
-``submit_metric`` and ``submit_packed`` and reads ``nan_strategy``, ``world_size``, ``step``,
-``rank`` and ``client_id``): :class:`~rlmetrics.backends.MetricClient` and
-:class:`~rlmetrics.backends.torch_dist.TorchMetricClient` inherit it. The metric modules are
-imported on first use (torch only then).
+:class:`ComputeLocal` is a mixin over :class:`~rlmetrics.client.ClientCore`: it submits through
+``submit_metric``, :meth:`~ComputeLocal._submit_state` and :meth:`~ComputeLocal._submit_samples`
+(which call ``submit_packed``) and reads ``nan_strategy``, ``world_size``, ``step``, ``rank`` and
+``client_id``. :class:`~rlmetrics.backends.MetricClient` and
+:class:`~rlmetrics.backends.torch_dist.TorchMetricClient` inherit it, and so does
+:class:`~rlmetrics.axes.AxesClient`, whose three submitting methods land on every axis. The metric
+modules are imported on first use (torch only then).
 
 >>> from rlmetrics.backends import MetricClient, local
 >>> client = MetricClient(local.LocalMetricWorker(), world_size=1)
@@ -144,12 +146,17 @@ class ComputeLocal:
         ``record_options`` (``style``, ``seed``, ``expected_counts``) go to
         :func:`~rlmetrics.metrics.validation.encode_samples`."""
         from rlmetrics.metrics.validation import encode_samples
-        from rlmetrics.states import VALIDATION_SAMPLES, Samples
 
         record = encode_samples(
             data_sources, sample_inputs, infos_dict, sample_turns, exact=exact,
             nan_strategy=self.nan_strategy, **record_options,
         )  # fmt: skip
+        self._submit_samples(record, world_size, step)
+
+    def _submit_samples(self, record: SampleRecord, world_size: int | None, step: int | None) -> None:
+        """Queue a validation record, placed among all ranks' by :meth:`_rank_key`."""
+        from rlmetrics.states import VALIDATION_SAMPLES, Samples
+
         with self._lock:
             seq = self._seq  # the next seq: the one _submit_state takes
             state = Samples([(self._rank_key(record, seq), record)])
