@@ -14,6 +14,7 @@ import math
 import re
 import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -195,6 +196,102 @@ def test_values_only_go_up_on_an_axis():
     client.stop()
     for agg in (name, axes_mod.axis_aggregator(name, "policy_version")):
         drop_worker(agg)
+
+
+# ------------------------------------------------------------------------------ the seed's calls
+def seed_rank(rng: np.random.Generator, r: int, b: int) -> dict:
+    """Rank ``r``'s inputs of the seed's calls: a batch with data sources (some missing), its
+    timings, its validation samples and a per-sample value with its environments."""
+    import torch
+
+    from tests.test_metrics_data import make_batch
+
+    batch = make_batch(rng, b, 3, 4, dtype=torch.float64)
+    batch["data_source"] = np.array(["gsm8k", None, "math", "gsm8k", None][:b], dtype=object)
+    return {
+        "batch": batch,
+        "timing": {"gen": 1.0 + r, "update_actor": 0.5 + 2 * r, "step": 4.0 + r},
+        "val": (["gsm8k", "gsm8k", "math"], ["q0", "q1", f"q{r}"], {"acc": [1.0, float(r), 0.0]}),
+        "x": rng.normal(size=4),
+        "env": ["a", None, "a", "b"],
+    }
+
+
+def check_seed_calls(res, parts: list[dict]) -> None:
+    """``res`` holds the seed's calls' metrics of ``parts`` (in rank order) concatenated: data
+    metrics and each data source's by the loop reference, timings and throughput by numpy (two GPUs
+    a rank), validation as one process, the per-sample value and each environment's by numpy."""
+    from rlmetrics.metrics.validation import process_validation_metrics
+    from tests.test_derived_metrics import reference as timing_reference
+    from tests.test_groups import group_of, grouped, rows
+    from tests.test_metrics_data import assert_matches, concatenate, reference
+
+    assert res.meta.complete, res.meta
+    batches = [p["batch"] for p in parts]
+    sources = {"gsm8k": "gsm8k", "math": "math"}
+    for g in ("gsm8k", "math", "--missing"):
+        idx = [
+            np.array([i for i, x in enumerate(b["data_source"]) if group_of(x, sources) == g], int)
+            for b in batches
+        ]
+        assert_matches(
+            grouped(res, "data_source", g),
+            reference(concatenate([rows(b, i) for b, i in zip(batches, idx) if len(i)])),
+        )
+    timing = [p["timing"] for p in parts]
+    want = timing_reference(concatenate(batches), timing, 2 * len(parts))
+    want.update({f"perf/delta_time/{s}": np.mean([t[s] for t in timing]) for s in timing[0]})
+    val = [sum((list(p["val"][i]) for p in parts), []) for i in (0, 1)]
+    want.update(process_validation_metrics(*val, {"acc": sum((p["val"][2]["acc"] for p in parts), [])}))
+    x, env = np.concatenate([p["x"] for p in parts]), sum((p["env"] for p in parts), [])
+    want.update({"x/mean": x.mean(), "x/max": x.max()})
+    for g, label in (("a", "a"), ("b", "b"), ("--missing", None)):
+        values = x[[e == label for e in env]]
+        want.update({f"group/env/{g}/x/mean": values.mean(), f"group/env/{g}/x/max": values.max()})
+    for name, value in want.items():
+        assert res[name] == pytest.approx(value, rel=1e-12), name
+    data = {
+        n: v
+        for n, v in res.items()
+        if n not in want and not n.startswith(("group/data_source/", "perf/delta"))
+    }
+    assert_matches(data, reference(concatenate(batches)))
+
+
+@pytest.mark.torch
+def test_the_seed_calls_land_on_train_step_and_on_every_axis():
+    """Issue 28.10: an async trainer calling the seed's ``compute_local_*`` or
+    ``process_local_validation_metrics`` on an axes client got AttributeError, and ``submit_metric``
+    took no ``group_by``. Two ranks of train step 0, with the weights of versions 0 and 1: train step
+    0 holds both ranks' data, policy version ``v`` rank ``v``'s, each equal to the reference."""
+    name = f"axes-seed-{uuid.uuid4().hex[:8]}"
+    rng = np.random.default_rng(3)
+    parts = [seed_rank(rng, 0, 5), seed_rank(rng, 1, 3)]
+    clients = [
+        axes_mod.connect("local", axes=("policy_version",), world_size=2, name=name, label=f"rank{r}", rank=r)
+        for r in range(2)
+    ]
+
+    def rank(r: int) -> None:
+        client, d, at = clients[r], parts[r], {"policy_version": r}
+        client.compute_local_data_metric(d["batch"], group_by="data_source", axes=at)
+        client.compute_local_timing_metrics(d["batch"], d["timing"], axes=at)
+        client.compute_local_throughout_metrics(d["batch"], d["timing"], 2, axes=at)
+        client.process_local_validation_metrics(*d["val"], axes=at)
+        client.submit_metric({"x/mean": d["x"], "x/max": d["x"]}, group_by={"env": d["env"]}, axes=at)
+        client.wait_submit()
+        client.advance("policy_version", 2)
+
+    reader = axes_mod.connect("local", axes=("policy_version",), name=name)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(rank, range(2)))  # re-raises a rank's error
+        check_seed_calls(reader.wait_final_res(), parts)  # the seed's driver, on train_step
+        for v in range(2):
+            check_seed_calls(reader.result(v, timeout=10, axis="policy_version"), parts[v : v + 1])
+    finally:
+        for agg in (name, axes_mod.axis_aggregator(name, "policy_version")):
+            drop_worker(agg)
 
 
 # ---------------------------------------------------------------------------------------- the sinks

@@ -166,3 +166,41 @@ def test_the_example_packs_ratios_are_exact_over_shards():
         "model/attention_entropy/mean",
     ):
         assert got[name] == pytest.approx(want[name], rel=1e-6), name
+
+
+def test_a_metric_under_the_reserved_prefix_is_refused_and_the_librarys_ingredients_still_work(request):
+    """Issue 28.10: a user's ``_aux/...`` metric was accepted and never reported. It is refused at the
+    client, naming it, and the call's other names go through; the ingredients the compute functions
+    submit under that prefix still give the derived metrics of the whole batch (numpy)."""
+    parts = shards(3)
+    rng = np.random.default_rng(4)
+    for part in parts:
+        part["values"] = torch.from_numpy(rng.normal(size=(len(part["responses"]), R)))
+        part["returns"] = part["values"] + torch.from_numpy(rng.normal(size=part["values"].shape))
+    timings = [{"gen": g, "update_actor": a, "step": s} for g, a, s in rng.uniform(1.0, 9.0, (len(parts), 3))]
+    refused = (
+        r"metric '_aux/my/latency/mean': the prefix '_aux/' is reserved .* \(e\.g\. 'aux/my/latency/mean'\)"
+    )
+    try:
+        clients = [rlmetrics.connect("local", world_size=len(parts), name=request.node.name) for _ in parts]
+        for r, (client, part, timing) in enumerate(zip(clients, parts, timings)):
+            with pytest.raises(MetricValueError, match=refused):
+                client.submit_metric(
+                    {"_aux/my/latency/mean": 1.0, "group/env/a/_aux/x": [2.0], "my/loss": float(r)}
+                )
+            client.compute_local_data_metric(part)
+            client.compute_local_timing_metrics(part, timing)
+            client.compute_local_throughout_metrics(part, timing, GPUS_PER_RANK)
+            client.wait_submit()
+        res = rlmetrics.connect("local", name=request.node.name).wait_final_res()
+    finally:
+        local.drop_worker(request.node.name)
+    assert res.meta.complete, res.meta
+    assert res["my/loss"] == np.mean(range(len(parts))) and not [n for n in res if "aux/" in n]
+    full = concat(parts)
+    for name, value in reference(full, timings, GPUS_PER_RANK * len(parts)).items():
+        assert res[name] == pytest.approx(value, rel=1e-12), name
+    on = full["response_mask"].numpy() != 0
+    ret, val = full["returns"].numpy()[on], full["values"].numpy()[on]
+    want = 1.0 - np.var(ret - val, ddof=1) / (np.var(ret, ddof=1) + 1e-5)
+    assert res["critic/vf_explained_var"] == pytest.approx(want, rel=1e-9)

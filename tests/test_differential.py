@@ -3,13 +3,14 @@ concatenated batch of all ranks, on every backend and with both read patterns.
 
 A *scenario* (drawn by hypothesis) is W ranks and two steps. In every step each rank has its own
 batch (unequal sizes, empty shards too; single- or multi-turn; float32 or float64; a NaN or an
-infinity in the rewards where the scenario says so), its own phase timings and GPUs, its share of a
-validation round and a few plain metrics. Each rank runs the seed's calls on its shard:
-``compute_local_data_metric``, ``compute_local_timing_metrics``, ``compute_local_throughout_metrics``,
+infinity in the rewards where the scenario says so; data sources, missing or of mixed types, for
+``group_by``), its own phase timings and GPUs, its share of a validation round and a few plain
+metrics. Each rank runs the seed's calls on its shard: ``compute_local_data_metric`` (with
+``group_by="data_source"``), ``compute_local_timing_metrics``, ``compute_local_throughout_metrics``,
 ``process_local_validation_metrics`` and ``submit_metric``, then ``wait_submit()``. The driver reads
 with ``wait_final_res()`` after the ranks (the seed's loop), or with ``result(step)``.
 
-The reference is one process on the concatenation: ``compute_data_metric``,
+The reference is one process on the concatenation: ``compute_data_metric`` (with ``group_by``),
 ``compute_timing_metrics`` (each stage's seconds averaged over ranks, as every rank times the same
 step), ``compute_throughput_metrics`` (the ranks' GPUs summed), ``process_validation_metrics`` (the
 samples in rank order) and numpy for the plain metrics. Tolerance: 1e-9 relative for float64 data;
@@ -61,6 +62,7 @@ STAGES = ("gen", "ref", "update_actor", "step")
 UNCHECKABLE = {"perf/process_cpu_mem_used_gb"}  # each process's own memory: no concatenation of it
 CHECKED: list[int] = []  # how many names each checked step compared
 SOURCES = ("gsm8k", "math")
+LABELS = ("gsm8k", "openai/gsm8k", None, float("nan"), "", 3)  # per-sequence data sources: missing, mixed
 
 
 # ------------------------------------------------------------------------------------------- scenarios
@@ -133,6 +135,7 @@ def rank_step(sc: dict, rank: int, step: int) -> dict:
     }
     if spec["multi_turn"]:
         batch["__num_turns__"] = torch.randint(1, 4, (b,), generator=g)
+    batch["data_source"] = [LABELS[i] for i in rng.integers(0, len(LABELS), b)]  # group_by's labels
     n_val = spec["val"][rank]
     infos = {"acc": rng.integers(0, 2, n_val).astype(float).tolist()}
     infos["pred"] = [str(v) for v in rng.integers(0, 3, n_val)]
@@ -155,7 +158,7 @@ def run_rank(client, sc: dict, rank: int, step: int) -> None:
     """The seed's calls of one rank for one step."""
     d = rank_step(sc, rank, step)
     w = sc["world"]
-    client.compute_local_data_metric(d["batch"], w, step)
+    client.compute_local_data_metric(d["batch"], w, step, group_by="data_source")
     client.compute_local_timing_metrics(d["batch"], d["timing"], w, step)
     client.compute_local_throughout_metrics(d["batch"], d["timing"], d["gpus"], w, step)
     if sum(sc["steps"][step]["val"]):
@@ -174,9 +177,10 @@ def expected(sc: dict, step: int, ranks: list[int] | None = None) -> dict[str, f
     """The single-process computation on the concatenation of the inputs of ``step`` of all ranks
     (or of ``ranks``)."""
     parts = [rank_step(sc, r, step) for r in (range(sc["world"]) if ranks is None else ranks)]
-    batch = {k: torch.cat([p["batch"][k] for p in parts]) for k in parts[0]["batch"]}
+    batch = {k: torch.cat([p["batch"][k] for p in parts]) for k in parts[0]["batch"] if k != "data_source"}
+    batch["data_source"] = sum((p["batch"]["data_source"] for p in parts), [])
     ns = sc["nan_strategy"]
-    want = dict(compute_data_metric(batch, nan_strategy=ns))
+    want = dict(compute_data_metric(batch, nan_strategy=ns, group_by="data_source"))
     timing = {s: float(np.mean([p["timing"][s] for p in parts])) for s in STAGES}
     want.update({k.replace("timing_s/", "perf/delta_time/"): v
                  for k, v in compute_timing_metrics(batch, timing, nan_strategy=ns).items()})  # fmt: skip

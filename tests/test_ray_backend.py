@@ -166,6 +166,33 @@ def test_group_breakdowns_spread_unevenly_over_ranks_equal_the_concatenation(nam
     assert res["score/mean"] == pytest.approx(allv.mean(), rel=1e-12)
 
 
+def test_missing_labels_and_labels_that_read_alike_over_ray_ranks(name):
+    """Issue 28.7 and 28.2 on Ray: None and NaN labels of every rank are the group ``--missing``
+    (they raised numpy's TypeError in the rank and lost its call); ``"a b"`` and ``"a_b"`` on two ranks
+    stay two groups. Each group is numpy's on its values of all ranks."""
+    rng = np.random.default_rng(8)
+    labels = [np.array(["a b", None, "a b"], dtype=object), [float("nan"), "a_b", None, "a_b"], ["a_b", "c"]]
+    hashed, missing = "a_b--7faae47c", "--missing"  # the names of "a b" and of None / NaN
+    groups = [hashed, missing, hashed] + [missing, "a_b", missing, "a_b"] + ["a_b", "c"]
+    values = [rng.normal(size=len(lab)) for lab in labels]
+    ranks = [Rank.remote(r, 3, name) for r in range(3)]
+    ray.get(
+        [
+            rank.grouped.remote({"score/mean": v, "score/max": v}, {"source": lab})
+            for rank, v, lab in zip(ranks, values, labels)
+        ]
+    )
+    res = rlmetrics.connect("ray", name=name).result(0, timeout=30)
+    assert res.meta.complete, res.meta
+    allv, groups = np.concatenate(values), np.array(groups)
+    assert {n.split("/")[2] for n in res if n.startswith("group/")} == set(groups)
+    for group in set(groups):
+        x = allv[groups == group]
+        assert res[f"group/source/{group}/score/mean"] == pytest.approx(x.mean(), rel=1e-12)
+        assert res[f"group/source/{group}/score/max"] == x.max()
+    assert res["score/mean"] == pytest.approx(allv.mean(), rel=1e-12)
+
+
 def test_one_rpc_per_step_per_client(name):
     world, steps = 3, 4
     worker = rlmetrics.get_metric_worker(name=name)

@@ -42,11 +42,13 @@ two is a step of its own (an empty one when nobody submitted there).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import functools
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from rlmetrics.backends import connect as connect_backend
 from rlmetrics.client import ClientCore, _step_arg
+from rlmetrics.compute_local import ComputeLocal
 from rlmetrics.messages import StepResult
 from rlmetrics.stat import MetricValueError
 
@@ -70,20 +72,62 @@ def axis_aggregator(name: str, axis: str) -> str:
     return f"{name}@{axis}"
 
 
-class AxesClient:
+def _on_axes(method: Callable[..., None]) -> Callable[..., None]:
+    """A :class:`~rlmetrics.compute_local.ComputeLocal` method of an :class:`AxesClient`: it takes
+    ``axes=`` (as :meth:`AxesClient.submit_metric`) and every submission it makes lands on each axis."""
+
+    @functools.wraps(method)
+    def on_axes(self: AxesClient, *args: Any, axes: Mapping[str, int] | None = None, **kwargs: Any) -> None:
+        self._call = self._values(axes)
+        try:
+            method(self, *args, **kwargs)
+        finally:
+            self._call = None
+
+    return on_axes
+
+
+class AxesClient(ComputeLocal):
     """A rank's client on several axes: ``main`` merges ``train_step``, ``axes[axis]`` each other
-    axis (see the module docstring). Made by :func:`connect`."""
+    axis (see the module docstring). Made by :func:`connect`.
+
+    The seed's calls (``compute_local_data_metric``, ``compute_local_timing_metrics``,
+    ``compute_local_throughout_metrics``, ``process_local_validation_metrics``) take ``axes=`` too
+    and, like :meth:`submit_metric`, land on ``train_step`` and on every axis.
+
+    >>> from rlmetrics.backends.local import drop_worker
+    >>> client = connect("local", axes=("policy_version",), world_size=1, name="axes-seed")
+    >>> client.process_local_validation_metrics(["gsm8k"] * 2, ["q", "q"], {"acc": [1.0, 0.0]},
+    ...                                         axes={"policy_version": 4})
+    >>> client.stop()
+    >>> train, version = client.result(0), client.result(4, axis="policy_version")
+    >>> train["val-core/gsm8k/acc/mean@2"], version["val-core/gsm8k/acc/mean@2"]
+    (0.5, 0.5)
+    >>> for name in ("axes-seed", "axes-seed@policy_version"):
+    ...     drop_worker(name)
+    """
 
     def __init__(self, main: ClientCore, axes: Mapping[str, ClientCore]) -> None:
         self.main = main
         self.axes = dict(axes)
         self._newest: dict[str, int | None] = dict.fromkeys(self.axes)
         self._closed_below = dict.fromkeys(self.axes, 0)
+        self._call: dict[str, int] | None = None  # the axis values of a seed call under way
 
     @property
     def step(self) -> int:
         """The current ``train_step``."""
         return self.main.step
+
+    @property
+    def nan_strategy(self) -> str:
+        """The clients' ``nan_strategy`` (the same on every axis)."""
+        return self.main.nan_strategy
+
+    @property
+    def client_id(self) -> str:
+        """The ``train_step`` client's id."""
+        return self.main.client_id
 
     def submit_metric(
         self,
@@ -91,19 +135,54 @@ class AxesClient:
         world_size: int | None = None,
         step: int | None = None,
         axes: Mapping[str, int] | None = None,
+        *,
+        group_by: Mapping[str, Any] | None = None,
     ) -> None:
-        """Queue ``metrics`` for ``step`` (the train step, as :meth:`ClientCore.submit_metric`) and
-        for their value on each axis of this client: ``axes={"policy_version": v, ...}``; an axis left
-        out takes this client's newest value on it."""
-        values = self._values(axes)
+        """Queue ``metrics`` for ``step`` (the train step, as :meth:`ClientCore.submit_metric`, with
+        its ``group_by``) and for their value on each axis of this client: ``axes={"policy_version":
+        v, ...}``; an axis left out takes this client's newest value on it."""
+        self._on_every_axis(
+            lambda client, ws, s: client.submit_metric(metrics, ws, s, group_by=group_by),
+            world_size,
+            step,
+            axes,
+        )
+
+    def _submit_state(
+        self, name: str, state: Any, world_size: int | None, step: int | None, value: float | None = None
+    ) -> None:
+        self._on_every_axis(
+            lambda client, ws, s: client._submit_state(name, state, ws, s, value), world_size, step
+        )
+
+    def _submit_samples(self, record: Any, world_size: int | None, step: int | None) -> None:
+        self._on_every_axis(lambda client, ws, s: client._submit_samples(record, ws, s), world_size, step)
+
+    compute_local_data_metric = _on_axes(ComputeLocal.compute_local_data_metric)
+    compute_local_timing_metrics = _on_axes(ComputeLocal.compute_local_timing_metrics)
+    compute_local_throughout_metrics = _on_axes(ComputeLocal.compute_local_throughout_metrics)
+    compute_local_throughput_metrics = compute_local_throughout_metrics
+    process_local_validation_metrics = _on_axes(ComputeLocal.process_local_validation_metrics)
+
+    def _on_every_axis(
+        self,
+        submit: Callable[[ClientCore, int | None, int | None], None],
+        world_size: int | None,
+        step: int | None,
+        axes: Mapping[str, int] | None = None,
+    ) -> None:
+        """``submit(client, world_size, step)`` on ``train_step``, then on each axis with its value
+        (of the seed call under way, else ``axes``) and ``world_size`` 1; an error about the data
+        (the same on every axis) is raised once, after every axis got the rest."""
+        values = self._call if self._call is not None else self._values(axes)
         error = None
         try:
-            self.main.submit_metric(metrics, world_size, step)
+            submit(self.main, world_size, step)
         except MetricValueError as exc:  # the other names were queued: they go to every axis too
             error = exc
         for axis, value in values.items():
             try:
-                self.axes[axis].submit_metric(metrics, 1, value)
+                submit(self.axes[axis], 1, value)
             except MetricValueError:
                 pass  # the same names as on train_step: raised once, below
             newest = self._newest[axis]
@@ -123,7 +202,9 @@ class AxesClient:
             elif self._newest[axis] is not None:
                 value = self._newest[axis]
             else:
-                raise ValueError(f"submit_metric needs axes={{{axis!r}: ...}}: no value was given before")
+                raise ValueError(
+                    f"pass axes={{{axis!r}: ...}}: this client was given no value on {axis!r} yet"
+                )
             self._check(axis, value)
             values[axis] = value
         return values

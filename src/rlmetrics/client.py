@@ -30,6 +30,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from rlmetrics.groups import Labels, grouped_values, split_grouped
 from rlmetrics.messages import StepResult, SubmissionError
+from rlmetrics.metrics import without_reserved
 from rlmetrics.packing import MAX_WORLD_SIZE, Packed, pack, pack_known
 from rlmetrics.server import Close, Submission
 from rlmetrics.stat import NAN_STRATEGIES, MetricValueError
@@ -234,11 +235,13 @@ class ClientCore:
 
         Returns at once; nothing is sent before :meth:`wait_submit`. A value that cannot be
         summarized raises :class:`~rlmetrics.stat.MetricValueError` naming it, after the other
-        metrics of the call were queued.
+        metrics of the call were queued; so does a name under the reserved prefix ``_aux/`` that is
+        no ingredient of a derived metric (:func:`rlmetrics.metrics.without_reserved`).
 
         ``group_by``: ``{tag: labels}``, one label per sample; each per-sample value (a 1-D list,
         array or tensor, or a ``(values, weights)`` pair) is also submitted per group, as
-        ``group/<tag>/<label>/<name>`` (:func:`rlmetrics.groups.grouped_values`). A rank sends only
+        ``group/<tag>/<label's name>/<name>`` (:func:`rlmetrics.groups.segment`: missing labels have
+        a group of their own; :func:`rlmetrics.groups.grouped_values`). A rank sends only
         the groups it has, so grouped names (these, and any name starting with ``group/``) expect
         one contribution: their step completes when every registered rank closed it and the names
         without group have all theirs (``docs/groups.md``).
@@ -260,11 +263,17 @@ class ClientCore:
                 self.submit_packed(packed, ws, step)
                 return
         errors: dict[str, str] = {}
+        metrics = without_reserved(metrics, errors)
         plain, grouped = split_grouped(metrics)
         if group_by is not None:
             if not isinstance(group_by, Mapping):
                 raise TypeError(f"group_by must map a tag to its labels, got {type(group_by).__name__}")
-            labels = [Labels.of(tag, labels) for tag, labels in group_by.items()]
+            labels = []
+            for tag, tag_labels in group_by.items():
+                try:
+                    labels.append(Labels.of(tag, tag_labels))
+                except ValueError as exc:  # that tag's groups only: the call's other names go on
+                    errors[f"group tag {tag!r}"] = str(exc)
             grouped.update(grouped_values(metrics, labels, errors))
         self._queue(plain, ws, step, errors)
         if grouped:

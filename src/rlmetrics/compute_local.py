@@ -1,11 +1,13 @@
 """The seed's ``compute_local_*`` methods, on every client: compute a family of built-in metrics on this
 rank's batch and submit it as mergeable Stats (or, for validation, as a record of samples).
 
-:class:`ComputeLocal` is a mixin over :class:`~rlmetrics.client.ClientCore` (it calls
-``submit_metric`` and ``submit_packed`` and reads ``nan_strategy``, ``world_size``, ``step``,
-``rank`` and ``client_id``): :class:`~rlmetrics.backends.MetricClient` and
-:class:`~rlmetrics.backends.torch_dist.TorchMetricClient` inherit it. The metric modules are
-imported on first use (torch only then).
+:class:`ComputeLocal` is a mixin over :class:`~rlmetrics.client.ClientCore`: it submits through
+``submit_metric``, :meth:`~ComputeLocal._submit_state` and :meth:`~ComputeLocal._submit_samples`
+(which call ``submit_packed``) and reads ``nan_strategy``, ``world_size``, ``step``, ``rank`` and
+``client_id``. :class:`~rlmetrics.backends.MetricClient` and
+:class:`~rlmetrics.backends.torch_dist.TorchMetricClient` inherit it, and so does
+:class:`~rlmetrics.axes.AxesClient`, whose three submitting methods land on every axis. The metric
+modules are imported on first use (torch only then).
 
 >>> from rlmetrics.backends import MetricClient, local
 >>> client = MetricClient(local.LocalMetricWorker(), world_size=1)
@@ -22,6 +24,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from rlmetrics.packing import pack
+from rlmetrics.values import MetricValueError
 
 if TYPE_CHECKING:
     from rlmetrics.metrics.validation import SampleRecord
@@ -54,28 +57,37 @@ class ComputeLocal:
         one contribution (:meth:`submit_metric`). ``difficulty`` (``True``: prompt
         ids in the ``uid`` key, verl's; or the key): the difficulty groups of GRPO, decided on each
         prompt's samples of all ranks (this rank sends its per-prompt summaries,
-        :mod:`rlmetrics.metrics.difficulty`)."""
+        :mod:`rlmetrics.metrics.difficulty`). Missing labels (None, NaN) are a group of their own
+        (``docs/groups.md``); labels refused (not one per sample) and values refused raise
+        :class:`~rlmetrics.stat.MetricValueError` after the call's other metrics were queued."""
         from rlmetrics.metrics.batch import as_batch
         from rlmetrics.metrics.custom import debug_enabled, debug_report, run_custom_metrics
         from rlmetrics.metrics.data import data_stats_and_prompts
 
         batch = as_batch(data, "compute_local_data_metric")
+        errors: dict[str, str] = {}
         stats, prompts = data_stats_and_prompts(
             batch,
             torch_compile=torch_compile,
             nan_strategy=self._compute_strategy(),
             group_by=group_by,
             difficulty=difficulty,
+            errors=errors,
         )
         metrics: dict[str, Any] = dict(stats)
         metrics.update(run_custom_metrics(data))
         if debug_enabled():
             debug_report(batch, metrics)
-        self.submit_metric(metrics, world_size, step)
+        try:
+            self.submit_metric(metrics, world_size, step)
+        except MetricValueError as exc:  # the other names were queued; so are the prompts, below
+            errors["metrics"] = str(exc)
         if prompts is not None:
             from rlmetrics.states import PROMPT_STATS, PromptStats
 
             self._submit_state(PROMPT_STATS, PromptStats([(self.client_id, prompts)]), world_size, step)
+        if errors:
+            raise MetricValueError("; ".join(errors.values()))
 
     def compute_local_timing_metrics(
         self,
@@ -134,12 +146,17 @@ class ComputeLocal:
         ``record_options`` (``style``, ``seed``, ``expected_counts``) go to
         :func:`~rlmetrics.metrics.validation.encode_samples`."""
         from rlmetrics.metrics.validation import encode_samples
-        from rlmetrics.states import VALIDATION_SAMPLES, Samples
 
         record = encode_samples(
             data_sources, sample_inputs, infos_dict, sample_turns, exact=exact,
             nan_strategy=self.nan_strategy, **record_options,
         )  # fmt: skip
+        self._submit_samples(record, world_size, step)
+
+    def _submit_samples(self, record: SampleRecord, world_size: int | None, step: int | None) -> None:
+        """Queue a validation record, placed among all ranks' by :meth:`_rank_key`."""
+        from rlmetrics.states import VALIDATION_SAMPLES, Samples
+
         with self._lock:
             seq = self._seq  # the next seq: the one _submit_state takes
             state = Samples([(self._rank_key(record, seq), record)])

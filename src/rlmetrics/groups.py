@@ -11,25 +11,42 @@ its metric, registry included) and derived metrics are derived per group
 (:func:`rlmetrics.metrics.derive_metrics`). Names starting with ``group/`` are reserved for them.
 
 The tag and the value are *segments*: only letters, digits, ``_``, ``-`` and ``.``, not starting or
-ending with ``.`` (:func:`segment` turns anything else into ``_``), so a grouped name reaches every
-tracker unchanged when its metric does (MLflow accepts only letters, digits, ``_ - . space : /``;
-TensorBoard, W&B and SwanLab change only empty or dotted path segments, see
-:mod:`rlmetrics.sinks.names`). Two labels of one tag that give the same segment (``"a b"`` and
-``"a_b"``) are refused in a call, as they would share a series.
+ending with ``.``, so a grouped name reaches every tracker unchanged when its metric does (MLflow
+accepts only letters, digits, ``_ - . space : /``; TensorBoard, W&B and SwanLab change only empty or
+dotted path segments, see :mod:`rlmetrics.sinks.names`). :func:`segment` names a label so that the
+same label gives the same group on every rank and different labels different groups, readable where
+the label is already a segment:
+
+- a label that is a segment without ``--`` is its own name (``gsm8k``, ``math-v2``, ``3``);
+- any other label: its characters outside the segment set (and a leading or trailing ``.``) as
+  ``_``, then ``--`` and 8 hex digits of a hash of the label (``openai/gsm8k`` →
+  ``openai_gsm8k--…``), so ``"a b"`` and ``"a_b"`` stay two groups, also on two ranks;
+- a missing label (``None``, NaN) is :data:`MISSING` (``--missing``), the empty string
+  :data:`EMPTY` (``--empty``): names containing ``--`` come from these rules only, so no real label
+  (``"None"``, ``"missing"``) is named like them.
+
+A label is named by its text: a string, bytes as UTF-8, a number in decimal (an integral one without
+``.0``, so ``3``, ``3.0`` and ``"3"`` are one group), a bool as ``True`` / ``False``; labels of mixed
+types in one batch are fine. Two labels of one call whose names would still coincide (a collision
+of the 32-bit hash between labels that read alike) are refused, naming both.
 
 >>> group_name("data_source", "gsm8k", "critic/score/mean")
 'group/data_source/gsm8k/critic/score/mean'
 >>> split_group_name("group/turn/3/reward/max"), split_group_name("critic/score/mean")
 (('group/turn/3/', 'reward/max'), None)
->>> segment("openai/gsm8k"), segment(".hidden"), segment(3.0), segment("")
-('openai_gsm8k', '_hidden', '3', '_')
->>> labels = Labels.of("data_source", ["b", "a", "b"])
+>>> segment("gsm8k"), segment(3.0), segment(None), segment(float("nan")), segment("")
+('gsm8k', '3', '--missing', '--missing', '--empty')
+>>> segment("openai/gsm8k"), segment("a b"), segment("a_b")
+('openai_gsm8k--444783eb', 'a_b--7faae47c', 'a_b')
+>>> labels = Labels.of("data_source", ["b", None, "a", "b"])
 >>> labels.values, labels.codes.tolist()
-(['a', 'b'], [1, 0, 1])
+(['--missing', 'a', 'b'], [2, 0, 1, 2])
 """
 
 from __future__ import annotations
 
+import hashlib
+import numbers
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -41,24 +58,65 @@ from rlmetrics.values import MetricValueError, is_torch
 GROUP_PREFIX = "group/"
 """Grouped metric names start with this (reserved for them)."""
 
+MISSING = "--missing"
+"""The group of missing labels (``None``, NaN): a failed session without a data source, say."""
+EMPTY = "--empty"
+"""The group of the empty string."""
+
+_RESERVED = "--"  # in a group's name only by the rules of segment()
 _NOT_SEGMENT = re.compile(r"[^\w.\-]")
 _EDGE_DOTS = re.compile(r"^\.|\.$")
 
 
-def segment(label: Any) -> str:
-    """A label as one path segment every tracker keeps (see the module docstring): an integral
-    number without ``.0``, characters other than letters, digits, ``_ - .`` as ``_``, a leading or
-    trailing ``.`` as ``_``, the empty string as ``_``.
+def _label_text(label: Any) -> str | None:
+    """The text a label is named by (None: missing): a string as it is, bytes decoded as UTF-8
+    (distinct bytes stay distinct), a bool as ``True`` / ``False``, an integral number without
+    ``.0``, another number in its shortest decimal form, anything else as ``str``.
 
-    >>> segment("a b/c"), segment(np.int64(2)), segment(True), segment(0.5), segment(b"x")
-    ('a_b_c', '2', 'True', '0.5', 'x')
+    >>> _label_text(np.int64(2)), _label_text(2.0), _label_text(0.5), _label_text(True), _label_text(b"x")
+    ('2', '2', '0.5', 'True', 'x')
+    >>> _label_text(None), _label_text(np.float32("nan"))
+    (None, None)
     """
+    if isinstance(label, str):
+        return label
+    if label is None:
+        return None
     if isinstance(label, bytes):
-        label = label.decode("utf-8", "replace")
-    if isinstance(label, (float, np.floating)) and float(label).is_integer():
-        label = int(label)
-    text = _EDGE_DOTS.sub("_", _NOT_SEGMENT.sub("_", str(label)))
-    return text or "_"
+        return label.decode("utf-8", "surrogateescape")
+    if isinstance(label, (bool, np.bool_)):
+        return str(bool(label))
+    if isinstance(label, numbers.Integral):
+        return str(int(label))
+    if isinstance(label, (float, np.floating)):
+        if label != label:
+            return None
+        return str(int(label)) if float(label).is_integer() else str(label)
+    return str(label)
+
+
+def segment(label: Any) -> str:
+    """The name of ``label``'s group: one path segment every tracker keeps, the same on every rank,
+    and another one for every other label (the module docstring).
+
+    >>> segment("math-v2"), segment(np.int64(2)), segment(True), segment(0.5), segment(".hidden")
+    ('math-v2', '2', 'True', '0.5', '_hidden--40f24634')
+    """
+    text = _label_text(label)
+    if text is None:
+        return MISSING
+    if not text:
+        return EMPTY
+    readable = _readable(text)
+    if readable == text and _RESERVED not in text:
+        return text
+    digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=4).hexdigest()
+    return f"{readable}{_RESERVED}{digest}"
+
+
+def _readable(text: str) -> str:
+    """``text`` with the characters outside a segment's, and a leading or trailing ``.``, as ``_``."""
+    return _EDGE_DOTS.sub("_", _NOT_SEGMENT.sub("_", text))
 
 
 def group_name(tag: str, value: str, name: str) -> str:
@@ -89,36 +147,56 @@ def split_grouped(metrics: Mapping[str, Any]) -> tuple[Mapping[str, Any], dict[s
 
 
 class Labels:
-    """One tag's labels of a batch's samples: ``values`` (the groups' segments, sorted) and
-    ``codes`` (each sample's group: an index into ``values``), made by :meth:`of`."""
+    """One tag's labels of a batch's samples: ``values`` (the groups' names, sorted), ``codes``
+    (each sample's group: an index into ``values``) and ``missing`` (the index of the group of
+    missing labels, None without), made by :meth:`of`."""
 
-    __slots__ = ("tag", "values", "codes")
+    __slots__ = ("tag", "values", "codes", "missing")
 
-    def __init__(self, tag: str, values: list[str], codes: np.ndarray) -> None:
-        self.tag, self.values, self.codes = tag, values, codes
+    def __init__(self, tag: str, values: list[str], codes: np.ndarray, missing: int | None = None) -> None:
+        self.tag, self.values, self.codes, self.missing = tag, values, codes, missing
 
     @classmethod
     def of(cls, tag: str, labels: Any, *, segments: bool = True) -> Labels:
-        """The labels of one tag: a 1-D sequence (list, numpy array, host tensor) of strings or
-        numbers, one per sample. Refuses a tag or labels that do not make distinct segments
-        (``segments=False``: the values are the labels as strings, e.g. prompt ids)."""
+        """The labels of one tag: a 1-D sequence (list, numpy array, host tensor), one per sample,
+        of strings, numbers, bools and missing labels (None, NaN), of one type or mixed. The values
+        are the groups' names (:func:`segment`); ``segments=False``: the labels' texts (prompt ids;
+        the group of the missing ones is then named :data:`MISSING` too, ``missing`` tells it
+        apart). Refuses a tag that is not a segment, and two labels whose names coincide.
+
+        >>> labels = Labels.of("turn", [2, None, 2.0, "2", float("nan"), "a b"])
+        >>> labels.values, labels.codes.tolist(), labels.missing
+        (['--missing', '2', 'a_b--7faae47c'], [1, 0, 1, 1, 0, 2], 0)
+        """
         check_tag(tag)
-        arr = np.asarray(labels.tolist() if is_torch(labels) else labels)
+        if is_torch(labels):
+            labels = np.asarray(labels.tolist())
+        arr = np.asarray(labels, dtype=object) if isinstance(labels, (list, tuple)) else np.asarray(labels)
         if arr.ndim != 1:
             raise MetricValueError(f"group tag {tag!r}: labels must be 1-D (one per sample), got {arr.shape}")
-        uniq, codes = np.unique(arr, return_inverse=True) if arr.size else (arr, np.zeros(0, np.int64))
-        if not segments:
-            return cls(tag, [str(v) for v in uniq.tolist()], codes.reshape(-1))
-        values = [segment(v) for v in uniq.tolist()]
+        texts, codes = _unique_texts(arr)
+        values = [segment(t) for t in texts] if segments else texts
         if len(set(values)) < len(values):
-            seen: dict[str, Any] = {}
-            for raw, seg in zip(uniq.tolist(), values):
-                if seg in seen:
+            seen: dict[str, str] = {}
+            for text, name in zip(texts, values):
+                if name in seen:
                     raise MetricValueError(
-                        f"group tag {tag!r}: labels {seen[seg]!r} and {raw!r} both name group {seg!r}"
+                        f"group tag {tag!r}: labels {seen[name]!r} and {text!r} both name group {name!r} "
+                        "(their hashes collide): rename one of them"
                     )
-                seen[seg] = raw
-        return cls(tag, values, codes.reshape(-1))
+                seen[name] = text
+        missing = None
+        if (codes < 0).any():
+            missing = len(values)
+            codes[codes < 0] = missing
+            values = [*values, MISSING]
+        order = sorted(range(len(values)), key=values.__getitem__)
+        if order != list(range(len(order))):
+            rank = np.empty(len(order), np.int64)
+            rank[order] = np.arange(len(order))
+            codes, values = rank[codes], [values[i] for i in order]
+            missing = None if missing is None else int(rank[missing])
+        return cls(tag, values, codes, missing)
 
     def runs(self) -> tuple[np.ndarray, np.ndarray]:
         """``(order, starts)``: the samples sorted by group, and where each group starts in that order."""
@@ -129,6 +207,23 @@ class Labels:
         """The sample indices of each group, in the order of ``values``."""
         order, starts = self.runs()
         return np.split(order, starts[1:])
+
+
+def _unique_texts(arr: np.ndarray) -> tuple[list[str], np.ndarray]:
+    """The distinct texts of a 1-D array of labels (:func:`_label_text`) and each label's index
+    among them (-1: a missing label)."""
+    if arr.dtype.kind not in "biufUS":  # objects (verl's non_tensor_batch), of any types: by text
+        index: dict[Any, int] = {None: -1}
+        texts = (v if type(v) is str else _label_text(v) for v in arr.tolist())
+        codes = np.array([index.setdefault(t, len(index) - 1) for t in texts], np.int64)
+        del index[None]
+        return list(index), codes
+    present = ~np.isnan(arr) if arr.dtype.kind == "f" else np.ones(arr.shape, bool)
+    codes = np.full(arr.shape, -1, np.int64)
+    if not present.any():
+        return [], codes
+    uniq, codes[present] = np.unique(arr[present], return_inverse=True)
+    return [str(_label_text(v)) for v in uniq], codes
 
 
 GroupBy = Any  # a batch key, a function of the batch, or several of them: see tag_sources
@@ -162,9 +257,10 @@ def tag_sources(group_by: GroupBy) -> dict[str, str | Callable[[Any], Any]]:
 
 
 def check_tag(tag: Any) -> None:
-    """Refuse a tag that is not a segment (:func:`segment`)."""
-    if not isinstance(tag, str) or segment(tag) != tag:
-        raise ValueError(f"group tag {tag!r}: use letters, digits, '_', '-', '.' (e.g. {segment(tag)!r})")
+    """Refuse a tag that is not a segment (letters, digits, ``_ - .``, not starting or ending with ``.``)."""
+    if not isinstance(tag, str) or not tag or _readable(tag) != tag:
+        suggestion = _readable(str(tag)) or "tag"
+        raise ValueError(f"group tag {tag!r}: use letters, digits, '_', '-', '.' (e.g. {suggestion!r})")
 
 
 def _tag_of(source: Any) -> str:
@@ -234,6 +330,6 @@ def _take(x: Any, idx: np.ndarray) -> Any:
 
 
 __all__ = [
-    "GROUP_PREFIX", "GroupBy", "Labels", "check_tag", "group_name", "grouped_values", "segment",
-    "split_group_name", "split_grouped", "tag_sources",
+    "EMPTY", "GROUP_PREFIX", "GroupBy", "Labels", "MISSING", "check_tag", "group_name", "grouped_values",
+    "segment", "split_group_name", "split_grouped", "tag_sources",
 ]  # fmt: skip

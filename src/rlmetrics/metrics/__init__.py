@@ -204,6 +204,40 @@ def is_aux(name: str) -> bool:
     return (name if grouped is None else grouped[1]).startswith(AUX_PREFIX)
 
 
+AUX_INGREDIENTS = frozenset(
+    {
+        *(VF_RETURNS_STD, VF_RESIDUAL_STD, VF_TOKENS, VP_SEQUENCES),
+        *(THROUGHPUT_TOKENS, THROUGHPUT_SECONDS, THROUGHPUT_GPUS, THROUGHPUT_GPU_SECONDS),
+        *(name for stage in TIMED_STAGES for name in timing_aux(stage)),
+    }
+)
+"""The names under :data:`AUX_PREFIX` a client takes (also in a group): the ingredients of
+:data:`DERIVED_METRICS`, which the compute functions give with their metrics."""
+
+
+def without_reserved(metrics: Mapping[str, Any], errors: dict[str, str]) -> Mapping[str, Any]:
+    """``metrics`` without the names under :data:`AUX_PREFIX` that are no ingredient of a derived
+    metric (:data:`AUX_INGREDIENTS`): they would be merged and never reported. Their messages go to
+    ``errors``; ``metrics`` itself when there are none.
+
+    >>> errors = {}
+    >>> without_reserved({"_aux/mine": 1.0, VF_TOKENS: 3.0, "loss": 0.5}, errors)
+    {'_aux/vf_explained_var/tokens/sum': 3.0, 'loss': 0.5}
+    >>> print(errors["_aux/mine"])
+    metric '_aux/mine': the prefix '_aux/' is reserved for the ingredients of derived metrics, which are \
+never reported; rename it (e.g. 'aux/mine')
+    """
+    refused = [n for n in metrics if isinstance(n, str) and AUX_PREFIX in n and is_aux(n)]
+    refused = [n for n in refused if (split_group_name(n) or ("", n))[1] not in AUX_INGREDIENTS]
+    for name in refused:
+        prefix, metric = split_group_name(name) or ("", name)
+        errors[name] = (
+            f"metric {name!r}: the prefix {AUX_PREFIX!r} is reserved for the ingredients of derived metrics, "
+            f"which are never reported; rename it (e.g. {prefix + 'aux/' + metric[len(AUX_PREFIX) :]!r})"
+        )
+    return {n: v for n, v in metrics.items() if n not in refused} if refused else metrics
+
+
 _LAZY = {
     "compute_data_metric": "data",
     "compute_data_stats": "data",
@@ -222,8 +256,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "AUX_PREFIX", "DERIVED_METRICS", "THROUGHPUT_GPUS", "THROUGHPUT_GPU_SECONDS", "THROUGHPUT_SECONDS",
-    "THROUGHPUT_TOKENS", "TIMED_STAGES", "VF_EPS", "VF_RESIDUAL_STD", "VF_RETURNS_STD", "VF_TOKENS",
-    "VP_SEQUENCES", "derive_metrics", "is_aux", "throughput", "timing_aux", "validation_metrics",
-    "variance_proxy_noise", "vf_explained_var", *sorted(_LAZY),
+    "AUX_INGREDIENTS", "AUX_PREFIX", "DERIVED_METRICS", "THROUGHPUT_GPUS", "THROUGHPUT_GPU_SECONDS",
+    "THROUGHPUT_SECONDS", "THROUGHPUT_TOKENS", "TIMED_STAGES", "VF_EPS", "VF_RESIDUAL_STD", "VF_RETURNS_STD",
+    "VF_TOKENS", "VP_SEQUENCES", "derive_metrics", "is_aux", "throughput", "timing_aux", "validation_metrics",
+    "variance_proxy_noise", "vf_explained_var", "without_reserved", *sorted(_LAZY),
 ]  # fmt: skip

@@ -147,16 +147,19 @@ def data_stats_and_prompts(
     group_by: GroupBy = None,
     difficulty: bool | str = False,
     histograms: bool | Collection[str] = True,
+    errors: dict[str, str] | None = None,
 ) -> tuple[dict[str, Stat], dict[str, Any] | None]:
     """:func:`compute_data_stats` and, with ``difficulty`` (the batch key of each sample's prompt
     id: ``True`` for ``"uid"``, verl's), the batch's prompt record of the difficulty groups
-    (:func:`~rlmetrics.metrics.difficulty.prompt_record`; None without), from one transfer."""
+    (:func:`~rlmetrics.metrics.difficulty.prompt_record`; None without), from one transfer.
+    ``errors``: a ``group_by`` tag whose labels are refused is left out, its message under its tag
+    (without: raised)."""
     wanted = DEFAULT_HISTOGRAMS if histograms is True else () if histograms is False else tuple(histograms)
     unknown = set(wanted) - set(HISTOGRAMS.values())
     if unknown:
         raise ValueError(f"unknown histogram(s) {sorted(unknown)}; built in: {sorted(HISTOGRAMS.values())}")
     names, arrays, record, hists = _data_arrays(
-        batch, torch_compile, nan_strategy, group_by, difficulty, wanted
+        batch, torch_compile, nan_strategy, group_by, difficulty, wanted, errors=errors
     )
     stats = {name: Stat(*column) for name, column in zip(names, arrays.T.tolist())}
     stats.update(hists)
@@ -299,16 +302,18 @@ def _data_arrays(
     difficulty: bool | str,
     histograms: Collection[str] = (),
     m2: bool = True,
+    errors: dict[str, str] | None = None,
 ) -> tuple[list[str], np.ndarray, dict[str, Any] | None, dict[str, Stat]]:
     """The data metrics' names and their ``(5, K)`` stat array: count, sum, m2, min, max (the
     groups' after the batch's), the prompt record of the difficulty groups (None without), and the
     Stats with sketches of the ``histograms`` the batch has. ``m2=False``: the M2 that no metric
-    reads (of advantages and values) may be NaN (:meth:`TokenSummaries.of`)."""
+    reads (of advantages and values) may be NaN (:meth:`TokenSummaries.of`); ``errors``: see
+    :func:`data_stats_and_prompts`."""
     if nan_strategy not in NAN_STRATEGIES:
         raise ValueError(f"nan_strategy must be one of {NAN_STRATEGIES}, got {nan_strategy!r}")
     t = BatchTensors(batch)
     prompts = ("uid" if difficulty is True else difficulty) or None
-    breakdowns = Breakdowns(group_by, t.batch, batch, prompts)
+    breakdowns = Breakdowns(group_by, t.batch, batch, prompts, errors)
     seq = sequence_tensors(t)
     mask = t.response_mask
     if HISTOGRAMS["advantages"] in histograms and mask is not None:

@@ -20,19 +20,29 @@ from typing import Any
 
 import numpy as np
 
-from rlmetrics.groups import GroupBy, Labels, group_name, tag_sources
+from rlmetrics.groups import MISSING, GroupBy, Labels, group_name, tag_sources
 from rlmetrics.metrics.batch import BatchView, key_error
 from rlmetrics.metrics.data.sequences import Part, part_rows, part_summaries, with_token_block
-from rlmetrics.metrics.difficulty import prompt_record
+from rlmetrics.metrics.difficulty import TAG, prompt_record
 from rlmetrics.stat import empty_arrays, reduce_parts, reduce_runs
 from rlmetrics.values import MetricValueError, is_torch
 
 
 class Breakdowns:
     """The ``group_by`` of one call and the prompt ids of its difficulty groups: raw labels (tensors
-    are moved with the batch's others, :attr:`tensors`), turned into grouped Stats by :meth:`arrays`."""
+    are moved with the batch's others, :attr:`tensors`), turned into grouped Stats by :meth:`arrays`.
+    ``errors``: a tag whose labels are refused (:meth:`Labels.of <rlmetrics.groups.Labels.of>`) is
+    left out, with its message under its tag (without ``errors``: raised)."""
 
-    def __init__(self, group_by: GroupBy, view: BatchView, data: Any, prompts: str | None = None) -> None:
+    def __init__(
+        self,
+        group_by: GroupBy,
+        view: BatchView,
+        data: Any,
+        prompts: str | None = None,
+        errors: dict[str, str] | None = None,
+    ) -> None:
+        self.errors = errors  # a tag whose labels are refused: its message, by tag (None: raised)
         self.raw: dict[str, Any] = {}
         for tag, source in tag_sources(group_by).items():
             labels = source(data) if callable(source) else view.get(source)
@@ -89,10 +99,20 @@ class Breakdowns:
         def on_host(raw: Any) -> Any:
             return next(moved_iter) if is_torch(raw) else raw
 
-        labels = [Labels.of(tag, on_host(raw)) for tag, raw in self.raw.items()]
+        labels = []
+        for tag, raw in self.raw.items():
+            host = on_host(raw)
+            try:
+                labels.append(Labels.of(tag, host))
+            except MetricValueError as exc:  # that tag's groups only
+                if self.errors is None:
+                    raise
+                self.errors[tag] = str(exc)
         prompts = None
         if self.prompts is not None:
             prompts = Labels.of("prompt", on_host(self.prompts), segments=False)
+        if not labels and prompts is None:
+            return [], np.zeros((5, 0)), None
         n = len((labels or [prompts])[0].codes)
         groups, per_seq = sequence_rows(n, parts, token_names, token_rows, nan_strategy)
         names, arrays = grouped_arrays(labels, groups, per_seq)
@@ -100,7 +120,12 @@ class Breakdowns:
             return names, arrays, None
         if len(prompts.codes) != n:
             raise key_error(str(self.prompts_key), f"{len(prompts.codes)} prompt ids for {n} sequences")
-        return names, arrays, prompt_record(prompts.values, groups, group_blocks(prompts, per_seq))
+        blocks = group_blocks(prompts, per_seq)
+        ids = [i for i in range(len(prompts.values)) if i != prompts.missing]
+        if prompts.missing is not None:  # samples without a prompt id: a difficulty group of their own
+            missing_names, missing_arrays = _group_arrays(TAG, MISSING, groups, blocks[:, prompts.missing])
+            names, arrays = names + missing_names, np.concatenate([arrays, missing_arrays], axis=1)
+        return names, arrays, prompt_record([prompts.values[i] for i in ids], groups, blocks[:, ids])
 
 
 def sequence_rows(
@@ -133,10 +158,19 @@ def grouped_arrays(
             raise key_error(lab.tag, f"{len(lab.codes)} labels for {per_seq.shape[1]} sequences")
         merged = group_blocks(lab, per_seq)  # (5, G, K): every group at once
         for g, value in enumerate(lab.values):
-            group_names, group_arrays = with_token_block(groups, merged[:, g], [], empty)
-            names += _prefixed(lab.tag, value, tuple(group_names))
-            arrays.append(group_arrays)
+            more_names, more = _group_arrays(lab.tag, value, groups, merged[:, g])
+            names += more_names
+            arrays.append(more)
     return names, np.concatenate(arrays, axis=1) if arrays else empty
+
+
+def _group_arrays(
+    tag: str, value: str, groups: list[tuple[str, ...]], block: np.ndarray
+) -> tuple[list[str], np.ndarray]:
+    """Names and ``(5, K)`` stat array of one group's metrics from its merged summaries ``block``
+    (``(5, K)``, in the order of ``groups``)."""
+    names, arrays = with_token_block(groups, block, [], np.zeros((5, 0)))
+    return _prefixed(tag, value, tuple(names)), arrays
 
 
 def group_blocks(labels: Labels, per_seq: np.ndarray) -> np.ndarray:
