@@ -189,15 +189,15 @@ class _MetricWorker:
                 pass
 
     async def _end_due_steps(self) -> None:
-        """Finalize every step whose own deadline passes (``final_timeout`` after its first close)."""
+        """Finalize every step whose own deadline passes (``final_timeout`` after its first close).
+        A step closed later has a later deadline, so this sleeps until the earliest one, and waits
+        for a change only while no step has one."""
         while True:
-            changed, due = self._changed, self.server.next_due()
-            try:
-                await asyncio.wait_for(
-                    changed.wait(), None if due is None else max(0.0, due - time.monotonic())
-                )
-            except asyncio.TimeoutError:
-                pass
+            due = self.server.next_due()
+            if due is None:
+                await self._changed.wait()
+                continue
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
             steps = self.server.due_steps()
             for step in steps:
                 await self._drain(step)
