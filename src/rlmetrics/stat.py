@@ -132,6 +132,56 @@ def spread(counts: np.ndarray, sums: np.ndarray, mean: np.ndarray) -> np.ndarray
     return dev
 
 
+def invalid_column(stats: np.ndarray) -> tuple[int, str] | None:
+    """The first column of a ``(5, M)`` stat array that no data can give, and what is wrong with it;
+    None when every column is one :func:`~rlmetrics.summary.summarize` and :func:`merge_arrays` give.
+
+    Such a column has a finite count >= 0 (a weight is finite and non-negative) and M2 >= 0. With
+    observations (count > 0), min <= max, or both NaN (a NaN value under ``nan_strategy="propagate"``);
+    M2 is NaN only beside a non-finite sum, min or max (a NaN or an infinity among the values, or a
+    sum that overflowed). Without (count 0) it is the identity :func:`empty_arrays` gives.
+
+    >>> good = Stat.of([1.0, 2.0]).to_array()
+    >>> invalid_column(np.stack([good, [-1e9, 4.0, 0.0, 4.0, 4.0]], axis=1))
+    (1, 'count -1000000000.0 < 0')
+    >>> invalid_column(np.stack([good, Stat.of([np.nan]).to_array(), Stat().to_array()], axis=1)) is None
+    True
+    """
+    c, s, m2, lo, hi = stats
+    with np.errstate(invalid="ignore"):
+        if ((c > 0) & (c < math.inf) & (lo <= hi) & (m2 >= 0)).all():  # the common case: 4 comparisons
+            return None
+        full = c > 0
+        nan_lo, nan_hi = np.isnan(lo), np.isnan(hi)
+        bad = ~((c >= 0) & (c < math.inf)) | (m2 < 0)
+        bad |= full & ((lo > hi) | (nan_lo != nan_hi))
+        bad |= full & np.isnan(m2) & np.isfinite(s) & np.isfinite(lo) & np.isfinite(hi)
+        bad |= (c == 0) & ~((s == 0) & (m2 == 0) & (lo == math.inf) & (hi == -math.inf))
+    hits = np.flatnonzero(bad)
+    if not len(hits):
+        return None
+    i = int(hits[0])
+    count, total, sq, low, high = (float(v) for v in stats[:, i])
+    if not count >= 0:
+        problem = f"count {count!r} < 0" if count < 0 else f"count {count!r} is not a number"
+    elif count == math.inf:
+        problem = f"count {count!r} is not finite"
+    elif sq < 0:
+        problem = f"M2 {sq!r} < 0"
+    elif count == 0:
+        problem = (
+            f"count 0 with sum {total!r}, M2 {sq!r}, min {low!r}, max {high!r} "
+            "(a column without observations is (0, 0, 0, inf, -inf))"
+        )
+    elif low > high:
+        problem = f"min {low!r} > max {high!r}"
+    elif math.isnan(low) != math.isnan(high):
+        problem = f"min {low!r} and max {high!r}: one of them NaN"
+    else:
+        problem = f"M2 nan with a finite sum {total!r}, min {low!r} and max {high!r}"
+    return i, problem
+
+
 class Stat:
     """Mergeable summary of weighted observations.
 
@@ -402,6 +452,7 @@ def _caught(fn: Callable[..., Stat], **options: Any) -> Callable[..., Stat | Met
 
 
 __all__ = [
-    "FIELDS", "NAN_STRATEGIES", "MetricValueError", "Stat", "check_tensor", "empty_arrays", "is_dataless",
-    "merge_arrays", "reduce_parts", "reduce_runs", "scalar_value", "spread", "stats_of_rows", "to_host",
+    "FIELDS", "NAN_STRATEGIES", "MetricValueError", "Stat", "check_tensor", "empty_arrays", "invalid_column",
+    "is_dataless", "merge_arrays", "reduce_parts", "reduce_runs", "scalar_value", "spread", "stats_of_rows",
+    "to_host",
 ]  # fmt: skip
