@@ -134,12 +134,16 @@ def spread(counts: np.ndarray, sums: np.ndarray, mean: np.ndarray) -> np.ndarray
 
 def invalid_column(stats: np.ndarray) -> tuple[int, str] | None:
     """The first column of a ``(5, M)`` stat array that no data can give, and what is wrong with it;
-    None when every column is one :func:`~rlmetrics.summary.summarize` and :func:`merge_arrays` give.
+    None when every column is one that :func:`~rlmetrics.summary.summarize` and :func:`merge_arrays`
+    give (a contribution from another process may hold any float).
 
-    Such a column has a finite count >= 0 (a weight is finite and non-negative) and M2 >= 0. With
-    observations (count > 0), min <= max, or both NaN (a NaN value under ``nan_strategy="propagate"``);
-    M2 is NaN only beside a non-finite sum, min or max (a NaN or an infinity among the values, or a
-    sum that overflowed). Without (count 0) it is the identity :func:`empty_arrays` gives.
+    Such a column has a finite count >= 0 (weights are finite and non-negative) and M2 >= 0, NaN
+    only beside a non-finite sum (a NaN or an infinity among the values, or a sum that overflowed;
+    such a sum stays non-finite through every merge). Without observations (count 0) it is the
+    identity of :func:`empty_arrays`. With observations, min <= max, or both NaN (a NaN value under
+    ``nan_strategy="propagate"``), unless one of them is its identity (min ``inf``, max ``-inf``: a
+    summary without that field, as the torch.distributed exchange sends only the fields that a
+    reduction reads).
 
     >>> good = Stat.of([1.0, 2.0]).to_array()
     >>> invalid_column(np.stack([good, [-1e9, 4.0, 0.0, 4.0, 4.0]], axis=1))
@@ -148,38 +152,31 @@ def invalid_column(stats: np.ndarray) -> tuple[int, str] | None:
     True
     """
     c, s, m2, lo, hi = stats
-    with np.errstate(invalid="ignore"):
-        if ((c > 0) & (c < math.inf) & (lo <= hi) & (m2 >= 0)).all():  # the common case: 4 comparisons
-            return None
-        full = c > 0
-        nan_lo, nan_hi = np.isnan(lo), np.isnan(hi)
-        bad = ~((c >= 0) & (c < math.inf)) | (m2 < 0)
-        bad |= full & ((lo > hi) | (nan_lo != nan_hi))
-        bad |= full & np.isnan(m2) & np.isfinite(s) & np.isfinite(lo) & np.isfinite(hi)
-        bad |= (c == 0) & ~((s == 0) & (m2 == 0) & (lo == math.inf) & (hi == -math.inf))
-    hits = np.flatnonzero(bad)
-    if not len(hits):
+    if not c.size or (c.min() > 0 and c.max() < math.inf and m2.min() >= 0 and (lo <= hi).all()):
+        return None  # the common case, in 5 numpy calls (a NaN fails them)
+    odd = np.flatnonzero(~((c > 0) & (c < math.inf) & (m2 >= 0) & (lo <= hi)))  # only these can be bad
+    c, s, m2, lo, hi = stats[:, odd]
+    held = (c > 0) & (lo != math.inf) & (hi != -math.inf)
+    rules = [  # in the order a column's problem is told
+        (np.isnan(c), "count {0!r} is not a number"),
+        (c < 0, "count {0!r} < 0"),
+        (c == math.inf, "count {0!r} is not finite"),
+        (m2 < 0, "M2 {2!r} < 0"),
+        (np.isnan(m2) & np.isfinite(s), "M2 {2!r} with a finite sum {1!r}"),
+        (
+            (c == 0) & ((s != 0) | (m2 != 0) | (lo != math.inf) | (hi != -math.inf)),
+            "count 0 with sum {1!r}, M2 {2!r}, min {3!r}, max {4!r} "
+            "(a column without observations is (0, 0, 0, inf, -inf))",
+        ),
+        (held & (lo > hi), "min {3!r} > max {4!r}"),
+        (held & (np.isnan(lo) != np.isnan(hi)), "min {3!r} and max {4!r}: one of them NaN"),
+    ]
+    bad = np.flatnonzero(np.logical_or.reduce([mask for mask, _ in rules]))
+    if not len(bad):
         return None
-    i = int(hits[0])
-    count, total, sq, low, high = (float(v) for v in stats[:, i])
-    if not count >= 0:
-        problem = f"count {count!r} < 0" if count < 0 else f"count {count!r} is not a number"
-    elif count == math.inf:
-        problem = f"count {count!r} is not finite"
-    elif sq < 0:
-        problem = f"M2 {sq!r} < 0"
-    elif count == 0:
-        problem = (
-            f"count 0 with sum {total!r}, M2 {sq!r}, min {low!r}, max {high!r} "
-            "(a column without observations is (0, 0, 0, inf, -inf))"
-        )
-    elif low > high:
-        problem = f"min {low!r} > max {high!r}"
-    elif math.isnan(low) != math.isnan(high):
-        problem = f"min {low!r} and max {high!r}: one of them NaN"
-    else:
-        problem = f"M2 nan with a finite sum {total!r}, min {low!r} and max {high!r}"
-    return i, problem
+    j = int(bad[0])
+    why = next(text for mask, text in rules if mask[j])
+    return int(odd[j]), why.format(*(float(v) for v in stats[:, odd[j]]))
 
 
 class Stat:
