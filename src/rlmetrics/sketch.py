@@ -730,10 +730,10 @@ class Sketch:
         """ValueError unless data can give this sketch (the state protocol: the aggregator validates
         every sketch that comes from another process before merging it).
 
-        Its weights are finite and >= 0. Exact mode: at most ``exact_limit`` values, sorted, none NaN,
-        and no bucket weight. Bucket mode: no values, and each store at most ``max_buckets`` buckets
-        between the indices of the smallest and the largest finite magnitude at ``rel_err`` (so a
-        merge never reads far-away offsets). Beyond that, at most 65,536 values or buckets per store
+        Its weights are finite and >= 0; each store has at most ``max_buckets`` buckets, between the
+        indices of the smallest and the largest finite magnitude at ``rel_err`` (so a merge never
+        reads far-away offsets). Exact mode: at most ``exact_limit`` values, sorted, none NaN, and
+        no bucket. Bucket mode: no values. Beyond that, at most 65,536 values or buckets per store
         (``min(max_buckets, indices)`` for a merge): merging it allocates at most 1 MiB more than it.
 
         >>> Sketch.of([1.0, 2.0]).validate()
@@ -742,7 +742,7 @@ class Sketch:
         >>> Sketch.from_array(bad).validate()
         Traceback (most recent call last):
         ...
-        ValueError: sketch: positive buckets 10000000..10000000 outside [-69077, 70979] (rel_err=0.005)
+        ValueError: sketch: 1 positive buckets from 10000000 outside [-69077, 70979] (rel_err=0.005)
         """
         weights = np.concatenate(
             [[self._nan, self._neg_inf, self._pos_inf, self._zero], self._neg, self._pos]
@@ -755,19 +755,6 @@ class Sketch:
             raise ValueError(
                 f"sketch ({self._params()}): stores up to {width} buckets, more than {_MAX_STORE}"
             )
-        if self._exact:
-            v = self._values
-            if v.size > min(self._exact_limit, _MAX_STORE):
-                raise ValueError(
-                    f"sketch: {v.size} exact values, more than {min(self._exact_limit, _MAX_STORE)}"
-                )
-            if np.isnan(v).any() or (v[1:] < v[:-1]).any():
-                raise ValueError("sketch: exact values must be sorted, without NaN")
-            if weights[1:].any():
-                raise ValueError("sketch: an exact sketch has bucket weights")
-            return
-        if self._values.size:
-            raise ValueError("sketch: a bucket-mode sketch has exact values")
         for sign, off, store in (
             ("negative", self._neg_off, self._neg),
             ("positive", self._pos_off, self._pos),
@@ -778,9 +765,20 @@ class Sketch:
                 )
             if off < lo or off + store.size - 1 > hi:
                 raise ValueError(
-                    f"sketch: {sign} buckets {off}..{off + store.size - 1} outside [{lo}, {hi}] "
+                    f"sketch: {store.size} {sign} buckets from {off} outside [{lo}, {hi}] "
                     f"(rel_err={self._rel_err})"
                 )
+        v = self._values
+        if not self._exact:
+            if v.size:
+                raise ValueError("sketch: a bucket-mode sketch has exact values")
+            return
+        if v.size > min(self._exact_limit, _MAX_STORE):
+            raise ValueError(f"sketch: {v.size} exact values, more than {min(self._exact_limit, _MAX_STORE)}")
+        if np.isnan(v).any() or (v[1:] < v[:-1]).any():
+            raise ValueError("sketch: exact values must be sorted, without NaN")
+        if weights[1:].any() or self._neg.size or self._pos.size:
+            raise ValueError("sketch: an exact sketch has buckets")
 
     def _indices(self) -> tuple[int, int]:
         """The lowest and the highest bucket index a finite magnitude (``_TINY`` to the largest float)
