@@ -308,8 +308,10 @@ def check_record(record: Any) -> None:
         version = record.version if isinstance(record, SampleRecord) else type(record).__name__
         raise ValueError(f"not a validation SampleRecord of version {RECORD_VERSION}: {version!r:.40}")
     r = record
-    if r.style not in STYLES or not isinstance(r.exact, bool):
-        raise ValueError(f"validation record: style {r.style!r:.40} or exact {r.exact!r:.40}")
+    if r.style not in STYLES:
+        raise ValueError(f"validation record: style {r.style!r:.40} is not one of {STYLES}")
+    if not isinstance(r.exact, bool):
+        raise ValueError(f"validation record: exact {r.exact!r:.40} is not a bool")
     if not (isinstance(r.seed, numbers.Integral) and 0 <= r.seed < 2**32):
         raise ValueError(f"validation record: seed {r.seed!r:.40} outside [0, 2**32)")
     for name in ("sources", "prompts", "pred_table", "expected"):
@@ -341,7 +343,8 @@ def check_record(record: Any) -> None:
         count = triple[2] if isinstance(triple, tuple) and len(triple) == 3 else None
         if not (isinstance(count, numbers.Integral) and 0 <= count <= MAX_EXPECTED):
             raise ValueError(
-                f"validation record: expected count {triple!r:.60} is not (source, prompt, count)"
+                f"validation record: expected {triple!r:.60}: not (source, prompt, count) "
+                f"with a count in [0, {MAX_EXPECTED}]"
             )
         asked += int(count)
     if asked > MAX_EXPECTED:
