@@ -23,8 +23,8 @@ reported back by id, and the sender repeats it with the names.
 
 What comes off the wire is checked twice, and nothing else can fail on it later. :func:`decode`
 checks the form (a malformed message is refused whole, with :class:`SubmissionError`): schemas
-of non-empty str names and known reductions, steps, sequence numbers, state columns and states
-that can be built, buffers of bounded size. :func:`check_contribution` checks the values (a bad
+of non-empty str names and known reductions, steps, closes, sequence numbers, state columns and
+states that can be built, buffers of bounded size. :func:`check_contribution` checks the values (a bad
 contribution is refused alone): the engine calls it on every contribution, whatever its backend.
 
 >>> from rlmetrics.packing import pack
@@ -160,6 +160,8 @@ def decode(msg: tuple, table: SchemaTable) -> tuple[list[Item], list[int], list[
     unknown: list[bytes] = []
     try:
         for step, seq, world_size, sid, data, states, contributions in raw_items:
+            if not (isinstance(step, numbers.Integral) and step >= 0):  # the server sorts them
+                raise SubmissionError(f"step must be a non-negative int, got {step!r:.40}")
             hash(seq)  # a client's int, or a pre-merged item's (client_id, seq) keys
             schema = table.schemas.get(sid)
             if schema is None:
