@@ -132,6 +132,9 @@ def spread(counts: np.ndarray, sums: np.ndarray, mean: np.ndarray) -> np.ndarray
     return dev
 
 
+_EMPTY_TAIL = empty_arrays(1)[1:]  # sum, M2, min and max of a column without observations
+
+
 def invalid_column(stats: np.ndarray) -> tuple[int, str] | None:
     """The first column of a ``(5, M)`` stat array that no data can give, and what is wrong with it;
     None when every column is one that :func:`~rlmetrics.summary.summarize` and :func:`merge_arrays`
@@ -152,8 +155,15 @@ def invalid_column(stats: np.ndarray) -> tuple[int, str] | None:
     True
     """
     c, s, m2, lo, hi = stats
-    if not c.size or (c.min() > 0 and c.max() < math.inf and m2.min() >= 0 and (lo <= hi).all()):
-        return None  # the common case, in 5 numpy calls (a NaN fails them)
+    if not c.size:
+        return None
+    least = c.min()
+    if least >= 0 and c.max() < math.inf and m2.min() >= 0:  # counts and M2 are fine (a NaN fails)
+        if least > 0 and (lo <= hi).all():
+            return None  # the common case, in 5 numpy calls
+        empty = c == 0
+        if ((lo <= hi) | empty).all() and (stats[1:, empty] == _EMPTY_TAIL).all():
+            return None  # and names without observations, in 6 more
     odd = np.flatnonzero(~((c > 0) & (c < math.inf) & (m2 >= 0) & (lo <= hi)))  # only these can be bad
     c, s, m2, lo, hi = stats[:, odd]
     held = (c > 0) & (lo != math.inf) & (hi != -math.inf)
