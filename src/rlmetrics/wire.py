@@ -25,7 +25,8 @@ What comes off the wire is checked twice, and nothing else can fail on it later.
 checks the form (a malformed message is refused whole, with :class:`SubmissionError`): schemas
 of non-empty str names and known reductions, steps, closes, sequence numbers, state columns and
 states that can be built, buffers of bounded size. :func:`check_contribution` checks the values (a bad
-contribution is refused alone): the engine calls it on every contribution, whatever its backend.
+contribution is refused alone): the engine calls it on every contribution, whatever its backend,
+and checks all values but those :func:`~rlmetrics.packing.pack` made from data in this process.
 
 >>> from rlmetrics.packing import pack
 >>> p = pack({"a/mean": 1.0, "b/max": 2.0})
@@ -186,7 +187,8 @@ def decode(msg: tuple, table: SchemaTable) -> tuple[list[Item], list[int], list[
 def check_contribution(packed: Packed, at: np.ndarray, held: Mapping[int, State]) -> dict[int, State]:
     """The states of ``packed`` merged with a step's ``held`` states (by the step's column; ``at``:
     the step's column of each of ``packed``'s, -1 for a name left out), once every value of
-    ``packed`` passed its check; ``held`` is unchanged, so a refused contribution changes nothing.
+    ``packed`` passed its check (unless :func:`~rlmetrics.packing.pack` made it from data:
+    ``packed.checked``); ``held`` is unchanged, so a refused contribution changes nothing.
 
     Raises :class:`SubmissionError` naming the metric, the value and the problem for a stat column
     no data gives (:func:`~rlmetrics.stat.invalid_column`), a state that fails its ``validate()``
@@ -196,14 +198,15 @@ def check_contribution(packed: Packed, at: np.ndarray, held: Mapping[int, State]
 
     >>> from rlmetrics.packing import pack
     >>> p = pack({"x/mean": [1.0, 2.0]})
-    >>> p.stats[0, 0] = -1e9
-    >>> check_contribution(p, np.array([0]), {})
+    >>> stats = p.stats.copy()
+    >>> stats[0, 0] = -1e9
+    >>> check_contribution(Packed(p.schema, stats), np.array([0]), {})
     Traceback (most recent call last):
     ...
     rlmetrics.messages.SubmissionError: metric 'x/mean': count -1000000000.0 < 0
     """
     names = packed.schema.names
-    if packed.stats.ndim == 2:  # one observation per metric (1-D) is any float
+    if not packed.checked and packed.stats.ndim == 2:  # one observation per metric (1-D): any float
         bad = invalid_column(packed.stats)
         if bad is not None:
             raise SubmissionError(f"metric {names[bad[0]]!r}: {bad[1]}")
@@ -213,7 +216,8 @@ def check_contribution(packed: Packed, at: np.ndarray, held: Mapping[int, State]
             kind = column_kind(names[i], packed.schema.reductions[i])
             if state.kind in BUILT_IN and state.kind != kind:
                 raise ValueError(f"a {state.kind} state on a column that carries {kind or 'none'}")
-            state.validate()
+            if not packed.checked:
+                state.validate()
             col = int(at[i])
             have = held.get(col) if col >= 0 else None
             if have is not None and type(have) is not type(state):
