@@ -14,9 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from rlmetrics.aggregator import Aggregator
 from rlmetrics.messages import SubmissionError
 from rlmetrics.metrics.validation import encode_samples, process_validation_metrics
-from rlmetrics.packing import pack
+from rlmetrics.packing import Packed, pack
 from rlmetrics.server import Server
 from rlmetrics.sketch import Sketch
 from rlmetrics.stat import Stat
@@ -118,10 +119,11 @@ def check_honest_step(res):
 
 
 def evil(mutate):
-    """The other sender's contribution of ``E`` under the honest names, changed by ``mutate``."""
+    """The other sender's contribution of ``E`` under the honest names, changed by ``mutate`` (built
+    by hand, as pack's output is not changed afterwards)."""
     packed = pack({n: E for n in NAMES})
     mutate(packed)
-    return packed
+    return Packed(packed.schema, packed.stats, packed.states)
 
 
 def setting(*index_value):
@@ -278,6 +280,75 @@ def test_a_bad_value_is_refused_alone_named_and_the_honest_step_equals_numpy(cas
     check_honest_step(res)
     assert list(res.meta.refused) == ["evil/2/0"] and res.meta.refused["evil/2/0"] == errors["evil/2/0"][8:]
     assert server.result(STEP + 1) == {"y/mean": 5.5}
+
+
+NOT_MERGING = {  # valid alone, but not with the honest rank's state of that column
+    "a sketch of other parameters": (
+        evil(lambda p: p.states.update({4: Sketch.of(E, rel_err=0.01)})),
+        "metric 'x/p50': cannot merge sketches with different parameters",
+    ),
+    "records of other variables": (
+        samples_packed(encode_samples(["gsm8k"], ["r"], {"reward": [1.0]}), (0, 1, 0, "digest")),
+        r"metric '_aux/validation/samples/total': records have different variables: \['acc', 'pred'\] vs",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(NOT_MERGING))
+def test_a_state_that_does_not_merge_with_the_steps_is_refused_before_anything_of_it_merges(case):
+    """After the honest rank's: refused whole, named (a sketch of other parameters raised after the
+    contribution's stats were merged; records of other variables failed the step's finalize)."""
+    bad, problem = NOT_MERGING[case]
+    msg = encode(
+        [(STEP, 0, 1, bad), (STEP + 1, 1, 1, pack({"y/mean": E}))], [STEP, STEP + 1], send_names=True
+    )
+    errors, server, res = run_step(msg, hostile_first=False)
+    assert list(errors) == ["evil/2/0"] and re.match(f"step 2: {problem}", errors["evil/2/0"]), errors
+    check_honest_step(res)
+    assert server.result(STEP + 1) == {"y/mean": 5.5}
+
+
+def test_a_refused_pre_merged_contribution_is_listed_under_each_of_its_senders():
+    """A process's pre-merged contribution (Ray's ``send_many``) refused: every sender's key names it."""
+    engine = Aggregator()
+    with pytest.raises(SubmissionError, match="metric 'x/mean': count -1000000000.0 < 0"):
+        engine.submit_merged((("a", 0), ("b", 3)), STEP, 2, evil(setting((0, 0), -1e9)))
+    assert engine.finalize(STEP).meta.refused == dict.fromkeys(
+        ["a/2/0", "b/2/3"], "metric 'x/mean': count -1000000000.0 < 0"
+    )
+
+
+def _far_sketch():
+    arr = Sketch.of(E, weights=[1.0, 2.0]).to_array()
+    arr[13] = 1e7
+    return Sketch.from_array(arr)
+
+
+@pytest.mark.parametrize(
+    "name, stat, problem",
+    [
+        ("x/mean", Stat(-1.0, 5.0, 0.0, 5.0, 5.0), "metric 'x/mean': the Stat has count -1.0 < 0"),
+        (
+            "x/p50",
+            Stat(3.0, 16.0, 0.5, 5.0, 6.0, sketch=_far_sketch()),
+            "metric 'x/p50': sketch: 20 positive",
+        ),
+    ],
+    ids=["count", "sketch"],
+)
+def test_a_stat_built_by_hand_that_no_data_gives_is_refused_at_the_client_naming_the_metric(
+    name, stat, problem
+):
+    """pack's output is trusted by the engine (its values come from data): a hand-built Stat is
+    checked there, and refused alone."""
+    from rlmetrics import MetricClient, MetricValueError
+    from rlmetrics.backends.local import LocalMetricWorker
+
+    client = MetricClient(LocalMetricWorker(), world_size=1)
+    with pytest.raises(MetricValueError, match=re.escape(problem)):
+        client.submit_metric({name: stat, "ok/mean": [1.0, 3.0]})
+    client.wait_submit()
+    assert client.result(0, timeout=5) == {"ok/mean": 2.0}
 
 
 def message(change):
