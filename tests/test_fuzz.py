@@ -541,6 +541,51 @@ def test_ray_malformed_and_oversized_contributions_are_refused_and_others_comple
 
 
 @pytest.mark.ray
+def test_ray_a_count_of_minus_1e9_and_a_sketch_offset_of_1e15_are_refused_and_the_honest_step_is_numpy(
+    ray_worker,
+):
+    """A raw message to the MetricWorker actor, in the step an honest rank has submitted to and not
+    closed yet: a contribution with count -1e9 (it emptied the honest step) and one whose sketch
+    has buckets at 1e15 (merged, numpy was asked for 7.1 PiB) are refused, named in the reply and
+    in the step's ``meta.refused``; the honest step equals numpy and the actor keeps serving."""
+    import ray
+
+    from rlmetrics.packing import pack
+    from rlmetrics.sketch import Sketch
+    from rlmetrics.wire import encode
+
+    worker, incarnation = ray_worker
+    base = next(_BASES) * 100
+    h = np.random.default_rng(28).normal(size=50)
+    good = MetricClient(worker, world_size=1, label="good")
+    good.submit_metric({"h/mean": h, "h/p50": h}, step=base)
+    good.flush()
+    count, offset = (pack({"h/mean": [5.0, 6.0], "h/p50": [5.0, 6.0]}) for _ in range(2))
+    count.stats[0, 0] = -1e9
+    arr = Sketch.of([5.0, 6.0], weights=[1.0, 2.0]).to_array()
+    arr[13] = 1e15  # the positive store's first bucket
+    offset.states[1] = Sketch.from_array(arr)
+    reply = ray.get(
+        worker.send.remote("evil", encode([(base, 0, 1, count), (base, 1, 1, offset)], [base], True))
+    )
+    assert reply.errors == {
+        f"evil/{base}/0": f"step {base}: metric 'h/mean': count -1000000000.0 < 0",
+        f"evil/{base}/1": f"step {base}: metric 'h/p50': sketch: 20 positive buckets from 1000000000000000 "
+        "outside [-69077, 70979] (rel_err=0.005)",
+    }
+    good.close_step(base)
+    res = good.result(base, timeout=20)
+    assert res.meta.complete and res.meta.contributors == [good.client_id], res.meta
+    assert dict(res) == pytest.approx({"h/mean": h.mean(), "h/p50": np.quantile(h, 0.5)}, rel=1e-12)
+    assert {k: f"step {base}: {v}" for k, v in res.meta.refused.items()} == reply.errors
+    good.submit_metric({"h/mean": [1.0, 3.0]}, step=base + 1)
+    good.close_step(base + 1)
+    assert good.result(base + 1, timeout=20) == {"h/mean": 2.0}
+    good.stop()
+    assert ray.get(worker.ping.remote()) == incarnation
+
+
+@pytest.mark.ray
 def test_ray_100k_names_in_one_submit_are_accepted(ray_worker):
     import ray
 

@@ -66,6 +66,10 @@ class Counts:
     def reduce(self, name: str, reduction, stat: Stat) -> dict[str, float]:
         return {f"{name}/bucket{k}": float(c) for k, c in enumerate(self.counts)}
 
+    def validate(self) -> None:
+        if not (np.isfinite(self.counts).all() and (self.counts >= 0).all()):
+            raise ValueError("counts must be finite and >= 0")
+
 
 @pytest.fixture
 def counts_kind():

@@ -51,6 +51,7 @@ from rlmetrics.packing import MAX_WORLD_SIZE, Packed
 from rlmetrics.reduce import DEFAULT_RENAMES
 from rlmetrics.states import State
 from rlmetrics.steps import Group, Layout, Step, layout_of, reduce_step
+from rlmetrics.wire import check_contribution
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +204,11 @@ class Aggregator:
             raise PartlyMergedError(
                 f"merged contribution of {len(keys)} submissions was partly merged before"
             )
+        try:
+            states = check_contribution(packed, known.at, st.states)
+        except SubmissionError as exc:
+            st.refused.update((f"{client_id}/{step}/{seq}", str(exc)) for client_id, seq in keys)
+            raise
         st.seen.update(keys)
         clients = {client_id for client_id, _ in keys}
         if register:
@@ -216,10 +222,7 @@ class Aggregator:
                 stats if known.keep is None else stats[..., known.keep], int(world_size), packed.contributions
             )
             group.keys.extend(keys)
-        for i, state in packed.states.items():
-            col = int(known.at[i])
-            if col >= 0:
-                st.states[col] = state if col not in st.states else st.states[col].merge(state)
+        st.states.update(states)
         if known.refused:
             st.refused.update(known.refused)
             raise RefusedNamesError(

@@ -26,7 +26,9 @@ class StepMeta:
     - ``missing_metrics``: ``{name: [received, expected]}`` of the names short of contributions;
     - ``empty``: names without an observation (left out of the values);
     - ``contributors``: clients that submitted to the step;
-    - ``refused``: ``{name: why}`` of names the aggregator refused in the step;
+    - ``refused``: ``{name: why}`` of names the aggregator refused in the step, and
+      ``{"client_id/step/seq": why}`` of contributions it refused whole for a value no data gives
+      (the key of the error in that client's reply; nothing of them was merged);
     - ``contributions``: ``[received, expected]`` contributions summed over the step's names (each
       name counted up to its ``world_size``), when the step was finalized by a server;
     - ``late``: contributions that arrived for steps already final (and were dropped) since the

@@ -22,7 +22,7 @@ import numpy as np
 from rlmetrics.groups import GROUP_PREFIX
 from rlmetrics.reduce import MEAN, STD, Reduction, parse_reduction, resolve
 from rlmetrics.sketch import Sketch
-from rlmetrics.stat import MetricValueError, Stat, scalar_value
+from rlmetrics.stat import MetricValueError, Stat, invalid_column, scalar_value
 from rlmetrics.states import State
 
 MAX_WORLD_SIZE = 1 << 32
@@ -60,6 +60,7 @@ class Packed:
     stats: np.ndarray
     states: dict[int, State] = field(default_factory=dict)
     contributions: int = 1  # > 1: several ranks' contributions merged beforehand (a node aggregator)
+    checked: bool = False  # made by pack from data: the engine checks the values of the others only
 
 
 def _to_stat(name: str, value: Any, needs_sketch: bool, nan_strategy: str) -> Stat:
@@ -69,6 +70,14 @@ def _to_stat(name: str, value: Any, needs_sketch: bool, nan_strategy: str) -> St
                 f"metric {name!r}: its reduction reads quantiles; "
                 "build the Stat with Stat.of(..., sketch=True)"
             )
+        bad = invalid_column(value.to_array()[:, None])  # a Stat built by hand may hold anything
+        if bad is not None:
+            raise MetricValueError(f"metric {name!r}: the Stat has {bad[1]}")
+        if needs_sketch:
+            try:
+                value.sketch.validate()
+            except ValueError as exc:
+                raise MetricValueError(f"metric {name!r}: {exc}") from None
         if nan_strategy == "propagate" or value.finite:
             return value
         if nan_strategy == "error":
@@ -189,7 +198,7 @@ def pack(
             schemas[key] = schema
     if schemas is not None and stats.ndim == 1:
         schemas[_KNOWN, key[0]] = schema  # names alone: the key of the all-numbers fast path
-    return Packed(schema, stats, states)
+    return Packed(schema, stats, states, checked=True)
 
 
 _KNOWN = "names"  # tags the fast path's keys: a dict with tuple keys never meets (names, reductions)
@@ -222,4 +231,4 @@ def pack_known(
         return None
     if nan_strategy != "propagate" and not np.isfinite(stats).all():
         return None
-    return Packed(schema, stats)
+    return Packed(schema, stats, checked=True)

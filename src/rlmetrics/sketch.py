@@ -72,6 +72,9 @@ _HEADER = 15
 _MODE_EXACT = 0.0
 _MODE_BUCKETS = 1.0
 _MAX_INT_FLOAT = 2**53
+_MAX_STORE = 1 << 16
+"""Most values (exact mode) or buckets per store of a sketch that comes from another process
+(:meth:`Sketch.validate`): merging it allocates at most 1 MiB beyond its own size."""
 _FLOAT_MAX = float(np.finfo(np.float64).max)
 _EMPTY = np.zeros(0, dtype=np.float64)
 _EMPTY.flags.writeable = False
@@ -104,16 +107,6 @@ def _lerp(a: float, b: float, t: float) -> float:
     return _fma(t, diff, a) if t < 0.5 else _fma(-diff, 1.0 - t, b)
 
 
-def _collapse(offset: int, counts: np.ndarray, max_buckets: int) -> tuple[int, np.ndarray]:
-    """Fold the lowest buckets of a store into one so that at most ``max_buckets`` remain."""
-    cut = counts.size - max_buckets
-    if cut <= 0:
-        return offset, counts
-    out = counts[cut:].copy()
-    out[0] = counts[: cut + 1].sum()
-    return offset + cut, out
-
-
 def _build_store(k: np.ndarray, w: np.ndarray | None, max_buckets: int) -> tuple[int, np.ndarray]:
     """Dense store of bucket indices ``k`` (weights ``w`` all > 0), folded to ``max_buckets``."""
     if k.size == 0:
@@ -130,17 +123,15 @@ def _build_store(k: np.ndarray, w: np.ndarray | None, max_buckets: int) -> tuple
 def _merge_store(
     o1: int, c1: np.ndarray, o2: int, c2: np.ndarray, max_buckets: int
 ) -> tuple[int, np.ndarray]:
+    """The sum of two stores, its lowest buckets folded into one so that at most ``max_buckets``
+    remain; only those are allocated, however far apart the stores lie."""
     if c1.size == 0:
         return o2, c2
     if c2.size == 0:
         return o1, c1
-    lo = min(o1, o2)
     hi = max(o1 + c1.size, o2 + c2.size)
-    out = np.zeros(hi - lo, dtype=np.float64)
-    out[o1 - lo : o1 - lo + c1.size] += c1
-    out[o2 - lo : o2 - lo + c2.size] += c2
-    off, out = _collapse(lo, out, max_buckets)
-    return off, _frozen(out)
+    lo = max(min(o1, o2), hi - max_buckets)
+    return lo, _frozen(_fold_store(o1, c1, lo, hi - lo) + _fold_store(o2, c2, lo, hi - lo))
 
 
 def _fold_store(offset: int, counts: np.ndarray, lo: int, width: int) -> np.ndarray:
@@ -710,6 +701,8 @@ class Sketch:
             raise ValueError("not a Sketch array (bad shape or magic number)")
         if a[1] != _VERSION:
             raise ValueError(f"unsupported Sketch array version {a[1]!r}")
+        if not (np.isfinite(a[2:6]).all() and np.isfinite(a[10:_HEADER]).all()):
+            raise ValueError("corrupt Sketch array header (a parameter, size or offset is not finite)")
         mode, rel_err, exact_limit, max_buckets = a[2:6].tolist()
         nan, neg_inf, pos_inf, zero, n_values, neg_off, n_neg, pos_off, n_pos = a[6:_HEADER].tolist()
         sizes = (n_values, n_neg, n_pos)
@@ -732,6 +725,66 @@ class Sketch:
         out._neg = _frozen(body[n_values : n_values + n_neg]) if n_neg else _EMPTY
         out._pos = _frozen(body[n_values + n_neg :]) if n_pos else _EMPTY
         return out
+
+    def validate(self) -> None:
+        """ValueError unless data can give this sketch (the state protocol: the aggregator validates
+        every sketch that comes from another process before merging it).
+
+        Its weights are finite and >= 0; each store has at most ``max_buckets`` buckets, between the
+        indices of the smallest and the largest finite magnitude at ``rel_err`` (so a merge never
+        reads far-away offsets). Exact mode: at most ``exact_limit`` values, sorted, none NaN, and
+        no bucket. Bucket mode: no values. Beyond that, at most 65,536 values or buckets per store
+        (``min(max_buckets, indices)`` for a merge): merging it allocates at most 1 MiB more than it.
+
+        >>> Sketch.of([1.0, 2.0]).validate()
+        >>> bad = Sketch.of([1.0], weights=[2.0]).to_array()
+        >>> bad[13] = 1e7  # the positive store's offset
+        >>> Sketch.from_array(bad).validate()
+        Traceback (most recent call last):
+        ...
+        ValueError: sketch: 1 positive buckets from 10000000 outside [-69077, 70979] (rel_err=0.005)
+        """
+        weights = np.concatenate(
+            [[self._nan, self._neg_inf, self._pos_inf, self._zero], self._neg, self._pos]
+        )
+        if not (np.isfinite(weights).all() and (weights >= 0).all()):
+            raise ValueError("sketch: a weight is negative or not finite")
+        lo, hi = self._indices()
+        width = min(self._max_buckets, hi - lo + 1)
+        if width > _MAX_STORE:
+            raise ValueError(
+                f"sketch ({self._params()}): stores up to {width} buckets, more than {_MAX_STORE}"
+            )
+        for sign, off, store in (
+            ("negative", self._neg_off, self._neg),
+            ("positive", self._pos_off, self._pos),
+        ):
+            if store.size > self._max_buckets:
+                raise ValueError(
+                    f"sketch: {store.size} {sign} buckets, more than max_buckets={self._max_buckets}"
+                )
+            if off < lo or off + store.size - 1 > hi:
+                raise ValueError(
+                    f"sketch: {store.size} {sign} buckets from {off} outside [{lo}, {hi}] "
+                    f"(rel_err={self._rel_err})"
+                )
+        v = self._values
+        if not self._exact:
+            if v.size:
+                raise ValueError("sketch: a bucket-mode sketch has exact values")
+            return
+        if v.size > min(self._exact_limit, _MAX_STORE):
+            raise ValueError(f"sketch: {v.size} exact values, more than {min(self._exact_limit, _MAX_STORE)}")
+        if np.isnan(v).any() or (v[1:] < v[:-1]).any():
+            raise ValueError("sketch: exact values must be sorted, without NaN")
+        if weights[1:].any() or self._neg.size or self._pos.size:
+            raise ValueError("sketch: an exact sketch has buckets")
+
+    def _indices(self) -> tuple[int, int]:
+        """The lowest and the highest bucket index a finite magnitude (``_TINY`` to the largest float)
+        gets, widened by one against rounding."""
+        k = np.ceil(np.log([_TINY, _FLOAT_MAX]) / math.log(self._gamma()))
+        return int(k[0]) - 1, int(k[1]) + 1
 
     def __repr__(self) -> str:
         if self._exact:

@@ -132,6 +132,63 @@ def spread(counts: np.ndarray, sums: np.ndarray, mean: np.ndarray) -> np.ndarray
     return dev
 
 
+_EMPTY_TAIL = empty_arrays(1)[1:]  # sum, M2, min and max of a column without observations
+
+
+def invalid_column(stats: np.ndarray) -> tuple[int, str] | None:
+    """The first column of a ``(5, M)`` stat array that no data can give, and what is wrong with it;
+    None when every column is one that :func:`~rlmetrics.summary.summarize` and :func:`merge_arrays`
+    give (a contribution from another process may hold any float).
+
+    Such a column has a finite count >= 0 (weights are finite and non-negative) and M2 >= 0, NaN
+    only beside a non-finite sum (a NaN or an infinity among the values, or a sum that overflowed;
+    such a sum stays non-finite through every merge). Without observations (count 0) it is the
+    identity of :func:`empty_arrays`. With observations, min <= max, or both NaN (a NaN value under
+    ``nan_strategy="propagate"``), unless one of them is its identity (min ``inf``, max ``-inf``: a
+    summary without that field, as the torch.distributed exchange sends only the fields that a
+    reduction reads).
+
+    >>> good = Stat.of([1.0, 2.0]).to_array()
+    >>> invalid_column(np.stack([good, [-1e9, 4.0, 0.0, 4.0, 4.0]], axis=1))
+    (1, 'count -1000000000.0 < 0')
+    >>> invalid_column(np.stack([good, Stat.of([np.nan]).to_array(), Stat().to_array()], axis=1)) is None
+    True
+    """
+    c, s, m2, lo, hi = stats
+    if not c.size:
+        return None
+    least = c.min()
+    if least >= 0 and c.max() < math.inf and m2.min() >= 0:  # counts and M2 are fine (a NaN fails)
+        if least > 0 and (lo <= hi).all():
+            return None  # the common case, in 5 numpy calls
+        empty = c == 0
+        if ((lo <= hi) | empty).all() and (stats[1:, empty] == _EMPTY_TAIL).all():
+            return None  # and names without observations, in 6 more
+    odd = np.flatnonzero(~((c > 0) & (c < math.inf) & (m2 >= 0) & (lo <= hi)))  # only these can be bad
+    c, s, m2, lo, hi = stats[:, odd]
+    held = (c > 0) & (lo != math.inf) & (hi != -math.inf)
+    rules = [  # in the order a column's problem is told
+        (np.isnan(c), "count {0!r} is not a number"),
+        (c < 0, "count {0!r} < 0"),
+        (c == math.inf, "count {0!r} is not finite"),
+        (m2 < 0, "M2 {2!r} < 0"),
+        (np.isnan(m2) & np.isfinite(s), "M2 {2!r} with a finite sum {1!r}"),
+        (
+            (c == 0) & ((s != 0) | (m2 != 0) | (lo != math.inf) | (hi != -math.inf)),
+            "count 0 with sum {1!r}, M2 {2!r}, min {3!r}, max {4!r} "
+            "(a column without observations is (0, 0, 0, inf, -inf))",
+        ),
+        (held & (lo > hi), "min {3!r} > max {4!r}"),
+        (held & (np.isnan(lo) != np.isnan(hi)), "min {3!r} and max {4!r}: one of them NaN"),
+    ]
+    bad = np.flatnonzero(np.logical_or.reduce([mask for mask, _ in rules]))
+    if not len(bad):
+        return None
+    j = int(bad[0])
+    why = next(text for mask, text in rules if mask[j])
+    return int(odd[j]), why.format(*(float(v) for v in stats[:, odd[j]]))
+
+
 class Stat:
     """Mergeable summary of weighted observations.
 
@@ -402,6 +459,7 @@ def _caught(fn: Callable[..., Stat], **options: Any) -> Callable[..., Stat | Met
 
 
 __all__ = [
-    "FIELDS", "NAN_STRATEGIES", "MetricValueError", "Stat", "check_tensor", "empty_arrays", "is_dataless",
-    "merge_arrays", "reduce_parts", "reduce_runs", "scalar_value", "spread", "stats_of_rows", "to_host",
+    "FIELDS", "NAN_STRATEGIES", "MetricValueError", "Stat", "check_tensor", "empty_arrays", "invalid_column",
+    "is_dataless", "merge_arrays", "reduce_parts", "reduce_runs", "scalar_value", "spread", "stats_of_rows",
+    "to_host",
 ]  # fmt: skip

@@ -7,7 +7,9 @@ Every state implements one small protocol, :class:`State`:
 - ``to_array()`` / ``from_array(arr)``: how it travels (a numpy array: the wire and the torch backend
   move states only this way, by their ``kind``);
 - ``reduce(name, reduction, stat)``: the values it reports at the end of its step, given its
-  column's name, reduction and merged :class:`~rlmetrics.stat.Stat`.
+  column's name, reduction and merged :class:`~rlmetrics.stat.Stat`;
+- ``validate()``: ValueError unless data can give it (the aggregator validates every contribution's
+  states before merging them: a state from another process may hold any value).
 
 :class:`~rlmetrics.stat.Stat` (count, sum, M2, min, max) is every column's state and the fast path:
 a contribution carries all of them as one ``(5, M)`` float64 array, merged as matrices. The other
@@ -24,17 +26,19 @@ on a name whose reduction reads quantiles, :class:`Samples` on :data:`VALIDATION
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
 from rlmetrics.metrics import AUX_PREFIX, validation_metrics
-from rlmetrics.metrics.difficulty import check_record, difficulty_metrics
-from rlmetrics.metrics.validation.records import SampleRecord
-from rlmetrics.reduce import Reduction
+from rlmetrics.metrics.difficulty import CORRECT, REWARDS, difficulty_metrics
+from rlmetrics.metrics.difficulty import check_record as check_prompt_record
+from rlmetrics.metrics.validation.records import SampleRecord, check_mergeable, check_record
+from rlmetrics.reduce import Reduction, parse_reduction
 from rlmetrics.sketch import Sketch
-from rlmetrics.stat import Stat
+from rlmetrics.stat import Stat, invalid_column
 
 VALIDATION_SAMPLES = AUX_PREFIX + "validation/samples/total"
 """The column validation samples ride on (its value: how many samples a contribution holds)."""
@@ -57,6 +61,8 @@ class State(Protocol):
 
     def reduce(self, name: str, reduction: Reduction, stat: Stat) -> dict[str, float]: ...
 
+    def validate(self) -> None: ...
+
 
 class Samples:
     """Validation samples of one or more ranks: ``(rank key, sample record)`` pairs
@@ -78,7 +84,29 @@ class Samples:
         self.records = list(records)
 
     def merge(self, other: Samples) -> Samples:
+        """Both sides' records; ValueError when they cannot be reduced together (:meth:`check_merge`)."""
+        self.check_merge(other)
         return type(self)(self.records + other.records)
+
+    def check_merge(self, other: Samples) -> None:
+        """ValueError unless the records of both merge (one style and seed, the same variables:
+        :func:`~rlmetrics.metrics.validation.records.check_mergeable`)."""
+        check_mergeable([r for _, r in self.records], (r for _, r in other.records))
+
+    def validate(self) -> None:
+        """ValueError unless each record is one a client makes (every index in range:
+        :func:`~rlmetrics.metrics.validation.records.check_record`), under a rank key
+        ``(int, int, int, str)``, and they merge together."""
+        for key, record in self.records:
+            if not (
+                isinstance(key, tuple)
+                and len(key) == 4
+                and all(isinstance(k, numbers.Integral) for k in key[:3])
+                and isinstance(key[3], str)
+            ):
+                raise ValueError(f"validation samples: rank key {key!r:.60} is not (int, int, int, str)")
+            check_record(record)
+        check_mergeable((), [r for _, r in self.records])
 
     def to_array(self) -> np.ndarray:
         arr = np.empty(len(self.records), dtype=object)
@@ -120,7 +148,26 @@ class PromptStats(Samples):
     @staticmethod
     def check(record: Any) -> None:
         """ValueError unless ``record`` is a prompt record."""
-        check_record(record)
+        check_prompt_record(record)
+
+    def check_merge(self, other: Samples) -> None:
+        """Prompt records of any ranks merge (a group a rank lacks has no observation)."""
+
+    def validate(self) -> None:
+        """ValueError unless each record is a prompt record with the rewards and the correct lengths
+        among its groups, and summaries data can give (:func:`~rlmetrics.stat.invalid_column`)."""
+        for _, record in self.records:
+            check_prompt_record(record)
+            names = {name for group in record["groups"] for name in group}
+            if REWARDS not in names or CORRECT not in names:
+                raise ValueError(f"prompt record: groups without {REWARDS!r} and {CORRECT!r}")
+            stats = record["stats"]
+            bad = invalid_column(stats.reshape(5, -1))
+            if bad is not None:
+                uid, group = divmod(bad[0], stats.shape[2])
+                raise ValueError(
+                    f"prompt record: prompt {record['uids'][uid]!r:.60}, {record['groups'][group]}: {bad[1]}"
+                )
 
     def reduce(self, name: str, reduction: Reduction | None, stat: Stat) -> dict[str, float]:
         return difficulty_metrics([record for _, record in self.records])
@@ -128,6 +175,23 @@ class PromptStats(Samples):
 
 KINDS: dict[str, Any] = {Sketch.kind: Sketch, Samples.kind: Samples, PromptStats.kind: PromptStats}
 """Every state kind by its wire name."""
+BUILT_IN = frozenset(KINDS)
+"""The kinds of the library, each on the columns of :func:`column_kind`."""
+
+
+def column_kind(name: str, reduction: str) -> str | None:
+    """The built-in state kind a column carries, where clients put it: validation samples on
+    :data:`VALIDATION_SAMPLES`, prompt records on :data:`PROMPT_STATS`, a sketch on a name whose
+    reduction reads quantiles; None: none of them.
+
+    >>> column_kind("lat/p95", "p95"), column_kind("lat/mean", "mean")
+    ('sketch', None)
+    """
+    if name == VALIDATION_SAMPLES:
+        return Samples.kind
+    if name == PROMPT_STATS:
+        return PromptStats.kind
+    return Sketch.kind if parse_reduction(reduction).needs_sketch else None
 
 
 def encode_state(state: State) -> tuple[str, np.ndarray]:

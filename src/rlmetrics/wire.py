@@ -21,6 +21,13 @@ share: random doubles still shrink by ~1/7); packing is used when it saves at le
 The receiver keeps a :class:`SchemaTable`; an item whose schema it lacks (say, after a restart) is
 reported back by id, and the sender repeats it with the names.
 
+What comes off the wire is checked twice, and nothing else can fail on it later. :func:`decode`
+checks the form (a malformed message is refused whole, with :class:`SubmissionError`): schemas
+of non-empty str names and known reductions, steps, closes, sequence numbers, state columns and
+states that can be built, buffers of bounded size. :func:`check_contribution` checks the values (a bad
+contribution is refused alone): the engine calls it on every contribution, whatever its backend,
+and checks all values but those :func:`~rlmetrics.packing.pack` made from data in this process.
+
 >>> from rlmetrics.packing import pack
 >>> p = pack({"a/mean": 1.0, "b/max": 2.0})
 >>> msg = encode([(0, 0, 2, p)], [0], send_names=True)
@@ -34,14 +41,18 @@ True
 
 from __future__ import annotations
 
+import numbers
 import zlib
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from rlmetrics.messages import SubmissionError
 from rlmetrics.packing import Packed, Schema
-from rlmetrics.states import decode_state, encode_state
+from rlmetrics.reduce import parse_reduction
+from rlmetrics.stat import invalid_column
+from rlmetrics.states import BUILT_IN, State, column_kind, decode_state, encode_state
 
 VERSION = 3
 Item = tuple[int, int, int, Packed]  # (step, seq, world_size, packed)
@@ -103,31 +114,56 @@ class SchemaTable:
     def __init__(self) -> None:
         self.schemas: dict[bytes, Schema] = {}
 
-    def learn(self, sid: bytes, names: tuple, reductions: tuple) -> None:
-        if sid not in self.schemas:
-            schema = Schema.of(tuple(names), tuple(reductions))
-            if schema.id != sid:
-                raise SubmissionError("schema id does not match its names")
-            self.schemas[sid] = schema
+    def learn(self, sid: Any, entry: Any) -> None:
+        """Learn schema ``sid`` from its ``(names, reductions)``; SubmissionError for a malformed one."""
+        if not isinstance(sid, bytes):
+            raise SubmissionError(f"schema id {sid!r:.40} is not bytes")
+        if sid in self.schemas:
+            return
+        if not (
+            isinstance(entry, tuple) and len(entry) == 2 and all(isinstance(e, (tuple, list)) for e in entry)
+        ):
+            raise SubmissionError(f"schema {sid.hex()}: not a (names, reductions) pair")
+        names, reductions = tuple(entry[0]), tuple(entry[1])
+        if len(names) != len(reductions):
+            raise SubmissionError(f"schema has {len(names)} names but {len(reductions)} reductions")
+        for name, reduction in zip(names, reductions):
+            if not isinstance(name, str) or not name:
+                raise SubmissionError(f"metric name must be a non-empty str, got {name!r:.80}")
+            try:
+                parse_reduction(reduction if isinstance(reduction, str) else None)
+            except ValueError:
+                raise SubmissionError(f"metric {name!r}: unknown reduction {reduction!r:.40}") from None
+        schema = Schema.of(names, reductions)
+        if schema.id != sid:
+            raise SubmissionError("schema id does not match its names")
+        self.schemas[sid] = schema
 
 
 def decode(msg: tuple, table: SchemaTable) -> tuple[list[Item], list[int], list[bytes]]:
     """Items whose schema is known, the closed steps, and the ids of unknown schemas.
 
-    Raises :class:`~rlmetrics.aggregator.SubmissionError` for a malformed message.
+    Raises :class:`~rlmetrics.aggregator.SubmissionError` for a malformed message, and nothing else.
     """
     try:
         version, raw_items, close, schemas, _resync = msg
     except (TypeError, ValueError):
         raise SubmissionError("malformed message") from None
-    if version != VERSION:
-        raise SubmissionError(f"wire version {version!r}, expected {VERSION}")
-    for sid, (names, reductions) in schemas.items():
-        table.learn(sid, names, reductions)
+    if type(version) is not int or version != VERSION:
+        raise SubmissionError(f"wire version {version!r:.40}, expected {VERSION}")
+    if not isinstance(schemas, dict):
+        raise SubmissionError(f"schemas must be a dict, got {type(schemas).__name__}")
+    if not (isinstance(close, list) and all(isinstance(s, numbers.Integral) and s >= 0 for s in close)):
+        raise SubmissionError(f"closed steps must be a list of non-negative ints, got {close!r:.80}")
+    for sid, entry in schemas.items():
+        table.learn(sid, entry)
     items: list[Item] = []
     unknown: list[bytes] = []
     try:
         for step, seq, world_size, sid, data, states, contributions in raw_items:
+            if not (isinstance(step, numbers.Integral) and step >= 0):  # the server sorts them
+                raise SubmissionError(f"step must be a non-negative int, got {step!r:.40}")
+            hash(seq)  # a client's int, or a pre-merged item's (client_id, seq) keys
             schema = table.schemas.get(sid)
             if schema is None:
                 if sid not in unknown:
@@ -137,10 +173,58 @@ def decode(msg: tuple, table: SchemaTable) -> tuple[list[Item], list[int], list[
             stats = _floats(data, 5 * m)
             if stats.size == 5 * m and m:
                 stats = stats.reshape(5, m)
-            decoded = {int(c): decode_state(kind, arr) for c, (kind, arr) in states.items()}
+            if not all(type(c) is int for c in states):
+                raise SubmissionError(f"state columns must be ints, got {list(states)!r:.80}")
+            decoded = {c: decode_state(kind, arr) for c, (kind, arr) in states.items()}
             items.append((step, seq, world_size, Packed(schema, stats, decoded, contributions)))
-    except (TypeError, ValueError, AttributeError, zlib.error) as exc:
-        if isinstance(exc, SubmissionError):
-            raise
-        raise SubmissionError(f"malformed item: {exc}") from None
-    return items, list(close), unknown
+    except SubmissionError:
+        raise
+    except Exception as exc:  # whatever a hostile item makes fail, it is a malformed one
+        raise SubmissionError(f"malformed item: {type(exc).__name__}: {exc}") from None
+    return items, [int(s) for s in close], unknown
+
+
+def check_contribution(packed: Packed, at: np.ndarray, held: Mapping[int, State]) -> dict[int, State]:
+    """The states of ``packed`` merged with a step's ``held`` states (by the step's column; ``at``:
+    the step's column of each of ``packed``'s, -1 for a name left out), once every value of
+    ``packed`` passed its check (unless :func:`~rlmetrics.packing.pack` made it from data:
+    ``packed.checked``); ``held`` is unchanged, so a refused contribution changes nothing.
+
+    Raises :class:`SubmissionError` naming the metric, the value and the problem for a stat column
+    no data gives (:func:`~rlmetrics.stat.invalid_column`), a state that fails its ``validate()``
+    (a sketch's offsets and sizes, a validation record's indices), a built-in kind on a column that
+    does not carry it (:func:`~rlmetrics.states.column_kind`), or a state that does not merge with
+    the step's (another kind, other sketch parameters, records of other variables).
+
+    >>> from rlmetrics.packing import pack
+    >>> p = pack({"x/mean": [1.0, 2.0]})
+    >>> stats = p.stats.copy()
+    >>> stats[0, 0] = -1e9
+    >>> check_contribution(Packed(p.schema, stats), np.array([0]), {})
+    Traceback (most recent call last):
+    ...
+    rlmetrics.messages.SubmissionError: metric 'x/mean': count -1000000000.0 < 0
+    """
+    names = packed.schema.names
+    if not packed.checked and packed.stats.ndim == 2:  # one observation per metric (1-D): any float
+        bad = invalid_column(packed.stats)
+        if bad is not None:
+            raise SubmissionError(f"metric {names[bad[0]]!r}: {bad[1]}")
+    merged: dict[int, State] = {}
+    for i, state in packed.states.items():
+        try:
+            kind = column_kind(names[i], packed.schema.reductions[i])
+            if state.kind in BUILT_IN and state.kind != kind:
+                raise ValueError(f"a {state.kind} state on a column that carries {kind or 'none'}")
+            if not packed.checked:
+                state.validate()
+            col = int(at[i])
+            have = held.get(col) if col >= 0 else None
+            if have is not None and type(have) is not type(state):
+                raise ValueError(f"a {state.kind} state does not merge with the step's {have.kind}")
+            if col >= 0:
+                merged[col] = state if have is None else have.merge(state)
+        except Exception as exc:  # a state from another process may make anything fail
+            why = exc if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+            raise SubmissionError(f"metric {names[i]!r}: {why}") from None
+    return merged

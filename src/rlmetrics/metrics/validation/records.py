@@ -173,14 +173,8 @@ def merge_samples(records: Iterable[SampleRecord]) -> SampleRecord:
     (['a', 'b'], ['p', 'q', 'p'], [0, 1, 1, 2], [1.0, 0.0, 1.0, 1.0])
     """
     records = list(records)
-    for r in records:
-        if not isinstance(r, SampleRecord) or r.version != RECORD_VERSION:
-            version = r.version if isinstance(r, SampleRecord) else type(r).__name__
-            raise ValueError(f"not a validation SampleRecord of version {RECORD_VERSION}: {version!r}")
-    settings = {(r.style, r.seed) for r in records}
-    if len(settings) > 1:
-        raise ValueError(f"records of different styles or seeds: {sorted(settings)}")
-    style, seed = settings.pop() if settings else ("seed", 42)
+    check_mergeable((), records)
+    style, seed = (records[0].style, records[0].seed) if records else ("seed", 42)
     common = {
         "style": style,
         "seed": seed,
@@ -193,11 +187,6 @@ def merge_samples(records: Iterable[SampleRecord]) -> SampleRecord:
         return dataclasses.replace(records[0] if records else encode_samples([], [], {}), **common)
     variables = list(full[0].values)
     has_pred = full[0].pred is not None
-    for r in full[1:]:
-        if set(r.values) != set(variables):
-            raise ValueError(f"records have different variables: {variables} vs {list(r.values)}")
-        if (r.pred is not None) != has_pred:
-            raise ValueError("some records have a 'pred' variable and some do not")
 
     sources: dict[Any, int] = {}
     groups: dict[tuple[Any, Any], int] = {}
@@ -253,6 +242,142 @@ def merge_samples(records: Iterable[SampleRecord]) -> SampleRecord:
         pred_table=list(preds),
         **common,
     )
+
+
+def check_mergeable(held: Sequence[SampleRecord], new: Iterable[Any]) -> None:
+    """ValueError unless the records ``new`` merge with ``held`` (records that merge together) in
+    :func:`merge_samples`, and the metrics take them: records of this version, of one style and seed,
+    the same variables and all or none a pred among those with samples, and no ``acc_success_only``
+    variable beside ``acc`` and verl's expected counts (the metrics compute it).
+
+    >>> a = encode_samples(["s"], ["p"], {"acc": [1.0]})
+    >>> check_mergeable([a], [encode_samples(["s"], ["p"], {"reward": [1.0]})])
+    Traceback (most recent call last):
+    ...
+    ValueError: records have different variables: ['acc'] vs ['reward']
+    """
+    first = held[0] if held else None
+    full = next((r for r in held if r.n_samples), None)
+    expected = any(r.expected for r in held)
+    for r in new:
+        if not isinstance(r, SampleRecord) or r.version != RECORD_VERSION:
+            version = r.version if isinstance(r, SampleRecord) else type(r).__name__
+            raise ValueError(f"not a validation SampleRecord of version {RECORD_VERSION}: {version!r}")
+        if first is None:
+            first = r
+        if (r.style, r.seed) != (first.style, first.seed):
+            raise ValueError(
+                f"records of different styles or seeds: {(first.style, first.seed)} vs {(r.style, r.seed)}"
+            )
+        if r.n_samples:
+            if full is None:
+                full = r
+            if r.values.keys() != full.values.keys():
+                raise ValueError(f"records have different variables: {list(full.values)} vs {list(r.values)}")
+            if (r.pred is None) != (full.pred is None):
+                raise ValueError("some records have a 'pred' variable and some do not")
+        expected = expected or bool(r.expected)
+    if first is not None and first.style == "verl" and expected and full is not None:
+        if {"acc", "acc_success_only"} <= full.values.keys():
+            raise ValueError(
+                "'acc_success_only' is computed from 'acc' with expected counts; rename the variable"
+            )
+
+
+MAX_EXPECTED = 1 << 20
+"""Most samples the expected counts of one record may ask for (verl's padding of ``acc``)."""
+
+
+def check_record(record: Any) -> None:
+    """ValueError unless ``record`` is a :class:`SampleRecord` whose every index, table and array the
+    metrics can read (a record from another process): each group's data source, each sample's group
+    and pred code in range of their tables; one float64 value (or None), number flag and None flag
+    per sample and variable; tables whose entries are dict keys; a known style, a seed of numpy's
+    range, and expected counts of ``(data source, prompt, count)`` asking for at most
+    :data:`MAX_EXPECTED` samples.
+
+    >>> r = encode_samples(["a", "a"], ["p", "q"], {"acc": [1.0, 0.0]})
+    >>> check_record(r)
+    >>> r.group[1] = 5
+    >>> check_record(r)
+    Traceback (most recent call last):
+    ...
+    ValueError: validation record: group index 5 outside [0, 2)
+    """
+    if not isinstance(record, SampleRecord) or record.version != RECORD_VERSION:
+        version = record.version if isinstance(record, SampleRecord) else type(record).__name__
+        raise ValueError(f"not a validation SampleRecord of version {RECORD_VERSION}: {version!r:.40}")
+    r = record
+    if r.style not in STYLES:
+        raise ValueError(f"validation record: style {r.style!r:.40} is not one of {STYLES}")
+    if not isinstance(r.exact, bool):
+        raise ValueError(f"validation record: exact {r.exact!r:.40} is not a bool")
+    if not (isinstance(r.seed, numbers.Integral) and 0 <= r.seed < 2**32):
+        raise ValueError(f"validation record: seed {r.seed!r:.40} outside [0, 2**32)")
+    for name in ("sources", "prompts", "pred_table", "expected"):
+        table = getattr(r, name)
+        if not isinstance(table, list):
+            raise ValueError(f"validation record: {name} is a {type(table).__name__}, not a list")
+        _hashable(table, name)
+    n = _indices(r.group, len(r.prompts), "group")
+    if _indices(r.group_source, len(r.sources), "data source") != len(r.prompts):
+        raise ValueError(f"validation record: {len(r.group_source)} data sources for {len(r.prompts)} groups")
+    if r.pred is not None and _indices(r.pred, len(r.pred_table), "pred") != n:
+        raise ValueError(f"validation record: {len(r.pred)} preds for {n} samples")
+    _column(r.turns, None, np.float64, "turns")
+    if not (isinstance(r.values, dict) and isinstance(r.numeric, dict) and isinstance(r.none, dict)):
+        raise ValueError("validation record: values, numeric and none must be dicts")
+    numbers_of = {var for var, col in r.values.items() if col is not None}
+    for var, col in r.values.items():
+        if not isinstance(var, str):
+            raise ValueError(f"validation record: variable {var!r:.40} is not a str")
+        if col is not None:
+            _column(col, n, np.float64, f"values of {var!r}")
+    for flags, of in ((r.numeric, numbers_of), (r.none, r.values.keys())):
+        for var, col in flags.items():
+            if var not in of:
+                raise ValueError(f"validation record: flags for variable {var!r:.40} without values")
+            _column(col, n, np.bool_, f"flags of {var!r}")
+    asked = 0
+    for triple in r.expected:
+        count = triple[2] if isinstance(triple, tuple) and len(triple) == 3 else None
+        if not (isinstance(count, numbers.Integral) and 0 <= count <= MAX_EXPECTED):
+            raise ValueError(
+                f"validation record: expected {triple!r:.60}: not (source, prompt, count) "
+                f"with a count in [0, {MAX_EXPECTED}]"
+            )
+        asked += int(count)
+    if asked > MAX_EXPECTED:
+        raise ValueError(
+            f"validation record: expected counts ask for {asked} samples, more than {MAX_EXPECTED}"
+        )
+    check_mergeable((), [r])
+
+
+def _hashable(table: list, name: str) -> None:
+    for entry in table:
+        try:
+            hash(entry)
+        except TypeError:
+            raise ValueError(f"validation record: {name} entry {entry!r:.40} is not hashable") from None
+
+
+def _indices(codes: Any, size: int, name: str) -> int:
+    """How many ``codes`` there are; ValueError unless they are a 1-D integer array in ``[0, size)``."""
+    if not (isinstance(codes, np.ndarray) and codes.ndim == 1 and codes.dtype.kind in "iu"):
+        raise ValueError(f"validation record: {name} indices must be a 1-D integer array")
+    if len(codes) and not (0 <= codes.min() and codes.max() < size):
+        bad = codes[(codes < 0) | (codes >= size)][0]
+        raise ValueError(f"validation record: {name} index {bad} outside [0, {size})")
+    return len(codes)
+
+
+def _column(col: Any, n: int | None, dtype: Any, name: str) -> None:
+    """ValueError unless ``col`` is a 1-D array of ``dtype`` with ``n`` entries (None: any)."""
+    if not (isinstance(col, np.ndarray) and col.ndim == 1 and col.dtype == dtype and n in (None, len(col))):
+        raise ValueError(
+            f"validation record: {name} must be a 1-D {np.dtype(dtype).name} array of {n} entries"
+        )
 
 
 def record_digest(record: SampleRecord) -> str:
@@ -359,6 +484,6 @@ def _numeric_column(col: Any, var: str) -> tuple[np.ndarray | None, np.ndarray |
 
 
 __all__ = [
-    "RECORD_VERSION", "STYLES", "SampleRecord", "encode_samples", "is_number", "merge_samples",
-    "record_digest",
+    "MAX_EXPECTED", "RECORD_VERSION", "STYLES", "SampleRecord", "check_mergeable", "check_record",
+    "encode_samples", "is_number", "merge_samples", "record_digest",
 ]  # fmt: skip
