@@ -10,17 +10,21 @@ import importlib.util
 import json
 import math
 import os
+import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
+import traceback
+from contextlib import closing
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from rlmetrics.health import Alert
-from rlmetrics.sinks import JsonlSink, TensorBoardSink, Tracking, make_sinks, read_jsonl
+from rlmetrics.sinks import JsonlSink, MLflowSink, TensorBoardSink, Tracking, make_sinks, read_jsonl
 from tests.trackers import (
     mlflow_history,
     swanlab_scalars,
@@ -31,7 +35,8 @@ from tests.trackers import (
     wandb_rows,
 )
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "resumable_run.py"
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "resumable_run.py"
 STEPS, NAN_STEP, KILL_AFTER = 16, 12, 13  # killed once 13 steps are in the JSONL file (0..12)
 
 pytestmark = pytest.mark.slow
@@ -149,6 +154,149 @@ def test_driver_killed_and_restarted_logs_every_step_once_in_every_tracker(tmp_p
     }
 
 
+# ------------------------------------------------------------------ a kill inside MLflow's store creation
+STORE_KILLS = [  # the SQL statement right after which a start is killed, what it is, store in place after
+    (r"CREATE TABLE span_metrics\b", "a table of a migration (issue 29's)", False),
+    (r"INSERT INTO experiments\b", "the Default experiment: MLflow's last step", False),
+    (r"INSERT INTO runs\b", "the run, in the store in place", True),
+]
+STORE_STEPS = 5
+
+
+def store_start(out: Path, stop_at: str | None = None, mlflow_only: bool = False) -> None:
+    """A start of a driver logging STORE_STEPS steps to ``make_sinks(["jsonl", "mlflow"], out,
+    resume=True)``. ``stop_at``: it stops right after the first SQL statement matching it ran and prints
+    ``stopped <pid>``; ``mlflow_only``: MLflow alone creates the store first, as drivers did before
+    rlmetrics created stores whole."""
+    if stop_at:
+        from sqlalchemy import event
+        from sqlalchemy.engine import Engine
+
+        @event.listens_for(Engine, "after_cursor_execute")
+        def stop(conn, cursor, statement, *_):
+            if re.search(stop_at, statement):
+                print(f"stopped {os.getpid()}", flush=True)
+                time.sleep(600)
+
+    if mlflow_only:
+        from mlflow.tracking import MlflowClient
+
+        out.mkdir()
+        MlflowClient(f"sqlite:///{out / 'mlflow.db'}").search_experiments()
+    with make_sinks(["jsonl", "mlflow"], out, resume=True, health=None) as tracking:
+        for step in range(STORE_STEPS):
+            tracking.log({"x": float(step)}, step)
+
+
+def forked_starts() -> None:
+    """Run each start read from stdin (a JSON list of :func:`store_start`'s arguments) in a process
+    forked from this one, which imported MLflow once (seconds that each start would pay again), and
+    print ``ended <its exit code>``."""
+    import alembic.command  # noqa: F401
+    import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
+    import mlflow.tracking  # noqa: F401
+
+    for line in sys.stdin:
+        out, stop_at, mlflow_only = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                store_start(Path(out), stop_at, mlflow_only)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            os._exit(code)
+        print(f"ended {os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])}", flush=True)
+
+
+@pytest.fixture
+def start(tmp_path):
+    """``start(out, stop_at=None, mlflow_only=False) -> (exit code, output)``: a start of the driver
+    (:func:`store_start`, forked by :func:`forked_starts`), killed with SIGKILL when it stops."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    pipe = subprocess.PIPE
+    forker = subprocess.Popen(
+        [sys.executable, __file__],
+        cwd=tmp_path,
+        env=env,
+        stdin=pipe,
+        stdout=pipe,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+    def run(out: Path, stop_at: str | None = None, mlflow_only: bool = False) -> tuple[int, str]:
+        forker.stdin.write(json.dumps([str(out), stop_at, mlflow_only]) + "\n")
+        forker.stdin.flush()
+        output = []
+        for line in forker.stdout:
+            if line.startswith("stopped "):
+                os.kill(int(line.split()[1]), signal.SIGKILL)
+            elif line.startswith("ended "):
+                return int(line.split()[1]), "".join(output)
+            else:
+                output.append(line)
+        raise AssertionError(f"the process forking the starts ended:\n{''.join(output)}")
+
+    yield run
+    forker.stdin.close()
+    forker.wait(timeout=60)
+
+
+def test_driver_killed_while_mlflow_creates_its_store_resumes(tmp_path, start):
+    """MLflow alone is killed in a table of a migration of ``mlflow.db`` (issue 28's store, as drivers
+    left it before rlmetrics created stores whole); then each start of the driver is killed at the next
+    moment of :data:`STORE_KILLS`, and the last start logs every step once, in the one run of the
+    store, read back with MLflow's client; the killed starts leave no file behind."""
+    out = tmp_path / "run"
+    code, output = start(out, r"CREATE TABLE evaluation_datasets\b", mlflow_only=True)
+    assert code == -signal.SIGKILL, output
+    for stop_at, moment, in_place in STORE_KILLS:
+        code, output = start(out, stop_at)
+        assert code == -signal.SIGKILL, f"not killed at {moment}:\n{output}"
+        assert (out / "mlflow.db").exists() == in_place, moment  # a half-made store is never in place
+    code, output = start(out)
+    assert code == 0, output
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.run_id == json.loads((out / "run_ids.json").read_text())["mlflow"]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "x")] == list(range(STORE_STEPS))
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "mlflow.db", "run_ids.json"]
+
+
+@pytest.mark.parametrize("drop", [None, "latest_metrics"])
+def test_a_damaged_mlflow_store_holding_a_run_is_refused_with_one_line(tmp_path, drop):
+    """A kill after the last migration and before its version stamp (as an MLflow upgrade leaves it)
+    makes a store MLflow cannot open, also with a table missing (MLflow then runs the migration
+    again); it holds a run, so the sink leaves it as it is and raises one line naming it, without the
+    SQLAlchemy traceback."""
+    from alembic.script import ScriptDirectory
+    from mlflow.store import db_migrations
+
+    with make_sinks(["mlflow"], tmp_path / "made", health=None) as tracking:
+        tracking.log({"x": 1.0}, 0)
+    store = tmp_path / "run" / "mlflow.db"  # a path this process's MLflow never opened
+    store.parent.mkdir()
+    store.write_bytes((tmp_path / "made" / "mlflow.db").read_bytes())
+    with closing(sqlite3.connect(store)) as db, db:
+        (head,) = db.execute("SELECT version_num FROM alembic_version").fetchone()
+        before = ScriptDirectory(os.path.dirname(db_migrations.__file__)).get_revision(head).down_revision
+        db.execute("UPDATE alembic_version SET version_num = ?", (before,))
+        if drop:
+            db.execute(f"DROP TABLE {drop}")
+    damaged = store.read_bytes()
+    with pytest.raises(RuntimeError) as refused:
+        MLflowSink(f"sqlite:///{store}")
+    message = str(refused.value)
+    assert str(store) in message and "\n" not in message
+    assert refused.value.__suppress_context__ and refused.value.__cause__ is None
+    assert store.read_bytes() == damaged
+
+
 # ------------------------------------------------------------------------------ file sinks alone
 def test_jsonl_resume_skips_the_steps_in_the_file(tmp_path):
     path = tmp_path / "m.jsonl"
@@ -246,3 +394,7 @@ def test_alerts_written_before_a_crash_are_not_repeated_by_any_tracker(tmp_path)
     swanlab_files = sorted(out.glob(f"swanlab/run-*-{ids['swanlab']}/run-{ids['swanlab']}.swanlab"))
     assert [s for s, _ in swanlab_scalars(swanlab_files)["actor/grad_norm"]] == steps
     assert {k: [s for s, _ in v] for k, v in swanlab_texts(swanlab_files).items()} == {"alert/grad_norm": [3]}
+
+
+if __name__ == "__main__":
+    forked_starts()

@@ -16,13 +16,27 @@ A step of more than 1000 metrics is several batches: a crash between two keeps t
 and that step is not written again. A health alert is the metric ``alert/<rule> = 1`` at its step
 (one point per rule and step) and the tag ``alert/<rule>`` holding the rule's latest message. A
 resumed sink does not write again an alert its run holds.
+
+An SQLite store (``sqlite:///path``) survives a process killed at any moment of its creation. MLflow
+creates a store in some 70 migrations, and SQLite commits each new table before the migration's
+version stamp, so a kill in between leaves a store that every later start fails to open ("table ...
+already exists"). The sink has MLflow create a missing store under a temporary name
+(``path.<hex>.init``) and links it into place once finished; an existing store without any experiment
+(MLflow creates its Default experiment last: such a store is unfinished and holds no run) is replaced
+the same way. A store MLflow cannot open that holds experiments is left as it is, and the sink raises
+RuntimeError with one line naming the file and what to do.
 """
 
 from __future__ import annotations
 
 import os
+import sqlite3
 import time
+import uuid
 from collections.abc import Mapping
+from contextlib import closing
+from glob import escape
+from pathlib import Path
 
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
@@ -45,7 +59,13 @@ class MLflowSink(Sink):
         tracking = require("mlflow.tracking", "trackers")
         entities = require("mlflow.entities", "trackers")
         self._Metric, self._RunTag = entities.Metric, entities.RunTag
-        self.client = tracking.MlflowClient(tracking_uri)
+        uri = tracking_uri or tracking.get_tracking_uri()
+        store = _sqlite_path(uri)
+        if store is None:
+            self.client = tracking.MlflowClient(uri)
+        else:
+            _finish_store(tracking, uri, store)
+            self.client = _open_store(tracking, uri, store)
         self.names = NameMap("mlflow")
         if resume:
             run = self.client.get_run(resume)
@@ -92,3 +112,68 @@ class MLflowSink(Sink):
 
     def __repr__(self) -> str:
         return f"MLflowSink(run_id={self.run_id!r})"
+
+
+def _sqlite_path(uri: str) -> Path | None:
+    """The file of an SQLite ``uri`` (None: not a file store)."""
+    if not uri.startswith("sqlite"):
+        return None
+    from sqlalchemy.engine import make_url
+
+    database = make_url(uri).database
+    return Path(database) if database and database != ":memory:" else None
+
+
+def _finish_store(tracking, uri: str, path: Path) -> None:
+    """Make ``path`` a store MLflow finished creating: create it (or replace an unfinished one) under
+    a temporary name, then link it into place, which never replaces a store another process linked
+    first. A start killed here leaves only ``path.<hex>.init``, removed by the next creation."""
+    if path.exists():
+        if _holds_experiment(path):
+            return
+        Path(f"{path}-journal").unlink(missing_ok=True)  # first: SQLite would replay it on the new store
+        path.unlink()
+    from sqlalchemy.engine import make_url
+
+    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}.init")  # new: MLflow caches stores by URI
+    tmp_uri = make_url(uri).set(database=str(tmp)).render_as_string(hide_password=False)
+    tracking.MlflowClient(tmp_uri).search_experiments(max_results=1)  # MLflow creates its tables
+    try:
+        os.link(tmp, path)
+    except (FileExistsError, FileNotFoundError):  # another process linked its store first (and removed ours)
+        pass
+    for leftover in path.parent.glob(f"{escape(path.name)}.*.init*"):  # ours, and those of killed starts
+        leftover.unlink(missing_ok=True)
+
+
+def _holds_experiment(path: Path) -> bool:
+    """Whether the SQLite file ``path`` holds an MLflow experiment; RuntimeError if it is no database."""
+    try:
+        with closing(sqlite3.connect(path)) as db:
+            if not db.execute("SELECT 1 FROM sqlite_master WHERE name = 'experiments'").fetchone():
+                return False
+            return db.execute("SELECT 1 FROM experiments LIMIT 1").fetchone() is not None
+    except sqlite3.DatabaseError as exc:
+        raise RuntimeError(_refusal(path, exc)) from None
+
+
+def _open_store(tracking, uri: str, path: Path):
+    """A client of the store at ``path``, opened (and migrated if an older MLflow made it); RuntimeError
+    if MLflow cannot open it."""
+    from mlflow.exceptions import MlflowException
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        client = tracking.MlflowClient(uri)
+        client.search_experiments(max_results=1)
+    except (MlflowException, SQLAlchemyError) as exc:
+        raise RuntimeError(_refusal(path, getattr(exc, "orig", None) or exc)) from None
+    return client
+
+
+def _refusal(path: Path, reason: BaseException) -> str:
+    first = (str(reason).splitlines() or [repr(reason)])[0].split(". ")[0]  # MLflow's advice does not apply
+    return (
+        f"cannot open the MLflow store {path} ({first}); it is left as it is: restore it from a backup,"
+        " or move it away to start a new store"
+    )
