@@ -12,7 +12,8 @@ import pytest
 
 from rlmetrics import LocalMetricWorker, MetricClient
 from rlmetrics.aggregator import Aggregator
-from rlmetrics.packing import pack
+from rlmetrics.packing import Packed, pack
+from rlmetrics.server import Server
 
 
 def engine_counts(engine: Aggregator) -> tuple[int, int, int]:
@@ -108,3 +109,41 @@ def test_reading_a_step_ahead_finalizes_that_step_alone():
         engine.close("r", step)
         assert engine.finalize(step) == {"x": float(step)}
     assert engine.finalized_state() == (6, [])
+
+
+def test_a_sender_speaks_only_for_the_clients_relayed_to_it():
+    """Items keyed by other clients' submissions and closes on their behalf (a node's forward) are
+    refused from a sender no relay named for them, and merged once relayed."""
+    server = Server()
+    one = pack({"x/mean": 1.0})
+    item = (0, (("rank0", 0), ("rank1", 0)), 2, Packed(one.schema, one.stats, contributions=2))  # two merged
+    errors = server.merge("intruder", [item], [(0, ("rank0", "rank1"))])
+    assert len(errors) == 2 and all("does not speak for" in e for e in errors.values()), errors
+    assert server.engine.pending_steps() == [] or not server.engine.has_closed_data(0)
+    for rank in ("rank0", "rank1"):
+        assert server.relay("node", rank, "node-actor") is None
+    assert server.merge("node", [item], [(0, ("rank0", "rank1"))]) == {}
+    server.finalize_complete([0])
+    res = server.result(0)
+    assert res.meta.complete and res.meta.contributors == ["rank0", "rank1"] and dict(res) == {"x/mean": 1.0}
+    assert server.nodes_of(0) == []
+
+
+def test_a_new_session_ends_only_the_sessions_that_are_over():
+    """The first client of a new session ends the sessions ``session_ended`` reports over: their
+    clients are not waited for, their open contributions are dropped, their messages refused; a
+    session still running is left alone."""
+    over: set[str] = set()
+    server = Server(session_ended=lambda session: session in over)
+    assert server.merge("a", [(0, 0, 2, pack({"x/mean": 100.0}))], [0], session="old") == {}
+    assert server.register("b", "live") is None  # another run, still going: "old" is not over
+    over.add("old")  # the old run's driver is killed; its rank "a" had closed step 0 alone
+    assert server.register("c", "new") is None  # a restarted run's first client ends "old"
+    assert server.engine.clients == {"b", "c"}
+    assert "ended" in server.merge("a", [(1, 1, 2, pack({"x/mean": 7.0}))], [1], session="old")["a"]
+    for client, value, session in (("b", 1.0, "live"), ("c", 3.0, "new")):
+        assert server.merge(client, [(0, 0, 2, pack({"x/mean": value}))], [0], session=session) == {}
+    server.finalize_complete([0])
+    res = server.result(0)
+    assert res.meta.complete and res.meta.contributors == ["b", "c"], res.meta
+    assert dict(res) == {"x/mean": 2.0}  # rank a's 100.0 is gone

@@ -217,6 +217,8 @@ class Server:
 
     def nodes_of(self, step: int) -> list[str]:
         """The addresses of the nodes that speak for a rank ``step`` misses (a deadline drains them)."""
+        if self.engine.is_finalized(step):
+            return []
         missing, _ = self.engine.missing(step)
         return sorted(
             {self.nodes[self.via[c]] for c in missing if c in self.via and self.via[c] in self.nodes}
