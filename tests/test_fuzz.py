@@ -288,7 +288,7 @@ def submit_all(sc, clients, base):
                 else:
                     client.submit_metric(call, step=base + s)
             if sc["dup"] and client._buffer:  # a retried delivery: (client, step, seq) merges once
-                client.transport.send(client.client_id, [client._buffer[-1]], [])
+                client.transport.send(client.credential, [client._buffer[-1]], [])
             client.close_step(base + s)
 
 
@@ -491,7 +491,7 @@ def ray_run(ray_worker, sc, check=check_value):
         check_results(sc, reader, base, check)
         late_submission_is_dropped(sc, clients, reader, base)
     finally:
-        ray.get([worker.depart.remote(c.client_id) for c in clients])
+        ray.get([worker.depart.remote(c.credential) for c in clients])
     assert ray.get(worker.ping.remote()) == incarnation  # it never died (a restart gets a new id)
 
 

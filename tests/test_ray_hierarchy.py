@@ -160,13 +160,13 @@ def test_a_rank_dead_below_a_node_is_named_at_the_readers_deadline_as_in_the_fla
     cluster, hierarchy, read
 ):
     """Three ranks on one node, rank 2 dies before it closes step 2. The driver's read of step 2
-    ends at its deadline (``finalize=True``), or the step's own deadline ends it (``final_timeout``):
+    ends at its deadline (``finalize=True``), or the step's own deadline ends it (``step_timeout``):
     in both layouts step 2 is final and exact over ranks 0-1, ``missing_ranks`` names rank 2 (the node
     forwarded what it held when the root's deadline came), and after ``set_world_size(2)`` steps 3-4
     are complete. Before, the node waited its own 30 s while the root finalized without its forward:
     the step came back empty, missing ``node:...``."""
     name = f"d-{uuid.uuid4().hex[:8]}"
-    opts = {"final_timeout": 3.0} if read == "step deadline" else {}
+    opts = {"step_timeout": 3.0} if read == "step deadline" else {}
     rlmetrics.get_metric_worker(name=name, hierarchy=hierarchy, **opts)
     on_node0 = NodeAffinitySchedulingStrategy(cluster[0], soft=False)
     ranks = [Rank.options(scheduling_strategy=on_node0).remote(r, name, hierarchy) for r in range(3)]
@@ -190,4 +190,33 @@ def test_a_rank_dead_below_a_node_is_named_at_the_readers_deadline_as_in_the_fla
         assert res.meta.complete and res.meta.contributors == sorted(ids[:2]), res.meta
         assert res["x/mean"] == pytest.approx(allv.mean(), rel=1e-12) and res["n/total"] == 2
     for a in ranks[:2]:
+        ray.kill(a)
+
+
+def test_a_node_sub_aggregator_killed_mid_run_loses_nothing_and_counts_no_resend_late(cluster):
+    """The node sub-aggregator of three ranks is killed (Ray restarts it) between two steps and in the
+    middle of one: its ranks resend what they keep, the restarted node forwards those resends keyed
+    by each rank, and every step equals numpy, complete, with ``meta.late`` 0 (the resends had been
+    counted late)."""
+    name = f"r-{uuid.uuid4().hex[:8]}"
+    rlmetrics.get_metric_worker(name=name, hierarchy="node", recovery_timeout=20)
+    on_node0 = NodeAffinitySchedulingStrategy(cluster[0], soft=False)
+    ranks = [Rank.options(scheduling_strategy=on_node0).remote(r, name, "node") for r in range(3)]
+    ray.get([a.set_world_size.remote(3) for a in ranks])
+    node = rlmetrics.backends.ray.node_worker(name, None, cluster[0])
+    reader = rlmetrics.connect("ray", name=name)
+    for s in range(6):
+        if s == 2:
+            ray.kill(node, no_restart=False)
+        if s == 4:
+            ray.get([a.step.remote(s) for a in ranks[:2]])
+            ray.kill(node, no_restart=False)
+            ray.get(ranks[2].step.remote(s))
+        else:
+            ray.get([a.step.remote(s) for a in ranks])
+        res = reader.result(s, timeout=60, finalize=True)
+        allv = np.concatenate([rank_data(r, s) for r in range(3)])
+        assert res.meta.complete and res.meta.late == 0, (s, res.meta)
+        assert res["x/mean"] == pytest.approx(allv.mean(), rel=1e-12) and res["n/total"] == 3
+    for a in ranks:
         ray.kill(a)

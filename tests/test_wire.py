@@ -403,7 +403,7 @@ MALFORMED = {  # a message decode refuses whole (it raised AttributeError, Value
     "a version array": (lambda parts: parts.__setitem__(0, np.array([3, 3])), "wire version"),
     "closes not ints": (
         lambda parts: parts.__setitem__(2, ["x"]),
-        "closed steps must be a list of non-negative ints",
+        "a closed step must be a non-negative int",
     ),
     "closes not a list": (lambda parts: parts.__setitem__(2, None), "closed steps must be a list"),
     "an unhashable seq": (item_field(1, [0]), "malformed item: TypeError: unhashable type"),
@@ -681,3 +681,18 @@ def test_no_message_loses_the_honest_step_raises_but_a_refusal_or_allocates_beyo
         assert send(server, table, "good", honest) == {}
     assert send(server, table, "good", encode([], [STEP], send_names=False)) == {}
     check_honest_step(server.result(STEP))
+
+
+def test_a_nodes_closes_on_behalf_of_its_ranks_travel_as_sent():
+    """A node sub-aggregator closes a step for the ranks it speaks for: ``(step, client ids)``."""
+    p = pack({"a/mean": 1.0})
+    msg = encode([(4, (("rank0", 0), ("rank1", 0)), 2, p)], [(4, ("rank0", "rank1")), 5], send_names=True)
+    items, close, unknown = decode(msg, SchemaTable())
+    assert (
+        close == [(4, ("rank0", "rank1")), 5]
+        and unknown == []
+        and items[0][1] == (("rank0", 0), ("rank1", 0))
+    )
+    for bad in [(4, ("rank0", 7)), (-1, ("rank0",)), ("4", ())]:
+        with pytest.raises(SubmissionError):
+            decode(encode([], [bad], True), SchemaTable())

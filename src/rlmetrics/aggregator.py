@@ -194,6 +194,8 @@ class Aggregator:
             if count_late:
                 self.late += 1
                 logger.warning("step %d is finalized; dropped a late contribution of %s", step, keys[0][0])
+            else:
+                logger.info("step %d is finalized; dropped a resent contribution of %s", step, keys[0][0])
             return False
         known = self.columns.of(packed.schema, step)
         st = self._step(step)
@@ -241,7 +243,9 @@ class Aggregator:
     def discard(self, clients: set[str]) -> list[int]:
         """Forget ``clients`` (the ranks of a run that ended): no step waits for them, and the
         pending steps only they contributed to start afresh; the steps changed. A step they share
-        with other clients keeps its data (contributions are merged as they arrive) and is listed."""
+        with other clients keeps its data (contributions are merged as they arrive): it is listed,
+        and its ``meta.refused`` says so. ``newest_closed`` is then the newest step a remaining
+        client closed (else the newest final one)."""
         self.clients.difference_update(clients)
         changed = []
         for step, st in self._steps.items():
@@ -250,13 +254,18 @@ class Aggregator:
             changed.append(step)
             if st.contributors and st.contributors <= clients:
                 self._steps[step] = Step(closed=st.closed - clients)
-            else:
-                st.closed.difference_update(clients)
-                if st.contributors & clients:
-                    logger.warning(
-                        "step %d holds data of ended clients %s and of %s: it is kept whole",
-                        step, sorted(st.contributors & clients)[:5], sorted(st.contributors - clients)[:5],
-                    )  # fmt: skip
+                continue
+            st.closed.difference_update(clients)
+            mixed = sorted(st.contributors & clients)
+            if mixed:
+                st.refused["ended run"] = (
+                    f"holds data of {len(mixed)} client(s) of a run that ended ({mixed[0]}, ...), merged "
+                    "before the run was known to be over"
+                )
+                logger.warning("step %d holds data of ended clients %s: it is kept whole", step, mixed[:5])
+        if changed:
+            closed = [s for s, st in self._steps.items() if st.closed]
+            self.newest_closed = max(closed, default=self._newest_final if self._newest_final >= 0 else None)
         return changed
 
     def note_closed(self, step: int) -> None:

@@ -128,7 +128,9 @@ def identity(who: str) -> tuple[str, str | None]:
     hashed = _HASHED.search(client_id)
     if hashed is not None and _digest(secret) != hashed.group(1):
         raise SubmissionError(
-            f"client id {client_id}: its key does not match (a message under another client's id is refused)"
+            f"client id {client_id}: its key does not match (a message under another client's id is refused; "
+            "an id ending in ':<16 hex>' belongs to the client that made it: give yours a label=, or a "
+            "fixed client_id= of another form)"
         )
     return client_id, session or None
 
@@ -188,10 +190,11 @@ class ClientCore:
         self._inflight: list[Any] = []  # posted sends whose replies are not handled yet
         self._schemas: dict = {}
         self._nan_warned: set[str] = set()
+        self._provisional_warned = False
         self.finalized_state: tuple[int, list[int]] = (0, [])  # as the aggregator last reported it
         self._lock = threading.RLock()  # a watcher thread may resend while the owner submits
 
-    def submit_packed(self, packed: Packed, world_size: int, step: int, seq: int | None = None) -> None:
+    def submit_packed(self, packed: Packed, world_size: int, step: int, seq: Any = None) -> None:
         """Queue an already summarized contribution (a node aggregator forwarding merged data;
         ``seq`` fixed so that a re-forward after a restart is merged once)."""
         with self._lock:
@@ -340,6 +343,20 @@ class ClientCore:
                 return
             raise ConnectionError(f"aggregator restarted {self.max_restarts_per_call} times during a resend")
 
+    def resend(self, items: list[Submission]) -> None:
+        """Send ``items`` now as resends (another aggregator may have merged them: a node forwards
+        its ranks' resends after its own restart; a finalized step does not count them late), and
+        keep them as this client's."""
+        with self._lock:
+            for item in items:
+                self._kept.setdefault(item[0], []).append(item)
+            try:
+                reply = self.transport.send(self.credential, items, [], resync=True)
+            except AggregatorRestarted:
+                self.resync()  # what was just kept goes with it
+                return
+            self._handle(reply)
+
     def _handle(self, reply: dict) -> None:
         incarnation = reply.incarnation
         if self._incarnation is not None and incarnation != self._incarnation:
@@ -402,8 +419,10 @@ class ClientCore:
         (``meta.provisional``: the step stays open, for the rest of its data and for other readers)
         unless ``finalize=True``, which makes it the step's final, partial result (a RuntimeWarning
         says so) and stops waiting for the missing ranks. The reader that logs the run passes
-        ``finalize=True``; a dashboard does not. A step nobody finalizes is final
-        ``final_timeout`` seconds after a rank first closed it (default 60)."""
+        ``finalize=True``; a dashboard does not. A step nobody finalizes stays open until it is
+        complete, ``max_pending`` newer steps are pending, or (an aggregator option)
+        ``step_timeout`` seconds after a rank first closed it. The first provisional result a
+        client gets warns once."""
         self.flush()
         return self._checked(self._retrying(lambda: self.transport.result(step, timeout, finalize)))
 
@@ -426,7 +445,15 @@ class ClientCore:
                 stacklevel=3,
             )
         elif meta.provisional:
-            pass  # the reader asked for a bounded look, not for the step's end
+            if not self._provisional_warned:  # once: a dashboard reads provisional results all along
+                self._provisional_warned = True
+                warnings.warn(
+                    f"rlmetrics: step {res.step} is provisional (the read's timeout passed, missing ranks "
+                    f"{meta.missing_ranks[:5]}): it stays open; the reader that logs the run passes "
+                    "result(step, timeout, finalize=True) to end a step at its deadline (warned once)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
         elif not meta.complete:
             missing = meta.missing_metrics
             warnings.warn(

@@ -6,10 +6,9 @@ and when a read may return. Backends add only locking and waiting (a thread cond
   the steps in flight, not the steps nobody reads.
 - ``result(step)`` may return once the step is complete or finalized; at the reader's deadline it
   gives the step as it stands, *provisional* (``meta.provisional``: the step stays open), unless
-  the reader asks to finalize it (``finalize=True``: the logging reader). A step also has a deadline
-  of its own: ``final_timeout`` seconds after a client first closed it, it is finalized as it
-  stands (:meth:`Server.due_steps`), so a dead rank never keeps steps open for readers that only
-  look.
+  the reader asks to finalize it (``finalize=True``: the logging reader). With ``step_timeout``, a
+  step also has a deadline of its own: that many seconds after a client first closed it, it is
+  finalized as it stands (:meth:`Server.due_steps`), read or not.
 - A step finalized here says how whole it is: ``meta.contributions`` is ``[received, expected]``
   contributions summed over its names, ``meta.late`` counts the contributions that arrived for
   steps already final since the previous step was finalized (they were dropped).
@@ -48,6 +47,7 @@ from typing import Any
 from rlmetrics.aggregator import Aggregator
 from rlmetrics.messages import Reply, StepResult, SubmissionError
 from rlmetrics.packing import Packed, pack
+from rlmetrics.wire import close_entry
 
 Submission = tuple[int, Any, int, Packed]  # (step, seq or (client_id, seq) keys, world_size, packed)
 Close = Any  # a step closed by the sender, or (step, client ids): closed on behalf of those (a node)
@@ -61,8 +61,9 @@ partial (with ``meta`` naming what is missing, and a warning)."""
 class Server:
     """The engine and the rules of every call on it (see the module docstring).
 
-    ``final_timeout``: default deadline of :meth:`final` reads, and every step's own deadline after
-    its first close; ``incarnation``: this server's id (a restarted Ray actor gets a new one);
+    ``final_timeout``: default deadline of :meth:`final` reads; ``step_timeout``: every step's own
+    deadline after its first close (None: none); ``incarnation``: this server's id (a restarted Ray
+    actor gets a new one);
     ``auto_finalize=False`` keeps complete steps pending and gives steps no deadline (a node
     sub-aggregator forwards them, the root decides); ``session_ended(session)``: whether a session
     is over (None: sessions are not tracked); the rest goes to
@@ -74,6 +75,7 @@ class Server:
         self,
         *,
         final_timeout: float = FINAL_TIMEOUT,
+        step_timeout: float | None = None,
         incarnation: str | None = None,
         auto_finalize: bool = True,
         session_ended: Callable[[str], bool] | None = None,
@@ -81,6 +83,11 @@ class Server:
     ) -> None:
         self.engine = Aggregator(**engine_options)
         self.final_timeout = final_timeout
+        if step_timeout is not None and not step_timeout > 0:
+            raise ValueError(
+                f"step_timeout must be a positive number of seconds or None, got {step_timeout!r}"
+            )
+        self.step_timeout = step_timeout
         self.incarnation = incarnation or uuid.uuid4().hex
         self.auto_finalize = auto_finalize
         self.session_ended = session_ended
@@ -91,6 +98,7 @@ class Server:
         self.via: dict[str, str] = {}  # rank -> the node client that speaks for it
         self.nodes: dict[str, str] = {}  # node client -> its address (the backend's, e.g. an actor name)
         self._seen_sessions: set[str] = set()
+        self.changes = 0  # counts changes of sessions and relays (what a saved state must follow)
         self._closed_at: dict[int, float] = {}  # pending steps: when a client first closed them
         self._direct = itertools.count()
         self._late = 0  # the engine's late count when the previous step was finalized
@@ -117,7 +125,8 @@ class Server:
         self.via = dict(state.get("via", {}))
         self.nodes = dict(state.get("nodes", {}))
         self._seen_sessions = set(self.sessions.values()) | self.ended
-        self.awaiting = {c for c in state["clients"] if c not in self.via}
+        # a node resends for the ranks it speaks for (it resyncs under its own id)
+        self.awaiting = {c for c in state["clients"] if c not in self.via} | set(self.via.values())
         self.recovery_deadline = time.monotonic() + recovery_timeout
 
     def recovering(self) -> bool:
@@ -167,7 +176,9 @@ class Server:
 
     def join(self, client_id: str, session: str | None) -> str | None:
         """Note the session of ``client_id``; None, or why its message is refused (its session
-        ended). The first client of a new session ends the sessions found over (module docstring)."""
+        ended). A client not seen before ends the other sessions found over (module docstring): the
+        first client of a restarted run, and each after it (Ray may record the killed run's end a
+        moment later)."""
         if session is None or self.session_ended is None:
             return None
         if session in self.ended:
@@ -175,10 +186,12 @@ class Server:
                 f"client {client_id} belongs to run {session}, which ended: a restarted run's clients "
                 "are new clients (this one's data is not merged)"
             )
-        if session not in self._seen_sessions:
-            self._seen_sessions.add(session)
+        if client_id not in self.sessions:
+            self.sessions[client_id] = session
+            self.changes += 1
+            if session not in self._seen_sessions:
+                self._seen_sessions.add(session)
             self._end_sessions(session)
-        self.sessions.setdefault(client_id, session)
         return None
 
     def _end_sessions(self, new: str) -> None:
@@ -186,18 +199,22 @@ class Server:
             if not self.session_ended(old):
                 continue
             self.ended.add(old)
+            self.changes += 1
             gone = {c for c, s in self.sessions.items() if s == old}
             for c in gone:
                 del self.sessions[c]
                 self.via.pop(c, None)
             self.awaiting.difference_update(gone)
             changed = self.engine.discard(gone)
+            for step in changed:  # a step that lost its closes has no deadline of the ended run's
+                if not self.engine.closers(step):
+                    self._closed_at.pop(step, None)
             logger.warning(
                 "run %s ended (run %s started): %d of its clients are no longer waited for, their open "
                 "contributions to steps %s are dropped",
                 old, new, len(gone), changed[:10],
             )  # fmt: skip
-        self.finalize_complete(self.engine.pending_steps())
+            self.finalize_complete(self.engine.pending_steps())
 
     def relay(self, node: str, client_id: str, address: str, session: str | None = None) -> str | None:
         """``node`` (a node sub-aggregator at ``address``) speaks for ``client_id`` from now on, which
@@ -205,8 +222,10 @@ class Server:
         refused = self.join(client_id, session)
         if refused:
             return refused
-        self.via[client_id] = node
-        self.nodes[node] = address
+        if self.via.get(client_id) != node or self.nodes.get(node) != address:
+            self.via[client_id] = node
+            self.nodes[node] = address
+            self.changes += 1
         self.engine.register(client_id)
         return None
 
@@ -256,22 +275,22 @@ class Server:
 
     # ------------------------------------------------------------------------------ deadlines
     def due_steps(self, now: float | None = None) -> list[int]:
-        """Pending steps whose own deadline (``final_timeout`` after their first close) passed."""
-        if not self.auto_finalize or self.recovering():
+        """Pending steps whose own deadline (``step_timeout`` after their first close) passed."""
+        if self.step_timeout is None or not self.auto_finalize or self.recovering():
             return []
         now = time.monotonic() if now is None else now
         engine = self.engine
         for step in [s for s in self._closed_at if engine.is_finalized(s)]:
             del self._closed_at[step]
-        return sorted(s for s, t in self._closed_at.items() if t + self.final_timeout <= now)
+        return sorted(s for s, t in self._closed_at.items() if t + self.step_timeout <= now)
 
     def next_due(self) -> float | None:
         """When the next step's own deadline passes (``time.monotonic()``), None without one."""
-        if not self.auto_finalize or not self._closed_at:
+        if self.step_timeout is None or not self.auto_finalize or not self._closed_at:
             return None
         if self.recovering():
             return self.recovery_deadline
-        return min(self._closed_at.values()) + self.final_timeout
+        return min(self._closed_at.values()) + self.step_timeout
 
     # ---------------------------------------------------------------------------------- reads
     def result_ready(self, step: int) -> bool:
@@ -350,7 +369,11 @@ def merge_items(
     for step, seq, world_size, packed in items:
         try:
             if isinstance(seq, tuple):
-                _check_behalf(client_id, [key[0] for key in seq], speaks)
+                others = _not_spoken_for(client_id, [key_client(key) for key in seq], speaks)
+                if others:
+                    raise SubmissionError(
+                        f"{client_id} does not speak for {others[:3]} (no node relayed them)"
+                    )
                 engine.submit_merged(seq, step, world_size, packed, count_late=count_late)
             else:
                 engine.submit(client_id, step, seq, world_size, packed, count_late=count_late)
@@ -358,36 +381,34 @@ def merge_items(
             errors[f"{client_id}/{step}/{_seq_text(seq)}"] = f"step {step}: {exc}"
     for entry in close:
         try:
-            step, closers = _close_entry(entry)
-            if closers is not None:
-                _check_behalf(client_id, closers, speaks)
+            entry = close_entry(entry)
         except SubmissionError as exc:
             errors[f"{client_id}/close/{entry!r:.40}"] = str(exc)
             continue
-        for closer in (client_id,) if closers is None else closers:
-            engine.close(closer, step)
-        if closed is not None:
+        step, closers = entry if isinstance(entry, tuple) else (entry, (client_id,))
+        others = _not_spoken_for(client_id, closers, speaks)
+        if others:  # the others close: each close is one client's
+            errors[f"{client_id}/{step}/close"] = f"step {step}: {client_id} does not close for {others[:3]}"
+        for closer in closers:
+            if closer not in others:
+                engine.close(closer, step)
+        if closed is not None and len(others) < len(closers):
             closed.add(step)
     return errors
 
 
-def _close_entry(entry: Any) -> tuple[int, tuple[str, ...] | None]:
-    """``(step, None)`` for a step the sender closes, ``(step, client ids)`` for one closed on
-    their behalf; SubmissionError for anything else."""
-    closers = None
-    if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], tuple):
-        entry, closers = entry
-        if not all(isinstance(c, str) for c in closers):
-            raise SubmissionError("a close on behalf of clients names them by their str ids")
-    if type(entry) is not int or entry < 0:
-        raise SubmissionError(f"a closed step must be a non-negative int, got {entry!r:.40}")
-    return entry, closers
+def key_client(key: Any) -> str:
+    """The client of a ``(client_id, seq)`` key of a merged item."""
+    if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str) and type(key[1]) is int):
+        raise SubmissionError(f"a merged item's keys are (client_id, seq) pairs, got {key!r:.60}")
+    return key[0]
 
 
-def _check_behalf(sender: str, clients: Iterable[str], speaks: Callable[[str, str], bool] | None) -> None:
-    others = [c for c in clients if c != sender and (speaks is None or not speaks(sender, c))]
-    if others:
-        raise SubmissionError(f"{sender} does not speak for {others[:3]} (no node relayed them)")
+def _not_spoken_for(
+    sender: str, clients: Iterable[str], speaks: Callable[[str, str], bool] | None
+) -> list[str]:
+    """The ``clients`` other than ``sender`` it does not speak for."""
+    return [c for c in clients if c != sender and (speaks is None or not speaks(sender, c))]
 
 
 def _seq_text(seq: Any) -> str:
@@ -406,7 +427,8 @@ def steps_of(items: list[Submission], close: list[Close]) -> set[int]:
     steps = {item[0] for item in items if type(item[0]) is int}
     for entry in close:
         try:
-            steps.add(_close_entry(entry)[0])
+            entry = close_entry(entry)
+            steps.add(entry[0] if isinstance(entry, tuple) else entry)
         except SubmissionError:
             pass
     return steps

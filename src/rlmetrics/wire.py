@@ -55,10 +55,12 @@ from rlmetrics.stat import invalid_column
 from rlmetrics.states import BUILT_IN, State, column_kind, decode_state, encode_state
 
 VERSION = 3
-Item = tuple[int, int, int, Packed]  # (step, seq, world_size, packed)
+Item = tuple[
+    int, Any, int, Packed
+]  # (step, seq or a merged item's (client_id, seq) keys, world_size, packed)
 
 
-def encode(items: list[Item], close: list[int], send_names: Any, resync: bool = False) -> tuple:
+def encode(items: list[Item], close: list, send_names: Any, resync: bool = False) -> tuple:
     """A message for ``items`` and step closings.
 
     ``send_names``: True / False, or a predicate ``f(schema_id) -> bool`` saying which schemas'
@@ -153,8 +155,9 @@ def decode(msg: tuple, table: SchemaTable) -> tuple[list[Item], list[int], list[
         raise SubmissionError(f"wire version {version!r:.40}, expected {VERSION}")
     if not isinstance(schemas, dict):
         raise SubmissionError(f"schemas must be a dict, got {type(schemas).__name__}")
-    if not (isinstance(close, list) and all(isinstance(s, numbers.Integral) and s >= 0 for s in close)):
-        raise SubmissionError(f"closed steps must be a list of non-negative ints, got {close!r:.80}")
+    if not isinstance(close, list):
+        raise SubmissionError(f"closed steps must be a list, got {type(close).__name__}")
+    close = [close_entry(entry) for entry in close]
     for sid, entry in schemas.items():
         table.learn(sid, entry)
     items: list[Item] = []
@@ -181,7 +184,24 @@ def decode(msg: tuple, table: SchemaTable) -> tuple[list[Item], list[int], list[
         raise
     except Exception as exc:  # whatever a hostile item makes fail, it is a malformed one
         raise SubmissionError(f"malformed item: {type(exc).__name__}: {exc}") from None
-    return items, [int(s) for s in close], unknown
+    return items, close, unknown
+
+
+def close_entry(entry: Any) -> int | tuple[int, tuple[str, ...]]:
+    """A message's close: a step the sender closes, or ``(step, client ids)`` closed on their
+    behalf (a node sub-aggregator's forward); SubmissionError for anything else.
+
+    >>> close_entry(3), close_entry((3, ("rank0", "rank1")))
+    (3, (3, ('rank0', 'rank1')))
+    """
+    closers = None
+    if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], tuple):
+        entry, closers = entry
+        if not all(isinstance(c, str) for c in closers):
+            raise SubmissionError(f"a close on behalf of clients names them by str ids, got {closers!r:.80}")
+    if not isinstance(entry, numbers.Integral) or isinstance(entry, bool) or entry < 0:
+        raise SubmissionError(f"a closed step must be a non-negative int, got {entry!r:.40}")
+    return int(entry) if closers is None else (int(entry), closers)
 
 
 def check_contribution(packed: Packed, at: np.ndarray, held: Mapping[int, State]) -> dict[int, State]:

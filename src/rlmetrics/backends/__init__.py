@@ -66,9 +66,9 @@ def connect(backend: str = "local", *, world_size: int | None = None, name: str 
     registers at once: no step completes before it closed it. Client options: ``nan_strategy``,
     ``label``, ``rank`` (the order of its validation samples; torch: the group rank), ``blocking``,
     ``naming`` (a naming profile, e.g. :data:`rlmetrics.integrations.verl.NAMING`: its ``renames``
-    are the aggregator's default); aggregator options on first use: ``final_timeout``, ``renames``,
-    ``keep_results``, ``forget_after``, ``max_pending`` (and for Ray ``namespace``, ``num_cpus``,
-    ``recovery_timeout``).
+    are the aggregator's default); aggregator options on first use: ``final_timeout``,
+    ``step_timeout``, ``renames``, ``keep_results``, ``forget_after``, ``max_pending`` (and for Ray
+    ``namespace``, ``num_cpus``, ``recovery_timeout``).
 
     >>> client = connect("local", world_size=1, name="connect-doc")
     >>> client.submit_metric({"timing_s/gen": 0.5})

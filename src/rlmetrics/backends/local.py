@@ -32,8 +32,8 @@ _WORKERS_LOCK = threading.Lock()
 class LocalMetricWorker(SyncTransport):
     """The seed's ``MetricWorker`` in-process and thread-safe; blocking methods instead of ``.remote``.
 
-    Keyword options go to :class:`~rlmetrics.server.Server` (``final_timeout``, ``renames``,
-    ``keep_results``, ``forget_after``, ``max_pending``).
+    Keyword options go to :class:`~rlmetrics.server.Server` (``final_timeout``, ``step_timeout``,
+    ``renames``, ``keep_results``, ``forget_after``, ``max_pending``).
     """
 
     def __init__(self, **options: Any) -> None:
@@ -71,8 +71,8 @@ class LocalMetricWorker(SyncTransport):
         except SubmissionError as exc:
             return Reply({str(who)[:80]: str(exc)}, self.server.incarnation)
         with self._cond:
+            self._finalize_due()  # first: data after its step's deadline is late, as on Ray
             reply = self.server.receive(client_id, items, close, resync, session)
-            self._finalize_due()
             self._cond.notify_all()
         return reply
 

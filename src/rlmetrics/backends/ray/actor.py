@@ -12,8 +12,8 @@
   what it keeps; each client learns of the restart from a failed call, from the new incarnation id
   in a reply, or from its watcher (:mod:`~rlmetrics.backends.ray.transport`).
 - Deadlines: a step is finalized as it stands at the deadline of a reader that finalizes
-  (``result(step, timeout, finalize=True)``, ``wait_final_res``) or at its own deadline
-  (``final_timeout`` after its first close); first, the node sub-aggregators that speak for a rank
+  (``result(step, timeout, finalize=True)``, ``wait_final_res``) or, with ``step_timeout``, at its
+  own deadline (that long after its first close); first, the node sub-aggregators that speak for a rank
   the step misses forward what they hold of it (:mod:`~rlmetrics.backends.ray.node`).
 """
 
@@ -35,7 +35,7 @@ from rlmetrics.backends.ray import compat
 from rlmetrics.backends.ray.compat import ray
 from rlmetrics.client import identity
 from rlmetrics.messages import PartlyMergedError, Reply, StepResult, SubmissionError
-from rlmetrics.server import Server, steps_of
+from rlmetrics.server import Server, key_client, steps_of
 from rlmetrics.wire import SchemaTable, decode
 
 DEFAULT_NAME = "rlmetrics"
@@ -51,8 +51,8 @@ class _MetricWorker:
 
     Options: ``recovery_timeout`` (seconds a restarted incarnation waits for clients to resend),
     ``secret`` (the key that signs the saved state; :data:`MetricWorker` gives every new actor one);
-    the rest goes to the Server (``final_timeout``, ``renames``, ``keep_results``, ``forget_after``,
-    ``max_pending``).
+    the rest goes to the Server (``final_timeout``, ``step_timeout``, ``renames``, ``keep_results``,
+    ``forget_after``, ``max_pending``).
     """
 
     _auto_finalize = True
@@ -103,9 +103,7 @@ class _MetricWorker:
             len(finalized),
             engine.newest_closed,
             tuple(step for step, _ in engine.newest_results(1)),
-            len(server.sessions),
-            len(server.ended),
-            len(server.via),
+            server.changes,
         )
 
     def _changed_state(self) -> None:
@@ -189,7 +187,7 @@ class _MetricWorker:
                 pass
 
     async def _end_due_steps(self) -> None:
-        """Finalize every step whose own deadline passes (``final_timeout`` after its first close).
+        """Finalize every step whose own deadline passes (``step_timeout`` after its first close).
         A step closed later has a later deadline, so this sleeps until the earliest one, and waits
         for a change only while no step has one."""
         while True:
@@ -198,23 +196,28 @@ class _MetricWorker:
                 await self._changed.wait()
                 continue
             await asyncio.sleep(max(0.0, due - time.monotonic()))
-            steps = self.server.due_steps()
-            for step in steps:
-                await self._drain(step)
-                self.server.finalize(step)
-            if steps:
-                self._changed_state()
+            try:
+                steps = self.server.due_steps()
+                for step in steps:
+                    await self._drain(step)
+                    self.server.finalize(step)
+                if steps:
+                    self._changed_state()
+            except Exception:  # noqa: BLE001 - the next deadline is still kept
+                logger.exception("finalizing the steps whose deadline passed failed")
 
     async def _drain(self, step: int) -> None:
         """Before ``step`` is finalized at a deadline: the node sub-aggregators that speak for a rank
         it misses forward what they hold of it (each at most ``DRAIN_TIMEOUT`` seconds)."""
-        for address in self.server.nodes_of(step):
-            try:
-                node = self._nodes.get(address) or ray.get_actor(address, namespace=self._namespace)
-                self._nodes[address] = node
-                await asyncio.wait_for(compat.remote(node.drain, step), DRAIN_TIMEOUT)
-            except Exception as exc:  # noqa: BLE001 - a node gone: the ranks it spoke for are missing
-                logger.warning("node sub-aggregator %s did not forward step %d: %r", address, step, exc)
+        await asyncio.gather(*(self._drain_node(address, step) for address in self.server.nodes_of(step)))
+
+    async def _drain_node(self, address: str, step: int) -> None:
+        try:
+            node = self._nodes.get(address) or ray.get_actor(address, namespace=self._namespace)
+            self._nodes[address] = node
+            await asyncio.wait_for(compat.remote(node.drain, step), DRAIN_TIMEOUT)
+        except Exception as exc:  # noqa: BLE001 - a node gone: the ranks it spoke for are missing
+            logger.warning("node sub-aggregator %s did not forward step %d: %r", address, step, exc)
 
     def _who(self, who: str) -> tuple[str, str | None] | str:
         """``(client_id, session)`` of a credential, or why it is refused."""
@@ -222,6 +225,12 @@ class _MetricWorker:
             return identity(who)
         except SubmissionError as exc:
             return str(exc)
+
+    def _joined(self, who: str) -> tuple[str, str | None] | str:
+        """:meth:`_who`, its session noted (:meth:`~rlmetrics.server.Server.join`): why a client of
+        an ended run is refused, before its pre-merged items could merge."""
+        client = self._who(who)
+        return client if isinstance(client, str) else self.server.join(*client) or client
 
     # ------------------------------------------------------------------ the seed's worker API
     async def start(self) -> None:
@@ -280,7 +289,7 @@ class _MetricWorker:
         """
         self.calls["send_many"] += 1
         self.calls["messages"] += len(batch)
-        clients = [self._who(who) for who, _ in batch]
+        clients = [self._joined(who) for who, _ in batch]
         decoded = [
             self._decode(c[0], msg) if isinstance(c, tuple) else {str(who)[:80]: c}
             for (who, msg), c in zip(batch, clients)
@@ -334,9 +343,7 @@ class _MetricWorker:
         members = set(clients)
         for step, keys, world_size, packed in items:
             try:
-                if not (
-                    isinstance(keys, tuple) and keys and all(_is_key(k) and k[0] in members for k in keys)
-                ):
+                if not _keys_of(keys, members):
                     for client_id in clients:
                         errors.setdefault(client_id, {})["merged"] = (
                             "a merged item needs (client_id, seq) keys of the batch's clients"
@@ -421,9 +428,24 @@ class _MetricWorker:
         return {"calls": dict(self.calls), **self.server.stats(), "refused_state": self.refused_state}
 
 
-def _is_key(key: Any) -> bool:
-    return isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str) and type(key[1]) is int
+def _keys_of(keys: Any, clients: set[str]) -> bool:
+    """``keys`` are ``(client_id, seq)`` pairs of ``clients``."""
+    try:
+        return isinstance(keys, tuple) and bool(keys) and {key_client(k) for k in keys} <= clients
+    except SubmissionError:
+        return False
 
+
+OPTIONS = (
+    "recovery_timeout",
+    "final_timeout",
+    "step_timeout",
+    "renames",
+    "keep_results",
+    "forget_after",
+    "max_pending",
+)
+"""What an aggregator actor is made with (:class:`_MetricWorker` and :class:`~rlmetrics.server.Server`)."""
 
 ACTOR_OPTIONS = {"num_cpus": 0, "max_restarts": -1, "max_concurrency": 100_000}
 """How aggregator actors are made: no training slot, restarted whenever they die, every waiting call
@@ -480,6 +502,11 @@ def get_metric_worker(
     :func:`node_worker`).
     """
     actor_opts = {k: options.pop(k) for k in ("lifetime",) if k in options}
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"get_metric_worker: unknown option(s) {unknown}; the aggregator's options: {OPTIONS}"
+        )
     root = MetricWorker.options(
         name=name, namespace=namespace, get_if_exists=True, num_cpus=num_cpus, **actor_opts
     ).remote(**options)

@@ -57,7 +57,7 @@ class _NodeWorker(_MetricWorker):
         return {**state, "done_below": 0, "finalized": [], "results": []}
 
     def _marker(self) -> tuple:
-        return (frozenset(self.engine.clients), len(self.server.sessions), len(self.server.ended))
+        return (frozenset(self.engine.clients), self.server.changes)
 
     async def _merge(
         self, who: str, client_id: str, session: str | None, items: list, close: list, resync: bool
@@ -68,9 +68,16 @@ class _NodeWorker(_MetricWorker):
             return {client_id: refused}
         if not resync:
             return self.server.merge(client_id, items, close, False, session)
-        for step, seq, world_size, packed in items:  # each keyed by its rank: some reached the root before
-            self.upstream.submit_packed(packed, world_size, step, seq=((client_id, seq),))
+        # each keyed by its rank (some reached the root before), ahead of the forwards that close them
+        keyed = [(step, ((client_id, seq),), world_size, packed) for step, seq, world_size, packed in items]
+        self._forwarder.submit(self._resend_upstream, keyed)
         return self.server.merge(client_id, [], close, True, session)
+
+    def _resend_upstream(self, items: list) -> None:
+        try:
+            self.upstream.resend(items)
+        except Exception:  # the upstream client resends what it keeps once the root answers
+            logger.exception("forwarding resent submissions upstream failed")
 
     async def _relay(self, who: str, client_id: str, step: int | None) -> str | None:
         """Tell the root that this node speaks for ``client_id`` (once) and that a rank closed
@@ -138,11 +145,13 @@ class _NodeWorker(_MetricWorker):
         """The root ends ``step`` at a deadline: forward what this node holds of it now, and return
         once the root has it; the local ranks that did not close it are not waited for any more
         (as at the root), until they submit again."""
-        missing = self.engine.clients - self.engine.closers(step)
-        if missing:
-            logger.warning("node step %d forwarded at the root's deadline without %s", step, sorted(missing))
-            self.engine.clients.difference_update(missing)
-        if step in self.engine.pending_steps():
+        if step in self.engine.pending_steps():  # (else forwarded already, or never opened here)
+            missing = self.engine.clients - self.engine.closers(step)
+            if missing:
+                logger.warning(
+                    "node step %d forwarded at the root's deadline without %s", step, sorted(missing)
+                )
+                self.engine.clients.difference_update(missing)
             self._forward(step)
         await asyncio.wrap_future(self._forwarder.submit(self.upstream.flush))
 
