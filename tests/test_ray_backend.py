@@ -855,3 +855,17 @@ def test_histograms_of_ray_actors_equal_numpy_of_the_concatenation(name):
     res = rlmetrics.connect("ray", name=name).result(0, timeout=60)
     assert "actor/entropy/hist" not in res
     check(res.histograms["actor/entropy/hist"], np.concatenate([marked(r, 0) for r in range(3)]))
+
+
+def test_an_unknown_aggregator_option_raises_naming_it(name):
+    """A typo in an aggregator option raises at once, naming it (the actor's creation failed and
+    every call said "metric worker is gone"); so does the option ``node_timeout``, which is gone."""
+    for make in (
+        lambda: rlmetrics.get_metric_worker(name=name, final_timout=5),
+        lambda: rlmetrics.connect("ray", name=name, world_size=1, node_timeout=5),
+        lambda: rlmetrics.MetricWorker.options(name=name).remote(keep_result=3),
+    ):
+        with pytest.raises(
+            TypeError, match=r"unknown aggregator option\(s\) \['(final_timout|node_timeout|keep_result)'\]"
+        ):
+            make()

@@ -59,6 +59,9 @@ class Rank:
     def client_id(self):
         return self.client.client_id
 
+    def resync(self):  # what a rank does when a call fails (e.g. the root restarted under its read)
+        self.client.resync()
+
 
 def _stall_forwarder(node_actor, seconds):
     """Run inside a node sub-aggregator: its next forward upstream waits ``seconds`` (a slow link)."""
@@ -194,10 +197,12 @@ def test_a_rank_dead_below_a_node_is_named_at_the_readers_deadline_as_in_the_fla
 
 
 def test_a_node_sub_aggregator_killed_mid_run_loses_nothing_and_counts_no_resend_late(cluster):
-    """The node sub-aggregator of three ranks is killed (Ray restarts it) between two steps and in the
-    middle of one: its ranks resend what they keep, the restarted node forwards those resends keyed
-    by each rank, and every step equals numpy, complete, with ``meta.late`` 0 (the resends had been
-    counted late)."""
+    """A rank resends what it keeps to its node, which did not restart (step 1: a rank's call failed);
+    then the node sub-aggregator of three ranks is killed (Ray restarts it) between two steps and in
+    the middle of one: its ranks resend what they keep, the restarted node forwards those resends
+    keyed by each rank, and every step equals numpy, complete, with ``meta.late`` 0. Before, the
+    first resend made the root refuse the node's merged forward (the other ranks' data was lost),
+    and the resends through a restarted node were counted late."""
     name = f"r-{uuid.uuid4().hex[:8]}"
     rlmetrics.get_metric_worker(name=name, hierarchy="node", recovery_timeout=20)
     on_node0 = NodeAffinitySchedulingStrategy(cluster[0], soft=False)
@@ -206,14 +211,15 @@ def test_a_node_sub_aggregator_killed_mid_run_loses_nothing_and_counts_no_resend
     node = rlmetrics.backends.ray.node_worker(name, None, cluster[0])
     reader = rlmetrics.connect("ray", name=name)
     for s in range(6):
+        first, then = (ranks[:2], ranks[2:]) if s in (1, 4) else (ranks, [])
         if s == 2:
-            ray.kill(node, no_restart=False)
+            ray.kill(node, no_restart=False)  # between two steps
+        ray.get([a.step.remote(s) for a in first])
+        if s == 1:
+            ray.get(ranks[0].resync.remote())  # to a node that holds (or forwarded) all of it
         if s == 4:
-            ray.get([a.step.remote(s) for a in ranks[:2]])
-            ray.kill(node, no_restart=False)
-            ray.get(ranks[2].step.remote(s))
-        else:
-            ray.get([a.step.remote(s) for a in ranks])
+            ray.kill(node, no_restart=False)  # in the middle of a step
+        ray.get([a.step.remote(s) for a in then])
         res = reader.result(s, timeout=60, finalize=True)
         allv = np.concatenate([rank_data(r, s) for r in range(3)])
         assert res.meta.complete and res.meta.late == 0, (s, res.meta)

@@ -136,12 +136,15 @@ def test_a_new_session_ends_only_the_sessions_that_are_over():
     clients are not waited for, their open contributions are dropped, their messages refused; a
     session still running is left alone."""
     over: set[str] = set()
-    server = Server(session_ended=lambda session: session in over)
+    server = Server(session_ended=lambda session: session in over, step_timeout=100.0)
     assert server.merge("a", [(0, 0, 2, pack({"x/mean": 100.0}))], [0], session="old") == {}
+    server.announce(5, "a")  # and closed step 5 below a node, which had not forwarded it
     assert server.register("b", "live") is None  # another run, still going: "old" is not over
-    over.add("old")  # the old run's driver is killed; its rank "a" had closed step 0 alone
+    over.add("old")  # the old run's driver is killed
     assert server.register("c", "new") is None  # a restarted run's first client ends "old"
     assert server.engine.clients == {"b", "c"}
+    # nothing of the ended run's steps is left: no deadline, and no step for wait_final_res to target
+    assert server.next_due() is None and server.engine.newest_closed is None
     assert "ended" in server.merge("a", [(1, 1, 2, pack({"x/mean": 7.0}))], [1], session="old")["a"]
     for client, value, session in (("b", 1.0, "live"), ("c", 3.0, "new")):
         assert server.merge(client, [(0, 0, 2, pack({"x/mean": value}))], [0], session=session) == {}

@@ -244,8 +244,7 @@ class Aggregator:
         """Forget ``clients`` (the ranks of a run that ended): no step waits for them, and the
         pending steps only they contributed to start afresh; the steps changed. A step they share
         with other clients keeps its data (contributions are merged as they arrive): it is listed,
-        and its ``meta.refused`` says so. ``newest_closed`` is then the newest step a remaining
-        client closed (else the newest final one)."""
+        and its ``meta.refused`` says so."""
         self.clients.difference_update(clients)
         changed = []
         for step, st in self._steps.items():
@@ -263,9 +262,6 @@ class Aggregator:
                     "before the run was known to be over"
                 )
                 logger.warning("step %d holds data of ended clients %s: it is kept whole", step, mixed[:5])
-        if changed:
-            closed = [s for s, st in self._steps.items() if st.closed]
-            self.newest_closed = max(closed, default=self._newest_final if self._newest_final >= 0 else None)
         return changed
 
     def note_closed(self, step: int) -> None:
@@ -465,6 +461,11 @@ class Aggregator:
             floor = min(self._steps) if self._steps else max(self._finalized) + 1
             self._finalized = {s for s in self._finalized if s >= floor}
             self._done_below = max(self._done_below, floor)
+
+    @property
+    def newest_final(self) -> int:
+        """The newest finalized step (-1: none)."""
+        return self._newest_final
 
     def finalized_state(self) -> tuple[int, list[int]]:
         """``(done_below, finalized)``: every step below ``done_below`` and those listed are finalized."""

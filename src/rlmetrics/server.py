@@ -100,6 +100,8 @@ class Server:
         self._seen_sessions: set[str] = set()
         self.changes = 0  # counts changes of sessions and relays (what a saved state must follow)
         self._closed_at: dict[int, float] = {}  # pending steps: when a client first closed them
+        self._announced: dict[int, set[str]] = {}  # steps closed below a node, not forwarded yet: by whom
+        self._sessions_checked = 0.0  # when the open sessions were last asked whether they ended
         self._direct = itertools.count()
         self._late = 0  # the engine's late count when the previous step was finalized
 
@@ -126,7 +128,10 @@ class Server:
         self.nodes = dict(state.get("nodes", {}))
         self._seen_sessions = set(self.sessions.values()) | self.ended
         # a node resends for the ranks it speaks for (it resyncs under its own id)
-        self.awaiting = {c for c in state["clients"] if c not in self.via} | set(self.via.values())
+        clients = state["clients"]
+        self.awaiting = {c for c in clients if c not in self.via} | {
+            self.via[c] for c in clients if c in self.via
+        }
         self.recovery_deadline = time.monotonic() + recovery_timeout
 
     def recovering(self) -> bool:
@@ -189,12 +194,14 @@ class Server:
         if client_id not in self.sessions:
             self.sessions[client_id] = session
             self.changes += 1
-            if session not in self._seen_sessions:
-                self._seen_sessions.add(session)
-            self._end_sessions(session)
+            new = session not in self._seen_sessions
+            self._seen_sessions.add(session)
+            if new or time.monotonic() - self._sessions_checked >= 1.0:  # at most once a second
+                self._end_sessions(session)
         return None
 
     def _end_sessions(self, new: str) -> None:
+        self._sessions_checked = time.monotonic()
         for old in sorted(self._seen_sessions - self.ended - {new}):
             if not self.session_ended(old):
                 continue
@@ -206,9 +213,18 @@ class Server:
                 self.via.pop(c, None)
             self.awaiting.difference_update(gone)
             changed = self.engine.discard(gone)
+            for step in list(self._announced):
+                self._announced[step] -= gone
+                if not self._announced[step]:
+                    del self._announced[step]
+                    changed.append(step)
+            engine = self.engine
             for step in changed:  # a step that lost its closes has no deadline of the ended run's
-                if not self.engine.closers(step):
+                if not engine.closers(step) and step not in self._announced:
                     self._closed_at.pop(step, None)
+            closed = [s for s in engine.pending_steps() if engine.closers(s)] + list(self._announced)
+            final = [engine.newest_final] if engine.newest_final >= 0 else []
+            engine.newest_closed = max([*closed, *final], default=None)
             logger.warning(
                 "run %s ended (run %s started): %d of its clients are no longer waited for, their open "
                 "contributions to steps %s are dropped",
@@ -229,10 +245,11 @@ class Server:
         self.engine.register(client_id)
         return None
 
-    def announce(self, step: int) -> None:
-        """A client closed ``step`` below a node sub-aggregator, whose forward follows."""
+    def announce(self, step: int, client_id: str) -> None:
+        """``client_id`` closed ``step`` below a node sub-aggregator, whose forward follows."""
         self.engine.note_closed(step)
         self._closed_at.setdefault(step, time.monotonic())
+        self._announced.setdefault(step, set()).add(client_id)
 
     def nodes_of(self, step: int) -> list[str]:
         """The addresses of the nodes that speak for a rank ``step`` misses (a deadline drains them)."""
@@ -317,6 +334,7 @@ class Server:
         counts = engine.contributions(step)
         result = engine.finalize(step)
         self._closed_at.pop(step, None)
+        self._announced.pop(step, None)
         result.meta.contributions = list(counts)
         result.meta.late, self._late = engine.late - self._late, engine.late
         return result

@@ -70,9 +70,8 @@ class _MetricWorker:
         self._secret = (secret or secrets.token_hex(32)).encode()
         self.refused_state: str | None = None  # why a saved state was refused (stats)
         saved = self._verified(compat.kv_get(self._kv_key))
-        if (
-            saved is not None
-        ):  # an earlier incarnation of this actor: resume and wait for the clients' resends
+        self._restored = saved is not None
+        if saved is not None:  # an earlier incarnation: resume, and wait for the clients' resends
             self.server.restore(saved, recovery_timeout)
         self._saved: tuple | None = self._marker()
         # what replies let clients forget: the finalized steps of the state saved last (see _reply)
@@ -204,7 +203,8 @@ class _MetricWorker:
                 if steps:
                     self._changed_state()
             except Exception:  # noqa: BLE001 - the next deadline is still kept
-                logger.exception("finalizing the steps whose deadline passed failed")
+                logger.exception("finalizing the steps whose deadline passed failed; again in a second")
+                await asyncio.sleep(1.0)
 
     async def _drain(self, step: int) -> None:
         """Before ``step`` is finalized at a deadline: the node sub-aggregators that speak for a rank
@@ -231,6 +231,11 @@ class _MetricWorker:
         an ended run is refused, before its pre-merged items could merge."""
         client = self._who(who)
         return client if isinstance(client, str) else self.server.join(*client) or client
+
+    @property
+    def restored(self) -> bool:
+        """This incarnation resumed from the state an earlier one saved (it restarted)."""
+        return self._restored
 
     # ------------------------------------------------------------------ the seed's worker API
     async def start(self) -> None:
@@ -383,9 +388,11 @@ class _MetricWorker:
         self._changed_state()
         return out
 
-    async def relay(self, node: str, ranks: list[str], step: int | None, address: str) -> dict[str, str]:
+    async def relay(
+        self, node: str, ranks: list[str], step: int | None, address: str, closer: str | None = None
+    ) -> dict[str, str]:
         """A node sub-aggregator (``node``: its credential; ``address``: its actor name) speaks for
-        ``ranks`` (their credentials) from now on, and one of its ranks closed ``step``; the
+        ``ranks`` (their credentials) from now on, and its rank ``closer`` closed ``step``; the
         refused ranks, with why."""
         sender = self._who(node)
         if isinstance(sender, str):
@@ -396,8 +403,9 @@ class _MetricWorker:
             why = rank if isinstance(rank, str) else self.server.relay(sender[0], rank[0], address, rank[1])
             if why:
                 refused[str(who).rsplit("#", 2)[0][:80]] = why
-        if step is not None:
-            self.server.announce(step)
+        closing = self._who(closer) if closer is not None else None
+        if step is not None and isinstance(closing, tuple):
+            self.server.announce(step, closing[0])
         self._changed_state()
         return refused
 
@@ -476,6 +484,9 @@ class AggregatorClass:
 
 
 def _with_secret(kwargs: dict) -> dict:
+    unknown = sorted(set(kwargs) - {*OPTIONS, "secret"})
+    if unknown:  # else the actor's creation fails, and its callers see "metric worker is gone"
+        raise TypeError(f"unknown aggregator option(s) {unknown}; the options: {OPTIONS}")
     return {"secret": secrets.token_hex(32), **kwargs}
 
 
@@ -502,11 +513,6 @@ def get_metric_worker(
     :func:`node_worker`).
     """
     actor_opts = {k: options.pop(k) for k in ("lifetime",) if k in options}
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise TypeError(
-            f"get_metric_worker: unknown option(s) {unknown}; the aggregator's options: {OPTIONS}"
-        )
     root = MetricWorker.options(
         name=name, namespace=namespace, get_if_exists=True, num_cpus=num_cpus, **actor_opts
     ).remote(**options)

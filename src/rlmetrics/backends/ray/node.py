@@ -44,6 +44,7 @@ class _NodeWorker(_MetricWorker):
         self._relayed: set[str] = set()  # ranks the root knows this node speaks for
         self._announced = -1
         self._forwards: dict[int, int] = {}  # forwards per step not yet finalized upstream
+        self._forwarded: dict[int, set] = {}  # the (client_id, seq) keys they carried
         self._forwarder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlmetrics-forward")
         from rlmetrics.backends import MetricClient
         from rlmetrics.backends.ray.transport import RayTransport
@@ -68,9 +69,15 @@ class _NodeWorker(_MetricWorker):
             return {client_id: refused}
         if not resync:
             return self.server.merge(client_id, items, close, False, session)
-        # each keyed by its rank (some reached the root before), ahead of the forwards that close them
+        if not self.restored:  # a rank's resend (the root restarted, or a call failed): what this node
+            # forwarded already, its upstream client keeps and resends itself
+            items = [it for it in items if (client_id, it[1]) not in self._forwarded.get(it[0], ())]
+            return self.server.merge(client_id, items, close, True, session)
+        # after this node's restart: each keyed by its rank (some reached the root before), ahead of
+        # the forwards that close them
         keyed = [(step, ((client_id, seq),), world_size, packed) for step, seq, world_size, packed in items]
-        self._forwarder.submit(self._resend_upstream, keyed)
+        if keyed:
+            self._forwarder.submit(self._resend_upstream, keyed)
         return self.server.merge(client_id, [], close, True, session)
 
     def _resend_upstream(self, items: list) -> None:
@@ -91,6 +98,7 @@ class _NodeWorker(_MetricWorker):
             [who] if new else [],
             step,
             self.address,
+            who,
         )
         if refused:
             return next(iter(refused.values()))
@@ -120,6 +128,7 @@ class _NodeWorker(_MetricWorker):
             return
         done_below = self.upstream.finalized_state[0]
         self._forwards = {s: n for s, n in self._forwards.items() if s >= done_below}
+        self._forwarded = {s: keys for s, keys in self._forwarded.items() if s >= done_below}
         for step in self.engine.pending_steps():
             first = step not in self._forwards
             if self.engine.is_closed(step) if first else self.engine.closed_by_contributors(step):
@@ -131,6 +140,7 @@ class _NodeWorker(_MetricWorker):
         closers = self.engine.closers(step)
         parts = self.engine.take(step)
         self._forwards[step] = self._forwards.get(step, 0) + 1
+        self._forwarded.setdefault(step, set()).update(key for _, _, keys in parts for key in keys)
         return self._forwarder.submit(self._send_upstream, step, parts, closers)
 
     def _send_upstream(self, step: int, parts: list, closers: set[str]) -> None:
