@@ -16,6 +16,7 @@ job that reads the ids in results cannot send under one of them.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import numbers
@@ -109,10 +110,18 @@ def credential(client_id: str, secret: str = "", session: str | None = None) -> 
     return f"{client_id}#{secret}#{session or ''}"
 
 
+def public_id(who: Any) -> str:
+    """The client id a :func:`credential` claims (unchecked: what an error message may show)."""
+    parts = str(who).rsplit("#", 2)
+    return parts[0] if len(parts) == 3 else str(who)
+
+
+@functools.lru_cache(maxsize=4096)
 def identity(who: str) -> tuple[str, str | None]:
     """``(client_id, session)`` of a :func:`credential`; a bare id is its own ``client_id``.
     Raises :class:`~rlmetrics.messages.SubmissionError` when the secret does not match an id
-    :func:`new_identity` made (someone else's id).
+    :func:`new_identity` made (someone else's id). Remembered: a receiver checks a client's
+    credential once, not at every message.
 
     >>> identity("rank0")
     ('rank0', None)

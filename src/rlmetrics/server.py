@@ -147,8 +147,9 @@ class Server:
         session: str | None = None,
     ) -> Reply:
         """Merge one client's message (:meth:`merge`) and build its reply."""
-        errors = self.merge(client_id, items, close, resync, session)
-        self.finalize_complete(steps_of(items, close))
+        steps: set[int] = set()
+        errors = self.merge(client_id, items, close, resync, session, steps)
+        self.finalize_complete(steps)
         return self.reply(errors)
 
     def merge(
@@ -158,10 +159,11 @@ class Server:
         close: list[Close],
         resync: bool = False,
         session: str | None = None,
+        steps: set[int] | None = None,
     ) -> dict:
         """:func:`merge_items` (a resend after a restart is not late: it was merged before), and a
-        resend ends the wait for that client; a message of an ended session is refused whole. Call
-        :meth:`finalize_complete` after."""
+        resend ends the wait for that client; a message of an ended session is refused whole. The
+        steps the message is about go to ``steps``: call :meth:`finalize_complete` on them after."""
         refused = self.join(client_id, session)
         if refused:
             return {client_id: refused}
@@ -172,6 +174,9 @@ class Server:
         now = time.monotonic()
         for step in closed:
             self._closed_at.setdefault(step, now)
+        if steps is not None:
+            steps.update(closed)
+            steps.update(item[0] for item in items if type(item[0]) is int)
         if resync:
             self.awaiting.discard(client_id)
         return errors
@@ -398,6 +403,11 @@ def merge_items(
         except (SubmissionError, ValueError) as exc:
             errors[f"{client_id}/{step}/{_seq_text(seq)}"] = f"step {step}: {exc}"
     for entry in close:
+        if type(entry) is int and entry >= 0:  # the common case: the sender closes a step
+            engine.close(client_id, entry)
+            if closed is not None:
+                closed.add(entry)
+            continue
         try:
             entry = close_entry(entry)
         except SubmissionError as exc:
@@ -438,15 +448,3 @@ def make_reply(engine: Aggregator, errors: dict[str, str], incarnation: str) -> 
     ``done_below`` and those in ``finalized`` are finalized)."""
     done_below, finalized = engine.finalized_state()
     return Reply(errors, incarnation, done_below, finalized)
-
-
-def steps_of(items: list[Submission], close: list[Close]) -> set[int]:
-    """The steps a message's items and well-formed closes are about."""
-    steps = {item[0] for item in items if type(item[0]) is int}
-    for entry in close:
-        try:
-            entry = close_entry(entry)
-            steps.add(entry[0] if isinstance(entry, tuple) else entry)
-        except SubmissionError:
-            pass
-    return steps

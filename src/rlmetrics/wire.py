@@ -55,9 +55,8 @@ from rlmetrics.stat import invalid_column
 from rlmetrics.states import BUILT_IN, State, column_kind, decode_state, encode_state
 
 VERSION = 3
-Item = tuple[
-    int, Any, int, Packed
-]  # (step, seq or a merged item's (client_id, seq) keys, world_size, packed)
+# (step, seq or a merged item's (client_id, seq) keys, world_size, packed)
+Item = tuple[int, Any, int, Packed]
 
 
 def encode(items: list[Item], close: list, send_names: Any, resync: bool = False) -> tuple:
@@ -142,8 +141,8 @@ class SchemaTable:
         self.schemas[sid] = schema
 
 
-def decode(msg: tuple, table: SchemaTable) -> tuple[list[Item], list[int], list[bytes]]:
-    """Items whose schema is known, the closed steps, and the ids of unknown schemas.
+def decode(msg: tuple, table: SchemaTable) -> tuple[list[Item], list, list[bytes]]:
+    """Items whose schema is known, the closes (:func:`close_entry`), and the ids of unknown schemas.
 
     Raises :class:`~rlmetrics.aggregator.SubmissionError` for a malformed message, and nothing else.
     """
@@ -194,6 +193,8 @@ def close_entry(entry: Any) -> int | tuple[int, tuple[str, ...]]:
     >>> close_entry(3), close_entry((3, ("rank0", "rank1")))
     (3, (3, ('rank0', 'rank1')))
     """
+    if type(entry) is int and entry >= 0:  # the common case
+        return entry
     closers = None
     if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], tuple):
         entry, closers = entry

@@ -33,9 +33,9 @@ from typing import Any
 
 from rlmetrics.backends.ray import compat
 from rlmetrics.backends.ray.compat import ray
-from rlmetrics.client import identity
+from rlmetrics.client import identity, public_id
 from rlmetrics.messages import PartlyMergedError, Reply, StepResult, SubmissionError
-from rlmetrics.server import Server, key_client, steps_of
+from rlmetrics.server import Server, key_client
 from rlmetrics.wire import SchemaTable, decode
 
 DEFAULT_NAME = "rlmetrics"
@@ -263,7 +263,7 @@ class _MetricWorker:
         self.calls["messages"] += 1
         client = self._who(who)
         if isinstance(client, str):
-            return self._reply({str(who).rsplit("#", 2)[0][:80]: client})
+            return self._reply({public_id(who)[:80]: client})
         client_id, session = client
         decoded = self._decode(client_id, msg)
         if isinstance(decoded, dict):
@@ -271,16 +271,25 @@ class _MetricWorker:
         items, close, unknown = decoded
         if unknown:  # merge nothing (a close must not overtake its data): the client repeats with names
             return Reply({}, self.incarnation, unknown=unknown)
-        errors = await self._merge(who, client_id, session, items, close, msg[4])
-        self.server.finalize_complete(steps_of(items, close))
+        steps: set[int] = set()
+        errors = await self._merge(who, client_id, session, items, close, msg[4], steps)
+        self.server.finalize_complete(steps)
         self._changed_state()
         return self._reply(errors)
 
     async def _merge(
-        self, who: str, client_id: str, session: str | None, items: list, close: list, resync: bool
+        self,
+        who: str,
+        client_id: str,
+        session: str | None,
+        items: list,
+        close: list,
+        resync: bool,
+        steps: set,
     ) -> dict[str, str]:
-        """The server's merge of one client's message (a node relays the client to the root first)."""
-        return self.server.merge(client_id, items, close, resync, session)
+        """The server's merge of one client's message, the steps it is about into ``steps`` (a node
+        relays the client to the root first)."""
+        return self.server.merge(client_id, items, close, resync, session, steps)
 
     async def send_many(self, batch: list[tuple[str, tuple]], merged: tuple | None = None) -> list[Reply]:
         """Messages of several clients of one process, posted while its previous call was in flight.
@@ -308,7 +317,7 @@ class _MetricWorker:
         steps: set[int] = set()
         if isinstance(pre, tuple):
             pre_errors, resend = self._merge_premerged(pre[0], ids)
-            steps |= steps_of(pre[0], [])
+            steps.update(item[0] for item in pre[0])
         else:  # a malformed merged message concerns every client of the batch
             pre_errors = {client_id: pre for client_id in ids}
         errors = []
@@ -316,8 +325,7 @@ class _MetricWorker:
             if isinstance(d, dict):
                 errs = d
             else:
-                errs = await self._merge(who, c[0], c[1], d[0], d[1], msg[4])
-                steps |= steps_of(d[0], d[1])
+                errs = await self._merge(who, c[0], c[1], d[0], d[1], msg[4], steps)
             errors.append({**errs, **pre_errors.get(c[0] if isinstance(c, tuple) else "", {})})
         self.server.finalize_complete(steps)
         self._changed_state()
@@ -402,7 +410,7 @@ class _MetricWorker:
             rank = self._who(who)
             why = rank if isinstance(rank, str) else self.server.relay(sender[0], rank[0], address, rank[1])
             if why:
-                refused[str(who).rsplit("#", 2)[0][:80]] = why
+                refused[public_id(who)[:80]] = why
         closing = self._who(closer) if closer is not None else None
         if step is not None and isinstance(closing, tuple):
             self.server.announce(step, closing[0])

@@ -43,8 +43,8 @@ class _NodeWorker(_MetricWorker):
         self.address = node_actor_name(root, node_id)
         self._relayed: set[str] = set()  # ranks the root knows this node speaks for
         self._announced = -1
-        self._forwards: dict[int, int] = {}  # forwards per step not yet finalized upstream
-        self._forwarded: dict[int, set] = {}  # the (client_id, seq) keys they carried
+        # steps forwarded and not yet final upstream: the (client_id, seq) keys their forwards carried
+        self._forwarded: dict[int, set] = {}
         self._forwarder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlmetrics-forward")
         from rlmetrics.backends import MetricClient
         from rlmetrics.backends.ray.transport import RayTransport
@@ -61,24 +61,31 @@ class _NodeWorker(_MetricWorker):
         return (frozenset(self.engine.clients), self.server.changes)
 
     async def _merge(
-        self, who: str, client_id: str, session: str | None, items: list, close: list, resync: bool
+        self,
+        who: str,
+        client_id: str,
+        session: str | None,
+        items: list,
+        close: list,
+        resync: bool,
+        steps: set,
     ) -> dict[str, str]:
         step = max((c for c in close if type(c) is int), default=-1)
         refused = await self._relay(who, client_id, step if step > self._announced else None)
         if refused:
             return {client_id: refused}
         if not resync:
-            return self.server.merge(client_id, items, close, False, session)
+            return self.server.merge(client_id, items, close, False, session, steps)
         if not self.restored:  # a rank's resend (the root restarted, or a call failed): what this node
             # forwarded already, its upstream client keeps and resends itself
             items = [it for it in items if (client_id, it[1]) not in self._forwarded.get(it[0], ())]
-            return self.server.merge(client_id, items, close, True, session)
+            return self.server.merge(client_id, items, close, True, session, steps)
         # after this node's restart: each keyed by its rank (some reached the root before), ahead of
         # the forwards that close them
         keyed = [(step, ((client_id, seq),), world_size, packed) for step, seq, world_size, packed in items]
         if keyed:
             self._forwarder.submit(self._resend_upstream, keyed)
-        return self.server.merge(client_id, [], close, True, session)
+        return self.server.merge(client_id, [], close, True, session, steps)
 
     def _resend_upstream(self, items: list) -> None:
         try:
@@ -127,21 +134,19 @@ class _NodeWorker(_MetricWorker):
         if self.server.recovering():
             return
         done_below = self.upstream.finalized_state[0]
-        self._forwards = {s: n for s, n in self._forwards.items() if s >= done_below}
         self._forwarded = {s: keys for s, keys in self._forwarded.items() if s >= done_below}
         for step in self.engine.pending_steps():
-            first = step not in self._forwards
+            first = step not in self._forwarded
             if self.engine.is_closed(step) if first else self.engine.closed_by_contributors(step):
                 self._forward(step)
 
-    def _forward(self, step: int) -> Any:
+    def _forward(self, step: int) -> None:
         """Send what this node holds of ``step`` upstream (in the forwarder thread: the upstream
-        client blocks); the future of that send."""
+        client blocks)."""
         closers = self.engine.closers(step)
         parts = self.engine.take(step)
-        self._forwards[step] = self._forwards.get(step, 0) + 1
         self._forwarded.setdefault(step, set()).update(key for _, _, keys in parts for key in keys)
-        return self._forwarder.submit(self._send_upstream, step, parts, closers)
+        self._forwarder.submit(self._send_upstream, step, parts, closers)
 
     def _send_upstream(self, step: int, parts: list, closers: set[str]) -> None:
         try:

@@ -14,7 +14,7 @@ import numpy as np
 
 from rlmetrics.backends.ray import compat
 from rlmetrics.backends.ray.compat import ray
-from rlmetrics.client import AggregatorRestarted, identity
+from rlmetrics.client import AggregatorRestarted, public_id
 from rlmetrics.messages import Reply, StepResult
 from rlmetrics.packing import Packed
 from rlmetrics.server import Submission
@@ -303,7 +303,7 @@ def _premerge(batch: list[tuple]) -> tuple[list[tuple[str, tuple]], tuple | None
             continue
         packs = [item[3] for _, item, _ in members]
         stats = stats_of_rows(np.stack([p.stats for p in packs]))
-        keys = tuple((identity(who)[0], item[1]) for who, item, _ in members)
+        keys = tuple((public_id(who), item[1]) for who, item, _ in members)
         contributions = sum(p.contributions for p in packs)
         merged.append((step, keys, world_size, Packed(packs[0].schema, stats, contributions=contributions)))
     messages = [(b[1], b[0]._encode(mine, b[3])) for b, mine in zip(batch, own)]
