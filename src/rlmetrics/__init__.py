@@ -9,7 +9,18 @@
 from rlmetrics.aggregator import Aggregator
 from rlmetrics.backends import MetricClient, connect
 from rlmetrics.backends.local import LocalMetricWorker
-from rlmetrics.messages import StepMeta, StepResult, SubmissionError
+from rlmetrics.messages import (
+    LateDataWarning,
+    NonFiniteWarning,
+    PartialStepWarning,
+    ProvisionalWarning,
+    RayStartedWarning,
+    RLMetricsWarning,
+    StepMeta,
+    StepResult,
+    StepWarning,
+    SubmissionError,
+)
 from rlmetrics.packing import pack
 from rlmetrics.reduce import (
     COUNT,
@@ -51,8 +62,10 @@ def __getattr__(name: str):
 
 __all__ = [
     "COUNT", "MAX", "MEAN", "MEDIAN", "MIN", "SPECIAL_METRICS", "STD", "SUM", "Aggregator",
-    "LocalMetricWorker", "MaxMetric", "MeanMetric", "MedianMetric", "Metric", "MetricClient", "MetricFunc",
-    "MetricValueError", "MetricWorker", "MinMetric", "PercentileMetric", "Reduction", "Sketch", "Stat",
-    "StepMeta", "StepResult", "SubmissionError", "SumMetric", "connect", "get_metric_worker", "pack",
-    "percentile", "register_reduction", "resolve", "unregister_reduction",
+    "LateDataWarning", "LocalMetricWorker", "MaxMetric", "MeanMetric", "MedianMetric", "Metric",
+    "MetricClient", "MetricFunc", "MetricValueError", "MetricWorker", "MinMetric", "NonFiniteWarning",
+    "PartialStepWarning", "PercentileMetric", "ProvisionalWarning", "RLMetricsWarning", "RayStartedWarning",
+    "Reduction", "Sketch", "Stat", "StepMeta", "StepResult", "StepWarning", "SubmissionError", "SumMetric",
+    "connect", "get_metric_worker", "pack", "percentile", "register_reduction", "resolve",
+    "unregister_reduction",
 ]  # fmt: skip

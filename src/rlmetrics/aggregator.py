@@ -64,7 +64,12 @@ class Aggregator:
     ``forget_after``: schemas not submitted for this many steps are dropped, and names no kept
     schema uses with them (a name that comes back is learned again).
     ``max_pending``: at most this many steps are pending; beyond, the oldest is finalized partial
-    (``meta.stale``, with a warning), so a step whose rank died does not stay forever.
+    (``meta.stale``), so a step whose rank died does not stay forever.
+
+    What a reader is told (a partial or stale step, late data, a non-finite value) it learns from
+    the result's ``meta`` and its client's warning (:class:`~rlmetrics.messages.RLMetricsWarning`);
+    the engine logs those at INFO or DEBUG only, since the in-process backend runs it in the user's
+    process, and logs at WARNING what no client can be told.
     """
 
     def __init__(
@@ -193,7 +198,7 @@ class Aggregator:
         if self.is_finalized(step):
             if count_late:
                 self.late += 1
-                logger.warning("step %d is finalized; dropped a late contribution of %s", step, keys[0][0])
+                logger.info("step %d is finalized; dropped a late contribution of %s", step, keys[0][0])
             else:
                 logger.info("step %d is finalized; dropped a resent contribution of %s", step, keys[0][0])
             return False
@@ -277,7 +282,7 @@ class Aggregator:
             st = self._steps[step] = Step()
             while len(self._steps) > self.max_pending:
                 oldest = min(s for s in self._steps if s != step)
-                logger.warning("step %d finalized partial: %d newer steps pending", oldest, self.max_pending)
+                logger.info("step %d finalized partial: %d newer steps pending", oldest, self.max_pending)
                 self.finalize(oldest).meta.stale = True
         return st
 
@@ -336,7 +341,7 @@ class Aggregator:
 
     # -------------------------------------------------------------------------------- output
     def finalize(self, step: int) -> StepResult:
-        """The step's result (partial when incomplete, with a warning); frees the step's state.
+        """The step's result (partial when incomplete); frees the step's state.
 
         A step finalized before returns its kept result, or an empty one with ``meta.evicted``
         when it is no longer kept (more than ``keep_results`` newer results).
@@ -347,12 +352,14 @@ class Aggregator:
                 return kept
             return StepResult({}, step, StepMeta(complete=False, evicted=True))
         result = self._result_of(step)
-        self._steps.pop(step, None)
+        seen = self._steps.pop(step, None) is not None
         meta = result.meta
         if not meta.complete:
-            # A rank missing at a deadline is not waited for again until it submits again.
-            self.clients.difference_update(meta.missing_ranks)
-            logger.warning(
+            # A rank missing at a deadline is not waited for again until it submits again; a step
+            # nothing reached (a read ahead of every rank) says nothing of the ranks.
+            if seen:
+                self.clients.difference_update(meta.missing_ranks)
+            logger.info(
                 "step %d is partial: missing ranks %s, %d incomplete metric(s) %s",
                 step,
                 meta.missing_ranks,
@@ -432,7 +439,8 @@ class Aggregator:
 
     def _values(self, st: Step) -> tuple[dict[str, float], list[str], dict[str, Histogram]]:
         """The step's values, empty names and histograms (:func:`~rlmetrics.steps.reduce_step`), its layout
-        cached by its set of schemas; a non-finite value is logged once per name."""
+        cached by its set of schemas; a non-finite value is logged once per name (DEBUG: the reader's
+        client warns)."""
         key = tuple(st.groups)
         lay = self._layouts.get(key)
         if lay is None:
@@ -444,7 +452,7 @@ class Aggregator:
             bad = [n for n, v in values.items() if not math.isfinite(v) and n not in self._nan_warned]
             if bad:
                 self._nan_warned.update(bad)
-                logger.warning("non-finite value in metric(s) %s", bad[:10])
+                logger.debug("non-finite value in metric(s) %s", bad[:10])
         return values, empty, histograms
 
     _FINALIZED_CAP = 4096

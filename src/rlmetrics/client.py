@@ -24,13 +24,22 @@ import os
 import re
 import secrets
 import socket
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from rlmetrics.groups import Labels, grouped_values, split_grouped
-from rlmetrics.messages import StepResult, SubmissionError
+from rlmetrics.messages import (
+    LateDataWarning,
+    NonFiniteWarning,
+    PartialStepWarning,
+    ProvisionalWarning,
+    StepResult,
+    StepWarning,
+    SubmissionError,
+)
 from rlmetrics.metrics import without_reserved
 from rlmetrics.packing import MAX_WORLD_SIZE, Packed, pack, pack_known
 from rlmetrics.server import Close, Submission
@@ -200,12 +209,14 @@ class ClientCore:
         self._schemas: dict = {}
         self._nan_warned: set[str] = set()
         self._provisional_warned = False
+        self.stopped = False  # stop() left for good: no more submissions
         self.finalized_state: tuple[int, list[int]] = (0, [])  # as the aggregator last reported it
         self._lock = threading.RLock()  # a watcher thread may resend while the owner submits
 
     def submit_packed(self, packed: Packed, world_size: int, step: int, seq: Any = None) -> None:
         """Queue an already summarized contribution (a node aggregator forwarding merged data;
         ``seq`` fixed so that a re-forward after a restart is merged once)."""
+        self._check_running()
         with self._lock:
             self._buffer.append((step, self._next_seq() if seq is None else seq, world_size, packed))
 
@@ -379,6 +390,16 @@ class ClientCore:
             del self._kept[step]
         for step in [s for s in self._closed if s < done_below or s in finalized]:
             del self._closed[step]
+        if reply.late:
+            warnings.warn(
+                f"rlmetrics: client {self.client_id}: its data for step(s) {reply.late[:10]} came after the "
+                "step was final (ended by a reader's deadline, wait_final_res or step_timeout) and was "
+                "dropped, counted in meta.late. A client created after the others closed a step starts at "
+                "step 0: create the clients before the first step, or set client.step = N (or "
+                "wait_submit(step=N)) to join at step N",
+                LateDataWarning,
+                stacklevel=_caller_level(),
+            )
         if reply.errors:
             raise MetricValueError("; ".join(reply.errors.values()))
 
@@ -405,6 +426,7 @@ class ClientCore:
         rest is merged). Data queued for a later step (``submit_metric(..., step=)``) travels now
         and is merged, but that step is closed only by the ``wait_submit`` that reaches it.
         """
+        self._check_running()
         with self._lock:
             current = self.step if step is None else _step_arg(step)
             ahead = {item[0] for item in self._buffer} - {current}
@@ -412,7 +434,7 @@ class ClientCore:
                 warnings.warn(
                     f"rlmetrics: wait_submit() closes step {current}, but the data queued since the last "
                     f"one is for step(s) {sorted(ahead)[:5]}; pass step= to wait_submit to close those",
-                    RuntimeWarning,
+                    StepWarning,
                     stacklevel=2,
                 )
             try:
@@ -426,50 +448,48 @@ class ClientCore:
         """The result of ``step`` as soon as it is complete (or final); at ``timeout`` (seconds) what
         arrived, whose ``meta`` names the missing ranks and metrics: *provisional*
         (``meta.provisional``: the step stays open, for the rest of its data and for other readers)
-        unless ``finalize=True``, which makes it the step's final, partial result (a RuntimeWarning
-        says so) and stops waiting for the missing ranks. The reader that logs the run passes
-        ``finalize=True``; a dashboard does not. A step nobody finalizes stays open until it is
-        complete, ``max_pending`` newer steps are pending, or (an aggregator option)
-        ``step_timeout`` seconds after a rank first closed it. The first provisional result a
-        client gets warns once."""
+        unless ``finalize=True``, which makes it the step's final, partial result (a
+        :class:`~rlmetrics.messages.PartialStepWarning` says so) and stops waiting for the missing
+        ranks. The reader that logs the run passes ``finalize=True``; a dashboard does not. A step
+        nobody finalizes stays open until it is complete, ``max_pending`` newer steps are pending,
+        or (an aggregator option) ``step_timeout`` seconds after a rank first closed it. The first
+        provisional result a client gets warns once (:class:`~rlmetrics.messages.ProvisionalWarning`)."""
         self.flush()
         return self._checked(self._retrying(lambda: self.transport.result(step, timeout, finalize)))
 
     def wait_final_res(self, timeout: float | None = None) -> StepResult:
         """The seed's read: the newest step any rank closed, once every registered rank closed it
         and every metric has its contributions — at most ``timeout`` seconds (default: the
-        aggregator's ``final_timeout``, 60 s), then partial with ``meta`` and a RuntimeWarning.
+        aggregator's ``final_timeout``, 60 s), then partial with ``meta`` and a
+        :class:`~rlmetrics.messages.PartialStepWarning`.
         Without clients (bare ``MetricWorker.submit_metric`` calls) this round's metrics."""
         self.flush()
         return self._checked(self._retrying(lambda: self.transport.final(timeout)))
 
     def _checked(self, res: StepResult) -> StepResult:
-        """Warn once per partial result, and once per metric name that turned non-finite."""
+        """Warn once per evicted or partial result, once per client about provisional ones, and once
+        per metric name that turned non-finite (:class:`~rlmetrics.messages.RLMetricsWarning`)."""
         meta = res.meta
         if meta.evicted:
             warnings.warn(
                 f"rlmetrics: step {res.step} is no longer kept (more than keep_results newer results "
                 "were finalized); its values are lost to this read",
-                RuntimeWarning,
+                PartialStepWarning,
                 stacklevel=3,
             )
         elif meta.provisional:
             if not self._provisional_warned:  # once: a dashboard reads provisional results all along
                 self._provisional_warned = True
                 warnings.warn(
-                    f"rlmetrics: step {res.step} is provisional (the read's timeout passed, missing ranks "
-                    f"{meta.missing_ranks[:5]}): it stays open; the reader that logs the run passes "
+                    f"rlmetrics: step {res.step} is provisional (the read's timeout passed; "
+                    f"{_missing(res)}): it stays open; the reader that logs the run passes "
                     "result(step, timeout, finalize=True) to end a step at its deadline (warned once)",
-                    RuntimeWarning,
+                    ProvisionalWarning,
                     stacklevel=3,
                 )
         elif not meta.complete:
-            missing = meta.missing_metrics
             warnings.warn(
-                f"rlmetrics: step {res.step} is partial: missing ranks {meta.missing_ranks}, "
-                f"{len(missing)} incomplete metric(s) {list(missing)[:5]}",
-                RuntimeWarning,
-                stacklevel=3,
+                f"rlmetrics: step {res.step} is partial: {_missing(res)}", PartialStepWarning, stacklevel=3
             )
         if math.isfinite(sum(res.values())):  # else a value is not finite, or the sum overflowed
             return res
@@ -479,7 +499,7 @@ class ClientCore:
                 self._nan_warned.clear()
             self._nan_warned.update(bad)
             warnings.warn(
-                f"rlmetrics: non-finite value in metric(s) {bad[:10]}", RuntimeWarning, stacklevel=3
+                f"rlmetrics: non-finite value in metric(s) {bad[:10]}", NonFiniteWarning, stacklevel=3
             )
         return res
 
@@ -492,9 +512,50 @@ class ClientCore:
         self._retrying(lambda: self.transport.register(self.credential))
 
     def stop(self) -> None:
-        """Send what is queued and leave: no step waits for this client afterwards."""
+        """Send what is queued and leave for good: no step waits for this client afterwards, and its
+        submissions raise RuntimeError (a new client rejoins). Its reads (``result``,
+        ``wait_final_res``) still work."""
+        if self.stopped:
+            return
         self.flush()
         self._retrying(lambda: self.transport.depart(self.credential))
+        self.stopped = True
+
+    def _check_running(self) -> None:
+        if self.stopped:
+            raise RuntimeError(
+                f"rlmetrics: client {self.client_id} was stopped: stop() leaves for good and no step waits "
+                "for it; create a new client (rlmetrics.connect(...)) to submit again"
+            )
+
+
+def _missing(res: StepResult) -> str:
+    """What a result misses, in words: the registered ranks that did not close its step (saying so
+    when no data arrived for it at all) and its incomplete metrics."""
+    meta = res.meta
+    ranks = meta.missing_ranks
+    closing = f"registered ranks that have not closed it: {ranks[:5]}" + (
+        f" and {len(ranks) - 5} more" if len(ranks) > 5 else ""
+    )
+    if not meta.contributors and not res:
+        if not ranks:
+            return f"no data arrived for step {res.step}, and no rank is registered"
+        return f"no data arrived for step {res.step}; {closing}"
+    missing = meta.missing_metrics
+    closing = closing if ranks else "every registered rank closed it"
+    return f"{closing}; {len(missing)} incomplete metric(s) {list(missing)[:5]}"
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside rlmetrics, for a warning given deep in the
+    client (a reply is handled at the user's next call, wherever that is)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _step_arg(step: Any) -> int:

@@ -1,6 +1,6 @@
 """What the aggregator tells its callers, built here and nowhere else: a step's :class:`StepResult`
-with its :class:`StepMeta`, the :class:`Reply` to a client's message, and the errors of a refused
-contribution.
+with its :class:`StepMeta`, the :class:`Reply` to a client's message, the errors of a refused
+contribution, and the warnings a client gives its user (:class:`RLMetricsWarning`).
 
 >>> res = StepResult({"loss": 0.5}, 3, StepMeta(complete=False, missing_ranks=["rank2@host:1"]))
 >>> res["loss"], res.step, res.meta.complete, res.meta.missing_ranks
@@ -103,13 +103,16 @@ class Reply:
     """The aggregator's answer to a client's message: ``errors`` about its data (by
     ``client/step/seq``), the aggregator's ``incarnation``, and which steps are final (every step
     below ``done_below`` and those in ``finalized``), so the client stops keeping them. ``unknown``
-    (a Ray actor): schema ids it lacks; nothing of the message was merged, send it again with names."""
+    (a Ray actor): schema ids it lacks; nothing of the message was merged, send it again with names.
+    ``late``: the steps whose data in the message arrived when they were final already (dropped,
+    counted in a next step's ``meta.late``); the client warns (:class:`LateDataWarning`)."""
 
     errors: dict[str, str]
     incarnation: str
     done_below: int = 0
     finalized: list[int] = field(default_factory=list)
     unknown: list[bytes] | None = None
+    late: list[int] = field(default_factory=list)
 
 
 class SubmissionError(ValueError):
@@ -124,3 +127,47 @@ class RefusedNamesError(SubmissionError):
 class PartlyMergedError(SubmissionError):
     """A pre-merged contribution some of whose submissions were merged before (a client resent them
     on its own): the senders must resend theirs one by one, each merged once."""
+
+
+class RLMetricsWarning(RuntimeWarning):
+    """Every report rlmetrics makes to its user: one warning per event, in the process of the client
+    it concerns (the aggregator logs at WARNING only what no client can be told). Silence a kind
+    with ``warnings.filterwarnings("ignore", category=rlmetrics.PartialStepWarning)``, or all of
+    them with ``category=rlmetrics.RLMetricsWarning``.
+
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     warnings.filterwarnings("ignore", category=LateDataWarning)
+    ...     warnings.warn("dropped", LateDataWarning)
+    ...     warnings.warn("partial", PartialStepWarning)
+    >>> [type(w.message).__name__ for w in caught]
+    ['PartialStepWarning']
+    """
+
+
+class PartialStepWarning(RLMetricsWarning):
+    """A read returned a step short of ranks or contributions (final at a deadline, or stale), or a
+    step whose result is no longer kept (``meta`` says what is missing)."""
+
+
+class ProvisionalWarning(RLMetricsWarning):
+    """A reader's deadline passed and it did not finalize the step: what arrived so far (once per
+    client: a dashboard reads provisional results all along)."""
+
+
+class LateDataWarning(RLMetricsWarning):
+    """This client's data reached the aggregator when its step was final already: it was dropped."""
+
+
+class NonFiniteWarning(RLMetricsWarning):
+    """A result's value is not finite (once per metric name and client)."""
+
+
+class StepWarning(RLMetricsWarning):
+    """A client's step counter and what it queued disagree (data queued for a step not closed)."""
+
+
+class RayStartedWarning(RLMetricsWarning):
+    """``connect("ray")`` / ``get_metric_worker`` found Ray not initialized and started a local
+    instance (not a cluster)."""

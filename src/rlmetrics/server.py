@@ -23,6 +23,11 @@ and when a read may return. Backends add only locking and waiting (a thread cond
   seen before contributes, every session that ``session_ended`` reports over is closed: its clients
   are no longer waited for, their open contributions are dropped, and later messages of that session
   are refused. A restarted run never merges the killed run's half-submitted steps.
+- Reports: what a client can be told goes into its reply (errors, ``late``: steps whose data came
+  after they were final, dropped) or into a result's ``meta``, and that client warns its user
+  (:class:`~rlmetrics.messages.RLMetricsWarning`, once per event); the server side logs those at
+  INFO or DEBUG only (the in-process backend runs it in the user's process). What no client can be
+  told (a run found ended, a node that did not forward) is logged at WARNING.
 - A node sub-aggregator speaks for the ranks it relayed (:meth:`Server.relay`): it forwards their
   merged submissions keyed by each rank's ``(client_id, seq)`` and closes steps on their behalf, so
   the steps, their completion and their ``meta`` are the flat layout's, by rank.
@@ -148,9 +153,10 @@ class Server:
     ) -> Reply:
         """Merge one client's message (:meth:`merge`) and build its reply."""
         steps: set[int] = set()
-        errors = self.merge(client_id, items, close, resync, session, steps)
+        late: set[int] = set()
+        errors = self.merge(client_id, items, close, resync, session, steps, late)
         self.finalize_complete(steps)
-        return self.reply(errors)
+        return self.reply(errors, late)
 
     def merge(
         self,
@@ -160,16 +166,25 @@ class Server:
         resync: bool = False,
         session: str | None = None,
         steps: set[int] | None = None,
+        late: set[int] | None = None,
     ) -> dict:
         """:func:`merge_items` (a resend after a restart is not late: it was merged before), and a
         resend ends the wait for that client; a message of an ended session is refused whole. The
-        steps the message is about go to ``steps``: call :meth:`finalize_complete` on them after."""
+        steps the message is about go to ``steps``: call :meth:`finalize_complete` on them after;
+        those whose data it dropped as late go to ``late`` (for the reply)."""
         refused = self.join(client_id, session)
         if refused:
             return {client_id: refused}
         closed: set[int] = set()
         errors = merge_items(
-            self.engine, client_id, items, close, count_late=not resync, speaks=self._speaks, closed=closed
+            self.engine,
+            client_id,
+            items,
+            close,
+            count_late=not resync,
+            speaks=self._speaks,
+            closed=closed,
+            late=late,
         )
         now = time.monotonic()
         for step in closed:
@@ -274,8 +289,8 @@ class Server:
             if engine.has_closed_data(step) and engine.is_complete(step):
                 self.finalize(step)
 
-    def reply(self, errors: dict[str, str]) -> Reply:
-        return make_reply(self.engine, errors, self.incarnation)
+    def reply(self, errors: dict[str, str], late: Iterable[int] = ()) -> Reply:
+        return make_reply(self.engine, errors, self.incarnation, late)
 
     def submit_direct(self, metrics: Mapping[str, Any], world_size: int, step: int | None = None) -> None:
         """A submission without a client (the seed's ``MetricWorker.submit_metric``): into ``step``,
@@ -383,9 +398,11 @@ def merge_items(
     count_late: bool = True,
     speaks: Callable[[str, str], bool] | None = None,
     closed: set[int] | None = None,
+    late: set[int] | None = None,
 ) -> dict[str, str]:
-    """Merge a client's items, then its step closings (the steps closed go to ``closed``); the
-    errors keyed by client, step and seq (a rejected item does not stop the others). An item keyed
+    """Merge a client's items, then its step closings (the steps closed go to ``closed``, those of
+    items dropped as late, their step final already, to ``late``); the errors keyed by client,
+    step and seq (a rejected item does not stop the others). An item keyed
     by ``(client_id, seq)`` pairs and a close ``(step, client ids)`` are on behalf of those clients
     (a node's forward): refused unless ``speaks(sender, client)`` for each."""
     errors: dict[str, str] = {}
@@ -397,9 +414,11 @@ def merge_items(
                     raise SubmissionError(
                         f"{client_id} does not speak for {others[:3]} (no node relayed them)"
                     )
-                engine.submit_merged(seq, step, world_size, packed, count_late=count_late)
+                merged = engine.submit_merged(seq, step, world_size, packed, count_late=count_late)
             else:
-                engine.submit(client_id, step, seq, world_size, packed, count_late=count_late)
+                merged = engine.submit(client_id, step, seq, world_size, packed, count_late=count_late)
+            if not merged and count_late and late is not None and engine.is_finalized(step):
+                late.add(step)
         except (SubmissionError, ValueError) as exc:
             errors[f"{client_id}/{step}/{_seq_text(seq)}"] = f"step {step}: {exc}"
     for entry in close:
@@ -443,8 +462,10 @@ def _seq_text(seq: Any) -> str:
     return str(seq) if not isinstance(seq, tuple) else f"merged({len(seq)})"
 
 
-def make_reply(engine: Aggregator, errors: dict[str, str], incarnation: str) -> Reply:
-    """The reply to a send: errors, and what the client may stop keeping (steps below
-    ``done_below`` and those in ``finalized`` are finalized)."""
+def make_reply(
+    engine: Aggregator, errors: dict[str, str], incarnation: str, late: Iterable[int] = ()
+) -> Reply:
+    """The reply to a send: errors, what the client may stop keeping (steps below ``done_below``
+    and those in ``finalized`` are finalized), and the steps whose data it sent was dropped as late."""
     done_below, finalized = engine.finalized_state()
-    return Reply(errors, incarnation, done_below, finalized)
+    return Reply(errors, incarnation, done_below, finalized, late=sorted(late))

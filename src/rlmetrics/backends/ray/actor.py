@@ -26,6 +26,7 @@ import json
 import logging
 import secrets
 import time
+import warnings
 from collections import Counter
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +35,7 @@ from typing import Any
 from rlmetrics.backends.ray import compat
 from rlmetrics.backends.ray.compat import ray
 from rlmetrics.client import identity, public_id
-from rlmetrics.messages import PartlyMergedError, Reply, StepResult, SubmissionError
+from rlmetrics.messages import PartlyMergedError, RayStartedWarning, Reply, StepResult, SubmissionError
 from rlmetrics.server import Server, key_client
 from rlmetrics.wire import SchemaTable, decode
 
@@ -272,10 +273,11 @@ class _MetricWorker:
         if unknown:  # merge nothing (a close must not overtake its data): the client repeats with names
             return Reply({}, self.incarnation, unknown=unknown)
         steps: set[int] = set()
-        errors = await self._merge(who, client_id, session, items, close, msg[4], steps)
+        late: set[int] = set()
+        errors = await self._merge(who, client_id, session, items, close, msg[4], steps, late)
         self.server.finalize_complete(steps)
         self._changed_state()
-        return self._reply(errors)
+        return self._reply(errors, late)
 
     async def _merge(
         self,
@@ -286,10 +288,11 @@ class _MetricWorker:
         close: list,
         resync: bool,
         steps: set,
+        late: set,
     ) -> dict[str, str]:
-        """The server's merge of one client's message, the steps it is about into ``steps`` (a node
-        relays the client to the root first)."""
-        return self.server.merge(client_id, items, close, resync, session, steps)
+        """The server's merge of one client's message, the steps it is about into ``steps``, those
+        whose data it dropped as late into ``late`` (a node relays the client to the root first)."""
+        return self.server.merge(client_id, items, close, resync, session, steps, late)
 
     async def send_many(self, batch: list[tuple[str, tuple]], merged: tuple | None = None) -> list[Reply]:
         """Messages of several clients of one process, posted while its previous call was in flight.
@@ -315,30 +318,35 @@ class _MetricWorker:
         ids = [c[0] for c in clients if isinstance(c, tuple)]
         resend = False
         steps: set[int] = set()
+        late: dict[str, set[int]] = {}  # by client: the steps whose data was dropped as late
         if isinstance(pre, tuple):
-            pre_errors, resend = self._merge_premerged(pre[0], ids)
+            pre_errors, resend = self._merge_premerged(pre[0], ids, late)
             steps.update(item[0] for item in pre[0])
         else:  # a malformed merged message concerns every client of the batch
             pre_errors = {client_id: pre for client_id in ids}
         errors = []
         for (who, msg), c, d in zip(batch, clients, decoded):
+            client_id = c[0] if isinstance(c, tuple) else ""
             if isinstance(d, dict):
                 errs = d
             else:
-                errs = await self._merge(who, c[0], c[1], d[0], d[1], msg[4], steps)
-            errors.append({**errs, **pre_errors.get(c[0] if isinstance(c, tuple) else "", {})})
+                errs = await self._merge(
+                    who, client_id, c[1], d[0], d[1], msg[4], steps, late.setdefault(client_id, set())
+                )
+            errors.append((client_id, {**errs, **pre_errors.get(client_id, {})}))
         self.server.finalize_complete(steps)
         self._changed_state()
         if resend:
             return [Reply({}, self.incarnation, unknown=[])] * len(batch)
         shared = self._reply({})  # one object for every client without errors: pickled once
-        return [self._reply(errs) if errs else shared for errs in errors]
+        return [self._reply(errs, late.get(c, ())) if errs or late.get(c) else shared for c, errs in errors]
 
-    def _reply(self, errors: dict[str, str]) -> Reply:
-        """The reply to a send. The steps it lets the client forget are those finalized in the state
-        saved last, not in memory: a next incarnation resumes from the saved state, and a step it
-        does not know finalized is merged again from the clients' resends."""
-        return Reply(errors, self.incarnation, *self._durable)
+    def _reply(self, errors: dict[str, str], late: Any = ()) -> Reply:
+        """The reply to a send, with the steps whose data it dropped as late. The steps it lets the
+        client forget are those finalized in the state saved last, not in memory: a next
+        incarnation resumes from the saved state, and a step it does not know finalized is merged
+        again from the clients' resends."""
+        return Reply(errors, self.incarnation, *self._durable, late=sorted(late))
 
     def _decode(self, client_id: str, msg: tuple) -> tuple | dict:
         """``decode``'s (items, close, unknown), or the errors of a malformed message."""
@@ -347,10 +355,13 @@ class _MetricWorker:
         except SubmissionError as exc:
             return {client_id: str(exc)}
 
-    def _merge_premerged(self, items: list, clients: list[str]) -> tuple[dict[str, dict[str, str]], bool]:
+    def _merge_premerged(
+        self, items: list, clients: list[str], late: dict[str, set[int]]
+    ) -> tuple[dict[str, dict[str, str]], bool]:
         """Merge pre-merged items of ``clients`` (whose credentials the batch carried); their errors
         by client (malformed keys, or keys of another client: every client's), and whether one was
-        partly merged before (left out: the clients must resend one by one)."""
+        partly merged before (left out: the clients must resend one by one). The steps of items
+        dropped as late go to ``late``, by client."""
         errors: dict[str, dict[str, str]] = {}
         resend = False
         members = set(clients)
@@ -362,7 +373,11 @@ class _MetricWorker:
                             "a merged item needs (client_id, seq) keys of the batch's clients"
                         )
                     continue
-                self.engine.submit_merged(keys, step, world_size, packed)
+                if not self.engine.submit_merged(keys, step, world_size, packed) and self.engine.is_finalized(
+                    step
+                ):
+                    for client_id, _ in keys:
+                        late.setdefault(client_id, set()).add(step)
                 self.calls["premerged"] += len(keys)
             except PartlyMergedError:
                 resend = True
@@ -518,8 +533,17 @@ def get_metric_worker(
     kills a non-detached actor as soon as its creator drops the last handle), so a bare
     ``get_metric_worker(name)`` in the driver is enough; ``ray.kill(handle)`` ends it.
     ``hierarchy="node"`` also creates one sub-aggregator on every alive node now (see
-    :func:`node_worker`).
+    :func:`node_worker`). Without Ray initialized it calls ``ray.init()``, as Ray's own calls do,
+    and warns (:class:`~rlmetrics.messages.RayStartedWarning`) if that started a local instance.
     """
+    if not ray.is_initialized() and compat.init():
+        warnings.warn(
+            "rlmetrics: Ray was not initialized, so a local Ray instance was started for the metric "
+            "worker; to use a running cluster call ray.init(address=...) (or set RAY_ADDRESS) before "
+            "connect('ray') / get_metric_worker",
+            RayStartedWarning,
+            stacklevel=2,
+        )
     actor_opts = {k: options.pop(k) for k in ("lifetime",) if k in options}
     root = MetricWorker.options(
         name=name, namespace=namespace, get_if_exists=True, num_cpus=num_cpus, **actor_opts

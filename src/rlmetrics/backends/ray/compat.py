@@ -12,6 +12,8 @@
 - ``actor_key``: a stable key of an actor handle (``ActorHandle._actor_id``).
 - ``actor_dead``: whether the GCS's actor table (``ray._private.state.actors``) records an actor dead
   for good, so that a client stops waiting for an incarnation that never comes.
+- ``init``: ``ray.init()``, and whether it started a local instance rather than joining a running
+  cluster (``ray._private.worker._global_node.head``), so ``connect("ray")`` says when it did.
 - ``job_dead``: whether the GCS's job table (``ray._private.state.state.job_table``) records a job
   (a driver run: a client's session) ended, so that an aggregator drops what an ended run left open.
 
@@ -76,6 +78,13 @@ def actor_dead(handle: Any) -> bool:
     return isinstance(info, dict) and info.get("State") == "DEAD"
 
 
+def init() -> bool:
+    """``ray.init()`` (what Ray's own calls do when it is not initialized); whether that started a
+    local Ray instance (False: it joined a running cluster, e.g. through ``RAY_ADDRESS``)."""
+    ray.init()
+    return bool(getattr(getattr(ray._private.worker, "_global_node", None), "head", False))
+
+
 def job_dead(job_id: str) -> bool:
     """Whether Ray records the job ``job_id`` (hex) ended (its driver exited or was killed); False
     while it runs and when the GCS cannot say."""
@@ -98,6 +107,8 @@ def check() -> list[str]:
         missing.append("ray.actor.ActorMethod._remote.__wrapped__")
     if not isinstance(getattr(ActorHandle, "_actor_id", None), property):
         missing.append("ray.actor.ActorHandle._actor_id")
+    if not hasattr(ray._private.worker, "_global_node"):
+        missing.append("ray._private.worker._global_node")
     state = getattr(ray._private, "state", None)
     if not callable(getattr(state, "actors", None)):
         missing.append("ray._private.state.actors")

@@ -69,23 +69,24 @@ class _NodeWorker(_MetricWorker):
         close: list,
         resync: bool,
         steps: set,
+        late: set,
     ) -> dict[str, str]:
         step = max((c for c in close if type(c) is int), default=-1)
         refused = await self._relay(who, client_id, step if step > self._announced else None)
         if refused:
             return {client_id: refused}
         if not resync:
-            return self.server.merge(client_id, items, close, False, session, steps)
+            return self.server.merge(client_id, items, close, False, session, steps, late)
         if not self.restored:  # a rank's resend (the root restarted, or a call failed): what this node
             # forwarded already, its upstream client keeps and resends itself
             items = [it for it in items if (client_id, it[1]) not in self._forwarded.get(it[0], ())]
-            return self.server.merge(client_id, items, close, True, session, steps)
+            return self.server.merge(client_id, items, close, True, session, steps, late)
         # after this node's restart: each keyed by its rank (some reached the root before), ahead of
         # the forwards that close them
         keyed = [(step, ((client_id, seq),), world_size, packed) for step, seq, world_size, packed in items]
         if keyed:
             self._forwarder.submit(self._resend_upstream, keyed)
-        return self.server.merge(client_id, [], close, True, session, steps)
+        return self.server.merge(client_id, [], close, True, session, steps, late)
 
     def _resend_upstream(self, items: list) -> None:
         try:
@@ -170,8 +171,8 @@ class _NodeWorker(_MetricWorker):
             self._forward(step)
         await asyncio.wrap_future(self._forwarder.submit(self.upstream.flush))
 
-    def _reply(self, errors: dict[str, str]) -> Reply:
-        return Reply(errors, self.incarnation, *self.upstream.finalized_state)
+    def _reply(self, errors: dict[str, str], late: Any = ()) -> Reply:
+        return Reply(errors, self.incarnation, *self.upstream.finalized_state, late=sorted(late))
 
     async def relay(self, *args: Any) -> dict:
         raise SubmissionError("a node sub-aggregator does not speak for another node")
