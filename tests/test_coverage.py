@@ -46,9 +46,10 @@ def test_partial_step_and_late_submission(tmp_path, worker_name):
                 ranks[rank].wait_submit(step=step)
             with pytest.warns(RuntimeWarning, match="partial") if step == 1 else nullcontext():
                 result = reader.result(step, timeout=0.3 if step == 1 else 10, finalize=True)
-            if step == 1:  # rank 2 wakes up: its step 1 arrives after the step is final
+            if step == 1:  # rank 2 wakes up: its step 1 arrives after the step is final, and it is told
                 ranks[2].submit_metric({"a": 9.0}, step=1)
-                ranks[2].wait_submit(step=1)
+                with pytest.warns(rlmetrics.LateDataWarning, match=r"step\(s\) \[1\]"):
+                    ranks[2].wait_submit(step=1)
             results.append(result)
             tracking.log(result, step)
     assert [r.meta.complete for r in results] == [True, False, True, True]

@@ -435,7 +435,7 @@ class ClientCore:
                     f"rlmetrics: wait_submit() closes step {current}, but the data queued since the last "
                     f"one is for step(s) {sorted(ahead)[:5]}; pass step= to wait_submit to close those",
                     StepWarning,
-                    stacklevel=2,
+                    stacklevel=_caller_level(),
                 )
             try:
                 self._flush([current])
@@ -475,7 +475,7 @@ class ClientCore:
                 f"rlmetrics: step {res.step} is no longer kept (more than keep_results newer results "
                 "were finalized); its values are lost to this read",
                 PartialStepWarning,
-                stacklevel=3,
+                stacklevel=_caller_level(),
             )
         elif meta.provisional:
             if not self._provisional_warned:  # once: a dashboard reads provisional results all along
@@ -485,11 +485,13 @@ class ClientCore:
                     f"{_missing(res)}): it stays open; the reader that logs the run passes "
                     "result(step, timeout, finalize=True) to end a step at its deadline (warned once)",
                     ProvisionalWarning,
-                    stacklevel=3,
+                    stacklevel=_caller_level(),
                 )
         elif not meta.complete:
             warnings.warn(
-                f"rlmetrics: step {res.step} is partial: {_missing(res)}", PartialStepWarning, stacklevel=3
+                f"rlmetrics: step {res.step} is partial: {_missing(res)}",
+                PartialStepWarning,
+                stacklevel=_caller_level(),
             )
         if math.isfinite(sum(res.values())):  # else a value is not finite, or the sum overflowed
             return res
@@ -499,7 +501,9 @@ class ClientCore:
                 self._nan_warned.clear()
             self._nan_warned.update(bad)
             warnings.warn(
-                f"rlmetrics: non-finite value in metric(s) {bad[:10]}", NonFiniteWarning, stacklevel=3
+                f"rlmetrics: non-finite value in metric(s) {bad[:10]}",
+                NonFiniteWarning,
+                stacklevel=_caller_level(),
             )
         return res
 
@@ -546,12 +550,12 @@ def _missing(res: StepResult) -> str:
     return f"{closing}; {len(missing)} incomplete metric(s) {list(missing)[:5]}"
 
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def _caller_level() -> int:
-    """The ``stacklevel`` of the first frame outside rlmetrics, for a warning given deep in the
-    client (a reply is handled at the user's next call, wherever that is)."""
+    """The ``stacklevel`` of the first frame outside rlmetrics: a warning points at the user's call
+    (a reply, for one, is handled at the user's next call, wherever that is)."""
     frame, level = sys._getframe(1), 1
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1

@@ -23,6 +23,7 @@ when a Ray upgrade removes one.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from rlmetrics.extras import require
@@ -79,8 +80,11 @@ def actor_dead(handle: Any) -> bool:
 
 
 def init() -> bool:
-    """``ray.init()`` (what Ray's own calls do when it is not initialized); whether that started a
+    """``ray.init()``, as Ray's own calls do when it is not initialized (unless
+    ``RAY_ENABLE_AUTO_CONNECT=0``: then Ray's call raises, as it would); whether that started a
     local Ray instance (False: it joined a running cluster, e.g. through ``RAY_ADDRESS``)."""
+    if os.environ.get("RAY_ENABLE_AUTO_CONNECT", "") == "0":  # as ray._private.auto_init_hook reads it
+        return False
     ray.init()
     return bool(getattr(getattr(ray._private.worker, "_global_node", None), "head", False))
 

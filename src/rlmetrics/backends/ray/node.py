@@ -163,10 +163,8 @@ class _NodeWorker(_MetricWorker):
         (as at the root), until they submit again."""
         if step in self.engine.pending_steps():  # (else forwarded already, or never opened here)
             missing = self.engine.clients - self.engine.closers(step)
-            if missing:
-                logger.warning(
-                    "node step %d forwarded at the root's deadline without %s", step, sorted(missing)
-                )
+            if missing:  # the root's result names them, and its reader warns: no second report
+                logger.info("node step %d forwarded at the root's deadline without %s", step, sorted(missing))
                 self.engine.clients.difference_update(missing)
             self._forward(step)
         await asyncio.wrap_future(self._forwarder.submit(self.upstream.flush))
