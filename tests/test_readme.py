@@ -203,7 +203,7 @@ def test_page_runs_as_pasted(code, shown, checkout, tmp_path):
     page's previous one (reads names it does not bind) is pasted after it into the same interpreter.
     What the page shows a block prints, compared with its output:
 
-    - the ```` ```text ```` block right after it, whole; else
+    - the page's next code block if it is ```` ```text ```` (prose may come between), whole; else
     - the trailing comment of each of its lines that start with ``print(``: that line of output
       (``print(x)  # 2.5``). A block with neither prints nothing.
 
