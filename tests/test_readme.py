@@ -5,19 +5,21 @@
   to a heading of it).
 - Every ``tests/<file>.py::<test>`` they cite (docs/reliability.md: each guarantee → its test) names
   a test function of that file (read with ast, nothing imported).
-- Their python blocks that are complete programs run, in a temporary directory. A block that uses a
-  name it never defines (``trainer``, ``dp_size``) is a fragment of the user's own program and is
-  left out; ``>>>`` blocks are doctests, run by the test of their page (docs/health.md:
-  tests/test_health.py). A block is marked ``torch`` / ``ray`` by what it imports, Ray ones ``slow``.
+- Every python block runs as pasted into a fresh interpreter and prints what the page shows next to
+  it (``test_page_runs_as_pasted`` says how a page shows it, and how a block says it is a fragment).
 - Every script of examples/ is run by some test.
 - docs/benchmarks.md holds one generated report per benchmark script (``benchmarks/report.py``).
-- The quick start (siiRL's loop) prints the lines README shows.
 """
 
 import ast
 import builtins
 import importlib.util
+import io
+import os
 import re
+import subprocess
+import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -26,12 +28,13 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PAGES = [README, ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
 TEXTS = {page: page.read_text(encoding="utf-8") for page in PAGES}
-QUICK_START = re.search(r"## Quick start.*?```python\n(.*?)```.*?```\n(.*?)```", TEXTS[README], re.S)
-FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+FRAGMENT = "# fragment:"
+CHECKOUT = "# from the root of a source checkout"
 
 
 def free_names(code: str) -> set[str]:
-    """Names ``code`` reads but never binds (builtins aside): a fragment when not empty.
+    """Names ``code`` reads but never binds (builtins aside).
 
     >>> sorted(free_names("import numpy as np\\nx = np.ones(3)\\nprint(trainer.step(x))"))
     ['trainer']
@@ -53,9 +56,8 @@ def free_names(code: str) -> set[str]:
 
 
 def marks_of(code: str) -> list[pytest.MarkDecorator]:
-    """``torch`` / ``ray`` by what the block imports; Ray blocks start Ray: ``slow`` too."""
-    imports = re.findall(r"^\s*(?:import|from)\s+([\w.]+)", code, re.M)
-    uses = {name.split(".")[0] for name in imports}
+    """``torch`` / ``ray`` by what the code imports; Ray code starts Ray: ``slow`` too."""
+    uses = {name.split(".")[0] for name in re.findall(r"^\s*(?:import|from)\s+([\w.]+)", code, re.M)}
     torch = "torch" in uses or "tests" in uses  # tests.syncs imports torch
     ray = "ray" in uses
     return [
@@ -64,26 +66,49 @@ def marks_of(code: str) -> list[pytest.MarkDecorator]:
     ]
 
 
-def program_blocks() -> list:
-    """The complete python programs of README.md and docs/*.md (the quick start has its own test)."""
+def shown_output(code: str, after: tuple[str, str] | None) -> str:
+    """What a page shows a block prints: the ``text`` block right after it, else the trailing comments
+    of its ``print(`` lines, one line of output each.
+
+    >>> shown_output("x = '#'\\nprint(x)  # #\\nprint(x, 2)  # # 2", None), shown_output("", ("text", "2\\n"))
+    ('#\\n# 2\\n', '2\\n')
+    """
+    if after and after[0] == "text":
+        return after[1]
+    lines = code.splitlines()
+    tokens = tokenize.generate_tokens(io.StringIO(code).readline)
+    said = [
+        t.string.removeprefix("# ")
+        for t in tokens
+        if t.type == tokenize.COMMENT and lines[t.start[0] - 1].lstrip().startswith("print(")
+    ]
+    return "".join(line + "\n" for line in said)
+
+
+def programs() -> list:
+    """The python blocks of README.md and docs/*.md as a reader pastes them (see
+    ``test_page_runs_as_pasted``): one ``pytest.param(code, shown, checkout)`` per fresh interpreter."""
     out = []
     for page, text in TEXTS.items():
-        for i, code in enumerate(re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)):
-            if code == QUICK_START[1] or ">>>" in code or free_names(code):
+        fences = FENCE.findall(text)
+        groups: list[list[tuple[str, str]]] = []
+        for i, (lang, code) in enumerate(fences):
+            if lang != "python" or ">>>" in code or code.startswith(FRAGMENT):
                 continue
-            name = f"{page.relative_to(ROOT)}#{i}"
-            out.append(pytest.param(page, code, marks=marks_of(code), id=name))
+            shown = shown_output(code, fences[i + 1] if i + 1 < len(fences) else None)
+            if groups and free_names(code):
+                groups[-1].append((code, shown))
+            else:
+                groups.append([(code, shown)])
+        for n, blocks in enumerate(groups):
+            code, shown = ("".join(parts) for parts in zip(*blocks))
+            checkout = any(c.startswith(CHECKOUT) for c, _ in blocks)
+            name = f"{page.relative_to(ROOT)}#{n}"
+            out.append(pytest.param(code, shown, checkout, marks=marks_of(code), id=name))
     return out
 
 
-BLOCKS = program_blocks()
-
-
-@pytest.fixture(autouse=True)
-def _a_new_ray_instance(monkeypatch):
-    """A block's ``ray.init()`` starts its own Ray instance, as on a user's machine with none running,
-    never joining the one another pytest worker runs here (``make test`` runs two)."""
-    monkeypatch.setenv("RAY_ADDRESS", "local")
+PROGRAMS = programs()
 
 
 def test_readme_is_a_page_for_users():
@@ -164,26 +189,37 @@ def test_every_example_is_run_by_a_test():
 
 def test_some_blocks_run():
     """The fragment rule leaves the runnable pages in (a rule that drops everything fails here)."""
-    pages = {param.values[0].name for param in BLOCKS}
-    assert {"backends.md", "steps.md", "trackers.md", "metrics.md", "torch-distributed.md"} <= pages
+    pages = {p.id.partition("#")[0] for p in PROGRAMS}
+    runs = {"README.md", "docs/backends.md", "docs/steps.md", "docs/trackers.md", "docs/torch-distributed.md"}
+    assert runs <= pages
 
 
-@pytest.mark.parametrize("page,code", BLOCKS)
-def test_python_block_runs(page, code, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # blocks may write runs/...
-    monkeypatch.syspath_prepend(str(ROOT))  # tests.syncs
-    exec(compile(code, str(page), "exec"), {"__name__": "__main__"})
+@pytest.mark.parametrize("code,shown,checkout", PROGRAMS)
+def test_page_runs_as_pasted(code, shown, checkout, tmp_path):
+    """A page's python blocks, pasted in order into a fresh interpreter, print what the page shows.
 
+    Each block runs in a new ``python -`` (its code on stdin) in an empty directory (blocks may write
+    ``runs/...``) with nothing on the path but the package (``src``). A block that builds on the
+    page's previous one (reads names it does not bind) is pasted after it into the same interpreter.
+    What the page shows a block prints, compared with its output:
 
-@pytest.mark.torch
-@pytest.mark.ray
-@pytest.mark.slow
-def test_quick_start_prints_what_readme_shows(capsys):
-    """The seed loop of the quick start: each step's line as README shows it."""
-    code, shown = QUICK_START.groups()
-    exec(compile(code, str(README), "exec"), {})
-    printed = [line for line in capsys.readouterr().out.splitlines() if line[:1].isdigit()]
-    assert printed == shown.strip().splitlines()
+    - the page's next code block if it is ```` ```text ```` (prose may come between), whole; else
+    - the trailing comment of each of its lines that start with ``print(``: that line of output
+      (``print(x)  # 2.5``). A block with neither prints nothing.
+
+    So pages show deterministic output (seeded data, rounded floats). Two first lines a reader sees:
+
+    - ``# fragment: <what your program supplies>``: a piece of the reader's own program (inside a
+      trainer, where ``batch`` exists); not run. ``>>>`` blocks are doctests, run by their page's test
+      (docs/health.md: tests/test_health.py).
+    - ``# from the root of a source checkout ...``: it imports ``tests`` (not installed), so it runs
+      with the checkout as working directory.
+    """
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "RAY_ADDRESS": "local"}  # a Ray of its own
+    cwd = ROOT if checkout else tmp_path
+    out = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, cwd=cwd, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [line.rstrip() for line in out.stdout.splitlines()] == shown.splitlines()
 
 
 def test_architecture_lists_every_module():

@@ -1,9 +1,12 @@
-"""The rlmetrics command line: demo, report, plot, compare, bench (each has --help).
+"""The rlmetrics command line: demo, report, plot, compare, bench.
 
-rlmetrics demo                     # a simulated GRPO run on an embedded Ray instance
-rlmetrics report runs/demo         # last/min/max/mean per metric
-rlmetrics plot runs/demo -m 'critic/score/*' -o score.png
+    rlmetrics demo                     # train a tiny policy with GRPO on 4 Ray ranks (CPU, a minute)
+    rlmetrics report runs/demo         # last/min/max/mean per metric
+    rlmetrics plot runs/demo -m 'critic/score/*' -o score.png
+
+rlmetrics COMMAND --help describes a command and its options.
 """
+# A command's --help prints its module's docstring: plain text for a terminal (no Sphinx markup).
 
 from __future__ import annotations
 
@@ -12,12 +15,27 @@ import logging
 from collections.abc import Sequence
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written; an option's help ends with its default (none for flags and ``None``)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        default, help = action.default, action.help or ""
+        if not action.option_strings or default in (None, argparse.SUPPRESS, []) or isinstance(default, bool):
+            return help
+        return f"{help} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser with :class:`HelpFormatter`; its subcommands' parsers are Parsers too."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(formatter_class=HelpFormatter, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from rlmetrics.cli import bench, demo, plot, report
 
-    parser = argparse.ArgumentParser(
-        prog="rlmetrics", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = Parser(prog="rlmetrics", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo.add_parser(sub)
     report.add_parser(sub)

@@ -1,8 +1,8 @@
-"""``rlmetrics bench``: run the benchmark suite of a source checkout and print its tables.
+"""rlmetrics bench: run the benchmark suite of a source checkout and print its tables.
 
-Each ``benchmarks/bench_*.py`` runs in its own process and prints a table with ratios against a
-baseline measured in the same run (see ``docs/benchmarks.md``). ``bench_peers`` needs siiRL 0.2.0
-(``make bench-peers`` installs it).
+Each benchmarks/bench_*.py runs in its own process and prints a table with ratios against a
+baseline measured in the same run (see docs/benchmarks.md). bench_peers needs siiRL 0.2.0
+(make bench-peers installs it).
 
     rlmetrics bench --quick
     rlmetrics bench merge data
@@ -39,12 +39,7 @@ def scripts(only: list[str]) -> list[Path]:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "bench",
-        help="run the benchmark suite and print its tables",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = sub.add_parser("bench", help="run the benchmark suite and print its tables", description=__doc__)
     p.add_argument("names", nargs="*", help="benchmarks to run (default: all), e.g. merge ray data")
     p.add_argument("--quick", action="store_true", help="small sizes: a check that each one runs")
     p.set_defaults(handler=_run)

@@ -1,17 +1,16 @@
-"""``rlmetrics demo``: a multi-worker GRPO run on CPU, its metrics aggregated every step.
+"""rlmetrics demo: a multi-worker GRPO run on CPU, its metrics aggregated every step.
 
 By default W ranks (Ray actors) train a tiny causal transformer with GRPO on a toy task
-(:mod:`rlmetrics.cli.grpo`, :mod:`rlmetrics.cli.trainer`): each rolls out ``--group-size``
-responses to ``--prompts`` prompts, scores them, computes group-normalised advantages and updates
-its replica (gradients summed over the ranks with torch.distributed gloo), then submits the data,
-timing, throughput and update metrics of its batch through its own rlmetrics client; every
-``--val-every`` steps it also answers held-out prompts (``--val-samples`` samples each; best/worst/
-maj@k and pass@k). ``--simulate`` draws made-up batches instead (fast; threads with
-``--backend local``). The driver reads each step as soon as every rank closed it — no barrier —
-logs it to the sinks (JSONL and TensorBoard by default) with a progress bar, and at the end prints
-a summary table and writes PNG plots (reward, response length, advantages, update, timing,
-validation, and the heat maps over steps of the response-length and score histograms of all ranks'
-data, ``histograms.png``) into ``--out``.
+(rlmetrics.cli.grpo, rlmetrics.cli.trainer): each rolls out --group-size responses to --prompts
+prompts, scores them, computes group-normalised advantages and updates its replica (gradients
+summed over the ranks with torch.distributed gloo), then submits the data, timing, throughput and
+update metrics of its batch through its own rlmetrics client; every --val-every steps it also
+answers held-out prompts (--val-samples samples each; best/worst/maj@k and pass@k). --simulate
+draws made-up batches instead (fast; threads with --backend local). The driver reads each step as
+soon as every rank closed it — no barrier — logs it to the sinks (JSONL and TensorBoard by default)
+with a progress bar, and at the end prints a summary table and writes PNG plots (reward, response
+length, advantages, update, timing, validation, and the heat maps over steps of the response-length
+and score histograms of all ranks' data, histograms.png) into --out.
 
     rlmetrics demo --steps 50 --workers 4 --out runs/demo
     rlmetrics demo --seed 1 --lr 0.1          # another run; a learning rate that collapses the policy
@@ -286,10 +285,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "demo",
         help="train a tiny policy with GRPO on W ranks (or --simulate); log, summarize and plot its metrics",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--steps", type=int, default=50, help="training steps (default 50)")
-    p.add_argument("--workers", type=int, default=4, help="worker ranks (default 4)")
+    p.add_argument("--steps", type=int, default=50, help="training steps")
+    p.add_argument("--workers", type=int, default=4, help="worker ranks")
     p.add_argument(
         "--backend",
         choices=["ray", "local"],
@@ -305,23 +303,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--sinks",
         default="jsonl,tensorboard",
         help="comma-separated: jsonl,console,tensorboard,wandb,mlflow,swanlab (offline; "
-        "JSONL is always written) (default jsonl,tensorboard)",
+        "JSONL is always written)",
     )
-    p.add_argument(
-        "--out", default="runs/demo", help="folder for metrics.jsonl, event files, PNGs (default runs/demo)"
-    )
+    p.add_argument("--out", default="runs/demo", help="folder for metrics.jsonl, event files, PNGs")
     p.add_argument("--val-every", type=int, default=10, help="validation round every N steps (0: none)")
     p.add_argument("--val-prompts", type=int, default=32, help="validation prompts per data source")
     p.add_argument("--val-samples", type=int, default=8, help="samples per validation prompt (the k)")
-    p.add_argument("--seed", type=int, default=0, help="seed: the same seed, the same run (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed: the same seed, the same run")
     p.add_argument(
         "--lr",
         type=float,
         default=3e-3,
-        help="learning rate (default 3e-3; 0.1 collapses the policy, 1 turns it NaN)",
+        help="learning rate (0.1 collapses the policy, 1 turns it NaN)",
     )
-    p.add_argument("--prompts", type=int, default=8, help="prompts per rank and step (default 8)")
-    p.add_argument("--group-size", type=int, default=8, help="responses per prompt, GRPO's group (default 8)")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per rank and step")
+    p.add_argument("--group-size", type=int, default=8, help="responses per prompt, GRPO's group")
     p.add_argument(
         "--dump", action="store_true", help="each rank writes its tensors of every step to OUT/dump/"
     )

@@ -1,14 +1,13 @@
-"""``rlmetrics plot`` and ``rlmetrics compare``: PNG plots of a run's metrics over steps.
+"""rlmetrics plot RUN: PNG plots of a run's metrics over steps (of two runs: rlmetrics compare).
 
     rlmetrics plot runs/demo -m 'critic/score/*' -m 'response/length/mean' -o score.png
     rlmetrics plot runs/demo --hist response/length/hist -o lengths.png
-    rlmetrics compare runs/a runs/b -m 'val-core/*' -o val.png
 
-One panel per metric matching a glob (``*`` matches across ``/``), one line per run; steps where a
-metric was not logged (validation rounds) are skipped, so sparse metrics show as points.
-``--hist NAME`` (repeatable) draws a histogram of the run (``metrics.jsonl``'s ``histograms``) as a
-heat map over steps instead: one column per step, the counts of its bins (re-binned onto one value
-axis for all steps, as each step has its own edges) on a log colour scale.
+One panel per metric matching a glob (* matches across /); steps where a metric was not logged
+(validation rounds) are skipped, so sparse metrics show as points. --hist NAME (repeatable) draws a
+histogram of the run (logged in metrics.jsonl) as a heat map over steps instead: one column per
+step, the counts of its bins (re-binned onto one value axis for all steps, as each step has its own
+edges) on a log colour scale.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rlmetrics.cli.report import add_metric_option, last_value, load_run, matching, print_table
+from rlmetrics.cli.report import add_metric_option, last_value, load_run, matching, no_match, print_table
 from rlmetrics.extras import require
 
 MAX_PANELS = 24
@@ -126,21 +125,24 @@ def run_label(path: str) -> str:
     return (p.parent if p.suffix == ".jsonl" else p).name or str(p)
 
 
+COMPARE = """rlmetrics compare RUN_A RUN_B: the metrics of two runs side by side.
+
+    rlmetrics compare runs/a runs/b -m 'val-core/*' -o val.png
+
+One panel per metric matching a glob (* matches across /), one line per run, in one PNG; and a
+table of each metric's last value in both runs and their difference (b - a).
+"""
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    fmt = argparse.RawDescriptionHelpFormatter
-    p = sub.add_parser(
-        "plot", help="plot metrics of a run to a PNG", description=__doc__, formatter_class=fmt
-    )
+    p = sub.add_parser("plot", help="plot metrics of a run to a PNG", description=__doc__)
     p.add_argument("run", help="a metrics.jsonl, or the folder holding one")
     _add_common(p, "plot.png", required=False)
     p.add_argument("--hist", action="append", default=[], metavar="NAME",
                    help="heat map over steps of histogram NAME (repeatable), not -m's metrics")  # fmt: skip
     p.set_defaults(handler=_plot)
     c = sub.add_parser(
-        "compare",
-        help="plot metrics of two runs side by side; table of last values",
-        description=__doc__,
-        formatter_class=fmt,
+        "compare", help="plot metrics of two runs side by side; table of last values", description=COMPARE
     )
     c.add_argument("run_a", help="first run (metrics.jsonl or its folder)")
     c.add_argument("run_b", help="second run")
@@ -150,7 +152,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 def _add_common(p: argparse.ArgumentParser, default_out: str, required: bool = True) -> None:
     add_metric_option(p, "metrics", required=required)
-    p.add_argument("-o", "--output", default=default_out, help=f"PNG file to write (default {default_out})")
+    p.add_argument("-o", "--output", default=default_out, help="PNG file to write")
 
 
 def _plot(args: argparse.Namespace) -> int:
@@ -162,8 +164,9 @@ def _plot(args: argparse.Namespace) -> int:
         return 0
     if not args.metric:
         raise SystemExit("rlmetrics plot: give -m GLOB (metrics) or --hist NAME (histograms)")
-    out = plot_runs([(run_label(args.run), load_run(args.run))], args.metric, args.output, title=args.run)
-    return _written(out, args)
+    run = load_run(args.run)
+    out = plot_runs([(run_label(args.run), run)], args.metric, args.output, title=args.run)
+    return _written(out, args, run.names(), args.run)
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -171,15 +174,16 @@ def _compare(args: argparse.Namespace) -> int:
     if runs[0][0] == runs[1][0]:
         runs = [(args.run_a, runs[0][1]), (args.run_b, runs[1][1])]
     out = plot_runs(runs, args.metric, args.output, title=f"{runs[0][0]} vs {runs[1][0]}")
-    names = matching(sorted(set(runs[0][1].names()) | set(runs[1][1].names())), args.metric)
+    every = sorted(set(runs[0][1].names()) | set(runs[1][1].names()))
+    names = matching(every, args.metric)
     rows = [(n, *(last_value(run.series(n)[1]) for _, run in runs)) for n in names]
     rows = [(n, a, b, b - a) for n, a, b in rows]
     print_table(rows, "last values", ["metric", runs[0][0], runs[1][0], "b - a"])
-    return _written(out, args)
+    return _written(out, args, every, f"{args.run_a} or {args.run_b}")
 
 
-def _written(out: Path | None, args: argparse.Namespace) -> int:
+def _written(out: Path | None, args: argparse.Namespace, names: Sequence[str], where: str) -> int:
     if out is None:
-        raise SystemExit(f"rlmetrics: no metric matches {args.metric}")
+        raise SystemExit(f"rlmetrics {args.command}: {no_match(names, args.metric, where)}")
     print(f"wrote {out}")
     return 0

@@ -1,6 +1,6 @@
-"""``rlmetrics report RUN``: last, min, max and mean of every metric of a run, filtered by globs.
+"""rlmetrics report RUN: last, min, max and mean of every metric of a run, filtered by globs.
 
-RUN is a ``metrics.jsonl`` written by :class:`~rlmetrics.sinks.JsonlSink` or the folder holding it.
+RUN is a metrics.jsonl (written by rlmetrics.sinks.JsonlSink) or the folder holding it.
 
     rlmetrics report runs/demo
     rlmetrics report runs/demo -m 'critic/*' -m 'val-core/*'
@@ -9,6 +9,7 @@ RUN is a ``metrics.jsonl`` written by :class:`~rlmetrics.sinks.JsonlSink` or the
 from __future__ import annotations
 
 import argparse
+import difflib
 import fnmatch
 import math
 import shutil
@@ -38,6 +39,32 @@ def matching(names: Sequence[str], globs: Sequence[str]) -> list[str]:
     ['critic/score/mean', 'val-core/a/acc/mean@4']
     """
     return [n for n in names if not globs or any(fnmatch.fnmatchcase(n, g) for g in globs)]
+
+
+def nearby(names: Sequence[str], glob: str) -> str:
+    """What the user may have meant by a glob that matches none of ``names``: the glob of the names
+    under it or holding it, with their number, else the closest name ('' when nothing is close).
+
+    >>> names = ["critic/score/mean", "critic/score/max", "actor/entropy"]
+    >>> nearby(names, "critic/score"), nearby(names, "entropy"), nearby(names, "actor/entropi")
+    ("'critic/score/*' (2 metrics)", "'*entropy*' (1 metric)", "'actor/entropy'")
+    """
+    for wider in (glob.rstrip("/") + "/*", f"*{glob}*"):
+        n = len(matching(names, [wider]))
+        if n:
+            return f"{wider!r} ({n} metric{'s' if n > 1 else ''})"
+    return ", ".join(map(repr, difflib.get_close_matches(glob, names, n=1)))
+
+
+def no_match(names: Sequence[str], globs: Sequence[str], where: str) -> str:
+    """The error for globs that match none of a run's ``names``, with what they may have meant.
+
+    >>> no_match(["critic/score/mean", "actor/entropy"], ["critic/score", "xyz"], "runs/a")
+    "no metric matches 'critic/score', 'xyz' in runs/a; did you mean 'critic/score/*' (1 metric)?"
+    """
+    hints = [h for h in (nearby(names, g) for g in globs) if h]
+    did_you_mean = f"; did you mean {', '.join(hints)}?" if hints else f" ({len(names)} metrics)"
+    return f"no metric matches {', '.join(map(repr, globs))} in {where}{did_you_mean}"
 
 
 def last_value(values: np.ndarray) -> float:
@@ -76,12 +103,7 @@ def print_table(rows: Sequence[tuple], title: str, columns: Sequence[str] = COLU
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "report",
-        help="table of last/min/max/mean per metric of a run",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = sub.add_parser("report", help="table of last/min/max/mean per metric of a run", description=__doc__)
     p.add_argument("run", help="a metrics.jsonl, or the folder holding one (e.g. runs/demo)")
     add_metric_option(p, "only metrics", required=False)
     p.set_defaults(handler=_run)
@@ -97,6 +119,7 @@ def _run(args: argparse.Namespace) -> int:
     run = load_run(args.run)
     rows = summarize(run, args.metric)
     if not rows:
-        raise SystemExit(f"rlmetrics report: no metric matches {args.metric} in {args.run}")
+        problem = no_match(run.names(), args.metric, args.run) if args.metric else f"no metric in {args.run}"
+        raise SystemExit(f"rlmetrics report: {problem}")
     print_table(rows, f"{args.run}: {len(run.steps)} steps")
     return 0
