@@ -116,7 +116,7 @@ def test_a_call_refused_in_part_says_what_was_submitted(name):
     with pytest.raises(MetricValueError) as err:
         client.submit_metric(metrics)
     text = str(err.value)
-    assert "'actor/entropy/mean'" in text and "the call's other 12 metric(s)" in text, text
+    assert "'actor/entropy/mean'" in text and "12 metric(s) of this call were submitted" in text, text
     assert "for step 0" in text, text
     client.wait_submit()
     assert len(client.result(0)) == 12

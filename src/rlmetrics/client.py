@@ -289,8 +289,8 @@ class ClientCore:
             kept += self._queue(grouped, 1, step, errors)
         if errors:
             raise MetricValueError(
-                "; ".join(errors.values()) + f" (submitted: the call's other {kept} metric(s), for step "
-                f"{step}; only what is named here was left out: fix it and submit those names again)"
+                "; ".join(errors.values()) + f" ({kept} metric(s) of this call were submitted, for step "
+                f"{step}; only what is named here was left out: fix it and submit that again)"
             )
 
     def _queue(self, metrics: Mapping[str, Any], ws: int, step: int, errors: dict[str, str]) -> int:

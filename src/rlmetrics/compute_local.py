@@ -85,7 +85,7 @@ class ComputeLocal:
         except MetricValueError as exc:  # it says what of the call was queued; so are the prompts, below
             errors["metrics"] = str(exc)
         else:
-            kept = f" (submitted: the call's {len(metrics)} metric(s) not named here)"
+            kept = f" ({len(metrics)} metric(s) of this call were submitted; only what is named here is not)"
         if prompts is not None:
             from rlmetrics.states import PROMPT_STATS, PromptStats
 
