@@ -314,7 +314,9 @@ def test_a_refused_pre_merged_contribution_is_listed_under_each_of_its_senders()
     with pytest.raises(SubmissionError, match="metric 'x/mean': count -1000000000.0 < 0"):
         engine.submit_merged((("a", 0), ("b", 3)), STEP, 2, evil(setting((0, 0), -1e9)))
     assert engine.finalize(STEP).meta.refused == dict.fromkeys(
-        ["a/2/0", "b/2/3"], "metric 'x/mean': count -1000000000.0 < 0"
+        ["a/2/0", "b/2/3"],
+        "metric 'x/mean': count -1000000000.0 < 0 (refused whole: this contribution's 5 metric(s) were not "
+        "merged, the rest of the message was)",
     )
 
 

@@ -6,7 +6,9 @@ Workers hand the engine *contributions*: ``(client_id, step, seq, world_size, pa
 sketches for the names that need them, validation samples). The engine
 merges them per ``(step, name)``:
 
-- a name is complete when ``world_size`` contributions arrived for it in that step;
+- a name is complete when ``world_size`` contributions arrived for it in that step; ranks that
+  give one name different ``world_size`` in a step are told at once (the contribution is merged,
+  the name waits for no more, ``meta.conflicts`` names it);
 - a step is complete when every name is complete and every registered client (one that has
   submitted at least once and not departed) has closed the step;
 - :meth:`Aggregator.finalize` turns a step into a :class:`StepResult` — complete or partial, with
@@ -56,6 +58,11 @@ from rlmetrics.wire import check_contribution
 logger = logging.getLogger(__name__)
 
 
+def _giver(keys: tuple[tuple[str, int], ...]) -> str:
+    """Who sent a contribution, for a message: its client, or the first of the clients it merges."""
+    return keys[0][0] if len(keys) == 1 else f"{keys[0][0]} (and {len(keys) - 1} other rank(s))"
+
+
 class Aggregator:
     """Step-keyed merge engine (see the module docstring).
 
@@ -100,7 +107,7 @@ class Aggregator:
     def _forget(self, step: int) -> None:
         """Drop schemas not submitted since ``step - forget_after`` that no pending step uses, and
         the names no kept schema has (:meth:`ColumnIndex.forget`)."""
-        busy = {sid for st in self._steps.values() for sid in st.groups}
+        busy = {sid for st in self._steps.values() for sid, _ in st.groups}
         if self.columns.forget(step - self.forget_after, busy):
             self._layouts.clear()
             self._nan_warned.difference_update(self.columns.forgotten_names)
@@ -214,29 +221,65 @@ class Aggregator:
         try:
             states = check_contribution(packed, known.at, st.states)
         except SubmissionError as exc:
-            st.refused.update((f"{client_id}/{step}/{seq}", str(exc)) for client_id, seq in keys)
-            raise
+            why = (
+                f"{exc} (refused whole: this contribution's {m} metric(s) were not merged, the rest of "
+                "the message was)"
+            )
+            st.refused.update((f"{client_id}/{step}/{seq}", why) for client_id, seq in keys)
+            raise SubmissionError(why) from None
         st.seen.update(keys)
         clients = {client_id for client_id, _ in keys}
         if register:
             self.clients.update(clients)
         st.contributors.update(clients)
+        conflicting = None
         if len(known.cols):
-            group = st.groups.get(packed.schema.id)
+            world_size = int(world_size)
+            group = st.groups.get((packed.schema.id, world_size))
             if group is None:
-                group = st.groups[packed.schema.id] = Group(known.cols)
-            group.add(
-                stats if known.keep is None else stats[..., known.keep], int(world_size), packed.contributions
-            )
+                group = st.groups[packed.schema.id, world_size] = Group(known.cols, world_size)
+                group.conflicting = st.expect(known.cols, world_size, _giver(keys), len(self.columns))
+            group.add(stats if known.keep is None else stats[..., known.keep], packed.contributions)
             group.keys.extend(keys)
+            conflicting = group.conflicting
         st.states.update(states)
+        problems = []
         if known.refused:
             st.refused.update(known.refused)
-            raise RefusedNamesError(
+            problems.append(
                 "; ".join(known.refused.values())
                 + f" (refused; the submission's other {len(known.cols)} metric(s) were merged)"
             )
+        if conflicting is not None:
+            problems.append(self._conflict(st, conflicting, world_size, _giver(keys)))
+        if problems:
+            raise RefusedNamesError("; ".join(problems))
         return True
+
+    def _conflict(self, st: Step, cols: np.ndarray, world_size: int, giver: str) -> str:
+        """Record in ``st`` that ``giver`` gave ``cols`` another ``world_size`` than their first
+        one; the message (each name, both values and who gave them, what to do)."""
+        by_first: dict[tuple[int, int], list[str]] = {}
+        for col, first, who in zip(cols.tolist(), st.world_sizes[cols].tolist(), st.given_by[cols].tolist()):
+            by_first.setdefault((first, who), []).append(col)
+        texts = []
+        for (first, who), group in by_first.items():
+            names = [self.columns.names[c] for c in group]
+            shown = ", ".join(repr(n) for n in names[:5]) + (
+                f" and {len(names) - 5} more" if len(names) > 5 else ""
+            )
+            text = (
+                f"metric(s) {shown}: world_size {world_size} from {giver}, but {first} from {st.givers[who]}"
+            )
+            for c in group:
+                st.conflicts.setdefault(c, text)
+            texts.append(text)
+        logger.warning("%s", "; ".join(texts))
+        return (
+            "; ".join(texts) + " (merged: nothing is lost, and the step waits for no more contributions to"
+            " these names; give a name the same world_size on every rank that submits it: the number of"
+            " contributions expected, e.g. the data-parallel size when one rank per dp group submits)"
+        )
 
     def close(self, client_id: str, step: int) -> None:
         """``client_id`` will send nothing more for ``step`` (a client's ``wait_submit``)."""
@@ -398,6 +441,7 @@ class Aggregator:
         missing_ranks, missing_metrics = self.missing(step)
         st = self._steps.get(step)
         values, empty, histograms = self._values(st) if st is not None and st.groups else ({}, [], {})
+        conflicts = {self.columns.names[c]: why for c, why in st.conflicts.items()} if st is not None else {}
         meta = StepMeta(
             complete=st is not None and not missing_ranks and not missing_metrics,
             missing_ranks=missing_ranks,
@@ -405,6 +449,7 @@ class Aggregator:
             empty=empty,
             contributors=sorted(st.contributors) if st is not None else [],
             refused=dict(st.refused) if st is not None else {},
+            conflicts=conflicts,
         )
         return StepResult(values, step, meta, histograms)
 
@@ -420,7 +465,7 @@ class Aggregator:
 
     def take(self, step: int) -> list[tuple[Packed, int, tuple[tuple[str, int], ...]]]:
         """The step's merged contributions so far, one :class:`Packed` per schema with its
-        contribution count, the largest world_size given and the ``(client_id, seq)`` keys merged
+        contribution count, its world_size and the ``(client_id, seq)`` keys merged
         in it; the step starts afresh (a node forwards them upstream, and forwards what arrives
         later the same way)."""
         st = self._steps.pop(step, None)
@@ -428,7 +473,7 @@ class Aggregator:
         if st is None:
             return []
         out = []
-        for sid, group in sorted(st.groups.items()):
+        for (sid, _), group in sorted(st.groups.items()):
             states = {}
             for i, col in enumerate(group.cols.tolist() if st.states else ()):
                 if col in st.states:  # a name in several schemas: its merged state goes once

@@ -192,7 +192,7 @@ class ClientCore:
             raise ValueError(f"rank must be a non-negative int, got {rank!r:.80}")
         self.rank = None if rank is None else int(rank)
         self.transport = transport
-        self.world_size = world_size
+        self.world_size = None if world_size is None else world_size_arg(world_size)
         self.nan_strategy = nan_strategy
         self.naming = naming
         self.client_id, secret = (client_id, "") if client_id else new_identity(label)
@@ -244,7 +244,7 @@ class ClientCore:
 
     def set_world_size(self, world_size: int) -> None:
         """The default ``world_size`` of later submissions."""
-        self.world_size = int(world_size)
+        self.world_size = world_size_arg(world_size)
 
     def submit_metric(
         self,
@@ -269,12 +269,9 @@ class ClientCore:
         one contribution: their step completes when every registered rank closed it and the names
         without group have all theirs (``docs/groups.md``).
         """
-        ws = self.world_size if world_size is None else world_size
+        ws = self.world_size if world_size is None else world_size_arg(world_size)
         if ws is None:
             raise ValueError("submit_metric needs world_size (or a client created with world_size=...)")
-        if not isinstance(ws, numbers.Integral) or isinstance(ws, bool) or not 1 <= ws <= MAX_WORLD_SIZE:
-            raise ValueError(f"world_size must be an int in [1, {MAX_WORLD_SIZE}], got {ws!r:.80}")
-        ws = int(ws)
         step = self.step if step is None else _step_arg(step)  # refused here, before anything is sent
         if not isinstance(metrics, Mapping):
             raise MetricValueError(
@@ -298,14 +295,18 @@ class ClientCore:
                 except ValueError as exc:  # that tag's groups only: the call's other names go on
                     errors[f"group tag {tag!r}"] = str(exc)
             grouped.update(grouped_values(metrics, labels, errors))
-        self._queue(plain, ws, step, errors)
+        kept = self._queue(plain, ws, step, errors)
         if grouped:
-            self._queue(grouped, 1, step, errors)
+            kept += self._queue(grouped, 1, step, errors)
         if errors:
-            raise MetricValueError("; ".join(errors.values()))
+            raise MetricValueError(
+                "; ".join(errors.values()) + f" ({kept} metric(s) of this call were submitted, for step "
+                f"{step}; only what is named here was left out: fix it and submit that again)"
+            )
 
-    def _queue(self, metrics: Mapping[str, Any], ws: int, step: int, errors: dict[str, str]) -> None:
-        """Pack ``metrics`` and queue them; messages about refused names go to ``errors``."""
+    def _queue(self, metrics: Mapping[str, Any], ws: int, step: int, errors: dict[str, str]) -> int:
+        """Pack ``metrics`` and queue them; messages about refused names go to ``errors``. How many
+        names were queued."""
         reductions = None
         if self.naming is not None:
             metrics, reductions = self.naming.prepare(metrics)
@@ -314,6 +315,7 @@ class ClientCore:
         packed = pack(metrics, self.nan_strategy, self._schemas, errors, reductions)
         if packed.schema.names:
             self.submit_packed(packed, ws, step)
+        return len(packed.schema.names)
 
     # ------------------------------------------------------------------------------ sending
     def _flush(self, close: list[int]) -> None:
@@ -560,6 +562,28 @@ def _caller_level() -> int:
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def world_size_arg(world_size: Any) -> int:
+    """``world_size`` as an int, or ValueError naming it.
+
+    >>> world_size_arg(4)
+    4
+    >>> world_size_arg("4")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: world_size must be an int in [1, 4294967296] (the number of contributions ...), got '4'
+    """
+    if (
+        not isinstance(world_size, numbers.Integral)
+        or isinstance(world_size, bool)
+        or not 1 <= world_size <= MAX_WORLD_SIZE
+    ):
+        raise ValueError(
+            f"world_size must be an int in [1, {MAX_WORLD_SIZE}] (the number of contributions expected per "
+            f"metric name and step, e.g. the data-parallel size), got {world_size!r:.80}"
+        )
+    return int(world_size)
 
 
 def _step_arg(step: Any) -> int:

@@ -23,6 +23,7 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from rlmetrics.client import world_size_arg
 from rlmetrics.packing import pack
 from rlmetrics.values import MetricValueError
 
@@ -78,16 +79,19 @@ class ComputeLocal:
         metrics.update(run_custom_metrics(data))
         if debug_enabled():
             debug_report(batch, metrics)
+        kept = ""
         try:
             self.submit_metric(metrics, world_size, step)
-        except MetricValueError as exc:  # the other names were queued; so are the prompts, below
+        except MetricValueError as exc:  # it says what of the call was queued; so are the prompts, below
             errors["metrics"] = str(exc)
+        else:
+            kept = f" ({len(metrics)} metric(s) of this call were submitted; only what is named here is not)"
         if prompts is not None:
             from rlmetrics.states import PROMPT_STATS, PromptStats
 
             self._submit_state(PROMPT_STATS, PromptStats([(self.client_id, prompts)]), world_size, step)
         if errors:
-            raise MetricValueError("; ".join(errors.values()))
+            raise MetricValueError("; ".join(errors.values()) + kept)
 
     def compute_local_timing_metrics(
         self,
@@ -166,13 +170,13 @@ class ComputeLocal:
         self, name: str, state: Any, world_size: int | None, step: int | None, value: float | None = None
     ) -> None:
         """Queue ``state`` on the column ``name`` (its value: ``value``, else the state's records)."""
-        ws = self.world_size if world_size is None else world_size
+        ws = self.world_size if world_size is None else world_size_arg(world_size)
         if ws is None:
             raise ValueError(f"{name}: needs world_size (or a client created with world_size=...)")
         packed = pack({name: float(len(state.records)) if value is None else value})
         packed.states[0] = state
         with self._lock:
-            self.submit_packed(packed, int(ws), self.step if step is None else int(step), self._next_seq())
+            self.submit_packed(packed, ws, self.step if step is None else int(step), self._next_seq())
 
     def _rank_key(self, record: SampleRecord, seq: int) -> tuple[int, int, int, str]:
         """Where a record goes in the merged order: ``(0, rank, seq, digest)`` for a client with a

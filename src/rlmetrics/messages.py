@@ -29,6 +29,8 @@ class StepMeta:
     - ``refused``: ``{name: why}`` of names the aggregator refused in the step, and
       ``{"client_id/step/seq": why}`` of contributions it refused whole for a value no data gives
       (the key of the error in that client's reply; nothing of them was merged);
+    - ``conflicts``: ``{name: why}`` of names whose ranks gave them different ``world_size`` in
+      the step (merged; the step waits for no more contributions of theirs);
     - ``contributions``: ``[received, expected]`` contributions summed over the step's names (each
       name counted up to its ``world_size``), when the step was finalized by a server;
     - ``late``: contributions that arrived for steps already final (and were dropped) since the
@@ -48,6 +50,7 @@ class StepMeta:
     empty: list[str] = field(default_factory=list)
     contributors: list[Any] = field(default_factory=list)
     refused: dict[str, str] = field(default_factory=dict)
+    conflicts: dict[str, str] = field(default_factory=dict)
     contributions: list[int] | None = None
     late: int = 0
     evicted: bool = False
@@ -120,8 +123,8 @@ class SubmissionError(ValueError):
 
 
 class RefusedNamesError(SubmissionError):
-    """Some names of a contribution were refused (the message says which and why); the rest of it
-    was merged."""
+    """Some names of a contribution were refused, or given another ``world_size`` than other ranks
+    gave them in the step (the message says which and why); the rest of it was merged."""
 
 
 class PartlyMergedError(SubmissionError):

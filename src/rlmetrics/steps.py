@@ -13,8 +13,8 @@ histograms of its ``hist`` names, :mod:`rlmetrics.histogram`).
 >>> packed = pack({"reward/mean": [1.0, 2.0, 6.0]})
 >>> known = columns.of(packed.schema, step=0)
 >>> st = Step()
->>> st.groups[packed.schema.id] = Group(known.cols)
->>> st.groups[packed.schema.id].add(packed.stats, world_size=1)
+>>> st.groups[packed.schema.id, 1] = Group(known.cols, world_size=1)
+>>> st.groups[packed.schema.id, 1].add(packed.stats)
 >>> reduce_step(st, layout_of(st, columns), columns)
 ({'reward/mean': 3.0}, [], {})
 """
@@ -37,16 +37,27 @@ _BLOCK = 1 << 21  # floats stacked per schema and step before they are folded in
 
 
 class Group:
-    """Pending contributions of one schema in one step.
+    """Pending contributions of one schema and ``world_size`` in one step (a node forwards
+    contributions of another ``world_size`` apart, so the root sees the disagreement too).
 
     Single-observation contributions (1-D) are stacked as plain values and summarized in one pass
     (:func:`~rlmetrics.stat.stats_of_rows`); others are stacked field-major for
     :func:`~rlmetrics.stat.reduce_parts`. Blocks are sized to hold about 2M floats.
     """
 
-    __slots__ = ("cols", "rows", "n_rows", "parts", "n_parts", "received", "world_size", "keys")
+    __slots__ = (
+        "cols",
+        "rows",
+        "n_rows",
+        "parts",
+        "n_parts",
+        "received",
+        "world_size",
+        "keys",
+        "conflicting",
+    )
 
-    def __init__(self, cols: np.ndarray) -> None:
+    def __init__(self, cols: np.ndarray, world_size: int) -> None:
         self.cols = cols
         self.keys: list[tuple[str, int]] = []  # the (client_id, seq) of every contribution merged
         self.rows: np.ndarray | None = None
@@ -54,9 +65,10 @@ class Group:
         self.parts: np.ndarray | None = None
         self.n_parts = 0
         self.received = 0
-        self.world_size = 0
+        self.world_size = world_size
+        self.conflicting: np.ndarray | None = None  # columns first given another world_size (Step.expect)
 
-    def add(self, stats: np.ndarray, world_size: int, contributions: int = 1) -> None:
+    def add(self, stats: np.ndarray, contributions: int = 1) -> None:
         if stats.ndim == 1:
             if self.rows is None:
                 self.rows = np.empty((max(4, min(256, _BLOCK // len(self.cols))), len(self.cols)))
@@ -68,7 +80,6 @@ class Group:
         else:
             self._add_part(stats)
         self.received += contributions
-        self.world_size = max(self.world_size, world_size)
 
     def _add_part(self, stats: np.ndarray) -> None:
         if self.parts is None:
@@ -105,22 +116,57 @@ class Layout:
 
 @dataclass
 class Step:
-    """One pending step: its contributions by schema, states by column, and who took part."""
+    """One pending step: its contributions by ``(schema id, world_size)``, states by column, who
+    took part, and the ``world_size`` each column was first given (:meth:`expect`)."""
 
-    groups: dict[bytes, Group] = field(default_factory=dict)
+    groups: dict[tuple[bytes, int], Group] = field(default_factory=dict)
     states: dict[int, State] = field(default_factory=dict)  # sketches, validation samples: by column
     seen: set = field(default_factory=set)
     contributors: set = field(default_factory=set)
     closed: set = field(default_factory=set)
     refused: dict = field(default_factory=dict)  # names refused in this step: their reason
+    world_sizes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # by column, 0: none
+    givers: list = field(default_factory=list)  # who first gave a column its world_size (text)
+    given_by: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # by column: in givers
+    conflicts: dict = field(default_factory=dict)  # column -> why (its ranks disagree on world_size)
+
+    def expect(self, cols: np.ndarray, world_size: int, giver: str, n: int) -> np.ndarray | None:
+        """Note that ``giver`` expects ``world_size`` contributions for ``cols`` (of ``n`` columns);
+        the columns that were given another ``world_size`` before in this step (None: none). Called
+        once per group: its later contributions meet the same first values."""
+        if not self.givers:  # the step's first group
+            self.world_sizes = np.zeros(n, np.int64)
+            self.world_sizes[cols] = world_size
+            self.given_by = np.zeros(n, np.int64)
+            self.givers.append(giver)
+            return None
+        if len(self.world_sizes) < n:
+            grow = n - len(self.world_sizes)
+            self.world_sizes = np.concatenate([self.world_sizes, np.zeros(grow, np.int64)])
+            self.given_by = np.concatenate([self.given_by, np.zeros(grow, np.int64)])
+        given = self.world_sizes[cols]
+        same = given == world_size
+        if same.all():
+            return None
+        new = cols[given == 0]
+        if len(new):
+            self.world_sizes[new] = world_size
+            self.given_by[new] = len(self.givers)
+            self.givers.append(giver)
+        conflicting = cols[~same & (given != 0)]
+        return conflicting if len(conflicting) else None
 
     def counts(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """Contributions received and expected per column (expected: the largest world_size given)."""
+        """Contributions received and expected per column (expected: the first world_size given; a
+        column whose ranks disagree on it expects what it received)."""
         received = np.zeros(n, np.int64)
-        expected = np.zeros(n, np.int64)
         for g in self.groups.values():
             received[g.cols] += g.received
-            expected[g.cols] = np.maximum(expected[g.cols], g.world_size)
+        expected = np.zeros(n, np.int64)
+        expected[: len(self.world_sizes)] = self.world_sizes
+        if self.conflicts:
+            conflicting = np.fromiter(self.conflicts, np.int64, len(self.conflicts))
+            expected[conflicting] = received[conflicting]
         return received, expected
 
 

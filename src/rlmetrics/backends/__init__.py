@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from rlmetrics.backends import local
-from rlmetrics.client import ClientCore, Transport
+from rlmetrics.client import ClientCore, Transport, world_size_arg
 from rlmetrics.compute_local import ComputeLocal
 
 BACKENDS = ("local", "ray", "torch")
@@ -77,6 +77,8 @@ def connect(backend: str = "local", *, world_size: int | None = None, name: str 
     {'perf/delta_time/gen': 0.5}
     >>> local.drop_worker("connect-doc")
     """
+    if world_size is not None:  # before any aggregator is made for it
+        world_size_arg(world_size)
     client_keys = ("nan_strategy", "label", "rank", "blocking", "naming")
     client_opts = {k: options.pop(k) for k in client_keys if k in options}
     if client_opts.get("naming") is not None:

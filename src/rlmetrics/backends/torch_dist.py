@@ -400,7 +400,7 @@ class TorchMetricClient(ComputeLocal, ClientCore):
         transport = TorchDistTransport(group, **transport_options)
         super().__init__(
             transport,
-            world_size=world_size or transport.world_size,
+            world_size=transport.world_size if world_size is None else world_size,
             nan_strategy=nan_strategy,
             label=label or f"rank{transport.rank}",
             naming=naming,

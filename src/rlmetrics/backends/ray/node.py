@@ -13,6 +13,7 @@ from rlmetrics.backends.ray import compat
 from rlmetrics.backends.ray.actor import AggregatorClass, _MetricWorker, keep
 from rlmetrics.backends.ray.compat import ray
 from rlmetrics.messages import Reply, StepResult, SubmissionError
+from rlmetrics.stat import MetricValueError
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +155,8 @@ class _NodeWorker(_MetricWorker):
             for packed, world_size, keys in parts:
                 self.upstream.submit_packed(packed, world_size, step, seq=keys)
             self.upstream.close_step(step, on_behalf=closers)
+        except MetricValueError as exc:  # about an earlier forward: the root merged the rest (its meta says)
+            logger.warning("the root refused part of what this node forwarded: %s", exc)
         except Exception:  # the upstream client resends what it keeps once the root answers
             logger.exception("forwarding step %d upstream failed", step)
 

@@ -1,0 +1,229 @@
+"""Mistakes a user makes at first contact, told at once and plainly: ranks that disagree on a
+name's ``world_size`` (in-process, Ray, Ray below node sub-aggregators), a bad ``world_size`` given
+to ``connect``, and a ``submit_metric`` call refused in part (the message says what went through)."""
+
+import threading
+import time
+import uuid
+
+import pytest
+
+import rlmetrics
+from rlmetrics import MetricClient, MetricValueError
+from rlmetrics.backends import local
+
+SLOW_READ = 30.0  # a read that waits this long waited for the deadline (final_timeout=60), not the data
+
+
+@pytest.fixture
+def name():
+    name = f"first-contact-{uuid.uuid4().hex[:8]}"
+    yield name
+    local.drop_worker(name)
+
+
+def test_a_rank_with_another_world_size_is_told_at_once_and_the_reader_does_not_wait(name):
+    """dp size vs world size: two ranks say 2, the third 3. The third's ``wait_submit`` raises naming
+    the metric, both values and both ranks; the driver's ``wait_final_res`` returns at once with every
+    rank's data and ``meta.conflicts`` naming the name."""
+    ranks = [
+        rlmetrics.connect("local", world_size=3, name=name, label=f"rank{r}", final_timeout=60)
+        for r in range(3)
+    ]
+    driver = rlmetrics.connect("local", name=name)
+    for r, client in enumerate(ranks[:2]):
+        client.submit_metric({"critic/score/mean": [float(r)], "response/length/mean": [10.0]}, 2)
+        client.wait_submit()
+    ranks[2].submit_metric({"critic/score/mean": [5.0], "response/length/mean": [10.0]}, 3)
+    with pytest.raises(MetricValueError) as err:
+        ranks[2].wait_submit()
+    text = str(err.value)
+    for part in ("'critic/score/mean'", "world_size 3", "but 2", ranks[2].client_id, ranks[0].client_id):
+        assert part in text, text
+    assert "merged" in text and "data-parallel size" in text, text
+    start = time.monotonic()
+    res = driver.wait_final_res()
+    assert time.monotonic() - start < SLOW_READ
+    assert res.meta.complete and not res.meta.missing_metrics, res.meta
+    assert res["critic/score/mean"] == pytest.approx(2.0)  # (0 + 1 + 5) / 3: nothing lost
+    assert set(res.meta.conflicts) == {"critic/score/mean", "response/length/mean"}
+    assert ranks[2].client_id in res.meta.conflicts["critic/score/mean"]
+
+
+def test_two_ranks_two_world_sizes_the_read_returns_before_the_deadline(name):
+    """The issue's case: 2 vs 3 for one name, two ranks. Before, the step waited the whole
+    ``final_timeout`` for a third contribution and then said 'missing ranks []'."""
+    ranks = [rlmetrics.connect("local", name=name, label=f"rank{r}", final_timeout=60) for r in range(2)]
+    ranks[0].submit_metric({"critic/score/mean": 1.0}, 2)
+    ranks[0].wait_submit()
+    ranks[1].submit_metric({"critic/score/mean": 3.0}, 3)
+    with pytest.raises(
+        MetricValueError, match=r"'critic/score/mean': world_size 3 from rank1@.* but 2 from rank0@"
+    ):
+        ranks[1].wait_submit()
+    start = time.monotonic()
+    res = rlmetrics.connect("local", name=name).wait_final_res()
+    assert time.monotonic() - start < SLOW_READ
+    assert dict(res) == {"critic/score/mean": 2.0} and "critic/score/mean" in res.meta.conflicts
+
+
+def test_siirl_pattern_different_names_with_different_world_sizes_stays_valid(name):
+    """siiRL submits data metrics with the dp size and rank 0's timings with 1: per name, no error."""
+    ranks = [rlmetrics.connect("local", world_size=2, name=name, label=f"rank{r}") for r in range(2)]
+    errors = []
+
+    def rank_loop(r, client):
+        try:
+            for _ in range(3):
+                client.submit_metric({"critic/score/mean": [1.0 + r], "actor/pg_loss": 0.5}, 2)
+                if r == 0:
+                    client.submit_metric({"timing_s/gen": 0.25}, 1)
+                client.wait_submit()
+        except Exception as exc:  # noqa: BLE001 - the assertion below names it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank_loop, args=(r, c)) for r, c in enumerate(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    driver = rlmetrics.connect("local", name=name)
+    for step in range(3):
+        res = driver.result(step, timeout=10)
+        assert res.meta.complete and not res.meta.conflicts, res.meta
+        assert dict(res) == {"critic/score/mean": 1.5, "actor/pg_loss": 0.5, "perf/delta_time/gen": 0.25}
+
+
+@pytest.mark.parametrize("bad", [0, -1, "4", 2.5, True])
+def test_connect_refuses_a_bad_world_size_naming_it(bad, name):
+    with pytest.raises(ValueError, match=rf"world_size must be an int .*got {bad!r}"):
+        rlmetrics.connect("local", world_size=bad, name=name)
+    with pytest.raises(ValueError, match=rf"got {bad!r}"):
+        MetricClient(local.get_worker(name), world_size=bad)
+    client = MetricClient(local.get_worker(name))
+    with pytest.raises(ValueError, match=rf"got {bad!r}"):
+        client.set_world_size(bad)
+    with pytest.raises(ValueError, match=rf"got {bad!r}"):
+        client.submit_metric({"x": 1.0}, bad)
+
+
+def test_a_call_refused_in_part_says_what_was_submitted(name):
+    """One bad value among 13: the message names it and says the other 12 went through, as they did."""
+    client = rlmetrics.connect("local", world_size=1, name=name)
+    metrics = {f"actor/loss_{i}/mean": float(i) for i in range(12)}
+    metrics["actor/entropy/mean"] = "high"
+    with pytest.raises(MetricValueError) as err:
+        client.submit_metric(metrics)
+    text = str(err.value)
+    assert "'actor/entropy/mean'" in text and "12 metric(s) of this call were submitted" in text, text
+    assert "for step 0" in text, text
+    client.wait_submit()
+    assert len(client.result(0)) == 12
+
+
+def test_a_name_refused_by_the_aggregator_says_the_rest_was_merged(name):
+    """``timing_s/gen`` is reported as ``perf/delta_time/gen``: the second is refused at the
+    aggregator, the message from ``wait_submit`` says what of the submission was merged."""
+    client = rlmetrics.connect("local", world_size=1, name=name)
+    client.submit_metric({"timing_s/gen": 1.0, "perf/delta_time/gen": 2.0, "actor/pg_loss": 0.1})
+    with pytest.raises(MetricValueError, match=r"'perf/delta_time/gen'.*other 2 metric\(s\) were merged"):
+        client.wait_submit()
+    assert dict(client.result(0)) == {"perf/delta_time/gen": 1.0, "actor/pg_loss": 0.1}
+
+
+# ------------------------------------------------------------------------------------ Ray
+@pytest.fixture(scope="module")
+def ray_local():
+    ray = pytest.importorskip("ray")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+class Rank:
+    """A siiRL DAG worker: a ``MetricClient`` of the driver's ``MetricWorker`` (or, with
+    ``hierarchy``, a ``connect``ed rank), ``submit_metric(dict, world_size)`` then ``wait_submit()``."""
+
+    def __init__(self, rank, worker=None, name=None, hierarchy=None):
+        if worker is not None:
+            self.client = MetricClient(worker, label=f"rank{rank}")
+        else:
+            self.client = rlmetrics.connect(
+                "ray", name=name, world_size=3, label=f"rank{rank}", hierarchy=hierarchy
+            )
+        self.rank = rank
+
+    def client_id(self):
+        return self.client.client_id
+
+    def step(self, world_size):
+        self.client.submit_metric({"critic/score/mean": [float(self.rank)], "actor/pg_loss": 0.5}, world_size)
+        try:
+            self.client.wait_submit()
+        except MetricValueError as exc:
+            return str(exc)
+        return None
+
+
+def _ranks(ray, n, **kwargs):
+    actors = [ray.remote(num_cpus=0)(Rank).remote(r, **kwargs) for r in range(n)]
+    return actors, ray.get([a.client_id.remote() for a in actors])
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_ray_a_rank_with_another_world_size_is_told_at_once(ray_local):
+    """The seed's loop on Ray: the driver's ``MetricWorker``, a ``MetricClient`` per rank actor.
+    Step 0 is right (every rank registers), in step 1 rank 2 passes 3 instead of the dp size 2."""
+    ray = ray_local
+    worker = rlmetrics.get_metric_worker(f"fc-{uuid.uuid4().hex[:8]}", final_timeout=60)
+    actors, ids = _ranks(ray, 3, worker=worker)
+    driver = MetricClient(worker)
+    try:
+        assert ray.get([a.step.remote(3) for a in actors]) == [None] * 3
+        assert driver.wait_final_res().meta.complete
+        assert ray.get([a.step.remote(2) for a in actors[:2]]) == [None, None]
+        error = ray.get(actors[2].step.remote(3))
+        assert error is not None and "'critic/score/mean'" in error and "world_size 3" in error, error
+        assert ids[2] in error and (ids[0] in error or ids[1] in error) and "but 2" in error, error
+        start = time.monotonic()
+        res = driver.wait_final_res()
+        assert time.monotonic() - start < SLOW_READ
+        assert (
+            res.step == 1 and not res.meta.missing_metrics and res["critic/score/mean"] == pytest.approx(1.0)
+        )
+        assert ids[2] in res.meta.conflicts["critic/score/mean"]
+    finally:
+        for a in actors:
+            ray.kill(a)
+        ray.kill(worker)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_ray_node_hierarchy_the_root_names_the_ranks_too(ray_local):
+    """Below a node sub-aggregator the rank is told by its node, and the root, which sees the node's
+    merged forwards, still names the ranks on each side in ``meta.conflicts``."""
+    ray = ray_local
+    name = f"fc-{uuid.uuid4().hex[:8]}"
+    root = rlmetrics.get_metric_worker(name, final_timeout=60)
+    actors, ids = _ranks(ray, 3, name=name, hierarchy="node")
+    driver = rlmetrics.connect("ray", name=name)
+    try:
+        assert ray.get([a.step.remote(2) for a in actors[:2]]) == [None, None]
+        error = ray.get(actors[2].step.remote(3))
+        assert error is not None and "'critic/score/mean'" in error and ids[2] in error, error
+        assert ids[0] in error or ids[1] in error, error
+        start = time.monotonic()
+        res = driver.wait_final_res()
+        assert time.monotonic() - start < SLOW_READ
+        assert not res.meta.missing_metrics and res["critic/score/mean"] == pytest.approx(1.0), res.meta
+        why = res.meta.conflicts["critic/score/mean"]
+        assert "world_size 3" in why and ids[2] in why and (ids[0] in why or ids[1] in why), why
+    finally:
+        for a in actors:
+            ray.kill(a)
+        node = ray.get_runtime_context().get_node_id()
+        ray.kill(ray.get_actor(f"{name}/node/{node}"))
+        ray.kill(root)
