@@ -25,7 +25,7 @@ def name():
 def test_a_rank_with_another_world_size_is_told_at_once_and_the_reader_does_not_wait(name):
     """dp size vs world size: two ranks say 2, the third 3. The third's ``wait_submit`` raises naming
     the metric, both values and both ranks; the driver's ``wait_final_res`` returns at once with every
-    rank's data and ``meta.conflicts`` naming the name."""
+    rank's data and ``meta.conflicts`` naming the name, and warns once."""
     ranks = [
         rlmetrics.connect("local", world_size=3, name=name, label=f"rank{r}", final_timeout=60)
         for r in range(3)
@@ -42,8 +42,11 @@ def test_a_rank_with_another_world_size_is_told_at_once_and_the_reader_does_not_
         assert part in text, text
     assert "merged" in text and "data-parallel size" in text, text
     start = time.monotonic()
-    res = driver.wait_final_res()
+    with pytest.warns(rlmetrics.WorldSizeWarning, match=r"'critic/score/mean'.*world_size 3") as caught:
+        res = driver.wait_final_res()
+        driver.result(0)  # the reader is told once per name
     assert time.monotonic() - start < SLOW_READ
+    assert len([w for w in caught if w.category is rlmetrics.WorldSizeWarning]) == 1
     assert res.meta.complete and not res.meta.missing_metrics, res.meta
     assert res["critic/score/mean"] == pytest.approx(2.0)  # (0 + 1 + 5) / 3: nothing lost
     assert set(res.meta.conflicts) == {"critic/score/mean", "response/length/mean"}

@@ -20,6 +20,7 @@ from rlmetrics.messages import (
     StepResult,
     StepWarning,
     SubmissionError,
+    WorldSizeWarning,
 )
 from rlmetrics.packing import pack
 from rlmetrics.reduce import (
@@ -66,6 +67,6 @@ __all__ = [
     "MetricClient", "MetricFunc", "MetricValueError", "MetricWorker", "MinMetric", "NonFiniteWarning",
     "PartialStepWarning", "PercentileMetric", "ProvisionalWarning", "RLMetricsWarning", "RayStartedWarning",
     "Reduction", "Sketch", "Stat", "StepMeta", "StepResult", "StepWarning", "SubmissionError", "SumMetric",
-    "connect", "get_metric_worker", "pack", "percentile", "register_reduction", "resolve",
+    "WorldSizeWarning", "connect", "get_metric_worker", "pack", "percentile", "register_reduction", "resolve",
     "unregister_reduction",
 ]  # fmt: skip

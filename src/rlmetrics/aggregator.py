@@ -274,7 +274,7 @@ class Aggregator:
             for c in group:
                 st.conflicts.setdefault(c, text)
             texts.append(text)
-        logger.warning("%s", "; ".join(texts))
+        logger.info("%s", "; ".join(texts))  # the rank is told (its reply), the reader warns
         return (
             "; ".join(texts) + " (merged: nothing is lost, and the step waits for no more contributions to"
             " these names; give a name the same world_size on every rank that submits it: the number of"

@@ -39,6 +39,7 @@ from rlmetrics.messages import (
     StepResult,
     StepWarning,
     SubmissionError,
+    WorldSizeWarning,
 )
 from rlmetrics.metrics import without_reserved
 from rlmetrics.packing import MAX_WORLD_SIZE, Packed, pack, pack_known
@@ -208,6 +209,7 @@ class ClientCore:
         self._inflight: list[Any] = []  # posted sends whose replies are not handled yet
         self._schemas: dict = {}
         self._nan_warned: set[str] = set()
+        self._conflict_warned: set[str] = set()
         self._provisional_warned = False
         self.stopped = False  # stop() left for good: no more submissions
         self.finalized_state: tuple[int, list[int]] = (0, [])  # as the aggregator last reported it
@@ -493,6 +495,15 @@ class ClientCore:
             warnings.warn(
                 f"rlmetrics: step {res.step} is partial: {_missing(res)}",
                 PartialStepWarning,
+                stacklevel=_caller_level(),
+            )
+        conflicts = [n for n in meta.conflicts if n not in self._conflict_warned]
+        if conflicts:
+            self._conflict_warned.update(conflicts)
+            warnings.warn(
+                f"rlmetrics: step {res.step}: {meta.conflicts[conflicts[0]]} "
+                f"({len(conflicts)} name(s) in meta.conflicts; warned once per name)",
+                WorldSizeWarning,
                 stacklevel=_caller_level(),
             )
         if math.isfinite(sum(res.values())):  # else a value is not finite, or the sum overflowed

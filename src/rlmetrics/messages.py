@@ -167,6 +167,11 @@ class NonFiniteWarning(RLMetricsWarning):
     """A result's value is not finite (once per metric name and client)."""
 
 
+class WorldSizeWarning(RLMetricsWarning):
+    """Ranks gave one name different ``world_size`` in a step (``meta.conflicts``; once per name
+    and client: the ranks that gave it are told by an error at every step)."""
+
+
 class StepWarning(RLMetricsWarning):
     """A client's step counter and what it queued disagree (data queued for a step not closed)."""
 
