@@ -357,8 +357,9 @@ def test_make_sinks_resume_keeps_ids_and_skips(tmp_path):
         for step in range(5):
             tracking.log({"x": float(step)}, step)
     assert read_jsonl(tmp_path / "metrics.jsonl").steps == [0, 1, 2, 3, 4]
-    with make_sinks(["jsonl"], tmp_path) as tracking:  # no resume: a new file
+    with make_sinks(["jsonl"], tmp_path, overwrite=True) as tracking:  # a new file
         assert tracking.resumed_at is None
+    assert read_jsonl(tmp_path / "metrics.jsonl").steps == []
     assert not (tmp_path / "run_ids.json").exists()  # no tracker run, no id to keep
 
 
