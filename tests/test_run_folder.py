@@ -91,6 +91,18 @@ def test_what_a_run_folder_holds_and_the_next_free_one(tmp_path):
         make_sinks(["jsonl"], out, resume=True, overwrite=True)
 
 
+def test_a_tensorboard_sink_refuses_a_folder_holding_event_files(tmp_path):
+    """TensorBoard reads every event file of a folder as one run: a second run's file would double
+    each series, so a TensorBoardSink made directly (not through make_sinks) refuses too."""
+    from rlmetrics.sinks import TensorBoardSink
+
+    with TensorBoardSink(tmp_path) as sink:
+        sink.log({"x": 1.0}, 0)
+    with pytest.raises(FileExistsError, match="resume=True"):
+        TensorBoardSink(tmp_path)
+    assert tensorboard_steps(tmp_path) == {"x": [0]}
+
+
 # ------------------------------------------------------------------------------------ rlmetrics demo
 def demo(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "rlmetrics", "demo", "--simulate", "--backend", "local", "--steps", "3"]

@@ -248,17 +248,17 @@ def make_sinks(
 
     Files go to ``out_dir`` (created): ``metrics.jsonl``, ``tensorboard/``, ``wandb/``,
     ``mlflow.db``, ``swanlab/``, and :data:`RUN_IDS` (the W&B, MLflow and SwanLab run ids);
-    trackers run offline. A folder holds one run: one that holds a run (:func:`run_files`) is refused
-    with a FileExistsError naming what it holds, unless ``resume=True`` or ``overwrite=True``
-    (whichever sinks are asked for: two runs never mix in one folder). ``overwrite=True`` removes the
-    run's files (:data:`RUN_FILES`; other files stay) and starts a new run. ``resume=True`` continues
-    the runs found there (a driver restarted after a crash; a first start finds none and starts new
-    runs): the JSONL file and TensorBoard directory, and the tracker runs named in :data:`RUN_IDS` (a
-    tracker without a saved id starts a new run); every sink skips the steps up to the last one it
-    holds, and with ``jsonl`` among the sinks the trackers first get the steps of the JSONL file they
-    lack (:meth:`Tracking.catch_up`). ``axes=True``: the run logs steps of other axes too
-    (:meth:`Tracking.log_axis`): the W&B run is made with ``WandbSink(axes=True)``. If one sink
-    cannot be created, the ones already created are closed and the error is raised.
+    trackers run offline. A folder holds one run: a folder that holds one (:func:`run_files`, whatever
+    sinks wrote it) is refused with a one-line FileExistsError naming what it holds, unless
+    ``overwrite=True``, which removes those files (other files stay) and starts a new run, or
+    ``resume=True``, which continues the runs found there (a driver restarted after a crash; a first
+    start finds none and starts new runs): the JSONL file and TensorBoard directory, and the tracker
+    runs named in :data:`RUN_IDS` (a tracker without a saved id starts a new run); every sink skips
+    the steps up to the last one it holds, and with ``jsonl`` among the sinks the trackers first get
+    the steps of the JSONL file they lack (:meth:`Tracking.catch_up`). ``axes=True``: the run logs
+    steps of other axes too (:meth:`Tracking.log_axis`): the W&B run is made with
+    ``WandbSink(axes=True)``. If one sink cannot be created, the ones already created are closed and
+    the error is raised.
 
     >>> import tempfile
     >>> out = Path(tempfile.mkdtemp())
