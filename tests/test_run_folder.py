@@ -26,7 +26,8 @@ def points(sink: str, out: Path) -> list[tuple[int, float]]:
     if sink == "tensorboard":
         from tests.trackers import tensorboard_accumulator
 
-        return [(e.step, e.value) for e in tensorboard_accumulator(out / "tensorboard").Scalars("x")]
+        events = tensorboard_accumulator(out / "tensorboard").Scalars("x")
+        return sorted((e.step, e.value) for e in events)  # files in name order: ...<pid>.10 before .9
     if sink == "wandb":
         return [(s, row["x"]) for s, row in wandb_rows(sorted(out.glob("wandb/offline-run-*/run-*.wandb")))]
     if sink == "mlflow":
