@@ -10,8 +10,11 @@ checkpoint and runs the steps after it again; the sinks skip the ones they alrea
 health alerts of those steps are not written twice. At ``--nan-step`` rank 1's gradient norm is NaN
 (a health alert).
 
-Run, kill once it logged step 12 (15 lines: 13 steps and 2 alerts), run again (docs/resume.md)::
+It continues whatever run ``OUT`` holds (``resume=True`` on every start, as a driver restarted by
+its scheduler does), so a new run needs an empty folder. Run, kill once it logged step 12 (15 lines:
+13 steps and 2 alerts), run again (docs/resume.md)::
 
+    rm -rf runs/resumable
     python examples/resumable_run.py runs/resumable --steps 60 &
     until [ "$(cat runs/resumable/metrics.jsonl 2>/dev/null | wc -l)" -ge 15 ]; do sleep 0.1; done; kill -9 $!
     python examples/resumable_run.py runs/resumable --steps 60

@@ -154,6 +154,33 @@ def test_driver_killed_and_restarted_logs_every_step_once_in_every_tracker(tmp_p
     }
 
 
+PAGE = (ROOT / "docs" / "resume.md").read_text(encoding="utf-8")
+
+
+def test_the_try_it_block_runs_as_written_and_prints_what_the_page_says(tmp_path):
+    """docs/resume.md's "Try it" block, run by bash as pasted in the repository root (a folder holding
+    examples/), with ``python`` the one running the tests on PATH. The folder already holds the
+    finished run of an earlier paste: the block starts a new run all the same. The restart starts at
+    a checkpoint of the killed run and the last line is the one the page shows."""
+    (block,) = re.findall(r"^## Try it\n.*?^```bash\n(.*?)^```", PAGE, re.S | re.M)
+    last_line = re.search(r"the last line prints\s+`(.*?)`", PAGE)[1]
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    earlier = tmp_path / "runs" / "resumable"
+    with JsonlSink(earlier / "metrics.jsonl") as sink:
+        for step in range(60):
+            sink.log({"critic/score/mean": 0.5}, step)
+    (earlier / "checkpoint.json").write_text(json.dumps({"next_step": 60}))
+    env = {**os.environ, "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]])}
+    env.pop("WANDB_SERVICE", None)  # a fresh shell: not this process's W&B service
+    done = subprocess.run(
+        ["bash", "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines()[-1] == last_line
+    starts = [int(n) for n in re.findall(r"^starting at step (\d+)$", done.stdout, re.M)]
+    assert starts[0] == 0 and 0 < starts[1] <= NAN_STEP and starts[1] % 5 == 0, done.stdout
+
+
 # ------------------------------------------------------------------ a kill inside MLflow's store creation
 STORE_KILLS = [  # the SQL statement right after which a start is killed, what it is, store in place after
     (r"CREATE TABLE span_metrics\b", "a table of a migration (issue 29's)", False),
@@ -357,8 +384,9 @@ def test_make_sinks_resume_keeps_ids_and_skips(tmp_path):
         for step in range(5):
             tracking.log({"x": float(step)}, step)
     assert read_jsonl(tmp_path / "metrics.jsonl").steps == [0, 1, 2, 3, 4]
-    with make_sinks(["jsonl"], tmp_path) as tracking:  # no resume: a new file
+    with make_sinks(["jsonl"], tmp_path, overwrite=True) as tracking:  # a new file
         assert tracking.resumed_at is None
+    assert read_jsonl(tmp_path / "metrics.jsonl").steps == []
     assert not (tmp_path / "run_ids.json").exists()  # no tracker run, no id to keep
 
 

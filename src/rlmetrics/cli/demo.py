@@ -29,6 +29,7 @@ import numpy as np
 
 from rlmetrics.backends import connect
 
+DEFAULT_OUT = "runs/demo"
 SOURCES = ("gsm8k", "math500")
 PROMPTS_PER_RANK = 8
 GROUP_SIZE = 4  # responses per prompt: GRPO's group
@@ -216,7 +217,7 @@ def log_run(args: argparse.Namespace) -> tuple[float, float]:
             )
             started_ray = True
     sinks = [s for s in args.sinks.split(",") if s]
-    tracking = make_sinks(["jsonl", *(s for s in sinks if s != "jsonl")], out, run_name=name)
+    tracking = make_sinks(["jsonl", *sinks], out, run_name=name, overwrite=args.overwrite)  # jsonl once
     driver = connect(args.backend, name=name)  # a reader; creates the aggregator first
     try:
         join, poll = start_ranks(args, name)
@@ -305,7 +306,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="comma-separated: jsonl,console,tensorboard,wandb,mlflow,swanlab (offline; "
         "JSONL is always written)",
     )
-    p.add_argument("--out", default="runs/demo", help="folder for metrics.jsonl, event files, PNGs")
+    p.add_argument(
+        "--out",
+        help=f"folder for metrics.jsonl, event files, PNGs (default: {DEFAULT_OUT}, or {DEFAULT_OUT}-2, -3 "
+        "... when it holds a run; an --out that holds one is refused)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run that --out holds (its metrics.jsonl, tensorboard/ ...; other files stay)",
+    )
     p.add_argument("--val-every", type=int, default=10, help="validation round every N steps (0: none)")
     p.add_argument("--val-prompts", type=int, default=32, help="validation prompts per data source")
     p.add_argument("--val-samples", type=int, default=8, help="samples per validation prompt (the k)")
@@ -330,6 +340,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_run)
 
 
+def out_folder(out: str | None, overwrite: bool) -> Path:
+    """The folder of this run: ``out`` (refused if it holds a run, unless ``overwrite``), by default
+    DEFAULT_OUT, or the first of DEFAULT_OUT-2, -3 ... that holds none: a rerun never mixes runs."""
+    from rlmetrics.sinks import new_run_folder, run_files
+
+    if out is None and not overwrite:
+        folder = new_run_folder(DEFAULT_OUT)
+        if folder != Path(DEFAULT_OUT):
+            print(f"{DEFAULT_OUT} holds a run: this one goes to {folder}", flush=True)
+        return folder
+    folder = Path(out or DEFAULT_OUT)
+    held = run_files(folder)
+    if held and not overwrite:
+        raise SystemExit(
+            f"rlmetrics demo: {folder} holds a run ({', '.join(p.name for p in held)}): pass --overwrite to "
+            "replace it, or another --out"
+        )
+    return folder
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.workers < 1:
         raise SystemExit("rlmetrics demo: --steps and --workers must be >= 1")
@@ -339,5 +369,6 @@ def _run(args: argparse.Namespace) -> int:
         )
     if args.backend == "local" and not args.simulate:
         raise SystemExit("rlmetrics demo: the real run needs Ray (--backend local needs --simulate)")
+    args.out = out_folder(args.out, args.overwrite)
     run(args)
     return 0

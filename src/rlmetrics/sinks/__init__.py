@@ -6,7 +6,9 @@ Every sink has ``log(metrics, step)`` (``metrics``: ``{name: float}``, e.g. a
 it adds ``meta/coverage`` and ``meta/late`` to a step that has a ``meta``
 (:func:`~rlmetrics.health.coverage_metrics`) and runs the health rules
 (:class:`~rlmetrics.health.Monitor`) on each step. :func:`make_sinks` builds the usual set in one
-output directory by name (see :data:`SINKS`), and continues the runs there with ``resume=True``.
+output directory by name (see :data:`SINKS`): a folder holds one run, which ``resume=True`` continues
+and ``overwrite=True`` replaces; a folder holding a run is refused otherwise (:func:`run_files`,
+:func:`new_run_folder`).
 
 Importing this package imports no tracker, torch or rich: each sink imports its library when it is
 created, and a missing one raises an ImportError naming the pip extra.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -217,6 +220,13 @@ tracker's run to continue."""
 RUN_IDS = "run_ids.json"
 """The file in ``out_dir`` where :func:`make_sinks` keeps the id of each tracker's run."""
 
+RUN_FILES = (
+    "metrics.jsonl", "tensorboard", "wandb", "swanlab", "mlflow.db", "mlflow.db-journal", "mlflow.db.*.init*",
+    RUN_IDS, "run_ids.tmp",
+)  # fmt: skip
+"""What :func:`make_sinks` writes in its folder (glob patterns: the sinks' files and folders, the MLflow
+store's journal and the temporary stores of killed starts, the run ids and their temporary file)."""
+
 CATCH_UP = ("tensorboard", "wandb", "mlflow", "swanlab")
 """The sinks :func:`make_sinks` brings up to the JSONL file when it resumes a run
 (:meth:`Tracking.catch_up`)."""
@@ -229,6 +239,7 @@ def make_sinks(
     project: str = "rlmetrics",
     run_name: str | None = None,
     resume: bool = False,
+    overwrite: bool = False,
     health: Monitor | bool | None = True,
     axes: bool = False,
 ) -> Tracking:
@@ -237,13 +248,26 @@ def make_sinks(
 
     Files go to ``out_dir`` (created): ``metrics.jsonl``, ``tensorboard/``, ``wandb/``,
     ``mlflow.db``, ``swanlab/``, and :data:`RUN_IDS` (the W&B, MLflow and SwanLab run ids);
-    trackers run offline. ``resume=True`` continues the runs found there (a driver restarted after a
-    crash): the JSONL file and TensorBoard directory, and the tracker runs named in :data:`RUN_IDS`
-    (a tracker without a saved id starts a new run); every sink skips the steps up to the last one it
-    holds, and with ``jsonl`` among the sinks the trackers first get the steps of the JSONL file they
-    lack (:meth:`Tracking.catch_up`). ``axes=True``: the run logs steps of other axes too
-    (:meth:`Tracking.log_axis`): the W&B run is made with ``WandbSink(axes=True)``. If one sink
-    cannot be created, the ones already created are closed and the error is raised.
+    trackers run offline. A folder holds one run: a folder that holds one (:func:`run_files`, whatever
+    sinks wrote it) is refused with a one-line FileExistsError naming what it holds, unless
+    ``overwrite=True``, which removes those files (other files stay) and starts a new run, or
+    ``resume=True``, which continues the runs found there (a driver restarted after a crash; a first
+    start finds none and starts new runs): the JSONL file and TensorBoard directory, and the tracker
+    runs named in :data:`RUN_IDS` (a tracker without a saved id starts a new run); every sink skips
+    the steps up to the last one it holds, and with ``jsonl`` among the sinks the trackers first get
+    the steps of the JSONL file they lack (:meth:`Tracking.catch_up`). ``axes=True``: the run logs
+    steps of other axes too (:meth:`Tracking.log_axis`): the W&B run is made with
+    ``WandbSink(axes=True)``. If one sink cannot be created, the ones already created are closed and
+    the error is raised.
+
+    >>> import tempfile
+    >>> out = Path(tempfile.mkdtemp())
+    >>> make_sinks(["jsonl"], out).close()
+    >>> make_sinks(["jsonl"], out)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    FileExistsError: ... holds a run (metrics.jsonl): pass resume=True to continue it, overwrite=True ...
+    >>> make_sinks(["jsonl"], out, overwrite=True).close()
     """
     if isinstance(names, str):
         names = names.split(",")
@@ -251,7 +275,20 @@ def make_sinks(
     unknown = [n for n in wanted if n not in SINKS]
     if unknown:
         raise ValueError(f"unknown sink(s) {', '.join(map(repr, unknown))}; valid: {', '.join(SINKS)}")
+    if resume and overwrite:
+        raise ValueError("resume=True continues the run in out_dir, overwrite=True replaces it: pass one")
     out = Path(out_dir)
+    held = [] if resume else run_files(out)
+    if held and not overwrite:
+        raise FileExistsError(
+            f"{out} holds a run ({', '.join(p.name for p in held)}): pass resume=True to continue it, "
+            "overwrite=True to replace it, or use another folder"
+        )
+    for path in held:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
     out.mkdir(parents=True, exist_ok=True)
     ids_file = out / RUN_IDS
     ids = json.loads(ids_file.read_text()) if resume and ids_file.exists() else {}
@@ -275,8 +312,45 @@ def make_sinks(
     return tracking
 
 
+def run_files(out_dir: str | os.PathLike) -> list[Path]:
+    """The files and folders of the run :func:`make_sinks` wrote in ``out_dir`` (:data:`RUN_FILES`),
+    sorted; empty when it holds none.
+
+    >>> import tempfile
+    >>> out = Path(tempfile.mkdtemp())
+    >>> _ = (out / "reward.png").write_bytes(b"")  # not a sink's file
+    >>> run_files(out)
+    []
+    >>> make_sinks(["jsonl"], out).close()
+    >>> [p.name for p in run_files(out)]
+    ['metrics.jsonl']
+    """
+    out = Path(out_dir)
+    return sorted({path for pattern in RUN_FILES for path in out.glob(pattern)})
+
+
+def new_run_folder(out_dir: str | os.PathLike) -> Path:
+    """``out_dir`` if it holds no run (:func:`run_files`), else the first of ``<out_dir>-2``,
+    ``<out_dir>-3``, ... that holds none.
+
+    >>> import tempfile
+    >>> out = Path(tempfile.mkdtemp()) / "demo"
+    >>> new_run_folder(out) == out
+    True
+    >>> make_sinks(["jsonl"], out).close()
+    >>> new_run_folder(out).name
+    'demo-2'
+    """
+    base = folder = Path(out_dir)
+    n = 1
+    while run_files(folder):
+        n += 1
+        folder = base.with_name(f"{base.name}-{n}")
+    return folder
+
+
 __all__ = [
-    "RUN_IDS", "SINKS", "ConsoleSink", "JsonlRun", "JsonlSink", "MLflowSink", "NameMap", "Sink",
+    "RUN_FILES", "RUN_IDS", "SINKS", "ConsoleSink", "JsonlRun", "JsonlSink", "MLflowSink", "NameMap", "Sink",
     "SwanLabSink", "TensorBoardSink", "Tracking", "WandbSink", "adapt_name", "format_value", "make_sinks",
-    "read_jsonl", "render_table", "summary_table",
+    "new_run_folder", "read_jsonl", "render_table", "run_files", "summary_table",
 ]  # fmt: skip

@@ -24,7 +24,9 @@ already exists"). The sink has MLflow create a missing store under a temporary n
 (``path.<hex>.init``) and links it into place once finished; an existing store without any experiment
 (MLflow creates its Default experiment last: such a store is unfinished and holds no run) is replaced
 the same way. A store MLflow cannot open that holds experiments is left as it is, and the sink raises
-RuntimeError with one line naming the file and what to do.
+RuntimeError with one line naming the file and what to do. A store created in place of one this
+process had open (``make_sinks(overwrite=True)``) is opened anew: MLflow's connections to the removed
+file are closed.
 """
 
 from __future__ import annotations
@@ -144,6 +146,18 @@ def _finish_store(tracking, uri: str, path: Path) -> None:
         pass
     for leftover in path.parent.glob(f"{escape(path.name)}.*.init*"):  # ours, and those of killed starts
         leftover.unlink(missing_ok=True)
+    _reconnect(uri)
+
+
+def _reconnect(uri: str) -> None:
+    """Close this process's connections to the store that ``uri`` named before: MLflow keeps one
+    SQLAlchemy engine per URI, whose pooled connections would go on writing to a removed file
+    (``make_sinks(overwrite=True)`` after a run in the same process)."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    engine = getattr(SqlAlchemyStore, "_engine_map", {}).get(uri)
+    if engine is not None:
+        engine.dispose()
 
 
 def _holds_experiment(path: Path) -> bool:

@@ -6,7 +6,9 @@ read) and is flushed at once. Names are adapted by :func:`rlmetrics.sinks.names.
 live inside the event file, the file name never contains a metric name. View with
 ``tensorboard --logdir <log_dir>``.
 
-Each session writes a new event file in ``log_dir``. ``resume=True`` first reads the event files
+Each session writes a new event file in ``log_dir``, and TensorBoard reads all the event files of a
+folder as one run, so a ``log_dir`` that holds event files is refused (FileExistsError: a second run
+there would double every series) unless ``resume=True``, which first reads the event files
 already there (tensorboard's own ``LegacyEventFileLoader``, which stops at a record cut by a crash) and
 skips every step up to the last one they hold: TensorBoard's reader drops the events after a step
 that goes back ("orphaned" data), so a resumed run must only go forward. A health alert is a text
@@ -39,6 +41,11 @@ class TensorBoardSink(Sink):
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.names = NameMap("tensorboard")
+        if not resume and any(self.log_dir.glob("*tfevents*")):
+            raise FileExistsError(
+                f"{self.log_dir} holds TensorBoard event files: pass resume=True to continue that run, "
+                "or use another log_dir"
+            )
         if resume:
             self._read_back()
         self._writer = writer.EventFileWriter(str(self.log_dir))

@@ -1,0 +1,148 @@
+"""A folder holds one run (issue 29): ``make_sinks`` refuses a folder that holds a run, unless
+``resume=True`` (continue it) or ``overwrite=True`` (replace it: only the run's files go), whatever the
+sink — each read back with the tracker's own reader (tests/trackers.py); ``rlmetrics demo`` puts a
+rerun into ``runs/demo-2`` and refuses an ``--out`` that holds a run, in one line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlmetrics.sinks import make_sinks, new_run_folder, read_jsonl, run_files
+from tests.trackers import mlflow_history, swanlab_scalars, tensorboard_steps, wandb_rows
+
+SLOW = pytest.mark.slow
+SINKS = ["jsonl", "tensorboard", pytest.param("wandb", marks=SLOW), pytest.param("mlflow", marks=SLOW)]
+SINKS.append(pytest.param("swanlab", marks=SLOW))
+
+
+def points(sink: str, out: Path) -> list[tuple[int, float]]:
+    """``(step, value)`` of the metric ``x`` in every run of ``out``, as the tracker's reader finds it."""
+    if sink == "jsonl":
+        return [(r["step"], r["metrics"]["x"]) for r in read_jsonl(out / "metrics.jsonl").records]
+    if sink == "tensorboard":
+        from tests.trackers import tensorboard_accumulator
+
+        events = tensorboard_accumulator(out / "tensorboard").Scalars("x")
+        return sorted((e.step, e.value) for e in events)  # files in name order: ...<pid>.10 before .9
+    if sink == "wandb":
+        return [(s, row["x"]) for s, row in wandb_rows(sorted(out.glob("wandb/offline-run-*/run-*.wandb")))]
+    if sink == "mlflow":
+        from mlflow.tracking import MlflowClient
+
+        uri = f"sqlite:///{out / 'mlflow.db'}"
+        client = MlflowClient(uri)
+        runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+        return [p for run in runs for p in mlflow_history(uri, run.info.run_id, "x")]
+    return swanlab_scalars(sorted(out.glob("swanlab/run-*/run-*.swanlab"))).get("x", [])
+
+
+def log(sink: str, out: Path, steps: range, offset: float, **kw) -> None:
+    with make_sinks([sink], out, health=None, **kw) as tracking:
+        for step in steps:
+            tracking.log({"x": offset + step}, step)
+
+
+@pytest.mark.parametrize("sink", SINKS)
+def test_a_folder_holding_a_run_is_refused_replaced_or_continued(tmp_path, sink, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    log(sink, out, range(3), 0.0)
+    (out / "reward.png").write_bytes(b"the user's")
+    held = [p.name for p in run_files(out)]
+    with pytest.raises(FileExistsError) as refused:
+        make_sinks([sink], out, health=None)
+    message = str(refused.value)
+    assert "\n" not in message and str(out) in message and all(name in message for name in held)
+    assert all(choice in message for choice in ("resume=True", "overwrite=True", "another folder"))
+    assert points(sink, out) == [(s, s) for s in range(3)]  # left as it was
+
+    log(sink, out, range(3), 10.0, overwrite=True)  # a new run in place of the old one
+    assert points(sink, out) == [(s, 10.0 + s) for s in range(3)]
+    assert (out / "reward.png").read_bytes() == b"the user's"
+
+    log(sink, out, range(5), 10.0, resume=True)  # the same run, continued: steps 0..2 skipped
+    assert points(sink, out) == [(s, 10.0 + s) for s in range(5)]
+
+
+def test_what_a_run_folder_holds_and_the_next_free_one(tmp_path):
+    out = tmp_path / "demo"
+    assert run_files(out) == [] and new_run_folder(out) == out
+    for name in ("notes.txt", "reward.png", "mlflow.db.bak"):  # the user's files, not a run
+        out.mkdir(exist_ok=True)
+        (out / name).write_text("mine")
+    assert run_files(out) == [] and new_run_folder(out) == out
+    left = ["mlflow.db", "mlflow.db-journal", "mlflow.db.1a2b3c4d.init", "run_ids.json", "run_ids.tmp"]
+    for name in left:  # what a start killed while it created the MLflow store and the run ids leaves
+        (out / name).write_text("")
+    assert [p.name for p in run_files(out)] == left
+    log("jsonl", tmp_path / "demo-2", range(1), 0.0)
+    assert new_run_folder(out) == tmp_path / "demo-3"
+    log("jsonl", out, range(2), 0.0, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "metrics.jsonl",
+        "mlflow.db.bak",
+        "notes.txt",
+        "reward.png",
+    ]
+    with pytest.raises(ValueError, match="pass one"):
+        make_sinks(["jsonl"], out, resume=True, overwrite=True)
+
+
+def test_a_tensorboard_sink_refuses_a_folder_holding_event_files(tmp_path):
+    """TensorBoard reads every event file of a folder as one run: a second run's file would double
+    each series, so a TensorBoardSink made directly (not through make_sinks) refuses too."""
+    from rlmetrics.sinks import TensorBoardSink
+
+    with TensorBoardSink(tmp_path) as sink:
+        sink.log({"x": 1.0}, 0)
+    with pytest.raises(FileExistsError, match="resume=True"):
+        TensorBoardSink(tmp_path)
+    assert tensorboard_steps(tmp_path) == {"x": [0]}
+
+
+# ------------------------------------------------------------------------------------ rlmetrics demo
+def demo(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "rlmetrics", "demo", "--simulate", "--backend", "local", "--steps", "3"]
+    cmd += ["--workers", "2", "--val-every", "0", "--pace", "0", *args]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def tensorboard_score_steps(out: Path) -> list[int]:
+    return tensorboard_steps(out / "tensorboard")["critic/score/mean"]
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+def test_demo_twice_into_the_default_folder_makes_a_second_folder(tmp_path):
+    """``make demo`` twice: the second run goes to runs/demo-2, says so, and names it in its last
+    lines; each folder holds one run (TensorBoard: 3 points for 3 steps, not 6)."""
+    for folder in ("runs/demo", "runs/demo-2"):
+        done = demo(tmp_path)
+        assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+        assert f"metrics: {folder}/metrics.jsonl" in done.stdout
+        assert f"tensorboard --logdir {folder}/tensorboard" in done.stdout
+        assert f"{folder}/reward.png" in done.stdout
+        assert tensorboard_score_steps(tmp_path / folder) == [0, 1, 2]
+    assert "runs/demo holds a run: this one goes to runs/demo-2" in done.stdout
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+def test_demo_refuses_an_out_holding_a_run_in_one_line_and_overwrites_it(tmp_path):
+    out = tmp_path / "mine"
+    assert demo(tmp_path, "--out", str(out)).returncode == 0
+    (out / "notes.txt").write_text("mine")
+    refused = demo(tmp_path, "--out", str(out))
+    assert refused.returncode != 0 and refused.stdout == ""
+    (line,) = refused.stderr.splitlines()
+    assert line.startswith(f"rlmetrics demo: {out} holds a run (metrics.jsonl, tensorboard)")
+    assert "--overwrite" in line and "another --out" in line and "--resume" not in line
+    assert tensorboard_score_steps(out) == [0, 1, 2]
+    done = demo(tmp_path, "--out", str(out), "--overwrite")
+    assert done.returncode == 0, done.stderr
+    assert tensorboard_score_steps(out) == [0, 1, 2] and read_jsonl(out / "metrics.jsonl").steps == [0, 1, 2]
+    assert (out / "notes.txt").read_text() == "mine"
