@@ -23,7 +23,7 @@ import numpy as np
 from rlmetrics import axes
 from rlmetrics.backends.local import drop_worker
 from rlmetrics.metrics.staleness import staleness_metrics
-from rlmetrics.sinks import make_sinks
+from rlmetrics.sinks import make_sinks, run_files
 
 WORKERS = 2
 AXES = ("policy_version", "rollout_id")
@@ -81,7 +81,10 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--sinks", default="jsonl,wandb")
+    parser.add_argument("--overwrite", action="store_true", help="replace the run that OUT holds")
     args = parser.parse_args(argv)
+    if not args.overwrite and run_files(args.out):
+        parser.error(f"{args.out} holds a run: pass --overwrite to replace it, or another folder")
     # every rank connects (so is registered: waited for) before any submits
     labels = [f"worker{k}" for k in range(WORKERS)] + ["trainer"]
     clients = [
@@ -93,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
         thread.start()
     reader = axes.connect("local", axes=AXES, name="async")  # reads only: nobody waits for it
     logged = dict.fromkeys(("train_step", *AXES), 0)
-    with make_sinks(args.sinks, args.out, axes=True) as tracking:
+    with make_sinks(args.sinks, args.out, axes=True, overwrite=args.overwrite) as tracking:
         for t in range(args.steps):
             tracking.log(reader.result(t, timeout=60, finalize=True), t)
             logged["train_step"] += 1

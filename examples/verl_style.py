@@ -35,7 +35,7 @@ import torch
 from tensordict import TensorDict
 
 from rlmetrics.integrations import verl
-from rlmetrics.sinks import make_sinks
+from rlmetrics.sinks import make_sinks, run_files
 
 VOCAB, EOS, GOOD = 16, 0, 3  # a response is rewarded when it contains token GOOD
 PROMPT_LEN, RESPONSE_LEN, GROUP = 4, 6, 4  # GRPO: GROUP responses per prompt
@@ -191,7 +191,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=6, help="prompts per step (GROUP responses each)")
     parser.add_argument("--out", default=None, help="sink directory (default: a temporary one)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the run that --out holds")
     args = parser.parse_args(argv)
+    if args.out and not args.overwrite and run_files(args.out):
+        parser.error(f"{args.out} holds a run: pass --overwrite to replace it, or another --out")
     out = args.out or tempfile.mkdtemp(prefix="verl_style-")
     generator = torch.Generator().manual_seed(0)
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
@@ -200,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
         ranks = [DataParallelRank.remote(r, args.ranks, "verl-style") for r in range(args.ranks)]
         policy = Policy()
         worst = 0.0
-        with make_sinks(["jsonl", "console"], out) as sinks:
+        with make_sinks(["jsonl", "console"], out, overwrite=args.overwrite) as sinks:
             for step in range(args.steps):
                 batch = rollout(policy, args.prompts, generator)
                 n = len(batch.batch)
