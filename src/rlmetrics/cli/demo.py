@@ -21,6 +21,7 @@ data, ``histograms.png``) into ``--out``.
 from __future__ import annotations
 
 import argparse
+import logging
 import threading
 import time
 from pathlib import Path
@@ -258,7 +259,11 @@ def run(args: argparse.Namespace) -> Path:
     from rlmetrics.sinks import read_jsonl
 
     started = time.perf_counter()
-    start, steps = log_run(args)
+    logging.captureWarnings(True)  # warnings (a NaN metric) are log records: printed above the bar
+    try:
+        start, steps = log_run(args)
+    finally:
+        logging.captureWarnings(False)
     ended = time.perf_counter()
     out = Path(args.out)
     run_log = read_jsonl(out / "metrics.jsonl")
@@ -289,7 +294,8 @@ def run(args: argparse.Namespace) -> Path:
 
 
 def _log_steps(driver: Any, tracking: Any, steps: int, poll: Any) -> None:
-    """Log every step with a progress bar; log records (the health alerts among them) print above it."""
+    """Log every step with a progress bar; log records (health alerts, and warnings in :func:`run`)
+    print above it."""
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
