@@ -1,17 +1,15 @@
-"""``rlmetrics plot`` and ``rlmetrics compare``: PNG plots of a run's metrics over steps.
+"""rlmetrics plot RUN: PNG plots of a run's metrics over steps (of two runs: rlmetrics compare).
 
     rlmetrics plot runs/demo -m 'critic/score/*' -m 'response/length/mean' -o score.png
     rlmetrics plot runs/demo --hist response/length/hist -o lengths.png
-    rlmetrics compare runs/a runs/b -m 'val-core/*' -o val.png
 
-One panel per metric matching a glob (``*`` matches across ``/``), one line per run; a line breaks
-where the metric skips more steps than its usual stride (a validation metric logged every k steps is
-one line, a missing step a gap), and a point without a neighbour shows as a marker. A metric with one
-value over the whole run (a constant learning rate, a rate that stays 0) is named under the panels,
-not plotted. ``--hist NAME`` (repeatable) draws a histogram of the run (``metrics.jsonl``'s
-``histograms``) as a heat map over steps instead: one column per step, the counts of its bins
-(re-binned onto one value axis for all steps, one row per integer for integer data) on a log colour
-scale.
+One panel per metric matching a glob (* matches across /); a line breaks where its metric skips
+more steps than its usual stride (validation every k steps is one line, a missing step a gap), and
+a point without a neighbour shows as a marker. A metric with one value over the run (a constant
+learning rate, a rate that stays 0) is named under the panels, not plotted. --hist NAME
+(repeatable) draws a histogram of the run (logged in metrics.jsonl) as a heat map over steps
+instead: one column per step, the counts of its bins (re-binned onto one value axis for all steps,
+one row per integer for integer data) on a log colour scale.
 """
 
 from __future__ import annotations
