@@ -3,99 +3,164 @@
     rlmetrics plot runs/demo -m 'critic/score/*' -m 'response/length/mean' -o score.png
     rlmetrics plot runs/demo --hist response/length/hist -o lengths.png
 
-One panel per metric matching a glob (* matches across /); steps where a metric was not logged
-(validation rounds) are skipped, so sparse metrics show as points. --hist NAME (repeatable) draws a
-histogram of the run (logged in metrics.jsonl) as a heat map over steps instead: one column per
-step, the counts of its bins (re-binned onto one value axis for all steps, as each step has its own
-edges) on a log colour scale.
+One panel per metric matching a glob (* matches across /); a line breaks where its metric skips
+more steps than its usual stride (validation every k steps is one line, a missing step a gap), and
+a point without a neighbour shows as a marker. A metric with one value over the run (a constant
+learning rate, a rate that stays 0) is named under the panels, not plotted. --hist NAME
+(repeatable) draws a histogram of the run (logged in metrics.jsonl) as a heat map over steps
+instead: one column per step, the counts of its bins (re-binned onto one value axis for all steps,
+one row per integer for integer data) on a log colour scale.
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import math
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from rlmetrics.cli.report import add_metric_option, last_value, load_run, matching, no_match, print_table
 from rlmetrics.extras import require
+from rlmetrics.sinks.console import format_value
 
 MAX_PANELS = 24
+MAX_CONSTANTS = 20
+"""Constant metrics named under the panels; further ones are counted."""
+UNITS = (
+    ("*clip_ratio*", "share"),
+    ("*delta_time/*", "s"),
+    ("timing_s/*", "s"),
+    ("timing_per_token_ms/*", "ms"),
+    ("*throughput*", "tokens/s"),
+    ("*length/*", "tokens"),
+    ("*num_tokens*", "tokens"),
+    ("*_gb", "GB"),
+)
+"""``(glob, unit)``, first match: the y label of a metric's panel (without a match, its name)."""
+
+
+def unit(name: str) -> str:
+    """The y label of metric ``name``: its unit, else the name.
+
+    >>> unit("perf/delta_time/step"), unit("response/length/mean"), unit("actor/kl_loss")
+    ('s', 'tokens', 'actor/kl_loss')
+    """
+    return next((u for glob, u in UNITS if fnmatch.fnmatchcase(name, glob)), name)
 
 
 def plot_runs(
     runs: Sequence[tuple[str, object]], globs: Sequence[str], out: str | Path, title: str = ""
 ) -> Path | None:
-    """Plot the metrics matching ``globs`` of ``(label, JsonlRun)`` pairs into one PNG at ``out``.
+    """Plot the metrics matching ``globs`` of ``(label, JsonlRun)`` pairs into one PNG at ``out``
+    (see :func:`runs_figure`); None when no metric matches (nothing is written)."""
+    return _save(runs_figure(runs, globs, title), out)
 
-    Returns the path, or None when no metric matches (nothing is written). At most
-    :data:`MAX_PANELS` panels; further matches are left out with a note in the title.
-    """
-    matplotlib = require("matplotlib", "plot")
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def runs_figure(runs: Sequence[tuple[str, object]], globs: Sequence[str], title: str = "") -> Any:
+    """The matplotlib Figure of :func:`plot_runs`, None when no metric matches: a panel per metric
+    whose values vary (at most :data:`MAX_PANELS`; further ones are left out with a note in the
+    title); the metrics with a single value in every run are named under the panels."""
+    require("matplotlib", "plot")
+    from matplotlib.figure import Figure
 
     names: list[str] = []
     for _, run in runs:
         names += [n for n in matching(run.names(), globs) if n not in names]
     if not names:
         return None
-    shown = names[:MAX_PANELS]
-    cols = min(3, len(shown))
-    rows = math.ceil(len(shown) / cols)
-    fig, axes = plt.subplots(
-        rows, cols, figsize=(4.2 * cols, 2.8 * rows), squeeze=False, layout="constrained"
-    )
-    for ax, name in zip(axes.flat, shown):
-        for label, run in runs:
-            steps, values = run.series(name)
-            keep = ~np.isnan(values)
-            if keep.any():
-                ax.plot(steps[keep], values[keep], marker="o" if keep.sum() < 20 else None, ms=3, label=label)
+    series = {n: [(label, *run.series(n)) for label, run in runs] for n in names}
+    constant = {n: v for n in names if (v := _constant(series[n])) is not None}
+    varying = [n for n in names if n not in constant]
+    shown = varying[:MAX_PANELS]
+    cols = max(1, min(3, len(shown)))
+    rows = max(1, math.ceil(len(shown) / cols))
+    fig = Figure(figsize=(4.2 * cols, 2.8 * rows), layout="constrained")
+    axes = list(fig.subplots(rows, cols, squeeze=False).flat)
+    for ax, name in zip(axes, shown):
+        for label, steps, values in series[name]:
+            x, y, isolated = _line(steps, values)
+            if len(x):
+                few = len(x) - np.isnan(x).sum() < 20
+                ax.plot(x, y, marker="o", ms=3, markevery=(isolated | few).tolist(), label=label)
         ax.set_title(name, fontsize=8)
+        ax.set_ylabel(unit(name), fontsize=7)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(shown) :]:
-        ax.set_visible(False)
-    if len(runs) > 1:
-        axes.flat[0].legend(fontsize=7)
-    more = f" (first {MAX_PANELS} of {len(names)} metrics)" if len(names) > MAX_PANELS else ""
+    for ax in axes[len(shown) :]:
+        ax.set_axis_off()
+    if len(runs) > 1 and shown:
+        axes[0].legend(fontsize=7)
+    more = f" (first {MAX_PANELS} of {len(varying)} metrics)" if len(varying) > MAX_PANELS else ""
     fig.suptitle(title + more, fontsize=10)
-    fig.supxlabel("step", fontsize=8)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    notes = [f"{n} = {format_value(v)}" for n, v in constant.items()]
+    if len(notes) > MAX_CONSTANTS:
+        notes[MAX_CONSTANTS - 1 :] = [f"and {len(notes) - MAX_CONSTANTS + 1} more"]
+    note = textwrap.fill("one value over the run: " + "; ".join(notes), 45 * cols) if notes else ""
+    fig.supxlabel("step" + (f"\n\n{note}" if note else ""), fontsize=8)
+    return fig
+
+
+def _constant(series: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> float | None:
+    """The one value every run logged for a metric (NaN: none logged a number), None if it varies."""
+    values = np.unique(np.concatenate([v[~np.isnan(v)] for _, _, v in series]))
+    return None if len(values) > 1 else float(values[0]) if len(values) else math.nan
+
+
+def _line(steps: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A series' logged points with a NaN inserted where it skips more steps than its smallest
+    stride (the line breaks there), and which points have no neighbour on the line.
+
+    >>> x, y, isolated = _line(np.arange(6), np.array([1.0, 2.0, np.nan, 3.0, np.nan, 4.0]))
+    >>> x.tolist(), isolated.tolist()
+    ([0.0, 1.0, nan, 3.0, nan, 5.0], [False, False, False, True, False, True])
+    """
+    keep = ~np.isnan(values)
+    x, y = steps[keep].astype(float), values[keep]
+    stride = np.diff(x)
+    gaps = np.flatnonzero(stride > stride.min()) + 1 if len(stride) else []
+    x, y = np.insert(x, gaps, np.nan), np.insert(y, gaps, np.nan)
+    gap = np.isnan(x)
+    isolated = ~gap & np.r_[True, gap[:-1]] & np.r_[gap[1:], True]
+    return x, y, isolated
 
 
 HEAT_ROWS = 100
-"""Rows of a histogram heat map (the value axis)."""
+"""Rows of a histogram heat map (the value axis) at most."""
 
 
 def plot_histograms(run: object, names: Sequence[str], out: str | Path, title: str = "") -> Path | None:
-    """Heat maps over steps of the histograms ``names`` of a JsonlRun into one PNG at ``out``
-    (one panel per name that the run has); None when it has none of them."""
-    matplotlib = require("matplotlib", "plot")
+    """Heat maps over steps of the histograms ``names`` of a JsonlRun into one PNG at ``out`` (see
+    :func:`histograms_figure`); None when the run has none of them (nothing is written)."""
+    return _save(histograms_figure(run, names, title), out)
 
-    matplotlib.use("Agg")
+
+def histograms_figure(run: object, names: Sequence[str], title: str = "") -> Any:
+    """The matplotlib Figure of :func:`plot_histograms` (one panel per name that the run has), None
+    when it has none: each step's bin counts re-binned onto one row per integer when every non-empty
+    bin holds one integer (integer data: no empty rows between the values), else onto at most
+    :data:`HEAT_ROWS` rows, none narrower than the widest bin (no empty rows between bins)."""
+    require("matplotlib", "plot")
     import matplotlib.colors
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     found = [(n, *run.histograms(n)) for n in names]
     found = [(n, steps, hists) for n, steps, hists in found if len(steps)]
     if not found:
         return None
-    fig, axes = plt.subplots(
-        len(found), 1, figsize=(7, 2.8 * len(found)), squeeze=False, layout="constrained"
-    )
-    for ax, (name, steps, hists) in zip(axes.flat, found):
+    fig = Figure(figsize=(7, 2.8 * len(found)), layout="constrained")
+    for ax, (name, steps, hists) in zip(fig.subplots(len(found), 1, squeeze=False).flat, found):
         lo = min(h.edges[0] for h in hists)
         hi = max(h.edges[-1] for h in hists)
-        rows = np.histogram_bin_edges([lo, hi], HEAT_ROWS)
+        if all(map(_integer_valued, hists)):
+            rows = np.arange(math.ceil(lo), math.floor(hi) + 2) - 0.5
+        else:
+            widest = max(np.diff(h.edges).max() for h in hists)
+            rows = np.histogram_bin_edges([lo, hi], max(1, min(HEAT_ROWS, math.floor((hi - lo) / widest))))
         grid = np.array(
             [np.histogram((h.edges[:-1] + h.edges[1:]) / 2, rows, weights=h.counts)[0] for h in hists]
         ).T
@@ -106,12 +171,34 @@ def plot_histograms(run: object, names: Sequence[str], out: str | Path, title: s
         fig.colorbar(mesh, ax=ax, label="count")
         ax.set_title(name, fontsize=8)
         ax.set_xlabel("step", fontsize=8)
+        ax.set_ylabel(unit(name), fontsize=7)
         ax.tick_params(labelsize=7)
     fig.suptitle(title, fontsize=10)
+    return fig
+
+
+def _integer_valued(hist: Any) -> bool:
+    """Every bin of ``hist`` is narrower than 1 and each non-empty one holds an integer.
+
+    >>> from rlmetrics.histogram import Histogram
+    >>> edges = np.linspace(1, 3, 5)  # [1, 1.5), [1.5, 2), [2, 2.5), [2.5, 3]
+    >>> _integer_valued(Histogram(edges, np.array([4.0, 0, 2, 1])))  # values 1, 2, 3
+    True
+    >>> _integer_valued(Histogram(edges, np.ones(4)))  # [1.5, 2) holds no integer
+    False
+    """
+    left, right = hist.edges[:-1], hist.edges[1:]
+    first = np.ceil(left)
+    holds = (first < right) | ((first == right) & (np.arange(len(left)) == len(left) - 1))
+    return bool(np.all(right - left < 1) and np.all(holds[hist.counts > 0]))
+
+
+def _save(fig: Any, out: str | Path) -> Path | None:
+    if fig is None:
+        return None
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
-    plt.close(fig)
     return out
 
 
