@@ -265,7 +265,8 @@ def _compare(args: argparse.Namespace) -> int:
     names = matching(every, args.metric)
     rows = [(n, *(last_value(run.series(n)[1]) for _, run in runs)) for n in names]
     rows = [(n, a, b, b - a) for n, a, b in rows]
-    print_table(rows, "last values", ["metric", runs[0][0], runs[1][0], "b - a"])
+    if rows:
+        print_table(rows, "last values", ["metric", runs[0][0], runs[1][0], "b - a"])
     return _written(out, args, every, f"{args.run_a} or {args.run_b}")
 
 
