@@ -136,14 +136,6 @@ def test_a_name_refused_by_the_aggregator_says_the_rest_was_merged(name):
 
 
 # ------------------------------------------------------------------------------------ Ray
-@pytest.fixture(scope="module")
-def ray_local():
-    ray = pytest.importorskip("ray")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 class Rank:
     """A siiRL DAG worker: a ``MetricClient`` of the driver's ``MetricWorker`` (or, with
     ``hierarchy``, a ``connect``ed rank), ``submit_metric(dict, world_size)`` then ``wait_submit()``."""
@@ -176,10 +168,10 @@ def _ranks(ray, n, **kwargs):
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_ray_a_rank_with_another_world_size_is_told_at_once(ray_local):
+def test_ray_a_rank_with_another_world_size_is_told_at_once(ray_session):
     """The seed's loop on Ray: the driver's ``MetricWorker``, a ``MetricClient`` per rank actor.
     Step 0 is right (every rank registers), in step 1 rank 2 passes 3 instead of the dp size 2."""
-    ray = ray_local
+    ray = ray_session
     worker = rlmetrics.get_metric_worker(f"fc-{uuid.uuid4().hex[:8]}", final_timeout=60)
     actors, ids = _ranks(ray, 3, worker=worker)
     driver = MetricClient(worker)
@@ -205,10 +197,10 @@ def test_ray_a_rank_with_another_world_size_is_told_at_once(ray_local):
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_ray_node_hierarchy_the_root_names_the_ranks_too(ray_local):
+def test_ray_node_hierarchy_the_root_names_the_ranks_too(ray_session):
     """Below a node sub-aggregator the rank is told by its node, and the root, which sees the node's
     merged forwards, still names the ranks on each side in ``meta.conflicts``."""
-    ray = ray_local
+    ray = ray_session
     name = f"fc-{uuid.uuid4().hex[:8]}"
     root = rlmetrics.get_metric_worker(name, final_timeout=60)
     actors, ids = _ranks(ray, 3, name=name, hierarchy="node")
