@@ -216,9 +216,9 @@ def test_ray_node_hierarchy_the_root_names_the_ranks_too(ray_session):
         assert not res.meta.missing_metrics and res["critic/score/mean"] == pytest.approx(1.0), res.meta
         why = res.meta.conflicts["critic/score/mean"]
         assert "world_size 3" in why and ids[2] in why and (ids[0] in why or ids[1] in why), why
-    finally:
-        for a in actors:
-            ray.kill(a)
+    finally:  # the node actor first: a rank owns it, so it may be gone once the ranks are
         node = ray.get_runtime_context().get_node_id()
         ray.kill(ray.get_actor(f"{name}/node/{node}"))
+        for a in actors:
+            ray.kill(a)
         ray.kill(root)
