@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from rlmetrics import Stat, register_reduction
+from rlmetrics import Stat, ValueWarning, register_reduction
 from rlmetrics.aggregator import Aggregator
 from rlmetrics.messages import SubmissionError
 from rlmetrics.packing import Packed, Schema, pack
@@ -258,7 +258,7 @@ def test_std_names_pool_data_but_average_per_rank_numbers():
     agg = Aggregator()
     for r, d in enumerate(data):
         agg.submit(f"r{r}", 0, 0, 3, pack({"loss/std": d}), register=False)
-        with pytest.warns(UserWarning, match="rank's std"):
+        with pytest.warns(ValueWarning, match="rank's std"):
             p = pack({"scalar/std": float(d.std())})
         agg.submit(f"r{r}", 0, 1, 3, p, register=False)
     res = agg.finalize(0)

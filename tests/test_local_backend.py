@@ -181,9 +181,9 @@ def test_debug_metrics_reports_keys_and_warns_on_bad_values(name, monkeypatch, c
     client = rlmetrics.connect("local", world_size=1, name=name)
     client.compute_local_data_metric({"response_mask": torch.ones(2, 3), "responses": torch.zeros(2, 3)})
     assert "DEBUG_METRICS data keys" in caplog.text and "response/length/mean" in caplog.text
-    with pytest.warns(UserWarning, match="not finite"):
+    with pytest.warns(rlmetrics.NonFiniteWarning, match="not finite"):
         debug_report({}, {"x": float("nan")})
-    with pytest.warns(UserWarning, match="invalid type"):
+    with pytest.warns(rlmetrics.ValueWarning, match="invalid type"):
         debug_report({}, {"x": "text"})
 
 

@@ -52,7 +52,7 @@ def test_a_scalar_means_the_same_whatever_its_type_also_under_a_std_name(kind):
     averaged. Every scalar type is now one rank's number, averaged under a std name (with a warning)."""
     stds = [0.5, 0.9, 0.7]
     make = SCALAR_KINDS[kind]
-    with pytest.warns(UserWarning, match="rank's std"):
+    with pytest.warns(rlmetrics.ValueWarning, match="rank's std"):
         got = merged([{"actor/entropy/std": make(v), "actor/loss/mean": make(v)} for v in stds])
     assert got["actor/entropy/std"] == pytest.approx(np.mean(stds), rel=1e-6)
     assert got["actor/loss/mean"] == pytest.approx(np.mean(stds), rel=1e-6)

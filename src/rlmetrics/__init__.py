@@ -20,6 +20,7 @@ from rlmetrics.messages import (
     StepResult,
     StepWarning,
     SubmissionError,
+    ValueWarning,
     WorldSizeWarning,
 )
 from rlmetrics.packing import pack
@@ -52,12 +53,20 @@ from rlmetrics.stat import MetricValueError, Stat
 __version__ = "0.1.0"
 
 
+_SUBPACKAGES = ("axes", "health", "integrations", "metrics", "sinks")
+
+
 def __getattr__(name: str):
-    """``MetricWorker`` and ``get_metric_worker`` need Ray: imported on first use (extra ``ray``)."""
+    """``MetricWorker`` and ``get_metric_worker`` need Ray: imported on first use (extra ``ray``);
+    so are the subpackages the docs name as ``rlmetrics.sinks`` etc."""
     if name in ("MetricWorker", "get_metric_worker"):
         from rlmetrics.backends import ray as ray_backend
 
         return getattr(ray_backend, name)
+    if name in _SUBPACKAGES:
+        import importlib
+
+        return importlib.import_module(f"rlmetrics.{name}")
     raise AttributeError(f"module 'rlmetrics' has no attribute {name!r}")
 
 
@@ -67,6 +76,6 @@ __all__ = [
     "MetricClient", "MetricFunc", "MetricValueError", "MetricWorker", "MinMetric", "NonFiniteWarning",
     "PartialStepWarning", "PercentileMetric", "ProvisionalWarning", "RLMetricsWarning", "RayStartedWarning",
     "Reduction", "Sketch", "Stat", "StepMeta", "StepResult", "StepWarning", "SubmissionError", "SumMetric",
-    "WorldSizeWarning", "connect", "get_metric_worker", "pack", "percentile", "register_reduction", "resolve",
-    "unregister_reduction",
+    "ValueWarning", "WorldSizeWarning", "connect", "get_metric_worker", "pack", "percentile",
+    "register_reduction", "resolve", "unregister_reduction",
 ]  # fmt: skip

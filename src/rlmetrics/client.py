@@ -24,7 +24,6 @@ import os
 import re
 import secrets
 import socket
-import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -40,6 +39,7 @@ from rlmetrics.messages import (
     StepWarning,
     SubmissionError,
     WorldSizeWarning,
+    caller_level,
 )
 from rlmetrics.metrics import without_reserved
 from rlmetrics.packing import MAX_WORLD_SIZE, Packed, pack, pack_known
@@ -101,14 +101,14 @@ _HASHED = re.compile(r"@.*:([0-9a-f]{16})$")  # an id new_identity made: it ends
 
 def new_identity(label: str | None = None) -> tuple[str, str]:
     """``(client_id, secret)``: a unique id that ``label`` (e.g. ``"rank3"``) leads, so that ``meta``
-    stays readable, and that ends with a hash of the secret.
+    stays readable (``"client"`` without one), and that ends with a hash of the secret.
 
     >>> client_id, secret = new_identity("rank3")
     >>> client_id.startswith("rank3@"), identity(credential(client_id, secret, "job1")) == (client_id, "job1")
     (True, True)
     """
     secret = secrets.token_hex(16)
-    return f"{label or ''}@{socket.gethostname()}:{os.getpid()}:{_digest(secret)}", secret
+    return f"{label or 'client'}@{socket.gethostname()}:{os.getpid()}:{_digest(secret)}", secret
 
 
 def _digest(secret: str) -> str:
@@ -402,7 +402,7 @@ class ClientCore:
                 "step 0: create the clients before the first step, or set client.step = N (or "
                 "wait_submit(step=N)) to join at step N",
                 LateDataWarning,
-                stacklevel=_caller_level(),
+                stacklevel=caller_level(),
             )
         if reply.errors:
             raise MetricValueError("; ".join(reply.errors.values()))
@@ -439,7 +439,7 @@ class ClientCore:
                     f"rlmetrics: wait_submit() closes step {current}, but the data queued since the last "
                     f"one is for step(s) {sorted(ahead)[:5]}; pass step= to wait_submit to close those",
                     StepWarning,
-                    stacklevel=_caller_level(),
+                    stacklevel=caller_level(),
                 )
             try:
                 self._flush([current])
@@ -479,7 +479,7 @@ class ClientCore:
                 f"rlmetrics: step {res.step} is no longer kept (more than keep_results newer results "
                 "were finalized); its values are lost to this read",
                 PartialStepWarning,
-                stacklevel=_caller_level(),
+                stacklevel=caller_level(),
             )
         elif meta.provisional:
             if not self._provisional_warned:  # once: a dashboard reads provisional results all along
@@ -489,13 +489,13 @@ class ClientCore:
                     f"{_missing(res)}): it stays open; the reader that logs the run passes "
                     "result(step, timeout, finalize=True) to end a step at its deadline (warned once)",
                     ProvisionalWarning,
-                    stacklevel=_caller_level(),
+                    stacklevel=caller_level(),
                 )
         elif not meta.complete:
             warnings.warn(
                 f"rlmetrics: step {res.step} is partial: {_missing(res)}",
                 PartialStepWarning,
-                stacklevel=_caller_level(),
+                stacklevel=caller_level(),
             )
         conflicts = [n for n in meta.conflicts if n not in self._conflict_warned]
         if conflicts:
@@ -504,7 +504,7 @@ class ClientCore:
                 f"rlmetrics: step {res.step}: {meta.conflicts[conflicts[0]]} "
                 f"({len(conflicts)} name(s) in meta.conflicts; warned once per name)",
                 WorldSizeWarning,
-                stacklevel=_caller_level(),
+                stacklevel=caller_level(),
             )
         if math.isfinite(sum(res.values())):  # else a value is not finite, or the sum overflowed
             return res
@@ -516,7 +516,7 @@ class ClientCore:
             warnings.warn(
                 f"rlmetrics: non-finite value in metric(s) {bad[:10]}",
                 NonFiniteWarning,
-                stacklevel=_caller_level(),
+                stacklevel=caller_level(),
             )
         return res
 
@@ -561,18 +561,6 @@ def _missing(res: StepResult) -> str:
     missing = meta.missing_metrics
     closing = closing if ranks else "every registered rank closed it"
     return f"{closing}; {len(missing)} incomplete metric(s) {list(missing)[:5]}"
-
-
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` of the first frame outside rlmetrics: a warning points at the user's call
-    (a reply, for one, is handled at the user's next call, wherever that is)."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def world_size_arg(world_size: Any) -> int:

@@ -11,6 +11,8 @@ contribution, and the warnings a client gives its user (:class:`RLMetricsWarning
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -149,6 +151,11 @@ class RLMetricsWarning(RuntimeWarning):
     """
 
 
+class ValueWarning(RLMetricsWarning):
+    """A submitted value is taken in a way that may not be what was meant (a number under a std
+    name averaged over ranks, a Stat of non-finite values dropped, a custom metric's odd value)."""
+
+
 class PartialStepWarning(RLMetricsWarning):
     """A read returned a step short of ranks or contributions (final at a deadline, or stale), or a
     step whose result is no longer kept (``meta`` says what is missing)."""
@@ -179,3 +186,15 @@ class StepWarning(RLMetricsWarning):
 class RayStartedWarning(RLMetricsWarning):
     """``connect("ray")`` / ``get_metric_worker`` found Ray not initialized and started a local
     instance (not a cluster)."""
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside rlmetrics: a warning points at the user's call
+    (a reply, for one, is handled at the user's next call, wherever that is)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from rlmetrics.groups import GROUP_PREFIX
+from rlmetrics.messages import ValueWarning, caller_level
 from rlmetrics.reduce import MEAN, STD, Reduction, parse_reduction, resolve
 from rlmetrics.sketch import Sketch
 from rlmetrics.stat import MetricValueError, Stat, invalid_column, scalar_value
@@ -171,14 +172,16 @@ def pack(
             f"{len(dropped)} metric(s) {dropped[:3]}: a Stat summarizing non-finite values is dropped "
             "whole under nan_strategy='drop'; build it with Stat.of(..., nan_strategy='drop') to keep its "
             "finite values",
-            stacklevel=2,
+            ValueWarning,
+            stacklevel=caller_level(),
         )
     if std_numbers:
         warnings.warn(
             f"{len(std_numbers)} metric(s) {std_numbers[:3]}: a number under a std name is taken as one "
             "rank's std and averaged over ranks (siiRL's result); submit the data or a Stat for the exact "
             "pooled std",
-            stacklevel=2,
+            ValueWarning,
+            stacklevel=caller_level(),
         )
     if failed and errors is None:
         raise MetricValueError(next(iter(failed.values())))

@@ -22,6 +22,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from rlmetrics.messages import NonFiniteWarning, ValueWarning, caller_level
 from rlmetrics.stat import Stat
 
 logger = logging.getLogger(__name__)
@@ -77,10 +78,14 @@ def debug_report(batch: Any, metrics: Mapping[str, Any]) -> None:
     logger.warning("DEBUG_METRICS computed metrics: %s", dict(metrics))
     for name, value in metrics.items():
         if isinstance(value, Stat):
-            if value.count > 0 and not math.isfinite(value.mean):
-                warnings.warn(f"metric {name!r} is not finite: {value}", stacklevel=2)
+            problem = value.count > 0 and not math.isfinite(value.mean)
         elif isinstance(value, bool) or not isinstance(value, (int, float)):
             if not hasattr(value, "shape"):  # tensors and arrays are data; anything else is suspect
-                warnings.warn(f"metric {name!r} has invalid type {type(value).__name__}", stacklevel=2)
-        elif not math.isfinite(value):
-            warnings.warn(f"metric {name!r} is not finite: {value}", stacklevel=2)
+                msg = f"metric {name!r} has invalid type {type(value).__name__}"
+                warnings.warn(msg, ValueWarning, stacklevel=caller_level())
+            continue
+        else:
+            problem = not math.isfinite(value)
+        if problem:
+            msg = f"metric {name!r} is not finite: {value}"
+            warnings.warn(msg, NonFiniteWarning, stacklevel=caller_level())
