@@ -92,6 +92,19 @@ def test_what_a_run_folder_holds_and_the_next_free_one(tmp_path):
         make_sinks(["jsonl"], out, resume=True, overwrite=True)
 
 
+def test_a_start_whose_tracker_is_not_installed_leaves_the_folder_free(tmp_path, monkeypatch):
+    """A tracker that fails to start (here W&B not installed: what ``import wandb`` does then) leaves
+    no run behind: the JSONL file and TensorBoard folder created before it go, and the retry without
+    it starts (before, the folder 'held a run' and the retry was refused)."""
+    monkeypatch.setitem(sys.modules, "wandb", None)  # Python's own marker of a module that cannot import
+    with pytest.raises(ImportError, match="wandb"):
+        make_sinks(["jsonl", "tensorboard", "wandb"], tmp_path)
+    assert run_files(tmp_path) == []
+    with make_sinks(["jsonl", "tensorboard"], tmp_path) as tracking:
+        tracking.log({"x": 1.0}, 0)
+    assert points("tensorboard", tmp_path) == [(0, 1.0)]
+
+
 def test_a_tensorboard_sink_refuses_a_folder_holding_event_files(tmp_path):
     """TensorBoard reads every event file of a folder as one run: a second run's file would double
     each series, so a TensorBoardSink made directly (not through make_sinks) refuses too."""

@@ -2,7 +2,7 @@
 
     rlmetrics demo                     # train a tiny policy with GRPO on 4 Ray ranks (CPU, a minute)
     rlmetrics report runs/demo         # last/min/max/mean per metric
-    rlmetrics plot runs/demo -m 'critic/score/*' -o score.png
+    rlmetrics plot runs/demo -m 'critic/score/*' -o runs/demo/score.png
 
 rlmetrics COMMAND --help describes a command and its options.
 """

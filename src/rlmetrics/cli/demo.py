@@ -12,7 +12,7 @@ with a progress bar, and at the end prints a summary table and writes PNG plots 
 length, advantages, update, timing, validation, and the heat maps over steps of the response-length
 and score histograms of all ranks' data, histograms.png) into --out.
 
-    rlmetrics demo --steps 50 --workers 4 --out runs/demo
+    rlmetrics demo --steps 20 --workers 2 --out runs/w2   # a shorter run on 2 ranks
     rlmetrics demo --seed 1 --lr 0.1          # another run; a learning rate that collapses the policy
     rlmetrics demo --simulate --backend local --sinks jsonl,console
 """
@@ -282,8 +282,15 @@ def run(args: argparse.Namespace) -> Path:
     ]
     written.append(plot.plot_histograms(run_log, HISTOGRAMS, out / "histograms.png", title="histograms"))
     print(f"metrics: {out / 'metrics.jsonl'}")
-    if "tensorboard" in args.sinks.split(","):
+    sinks = args.sinks.split(",")
+    if "tensorboard" in sinks:
         print(f"tensorboard: {out / 'tensorboard'}   (tensorboard --logdir {out / 'tensorboard'})")
+    if "wandb" in sinks:
+        print(f"wandb: {out / 'wandb'}   (offline; wandb sync {out / 'wandb'}/offline-run-*)")
+    if "mlflow" in sinks:
+        print(f"mlflow: {out / 'mlflow.db'}   (mlflow ui --backend-store-uri sqlite:///{out / 'mlflow.db'})")
+    if "swanlab" in sinks:
+        print(f"swanlab: {out / 'swanlab'}   (offline; swanlab sync {out / 'swanlab'}/run-*)")
     print("plots: " + "  ".join(str(p) for p in written if p is not None))
     print(
         f"time: {time.perf_counter() - started:.1f} s: start {start:.1f} s, {args.steps} steps "

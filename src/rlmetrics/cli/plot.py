@@ -1,7 +1,7 @@
 """rlmetrics plot RUN: PNG plots of a run's metrics over steps (of two runs: rlmetrics compare).
 
-    rlmetrics plot runs/demo -m 'critic/score/*' -m 'response/length/mean' -o score.png
-    rlmetrics plot runs/demo --hist response/length/hist -o lengths.png
+    rlmetrics plot runs/demo -m 'critic/score/*' -m 'response/length/mean' -o runs/demo/score.png
+    rlmetrics plot runs/demo --hist response/length/hist -o runs/demo/lengths.png
 
 One panel per metric matching a glob (* matches across /); a line breaks where its metric skips
 more steps than its usual stride (validation every k steps is one line, a missing step a gap), and
@@ -214,7 +214,7 @@ def run_label(path: str) -> str:
 
 COMPARE = """rlmetrics compare RUN_A RUN_B: the metrics of two runs side by side.
 
-    rlmetrics compare runs/a runs/b -m 'val-core/*' -o val.png
+    rlmetrics compare runs/a runs/b -m 'val-core/*' -o runs/val.png
 
 One panel per metric matching a glob (* matches across /), one line per run, in one PNG; and a
 table of each metric's last value in both runs and their difference (b - a).

@@ -284,11 +284,7 @@ def make_sinks(
             f"{out} holds a run ({', '.join(p.name for p in held)}): pass resume=True to continue it, "
             "overwrite=True to replace it, or use another folder"
         )
-    for path in held:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
+    _remove(held)
     out.mkdir(parents=True, exist_ok=True)
     ids_file = out / RUN_IDS
     ids = json.loads(ids_file.read_text()) if resume and ids_file.exists() else {}
@@ -300,6 +296,8 @@ def make_sinks(
             sinks.append(SINKS[name](out, project, run_name, run_id, **extra))
     except BaseException:
         Tracking(sinks, health=None).close()
+        if not resume:  # a run that never started leaves no run behind: the next start finds the folder free
+            _remove(run_files(out))
         raise
     ids.update({name: sink.run_id for name, sink in zip(wanted, sinks) if hasattr(sink, "run_id")})
     if ids:
@@ -310,6 +308,14 @@ def make_sinks(
     if resume and "jsonl" in wanted:
         tracking.catch_up(sinks[wanted.index("jsonl")], [s for n, s in zip(wanted, sinks) if n in CATCH_UP])
     return tracking
+
+
+def _remove(paths: Iterable[Path]) -> None:
+    for path in paths:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
 
 
 def run_files(out_dir: str | os.PathLike) -> list[Path]:
