@@ -395,12 +395,16 @@ class ClientCore:
         for step in [s for s in self._closed if s < done_below or s in finalized]:
             del self._closed[step]
         if reply.late:
+            hint = "This rank was slower than the reader's timeout (give the reader a longer one)"
+            if 0 in reply.late:  # or it joined late: a new client starts at step 0
+                hint += (
+                    ", or it was created after the others closed step 0: create the clients before the "
+                    "first step, or set client.step = N (or wait_submit(step=N)) to join at step N"
+                )
             warnings.warn(
                 f"rlmetrics: client {self.client_id}: its data for step(s) {reply.late[:10]} came after the "
                 "step was final (ended by a reader's deadline, wait_final_res or step_timeout) and was "
-                "dropped, counted in meta.late. A client created after the others closed a step starts at "
-                "step 0: create the clients before the first step, or set client.step = N (or "
-                "wait_submit(step=N)) to join at step N",
+                f"dropped, counted in meta.late. {hint}",
                 LateDataWarning,
                 stacklevel=caller_level(),
             )
