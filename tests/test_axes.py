@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import re
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -377,13 +376,6 @@ def test_async_run_every_axis_ray():
 
 # ------------------------------------------------------------------------------------ docs, example
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def test_docs_example_prints_what_docs_show(capsys):
-    docs = (ROOT / "docs" / "axes.md").read_text()
-    code, shown = re.search(r"```python\n(.*?)```\s*prints\s*```text\n(.*?)```", docs, re.S).groups()
-    exec(compile(code, "docs/axes.md", "exec"), {})
-    assert capsys.readouterr().out.splitlines() == shown.strip().splitlines()
 
 
 def test_example_logs_every_step_of_every_axis(tmp_path):

@@ -10,7 +10,6 @@ import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -457,19 +456,6 @@ def test_a_dict_of_grouped_names_expects_one_contribution_in_every_step(request)
 
 
 # ----------------------------------------------------------------------------------------- docs
-def test_the_examples_of_docs_groups_print_what_they_say(capsys):
-    text = (Path(__file__).resolve().parents[1] / "docs" / "groups.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    assert len(blocks) == 3
-    try:
-        for block in blocks:
-            exec(compile(block, "docs/groups.md", "exec"), {})
-    finally:
-        local.drop_worker("groups-doc")
-    said = [line.split("  # ", 1)[1] for b in blocks for line in b.splitlines() if line.startswith("print(")]
-    assert capsys.readouterr().out.splitlines() == said
-
-
 # ------------------------------------------------------------------------------------- trackers
 def test_grouped_names_through_jsonl_and_tensorboard(tmp_path):
     batch = rank_batches(5)[0]
