@@ -8,7 +8,7 @@ merges them per ``(step, name)``:
 
 - a name is complete when ``world_size`` contributions arrived for it in that step; ranks that
   give one name different ``world_size`` in a step are told at once (the contribution is merged,
-  the name waits for no more, ``meta.conflicts`` names it);
+  the name expects the largest ``world_size`` given, ``meta.conflicts`` names it);
 - a step is complete when every name is complete and every registered client (one that has
   submitted at least once and not departed) has closed the step;
 - :meth:`Aggregator.finalize` turns a step into a :class:`StepResult` — complete or partial, with
@@ -276,9 +276,10 @@ class Aggregator:
             texts.append(text)
         logger.info("%s", "; ".join(texts))  # the rank is told (its reply), the reader warns
         return (
-            "; ".join(texts) + " (merged: nothing is lost, and the step waits for no more contributions to"
-            " these names; give a name the same world_size on every rank that submits it: the number of"
-            " contributions expected, e.g. the data-parallel size when one rank per dp group submits)"
+            "; ".join(texts) + " (merged; the step expects the largest world_size given, and ends partial"
+            " at its deadline if fewer contributions come; give a name the same world_size on every rank"
+            " that submits it: the number of contributions expected, e.g. the data-parallel size when one"
+            " rank per dp group submits)"
         )
 
     def close(self, client_id: str, step: int) -> None:
@@ -473,7 +474,7 @@ class Aggregator:
         if st is None:
             return []
         out = []
-        for (sid, _), group in sorted(st.groups.items()):
+        for (sid, _), group in st.groups.items():  # arrival order: the first world_size stays first upstream
             states = {}
             for i, col in enumerate(group.cols.tolist() if st.states else ()):
                 if col in st.states:  # a name in several schemas: its merged state goes once

@@ -538,9 +538,11 @@ class ClientCore:
         ``wait_final_res``) still work."""
         if self.stopped:
             return
-        self.flush()
-        self._retrying(lambda: self.transport.depart(self.credential))
-        self.stopped = True
+        try:
+            self.flush()  # may raise about refused data: the client leaves all the same
+        finally:
+            self._retrying(lambda: self.transport.depart(self.credential))
+            self.stopped = True
 
     def _check_running(self) -> None:
         if self.stopped:
@@ -564,7 +566,12 @@ def _missing(res: StepResult) -> str:
         return f"no data arrived for step {res.step}; {closing}"
     missing = meta.missing_metrics
     closing = closing if ranks else "every registered rank closed it"
-    return f"{closing}; {len(missing)} incomplete metric(s) {list(missing)[:5]}"
+    first = list(missing.items())[:5]
+    shown = ", ".join(f"{name!r} ({got} of {want} contributions)" for name, (got, want) in first)
+    text = f"{closing}; {len(missing)} incomplete metric(s): {shown}"
+    if any(name in meta.conflicts for name in missing):
+        text += " (ranks gave them different world_size: meta.conflicts)"
+    return text
 
 
 def world_size_arg(world_size: Any) -> int:

@@ -32,7 +32,7 @@ class StepMeta:
       ``{"client_id/step/seq": why}`` of contributions it refused whole for a value no data gives
       (the key of the error in that client's reply; nothing of them was merged);
     - ``conflicts``: ``{name: why}`` of names whose ranks gave them different ``world_size`` in
-      the step (merged; the step waits for no more contributions of theirs);
+      the step (merged; the step expects the largest ``world_size`` given);
     - ``contributions``: ``[received, expected]`` contributions summed over the step's names (each
       name counted up to its ``world_size``), when the step was finalized by a server;
     - ``late``: contributions that arrived for steps already final (and were dropped) since the

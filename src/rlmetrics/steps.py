@@ -157,16 +157,13 @@ class Step:
         return conflicting if len(conflicting) else None
 
     def counts(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """Contributions received and expected per column (expected: the first world_size given; a
-        column whose ranks disagree on it expects what it received)."""
+        """Contributions received and expected per column (expected: the largest world_size given,
+        also where ranks disagree: a rank that submits later, not registered yet, is waited for)."""
         received = np.zeros(n, np.int64)
+        expected = np.zeros(n, np.int64)
         for g in self.groups.values():
             received[g.cols] += g.received
-        expected = np.zeros(n, np.int64)
-        expected[: len(self.world_sizes)] = self.world_sizes
-        if self.conflicts:
-            conflicting = np.fromiter(self.conflicts, np.int64, len(self.conflicts))
-            expected[conflicting] = received[conflicting]
+            expected[g.cols] = np.maximum(expected[g.cols], g.world_size)
         return received, expected
 
 
