@@ -124,6 +124,21 @@ def test_a_client_stopped_refuses_to_submit_and_still_reads(name):
     assert a.result(1, timeout=5).meta.complete  # only b is waited for; a's reads work
 
 
+def test_a_stop_whose_last_data_is_refused_raises_and_still_leaves(name):
+    """``stop()`` sends what is queued: when the aggregator refuses some of it the error comes, and
+    the client has left all the same (before, it stayed registered and every later step waited for
+    it until its deadline)."""
+    a, b = ranks(name)
+    run_step([a, b])
+    a.submit_metric({"timing_s/gen": 1.0, "perf/delta_time/gen": 2.0}, world_size=1)  # a result key twice
+    with pytest.raises(rlmetrics.MetricValueError, match="perf/delta_time/gen"):
+        a.stop()
+    assert a.stopped
+    b.set_world_size(1)
+    run_step([b])
+    assert a.result(1, timeout=5).meta.complete  # b alone is waited for
+
+
 def test_a_client_created_after_step_0_closed_is_told_once_that_its_data_was_dropped(name, caplog):
     clients = ranks(name)
     run_step(clients)

@@ -95,7 +95,8 @@ def test_what_a_run_folder_holds_and_the_next_free_one(tmp_path):
 def test_a_start_whose_tracker_is_not_installed_leaves_the_folder_free(tmp_path, monkeypatch):
     """A tracker that fails to start (here W&B not installed: what ``import wandb`` does then) leaves
     no run behind: the JSONL file and TensorBoard folder created before it go, and the retry without
-    it starts (before, the folder 'held a run' and the retry was refused)."""
+    it starts (before, the folder 'held a run' and the retry was refused). With ``overwrite=True``
+    the run it was to replace comes back whole."""
     monkeypatch.setitem(sys.modules, "wandb", None)  # Python's own marker of a module that cannot import
     with pytest.raises(ImportError, match="wandb"):
         make_sinks(["jsonl", "tensorboard", "wandb"], tmp_path)
@@ -103,6 +104,10 @@ def test_a_start_whose_tracker_is_not_installed_leaves_the_folder_free(tmp_path,
     with make_sinks(["jsonl", "tensorboard"], tmp_path) as tracking:
         tracking.log({"x": 1.0}, 0)
     assert points("tensorboard", tmp_path) == [(0, 1.0)]
+    with pytest.raises(ImportError, match="wandb"):  # replacing that run fails the same way: it stays
+        make_sinks(["jsonl", "tensorboard", "wandb"], tmp_path, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "tensorboard"]
+    assert points("tensorboard", tmp_path) == [(0, 1.0)] == points("jsonl", tmp_path)
 
 
 def test_a_tensorboard_sink_refuses_a_folder_holding_event_files(tmp_path):

@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -250,7 +251,8 @@ def make_sinks(
     ``mlflow.db``, ``swanlab/``, and :data:`RUN_IDS` (the W&B, MLflow and SwanLab run ids);
     trackers run offline. A folder holds one run: a folder that holds one (:func:`run_files`, whatever
     sinks wrote it) is refused with a one-line FileExistsError naming what it holds, unless
-    ``overwrite=True``, which removes those files (other files stay) and starts a new run, or
+    ``overwrite=True``, which removes those files (other files stay; a start that fails puts them
+    back) and starts a new run, or
     ``resume=True``, which continues the runs found there (a driver restarted after a crash; a first
     start finds none and starts new runs): the JSONL file and TensorBoard directory, and the tracker
     runs named in :data:`RUN_IDS` (a tracker without a saved id starts a new run); every sink skips
@@ -284,7 +286,7 @@ def make_sinks(
             f"{out} holds a run ({', '.join(p.name for p in held)}): pass resume=True to continue it, "
             "overwrite=True to replace it, or use another folder"
         )
-    _remove(held)
+    aside = _set_aside(out, held)  # the replaced run, until the new one started
     out.mkdir(parents=True, exist_ok=True)
     ids_file = out / RUN_IDS
     ids = json.loads(ids_file.read_text()) if resume and ids_file.exists() else {}
@@ -296,9 +298,15 @@ def make_sinks(
             sinks.append(SINKS[name](out, project, run_name, run_id, **extra))
     except BaseException:
         Tracking(sinks, health=None).close()
-        if not resume:  # a run that never started leaves no run behind: the next start finds the folder free
+        if not resume:  # a run that never started leaves no run behind, and a replaced one comes back
             _remove(run_files(out))
+            if aside is not None:
+                for path in aside.iterdir():
+                    os.replace(path, out / path.name)
+                aside.rmdir()
         raise
+    if aside is not None:
+        shutil.rmtree(aside)
     ids.update({name: sink.run_id for name, sink in zip(wanted, sinks) if hasattr(sink, "run_id")})
     if ids:
         tmp = ids_file.with_suffix(".tmp")
@@ -308,6 +316,16 @@ def make_sinks(
     if resume and "jsonl" in wanted:
         tracking.catch_up(sinks[wanted.index("jsonl")], [s for n, s in zip(wanted, sinks) if n in CATCH_UP])
     return tracking
+
+
+def _set_aside(out: Path, paths: list[Path]) -> Path | None:
+    """Move ``paths`` (files of ``out``) into a new hidden folder of ``out``; None if there are none."""
+    if not paths:
+        return None
+    aside = Path(tempfile.mkdtemp(prefix=".replaced-", dir=out))
+    for path in paths:
+        os.replace(path, aside / path.name)
+    return aside
 
 
 def _remove(paths: Iterable[Path]) -> None:
