@@ -113,6 +113,26 @@ def test_a_restart_between_a_send_and_its_reply_loses_and_doubles_nothing():
     assert a.result(0).meta.complete
 
 
+def test_a_stopped_clients_resend_after_a_restart_counts_its_data_and_does_not_rejoin():
+    """The watcher resends every client's kept data after a restart, a stopped one's too: its data
+    is merged, and it leaves again (the resend registered it: every later step waited for it)."""
+    transport = RestartingTransport()
+    a, b = ranks(transport, 2)
+    a.submit_metric({"x/mean": [1.0]})
+    a.wait_submit()
+    a.stop()
+    transport.restart()
+    a.resync()  # what the Ray watcher does for every live client
+    b.submit_metric({"x/mean": [3.0]})
+    b.wait_submit()
+    assert dict(b.result(0)) == {"x/mean": 2.0}
+    assert a.client_id not in transport.server.engine.clients
+    b.set_world_size(1)
+    b.submit_metric({"x/mean": [5.0]})
+    b.wait_submit()
+    assert b.result(1).meta.complete
+
+
 def test_a_message_delivered_twice_is_merged_once():
     transport = RestartingTransport()
     transport.duplicate = True

@@ -360,6 +360,8 @@ class ClientCore:
                 close = [s if v is None else (s, tuple(sorted(v))) for s, v in sorted(self._closed.items())]
                 try:
                     reply = self.transport.send(self.credential, items, close, resync=True)
+                    if self.stopped:  # its data counts; its rank is not waited for again
+                        self.transport.depart(self.credential)
                 except AggregatorRestarted:
                     continue
                 self._incarnation = reply.incarnation
