@@ -65,7 +65,8 @@ from rlmetrics.integrations.verl.tracking import Tracking
 from rlmetrics.integrations.verl.worker import AggregationType, Metric, reduce_metrics
 
 __all__ = [
-    "NAMING", "VERL_REDUCTIONS", "AggregationType", "Metric", "Naming", "Tracking", "Value", "compute_data_metrics",
-    "compute_throughout_metrics", "compute_timing_metrics", "compute_variance_proxy_metrics", "connect",
-    "process_validation_metrics", "reduce_metrics", "submit_validation_metrics",
+    "NAMING", "VERL_REDUCTIONS", "AggregationType", "Metric", "Naming", "Tracking", "Value",
+    "compute_data_metrics", "compute_throughout_metrics", "compute_timing_metrics",
+    "compute_variance_proxy_metrics", "connect", "process_validation_metrics", "reduce_metrics",
+    "submit_validation_metrics",
 ]  # fmt: skip

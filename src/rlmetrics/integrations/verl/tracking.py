@@ -73,10 +73,10 @@ def sink_names(default_backend: str | Iterable[str]) -> dict[str, str]:
 
     >>> sink_names("file")
     {'file': 'jsonl'}
-    >>> sink_names(["console", "clearml"])
+    >>> sink_names(["console", "clearml"])  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: verl backend 'clearml' has no rlmetrics sink; supported: console, file, tensorboard, wandb, mlflow, swanlab
+    ValueError: verl backend 'clearml' has no rlmetrics sink; supported: console, file, tensorboard, ...
     """
     names = [default_backend] if isinstance(default_backend, str) else list(default_backend)
     supported = ", ".join(n for n in BACKENDS if n != "tracking")
