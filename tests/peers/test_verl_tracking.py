@@ -147,3 +147,60 @@ def test_backends_as_verl_takes_them(tmp_path, monkeypatch):
     Tracking("proj", "exp", "file").finish()
     assert (tmp_path / "proj" / "exp" / "metrics.jsonl").exists()
     assert (tmp_path / "root" / "proj" / "exp" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_trackers_same_as_verl(verl_env, monkeypatch):
+    """W&B, MLflow and SwanLab, verl's run offline too: the same keys and values per step."""
+    pytest.importorskip("wandb")
+    pytest.importorskip("mlflow")
+    pytest.importorskip("swanlab")
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    from tests.trackers import one, read_mlflow, read_swanlab, read_wandb
+
+    theirs = verl_env / "verl"
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(theirs))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{theirs / 'mlflow.db'}")
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    monkeypatch.setenv("SWANLAB_MODE", "offline")
+    monkeypatch.setenv("SWANLAB_LOG_DIR", str(theirs / "swanlog"))
+    backends = ["wandb", "mlflow", "swanlab"]
+    for cls, kw in ((VerlTracking, {}), (Tracking, {"out_dir": verl_env / "ours"})):
+        tracking = cls("proj", "exp", default_backend=backends, **kw)
+        for step in range(1, 4):
+            tracking.log(data=step_data(step), step=step)
+        tracking.finish()
+    ours = verl_env / "ours"
+    names = list(step_data(0))
+
+    wb_theirs = read_wandb(one(theirs, "wandb/offline-run-*/run-*.wandb"))
+    wb_mine = read_wandb(one(ours, "wandb/offline-run-*/run-*.wandb"))
+    assert sorted(wb_mine) == sorted(wb_theirs) == [1, 2, 3]
+    for step in wb_theirs:
+        mine = {k: v for k, v in wb_mine[step].items() if not k.startswith("_")}
+        assert mine == pytest.approx({k: v for k, v in wb_theirs[step].items() if not k.startswith("_")})
+        assert sorted(mine) == sorted(names)
+
+    uri_theirs = f"sqlite:///{theirs / 'mlflow.db'}"
+    (run_theirs,) = MlflowClient(uri_theirs).search_runs(
+        [MlflowClient(uri_theirs).get_experiment_by_name("proj").experiment_id]
+    )
+    run_mine = json.loads((ours / "run_ids.json").read_text())["mlflow"]
+    uri_mine = f"sqlite:///{ours / 'mlflow.db'}"
+    keys_theirs = sorted(run_theirs.data.metrics)
+    keys_mine = sorted(MlflowClient(uri_mine).get_run(run_mine).data.metrics)
+    assert keys_mine == keys_theirs and "val-core/gsm8k/acc/mean_at_4" in keys_mine
+    for key in keys_theirs:
+        expected = read_mlflow(uri_theirs, run_theirs.info.run_id, key)
+        assert read_mlflow(uri_mine, run_mine, key) == pytest.approx(expected)
+
+    sw_theirs = read_swanlab(one(theirs, "swanlog/run-*/run-*.swanlab"))
+    sw_mine = read_swanlab(one(ours, "swanlab/run-*/run-*.swanlab"))
+    assert sorted(sw_mine) == sorted(sw_theirs) == sorted(names)
+    for key in sw_theirs:
+        assert sw_mine[key] == pytest.approx(sw_theirs[key])
