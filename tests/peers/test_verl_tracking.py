@@ -204,3 +204,19 @@ def test_trackers_same_as_verl(verl_env, monkeypatch):
     assert sorted(sw_mine) == sorted(sw_theirs) == sorted(names)
     for key in sw_theirs:
         assert sw_mine[key] == pytest.approx(sw_theirs[key])
+
+
+def test_resume_follows_the_trainers_resume_mode(tmp_path, caplog):
+    """verl's ``trainer.resume_mode: disable`` starts again from step 0: its folder is refused, not
+    resumed (resuming would skip its steps)."""
+    run(Tracking, range(1, 3), out_dir=tmp_path)
+    with caplog.at_level("WARNING"):
+        Tracking(
+            "proj", "exp", "file", config={"trainer": {"resume_mode": "auto"}}, out_dir=tmp_path
+        ).finish()
+    assert "steps up to 2 are not written again" in caplog.text
+    with pytest.raises(FileExistsError, match="holds a run"):
+        Tracking("proj", "exp", "file", config={"trainer": {"resume_mode": "disable"}}, out_dir=tmp_path)
+    disable = {"trainer": {"resume_mode": "disable"}}
+    Tracking("proj", "exp", "file", config=disable, out_dir=tmp_path, overwrite=True).finish()
+    assert read_jsonl(tmp_path / "metrics.jsonl").steps == []

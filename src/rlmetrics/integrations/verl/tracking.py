@@ -90,13 +90,23 @@ def sink_names(default_backend: str | Iterable[str]) -> dict[str, str]:
     return out
 
 
+def _resume_mode(config: Any) -> Any:
+    """verl's ``trainer.resume_mode`` in ``config`` (a dict or an OmegaConf config), None if absent."""
+    try:
+        return config["trainer"].get("resume_mode")
+    except (TypeError, KeyError, AttributeError):
+        return None
+
+
 class Tracking:
     """verl's ``Tracking(project_name, experiment_name, default_backend="console", config=None)`` over
     :func:`rlmetrics.sinks.make_sinks` in one run folder (see the module).
 
-    ``out_dir``: the run folder (default :func:`run_folder`). ``resume`` (default True, as verl's
-    trainers resume from their latest checkpoint): continue the run in the folder, skipping the steps it
-    holds; False: a folder holding a run is refused unless ``overwrite=True``. ``health``: the rules
+    ``out_dir``: the run folder (default :func:`run_folder`). ``resume``: continue the run in the
+    folder, skipping the steps it holds (a warning names the last one); False: a folder holding a run is
+    refused unless ``overwrite=True``. Default: as the trainer resumes, True unless
+    ``config["trainer"]["resume_mode"]`` is ``"disable"`` (a trainer that starts again from step 0
+    must not have its steps skipped). ``health``: the rules
     (:class:`rlmetrics.health.Monitor`; True: the defaults). ``config`` is kept as :attr:`config`
     (verl passes it to W&B, MLflow and SwanLab; rlmetrics' sinks do not store it).
 
@@ -118,7 +128,7 @@ class Tracking:
         config: Any = None,
         *,
         out_dir: str | os.PathLike | None = None,
-        resume: bool = True,
+        resume: bool | None = None,
         overwrite: bool = False,
         health: Any = True,
     ) -> None:
@@ -131,6 +141,8 @@ class Tracking:
         set_env = [name for name in IGNORED_ENV if os.environ.get(name)]
         if set_env:
             logger.warning("%s not used: the run's files go to %s", ", ".join(set_env), self.out_dir)
+        if resume is None:
+            resume = _resume_mode(config) != "disable"
         wanted = list(dict.fromkeys(self.backends.values()))
         self.tracking: Fanout = make_sinks(
             wanted,
@@ -148,6 +160,12 @@ class Tracking:
         self._step: int | None = None  # the last step logged this session
         self._data: dict[str, float] = {}  # its metrics so far
         self._finished = False
+        if self.resumed_at is not None:
+            logger.warning(
+                "resuming the run in %s: steps up to %d are not written again (overwrite=True replaces it)",
+                self.out_dir,
+                self.resumed_at,
+            )
         logger.info("rlmetrics Tracking: %s in %s", ", ".join(wanted), self.out_dir)
 
     @property
