@@ -45,7 +45,8 @@ tokens of the name (``actor/minibatch_loss`` is a mean), with verl's exceptions 
 
 The code: :mod:`~rlmetrics.integrations.verl.batch` (the batch functions and :class:`Value`),
 :mod:`~rlmetrics.integrations.verl.worker` (:class:`Metric`, ``reduce_metrics``),
-:mod:`~rlmetrics.integrations.verl.naming` (submitting with verl's naming).
+:mod:`~rlmetrics.integrations.verl.naming` (submitting with verl's naming),
+:mod:`~rlmetrics.integrations.verl.tracking` (:class:`Tracking`, verl's logger over rlmetrics' sinks).
 """
 
 from __future__ import annotations
@@ -60,10 +61,12 @@ from rlmetrics.integrations.verl.batch import (
     process_validation_metrics,
 )
 from rlmetrics.integrations.verl.naming import NAMING, Naming, connect, submit_validation_metrics
+from rlmetrics.integrations.verl.tracking import Tracking
 from rlmetrics.integrations.verl.worker import AggregationType, Metric, reduce_metrics
 
 __all__ = [
-    "NAMING", "VERL_REDUCTIONS", "AggregationType", "Metric", "Naming", "Value", "compute_data_metrics",
-    "compute_throughout_metrics", "compute_timing_metrics", "compute_variance_proxy_metrics", "connect",
-    "process_validation_metrics", "reduce_metrics", "submit_validation_metrics",
+    "NAMING", "VERL_REDUCTIONS", "AggregationType", "Metric", "Naming", "Tracking", "Value",
+    "compute_data_metrics", "compute_throughout_metrics", "compute_timing_metrics",
+    "compute_variance_proxy_metrics", "connect", "process_validation_metrics", "reduce_metrics",
+    "submit_validation_metrics",
 ]  # fmt: skip

@@ -1,0 +1,221 @@
+"""verl 0.9.1's ``verl.utils.tracking.Tracking``, writing through rlmetrics' sinks into one run folder.
+
+A verl trainer swaps one import (``from rlmetrics.integrations.verl import Tracking``) and keeps its
+calls: ``Tracking(project_name, experiment_name, default_backend, config)``, ``log(data, step,
+backend=None)``, ``finish()``. What it gains: the run folder is resumed, so a trainer restarted from a
+checkpoint that logs steps again writes each step once (verl's ``file`` backend reopens its file with
+``"wb"`` and loses the first session; its TensorBoard writer adds a second event file that doubles the
+replayed steps); health alerts (:mod:`rlmetrics.health`) go to every tracker; a tracker that fails is
+reported and disabled instead of stopping the run.
+
+Backends: verl's names, each mapped to a sink of :func:`rlmetrics.sinks.make_sinks`: ``console`` →
+``console``, ``file`` → ``jsonl`` (``metrics.jsonl``), ``tensorboard``, ``wandb`` (``tracking``, verl's
+deprecated alias, too), ``mlflow``, ``swanlab``; the trackers run offline. verl's other backends
+(``clearml``, ``trackio``, ``vemlp_wandb``, ``rl_insight``) raise ``ValueError`` naming the supported ones.
+
+Files go to one folder: ``out_dir``, or ``<root>/<project_name>/<experiment_name>`` with ``root`` verl's
+``VERL_FILE_LOGGER_ROOT`` (default ``.``), next to where verl's file backend writes
+``<experiment_name>.jsonl``. verl's variables that send one backend elsewhere (``TENSORBOARD_DIR``,
+``VERL_FILE_LOGGER_PATH``, ``SWANLAB_LOG_DIR``, ``MLFLOW_TRACKING_URI``) are not used: a warning names
+them and the folder the run is in.
+
+verl logs one step in several calls in places (the fully-async trainer logs timings, aggregated
+metrics and validation at one ``step``): a later call at the step just logged adds its metrics to the
+step: the trackers get the new values at that step, ``metrics.jsonl`` a record of the whole step so far
+(the later record of a step wins when read). A call at a lower step than one already logged this
+session is dropped with a warning (TensorBoard's reader drops a step that goes back, W&B refuses it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from rlmetrics.sinks import Tracking as Fanout
+from rlmetrics.sinks import make_sinks
+from rlmetrics.sinks.names import as_floats, as_step
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = {
+    "console": "console",
+    "file": "jsonl",
+    "tensorboard": "tensorboard",
+    "wandb": "wandb",
+    "tracking": "wandb",
+    "mlflow": "mlflow",
+    "swanlab": "swanlab",
+}
+"""verl backend name → rlmetrics sink name (:data:`rlmetrics.sinks.SINKS`)."""
+
+VERL_ONLY = ("clearml", "trackio", "vemlp_wandb", "rl_insight")
+"""verl 0.9.1's backends rlmetrics has no sink for."""
+
+IGNORED_ENV = ("TENSORBOARD_DIR", "VERL_FILE_LOGGER_PATH", "SWANLAB_LOG_DIR", "MLFLOW_TRACKING_URI")
+
+
+def run_folder(project_name: str, experiment_name: str) -> Path:
+    """Where :class:`Tracking` writes without ``out_dir``: ``$VERL_FILE_LOGGER_ROOT`` (default ``.``)
+    ``/<project_name>/<experiment_name>``.
+
+    >>> run_folder("gsm8k", "qwen-grpo").as_posix()  # doctest: +SKIP
+    'gsm8k/qwen-grpo'
+    """
+    root = Path(os.path.expanduser(os.environ.get("VERL_FILE_LOGGER_ROOT", ".")))
+    return root / str(project_name) / str(experiment_name)
+
+
+def sink_names(default_backend: str | Iterable[str]) -> dict[str, str]:
+    """verl's ``default_backend`` (a name or a list, as verl takes it) → ``{verl name: sink name}``.
+
+    >>> sink_names("file")
+    {'file': 'jsonl'}
+    >>> sink_names(["console", "clearml"])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: verl backend 'clearml' has no rlmetrics sink; supported: console, file, tensorboard, ...
+    """
+    names = [default_backend] if isinstance(default_backend, str) else list(default_backend)
+    supported = ", ".join(n for n in BACKENDS if n != "tracking")
+    out = {}
+    for name in names:
+        if name in VERL_ONLY:
+            raise ValueError(f"verl backend {name!r} has no rlmetrics sink; supported: {supported}")
+        if name not in BACKENDS:
+            raise ValueError(f"unknown verl backend {name!r}; supported: {supported}")
+        out[name] = BACKENDS[name]
+    return out
+
+
+def _resume_mode(config: Any) -> Any:
+    """verl's ``trainer.resume_mode`` in ``config`` (a dict or an OmegaConf config), None if absent."""
+    try:
+        return config["trainer"].get("resume_mode")
+    except (TypeError, KeyError, AttributeError):
+        return None
+
+
+class Tracking:
+    """verl's ``Tracking(project_name, experiment_name, default_backend="console", config=None)`` over
+    :func:`rlmetrics.sinks.make_sinks` in one run folder (see the module).
+
+    ``out_dir``: the run folder (default :func:`run_folder`). ``resume``: continue the run in the
+    folder, skipping the steps it holds (a warning names the last one); False: a folder holding a run is
+    refused unless ``overwrite=True``. Default: as the trainer resumes, True unless
+    ``config["trainer"]["resume_mode"]`` is ``"disable"`` (a trainer that starts again from step 0
+    must not have its steps skipped). ``health``: the rules
+    (:class:`rlmetrics.health.Monitor`; True: the defaults). ``config`` is kept as :attr:`config`
+    (verl passes it to W&B, MLflow and SwanLab; rlmetrics' sinks do not store it).
+
+    >>> import tempfile
+    >>> out = tempfile.mkdtemp()
+    >>> tracking = Tracking("demo", "exp", default_backend="file", out_dir=out)
+    >>> tracking.log({"critic/score/mean": 0.5}, step=1)
+    >>> tracking.finish()
+    >>> from rlmetrics.sinks import read_jsonl
+    >>> read_jsonl(f"{out}/metrics.jsonl").series("critic/score/mean")
+    (array([1]), array([0.5]))
+    """
+
+    def __init__(
+        self,
+        project_name: str,
+        experiment_name: str,
+        default_backend: str | Iterable[str] = "console",
+        config: Any = None,
+        *,
+        out_dir: str | os.PathLike | None = None,
+        resume: bool | None = None,
+        overwrite: bool = False,
+        health: Any = True,
+    ) -> None:
+        self._finished = True  # until the sinks exist: __del__ of a failed __init__ does nothing
+        self.project_name, self.experiment_name, self.config = project_name, experiment_name, config
+        self.backends = sink_names(default_backend)
+        if "tracking" in self.backends:
+            logger.warning("verl's `tracking` backend is deprecated; it is W&B here (use `wandb`)")
+        self.out_dir = Path(out_dir) if out_dir is not None else run_folder(project_name, experiment_name)
+        set_env = [name for name in IGNORED_ENV if os.environ.get(name)]
+        if set_env:
+            logger.warning("%s not used: the run's files go to %s", ", ".join(set_env), self.out_dir)
+        if resume is None:
+            resume = _resume_mode(config) != "disable"
+        wanted = list(dict.fromkeys(self.backends.values()))
+        self.tracking: Fanout = make_sinks(
+            wanted,
+            self.out_dir,
+            project=str(project_name),
+            run_name=str(experiment_name),
+            resume=resume and not overwrite,
+            overwrite=overwrite,
+            health=health,
+        )
+        self._sink_of = dict(zip(wanted, self.tracking.sinks))
+        jsonl = self._sink_of.get("jsonl")
+        if jsonl is not None:
+            jsonl.overwrite = True  # a later call at the step just logged rewrites its whole record
+        self._step: int | None = None  # the last step logged this session
+        self._data: dict[str, float] = {}  # its metrics so far
+        self._finished = False
+        if self.resumed_at is not None:
+            logger.warning(
+                "resuming the run in %s: steps up to %d are not written again (overwrite=True replaces it)",
+                self.out_dir,
+                self.resumed_at,
+            )
+        logger.info("rlmetrics Tracking: %s in %s", ", ".join(wanted), self.out_dir)
+
+    @property
+    def resumed_at(self) -> int | None:
+        """The last step the resumed run folder holds (None: a new run)."""
+        return self.tracking.resumed_at
+
+    def log(self, data: Mapping[str, Any], step: int, backend: str | Iterable[str] | None = None) -> None:
+        """Log ``data`` (``{name: number}``: floats, ints, numpy or torch scalars) at ``step`` to every
+        backend, or to those named in ``backend`` (verl's filter)."""
+        if self._finished:
+            raise ValueError("Tracking is finished")
+        values = as_floats(data)
+        step = as_step(step)
+        only = None
+        if backend is not None:
+            names = [backend] if isinstance(backend, str) else list(backend)
+            only = {BACKENDS[n] for n in names if n in BACKENDS}
+        if self._step is not None and step < self._step:
+            logger.warning("step %d after step %d dropped: trackers keep steps in order", step, self._step)
+            return
+        if step != self._step:
+            self._step, self._data = step, {}
+            if only is None:
+                self._data.update(values)
+                self.tracking.log(values, step)
+                return
+        self._data.update(values)
+        self._write(values, step, only)
+
+    def _write(self, values: dict[str, float], step: int, only: set[str] | None) -> None:
+        """A second call at ``step`` (or one for some backends): no health rules (they saw the step),
+        each chosen sink gets ``values``, the JSONL file the step's metrics so far."""
+        t = self.tracking
+        for i, (name, sink) in enumerate(self._sink_of.items()):
+            if (only is None or name in only) and t._writes(i, sink, step):
+                t._write(i, sink, dict(self._data) if name == "jsonl" else values, step, [])
+
+    def finish(self, exit_code: int = 0) -> None:
+        """Close every sink, once (verl's ``finish``; ``exit_code`` is accepted and unused)."""
+        if getattr(self, "_finished", True):
+            return
+        self._finished = True
+        self.tracking.close()
+
+    def __del__(self) -> None:
+        try:
+            self.finish()
+        except Exception:  # an interpreter shutting down may have torn down what close() needs
+            pass
+
+    def __repr__(self) -> str:
+        return f"Tracking({list(self.backends)!r}, out_dir={str(self.out_dir)!r})"
