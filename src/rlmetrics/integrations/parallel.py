@@ -80,6 +80,8 @@ def submitter(
     From sizes: ``rank`` is the global rank, ``dp`` or ``world_size`` (or both, then they must agree)
     the data-parallel size, ``tp``/``sp``/``cp``/``pp`` the others, and ``order`` the rank layout,
     fastest-varying dim first (``"tp-sp-cp-dp-pp"``: Megatron's; a dim left out must have size 1).
+    ``sp`` is a dim of its own (Ulysses); Megatron's sequence parallelism runs inside the ``tp``
+    group and is not passed.
 
     ``pp_stage``: the pipeline stage that submits, ``"last"`` (it computes the losses), ``"first"``
     or a stage number.
