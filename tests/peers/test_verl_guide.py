@@ -39,7 +39,10 @@ NAMES = {
             'reduce_metrics(actor_output.meta_info["metrics"])',
             "logger.log(data=metrics, step=self.global_steps)",
         ],
-        "RayPPOTrainer._update_actor": ["self.actor_rollout_wg.update_actor(batch_td)"],
+        "RayPPOTrainer._update_actor": [
+            "left_right_2_no_padding(batch_td)",
+            "self.actor_rollout_wg.update_actor(batch_td)",
+        ],
         "RayPPOTrainer._validate": ["self._val_metrics_update("],
         "RayPPOTrainer._val_metrics_update": ["process_validation_metrics("],
     },
