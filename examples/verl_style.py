@@ -19,7 +19,10 @@ A validation round runs on the last step: each rank sends its samples, the aggre
 verl's ``val-core/...`` keys once over all of them.
 
 Run: ``python examples/verl_style.py [--steps 3] [--ranks 2] [--out runs/verl_style]`` (needs the
-``ray`` and ``torch`` extras; verl itself is not needed).
+``ray`` and ``torch`` extras; verl itself is not needed). With the defaults it took 17 s and 25 s
+on a 2-core machine shared with other jobs: about 3 s of imports, 5 s starting Ray, 6 s starting
+the rank actors (each imports torch), 4 s for the first step (the ranks' first metric calls) and
+0.2 s for each later step, 1.5 s stopping Ray.
 """
 
 from __future__ import annotations
