@@ -19,7 +19,8 @@ its scheduler does), so a new run needs an empty folder. Run, kill once it logge
     until [ "$(cat runs/resumable/metrics.jsonl 2>/dev/null | wc -l)" -ge 15 ]; do sleep 0.1; done; kill -9 $!
     python examples/resumable_run.py runs/resumable --steps 60
 
-Needs the ``trackers`` extra.
+Needs the ``trackers`` extra. One uninterrupted ``--steps 60`` run took 31 s and 23 s on a 2-core
+machine shared with other jobs, most of it starting and closing the five trackers.
 """
 
 from __future__ import annotations

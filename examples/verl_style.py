@@ -19,7 +19,11 @@ A validation round runs on the last step: each rank sends its samples, the aggre
 verl's ``val-core/...`` keys once over all of them.
 
 Run: ``python examples/verl_style.py [--steps 3] [--ranks 2] [--out runs/verl_style]`` (needs the
-``ray`` and ``torch`` extras; verl itself is not needed).
+``ray`` and ``torch`` extras; verl itself is not needed). With the defaults it took 17 s and 25 s
+on a 2-core machine shared with other jobs, nearly all of it fixed costs: 3 s importing torch and
+Ray, 5-7 s starting Ray, 2-6 s starting the rank actors (each imports torch), 2-5 s in the first
+step before a rank runs (unpickling its first TensorDict shard), 3 s stopping Ray and exiting; a
+step's own work (metrics, PPO update, submission) takes 0.05-0.2 s on a rank.
 """
 
 from __future__ import annotations

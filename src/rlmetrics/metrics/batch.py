@@ -36,13 +36,17 @@ ACCEPTED = (
 
 
 class BatchView(Mapping):
-    """Read-only lookup over a batch's parts, first part first; ``meta`` is the meta info alone."""
+    """Read-only lookup over a batch's parts, first part first; ``meta`` is the meta info alone,
+    ``origin`` the object the parts were read from (what a ``group_by`` function is given)."""
 
-    __slots__ = ("parts", "meta")
+    __slots__ = ("parts", "meta", "origin")
 
-    def __init__(self, parts: tuple[Any, ...], meta: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self, parts: tuple[Any, ...], meta: Mapping[str, Any] | None = None, origin: Any = None
+    ) -> None:
         self.parts = parts
         self.meta = meta if meta is not None else {}
+        self.origin = origin
 
     def get(self, key: str, default: Any = None) -> Any:
         for part in self.parts:
@@ -100,7 +104,7 @@ def as_batch(data: Any, what: str = "this function") -> BatchView:
                 )
             parts.append(part)
         meta = getattr(data, "meta_info", None)
-        return BatchView(tuple(parts), meta if isinstance(meta, Mapping) else None)
+        return BatchView(tuple(parts), meta if isinstance(meta, Mapping) else None, data)
     raise TypeError(f"{what} needs {ACCEPTED}; got {type(data).__name__}")
 
 

@@ -21,6 +21,7 @@ from rlmetrics.metrics import (
     is_aux,
     timing_aux,
 )
+from rlmetrics.metrics.batch import BatchView
 from rlmetrics.metrics.validation import encode_samples, samples_by_source
 from rlmetrics.reduce import MEAN, Reduction, resolve
 from rlmetrics.stat import Stat
@@ -73,6 +74,7 @@ def compute_data_metrics(batch: Any, use_critic: bool = True, *, group_by: Any =
     """
     from rlmetrics.metrics.data import column_values, verl_data_arrays
 
+    batch = verl_view(batch, "compute_data_metrics")
     names, arrays = verl_data_arrays(batch, use_critic=use_critic, group_by=group_by)
     stats = {name: Stat(*column) for name, column in zip(names, arrays.T.tolist())}
     return values_of(stats, dict(zip(names, column_values(names, arrays).tolist())))
@@ -98,7 +100,7 @@ def compute_timing_metrics(batch: Any, timing_raw: Mapping[str, Any]) -> dict[st
 
     seconds = stage_seconds(timing_raw)
     out: dict[str, Value] = {f"timing_s/{stage}": Value(s, Stat.of(s)) for stage, s in seconds.items()}
-    lengths = verl_lengths(batch)
+    lengths = verl_lengths(verl_view(batch, "compute_timing_metrics"))
     if lengths is None:
         return out
     prompt, response = (float(x.sum()) for x in to_host(list(lengths)))
@@ -124,7 +126,7 @@ def compute_throughout_metrics(batch: Any, timing_raw: Mapping[str, Any], n_gpus
     """
     from rlmetrics.metrics.timing import batch_tokens
 
-    tokens = batch_tokens(batch, "compute_throughout_metrics")
+    tokens = batch_tokens(verl_view(batch, "compute_throughout_metrics"), "compute_throughout_metrics")
     step = float(timing_raw["step"])
     throughput = tokens / (step * n_gpus)
     aux = {THROUGHPUT_TOKENS: Stat.of(tokens), THROUGHPUT_GPU_SECONDS: Stat.of(step * n_gpus)}
@@ -144,7 +146,9 @@ def compute_variance_proxy_metrics(batch: Any, gradient_norm: float | None = Non
     """
     from rlmetrics.metrics.data import compute_variance_proxy_stats
 
-    return values_of(compute_variance_proxy_stats(batch, gradient_norm))
+    return values_of(
+        compute_variance_proxy_stats(verl_view(batch, "compute_variance_proxy_metrics"), gradient_norm)
+    )
 
 
 def process_validation_metrics(
@@ -170,6 +174,112 @@ def process_validation_metrics(
     return samples_by_source(record)
 
 
+VERL_READS: dict[str, tuple[str, ...]] = {
+    "compute_data_metrics": ("batch", "non_tensor_batch"),
+    "compute_timing_metrics": ("batch",),
+    "compute_throughout_metrics": ("meta_info",),
+    "compute_variance_proxy_metrics": ("batch",),
+}
+"""The attributes of a ``DataProto`` each of verl 0.9.1's batch functions reads (always, whatever the
+batch holds); ``process_validation_metrics`` takes no batch."""
+
+_NON_TENSOR_KEYS = ("__num_turns__", "tool_call_counts")
+_VARIANCE_KEYS = ("sum_pi_squared", "old_log_probs", "advantages")
+
+
+def verl_view(data: Any, what: str) -> Any:
+    """A DataProto-shaped ``data`` (anything with ``.batch``) as the parts verl's ``what`` reads
+    (:data:`VERL_READS`), tolerating what verl tolerates and refusing what it refuses, naming the
+    attribute and what it must be:
+
+    - ``.batch``: a mapping or a TensorDict; in ``compute_variance_proxy_metrics`` also anything
+      ``in`` works on that does not hold all three of its keys (a list: no metrics, as verl);
+    - ``.non_tensor_batch`` (``compute_data_metrics``): present and a mapping, or anything ``in``
+      works on that holds neither ``__num_turns__`` nor ``tool_call_counts`` (a list: ignored, as
+      verl ignores it); missing or None is refused;
+    - ``.meta_info`` (``compute_throughout_metrics``): present and a mapping.
+
+    An attribute verl does not read in ``what`` is ignored, whatever it is (in
+    ``compute_throughout_metrics`` a mapping ``.batch`` adds the shard's ``attention_mask``). A
+    mapping (a dict, a TensorDict) is returned as it is (verl needs a ``DataProto``, rlmetrics does not).
+
+    >>> from types import SimpleNamespace
+    >>> proto = SimpleNamespace(batch={"responses": [[1]]}, non_tensor_batch=[], meta_info=None)
+    >>> verl_view(proto, "compute_data_metrics").parts
+    ({'responses': [[1]]},)
+    >>> verl_view(proto, "compute_throughout_metrics")
+    Traceback (most recent call last):
+    ...
+    TypeError: compute_throughout_metrics: .meta_info must be a mapping holding 'global_token_num' (verl \
+reads batch.meta_info["global_token_num"]), got NoneType
+    """
+    if (
+        isinstance(data, (Mapping, BatchView))
+        or isinstance(data, (str, bytes, type))
+        or not hasattr(data, "batch")
+    ):
+        return data  # a mapping is read whole; anything else gets as_batch's error
+    reads = VERL_READS[what]
+    tensors = data.batch
+    parts: list[Any] = []
+    if "batch" in reads:
+        expected = "a mapping or a TensorDict of the batch's tensors"
+        if what == "compute_variance_proxy_metrics":  # verl returns {} unless it holds all three
+            parts += _part(tensors, what, ".batch", expected, _VARIANCE_KEYS, all)
+        elif not isinstance(tensors, Mapping):
+            raise TypeError(
+                f'{what}: .batch must be {expected} (verl reads batch.batch["responses"], ...), '
+                f"got {type(tensors).__name__}"
+            )
+        else:
+            parts.append(tensors)
+    if "non_tensor_batch" in reads:
+        parts += _non_tensor_part(data, what)
+    meta = None
+    if "meta_info" in reads:
+        if not hasattr(data, "meta_info"):
+            raise AttributeError(
+                f'{what}: the batch has no .meta_info (verl reads batch.meta_info["global_token_num"]): '
+                "give a dict"
+            )
+        meta = data.meta_info
+        if not isinstance(meta, Mapping):
+            raise TypeError(
+                f"{what}: .meta_info must be a mapping holding 'global_token_num' (verl reads "
+                f'batch.meta_info["global_token_num"]), got {type(meta).__name__}'
+            )
+        parts.append(meta)
+        if isinstance(tensors, Mapping):  # a shard's own tokens, where the list is another batch's
+            parts.append(tensors)
+    return BatchView(tuple(parts), meta, data)
+
+
+def _non_tensor_part(data: Any, what: str) -> list[Any]:
+    """``.non_tensor_batch`` as a part (a mapping) or none (what verl ignores); verl's refusals raise."""
+    if not hasattr(data, "non_tensor_batch"):
+        raise AttributeError(
+            f"{what}: the batch has no .non_tensor_batch (verl looks __num_turns__ and tool_call_counts up "
+            "in it): give a dict of numpy arrays, {} for none"
+        )
+    expected = "a mapping of numpy arrays (verl looks __num_turns__ and tool_call_counts up in it)"
+    return _part(data.non_tensor_batch, what, ".non_tensor_batch", expected, _NON_TENSOR_KEYS, any)
+
+
+def _part(value: Any, what: str, attr: str, expected: str, keys: tuple[str, ...], indexed: Any) -> list[Any]:
+    """``value`` as a part if a mapping; else verl's ``key in value`` decides: it raises (None, a
+    number), or ``indexed`` of what it finds is true (verl then indexes it with a string): refused;
+    otherwise verl finds nothing there and reads nothing from it: no part."""
+    if isinstance(value, Mapping):
+        return [value]
+    try:
+        refused = indexed([key in value for key in keys])
+    except TypeError:
+        refused = True
+    if refused:
+        raise TypeError(f"{what}: {attr} must be {expected}, got {type(value).__name__}")
+    return []
+
+
 def values_of(stats: Mapping[str, Stat], plain: Mapping[str, float] | None = None) -> dict[str, Value]:
     """verl's value of each Stat (NaN where it holds nothing; ``plain``: those values, when known),
     the Stat and a derived metric's auxiliary Stats attached; auxiliary names left out."""
@@ -191,6 +301,7 @@ def _reduction(name: str) -> Reduction:
 
 
 __all__ = [
-    "VERL_REDUCTIONS", "Value", "compute_data_metrics", "compute_throughout_metrics",
+    "VERL_READS", "VERL_REDUCTIONS", "Value", "compute_data_metrics", "compute_throughout_metrics",
     "compute_timing_metrics", "compute_variance_proxy_metrics", "process_validation_metrics", "values_of",
+    "verl_view",
 ]  # fmt: skip

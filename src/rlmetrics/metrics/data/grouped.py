@@ -44,6 +44,8 @@ class Breakdowns:
     ) -> None:
         self.errors = errors  # a tag whose labels are refused: its message, by tag (None: raised)
         self.raw: dict[str, Any] = {}
+        if isinstance(data, BatchView) and data.origin is not None:
+            data = data.origin
         for tag, source in tag_sources(group_by).items():
             labels = source(data) if callable(source) else view.get(source)
             if labels is None:
