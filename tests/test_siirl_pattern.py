@@ -100,6 +100,11 @@ def _dag_worker_class(ray):
                 self.metric_worker.process_local_validation_metrics(*samples, DP)
             self.metric_worker.wait_submit()
 
+        def validate_without_batches(self) -> None:
+            """``Validator.validate`` returns at once when ``num_val_batches <= 0``; the
+            ``wait_submit()`` after it closes an empty round."""
+            self.metric_worker.wait_submit()
+
         def wait_final_res(self):
             start = time.monotonic()
             with warnings.catch_warnings(record=True) as caught:
@@ -113,8 +118,7 @@ def _dag_worker_class(ray):
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_siirl_dagworker_pattern_dp_by_tp_equals_the_concatenated_shards(ray_session):
     ray = ray_session
-    metric_worker = rlmetrics.MetricWorker.remote(final_timeout=FINAL_TIMEOUT)
-    ray.get(metric_worker.start.remote())
+    metric_worker = rlmetrics.MetricWorker.remote(final_timeout=FINAL_TIMEOUT)  # no start(): MainRunner.run
     workers = [_dag_worker_class(ray).remote(rank, metric_worker) for rank in range(DP * TP)]
     try:
         for step in range(4):
@@ -142,3 +146,25 @@ def check_values(res, want: dict[str, float], step: int) -> None:
     assert set(got) == set(want), ("names differ", step, sorted(set(got) ^ set(want)))
     bad = {k: (got[k], v) for k, v in want.items() if not (got[k] == pytest.approx(v, rel=1e-9, abs=1e-12))}
     assert not bad, (step, bad)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_ranks_closing_an_empty_validation_round_before_rank_0_reads_are_not_waited_for(ray_session):
+    """After a training step's barrier rank 0 reads, while the others (no barrier in between when
+    there are no validation batches) already close the empty validation round: rank 0's read is the
+    training step at once, and the empty round, once rank 0 closed it too, reads empty at once."""
+    ray = ray_session
+    metric_worker = rlmetrics.MetricWorker.remote(final_timeout=FINAL_TIMEOUT)  # no start(): MainRunner.run
+    workers = [_dag_worker_class(ray).remote(rank, metric_worker) for rank in range(DP * TP)]
+    try:
+        ray.get([w.run_training_step.remote(0) for w in workers])
+        ray.get([w.validate_without_batches.remote() for w in workers[1:]])
+        res, took, caught = ray.get(workers[0].wait_final_res.remote())
+        assert (res.step, res.meta.complete, caught) == (0, True, []) and took < QUICK, (res.meta, took)
+        check_values(res, want_train(0), 0)
+        ray.get(workers[0].validate_without_batches.remote())
+        res, took, caught = ray.get(workers[0].wait_final_res.remote())
+        assert (res.step, dict(res), res.meta.complete, caught) == (1, {}, True, []) and took < QUICK
+    finally:
+        for actor in (*workers, metric_worker):
+            ray.kill(actor)
