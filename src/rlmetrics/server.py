@@ -383,9 +383,10 @@ class Server:
         return pending[-1] if pending else None
 
     def _ran_ahead(self, step: int) -> bool:
-        """``step`` is pending, holds no data and some registered client has not closed it."""
+        """``step`` is pending, holds no data, some registered client has not closed it and no node
+        sub-aggregator announced its forward."""
         engine = self.engine
-        if engine.is_finalized(step):
+        if engine.is_finalized(step) or step in self._announced:  # a node's forward of it follows
             return False
         return not engine.has_closed_data(step) and not engine.is_closed(step)
 
