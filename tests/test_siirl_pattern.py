@@ -134,6 +134,8 @@ def test_siirl_dagworker_pattern_dp_by_tp_equals_the_concatenated_shards(ray_ses
             assert res.step == step and res.meta.complete and not res.meta.missing_ranks, res.meta
             assert len(res.meta.contributors) == DP, res.meta.contributors  # tp_rank != 0 never counts
             check_values(res, want, step)
+        registered = ray.get(metric_worker.stats.remote())["clients"]
+        assert len(registered) == DP, registered  # the tp ranks that only call wait_submit() never register
     finally:
         for actor in (*workers, metric_worker):
             ray.kill(actor)
