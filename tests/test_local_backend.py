@@ -273,3 +273,27 @@ def test_empty_dicts_and_tuple_keys_take_the_same_path_however_often_they_come(n
     client.wait_submit()
     res = client.result(1)
     assert res["a"] == 3.0 and res.meta.late == 0
+
+
+def test_a_rank_closing_an_empty_round_ahead_of_the_reader_is_not_waited_for():
+    """siiRL's rank 0 reads (``wait_final_res``) after the step's barrier, while the other ranks may
+    already close the next round with nothing to send (a tp rank that never submits; an empty
+    validation round). The read is about the step rank 0 closed, at once, not the empty one ahead at
+    the deadline; once every rank closed the empty round, a read of it returns it, empty, at once."""
+    worker = local.LocalMetricWorker(final_timeout=30)
+    rank0, dp1, tp1 = (rlmetrics.MetricClient(worker) for _ in range(3))
+    for client in (rank0, dp1):
+        client.submit_metric({"x/mean": float(client is dp1)}, 2)
+    for client in (rank0, dp1, tp1):  # every rank's wait_submit, then the barrier
+        client.wait_submit()
+    tp1.wait_submit()  # a non-submitting tp rank ran ahead into an empty round
+    dp1.wait_submit()  # and so did a submitting rank
+    start = time.monotonic()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        res = rank0.wait_final_res()
+        assert (res.step, dict(res), res.meta.complete) == (0, {"x/mean": 0.5}, True)
+        rank0.wait_submit()  # rank 0 closes the empty round too
+        empty = rank0.wait_final_res()
+    assert (empty.step, dict(empty), empty.meta.complete) == (1, {}, True)
+    assert time.monotonic() - start < 5

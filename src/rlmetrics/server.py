@@ -361,12 +361,34 @@ class Server:
 
     def final_target(self) -> int | None:
         """The step :meth:`final` is about: the newest one any client closed; without clients the
-        newest pending step (the seed's direct round); None when there is nothing."""
+        newest pending step (the seed's direct round); None when there is nothing.
+
+        A newest step that holds no data and that not every registered client closed is a rank
+        that ran ahead into a round it has nothing to send for (siiRL: a tp rank that never
+        submits, or any rank, closing an empty validation round while rank 0 still reads the
+        step before): the read is about the newest step before it that holds data, is closed by
+        every registered client, or is final, instead of waiting for the deadline on an empty step.
+        """
         engine = self.engine
-        if engine.newest_closed is not None:
-            return engine.newest_closed
+        newest = engine.newest_closed
+        if newest is not None:
+            if not self._ran_ahead(newest):
+                return newest
+            earlier = [s for s in engine.pending_steps() if s < newest and engine.closers(s)]
+            earlier = [s for s in earlier if not self._ran_ahead(s)]
+            if 0 <= engine.newest_final < newest:
+                earlier.append(engine.newest_final)
+            return max(earlier, default=newest)
         pending = engine.pending_steps()
         return pending[-1] if pending else None
+
+    def _ran_ahead(self, step: int) -> bool:
+        """``step`` is pending, holds no data, some registered client has not closed it and no node
+        sub-aggregator announced its forward."""
+        engine = self.engine
+        if engine.is_finalized(step) or step in self._announced:  # a node's forward of it follows
+            return False
+        return not engine.has_closed_data(step) and not engine.is_closed(step)
 
     def final_ready(self, target: int | None) -> bool:
         """A ``final`` read of ``target`` may return: complete, or a direct round (never waited for)."""
