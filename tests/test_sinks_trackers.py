@@ -198,3 +198,82 @@ def test_make_sinks_all_trackers_offline(tmp_path):
         assert row["response/length/hist/bins"] == edges.tolist()
     expected = {"metrics.jsonl", "tensorboard", "wandb", "mlflow.db", "swanlab"}
     assert {p.name for p in out.iterdir()} >= expected
+
+
+# ------------------------------------------------------------------------------------- config
+def test_make_sinks_config_in_every_tracker(tmp_path):
+    """An OmegaConf config (resolved), its list long enough for two MLflow batches of params, a value
+    longer than MLflow's limit: W&B's and SwanLab's run config, MLflow's params as verl flattens them."""
+    omegaconf = pytest.importorskip("omegaconf")
+    from mlflow.tracking import MlflowClient
+    from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
+
+    from tests.trackers import swanlab_config, wandb_config
+
+    raw = {
+        "optim": {"lr": 0.5, "warmup": None},
+        "critic": {"lr": "${optim.lr}", "on": True},
+        "ids": list(range(150)),
+    }
+    raw["prompt"] = "x" * (MAX_PARAM_VAL_LENGTH + 10)
+    resolved = {**raw, "critic": {"lr": 0.5, "on": True}}
+    names = ["jsonl", "wandb", "mlflow", "swanlab"]
+    with make_sinks(names, tmp_path, project="rlmetrics-test", config=omegaconf.OmegaConf.create(raw)) as t:
+        t.log({"a": 1.0}, 0)
+        run_id = t.sinks[2].run_id
+    assert wandb_config(one(tmp_path, "wandb/offline-run-*/run-*.wandb")) == resolved
+    assert swanlab_config(one(tmp_path, "swanlab/run-*/run-*.swanlab")) == resolved
+    params = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(run_id).data.params
+    assert len(params) == 4 + 151 + 1 and params["ids/list_len"] == "150" and params["ids/149"] == "149"
+    assert params["critic/lr"] == "0.5" and params["critic/on"] == "True" and params["optim/warmup"] == "None"
+    assert params["prompt"] == "x" * MAX_PARAM_VAL_LENGTH
+    with pytest.raises(TypeError, match="not str"):
+        make_sinks(names, tmp_path / "bad", config="lr=0.5")
+    assert not (tmp_path / "bad").exists()
+
+
+def test_run_config_of_a_dataclass():
+    import dataclasses
+    import enum
+
+    class Mode(enum.Enum):
+        GRPO = "grpo"
+
+    @dataclasses.dataclass
+    class Config:
+        out: Path = Path("/runs/a")
+        mode: Mode = Mode.GRPO
+        devices: tuple = (0, 1)
+
+    from rlmetrics.sinks.jsonl import run_config
+
+    assert run_config(Config()) == {"out": "/runs/a", "mode": "grpo", "devices": [0, 1]}
+    with pytest.raises(TypeError, match="not type"):
+        run_config(Config)
+
+
+def test_resumed_run_with_a_changed_config(tmp_path, caplog):
+    """MLflow keeps a param's first value (params cannot change): one warning naming the key and both
+    values, the new keys logged, the run goes on; W&B's and SwanLab's new session holds the new config."""
+    from mlflow.tracking import MlflowClient
+
+    from tests.trackers import swanlab_config, wandb_config
+
+    names = ["jsonl", "wandb", "mlflow", "swanlab"]
+    with make_sinks(names, tmp_path, config={"optim": {"lr": 0.1}, "seed": 1}) as tracking:
+        tracking.log({"a": 1.0}, 0)
+    new = {"optim": {"lr": 0.2}, "seed": 1, "epochs": 3}
+    with caplog.at_level("WARNING", logger="rlmetrics.sinks.mlflow"):
+        with make_sinks(names, tmp_path, resume=True, config=new) as tracking:
+            tracking.log({"a": 2.0}, 1)
+            assert not tracking.failed
+            run_id = tracking.sinks[2].run_id
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "rlmetrics.sinks.mlflow"]
+    assert "'optim/lr'" in warning and "'0.1'" in warning and "'0.2'" in warning
+    run = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(run_id)
+    assert run.data.params == {"optim/lr": "0.1", "seed": "1", "epochs": "3"}
+    assert read_mlflow(f"sqlite:///{tmp_path / 'mlflow.db'}", run_id, "a") == {0: 1.0, 1: 2.0}
+    wandb_files = sorted(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    swanlab_files = sorted(tmp_path.glob("swanlab/run-*/run-*.swanlab"))
+    assert [wandb_config(f) for f in wandb_files] == [{"optim": {"lr": 0.1}, "seed": 1}, new]
+    assert [swanlab_config(f) for f in swanlab_files] == [{"optim": {"lr": 0.1}, "seed": 1}, new]

@@ -95,6 +95,12 @@ def wandb_alerts(run_files) -> list[tuple[str, str, str]]:
     ]
 
 
+def wandb_config(run_file) -> dict:
+    """The run config of a ``.wandb`` file (its ``run`` record; W&B's own ``_wandb`` key left out)."""
+    (run,) = [r.run for r in wandb_records(run_file) if r.WhichOneof("record_type") == "run"]
+    return {i.key: json.loads(i.value_json) for i in run.config.update if i.key != "_wandb"}
+
+
 # -------------------------------------------------------------------------------------- SwanLab
 def swanlab_records(run_file) -> list:
     """The records of a ``.swanlab`` file (none when a killed process left it empty: SwanLab writes
@@ -146,6 +152,20 @@ def swanlab_texts(run_files) -> dict[str, list[tuple[int, str]]]:
                     (path,) = media.rglob(item.filename)
                     texts.setdefault(record.media.key, []).append((record.media.step, path.read_text()))
     return texts
+
+
+def swanlab_config(run_file) -> dict:
+    """The run config of a ``.swanlab`` file: the YAML file its config ``save`` record names (what
+    ``swanlab sync`` uploads), ``{key: {"value": ..., "sort": ..., "desc": ...}}``, as ``{key: value}``."""
+    import yaml
+    from swanlab.proto.swanlab.save.v1.save_pb2 import SAVE_TYPE_CONFIG
+
+    (path,) = {
+        r.save.source_path
+        for r in swanlab_records(run_file)
+        if r.HasField("save") and r.save.type == SAVE_TYPE_CONFIG
+    }
+    return {key: item["value"] for key, item in yaml.safe_load(Path(path).read_text()).items()}
 
 
 # --------------------------------------------------------------------------------------- MLflow

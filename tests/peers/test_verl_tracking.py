@@ -138,6 +138,8 @@ def test_backends_as_verl_takes_them(tmp_path, monkeypatch):
         Tracking("p", "e", ["file", "nope"], out_dir=tmp_path / "nope")
     with pytest.raises(AssertionError, match="nope is not supported"):
         VerlTracking("p", "e", ["file", "nope"])
+    with pytest.raises(TypeError, match="config must be a mapping, a dataclass or an OmegaConf .*, not list"):
+        Tracking("p", "e", "file", config=[("lr", 1e-6)], out_dir=tmp_path / "config")
     assert not list(tmp_path.iterdir())  # nothing was created
 
     # without out_dir: $VERL_FILE_LOGGER_ROOT/<project>/<experiment>, default the working directory
@@ -150,9 +152,17 @@ def test_backends_as_verl_takes_them(tmp_path, monkeypatch):
     assert (tmp_path / "root" / "proj" / "exp" / "metrics.jsonl").exists()
 
 
+CONFIG = {  # a run config as verl's trainer passes it: OmegaConf.to_container(config, resolve=True)
+    "trainer": {"total_epochs": 2, "project_name": "proj", "val_before_train": False, "wandb_proxy": None},
+    "actor": {"optim": {"lr": 1e-6, "betas": [0.9, 0.999]}, "strategy": "fsdp"},
+    "data": {"train_files": ["gsm8k/train.parquet"], "max_prompt_length": 512, "filter": {}},
+}
+
+
 @pytest.mark.slow
 def test_trackers_same_as_verl(verl_env, monkeypatch):
-    """W&B, MLflow and SwanLab, verl's run offline too: the same keys and values per step."""
+    """W&B, MLflow and SwanLab, verl's run offline too: the same keys and values per step, the same run
+    config (SwanLab's but verl's ``FRAMEWORK`` key), the same MLflow params."""
     pytest.importorskip("wandb")
     pytest.importorskip("mlflow")
     pytest.importorskip("swanlab")
@@ -160,7 +170,7 @@ def test_trackers_same_as_verl(verl_env, monkeypatch):
 
     from mlflow.tracking import MlflowClient
 
-    from tests.trackers import one, read_mlflow, read_swanlab, read_wandb
+    from tests.trackers import one, read_mlflow, read_swanlab, read_wandb, swanlab_config, wandb_config
 
     theirs = verl_env / "verl"
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -175,7 +185,7 @@ def test_trackers_same_as_verl(verl_env, monkeypatch):
     wandb.teardown()  # W&B reads WANDB_MODE once per process: an earlier test's setup would stay
     backends = ["wandb", "mlflow", "swanlab"]
     for cls, kw in ((VerlTracking, {}), (Tracking, {"out_dir": verl_env / "ours"})):
-        tracking = cls("proj", "exp", default_backend=backends, **kw)
+        tracking = cls("proj", "exp", default_backend=backends, config=CONFIG, **kw)
         for step in range(1, 4):
             tracking.log(data=step_data(step), step=step)
         tracking.finish()
@@ -184,6 +194,8 @@ def test_trackers_same_as_verl(verl_env, monkeypatch):
 
     wb_theirs = read_wandb(one(theirs, "wandb/offline-run-*/run-*.wandb"))
     wb_mine = read_wandb(one(ours, "wandb/offline-run-*/run-*.wandb"))
+    assert wandb_config(one(ours, "wandb/offline-run-*/run-*.wandb")) == CONFIG
+    assert wandb_config(one(theirs, "wandb/offline-run-*/run-*.wandb")) == CONFIG
     assert sorted(wb_mine) == sorted(wb_theirs) == [1, 2, 3]
     for step in wb_theirs:
         mine = {k: v for k, v in wb_mine[step].items() if not k.startswith("_")}
@@ -199,12 +211,18 @@ def test_trackers_same_as_verl(verl_env, monkeypatch):
     keys_theirs = sorted(run_theirs.data.metrics)
     keys_mine = sorted(MlflowClient(uri_mine).get_run(run_mine).data.metrics)
     assert keys_mine == keys_theirs and "val-core/gsm8k/acc/mean_at_4" in keys_mine
+    params = MlflowClient(uri_mine).get_run(run_mine).data.params
+    assert params == run_theirs.data.params  # verl's flattening: "/", list_len, an empty dict left out
+    assert params["actor/optim/betas/list_len"] == "2" and params["actor/optim/lr"] == "1e-06"
+    assert params["trainer/wandb_proxy"] == "None" and "data/filter" not in params
     for key in keys_theirs:
         expected = read_mlflow(uri_theirs, run_theirs.info.run_id, key)
         assert read_mlflow(uri_mine, run_mine, key) == pytest.approx(expected)
 
     sw_theirs = read_swanlab(one(theirs, "swanlog/run-*/run-*.swanlab"))
     sw_mine = read_swanlab(one(ours, "swanlab/run-*/run-*.swanlab"))
+    assert swanlab_config(one(ours, "swanlab/run-*/run-*.swanlab")) == CONFIG
+    assert swanlab_config(one(theirs, "swanlog/run-*/run-*.swanlab")) == {"FRAMEWORK": "verl", **CONFIG}
     assert sorted(sw_mine) == sorted(sw_theirs) == sorted(names)
     for key in sw_theirs:
         assert sw_mine[key] == pytest.approx(sw_theirs[key])

@@ -31,12 +31,13 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from rlmetrics.aggregator import StepResult
 from rlmetrics.axes import DEFAULT_AXIS
 from rlmetrics.health import Alert, Monitor, coverage_metrics
 from rlmetrics.sinks.console import ConsoleSink, format_value, render_table, summary_table
-from rlmetrics.sinks.jsonl import JsonlRun, JsonlSink, read_jsonl, record_result
+from rlmetrics.sinks.jsonl import JsonlRun, JsonlSink, read_jsonl, record_result, run_config
 from rlmetrics.sinks.mlflow import MLflowSink
 from rlmetrics.sinks.names import NameMap, Sink, adapt_name, as_floats, as_step, axis_names
 from rlmetrics.sinks.swanlab import SwanLabSink
@@ -182,20 +183,19 @@ class Tracking(Sink):
         return f"Tracking({self.sinks!r})"
 
 
-def _mlflow(out_dir: Path, project: str, run_name: str | None, resume: bool | str) -> MLflowSink:
+def _mlflow(out_dir: Path, project: str, run_name: str | None, resume: bool | str, **kw) -> MLflowSink:
     uri = f"sqlite:///{(out_dir / 'mlflow.db').resolve().as_posix()}"
-    return MLflowSink(uri, project, run_name, resume=_run_id(resume))
+    return MLflowSink(uri, project, run_name, resume=_run_id(resume), **kw)
 
 
-def _swanlab(out_dir: Path, project: str, run_name: str | None, resume: bool | str) -> SwanLabSink:
-    extra = {"name": run_name} if run_name else {}
-    return SwanLabSink(project, logdir=out_dir / "swanlab", mode="offline", resume=_run_id(resume), **extra)
+def _swanlab(out_dir: Path, project: str, run_name: str | None, resume: bool | str, **kw) -> SwanLabSink:
+    if run_name:
+        kw["name"] = run_name
+    return SwanLabSink(project, logdir=out_dir / "swanlab", mode="offline", resume=_run_id(resume), **kw)
 
 
-def _wandb(
-    out_dir: Path, project: str, run_name: str | None, resume: bool | str, axes: bool = False
-) -> WandbSink:
-    return WandbSink(project, run_name, dir=out_dir, mode="offline", resume=_run_id(resume), axes=axes)
+def _wandb(out_dir: Path, project: str, run_name: str | None, resume: bool | str, **kw) -> WandbSink:
+    return WandbSink(project, run_name, dir=out_dir, mode="offline", resume=_run_id(resume), **kw)
 
 
 def _run_id(resume: bool | str) -> str | None:
@@ -216,7 +216,7 @@ SINKS: dict[str, Callable[[Path, str, str | None, bool | str], Sink]] = {
 }
 """Sink name → factory ``(out_dir, project, run_name, resume) -> Sink``, as :func:`make_sinks` uses
 them; ``resume``: False (a new run), True (continue what is in ``out_dir``) or the id of the
-tracker's run to continue."""
+tracker's run to continue. Those of :data:`CONFIG_SINKS` take ``config=``, W&B's ``axes=``."""
 
 RUN_IDS = "run_ids.json"
 """The file in ``out_dir`` where :func:`make_sinks` keeps the id of each tracker's run."""
@@ -227,6 +227,9 @@ RUN_FILES = (
 )  # fmt: skip
 """What :func:`make_sinks` writes in its folder (glob patterns: the sinks' files and folders, the MLflow
 store's journal and the temporary stores of killed starts, the run ids and their temporary file)."""
+
+CONFIG_SINKS = ("wandb", "mlflow", "swanlab")
+"""The sinks :func:`make_sinks` gives the run's ``config`` (the trackers that store one)."""
 
 CATCH_UP = ("tensorboard", "wandb", "mlflow", "swanlab")
 """The sinks :func:`make_sinks` brings up to the JSONL file when it resumes a run
@@ -243,6 +246,7 @@ def make_sinks(
     overwrite: bool = False,
     health: Monitor | bool | None = True,
     axes: bool = False,
+    config: Any = None,
 ) -> Tracking:
     """A :class:`Tracking` over the sinks named in ``names`` (a list, or one comma-separated str;
     blank names skipped, repeats once), running the ``health`` rules (see :class:`Tracking`).
@@ -259,8 +263,13 @@ def make_sinks(
     the steps up to the last one it holds, and with ``jsonl`` among the sinks the trackers first get
     the steps of the JSONL file they lack (:meth:`Tracking.catch_up`). ``axes=True``: the run logs
     steps of other axes too (:meth:`Tracking.log_axis`): the W&B run is made with
-    ``WandbSink(axes=True)``. If one sink cannot be created, the ones already created are closed and
-    the error is raised.
+    ``WandbSink(axes=True)``. ``config``: the run's config (a mapping, a dataclass or an OmegaConf
+    config, made JSON-safe by :func:`~rlmetrics.sinks.jsonl.run_config`; anything else raises
+    TypeError before any file is made), given to the sinks of :data:`CONFIG_SINKS`: W&B's and
+    SwanLab's run config, MLflow's params (see :class:`MLflowSink`; a resumed run keeps the params
+    it holds). The JSONL file, TensorBoard and the console do not store it: their records are steps
+    and alerts, with no place for a run's config. If one sink cannot be created, the ones already
+    created are closed and the error is raised.
 
     >>> import tempfile
     >>> out = Path(tempfile.mkdtemp())
@@ -271,6 +280,7 @@ def make_sinks(
     FileExistsError: ... holds a run (metrics.jsonl): pass resume=True to continue it, overwrite=True ...
     >>> make_sinks(["jsonl"], out, overwrite=True).close()
     """
+    config = run_config(config)
     if isinstance(names, str):
         names = names.split(",")
     wanted = list(dict.fromkeys(n.strip() for n in names if n.strip()))
@@ -294,6 +304,8 @@ def make_sinks(
     try:
         for name in wanted:
             extra = {"axes": True} if axes and name == "wandb" else {}
+            if config is not None and name in CONFIG_SINKS:
+                extra["config"] = config
             run_id = ids.get(name, True) if resume else False
             sinks.append(SINKS[name](out, project, run_name, run_id, **extra))
     except BaseException:

@@ -49,13 +49,16 @@ ValueError: step 2 is already in .../metrics.jsonl; pass overwrite=True to log i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import numbers
 import os
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -71,11 +74,20 @@ logger = logging.getLogger(__name__)
 
 
 def json_safe(obj: Any) -> Any:
-    """``obj`` with only JSON types: mappings (str keys), lists, str, int, float, bool, None.
+    """``obj`` with only JSON types: mappings (str keys), lists, str, int, float, bool, None; a
+    dataclass as its fields, an Enum as its value, an OmegaConf config as
+    ``OmegaConf.to_container(resolve=True)``, any other object as its ``str``.
 
-    >>> json_safe({"missing_ranks": ("rank1",), 3: {2, 1}, "n": np.int64(4)})
-    {'missing_ranks': ['rank1'], '3': [1, 2], 'n': 4}
+    >>> json_safe({"missing_ranks": ("rank1",), 3: {2, 1}, "n": np.int64(4), "path": Path("/a")})
+    {'missing_ranks': ['rank1'], '3': [1, 2], 'n': 4, 'path': '/a'}
     """
+    omegaconf = sys.modules.get("omegaconf")  # an OmegaConf config exists only once it is imported
+    if omegaconf is not None and isinstance(obj, omegaconf.Container):
+        return json_safe(omegaconf.OmegaConf.to_container(obj, resolve=True))
+    if isinstance(obj, Enum):
+        return json_safe(obj.value)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return json_safe(dataclasses.asdict(obj))
     if obj is None or isinstance(obj, (bool, str)):
         return obj
     if isinstance(obj, numbers.Integral):
@@ -91,6 +103,27 @@ def json_safe(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
         return json_safe(obj.tolist())
     return str(obj)
+
+
+def run_config(config: Any) -> dict[str, Any] | None:
+    """A run's config (a mapping, a dataclass or an OmegaConf ``DictConfig``; None: none) as a JSON-safe
+    dict (:func:`json_safe`), what the tracker sinks store; TypeError naming anything else.
+
+    >>> run_config({"trainer": {"lr": 1e-6, "devices": (0, 1)}})
+    {'trainer': {'lr': 1e-06, 'devices': [0, 1]}}
+    >>> run_config(["lr", 1e-6])
+    Traceback (most recent call last):
+    ...
+    TypeError: config must be a mapping, a dataclass or an OmegaConf DictConfig, not list
+    """
+    if config is None:
+        return None
+    dataclass = dataclasses.is_dataclass(config) and not isinstance(config, type)
+    if not (isinstance(config, Mapping) or dataclass):
+        raise TypeError(
+            f"config must be a mapping, a dataclass or an OmegaConf DictConfig, not {type(config).__name__}"
+        )
+    return json_safe(config)
 
 
 def _dumps(record: dict) -> bytes:

@@ -9,6 +9,13 @@ View with ``mlflow ui --backend-store-uri sqlite:///path/mlflow.db``. Histograms
 (:mod:`rlmetrics.histogram`) are not written: MLflow has no histogram metric (the JSONL file,
 TensorBoard and W&B have them).
 
+``config`` (the run's config: a mapping, a dataclass or an OmegaConf config,
+:func:`~rlmetrics.sinks.jsonl.run_config`) is logged as the run's params, flattened as verl does
+(:func:`flat_params`: nested keys joined with ``/``, a list as ``list_len`` and its indices), each
+value as its ``str`` cut to MLflow's limit (``MAX_PARAM_VAL_LENGTH``, 6000 in MLflow 3.x), in batches
+of 100 (MLflow's limit). MLflow params cannot change: a resumed run gets the keys it lacks, and a key
+whose value changed keeps its first value, with one warning naming the key and both values.
+
 ``resume=<run id>`` continues that run (marked RUNNING again) and skips every step up to the last one
 it holds (the largest step of its latest metrics but the ``alert/`` ones, written in the same
 transaction as the metrics).
@@ -31,6 +38,7 @@ file are closed.
 
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
 import time
@@ -39,12 +47,37 @@ from collections.abc import Mapping
 from contextlib import closing
 from glob import escape
 from pathlib import Path
+from typing import Any
 
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
+from rlmetrics.sinks.jsonl import run_config
 from rlmetrics.sinks.names import NameMap, Sink, as_floats, as_step
 
-_BATCH = 1000
+logger = logging.getLogger(__name__)
+
+_BATCH, _PARAM_BATCH = 1000, 100
+
+
+def flat_params(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``config`` (JSON-safe, :func:`~rlmetrics.sinks.jsonl.run_config`) as MLflow params, the keys verl
+    0.9.1 logs: nested keys joined with ``/``, a list as ``<key>/list_len`` and ``<key>/<index>``, an
+    empty mapping left out.
+
+    >>> flat_params({"trainer": {"lr": 0.1, "devices": [0, {"id": 1}], "extra": {}}, "seed": None})
+    ... # doctest: +NORMALIZE_WHITESPACE
+    {'trainer/lr': 0.1, 'trainer/devices/list_len': 2, 'trainer/devices/0': 0,
+     'trainer/devices/1/id': 1, 'seed': None}
+    """
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, list):
+            value = {"list_len": len(value), **{str(i): v for i, v in enumerate(value)}}
+        if isinstance(value, Mapping):
+            out.update(flat_params(value, f"{prefix}{key}/"))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 class MLflowSink(Sink):
@@ -56,7 +89,9 @@ class MLflowSink(Sink):
         experiment: str = "rlmetrics",
         run_name: str | None = None,
         resume: str | None = None,
+        config: Any = None,
     ) -> None:
+        config = run_config(config)
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         tracking = require("mlflow.tracking", "trackers")
         entities = require("mlflow.entities", "trackers")
@@ -85,7 +120,29 @@ class MLflowSink(Sink):
             found = self.client.get_experiment_by_name(experiment)
             experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
             self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+        if config:
+            self._log_params(config, entities.Param, resume)
         self._open = True
+
+    def _log_params(self, config: dict[str, Any], Param: type, resume: str | None) -> None:
+        """``config``'s params the run lacks; a warning for each one it holds with another value."""
+        limit = require("mlflow.utils.validation", "trackers").MAX_PARAM_VAL_LENGTH
+        held = self.client.get_run(self.run_id).data.params if resume else {}
+        names, params = NameMap("mlflow"), []  # params and metrics are apart: names of their own
+        for key, value in flat_params(config).items():
+            key, value = names(key), str(value)[:limit]
+            if key not in held:
+                params.append(Param(key, value))
+            elif held[key] != value:
+                logger.warning(
+                    "MLflow param %r of run %s stays %r, the config now has %r (MLflow params cannot change)",
+                    key,
+                    self.run_id,
+                    held[key],
+                    value,
+                )
+        for i in range(0, len(params), _PARAM_BATCH):
+            self.client.log_batch(self.run_id, params=params[i : i + _PARAM_BATCH])
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         if not self._open:

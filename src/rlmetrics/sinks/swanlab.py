@@ -10,7 +10,10 @@ session writes its own ``run-<time>-<id>`` directory (upload each with ``swanlab
 <id>``, oldest first). The sink reads the run files of the earlier sessions with SwanLab's own
 ``DataStoreReader`` and skips every step up to the last one they hold. SwanLab flushes its file
 when its 8 KB buffer fills and when the run finishes: a killed process loses the steps after the
-last flush (:func:`~rlmetrics.sinks.make_sinks` logs them again from the JSONL file). A health
+last flush (:func:`~rlmetrics.sinks.make_sinks` logs them again from the JSONL file). ``config``
+(a mapping, a dataclass or an OmegaConf config, made JSON-safe by
+:func:`~rlmetrics.sinks.jsonl.run_config`) is the run's config (``swanlab.init(config=...)``, in the
+session's ``files/config.yaml``); a resumed session's file holds the config it was given. A health
 alert is a text ``alert/<rule>`` at its step. Histograms (:mod:`rlmetrics.histogram`) are not
 written: SwanLab 0.10.3 (the version tested) has no histogram type (its newer documentation describes
 a ``swanlab.Histogram``); the JSONL file, TensorBoard and W&B have them.
@@ -25,6 +28,7 @@ from typing import Any
 
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
+from rlmetrics.sinks.jsonl import run_config
 from rlmetrics.sinks.names import RunSink
 
 
@@ -37,8 +41,10 @@ class SwanLabSink(RunSink):
         logdir: str | os.PathLike | None = None,
         mode: str = "offline",
         resume: str | None = None,
+        config: Any = None,
         **kw: Any,
     ) -> None:
+        kw["config"] = run_config(config)
         self._swanlab = swanlab = require("swanlab", "trackers")
         if logdir is not None:
             Path(logdir).mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,11 @@ twice and none below a committed one (W&B would drop it). A step's histograms
 (``run.alert``, titled with the rule and the metric; W&B sends an online run's alerts by e-mail or
 Slack) and ``alert/<rule> = 1`` in the step's history.
 
+``config`` (a mapping, a dataclass or an OmegaConf config, made JSON-safe by
+:func:`~rlmetrics.sinks.jsonl.run_config`) is the run's config (``wandb.init(config=...)``), in the
+``run`` record of the run file. Resumed offline, each session's run file holds the config that
+session was given (W&B does not read the earlier one back).
+
 ``axes=True`` (for :mod:`rlmetrics.axes`): every ``log``, ``log_axis`` and alert is a W&B step of
 its own (W&B's ``_step`` only counts rows, so it never goes back and no row is dropped), and each
 metric is plotted against its axis: a ``train_step`` metric holds ``train_step`` in its row and is
@@ -42,6 +47,7 @@ from typing import Any
 from rlmetrics.axes import DEFAULT_AXIS as _TRAIN_STEP
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
+from rlmetrics.sinks.jsonl import run_config
 from rlmetrics.sinks.names import RunSink, as_floats, as_step, axis_names
 
 logger = logging.getLogger(__name__)
@@ -99,8 +105,10 @@ class WandbSink(RunSink):
         close_timeout: float = 30.0,
         resume: str | None = None,
         axes: bool = False,
+        config: Any = None,
         **init_kwargs: Any,
     ) -> None:
+        config = run_config(config)
         wandb = require("wandb", "trackers")
         self._Record = require("wandb.proto.wandb_internal_pb2", "trackers").Record
         if dir is not None:
@@ -121,7 +129,8 @@ class WandbSink(RunSink):
         self._row = 0  # axes: the next W&B step
         self._marks: dict[str, float] = {}  # axes: the last value of each step metric, when resumed
         self._defined: set[str] = set()  # axes: names declared with their step metric
-        super().__init__("wandb", wandb.init(project=project, name=name, dir=dir, mode=mode, **init_kwargs))
+        init_kwargs.update(project=project, name=name, dir=dir, mode=mode, config=config)
+        super().__init__("wandb", wandb.init(**init_kwargs))
         if resume:
             self._read_back()
 

@@ -107,8 +107,13 @@ class Tracking:
     refused unless ``overwrite=True``. Default: as the trainer resumes, True unless
     ``config["trainer"]["resume_mode"]`` is ``"disable"`` (a trainer that starts again from step 0
     must not have its steps skipped). ``health``: the rules
-    (:class:`rlmetrics.health.Monitor`; True: the defaults). ``config`` is kept as :attr:`config`
-    (verl passes it to W&B, MLflow and SwanLab; rlmetrics' sinks do not store it).
+    (:class:`rlmetrics.health.Monitor`; True: the defaults). ``config`` (verl's run config: a dict, a
+    dataclass or an OmegaConf config; anything else raises TypeError) is kept as :attr:`config` and
+    stored as verl stores it: W&B's run config, MLflow's params (flattened as verl flattens them:
+    ``trainer/total_epochs``, ``<list>/list_len``, ``<list>/0``, ...), SwanLab's run config. Unlike
+    verl, SwanLab's config has no ``FRAMEWORK: "verl"`` key: every tracker gets the config alone. A
+    resumed MLflow run keeps the params it holds (a changed value is a warning, see
+    :class:`~rlmetrics.sinks.MLflowSink`).
 
     >>> import tempfile
     >>> out = tempfile.mkdtemp()
@@ -152,6 +157,7 @@ class Tracking:
             resume=resume and not overwrite,
             overwrite=overwrite,
             health=health,
+            config=config,
         )
         self._sink_of = dict(zip(wanted, self.tracking.sinks))
         jsonl = self._sink_of.get("jsonl")
