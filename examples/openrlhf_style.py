@@ -11,18 +11,21 @@ and logs the status dict one of them returns. Here, per step:
 2. every rank (a Ray actor in a gloo group) trains the actor and the critic on its shard, micro-batch
    by micro-batch (one optimizer step each, gradients all-reduced over the group), and reduces the
    status as OpenRLHF does: the actor's keys weighted by the micro-batch's response tokens or
-   samples before a mean ``all_reduce`` (``policy_loss`` holds the loss scaled by the global
-   token count, as OpenRLHF's ``aggregate_loss``), the critic's keys a plain mean ``all_reduce``,
-   then the epoch's mean over micro-batches. It also submits, per micro-batch, each key's local
-   value with its weight to rlmetrics: ``client.submit_metric({name: (value, tokens)})``;
+   samples before a mean ``all_reduce``, the critic's keys a plain mean ``all_reduce`` (both losses
+   are the rank's share of the loss scaled by the global token count, as OpenRLHF's
+   ``aggregate_loss`` returns it), then the epoch's mean over micro-batches. It also submits, per
+   micro-batch, each key's local mean with its weight to rlmetrics:
+   ``client.submit_metric({name: (value, tokens)})``;
 3. the driver reads the merged step with ``client.result(step, timeout, finalize=True)``, logs it to
    the JSONL sink, and prints both next to numpy on the concatenated per-token data of both ranks.
 
 Run: ``python examples/openrlhf_style.py [--steps 3] [--out DIR] [--overwrite]`` (needs the ``ray``
 and ``torch`` extras; OpenRLHF itself is not needed). The JSONL sink and one ``batch-<step>.npz``
 per step (the per-token data of both ranks, for checking) go to ``--out`` (default: a temporary
-folder). With the defaults it took 16 s and 17 s on a 2-core machine shared with other jobs, mostly
-starting Ray and the two rank actors (each imports torch); a step takes about 0.1 s.
+folder). With the defaults it took 13 s and 17 s on a 2-core machine shared with other jobs, mostly
+importing torch and Ray (3 s), starting Ray and the two rank actors (each imports torch); a step
+takes about 0.1 s. Once, with that machine's load average at 15-22, it took 44 s (``ray.init``
+alone 29 s).
 """
 
 from __future__ import annotations
@@ -178,7 +181,8 @@ class TrainingRank:
             merged = {k: reduced[k] / reduced["_tokens"] for k in TOKEN_KEYS}
             merged |= {k: reduced[k] / reduced["_samples"] for k in SAMPLE_KEYS}
             actor_status.append({**merged, "_tokens": reduced["_tokens"], "_samples": reduced["_samples"]})
-            critic_status.append(self.all_reduce_mean({k: local[k] for k in CRITIC_KEYS}))
+            critic = {"critic_loss": float(critic_loss), "values": local["values"]}  # the scaled loss again
+            critic_status.append(self.all_reduce_mean(critic))
 
             # rlmetrics: each key's local value with its weight, per micro-batch
             self.client.submit_metric({
