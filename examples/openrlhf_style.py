@@ -22,10 +22,10 @@ and logs the status dict one of them returns. Here, per step:
 Run: ``python examples/openrlhf_style.py [--steps 3] [--out DIR] [--overwrite]`` (needs the ``ray``
 and ``torch`` extras; OpenRLHF itself is not needed). The JSONL sink and one ``batch-<step>.npz``
 per step (the per-token data of both ranks, for checking) go to ``--out`` (default: a temporary
-folder). With the defaults it took 13 s and 17 s on a 2-core machine shared with other jobs, mostly
-importing torch and Ray (3 s), starting Ray and the two rank actors (each imports torch); a step
-takes about 0.1 s. Once, with that machine's load average at 15-22, it took 44 s (``ray.init``
-alone 29 s).
+folder). With the defaults it took 11-21 s in five runs on a 2-core machine shared with other jobs,
+mostly importing torch and Ray (3 s), starting Ray and the two rank actors (each imports torch); a
+step takes about 0.1 s. In two runs while that machine was heavily loaded (load average up to 22)
+it took 30 s and 44 s (``ray.init`` alone 29 s).
 """
 
 from __future__ import annotations
