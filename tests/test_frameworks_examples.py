@@ -62,14 +62,19 @@ def test_openrlhf_style_example(tmp_path):
         for k in ("ppo_kl", "ppo_clip_ratio", "response_length"):
             assert s[k][0] == pytest.approx(s[k][2], abs=2e-6)  # printed with 6 decimals
         assert max(abs(s[k][0] - s[k][2]) for k in ("policy_loss", "values", "critic_loss")) > 1e-4
-    run_ = read_jsonl(tmp_path / "metrics.jsonl")
+    check_jsonl(tmp_path, [("policy_loss", "loss"), ("values", "values"), ("ppo_kl", "ppo_kl"),
+                           ("response_length", "response_length")])  # fmt: skip
+
+
+def check_jsonl(out, columns):
+    """Steps 0 and 1 in the JSONL sink, each metric of ``columns`` (``(key, saved column)``) equal
+    to the token mean of the example's saved per-token data of that step."""
+    run_ = read_jsonl(out / "metrics.jsonl")
     assert run_.steps == [0, 1]
     for record in run_.records:
-        data = np.load(tmp_path / f"batch-{record['step']}.npz")
-        logged = record["metrics"]
-        for key, column in [("policy_loss", "loss"), ("values", "values"), ("ppo_kl", "ppo_kl")]:
-            assert logged[key] == pytest.approx(token_mean(data, column), rel=1e-12, abs=1e-15)
-        assert logged["response_length"] == pytest.approx(token_mean(data, "response_length"), rel=1e-12)
+        data = np.load(out / f"batch-{record['step']}.npz")
+        for key, column in columns:
+            assert record["metrics"][key] == pytest.approx(token_mean(data, column), rel=1e-12, abs=1e-15)
 
 
 @pytest.mark.torch
@@ -88,11 +93,5 @@ def test_trl_style_example(tmp_path):
         k = "completions/mean_length"
         assert s[k][0] == pytest.approx(s[k][2], abs=2e-6)
         assert max(abs(s[k][0] - s[k][2]) for k in ("policy_loss", "good_token_rate")) > 1e-4
-    run_ = read_jsonl(tmp_path / "metrics.jsonl")
-    assert run_.steps == [0, 1]
-    for record in run_.records:
-        data = np.load(tmp_path / f"batch-{record['step']}.npz")
-        logged = record["metrics"]
-        for key, column in [("policy_loss", "loss"), ("entropy", "entropy"), ("good_token_rate", "good")]:
-            assert logged[key] == pytest.approx(token_mean(data, column), rel=1e-12, abs=1e-15)
-        assert logged["completions/mean_length"] == pytest.approx(token_mean(data, "length"), rel=1e-12)
+    check_jsonl(tmp_path, [("policy_loss", "loss"), ("entropy", "entropy"), ("good_token_rate", "good"),
+                           ("completions/mean_length", "length")])  # fmt: skip
