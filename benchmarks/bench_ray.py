@@ -1,4 +1,6 @@
-"""End-to-end step latency on a local Ray instance: rlmetrics' ``MetricWorker`` against a naive actor.
+"""End-to-end step latency on a local Ray instance: rlmetrics' ``MetricWorker`` against a naive actor,
+many clients per process (the secondary table; ``bench_users.py`` measures the users' topology, one
+client per process).
 
 One step: each of W ranks submits one dict of M scalar floats, then rank 0 gets the step's result.
 Ranks are simulated by 4 Ray actor processes ("rank hosts"; 1 with ``--quick``), each hosting W/4
@@ -15,7 +17,7 @@ in a real run), calls ``submit_metric(d, W)`` then ``wait_submit()``.
   ``submit µs`` is the median client-side cost of ``submit_metric`` (``perf_counter`` around that
   call only, in the hosts).
 - **rlmetrics non-blocking**: clients with ``blocking=False`` (``wait_submit()`` returns at once; a
-  host's clients' messages travel together, pre-merged); host 0's rank-0 client calls
+  host's clients' messages posted while a call is in flight travel together); host 0's rank-0 client calls
   ``result(step, timeout=60)``.
 - **naive**: an async actor written from the seed's description of its MetricWorker:
   ``working[name].append(value)`` per key; once a name holds ``world_size`` values, the reduction
@@ -57,7 +59,7 @@ WORLD_SIZES = (8, 64, 256)
 METRIC_COUNTS = (100, 1000, 3000)
 HOSTS = 4
 QUICK_HOSTS = 1  # --quick: one rank-host process (each costs seconds of start-up)
-WARMUP_STEPS = 2  # step 0 teaches the names; a host's sender groups its ranks from step 1
+WARMUP_STEPS = 2  # step 0 teaches the names
 TARGET_CELL = (256, 1000)
 TARGET_RATIO = 10.0
 TARGET_SUBMIT_US = 1000.0  # "submit_metric returns in well under a millisecond"

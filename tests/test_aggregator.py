@@ -94,7 +94,7 @@ def test_retries_are_merged_once_and_late_data_is_dropped():
     assert agg.finalize(0)["a"] == 2.0  # kept result, unchanged
 
 
-def test_a_premerged_contribution_counts_every_client_once():
+def test_a_merged_contribution_of_several_clients_counts_every_client_once():
     agg = Aggregator()
     rows = np.array([[1.0, 10.0], [3.0, 30.0], [8.0, 80.0]])
     schema = pack({"a/mean": 0.0, "b/max": 0.0}).schema

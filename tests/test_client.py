@@ -50,7 +50,7 @@ class RestartingTransport:
         self._save()
         return server.reply(errors)
 
-    def post(self, client_id, items, close):
+    def post(self, client_id, items, close, block=False):
         self._live()
         return (client_id, items, close)
 

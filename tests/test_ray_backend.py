@@ -208,7 +208,7 @@ def test_one_rpc_per_step_per_client(name):
 @ray.remote(num_cpus=0)
 class Host:
     """Several ranks' clients in one process, not blocking in ``wait_submit`` (the reader uses
-    ``result(step)``): their scalar submissions travel pre-merged."""
+    ``result(step)``): their messages share the process's sender."""
 
     def __init__(self, ranks, world, name):
         self.clients = {
@@ -229,7 +229,7 @@ def host_scalars(rank, step):
 
 
 @pytest.mark.parametrize("restart", [False, True])
-def test_clients_of_one_process_travel_premerged_and_stay_exact(name, restart):
+def test_clients_of_one_process_stay_exact(name, restart):
     world, steps = 8, 6
     worker = rlmetrics.get_metric_worker(name=name)
     reader = rlmetrics.MetricClient(worker)
@@ -247,35 +247,14 @@ def test_clients_of_one_process_travel_premerged_and_stay_exact(name, restart):
         assert got["s/mean"] == pytest.approx(a.mean(), rel=1e-12, abs=1e-12)
         assert got["t/mean"] == pytest.approx(b.mean(), rel=1e-12, abs=1e-12)
         assert got["x/mean"] == pytest.approx(x.mean(), rel=1e-12)
-    assert ray.get(worker.stats.remote())["calls"].get("premerged", 0) > 0
-
-
-def test_a_merged_item_a_resend_overtook_is_repeated_one_by_one_and_counted_once(name):
-    """After a restart a client's own resend can reach the actor before the pre-merged item that holds
-    the same submission: the actor leaves the item out and asks every client of the batch to repeat
-    its message alone (what RayTransport does with an "unknown" reply)."""
-    from rlmetrics.packing import Packed
-    from rlmetrics.stat import stats_of_rows
-
-    worker = rlmetrics.get_metric_worker(name=name)
-    mine = {"c1": pack({"r/mean": 1.0}), "c2": pack({"r/mean": 3.0})}
-    ray.get(worker.send.remote("c1", encode([(0, 0, 2, mine["c1"])], [], True)))  # c1's resend, first
-    both = Packed(mine["c1"].schema, stats_of_rows(np.array([[1.0], [3.0]])), contributions=2)
-    merged = encode([(0, (("c1", 0), ("c2", 0)), 2, both)], [], False)
-    batch = [(c, encode([], [0], False)) for c in mine]
-    assert all(r.unknown is not None for r in ray.get(worker.send_many.remote(batch, merged)))
-    for c, packed in mine.items():
-        assert not ray.get(worker.send.remote(c, encode([(0, 0, 2, packed)], [0], True))).errors
-    got = rlmetrics.MetricClient(worker).result(0, timeout=30)
-    assert got == {"r/mean": 2.0} and got.meta.complete  # c1 once, c2 once
 
 
 def test_a_batch_the_actor_asks_to_repeat_is_repeated_at_once_not_at_the_clients_next_call(name):
-    """Two clients of one process post in one batch; c1's resend had reached the actor first, so the
-    actor cannot merge the batch's pre-merged item and asks both to repeat alone. The sender does
-    that itself: a reader gets the whole step although neither client makes another call (before,
-    the repeat waited for the client's next call, and a reader waiting for the step timed out
-    with it partial)."""
+    """Two clients of one process post in one batch after the actor restarted: it lacks their schema
+    (the transports think it has it) and asks both to repeat with names. The sender does that
+    itself: a reader gets the whole step although neither client makes another call (before, the
+    repeat waited for the client's next call, and a reader waiting for the step timed out with it
+    partial)."""
     from concurrent.futures import Future
 
     from rlmetrics.backends.ray import RayTransport
@@ -285,28 +264,31 @@ def test_a_batch_the_actor_asks_to_repeat_is_repeated_at_once_not_at_the_clients
     ray.get([worker.register.remote(c) for c in clients])
     transports = {c: RayTransport(worker) for c in clients}  # one process: one sender for both
     values = {"c1": 1.0, "c2": 3.0}
-    for (
-        c,
-        t,
-    ) in transports.items():  # step 0 teaches the actor the names (and each transport that it has them)
+    for c, t in transports.items():  # step 0 teaches the actor (and each transport) the names
         assert not t.send(c, [(0, 0, 2, pack({"r/mean": values[c]}))], [0]).errors
+    before = ray.get(worker.ping.remote())
+    ray.kill(worker, no_restart=False)
+    deadline = time.monotonic() + 60
+    while transports["c1"].wait_alive() == before:  # the kill lands a moment later
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     items = {c: [(1, 1, 2, pack({"r/mean": values[c] + 1}))] for c in clients}
-    ray.get(worker.send.remote("c1", encode(items["c1"], [], True, True)))  # c1's resend, first
     sender = transports["c1"]._sender
     posted = {c: Future() for c in clients}
-    with sender._cond:  # both messages in one batch: their step-1 values travel pre-merged
+    with sender._cond:  # both messages in one batch
         sender._queue.extend((transports[c], c, items[c], [1], posted[c]) for c in clients)
         sender._cond.notify()
     got = rlmetrics.MetricClient(worker).result(1, timeout=20)
     assert got == {"r/mean": 3.0} and got.meta.complete, (dict(got), got.meta)  # (2 + 4) / 2
     for c in clients:
         assert not posted[c].result(timeout=10).errors
-    assert ray.get(worker.stats.remote())["calls"]["send_many"] == 1
+    calls = ray.get(worker.stats.remote())["calls"]
+    assert (calls["send_many"], calls["send"]) == (1, 2)  # the batch, then each message alone
 
 
 def in_threads(work, args, timeout=30):
     """``work(arg)`` for each of ``args`` at once, one thread each; False if one is still running at
-    ``timeout`` (a liveness check: done in milliseconds unless a sender waits for its ``linger``)."""
+    ``timeout`` (a liveness check: done in milliseconds unless a send waits)."""
     import threading
 
     threads = [threading.Thread(target=work, args=(a,), daemon=True) for a in args]
@@ -316,16 +298,6 @@ def in_threads(work, args, timeout=30):
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
     return not any(t.is_alive() for t in threads)
-
-
-@pytest.fixture
-def long_linger(monkeypatch):
-    """A sender lingers up to a minute, through any silence: a test passes only by the rules that
-    end its wait (every awaited client posted; every poster waits for a queued reply)."""
-    from rlmetrics.backends.ray.transport import _Sender
-
-    monkeypatch.setattr(_Sender, "linger", 60.0)
-    monkeypatch.setattr(_Sender, "silence", 60.0)
 
 
 def seed_step(clients, step):
@@ -349,24 +321,7 @@ def check_scalars(res, step, ranks):
     assert (res["s/min"], res["s/max"], res["ranks/total"]) == (a.min(), a.max(), len(ranks))
 
 
-def test_ranks_in_threads_of_one_process_send_each_step_in_one_call(name, long_linger):
-    """The seed loop with ranks as threads of one process: from the second step on, the sender
-    waits for every rank that closed the step before, and the step travels in one call (before,
-    the quickest rank's message went alone and the others in one or more calls after it)."""
-    world, steps = 6, 5
-    worker = rlmetrics.get_metric_worker(name=name)
-    clients = [rlmetrics.connect("ray", name=name, world_size=world, label=f"rank{r}") for r in range(world)]
-    reader = rlmetrics.MetricClient(worker)
-    assert seed_step(clients, 0)
-    check_scalars(reader.wait_final_res(), 0, range(world))
-    first = ray.get(worker.stats.remote())["calls"]["send_many"]
-    for s in range(1, steps):
-        assert seed_step(clients, s)
-        check_scalars(reader.wait_final_res(), s, range(world))
-    assert ray.get(worker.stats.remote())["calls"]["send_many"] - first == steps - 1
-
-
-def test_ranks_taking_turns_in_one_thread_do_not_wait_for_each_other(name, long_linger):
+def test_ranks_taking_turns_in_one_thread_do_not_wait_for_each_other(name):
     """Blocking clients closing a step one after the other in one thread: each message goes at once
     (the thread that would post the next one waits for this one's reply)."""
     world = 4
@@ -383,27 +338,7 @@ def test_ranks_taking_turns_in_one_thread_do_not_wait_for_each_other(name, long_
     check_scalars(rlmetrics.MetricClient(worker).wait_final_res(), 2, range(world))
 
 
-def test_a_client_that_stops_submitting_delays_the_others_by_the_silence_only(name, monkeypatch):
-    """Two ranks in one process; from step 1 one of them stops submitting (without leaving). The
-    other's messages wait for it only until no message came for ``silence`` seconds, never the
-    whole ``linger``."""
-    from rlmetrics.backends.ray.transport import _Sender
-
-    monkeypatch.setattr(_Sender, "linger", 60.0)
-    clients = [rlmetrics.connect("ray", name=name, world_size=2, label=f"rank{r}") for r in range(2)]
-    assert seed_step(clients, 0)
-
-    def rank0(_):
-        for s in (1, 2, 3):
-            clients[0].submit_metric(host_scalars(0, s))
-            clients[0].wait_submit()
-
-    start = time.monotonic()
-    assert in_threads(rank0, [None], timeout=20)
-    assert time.monotonic() - start < 10
-
-
-def test_a_departed_client_is_not_waited_for(name, long_linger):
+def test_a_departed_client_is_not_waited_for(name):
     world = 3
     worker = rlmetrics.get_metric_worker(name=name)
     reader = rlmetrics.MetricClient(worker)

@@ -220,15 +220,13 @@ def test_ray_a_rank_created_after_step_0_closed_is_told_in_its_process(ray_sessi
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_ray_late_scalars_premerged_across_clients_tell_each_client_once(ray_session, ray_name, caplog):
+def test_ray_late_scalars_of_clients_of_one_process_tell_each_client_once(ray_session, ray_name, caplog):
     clients = ranks(ray_name, backend="ray")
     driver = rlmetrics.connect("ray", name=ray_name)
     for step in range(2):
-        run_step(clients, float(step))  # the schema is known: a process's scalars travel pre-merged
+        run_step(clients, float(step))
     with pytest.warns(rlmetrics.PartialStepWarning, match="no data arrived for step 2"):
         driver.result(2, timeout=0.05, finalize=True)
-    worker = rlmetrics.get_metric_worker(ray_name)
-    premerged = ray_session.get(worker.stats.remote(), timeout=60)["calls"].get("premerged", 0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for client in clients:
@@ -239,8 +237,6 @@ def test_ray_late_scalars_premerged_across_clients_tell_each_client_once(ray_ses
     messages = reports(caught)
     assert len(messages) == 2 and reports(caught, rlmetrics.LateDataWarning) == messages
     assert all(c.client_id in m and "step(s) [2]" in m for c, m in zip(clients, messages))
-    stats = ray_session.get(worker.stats.remote(), timeout=60)
-    assert stats["calls"]["premerged"] == premerged + 2  # the late pair travelled pre-merged
     assert warned_logs(caplog) == []
 
 

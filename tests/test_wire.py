@@ -308,8 +308,8 @@ def test_a_state_that_does_not_merge_with_the_steps_is_refused_before_anything_o
     assert server.result(STEP + 1) == {"y/mean": 5.5}
 
 
-def test_a_refused_pre_merged_contribution_is_listed_under_each_of_its_senders():
-    """A process's pre-merged contribution (Ray's ``send_many``) refused: every sender's key names it."""
+def test_a_refused_merged_contribution_is_listed_under_each_of_its_senders():
+    """A node's forward of several ranks' merged contribution refused: every rank's key names it."""
     engine = Aggregator()
     with pytest.raises(SubmissionError, match="metric 'x/mean': count -1000000000.0 < 0"):
         engine.submit_merged((("a", 0), ("b", 3)), STEP, 2, evil(setting((0, 0), -1e9)))
@@ -408,7 +408,9 @@ MALFORMED = {  # a message decode refuses whole (it raised AttributeError, Value
         "a closed step must be a non-negative int",
     ),
     "closes not a list": (lambda parts: parts.__setitem__(2, None), "closed steps must be a list"),
-    "an unhashable seq": (item_field(1, [0]), "malformed item: TypeError: unhashable type"),
+    "a list as seq": (item_field(1, [0]), "seq must be an int or a node's"),
+    "a str as seq": (item_field(1, "0"), "seq must be an int or a node's"),
+    "an unhashable key": (item_field(1, (("a", 0), [0])), "malformed item: TypeError: unhashable type"),
     "a state column not an int": (
         lambda parts: parts[1][0].__setitem__(5, {"4": parts[1][0][5][4]}),
         "state columns must be ints",

@@ -48,7 +48,7 @@ import numpy as np
 
 from rlmetrics.columns import ColumnIndex
 from rlmetrics.histogram import Histogram
-from rlmetrics.messages import PartlyMergedError, RefusedNamesError, StepMeta, StepResult, SubmissionError
+from rlmetrics.messages import RefusedNamesError, StepMeta, StepResult, SubmissionError
 from rlmetrics.packing import MAX_WORLD_SIZE, Packed
 from rlmetrics.reduce import DEFAULT_RENAMES
 from rlmetrics.states import State
@@ -161,7 +161,7 @@ class Aggregator:
         count_late: bool = True,
     ) -> bool:
         """Merge a contribution that already merges the submissions ``keys`` (``(client_id, seq)``
-        pairs) of one step, as a process pre-merges its clients'. All of them are new, or all were
+        pairs) of one step, as a node forwards its ranks'. All of them are new, or all were
         merged before (False); a mix is refused.
 
         >>> from rlmetrics.packing import pack
@@ -215,9 +215,7 @@ class Aggregator:
         if all(seen):
             return False
         if any(seen):
-            raise PartlyMergedError(
-                f"merged contribution of {len(keys)} submissions was partly merged before"
-            )
+            raise SubmissionError(f"merged contribution of {len(keys)} submissions was partly merged before")
         try:
             states = check_contribution(packed, known.at, st.states)
         except SubmissionError as exc:

@@ -67,7 +67,7 @@ class Transport(Protocol):
 
     def send(self, who: str, items: list[Submission], close: list[Close], resync: bool = False) -> Any: ...
 
-    def post(self, who: str, items: list[Submission], close: list[Close]) -> Any: ...
+    def post(self, who: str, items: list[Submission], close: list[Close], block: bool = False) -> Any: ...
 
     def collect(self, posted: Any, block: bool = True) -> Any: ...
 
@@ -86,7 +86,7 @@ class SyncTransport:
     """The :class:`Transport` methods of a transport whose ``send`` returns at once (in-process
     ones): ``post`` is ``send``, nothing restarts."""
 
-    def post(self, who: str, items: list[Submission], close: list[Close]) -> Any:
+    def post(self, who: str, items: list[Submission], close: list[Close], block: bool = False) -> Any:
         return self.send(who, items, close)  # type: ignore[attr-defined]
 
     def collect(self, posted: dict, block: bool = True) -> dict:
@@ -320,7 +320,8 @@ class ClientCore:
         return len(packed.schema.names)
 
     # ------------------------------------------------------------------------------ sending
-    def _flush(self, close: list[int]) -> None:
+    def _flush(self, close: list[int], block: bool = False) -> None:
+        """Send what is queued and ``close``; ``block``: the caller waits for the reply at once."""
         with self._lock:
             items, self._buffer = self._buffer, []
             if not items and not close:
@@ -331,7 +332,7 @@ class ClientCore:
                 if not isinstance(entry, tuple):
                     self._closed[entry] = None
             try:
-                self._inflight.append(self.transport.post(self.credential, items, close))
+                self._inflight.append(self.transport.post(self.credential, items, close, block))
             except AggregatorRestarted:
                 self.resync()  # what was just sent is kept, so it goes with the resend
                 return
@@ -415,7 +416,7 @@ class ClientCore:
 
     def flush(self) -> None:
         """Send what is queued and wait until the aggregator has everything this client sent."""
-        self._flush([])
+        self._flush([], block=True)
         self._collect(block=True)
 
     def _retrying(self, call: Callable[[], T]) -> T:
@@ -447,11 +448,12 @@ class ClientCore:
                     StepWarning,
                     stacklevel=caller_level(),
                 )
+            block = self.blocking if block is None else block
             try:
-                self._flush([current])
+                self._flush([current], block)
             finally:  # the step is closed even when the aggregator refused some of its data
                 self.step = current + 1
-            if self.blocking if block is None else block:
+            if block:
                 self._collect(block=True)
 
     def result(self, step: int, timeout: float | None = None, *, finalize: bool = False) -> StepResult:

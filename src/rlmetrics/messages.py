@@ -108,7 +108,8 @@ class Reply:
     """The aggregator's answer to a client's message: ``errors`` about its data (by
     ``client/step/seq``), the aggregator's ``incarnation``, and which steps are final (every step
     below ``done_below`` and those in ``finalized``), so the client stops keeping them. ``unknown``
-    (a Ray actor): schema ids it lacks; nothing of the message was merged, send it again with names.
+    (a Ray actor): schema ids it lacks; if any, nothing of the message was merged: send it again
+    with names.
     ``late``: the steps whose data in the message arrived when they were final already (dropped,
     counted in a next step's ``meta.late``); the client warns (:class:`LateDataWarning`)."""
 
@@ -116,7 +117,7 @@ class Reply:
     incarnation: str
     done_below: int = 0
     finalized: list[int] = field(default_factory=list)
-    unknown: list[bytes] | None = None
+    unknown: list[bytes] = field(default_factory=list)
     late: list[int] = field(default_factory=list)
 
 
@@ -127,11 +128,6 @@ class SubmissionError(ValueError):
 class RefusedNamesError(SubmissionError):
     """Some names of a contribution were refused, or given another ``world_size`` than other ranks
     gave them in the step (the message says which and why); the rest of it was merged."""
-
-
-class PartlyMergedError(SubmissionError):
-    """A pre-merged contribution some of whose submissions were merged before (a client resent them
-    on its own): the senders must resend theirs one by one, each merged once."""
 
 
 class RLMetricsWarning(RuntimeWarning):

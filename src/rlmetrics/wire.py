@@ -8,8 +8,8 @@ A message is a plain tuple of ints, bytes and small tuples (cheap for pickle and
 
 The ``{column: (kind, array)}`` are the contribution's other states (:mod:`rlmetrics.states`:
 quantile sketches, validation samples), each as :func:`~rlmetrics.states.encode_state` gives it.
-``seq`` is a client's sequence number, or, in an item that pre-merges several clients' submissions
-(Ray's per-process sender), the tuple of their ``(client_id, seq)`` keys.
+``seq`` is a client's sequence number, or, in an item that merges several clients' submissions (a
+node sub-aggregator's forward), the tuple of their ``(client_id, seq)`` keys.
 
 ``stats`` holds float64s, ``M`` values (one observation per metric) or a ``(5, M)`` stat array, as
 ``(0, raw_bytes)`` or, losslessly packed by byte plane, ``(1, k, zlib_bytes, rest_bytes)``: the top
@@ -165,7 +165,9 @@ def decode(msg: tuple, table: SchemaTable) -> tuple[list[Item], list, list[bytes
         for step, seq, world_size, sid, data, states, contributions in raw_items:
             if not (isinstance(step, numbers.Integral) and step >= 0):  # the server sorts them
                 raise SubmissionError(f"step must be a non-negative int, got {step!r:.40}")
-            hash(seq)  # a client's int, or a pre-merged item's (client_id, seq) keys
+            if not (type(seq) is int or (type(seq) is tuple and seq)):
+                raise SubmissionError(f"seq must be an int or a node's (client_id, seq) keys: {seq!r:.40}")
+            hash(seq)
             schema = table.schemas.get(sid)
             if schema is None:
                 if sid not in unknown:

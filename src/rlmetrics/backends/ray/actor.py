@@ -35,8 +35,8 @@ from typing import Any
 from rlmetrics.backends.ray import compat
 from rlmetrics.backends.ray.compat import ray
 from rlmetrics.client import identity, public_id
-from rlmetrics.messages import PartlyMergedError, RayStartedWarning, Reply, StepResult, SubmissionError
-from rlmetrics.server import Server, key_client
+from rlmetrics.messages import RayStartedWarning, Reply, StepResult, SubmissionError
+from rlmetrics.server import Server
 from rlmetrics.wire import SchemaTable, decode
 
 DEFAULT_NAME = "rlmetrics"
@@ -115,7 +115,7 @@ class _MetricWorker:
         if marker != self._saved:
             self._saved = marker
             self._save()
-        if self._deadlines is None and self._auto_finalize:
+        if self._deadlines is None and self._auto_finalize and self.server.step_timeout is not None:
             self._deadlines = asyncio.get_running_loop().create_task(self._end_due_steps())
         self._wake()
 
@@ -227,12 +227,6 @@ class _MetricWorker:
         except SubmissionError as exc:
             return str(exc)
 
-    def _joined(self, who: str) -> tuple[str, str | None] | str:
-        """:meth:`_who`, its session noted (:meth:`~rlmetrics.server.Server.join`): why a client of
-        an ended run is refused, before its pre-merged items could merge."""
-        client = self._who(who)
-        return client if isinstance(client, str) else self.server.join(*client) or client
-
     @property
     def restored(self) -> bool:
         """This incarnation resumed from the state an earlier one saved (it restarted)."""
@@ -261,23 +255,39 @@ class _MetricWorker:
     async def send(self, who: str, msg: tuple) -> Reply:
         """One client's message (:mod:`rlmetrics.wire`); ``who``: its credential."""
         self.calls["send"] += 1
-        self.calls["messages"] += 1
-        client = self._who(who)
-        if isinstance(client, str):
-            return self._reply({public_id(who)[:80]: client})
-        client_id, session = client
-        decoded = self._decode(client_id, msg)
-        if isinstance(decoded, dict):
-            return self._reply(decoded)
-        items, close, unknown = decoded
-        if unknown:  # merge nothing (a close must not overtake its data): the client repeats with names
-            return Reply({}, self.incarnation, unknown=unknown)
+        return (await self._merge_messages([(who, msg)]))[0]
+
+    async def send_many(self, batch: list[tuple[str, tuple]]) -> list[Reply]:
+        """Messages of several clients of one process (or several of one client), posted while its
+        previous call was in flight: each merged as :meth:`send` merges it, in order."""
+        self.calls["send_many"] += 1
+        return await self._merge_messages(batch)
+
+    async def _merge_messages(self, batch: list[tuple[str, tuple]]) -> list[Reply]:
+        """Merge each ``(credential, message)`` in turn, then finalize the steps they completed; the
+        replies. A message with a schema this incarnation lacks merges nothing (a close must not
+        overtake its data): its reply names the schemas, and the client repeats it with names."""
+        self.calls["messages"] += len(batch)
         steps: set[int] = set()
-        late: set[int] = set()
-        errors = await self._merge(who, client_id, session, items, close, msg[4], steps, late)
+        replies: list[Reply | tuple[dict, set]] = []
+        for who, msg in batch:
+            client = self._who(who)
+            if isinstance(client, str):
+                replies.append(self._reply({public_id(who)[:80]: client}))
+                continue
+            decoded = self._decode(client[0], msg)
+            if isinstance(decoded, dict):
+                replies.append(self._reply(decoded))
+            elif decoded[2]:
+                replies.append(Reply({}, self.incarnation, unknown=decoded[2]))
+            else:
+                late: set[int] = set()
+                errors = await self._merge(who, *client, decoded[0], decoded[1], msg[4], steps, late)
+                replies.append((errors, late))
         self.server.finalize_complete(steps)
         self._changed_state()
-        return self._reply(errors, late)
+        shared = self._reply({})  # one object for every client without errors: pickled once
+        return [r if isinstance(r, Reply) else self._reply(*r) if r[0] or r[1] else shared for r in replies]
 
     async def _merge(
         self,
@@ -294,53 +304,6 @@ class _MetricWorker:
         whose data it dropped as late into ``late`` (a node relays the client to the root first)."""
         return self.server.merge(client_id, items, close, resync, session, steps, late)
 
-    async def send_many(self, batch: list[tuple[str, tuple]], merged: tuple | None = None) -> list[Reply]:
-        """Messages of several clients of one process, posted while its previous call was in flight.
-
-        ``merged``: a message whose items each pre-merge submissions of several of those clients
-        (their seq is the tuple of ``(client_id, seq)`` keys), merged before the clients' own
-        messages, whose closes may follow them. If any schema is unknown nothing is merged, and if
-        an item was partly merged before (a client's resend after a restart overtook it) it is not:
-        either way each client repeats its whole message on its own, where every submission merges
-        once (replies with ``unknown``).
-        """
-        self.calls["send_many"] += 1
-        self.calls["messages"] += len(batch)
-        clients = [self._joined(who) for who, _ in batch]
-        decoded = [
-            self._decode(c[0], msg) if isinstance(c, tuple) else {str(who)[:80]: c}
-            for (who, msg), c in zip(batch, clients)
-        ]
-        pre = self._decode("merged", merged) if merged is not None else ([], [], [])
-        unknown = [sid for d in (*decoded, pre) if isinstance(d, tuple) for sid in d[2]]
-        if unknown:
-            return [Reply({}, self.incarnation, unknown=unknown)] * len(batch)
-        ids = [c[0] for c in clients if isinstance(c, tuple)]
-        resend = False
-        steps: set[int] = set()
-        late: dict[str, set[int]] = {}  # by client: the steps whose data was dropped as late
-        if isinstance(pre, tuple):
-            pre_errors, resend = self._merge_premerged(pre[0], ids, late)
-            steps.update(item[0] for item in pre[0])
-        else:  # a malformed merged message concerns every client of the batch
-            pre_errors = {client_id: pre for client_id in ids}
-        errors = []
-        for (who, msg), c, d in zip(batch, clients, decoded):
-            client_id = c[0] if isinstance(c, tuple) else ""
-            if isinstance(d, dict):
-                errs = d
-            else:
-                errs = await self._merge(
-                    who, client_id, c[1], d[0], d[1], msg[4], steps, late.setdefault(client_id, set())
-                )
-            errors.append((client_id, {**errs, **pre_errors.get(client_id, {})}))
-        self.server.finalize_complete(steps)
-        self._changed_state()
-        if resend:
-            return [Reply({}, self.incarnation, unknown=[])] * len(batch)
-        shared = self._reply({})  # one object for every client without errors: pickled once
-        return [self._reply(errs, late.get(c, ())) if errs or late.get(c) else shared for c, errs in errors]
-
     def _reply(self, errors: dict[str, str], late: Any = ()) -> Reply:
         """The reply to a send, with the steps whose data it dropped as late. The steps it lets the
         client forget are those finalized in the state saved last, not in memory: a next
@@ -354,37 +317,6 @@ class _MetricWorker:
             return decode(msg, self.table)
         except SubmissionError as exc:
             return {client_id: str(exc)}
-
-    def _merge_premerged(
-        self, items: list, clients: list[str], late: dict[str, set[int]]
-    ) -> tuple[dict[str, dict[str, str]], bool]:
-        """Merge pre-merged items of ``clients`` (whose credentials the batch carried); their errors
-        by client (malformed keys, or keys of another client: every client's), and whether one was
-        partly merged before (left out: the clients must resend one by one). The steps of items
-        dropped as late go to ``late``, by client."""
-        errors: dict[str, dict[str, str]] = {}
-        resend = False
-        members = set(clients)
-        for step, keys, world_size, packed in items:
-            try:
-                if not _keys_of(keys, members):
-                    for client_id in clients:
-                        errors.setdefault(client_id, {})["merged"] = (
-                            "a merged item needs (client_id, seq) keys of the batch's clients"
-                        )
-                    continue
-                if not self.engine.submit_merged(keys, step, world_size, packed) and self.engine.is_finalized(
-                    step
-                ):
-                    for client_id, _ in keys:
-                        late.setdefault(client_id, set()).add(step)
-                self.calls["premerged"] += len(keys)
-            except PartlyMergedError:
-                resend = True
-            except (SubmissionError, ValueError) as exc:
-                for client_id, seq in keys:
-                    errors.setdefault(client_id, {})[f"{client_id}/{step}/{seq}"] = f"step {step}: {exc}"
-        return errors, resend
 
     async def result(self, step: int, timeout: float | None = None, finalize: bool = False) -> StepResult:
         """``step`` once complete; at ``timeout`` final and partial when ``finalize``, else
@@ -457,14 +389,6 @@ class _MetricWorker:
         """Calls received by method, registered clients, pending steps and what the engine holds
         (for tests and monitoring), and why a saved state was refused (if one was)."""
         return {"calls": dict(self.calls), **self.server.stats(), "refused_state": self.refused_state}
-
-
-def _keys_of(keys: Any, clients: set[str]) -> bool:
-    """``keys`` are ``(client_id, seq)`` pairs of ``clients``."""
-    try:
-        return isinstance(keys, tuple) and bool(keys) and {key_client(k) for k in keys} <= clients
-    except SubmissionError:
-        return False
 
 
 OPTIONS = (
