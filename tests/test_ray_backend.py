@@ -266,12 +266,7 @@ def test_a_batch_the_actor_asks_to_repeat_is_repeated_at_once_not_at_the_clients
     values = {"c1": 1.0, "c2": 3.0}
     for c, t in transports.items():  # step 0 teaches the actor (and each transport) the names
         assert not t.send(c, [(0, 0, 2, pack({"r/mean": values[c]}))], [0]).errors
-    before = ray.get(worker.ping.remote())
-    ray.kill(worker, no_restart=False)
-    deadline = time.monotonic() + 60
-    while transports["c1"].wait_alive() == before:  # the kill lands a moment later
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    restarted(worker, transports["c1"])
     items = {c: [(1, 1, 2, pack({"r/mean": values[c] + 1}))] for c in clients}
     sender = transports["c1"]._sender
     posted = {c: Future() for c in clients}
@@ -284,6 +279,69 @@ def test_a_batch_the_actor_asks_to_repeat_is_repeated_at_once_not_at_the_clients
         assert not posted[c].result(timeout=10).errors
     calls = ray.get(worker.stats.remote())["calls"]
     assert (calls["send_many"], calls["send"]) == (1, 2)  # the batch, then each message alone
+
+
+def restarted(worker, transport):
+    """Kill ``worker`` (Ray restarts it) and wait for its next incarnation: it knows no schema."""
+    before = ray.get(worker.ping.remote())
+    ray.kill(worker, no_restart=False)
+    deadline = time.monotonic() + 60
+    while transport.wait_alive() == before:  # the kill lands a moment later
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_a_close_behind_a_message_the_actor_must_have_repeated_waits_for_it(name):
+    """A validation schema sent at step 0 only, forgotten by the actor (``forget_after=2``) while the
+    client still thinks it known. One client's two messages in one batch: the first carries that
+    schema's data for step 5, the second step 5's other data and its close. The second is held back
+    with the first and both are repeated in order: step 5 holds both (before, the close merged
+    first, step 5 ended without the validation data, which came late)."""
+    from concurrent.futures import Future
+
+    from rlmetrics.backends.ray import RayTransport
+
+    worker = rlmetrics.get_metric_worker(name=name, forget_after=2)
+    ray.get(worker.register.remote("c1"))
+    transport = RayTransport(worker)
+    assert not transport.send("c1", [(0, 0, 1, pack({"val/acc/mean": 0.5, "q/mean": 0.0}))], [0]).errors
+    for step in range(1, 5):
+        assert not transport.send("c1", [(step, step, 1, pack({"q/mean": float(step)}))], [step]).errors
+    sender = transport._sender
+    posted = [Future(), Future()]
+    first = [(5, 5, 1, pack({"val/acc/mean": 0.75, "q/mean": 5.0}))]
+    with sender._cond:  # both in one batch
+        sender._queue += [(transport, "c1", first, [], posted[0]),
+                          (transport, "c1", [(5, 6, 1, pack({"q/mean": 7.0}))], [5], posted[1])]  # fmt: skip
+        sender._cond.notify()
+    got = rlmetrics.MetricClient(worker).result(5, timeout=20)
+    assert dict(got) == {"val/acc/mean": 0.75, "q/mean": 6.0} and got.meta.late == 0, (dict(got), got.meta)
+    assert [not f.result(timeout=10).errors for f in posted] == [True, True]
+
+
+def test_an_interrupt_during_a_lone_clients_send_leaves_the_process_able_to_send(name, monkeypatch):
+    """Ctrl-C while a rank's only client sends from its own thread: the interrupt reaches the
+    caller, and the next wait_submit of that process goes through (before, the sender stayed busy
+    and every later send of the process waited forever)."""
+    from rlmetrics.backends.ray import compat
+
+    client = rlmetrics.connect("ray", name=name, world_size=1, label="rank0")
+    real_get, calls = compat.get, []
+
+    def interrupted_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real_get(*args, **kwargs)
+
+    client.submit_metric({"r/mean": 1.0})
+    monkeypatch.setattr(compat, "get", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        client.wait_submit()
+    monkeypatch.setattr(compat, "get", real_get)
+    client.submit_metric({"r/mean": 3.0}, step=1)
+    assert in_threads(lambda _: client.wait_submit(step=1), [None], timeout=30)
+    assert client.result(1, timeout=20) == {"r/mean": 3.0}
 
 
 def in_threads(work, args, timeout=30):

@@ -167,7 +167,7 @@ class Aggregator:
         >>> from rlmetrics.packing import pack
         >>> engine = Aggregator()
         >>> from rlmetrics.stat import stats_of_rows
-        >>> rows = stats_of_rows(np.array([[1.0], [3.0]]))  # two clients' values, pre-merged
+        >>> rows = stats_of_rows(np.array([[1.0], [3.0]]))  # two clients' values, merged by a node
         >>> both = Packed(pack({"r/mean": 1.0}).schema, rows, contributions=2)
         >>> engine.submit_merged((("a", 0), ("b", 0)), 0, 2, both), engine.submit("a", 0, 0, 2, both)
         (True, False)

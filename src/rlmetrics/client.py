@@ -236,7 +236,7 @@ class ClientCore:
     def close_steps(self, steps: Iterable[int], block: bool = False) -> None:
         """Send what is queued and close ``steps`` (none: only send), in one message; ``block``:
         return once the aggregator holds it (an error about the data raises here)."""
-        self._flush(sorted(steps))
+        self._flush(sorted(steps), block)
         if block:
             self._collect(block=True)
 

@@ -265,11 +265,13 @@ class _MetricWorker:
 
     async def _merge_messages(self, batch: list[tuple[str, tuple]]) -> list[Reply]:
         """Merge each ``(credential, message)`` in turn, then finalize the steps they completed; the
-        replies. A message with a schema this incarnation lacks merges nothing (a close must not
-        overtake its data): its reply names the schemas, and the client repeats it with names."""
+        replies. A message with a schema this incarnation lacks merges nothing, nor do the later
+        messages of its client in the batch (a close must not overtake its data): their replies
+        name the schemas, and the client repeats them in order with names."""
         self.calls["messages"] += len(batch)
         steps: set[int] = set()
         replies: list[Reply | tuple[dict, set]] = []
+        waiting: dict[str, list[bytes]] = {}  # credentials with a message to repeat: the schemas
         for who, msg in batch:
             client = self._who(who)
             if isinstance(client, str):
@@ -278,8 +280,9 @@ class _MetricWorker:
             decoded = self._decode(client[0], msg)
             if isinstance(decoded, dict):
                 replies.append(self._reply(decoded))
-            elif decoded[2]:
-                replies.append(Reply({}, self.incarnation, unknown=decoded[2]))
+            elif decoded[2] or who in waiting:
+                unknown = waiting.setdefault(who, decoded[2])
+                replies.append(Reply({}, self.incarnation, unknown=unknown))
             else:
                 late: set[int] = set()
                 errors = await self._merge(who, *client, decoded[0], decoded[1], msg[4], steps, late)

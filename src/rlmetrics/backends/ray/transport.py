@@ -138,10 +138,11 @@ class _Sender:
 
     A process with one client of the actor (the users' layout: a rank per process) that waits for
     the reply sends from its own thread, when nothing is queued or in flight: the hand-over to this
-    thread and back cost a rank ~0.3 ms of CPU per step (``benchmarks/bench_users.py``, W = 4,
-    M = 100: 1.32 ms -> 1.02 ms per step, the raw floor 0.76 ms). With several clients the group
-    commit stays: each thread's own call made the aggregator take one call per rank
-    (``bench_ray.py``, 4 processes x 64 threads, W = 256, M = 1000: 189 ms -> 363 ms per step).
+    thread and back cost a rank 0.15-0.3 ms of CPU per step (``benchmarks/bench_users.py``'s
+    ranks, W = 4, M = 100: 1.32 ms -> 1.02-1.16 ms per step; the raw floor's 0.65-0.76 ms). With
+    several clients the group commit stays: a call from each client's thread made the aggregator
+    take one call per rank (``bench_ray.py``, 4 processes x 64 threads, W = 256, M = 1000: 122 ms
+    per step with the group commit, 363 ms without).
     """
 
     _by_actor: dict[str, _Sender] = {}
@@ -174,7 +175,12 @@ class _Sender:
                 self._queue.append(entry)
                 self._cond.notify()
         if alone:
-            self._send([entry])
+            try:
+                self._send([entry], threaded=False)
+            except BaseException as exc:  # an interrupt in the caller's thread: the sender goes on
+                if not entry[4].done():
+                    self._done([entry], error=ConnectionError(f"send interrupted: {exc!r}"))
+                raise
         return entry[4]
 
     def _run(self) -> None:
@@ -187,9 +193,11 @@ class _Sender:
             if not self._send(batch):
                 return
 
-    def _send(self, batch: list[tuple]) -> bool:
+    def _send(self, batch: list[tuple], threaded: bool = True) -> bool:
         """One ``send_many`` call with ``batch``, its replies (or errors) in the futures; False when
-        Ray is shut down."""
+        Ray is shut down. ``threaded=False`` (the caller's thread): a ``SystemExit`` is the
+        caller's, not Ray's, and propagates."""
+        stop: tuple[type[BaseException], ...] = (Exception, SystemExit) if threaded else (Exception,)
         try:
             messages = [(who, transport._encode(items, close)) for transport, who, items, close, _ in batch]
             replies = compat.get(compat.remote(self.handle.send_many, messages))
@@ -200,7 +208,7 @@ class _Sender:
             except ConnectionError as exc:
                 error = exc
             return self._done(batch, error=error)
-        except (Exception, SystemExit) as exc:  # Ray shut down
+        except stop as exc:  # Ray shut down
             self._done(batch, error=ConnectionError(f"send failed: {exc}"))
             return ray.is_initialized()
         return self._done(batch, replies)
