@@ -29,6 +29,9 @@ Measured, medians over the steps after the warm-up:
   ``per step + W x per message`` (least squares over the W of the run), so ``per message`` is what
   one rank's message costs the aggregator (decode, merge, its share of finalize and replies) and
   ``per step`` what a step costs beyond its messages;
+- **Ray's own cost of one call** to an async actor (rlmetrics' aggregator is one: readers wait
+  inside it) and to a plain actor (the floor), each a method that does nothing, from 4 caller
+  actors: what part of the aggregator's CPU per message no code of ours can remove;
 - **rank CPU** per step: the CPU time of the rank process's Python threads around its submit and
   wait (:func:`python_cpu`: the caller's thread, where Ray serializes and submits a call, and the
   client's sender thread). Not for ``result(step)`` clients: their send runs after the call
@@ -158,6 +161,54 @@ class Rank:
             client.submit_metric(self.dict, self.world_size)
             client.wait_submit()
         return python_cpu() - t0
+
+
+@ray.remote(num_cpus=0, max_concurrency=1000)
+class AsyncNoop:
+    """An async actor (as rlmetrics' aggregator is: readers wait inside it) doing nothing."""
+
+    async def call(self, payload: Any) -> None:
+        return None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@ray.remote(num_cpus=0)
+class SyncNoop:
+    """A plain actor (as the raw floor is) doing nothing."""
+
+    def call(self, payload: Any) -> None:
+        return None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@ray.remote(num_cpus=0)
+class Caller:
+    def run(self, actor: Any, calls: int, payload: Any) -> None:
+        for _ in range(calls):
+            ray.get(actor.call.remote(payload))
+
+
+def call_costs(callers: int, calls: int) -> dict[str, float]:
+    """The receiving actor's CPU seconds per call of a method that does nothing, for an async and a
+    plain actor, called by ``callers`` actors ``calls`` times each with an 8 kB payload (a message
+    of M = 1000): Ray's own cost of one message to each kind of actor."""
+    actors = {"async actor": AsyncNoop.remote(), "plain actor": SyncNoop.remote()}
+    pids = {kind: ray.get(actor.pid.remote()) for kind, actor in actors.items()}
+    pool = [Caller.remote() for _ in range(callers)]
+    payload = b"x" * 8000
+    cost: dict[str, list[float]] = {kind: [] for kind in actors}
+    for _ in range(2):  # the kinds alternate: a change of load hits both
+        for kind, actor in actors.items():
+            c0 = cpu_seconds(pids[kind])
+            ray.get([c.run.remote(actor, calls, payload) for c in pool])
+            cost[kind].append((cpu_seconds(pids[kind]) - c0) / (callers * calls))
+    for actor in (*actors.values(), *pool):
+        ray.kill(actor)
+    return {kind: min(v) for kind, v in cost.items()}
 
 
 @dataclass
@@ -355,6 +406,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
     try:
         ranks = [Rank.remote(r) for r in range(max(world_sizes))]
         rows = [measure(ranks[:w], m, steps) for w in world_sizes for m in metric_counts]
+        for rank in ranks:
+            ray.kill(rank)
+        calls = call_costs(4, 50 if args.quick else 500)
     finally:
         ray.shutdown()
     notes = [
@@ -364,12 +418,18 @@ def main(argv: list[str] | None = None) -> list[Row]:
         "aggregator CPU: the run time of its process's threads over the measured steps, fitted "
         "a + b W over the W of the run (b: per rank message, a: per step)",
         *targets(rows),
+        "Ray alone: a call to an async actor costs the actor {:.0f} µs of CPU, to a plain actor {:.0f} µs "
+        "({:.1f}x)".format(*(calls[k] * 1e6 for k in calls), calls["async actor"] / calls["plain actor"]),
         *(capacity(rows, m) for m in metric_counts),
         f"total runtime: {time.perf_counter() - start:.1f} s",
     ]
+    ray_call = report.table(
+        ["receiving actor", "CPU µs per call (a method that does nothing, 8 kB argument)"],
+        [[kind, f"{seconds * 1e6:.0f}"] for kind, seconds in calls.items()],
+    )
     body = "\n\n".join(
         ["Wall time per step", render_wall(rows), "Aggregator CPU", render_cpu(rows), "Rank CPU per step",
-         render_rank(rows)]
+         render_rank(rows), "Ray's own cost of one call, by kind of actor", ray_call]
     )  # fmt: skip
     report.emit(head, body, notes, args.markdown)
     return rows
