@@ -23,8 +23,10 @@ _KNOWN_LIMIT = 512  # schema ids a transport remembers the actor has
 class RayTransport:
     """A client's link to a ``MetricWorker`` actor handle.
 
-    ``post`` is the non-blocking send: every client of the same actor in this process shares one
-    :class:`_Sender`, so messages posted while a call is in flight travel together in the next one.
+    ``post`` sends without waiting (``block=True``: the caller collects at once, and a process's only
+    client of the actor then sends from its own thread); every client of the same actor in this
+    process shares one :class:`_Sender`, so messages posted while a call is in flight travel
+    together in the next one.
     ``session``: the run its clients belong to, by default this process's Ray job (the driver's,
     for the actors it created): a restarted run is a new job, and the aggregator drops what the
     ended one left open (:class:`~rlmetrics.server.Server`); None for a client of no run.
@@ -138,8 +140,9 @@ class _Sender:
 
     A process with one client of the actor (the users' layout: a rank per process) that waits for
     the reply sends from its own thread, when nothing is queued or in flight: the hand-over to this
-    thread and back cost a rank 0.15-0.3 ms of CPU per step (``benchmarks/bench_users.py``'s
-    ranks, W = 4, M = 100: 1.32 ms -> 1.02-1.16 ms per step; the raw floor's 0.65-0.76 ms). With
+    thread and back cost a rank 0.15-0.3 ms of CPU per step (an ad-hoc run of
+    ``benchmarks/bench_users.py``'s rank actors, W = 4, M = 100, 30 steps, before and after:
+    1.32 ms -> 1.02-1.16 ms per step; the raw floor's 0.65-0.76 ms). With
     several clients the group commit stays: a call from each client's thread made the aggregator
     take one call per rank (``bench_ray.py``, 4 processes x 64 threads, W = 256, M = 1000: 122 ms
     per step with the group commit, 363 ms without).
