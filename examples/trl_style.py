@@ -217,6 +217,7 @@ def worker(rank: int, port: int, steps: int, out: str, overwrite: bool) -> None:
         print(f"largest difference rlmetrics vs numpy: {worst:.1e}")
         print(f"largest difference trl-style vs numpy: {differs:.1e}")
         print(f"sinks: {out}/metrics.jsonl")
+    dist.barrier()  # no rank tears its group down while another still talks to it (gloo aborts then)
     dist.destroy_process_group()
 
 
