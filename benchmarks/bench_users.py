@@ -115,9 +115,6 @@ class Floor:
         out, self.total = self.total, None
         return out
 
-    def pid(self) -> int:
-        return os.getpid()
-
 
 @ray.remote(num_cpus=0)
 class Rank:
@@ -170,9 +167,6 @@ class AsyncNoop:
     async def call(self, payload: Any) -> None:
         return None
 
-    def pid(self) -> int:
-        return os.getpid()
-
 
 @ray.remote(num_cpus=0)
 class SyncNoop:
@@ -180,9 +174,6 @@ class SyncNoop:
 
     def call(self, payload: Any) -> None:
         return None
-
-    def pid(self) -> int:
-        return os.getpid()
 
 
 @ray.remote(num_cpus=0)
@@ -197,7 +188,7 @@ def call_costs(callers: int, calls: int) -> dict[str, float]:
     plain actor, called by ``callers`` actors ``calls`` times each with an 8 kB payload (a message
     of M = 1000): Ray's own cost of one message to each kind of actor."""
     actors = {"async actor": AsyncNoop.remote(), "plain actor": SyncNoop.remote()}
-    pids = {kind: ray.get(actor.pid.remote()) for kind, actor in actors.items()}
+    pids = {kind: _pid(actor) for kind, actor in actors.items()}
     pool = [Caller.remote() for _ in range(callers)]
     payload = b"x" * 8000
     cost: dict[str, list[float]] = {kind: [] for kind in actors}
@@ -236,9 +227,8 @@ class Aggregators:
             "seed": lambda step: readers["seed"].wait_final_res(),
             "posted": lambda step: readers["posted"].result(step, RESULT_TIMEOUT_S),
         }
-        pid = ray.get(self.floor.pid.remote())
-        self.pids = {"floor": pid, "siirl": _pid(self.siirl)}
-        self.pids.update({kind: _pid(handle) for kind, handle in self.handles.items()})
+        self.pids = {kind: _pid(actor) for kind, actor in [("floor", self.floor), ("siirl", self.siirl),
+                                                            *self.handles.items()]}  # fmt: skip
 
     def kill(self) -> None:
         for actor in (self.floor, self.siirl, *self.handles.values()):
