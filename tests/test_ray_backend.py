@@ -425,35 +425,19 @@ def seed_style_names(m):
     return (val + train)[:m]
 
 
-def payload_values(kind, rng):
-    """1000 metric values: ``float32`` as ``tensor.item()`` gives them (losses, rewards, entropies),
-    ``mixed`` with 10% true doubles (timings), ``fractions`` (counts over a batch), ``doubles``."""
-    f32 = rng.normal(0, 1, 1000).astype(np.float32).astype(np.float64)
-    if kind == "mixed":
-        f32[rng.choice(1000, 100, replace=False)] = rng.random(100) * 10
-    return {"float32": f32, "mixed": f32, "fractions": rng.integers(0, 17, 1000) / 16,
-            "doubles": rng.random(1000)}[kind]  # fmt: skip
-
-
-# What training produces compresses several times (values from float32 tensors have 29 zero mantissa
-# bits); uniform random doubles carry ~54 bits each, so the lossless floor is ~14.6% of this pickled dict.
-@pytest.mark.filterwarnings("ignore:.*a number under a std name")
-@pytest.mark.parametrize(
-    ("kind", "bound"), [("float32", 0.15), ("mixed", 0.15), ("fractions", 0.05), ("doubles", 0.15)]
-)
-def test_payload_after_the_first_submit_is_small(kind, bound):
+# After the first message a client sends no names: a later message is its float64s and a few dozen
+# bytes around them, whatever the values (a pickled dict of the seed's names is ~6x that at M=1000).
+@pytest.mark.parametrize("values", [np.arange(1000) / 16, np.random.default_rng(0).random(1000)])
+def test_payload_after_the_first_submit_is_small(values):
     names = seed_style_names(1000)
-    values = payload_values(kind, np.random.default_rng(0))
     metrics = dict(zip(names, values.tolist()))
     schemas = {}
     first = pack(metrics, schemas=schemas)
     steady = pack(metrics, schemas=schemas)
     full = len(pickle.dumps(encode([(0, 0, 8, first)], [0], send_names=True), protocol=5))
     later = len(pickle.dumps(encode([(1, 1, 8, steady)], [1], send_names=False), protocol=5))
-    baseline = len(pickle.dumps(metrics, protocol=5))
-    print(f"{kind}: first {full} B, later {later} B, pickled dict {baseline} B: {later / baseline:.1%}")
     assert full - later >= sum(map(len, names))  # the first message carries the names ...
-    assert later <= bound * baseline  # ... later ones only a schema id and the (compressed) float64s
+    assert later <= 8 * len(values) + 200  # ... later ones only a schema id and the float64s
 
 
 def test_schema_lost_in_a_restart_is_resent_transparently(name):

@@ -1,4 +1,4 @@
-"""The wire codec is lossless bit for bit, whatever the values, and refuses malformed data; what it
+"""The wire format is lossless bit for bit, whatever the values, and refuses malformed data; what it
 decodes is checked value by value: a contribution no data gives is refused alone, named, and never
 touches another rank's numbers."""
 
@@ -30,36 +30,15 @@ float32s = hnp.arrays(np.float32, st.integers(0, 700), elements=st.floats(width=
 )
 
 
-@given(st.one_of(doubles, float32s), st.integers(0, 3))
-def test_round_trip_is_bit_exact(values, doubles_in):
-    values = values.copy()
-    values[: doubles_in * 7] = np.random.default_rng(len(values)).random(min(len(values), doubles_in * 7))
+@given(st.one_of(doubles, float32s))
+def test_round_trip_is_bit_exact(values):
     back = _floats(_float_bytes(values), max(len(values), 1))
     assert back.tobytes() == values.tobytes()  # NaN payloads, -0.0 and inf included
 
 
-@pytest.mark.parametrize(
-    "values, codec, k",
-    [(np.arange(1000) / 16, 1, 8), (np.random.default_rng(0).random(1000), 1, 2), (np.ones(10) / 3, 0, None)],
-)
-def test_the_codec_follows_the_values(values, codec, k):
-    data = _float_bytes(values)
-    assert data[0] == codec and (k is None or data[1] == k)
-    assert sum(len(x) for x in data if isinstance(x, bytes)) < 8 * len(values) or codec == 0
-
-
-@pytest.mark.parametrize("mutate", ["bomb", "size", "codec", "k"])
-def test_malformed_compressed_stats_are_refused(mutate):
-    import zlib
-
-    _, k, packed, rest = _float_bytes(np.arange(1000) / 16.0)
-    data = {
-        "bomb": (1, k, zlib.compress(bytes(8 * 10**6)), rest),  # decompresses past the bound
-        "size": (1, 2, packed, rest[:-3]),
-        "codec": (7, k, packed, rest),
-        "k": (1, 3, packed, rest),
-    }[mutate]
-    with pytest.raises(SubmissionError):
+@pytest.mark.parametrize("data", [b"\0" * 12, b"\0" * 8008, (0, b"\0" * 8), bytearray(8), None])
+def test_malformed_stats_are_refused(data):
+    with pytest.raises(SubmissionError, match="at most 1000 float64s"):
         _floats(data, 1000)
 
 
@@ -419,7 +398,8 @@ MALFORMED = {  # a message decode refuses whole (it raised AttributeError, Value
         lambda parts: parts[1][0].__setitem__(5, {INF: parts[1][0][5][4]}),
         "state columns must be ints",
     ),
-    "no stats codec": (item_field(4, ()), "malformed item: IndexError"),
+    "stats not bytes": (item_field(4, ()), "stats must be the bytes of at most 25 float64s"),
+    "stats too long": (item_field(4, bytes(8 * 26)), "stats must be the bytes of at most 25 float64s"),
     "a sketch offset inf": (sketch_header(13, INF), "a parameter, size or offset is not finite"),
     "a sketch exact_limit inf": (sketch_header(4, INF), "a parameter, size or offset is not finite"),
 }
