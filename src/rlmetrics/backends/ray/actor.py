@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from rlmetrics.aggregator import saved_result
 from rlmetrics.backends.ray import compat
 from rlmetrics.backends.ray.compat import ray
 from rlmetrics.client import identity, public_id
@@ -141,7 +142,7 @@ class _MetricWorker:
         state = self._state
         try:
             self._encoded = {
-                step: self._encoded.get(step) or json.dumps([step, dict(res), res.meta.to_dict()])
+                step: self._encoded.get(step) or json.dumps(saved_result(step, res))
                 for step, res in state.get("results", ())
             }
             head = json.dumps({k: v for k, v in state.items() if k != "results"})
