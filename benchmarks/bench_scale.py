@@ -17,7 +17,9 @@ Timed per step: from telling all hosts to go (one ``ray.get([host.step.remote() 
 (``send`` + ``send_many`` RPCs). Checked every step: the result is complete, ``.../mean`` names equal
 the numpy mean over all ranks (rel 1e-9), ``.../max`` the numpy max; the root received exactly W
 messages per step flat and exactly one per node with the hierarchy — the run fails otherwise.
-Flat and node run alternately in each step on the same hosts; median over the steps after one
+CPU per step, read from each process's threads (``report.cpu_seconds``) around the step: the
+root's (also per root message) and a node sub-aggregator's (mean over the nodes). Flat and node run
+alternately in each step on the same hosts; median over the steps after one
 warm-up step (9 timed steps; ``--quick``: 2 nodes, 16 ranks, 100 metrics, 2 timed steps).
 
 Run: ``python benchmarks/bench_scale.py [--quick] [--markdown PATH]`` (needs the ``ray`` extra).
@@ -38,6 +40,7 @@ from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import rlmetrics
+from rlmetrics.backends.ray import node_worker
 
 FULL = {"nodes": 8, "ranks": 1024, "metrics": 1000, "steps": 9}
 QUICK = {"nodes": 2, "ranks": 16, "metrics": 100, "steps": 2}
@@ -107,6 +110,8 @@ class Row:
     step_s: float  # median seconds per step
     messages: float  # root messages per step (all timed steps alike, checked)
     calls: float  # root RPCs per step (median)
+    root_cpu: float  # the root's CPU seconds per step (mean)
+    node_cpu: float  # a node sub-aggregator's CPU seconds per step (mean over nodes and steps; nan flat)
 
 
 def root_counts(root) -> tuple[int, int]:
@@ -151,43 +156,57 @@ def measure(cfg: dict) -> list[Row]:
     times: dict[str, list[float]] = {k: [] for k in KINDS}
     msgs: dict[str, list[int]] = {k: [] for k in KINDS}
     calls: dict[str, list[int]] = {k: [] for k in KINDS}
+    cpu: dict[str, list[float]] = {k: [] for k in (*KINDS, "nodes")}
+    root_pids = {kind: report.actor_pid(root) for kind, root in roots.items()}
+    node_pids: list[int] = []  # the node sub-aggregators', once the first step started them
     try:
         for step in range(WARMUP_STEPS + steps):
             ray.get([h.prepare.remote(step) for h in hosts])
+            if step == WARMUP_STEPS:
+                node_pids = [report.actor_pid(node_worker(aggregators["node"], None, n)) for n in node_ids]
             for kind in KINDS:
                 before = root_counts(roots[kind])
+                c0 = [report.cpu_seconds(pid) for pid in (root_pids[kind], *node_pids)]
                 t0 = time.perf_counter()
                 res = ray.get([h.step.remote(step, kind) for h in hosts])[0]
                 elapsed = time.perf_counter() - t0
+                time.sleep(0.005)  # what the aggregators do after their replies counts to the step
+                c1 = [report.cpu_seconds(pid) for pid in (root_pids[kind], *node_pids)]
                 after = root_counts(roots[kind])
                 check(kind, res, step, cfg, after[0] - before[0])
                 if step >= WARMUP_STEPS:
                     times[kind].append(elapsed)
                     msgs[kind].append(after[0] - before[0])
                     calls[kind].append(after[1] - before[1])
+                    cpu[kind].append(c1[0] - c0[0])
+                    if kind == "node":
+                        cpu["nodes"] += [b - a for a, b in zip(c0[1:], c1[1:])]
     finally:  # hosts first: their clients watch the aggregators
         for actor in hosts:
             ray.kill(actor)
         for nid in node_ids:
-            ray.kill(rlmetrics.backends.ray.node_worker(aggregators["node"], None, nid))
+            ray.kill(node_worker(aggregators["node"], None, nid))
         for actor in roots.values():
             ray.kill(actor)
-    med = statistics.median
-    return [Row(k, nodes, w, m, med(times[k]), statistics.mean(msgs[k]), med(calls[k])) for k in KINDS]
+    med, mean = statistics.median, statistics.mean
+    return [
+        Row(k, nodes, w, m, med(times[k]), mean(msgs[k]), med(calls[k]), mean(cpu[k]),
+            mean(cpu["nodes"]) if k == "node" else math.nan)
+        for k in KINDS
+    ]  # fmt: skip
 
 
 def render(rows: list[Row]) -> str:
     flat = next(r for r in rows if r.kind == "flat")
     columns = ["aggregation", "nodes", "ranks", "metrics", "ms/step", "vs flat", "root messages/step",
-               "root RPCs/step"]  # fmt: skip
-    return report.table(
-        columns,
-        [
-            [r.kind, r.nodes, r.ranks, r.metrics, f"{r.step_s * 1e3:.0f}", f"{flat.step_s / r.step_s:.2f}x",
-             f"{r.messages:g}", f"{r.calls:g}"]
-            for r in rows
-        ],
-    )  # fmt: skip
+               "root RPCs/step", "root CPU ms/step", "root CPU ms/message", "node CPU ms/step"]  # fmt: skip
+    body = []
+    for r in rows:
+        node = "" if math.isnan(r.node_cpu) else f"{r.node_cpu * 1e3:.1f}"
+        body.append([r.kind, r.nodes, r.ranks, r.metrics, f"{r.step_s * 1e3:.0f}",
+                     f"{flat.step_s / r.step_s:.2f}x", f"{r.messages:g}", f"{r.calls:g}",
+                     f"{r.root_cpu * 1e3:.1f}", f"{r.root_cpu / r.messages * 1e3:.2f}", node])  # fmt: skip
+    return report.table(columns, body)
 
 
 def main(argv: list[str] | None = None) -> list[Row]:

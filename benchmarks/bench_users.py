@@ -25,26 +25,27 @@ Measured, medians over the steps after the warm-up:
 
 - **wall ms/step**, from the driver's go to the result in hand;
 - **aggregator CPU** per step: the CPU time of every thread of each aggregator's process
-  (:func:`cpu_seconds`) over the measured steps, divided by their number. Fitted over W as
+  (:func:`report.cpu_seconds`) over the measured steps, divided by their number. Fitted over W as
   ``per step + W x per message`` (least squares over the W of the run), so ``per message`` is what
   one rank's message costs the aggregator (decode, merge, its share of finalize and replies) and
   ``per step`` what a step costs beyond its messages;
 - **Ray's own cost of one call** to an async actor (rlmetrics' aggregator is one: readers wait
-  inside it) and to a plain actor (the floor), each a method that does nothing, from 4 caller
-  actors: what part of the aggregator's CPU per message no code of ours can remove;
+  inside it), a threaded actor (``max_concurrency`` > 1: readers could wait in its threads) and a
+  plain actor (the floor), each a method that does nothing, from 4 caller actors: what part of the
+  aggregator's CPU per message no code of ours can remove, and what moving it to threads would save;
 - **rank CPU** per step: the CPU time of the rank process's Python threads around its submit and
   wait (:func:`python_cpu`: the caller's thread, where Ray serializes and submits a call, and the
   client's sender thread). Not for ``result(step)`` clients: their send runs after the call
   returned.
 
 Run: ``python benchmarks/bench_users.py [--quick] [--markdown PATH]`` (needs the ``ray`` extra and
-siiRL 0.2.0: ``make install-peers``). ``--quick``: W = 1 and 2, M = 100, 2 steps.
+siiRL 0.2.0: ``make install-peers``). ``--quick``: W = 1 and 2, M = 100, 2 steps, Ray's call
+costs from 1 caller x 20 calls.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import threading
 import time
@@ -55,7 +56,6 @@ from typing import Any
 import bench_peers
 import bench_ray
 import numpy as np
-import psutil
 import ray
 import report
 
@@ -68,25 +68,7 @@ RESULT_TIMEOUT_S = 60.0
 SYSTEMS = {"floor": "raw Ray floor", "siirl": "siiRL 0.2.0", "seed": "rlmetrics seed loop",
            "posted": "rlmetrics result(step)"}  # fmt: skip
 TARGET_WALL, TARGET_MESSAGE, TARGET_STEP, TARGET_RANK_US = 1.3, 1.3, 2.0, 100.0
-
-
-def cpu_seconds(pid: int) -> float:
-    """CPU seconds of process ``pid`` so far, every thread: the scheduler's nanosecond run times
-    (``/proc/<pid>/task/*/schedstat``) where Linux has them, else psutil's user + system time (in
-    clock ticks, 10 ms)."""
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except FileNotFoundError:
-        times = psutil.Process(pid).cpu_times()
-        return times.user + times.system
-    total = 0
-    for task in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except (FileNotFoundError, ProcessLookupError):  # a thread that ended
-            pass
-    return total / 1e9
+PER_NODE = 8  # ranks per node of the capacity table's hierarchy (8 GPUs a node)
 
 
 def python_cpu() -> float:
@@ -168,6 +150,14 @@ class AsyncNoop:
         return None
 
 
+@ray.remote(num_cpus=0, max_concurrency=1000)
+class ThreadedNoop:
+    """A threaded actor (calls run in a pool of threads, where readers could wait) doing nothing."""
+
+    def call(self, payload: Any) -> None:
+        return None
+
+
 @ray.remote(num_cpus=0)
 class SyncNoop:
     """A plain actor (as the raw floor is) doing nothing."""
@@ -184,19 +174,20 @@ class Caller:
 
 
 def call_costs(callers: int, calls: int) -> dict[str, float]:
-    """The receiving actor's CPU seconds per call of a method that does nothing, for an async and a
-    plain actor, called by ``callers`` actors ``calls`` times each with an 8 kB payload (a message
-    of M = 1000): Ray's own cost of one message to each kind of actor."""
-    actors = {"async actor": AsyncNoop.remote(), "plain actor": SyncNoop.remote()}
-    pids = {kind: _pid(actor) for kind, actor in actors.items()}
+    """The receiving actor's CPU seconds per call of a method that does nothing, for an async, a
+    threaded and a plain actor, called by ``callers`` actors ``calls`` times each with an 8 kB
+    payload (a message of M = 1000): Ray's own cost of one message to each kind of actor."""
+    actors = {"async actor": AsyncNoop.remote(), "threaded actor": ThreadedNoop.remote(),
+              "plain actor": SyncNoop.remote()}  # fmt: skip
+    pids = {kind: report.actor_pid(actor) for kind, actor in actors.items()}
     pool = [Caller.remote() for _ in range(callers)]
     payload = b"x" * 8000
     cost: dict[str, list[float]] = {kind: [] for kind in actors}
     for _ in range(2):  # the kinds alternate: a change of load hits both
         for kind, actor in actors.items():
-            c0 = cpu_seconds(pids[kind])
+            c0 = report.cpu_seconds(pids[kind])
             ray.get([c.run.remote(actor, calls, payload) for c in pool])
-            cost[kind].append((cpu_seconds(pids[kind]) - c0) / (callers * calls))
+            cost[kind].append((report.cpu_seconds(pids[kind]) - c0) / (callers * calls))
     for actor in (*actors.values(), *pool):
         ray.kill(actor)
     return {kind: min(v) for kind, v in cost.items()}
@@ -227,17 +218,12 @@ class Aggregators:
             "seed": lambda step: readers["seed"].wait_final_res(),
             "posted": lambda step: readers["posted"].result(step, RESULT_TIMEOUT_S),
         }
-        self.pids = {kind: _pid(actor) for kind, actor in [("floor", self.floor), ("siirl", self.siirl),
-                                                            *self.handles.items()]}  # fmt: skip
+        actors = {"floor": self.floor, "siirl": self.siirl, **self.handles}
+        self.pids = {kind: report.actor_pid(actor) for kind, actor in actors.items()}
 
     def kill(self) -> None:
         for actor in (self.floor, self.siirl, *self.handles.values()):
             ray.kill(actor)
-
-
-def _pid(handle: Any) -> int:
-    """The process id of the actor ``handle`` (any actor class: Ray's ``__ray_call__``)."""
-    return ray.get(handle.__ray_call__.remote(lambda self: os.getpid()))
 
 
 def check(world_size: int, m: int, step: int, results: dict[str, Any]) -> None:
@@ -268,7 +254,7 @@ def measure(ranks: list[Any], m: int, steps: int) -> Row:
             ray.get([r.prepare.remote(step) for r in ranks])
             results = {}
             for system in order[step % len(order) :] + order[: step % len(order)]:
-                c0 = cpu_seconds(aggs.pids[system])
+                c0 = report.cpu_seconds(aggs.pids[system])
                 t0 = time.perf_counter()
                 seconds = ray.get([r.step.remote(system) for r in ranks])
                 results[system] = aggs.read[system](step)
@@ -277,7 +263,7 @@ def measure(ranks: list[Any], m: int, steps: int) -> Row:
                 if step >= WARMUP_STEPS:
                     wall[system].append(t1 - t0)
                     rank_cpu[system] += seconds
-                    cpu[system] += cpu_seconds(aggs.pids[system]) - c0
+                    cpu[system] += report.cpu_seconds(aggs.pids[system]) - c0
             check(world_size, m, step, results)
     finally:
         ray.get([r.leave.remote() for r in ranks])
@@ -348,13 +334,36 @@ def render_rank(rows: list[Row]) -> str:
     return report.table(columns, body)
 
 
-def capacity(rows: list[Row], m: int) -> str:
-    """Steps per second a flat aggregator sustains at 1,000 and 10,000 ranks (its CPU alone)."""
-    a, b = fit(rows, m, "seed")
-    if math.isnan(b):
-        return "capacity: needs two world sizes"
-    cells = [f"{w:,} ranks: {1 / (a + w * b):.2f} steps/s" for w in (1_000, 10_000)]
-    return f"a flat rlmetrics aggregator at M={m}, from its CPU alone: " + ", ".join(cells)
+def capacity(rows: list[Row]) -> str:
+    """On paper, from the fitted CPU of the seed loop's aggregator (``a`` per step, ``b`` per
+    message) and the rank's CPU per step (``r``): steps per second at 1,000 and 10,000 ranks,
+
+    - flat: the root merges every rank's message, ``a + W b`` per step;
+    - ``hierarchy="node"``, 8 ranks per node: each node merges its 8 ranks and forwards one message
+      (``a + 8 b + r``, every node in parallel on its own CPU), the root merges one message per node
+      (``a + W / 8 b``); the step takes the slower of the two.
+
+    Each aggregator's CPU alone: no network, no waiting on the slowest rank."""
+    body = []
+    for m in sorted({r.metrics for r in rows}):
+        a, b = fit(rows, m, "seed")
+        send = statistics.median(r.rank["seed"] for r in rows if r.metrics == m)
+        for w in (1_000, 10_000):
+            layouts = {"flat": (a + w * b, math.nan), f"node ({PER_NODE} ranks per node)":
+                       (a + w / PER_NODE * b, a + PER_NODE * b + send)}  # fmt: skip
+            for layout, (root, node) in layouts.items():
+                busiest = root if math.isnan(node) else max(root, node)
+                rate = f"{1 / busiest:.2f}" if a > 0 and b > 0 else "noise"
+                node_ms = "" if math.isnan(node) else f"{node * 1e3:.1f}"
+                body.append([m, f"{w:,}", layout, f"{root * 1e3:.1f}", node_ms, rate])
+    columns = ["M", "ranks", "layout", "root CPU ms/step", "node CPU ms/step", "steps/s"]
+    return report.table(columns, body)
+
+
+def verdict(x: float, floor: float, target: float) -> str:
+    """``ratio(x, floor)`` and whether it is within ``target``; a ratio lost in noise is no verdict."""
+    got = ratio(x, floor)
+    return f"{got} — " + ("cannot tell" if got == "noise" else report.verdict(x / floor <= target))
 
 
 def targets(rows: list[Row]) -> list[str]:
@@ -367,11 +376,9 @@ def targets(rows: list[Row]) -> list[str]:
     ]
     for m in sorted({r.metrics for r in rows}):
         (fa, fb), (a, b) = fit(rows, m, "floor"), fit(rows, m, "seed")
-        step = "noise" if "noise" in ratio(a, fa) else report.verdict(a / fa <= TARGET_STEP)
         lines.append(
             f"target aggregator CPU per rank message within {TARGET_MESSAGE}x the floor at M={m}: "
-            f"{ratio(b, fb)} — {report.verdict(b / fb <= TARGET_MESSAGE)}; per step within {TARGET_STEP}x: "
-            f"{ratio(a, fa)} — {step}"
+            f"{verdict(b, fb, TARGET_MESSAGE)}; per step within {TARGET_STEP}x: {verdict(a, fa, TARGET_STEP)}"
         )
     beyond = [r.rank["seed"] - r.rank["floor"] for r in rows if r.metrics == 1000]
     if beyond:
@@ -384,7 +391,7 @@ def targets(rows: list[Row]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
-    args = report.parse_args(__doc__, "W = 1 and 2, M = 100, 2 steps", argv)
+    args = report.parse_args(__doc__, "W = 1 and 2, M = 100, 2 steps, 1 x 20 calls", argv)
     start = time.perf_counter()
     world_sizes, metric_counts, steps = (WORLD_SIZES, METRIC_COUNTS, STEPS)
     if args.quick:
@@ -398,7 +405,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         rows = [measure(ranks[:w], m, steps) for w in world_sizes for m in metric_counts]
         for rank in ranks:
             ray.kill(rank)
-        calls = call_costs(4, 50 if args.quick else 500)
+        calls = call_costs(1, 20) if args.quick else call_costs(4, 500)
     finally:
         ray.shutdown()
     notes = [
@@ -408,9 +415,10 @@ def main(argv: list[str] | None = None) -> list[Row]:
         "aggregator CPU: the run time of its process's threads over the measured steps, fitted "
         "a + b W over the W of the run (b: per rank message, a: per step)",
         *targets(rows),
-        "Ray alone: a call to an async actor costs the actor {:.0f} µs of CPU, to a plain actor {:.0f} µs "
-        "({:.1f}x)".format(*(calls[k] * 1e6 for k in calls), calls["async actor"] / calls["plain actor"]),
-        *(capacity(rows, m) for m in metric_counts),
+        "Ray alone: a call to an async actor costs the actor {:.0f} µs of CPU, to a threaded actor "
+        "{:.0f} µs, to a plain actor {:.0f} µs (async / plain {:.1f}x)".format(
+            *(calls[k] * 1e6 for k in calls), calls["async actor"] / calls["plain actor"]
+        ),
         f"total runtime: {time.perf_counter() - start:.1f} s",
     ]
     ray_call = report.table(
@@ -419,7 +427,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     )
     body = "\n\n".join(
         ["Wall time per step", render_wall(rows), "Aggregator CPU", render_cpu(rows), "Rank CPU per step",
-         render_rank(rows), "Ray's own cost of one call, by kind of actor", ray_call]
+         render_rank(rows), "Ray's own cost of one call, by kind of actor", ray_call,
+         "Capacity on paper (aggregators' CPU alone)", capacity(rows)]
     )  # fmt: skip
     report.emit(head, body, notes, args.markdown)
     return rows

@@ -60,6 +60,34 @@ def interleaved(fns: Sequence[Callable[[], Any]], reps: int) -> list[list[float]
     return times
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds of process ``pid`` so far, every thread: the scheduler's nanosecond run times
+    (``/proc/<pid>/task/*/schedstat``) where Linux has them, else psutil's user + system time (in
+    clock ticks, 10 ms)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        import psutil  # a core dependency of rlmetrics
+
+        times = psutil.Process(pid).cpu_times()
+        return times.user + times.system
+    total = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended
+            pass
+    return total / 1e9
+
+
+def actor_pid(handle: Any) -> int:
+    """The process id of the Ray actor ``handle``, any actor class (Ray's ``__ray_call__``)."""
+    import ray
+
+    return ray.get(handle.__ray_call__.remote(lambda self: os.getpid()))
+
+
 def parser(doc: str, quick_help: str) -> argparse.ArgumentParser:
     """``--quick`` (a smoke run) and ``--markdown PATH`` (also write the report there)."""
     out = argparse.ArgumentParser(description=doc.splitlines()[0])
