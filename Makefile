@@ -97,7 +97,7 @@ bench-peers: install-peers
 	$(BIN)/python benchmarks/bench_peers.py
 	$(BIN)/python benchmarks/bench_verl.py
 
-# Not part of `make test` (which runs soaks of 120 to 2,000 steps and 50 steps of chaos): the long runs
+# Not part of `make test` (which runs soaks of 120 to 1,200 steps and 50 steps of chaos): the long runs
 # of docs/reliability.md.
 soak: install-test
 	$(BIN)/python benchmarks/soak.py

@@ -122,6 +122,7 @@ def run(
     kills: list[Kill],
     out_dir: Path,
     result_timeout: float = RESULT_TIMEOUT_S,
+    recovery_timeout: float = RECOVERY_TIMEOUT_S,
 ) -> dict:
     """Run the schedule on a fresh local Ray instance; write ``chaos.jsonl`` and ``chaos.json`` (the
     schedule, the world size of every step, timings) to ``out_dir``; return the latter."""
@@ -135,7 +136,7 @@ def run(
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     t0 = time.perf_counter()
     try:
-        root = rlmetrics.get_metric_worker(name=name, recovery_timeout=RECOVERY_TIMEOUT_S)
+        root = rlmetrics.get_metric_worker(name=name, recovery_timeout=recovery_timeout)
         ray.get(root.ping.remote())  # the driver owns the aggregator: a rank's death can't take it along
         actors = {f"rank{r}": Rank.remote(name, r, ranks, seed) for r in range(ranks)}
         alive = dict(actors)
@@ -210,6 +211,7 @@ def run(
         "slow_reads": slow,
         "seconds": seconds,
         "result_timeout": result_timeout,
+        "recovery_timeout": recovery_timeout,
         "aggregator_restarts": restarts,
     }
     (out_dir / "chaos.json").write_text(json.dumps(info, indent=1), encoding="utf-8")
@@ -307,12 +309,13 @@ def run_chaos(
     aggregator_kills: int,
     out_dir: Path,
     result_timeout: float = RESULT_TIMEOUT_S,
+    recovery_timeout: float = RECOVERY_TIMEOUT_S,
 ):
     """Schedule, run and check; returns ``(info, failures, counts)``."""
     from rlmetrics.sinks import read_jsonl
 
     kills = schedule(seed, steps, ranks, rank_kills, aggregator_kills)
-    info = run(seed, steps, ranks, kills, out_dir, result_timeout)
+    info = run(seed, steps, ranks, kills, out_dir, result_timeout, recovery_timeout)
     fails, counts = check(info, read_jsonl(out_dir / "chaos.jsonl").records)
     return info, fails, counts
 
@@ -325,6 +328,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank-kills", type=int, help="default: max(2, steps // 60)")
     p.add_argument("--aggregator-kills", type=int, help="default: max(2, steps // 40)")
     p.add_argument("--result-timeout", type=float, default=RESULT_TIMEOUT_S, help="seconds per result()")
+    p.add_argument(
+        "--recovery-timeout",
+        type=float,
+        default=RECOVERY_TIMEOUT_S,
+        help="seconds a restarted aggregator waits for the ranks' resends (keep it below --result-timeout)",
+    )
     p.add_argument("--out", type=Path, help="directory of chaos.jsonl and chaos.json (default: temporary)")
     args = p.parse_args(argv)
     if args.quick:
@@ -339,7 +348,14 @@ def main(argv: list[str] | None = None) -> int:
         out_dir = args.out or Path(tmp)
         out_dir.mkdir(parents=True, exist_ok=True)
         info, fails, counts = run_chaos(
-            args.seed, args.steps, args.ranks, rank_kills, aggregator_kills, out_dir, args.result_timeout
+            args.seed,
+            args.steps,
+            args.ranks,
+            rank_kills,
+            aggregator_kills,
+            out_dir,
+            args.result_timeout,
+            args.recovery_timeout,
         )
     rows = [[k["step"], k["target"], k["phase"], f"{k['delay'] * 1e3:.0f}"] for k in info["kills"]]
     body = report.table(["step", "killed", "when", "delay ms"], rows) + "\n\n" + report.table(
@@ -349,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
           counts["partial"], len(info["slow_reads"]), f"{info['seconds']:.0f}"]],
     )  # fmt: skip
     notes = [
-        f"result timeout {args.result_timeout:g} s, recovery timeout {RECOVERY_TIMEOUT_S:g} s",
+        f"result timeout {args.result_timeout:g} s, recovery timeout {args.recovery_timeout:g} s",
         *[f"FAIL {f}" for f in fails[:20]],
         f"every step logged, each complete and exact or partial naming only killed ranks, values = numpy "
         f"over its contributors: {len(fails)} failure(s) — {report.verdict(not fails)}",

@@ -1,9 +1,14 @@
 """Chaos on real Ray: ranks and the aggregator killed at seeded moments of a 50-step run.
 
 Runs ``benchmarks/chaos.py`` (its own checks must pass), then checks its JSONL again here against
-numpy on the regenerated data. Seed 2 kills rank 0 before step 21 and rank 4 10 ms into step 44
-(while it computes, before it submits), and the aggregator four times: before step 25, after the
-ranks of step 27 delivered, under the waiting ``result`` of step 34, and 2 ms into step 42.
+numpy on the regenerated data. Seed 3 kills rank 1 20+ ms into step 2 and rank 4 after step 40
+(each leaves the next step partial, at the reader's deadline), and the aggregator four times: 32 ms
+into step 11, before step 16, under the waiting ``result`` of step 27, and after the ranks of step
+42 delivered. The run is almost all waiting on deadlines (8 s of CPU in a 70 s run with the script's
+defaults): so the reader's deadline is 8 s (default 15) and a restarted aggregator's wait for the
+ranks' resends 5 s (default 10) — a dead rank's step still ends at the deadline, a live rank still
+has seconds to spare, and the reader's deadline stays above the recovery wait (a read during a
+recovery is not answered before it ends).
 """
 
 import json
@@ -25,6 +30,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "chaos.py"
 SEED, STEPS, RANKS = 3, 50, 5
+RESULT_TIMEOUT, RECOVERY_TIMEOUT = 8, 5  # seconds; the script's defaults: 15 and 10 (see above)
 
 
 def data(rank, step):
@@ -38,12 +44,13 @@ def ranks_of(client_ids):
 
 def test_chaos_every_step_logged_exact_or_partial_naming_only_dead_ranks(tmp_path):
     args = ["--seed", SEED, "--steps", STEPS, "--ranks", RANKS, "--rank-kills", 2, "--aggregator-kills", 4]
-    args += ["--out", tmp_path]
+    args += ["--result-timeout", RESULT_TIMEOUT, "--recovery-timeout", RECOVERY_TIMEOUT, "--out", tmp_path]
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, timeout=280
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     info = json.loads((tmp_path / "chaos.json").read_text())
+    assert (info["result_timeout"], info["recovery_timeout"]) == (RESULT_TIMEOUT, RECOVERY_TIMEOUT)
     kills = info["kills"]
     assert {k["phase"] for k in kills if k["target"] == "aggregator"} == {"before", "during", "after", "read"}
     assert info["aggregator_restarts"] >= 1 and not info["errors"]

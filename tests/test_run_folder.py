@@ -5,6 +5,7 @@ rerun into ``runs/demo-2`` and refuses an ``--out`` that holds a run, in one lin
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -133,13 +134,25 @@ def tensorboard_score_steps(out: Path) -> list[int]:
     return tensorboard_steps(out / "tensorboard")["critic/score/mean"]
 
 
+@pytest.fixture(scope="module")
+def first_demo(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """One ``make demo``-like run into the default folder (``runs/demo``), shared: each test copies the
+    folder it made (a demo run holds a run whichever test then reuses it), so the module starts 3 demo
+    runs, not 5 (each ~10 s, mostly imports and the plots)."""
+    cwd = tmp_path_factory.mktemp("first-demo")
+    return cwd, demo(cwd)
+
+
 @pytest.mark.torch
 @pytest.mark.slow
-def test_demo_twice_into_the_default_folder_makes_a_second_folder(tmp_path):
+def test_demo_twice_into_the_default_folder_makes_a_second_folder(tmp_path, first_demo):
     """``make demo`` twice: the second run goes to runs/demo-2, says so, and names it in its last
-    lines; each folder holds one run (TensorBoard: 3 points for 3 steps, not 6)."""
-    for folder in ("runs/demo", "runs/demo-2"):
-        done = demo(tmp_path)
+    lines; each folder holds one run (TensorBoard: 3 points for 3 steps, not 6). The first run is
+    the module's (its folder copied here)."""
+    first_cwd, first = first_demo
+    shutil.copytree(first_cwd / "runs", tmp_path / "runs")
+    for folder, done in (("runs/demo", first), ("runs/demo-2", None)):
+        done = done or demo(tmp_path)
         assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
         assert f"metrics: {folder}/metrics.jsonl" in done.stdout
         assert f"tensorboard --logdir {folder}/tensorboard" in done.stdout
@@ -150,9 +163,13 @@ def test_demo_twice_into_the_default_folder_makes_a_second_folder(tmp_path):
 
 @pytest.mark.torch
 @pytest.mark.slow
-def test_demo_refuses_an_out_holding_a_run_in_one_line_and_overwrites_it(tmp_path):
+def test_demo_refuses_an_out_holding_a_run_in_one_line_and_overwrites_it(tmp_path, first_demo):
+    """``--out`` holding a demo's run (the module's first run, copied there) is refused in one line,
+    and ``--overwrite`` replaces the run (3 TensorBoard points, not 6) and keeps the user's files."""
+    first_cwd, first = first_demo
+    assert first.returncode == 0, first.stderr
     out = tmp_path / "mine"
-    assert demo(tmp_path, "--out", str(out)).returncode == 0
+    shutil.copytree(first_cwd / "runs" / "demo", out)
     (out / "notes.txt").write_text("mine")
     refused = demo(tmp_path, "--out", str(out))
     assert refused.returncode != 0 and refused.stdout == ""
