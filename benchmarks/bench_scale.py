@@ -158,12 +158,11 @@ def measure(cfg: dict) -> list[Row]:
     calls: dict[str, list[int]] = {k: [] for k in KINDS}
     cpu: dict[str, list[float]] = {k: [] for k in (*KINDS, "nodes")}
     root_pids = {kind: report.actor_pid(root) for kind, root in roots.items()}
-    node_pids: list[int] = []  # the node sub-aggregators', once the first step started them
+    # the node sub-aggregators (get_metric_worker(hierarchy="node") started one on every node)
+    node_pids = [report.actor_pid(node_worker(aggregators["node"], None, n)) for n in node_ids]
     try:
         for step in range(WARMUP_STEPS + steps):
             ray.get([h.prepare.remote(step) for h in hosts])
-            if step == WARMUP_STEPS:
-                node_pids = [report.actor_pid(node_worker(aggregators["node"], None, n)) for n in node_ids]
             for kind in KINDS:
                 before = root_counts(roots[kind])
                 c0 = [report.cpu_seconds(pid) for pid in (root_pids[kind], *node_pids)]

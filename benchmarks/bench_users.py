@@ -347,15 +347,18 @@ def capacity(rows: list[Row]) -> str:
     body = []
     for m in sorted({r.metrics for r in rows}):
         a, b = fit(rows, m, "seed")
+        a = max(a, 0.0)  # an intercept lost in noise: at 1,000 ranks and more, W b is the cost
         send = statistics.median(r.rank["seed"] for r in rows if r.metrics == m)
         for w in (1_000, 10_000):
             layouts = {"flat": (a + w * b, math.nan), f"node ({PER_NODE} ranks per node)":
                        (a + w / PER_NODE * b, a + PER_NODE * b + send)}  # fmt: skip
             for layout, (root, node) in layouts.items():
+                if not b > 0:  # the fit lost the per-message cost in noise (or had one W)
+                    body.append([m, f"{w:,}", layout, "noise", "", "noise"])
+                    continue
                 busiest = root if math.isnan(node) else max(root, node)
-                rate = f"{1 / busiest:.2f}" if a > 0 and b > 0 else "noise"
                 node_ms = "" if math.isnan(node) else f"{node * 1e3:.1f}"
-                body.append([m, f"{w:,}", layout, f"{root * 1e3:.1f}", node_ms, rate])
+                body.append([m, f"{w:,}", layout, f"{root * 1e3:.1f}", node_ms, f"{1 / busiest:.2f}"])
     columns = ["M", "ranks", "layout", "root CPU ms/step", "node CPU ms/step", "steps/s"]
     return report.table(columns, body)
 
@@ -416,8 +419,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
         "a + b W over the W of the run (b: per rank message, a: per step)",
         *targets(rows),
         "Ray alone: a call to an async actor costs the actor {:.0f} µs of CPU, to a threaded actor "
-        "{:.0f} µs, to a plain actor {:.0f} µs (async / plain {:.1f}x)".format(
-            *(calls[k] * 1e6 for k in calls), calls["async actor"] / calls["plain actor"]
+        "{:.0f} µs, to a plain actor {:.0f} µs (async / plain {})".format(
+            *(calls[k] * 1e6 for k in calls), ratio(calls["async actor"], calls["plain actor"])
         ),
         f"total runtime: {time.perf_counter() - start:.1f} s",
     ]

@@ -583,13 +583,14 @@ def saved_result(step: int, res: StepResult) -> list:
     >>> entry[:2], restored_result(entry)["x"], restored_result(entry).step
     ([3, ['x', 'y']], 0.1, 3)
     """
-    values = np.fromiter(res.values(), np.float64, len(res)).astype("<f8", copy=False)
+    values = np.array(list(res.values()), "<f8")  # a value that is no number raises
     return [step, list(res), base64.b64encode(values.tobytes()).decode(), res.meta.to_dict()]
 
 
 def restored_result(entry: Sequence) -> StepResult:
     """The :class:`StepResult` of a :func:`saved_result` entry, or of a ``[step, {name: value},
-    meta]`` one (what 0.1 saved: a restart across an upgrade keeps its results).
+    meta]`` one (the form saved before: a restart across an upgrade keeps its results; 0.1's
+    unsigned states are refused before they get here).
 
     >>> restored_result([2, {"x": 0.5}, {}])["x"]
     0.5

@@ -83,7 +83,8 @@ def _float_bytes(arr: np.ndarray) -> bytes:
 def _floats(data: Any, max_values: int) -> np.ndarray:
     """The float64s of ``data``; SubmissionError unless it is bytes of at most ``max_values`` of them."""
     if type(data) is not bytes or len(data) % 8 or len(data) > 8 * max_values:
-        raise SubmissionError(f"stats must be the bytes of at most {max_values} float64s, got {data!r:.40}")
+        got = f"{len(data)} bytes" if type(data) is bytes else type(data).__name__  # no repr: it may be huge
+        raise SubmissionError(f"stats must be the bytes of at most {max_values} float64s, got {got}")
     return np.frombuffer(data, dtype="<f8")
 
 
