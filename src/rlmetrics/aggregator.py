@@ -576,8 +576,9 @@ class Aggregator:
 
 
 def saved_result(step: int, res: StepResult) -> list:
-    """``res`` as JSON-ready ``[step, names, values, meta]``, the values the base64 of their float64s:
-    bit for bit, and 0.1 ms for 10,000 values where JSON's float repr took 7 ms of every step.
+    """``res`` as JSON-ready ``[step, names, values, meta]``, the values as the base64 of their
+    float64 bytes: exact to the bit, and 0.1 ms for 10,000 values (JSON's float repr took 7 ms per
+    step at M = 10000).
 
     >>> entry = saved_result(3, StepResult({"x": 0.1, "y": float("nan")}, 3))
     >>> entry[:2], restored_result(entry)["x"], restored_result(entry).step
@@ -589,8 +590,8 @@ def saved_result(step: int, res: StepResult) -> list:
 
 def restored_result(entry: Sequence) -> StepResult:
     """The :class:`StepResult` of a :func:`saved_result` entry, or of a ``[step, {name: value},
-    meta]`` one (the form saved before: a restart across an upgrade keeps its results; 0.1's
-    unsigned states are refused before they get here).
+    meta]`` one (the form 0.2 development builds saved: a restart across an upgrade keeps its
+    results; 0.1.0's states are unsigned, refused by the signature check before they get here).
 
     >>> restored_result([2, {"x": 0.5}, {}])["x"]
     0.5

@@ -11,12 +11,12 @@ quantile sketches, validation samples), each as :func:`~rlmetrics.states.encode_
 ``seq`` is a client's sequence number, or, in an item that merges several clients' submissions (a
 node sub-aggregator's forward), the tuple of their ``(client_id, seq)`` keys.
 
-``stats`` holds float64s, ``M`` values (one observation per metric) or a ``(5, M)`` stat array, as
-raw little-endian bytes. (Versions 2 and 3 packed them by byte plane with zlib, half the bytes for
-values from float32 tensors; it cost the rank 69 µs and the aggregator 29 µs per message at
-M = 1000, 730 and 180 µs at M = 10000, and the aggregator's CPU per message is what limits a step,
-while the bytes it saved take a 10 Gbit/s link 3 and 30 µs: docs/benchmarks.md, "What the wire's
-packing cost".)
+``stats`` holds float64s as raw little-endian bytes: either ``M`` values (one observation per
+metric) or a ``(5, M)`` stat array. (Versions 2 and 3 packed them by byte plane with zlib, half the
+bytes for values from float32 tensors; for those it cost the rank 69 µs and the aggregator 29 µs
+per message at M = 1000, 730 and 180 µs at M = 10000, and the aggregator's CPU per message is what
+limits a step, while the bytes it saved take a 10 Gbit/s link 3 and 33 µs: docs/benchmarks.md,
+"What the wire's packing cost".)
 
 The receiver keeps a :class:`SchemaTable`; an item whose schema it lacks (say, after a restart) is
 reported back by id, and the sender repeats it with the names.
