@@ -54,3 +54,32 @@ def test_public_names():
                  "MedianMetric", "PercentileMetric", "register_reduction", "connect", "MetricClient",
                  "SPECIAL_METRICS"):  # fmt: skip
         assert hasattr(rlmetrics, name), name
+
+
+def rlmetrics_imports(path):
+    """The rlmetrics modules a file imports at module level (what importing it runs)."""
+    import ast
+
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rlmetrics"):
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names if a.name.startswith("rlmetrics"))
+    return names
+
+
+def test_the_sinks_stand_on_the_messages_and_the_core_only():
+    """A tracker needs a step's values and meta, not the client or the engine (issue 32: the
+    sinks' import chain ran sinks -> sinks.wandb -> axes -> backends -> client -> server -> ...,
+    18 modules, for one string constant)."""
+    from pathlib import Path
+
+    import rlmetrics
+
+    allowed = {"rlmetrics.messages", "rlmetrics.health", "rlmetrics.histogram", "rlmetrics.stat",
+               "rlmetrics.extras"}  # fmt: skip
+    sinks = Path(rlmetrics.__file__).parent / "sinks"
+    for path in sorted(sinks.glob("*.py")):
+        outside = {m for m in rlmetrics_imports(path) if not m.startswith("rlmetrics.sinks")} - allowed
+        assert not outside, (path.name, sorted(outside))

@@ -49,11 +49,8 @@ from typing import Any
 from rlmetrics.backends import connect as connect_backend
 from rlmetrics.client import ClientCore, _step_arg
 from rlmetrics.compute_local import ComputeLocal
-from rlmetrics.messages import StepResult
+from rlmetrics.messages import DEFAULT_AXIS, StepResult
 from rlmetrics.stat import MetricValueError
-
-DEFAULT_AXIS = "train_step"
-"""The client's own ``step``: merged as without axes."""
 
 AXES = ("policy_version", "rollout_id")
 """The axes :func:`connect` gives a client unless told otherwise (any identifier is an axis)."""

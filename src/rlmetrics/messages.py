@@ -1,6 +1,7 @@
 """What the aggregator tells its callers, built here and nowhere else: a step's :class:`StepResult`
 with its :class:`StepMeta`, the :class:`Reply` to a client's message, the errors of a refused
-contribution, and the warnings a client gives its user (:class:`RLMetricsWarning`).
+contribution, the warnings a client gives its user (:class:`RLMetricsWarning`), and the name of
+the default step axis (what the sinks need of the rest, so that they import only this and the core).
 
 >>> res = StepResult({"loss": 0.5}, 3, StepMeta(complete=False, missing_ranks=["rank2@host:1"]))
 >>> res["loss"], res.step, res.meta.complete, res.meta.missing_ranks
@@ -16,6 +17,9 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+DEFAULT_AXIS = "train_step"
+"""The axis of a client's own ``step`` (:mod:`rlmetrics.axes`), the one trackers plot against."""
 
 
 @dataclass

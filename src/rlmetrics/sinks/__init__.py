@@ -33,9 +33,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rlmetrics.aggregator import StepResult
-from rlmetrics.axes import DEFAULT_AXIS
 from rlmetrics.health import Alert, Monitor, coverage_metrics
+from rlmetrics.messages import DEFAULT_AXIS, StepResult
 from rlmetrics.sinks.console import ConsoleSink, format_value, render_table, summary_table
 from rlmetrics.sinks.jsonl import JsonlRun, JsonlSink, read_jsonl, record_result, run_config
 from rlmetrics.sinks.mlflow import MLflowSink

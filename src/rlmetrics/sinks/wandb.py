@@ -44,9 +44,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from rlmetrics.axes import DEFAULT_AXIS as _TRAIN_STEP
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
+from rlmetrics.messages import DEFAULT_AXIS as _TRAIN_STEP
 from rlmetrics.sinks.jsonl import run_config
 from rlmetrics.sinks.names import RunSink, as_floats, as_step, axis_names
 
