@@ -588,6 +588,36 @@ def test_a_co_tenant_job_can_neither_send_under_a_ranks_id_nor_plant_a_saved_sta
     assert "refused" in ray.get(worker.stats.remote())["refused_state"]
 
 
+def test_a_signed_state_this_version_cannot_read_is_refused_and_the_run_goes_on(name):
+    """A state the aggregator signed but cannot read (another version's form, here a result entry
+    of the wrong shape) is refused as a planted one is: the restarted actor starts empty and says
+    why in ``stats()``, the ranks resend what they keep, and the steps after are complete and
+    exact. Before, the restore raised in the actor's constructor, and Ray restarted it forever."""
+    import hashlib
+    import hmac
+
+    world, secret = 2, "known-secret"
+    worker = rlmetrics.get_metric_worker(name=name, recovery_timeout=30, secret=secret)
+    ranks = [Rank.remote(r, world, name) for r in range(world)]
+    reader = rlmetrics.connect("ray", name=name)
+    ray.get([a.step.remote(0) for a in ranks])
+    check_step(reader.result(0, timeout=60), 0, range(world))
+    key = f"rlmetrics/state/{worker._actor_id.hex()}".encode()
+    body = json.dumps({"clients": [], "done_below": 0, "finalized": [], "results": [[0, {"x/mean": 1.0}]]})
+    mac = hmac.new(secret.encode(), key + b"\n" + body.encode(), hashlib.sha256).hexdigest().encode()
+    compat.kv_put(key, mac + b"\n" + body.encode())
+    first = incarnation(worker)
+    ray.kill(worker, no_restart=False)
+    deadline = time.monotonic() + 60
+    while incarnation(worker) in (first, None):
+        assert time.monotonic() < deadline, "the aggregator did not come back"
+        time.sleep(0.05)
+    assert "could not be read" in ray.get(worker.stats.remote())["refused_state"]
+    for s in range(1, 3):
+        ray.get([a.step.remote(s) for a in ranks])
+        check_step(reader.result(s, timeout=60), s, range(world))
+
+
 def incarnation(worker):
     """The incarnation of the aggregator actor answering now (None while it restarts)."""
     try:

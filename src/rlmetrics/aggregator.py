@@ -589,16 +589,7 @@ def saved_result(step: int, res: StepResult) -> list:
 
 
 def restored_result(entry: Sequence) -> StepResult:
-    """The :class:`StepResult` of a :func:`saved_result` entry, or of a ``[step, {name: value},
-    meta]`` one (the form 0.2 development builds saved: a restart across an upgrade keeps its
-    results; 0.1.0's states are unsigned, refused by the signature check before they get here).
-
-    >>> restored_result([2, {"x": 0.5}, {}])["x"]
-    0.5
-    """
-    if len(entry) == 3:
-        step, values, meta = entry
-    else:
-        step, names, packed, meta = entry
-        values = dict(zip(names, np.frombuffer(base64.b64decode(packed), "<f8").tolist()))
-    return StepResult(values, int(step), StepMeta.from_dict(meta))
+    """The :class:`StepResult` of a :func:`saved_result` entry."""
+    step, names, values, meta = entry
+    floats = np.frombuffer(base64.b64decode(values), "<f8").tolist()
+    return StepResult(dict(zip(names, floats)), int(step), StepMeta.from_dict(meta))

@@ -60,8 +60,7 @@ class _MetricWorker:
     _auto_finalize = True
 
     def __init__(self, recovery_timeout: float = 30.0, secret: str | None = None, **options: Any) -> None:
-        self.server = Server(auto_finalize=self._auto_finalize, session_ended=compat.job_dead, **options)
-        self.engine = self.server.engine
+        self._new_server(options)
         self.table = SchemaTable()
         self.calls: Counter[str] = Counter()
         self.running = True
@@ -72,9 +71,8 @@ class _MetricWorker:
         self._secret = (secret or secrets.token_hex(32)).encode()
         self.refused_state: str | None = None  # why a saved state was refused (stats)
         saved = self._verified(compat.kv_get(self._kv_key))
-        self._restored = saved is not None
-        if saved is not None:  # an earlier incarnation: resume, and wait for the clients' resends
-            self.server.restore(saved, recovery_timeout)
+        # an earlier incarnation: resume, and wait for the clients' resends
+        self._restored = saved is not None and self._restore(saved, recovery_timeout, options)
         self._saved: tuple | None = self._marker()
         # what replies let clients forget: the finalized steps of the state saved last (see _reply)
         self._durable: tuple[int, list[int]] = self.engine.finalized_state()
@@ -84,6 +82,26 @@ class _MetricWorker:
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlmetrics-save")
         self._deadlines: asyncio.Task | None = None
         self._nodes: dict[str, Any] = {}  # node sub-aggregator handles by actor name
+
+    def _new_server(self, options: dict) -> None:
+        self.server = Server(auto_finalize=self._auto_finalize, session_ended=compat.job_dead, **options)
+        self.engine = self.server.engine
+
+    def _restore(self, saved: dict, recovery_timeout: float, options: dict) -> bool:
+        """Resume from ``saved``; False, logged and in ``stats()``, when this version cannot read it
+        (it then starts empty, as after a refused state: a restart that failed on it would restart
+        forever)."""
+        try:
+            self.server.restore(saved, recovery_timeout)
+            return True
+        except Exception as exc:  # noqa: BLE001 - signed by this aggregator, in a form it does not read
+            self.refused_state = (
+                f"the saved state under {self._kv_key.decode()} could not be read ({exc!r:.200}): "
+                "refused; starting empty, the clients resend what they keep"
+            )
+            logger.error("rlmetrics: %s", self.refused_state)
+            self._new_server(options)  # the failed restore may have left part of the state
+            return False
 
     @property
     def incarnation(self) -> str:
