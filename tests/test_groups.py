@@ -601,7 +601,8 @@ def test_a_refused_name_of_the_call_leaves_its_difficulty_groups(request):
 
 
 def test_a_malformed_prompt_record_is_refused_when_it_arrives():
-    from rlmetrics.states import PromptStats, decode_state, encode_state
+    from rlmetrics.metrics.difficulty import PromptStats
+    from rlmetrics.states import decode_state, encode_state
 
     record = {"uids": ["p"], "groups": [("critic/rewards/mean",)], "stats": np.zeros((5, 1, 1))}
     assert decode_state(*encode_state(PromptStats([("c", record)]))).records[0][1] is record

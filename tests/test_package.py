@@ -83,3 +83,33 @@ def test_the_sinks_stand_on_the_messages_and_the_core_only():
     for path in sorted(sinks.glob("*.py")):
         outside = {m for m in rlmetrics_imports(path) if not m.startswith("rlmetrics.sinks")} - allowed
         assert not outside, (path.name, sorted(outside))
+
+
+ENGINE_AND_CORE = (
+    "aggregator", "client", "columns", "derived", "groups", "health", "histogram", "host", "messages",
+    "packing", "reduce", "server", "sketch", "stat", "states", "steps", "summary", "values", "wire",
+)  # fmt: skip
+
+
+def test_the_engine_and_the_core_import_no_metric_family_tracker_backend_ray_or_torch():
+    """The engine merges and reduces what the families declare (state kinds, derived metrics); it
+    names none of them (issue 32: ``states`` imported the validation and difficulty families, the
+    engine's import chain ran aggregator -> ... -> states -> metrics.difficulty -> metrics.assemble).
+    torch is imported only inside functions a tensor reaches, so never loaded by them."""
+    import ast
+    from pathlib import Path
+
+    import rlmetrics
+
+    root = Path(rlmetrics.__file__).parent
+    outside = ("rlmetrics.metrics", "rlmetrics.sinks", "rlmetrics.backends", "rlmetrics.integrations",
+               "rlmetrics.cli", "rlmetrics.axes", "rlmetrics.compute_local", "ray")  # fmt: skip
+    for module in ENGINE_AND_CORE:
+        tree = ast.parse((root / f"{module}.py").read_text())
+        for node in ast.walk(tree):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            for name in names:
+                assert not name.startswith(outside), (module, name)
+                if node in tree.body:
+                    assert name.split(".")[0] != "torch", (module, name)

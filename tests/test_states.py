@@ -8,11 +8,12 @@ import pytest
 
 from rlmetrics.aggregator import Aggregator
 from rlmetrics.metrics.validation import encode_samples, process_validation_metrics
+from rlmetrics.metrics.validation.samples import VALIDATION_SAMPLES, Samples
 from rlmetrics.packing import Packed, pack
 from rlmetrics.reduce import resolve
 from rlmetrics.sketch import Sketch
 from rlmetrics.stat import Stat
-from rlmetrics.states import KINDS, VALIDATION_SAMPLES, Samples, State, decode_state, encode_state
+from rlmetrics.states import KINDS, State, decode_state, encode_state
 from rlmetrics.wire import SchemaTable, decode, encode
 
 

@@ -17,11 +17,11 @@ from hypothesis.extra import numpy as hnp
 from rlmetrics.aggregator import Aggregator
 from rlmetrics.messages import SubmissionError
 from rlmetrics.metrics.validation import encode_samples, process_validation_metrics
+from rlmetrics.metrics.validation.samples import VALIDATION_SAMPLES, Samples
 from rlmetrics.packing import Packed, pack
 from rlmetrics.server import Server
 from rlmetrics.sketch import Sketch
 from rlmetrics.stat import Stat
-from rlmetrics.states import VALIDATION_SAMPLES, Samples
 from rlmetrics.wire import SchemaTable, _float_bytes, _floats, decode, encode
 
 doubles = hnp.arrays(np.float64, st.integers(0, 700), elements=st.floats(width=64))
@@ -159,8 +159,7 @@ def record_set(**fields):
 
 
 def prompt_stats(count):
-    from rlmetrics.metrics.difficulty import CORRECT, REWARDS
-    from rlmetrics.states import PROMPT_STATS, PromptStats
+    from rlmetrics.metrics.difficulty import CORRECT, PROMPT_STATS, REWARDS, PromptStats
 
     stats = np.stack([Stat.of([1.0]).to_array(), Stat.of([10.0]).to_array()], 1)[:, None, :]
     stats[0, 0, 0] = count

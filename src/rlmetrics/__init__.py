@@ -6,6 +6,7 @@
 (2.0, 'max')
 """
 
+import rlmetrics.metrics  # noqa: F401  the built-in families plug their derived metrics and states in
 from rlmetrics.aggregator import Aggregator
 from rlmetrics.backends import MetricClient, connect
 from rlmetrics.backends.local import LocalMetricWorker
@@ -53,7 +54,7 @@ from rlmetrics.stat import MetricValueError, Stat
 __version__ = "0.1.0"
 
 
-_SUBPACKAGES = ("axes", "health", "integrations", "metrics", "sinks")
+_SUBPACKAGES = ("axes", "health", "integrations", "sinks")
 
 
 def __getattr__(name: str):

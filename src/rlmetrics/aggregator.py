@@ -48,6 +48,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from rlmetrics.columns import ColumnIndex
+from rlmetrics.derived import DERIVED, Derived
 from rlmetrics.histogram import Histogram
 from rlmetrics.messages import RefusedNamesError, StepMeta, StepResult, SubmissionError
 from rlmetrics.packing import MAX_WORLD_SIZE, Packed
@@ -68,6 +69,8 @@ class Aggregator:
     """Step-keyed merge engine (see the module docstring).
 
     ``renames``: result-name prefix renames (default ``timing_s/`` → ``perf/delta_time/``).
+    ``derived``: the metrics computed from merged values (default :data:`rlmetrics.derived.DERIVED`,
+    which holds the built-in ones of :mod:`rlmetrics.metrics`).
     ``keep_results``: how many finalized results stay readable with :meth:`result`.
     ``forget_after``: schemas not submitted for this many steps are dropped, and names no kept
     schema uses with them (a name that comes back is learned again).
@@ -84,11 +87,13 @@ class Aggregator:
         self,
         *,
         renames: Mapping[str, str] | None = None,
+        derived: Sequence[Derived] | None = None,
         keep_results: int = 64,
         forget_after: int = 128,
         max_pending: int = 128,
     ) -> None:
         self.renames = dict(DEFAULT_RENAMES if renames is None else renames)
+        self.derived = tuple(DERIVED if derived is None else derived)
         self.keep_results = keep_results
         self.forget_after = forget_after
         self.max_pending = max_pending
@@ -492,7 +497,7 @@ class Aggregator:
             if len(self._layouts) >= 1024:
                 self._layouts.clear()
             lay = self._layouts[key] = layout_of(st, self.columns)
-        values, empty, histograms = reduce_step(st, lay, self.columns)
+        values, empty, histograms = reduce_step(st, lay, self.columns, self.derived)
         if not math.isfinite(sum(values.values())):  # a sum of finite values is finite, but for overflow
             bad = [n for n, v in values.items() if not math.isfinite(v) and n not in self._nan_warned]
             if bad:

@@ -29,6 +29,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+from rlmetrics.derived import without_reserved
 from rlmetrics.groups import Labels, grouped_values, split_grouped
 from rlmetrics.messages import (
     LateDataWarning,
@@ -41,7 +42,6 @@ from rlmetrics.messages import (
     WorldSizeWarning,
     caller_level,
 )
-from rlmetrics.metrics import without_reserved
 from rlmetrics.packing import MAX_WORLD_SIZE, Packed, pack, pack_known
 from rlmetrics.server import Close, Submission
 from rlmetrics.stat import NAN_STRATEGIES, MetricValueError
@@ -261,7 +261,7 @@ class ClientCore:
         Returns at once; nothing is sent before :meth:`wait_submit`. A value that cannot be
         summarized raises :class:`~rlmetrics.stat.MetricValueError` naming it, after the other
         metrics of the call were queued; so does a name under the reserved prefix ``_aux/`` that is
-        no ingredient of a derived metric (:func:`rlmetrics.metrics.without_reserved`).
+        no ingredient of a derived metric (:func:`rlmetrics.derived.without_reserved`).
 
         ``group_by``: ``{tag: labels}``, one label per sample; each per-sample value (a 1-D list,
         array or tensor, or a ``(values, weights)`` pair) is also submitted per group, as

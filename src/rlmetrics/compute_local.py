@@ -87,7 +87,7 @@ class ComputeLocal:
         else:
             kept = f" ({len(metrics)} metric(s) of this call were submitted; only what is named here is not)"
         if prompts is not None:
-            from rlmetrics.states import PROMPT_STATS, PromptStats
+            from rlmetrics.metrics.difficulty import PROMPT_STATS, PromptStats
 
             self._submit_state(PROMPT_STATS, PromptStats([(self.client_id, prompts)]), world_size, step)
         if errors:
@@ -159,7 +159,7 @@ class ComputeLocal:
 
     def _submit_samples(self, record: SampleRecord, world_size: int | None, step: int | None) -> None:
         """Queue a validation record, placed among all ranks' by :meth:`_rank_key`."""
-        from rlmetrics.states import VALIDATION_SAMPLES, Samples
+        from rlmetrics.metrics.validation.samples import VALIDATION_SAMPLES, Samples
 
         with self._lock:
             seq = self._seq  # the next seq: the one _submit_state takes

@@ -22,13 +22,14 @@ histograms of its ``hist`` names, :mod:`rlmetrics.histogram`).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from rlmetrics.columns import ColumnIndex
+from rlmetrics.derived import Derived, derive, is_aux
 from rlmetrics.histogram import Histogram
-from rlmetrics.metrics import derive_metrics, is_aux
 from rlmetrics.reduce import Reduction, parse_reduction
 from rlmetrics.stat import Stat, empty_arrays, merge_arrays, reduce_parts, stats_of_rows
 from rlmetrics.states import State
@@ -195,11 +196,12 @@ def layout_of(st: Step, columns: ColumnIndex) -> Layout:
 
 
 def reduce_step(
-    st: Step, lay: Layout, columns: ColumnIndex
+    st: Step, lay: Layout, columns: ColumnIndex, derived: Sequence[Derived] = ()
 ) -> tuple[dict[str, float], list[str], dict[str, Histogram]]:
-    """``(values, empty, histograms)``: the step's reduced values by output name (derived metrics
-    added when the step has auxiliary names), the names no contribution had data for (left out of
-    values) and the histograms of its ``hist`` names that have finite data."""
+    """``(values, empty, histograms)``: the step's reduced values by output name (the ``derived``
+    metrics computed and the auxiliary names dropped when the step has any), the names no
+    contribution had data for (left out of values) and the histograms of its ``hist`` names that
+    have finite data."""
     groups = list(st.groups.values())
     if lay.positions is None:
         total = groups[0].fold()
@@ -222,7 +224,7 @@ def reduce_step(
     for name in lay.hists:
         values.pop(name, None)
     if lay.derived:
-        values = derive_metrics(values)
+        values = derive(values, derived)
     values.update(extra)
     return values, empty, histograms
 

@@ -51,7 +51,7 @@ from rlmetrics.messages import SubmissionError
 from rlmetrics.packing import Packed, Schema
 from rlmetrics.reduce import parse_reduction
 from rlmetrics.stat import invalid_column
-from rlmetrics.states import BUILT_IN, State, column_kind, decode_state, encode_state
+from rlmetrics.states import State, column_kind, decode_state, encode_state, is_bound
 
 VERSION = 4
 # (step, seq or a merged item's (client_id, seq) keys, world_size, packed)
@@ -194,7 +194,7 @@ def check_contribution(packed: Packed, at: np.ndarray, held: Mapping[int, State]
 
     Raises :class:`SubmissionError` naming the metric, the value and the problem for a stat column
     no data gives (:func:`~rlmetrics.stat.invalid_column`), a state that fails its ``validate()``
-    (a sketch's offsets and sizes, a validation record's indices), a built-in kind on a column that
+    (a sketch's offsets and sizes, a validation record's indices), a bound kind on a column that
     does not carry it (:func:`~rlmetrics.states.column_kind`), or a state that does not merge with
     the step's (another kind, other sketch parameters, records of other variables).
 
@@ -216,7 +216,7 @@ def check_contribution(packed: Packed, at: np.ndarray, held: Mapping[int, State]
     for i, state in packed.states.items():
         try:
             kind = column_kind(names[i], packed.schema.reductions[i])
-            if state.kind in BUILT_IN and state.kind != kind:
+            if state.kind != kind and is_bound(state.kind):
                 raise ValueError(f"a {state.kind} state on a column that carries {kind or 'none'}")
             if not packed.checked:
                 state.validate()

@@ -1,18 +1,20 @@
 """Built-in metric functions computed from a batch, and metrics derived after merging.
 
 The submodules that need torch are imported on first use, so ``import rlmetrics.metrics`` stays
-light (numpy-free even): ``from rlmetrics.metrics import compute_data_metric`` imports
-:mod:`rlmetrics.metrics.data`.
+light: ``from rlmetrics.metrics import compute_data_metric`` imports :mod:`rlmetrics.metrics.data`.
+Importing it (``import rlmetrics`` does) plugs the built-in families into the engine: their derived
+metrics into :data:`rlmetrics.derived.DERIVED`, their state kinds into
+:data:`rlmetrics.states.KINDS` (imported at first use).
 
 **Derived metrics.** Some metrics are not a reduction of one merged Stat but a function of several:
 the explained variance ``1 - Var(returns - values) / (Var(returns) + eps)``, the per-token times
 ``1000 * seconds / tokens`` and the throughput ``tokens / (seconds * gpus)``. Averaging the ranks'
 own ratios gives a wrong number, so their ingredients travel as ordinary metrics under names
 starting with :data:`AUX_PREFIX`, whose own reductions are exact (pooled ``std``, ``sum``, the
-mean of the ranks' seconds), and :func:`derive_metrics` turns a merged result into the reported one:
-it computes each entry of :data:`DERIVED_METRICS` whose ingredients are present and drops the
-auxiliary names. It needs nothing but the ``{name: float}`` result. The formulas, and where they
-differ from siiRL's per-rank average: ``docs/reductions.md``.
+mean of the ranks' seconds), and :func:`derive_metrics` turns a merged result into the reported one
+(:func:`rlmetrics.derived.derive`): it computes each entry of :data:`DERIVED_METRICS` whose
+ingredients are present and drops the auxiliary names. It needs nothing but the ``{name: float}``
+result. The formulas, and where they differ from siiRL's per-rank average: ``docs/reductions.md``.
 
 >>> merged = {"critic/vf_explained_var": 0.7, "critic/score/mean": 1.0,
 ...           VF_RETURNS_STD: 2.0, VF_RESIDUAL_STD: 1.0, VF_TOKENS: 101.0}
@@ -30,10 +32,8 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rlmetrics.groups import GROUP_PREFIX, split_group_name
-
-AUX_PREFIX = "_aux/"
-"""Names under this prefix carry the ingredients of derived metrics; they are not reported."""
+from rlmetrics.derived import AUX_PREFIX, DERIVED, Derived, derive, is_aux, without_reserved
+from rlmetrics.states import register_state
 
 VF_EPS = 1e-5
 """Added to Var(returns) in the explained variance, as siiRL does."""
@@ -127,115 +127,46 @@ def variance_proxy_noise(values: Mapping[str, float]) -> float | None:
     return max(0.0, (power - signal) / (n - 1)) if n > 1 else 0.0  # max(0.0, nan) is 0.0, as verl's
 
 
-DERIVED_METRICS: dict[str, Callable[[Mapping[str, float]], float | None]] = {
-    "critic/vf_explained_var": vf_explained_var,
-    "perf/throughput": throughput,
-    "variance_proxy/proxy3_pure_noise": variance_proxy_noise,
-    **{f"timing_per_token_ms/{stage}": _per_token_ms(stage) for stage in TIMED_STAGES},
-}
-"""Derived metric name → function of the merged ``{name: float}`` (None: cannot be computed, the
-merged value under that name, if any, is kept). Only the integrations (and ``critic/vf_explained_var``
-of every data-metric function) submit the ingredients of the others."""
+DERIVED_METRICS: tuple[Derived, ...] = (
+    Derived("critic/vf_explained_var", (VF_RETURNS_STD, VF_RESIDUAL_STD, VF_TOKENS), vf_explained_var),
+    Derived(
+        "perf/throughput",
+        (THROUGHPUT_TOKENS, THROUGHPUT_SECONDS, THROUGHPUT_GPUS, THROUGHPUT_GPU_SECONDS),
+        throughput,
+    ),
+    Derived("variance_proxy/proxy3_pure_noise", (VP_SEQUENCES,), variance_proxy_noise),
+    *(Derived(f"timing_per_token_ms/{s}", timing_aux(s), _per_token_ms(s)) for s in TIMED_STAGES),
+)
+"""The built-in derived metrics (each a :class:`~rlmetrics.derived.Derived`: name, ingredients,
+function of the merged ``{name: float}``). Only the integrations (and ``critic/vf_explained_var`` of
+every data-metric function) submit the ingredients of the others."""
+DERIVED.extend(DERIVED_METRICS)
 
+AUX_INGREDIENTS = frozenset(name for item in DERIVED_METRICS for name in item.ingredients)
+"""The names under :data:`AUX_PREFIX` a client takes (also in a group): the ingredients of
+:data:`DERIVED_METRICS`, which the compute functions give with their metrics."""
 
-def validation_metrics(records: list) -> dict[str, float]:
-    """The validation metrics of ``(rank key, sample record)`` pairs from several ranks, merged in
-    rank-key order (the order best/worst/maj depend on, as in one process over the concatenation);
-    with the ``exact=True`` keys when any rank asked for them."""
-    from rlmetrics.metrics.validation import merge_samples, process_samples
-
-    merged = merge_samples([record for _, record in sorted(records, key=lambda pair: pair[0])])
-    return process_samples(merged, exact=merged.exact)
+VALIDATION_SAMPLES = AUX_PREFIX + "validation/samples/total"
+"""The column validation samples ride on (:class:`~rlmetrics.metrics.validation.samples.Samples`;
+its value: how many samples a contribution holds)."""
+PROMPT_STATS = AUX_PREFIX + "difficulty/prompts/total"
+"""The column prompt records ride on (:class:`~rlmetrics.metrics.difficulty.PromptStats`; its
+value: how many prompts a contribution holds)."""
+register_state("samples", "rlmetrics.metrics.validation.samples:Samples", column=VALIDATION_SAMPLES)
+register_state("prompts", "rlmetrics.metrics.difficulty:PromptStats", column=PROMPT_STATS)
 
 
 def derive_metrics(values: Mapping[str, float]) -> dict[str, float]:
-    """The reported metrics of a merged result: derived metrics computed, auxiliary names dropped;
-    for each group of grouped names (:mod:`rlmetrics.groups`) from that group's names.
+    """The reported metrics of a merged result: the derived metrics of :data:`rlmetrics.derived.DERIVED`
+    computed, auxiliary names dropped; for each group of grouped names (:mod:`rlmetrics.groups`) from
+    that group's names.
 
     >>> a = "group/src/a/"
     >>> derived = derive_metrics({a + VF_TOKENS: 11.0, a + VF_RETURNS_STD: 1.0, a + VF_RESIDUAL_STD: 0.5})
     >>> list(derived), round(derived[a + "critic/vf_explained_var"], 4)
     (['group/src/a/critic/vf_explained_var'], 0.75)
     """
-    out: dict[str, float] = {}
-    prefixes: dict[str, None] = {}  # groups with ingredients ("": no group), in order
-    for name, v in values.items():
-        if AUX_PREFIX in name and is_aux(name):
-            grouped = split_group_name(name) if name.startswith(GROUP_PREFIX) else None
-            prefixes[grouped[0] if grouped else ""] = None
-        else:
-            out[name] = v
-    for prefix in prefixes:
-        group = _Group(values, prefix)
-        for name, fn in DERIVED_METRICS.items():
-            v = fn(group)
-            if v is not None:
-                out[prefix + name] = v
-    return out
-
-
-class _Group(Mapping):
-    """The names of one group of a result, without the group's prefix (a view)."""
-
-    def __init__(self, values: Mapping[str, float], prefix: str) -> None:
-        self._values, self._prefix = values, prefix
-
-    def __getitem__(self, name: str) -> float:
-        return self._values[self._prefix + name]
-
-    def get(self, name: str, default: Any = None) -> Any:  # no KeyError raised for the usual miss
-        return self._values.get(self._prefix + name, default)
-
-    def __iter__(self) -> Any:
-        n = len(self._prefix)
-        return (name[n:] for name in self._values if name.startswith(self._prefix))
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-
-def is_aux(name: str) -> bool:
-    """Whether ``name`` carries an ingredient of a derived metric (also in a group).
-
-    >>> is_aux(VF_TOKENS), is_aux("group/src/a/" + VF_TOKENS), is_aux("critic/score/mean")
-    (True, True, False)
-    """
-    grouped = split_group_name(name) if name.startswith(GROUP_PREFIX) else None
-    return (name if grouped is None else grouped[1]).startswith(AUX_PREFIX)
-
-
-AUX_INGREDIENTS = frozenset(
-    {
-        *(VF_RETURNS_STD, VF_RESIDUAL_STD, VF_TOKENS, VP_SEQUENCES),
-        *(THROUGHPUT_TOKENS, THROUGHPUT_SECONDS, THROUGHPUT_GPUS, THROUGHPUT_GPU_SECONDS),
-        *(name for stage in TIMED_STAGES for name in timing_aux(stage)),
-    }
-)
-"""The names under :data:`AUX_PREFIX` a client takes (also in a group): the ingredients of
-:data:`DERIVED_METRICS`, which the compute functions give with their metrics."""
-
-
-def without_reserved(metrics: Mapping[str, Any], errors: dict[str, str]) -> Mapping[str, Any]:
-    """``metrics`` without the names under :data:`AUX_PREFIX` that are no ingredient of a derived
-    metric (:data:`AUX_INGREDIENTS`): they would be merged and never reported. Their messages go to
-    ``errors``; ``metrics`` itself when there are none.
-
-    >>> errors = {}
-    >>> without_reserved({"_aux/mine": 1.0, VF_TOKENS: 3.0, "loss": 0.5}, errors)
-    {'_aux/vf_explained_var/tokens/sum': 3.0, 'loss': 0.5}
-    >>> print(errors["_aux/mine"])
-    metric '_aux/mine': the prefix '_aux/' is reserved for the ingredients of derived metrics, which are \
-never reported; rename it (e.g. 'aux/mine')
-    """
-    refused = [n for n in metrics if isinstance(n, str) and AUX_PREFIX in n and is_aux(n)]
-    refused = [n for n in refused if (split_group_name(n) or ("", n))[1] not in AUX_INGREDIENTS]
-    for name in refused:
-        prefix, metric = split_group_name(name) or ("", name)
-        errors[name] = (
-            f"metric {name!r}: the prefix {AUX_PREFIX!r} is reserved for the ingredients of derived metrics, "
-            f"which are never reported; rename it (e.g. {prefix + 'aux/' + metric[len(AUX_PREFIX) :]!r})"
-        )
-    return {n: v for n, v in metrics.items() if n not in refused} if refused else metrics
+    return derive(values, DERIVED)
 
 
 _LAZY = {
@@ -256,8 +187,9 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "AUX_INGREDIENTS", "AUX_PREFIX", "DERIVED_METRICS", "THROUGHPUT_GPUS", "THROUGHPUT_GPU_SECONDS",
-    "THROUGHPUT_SECONDS", "THROUGHPUT_TOKENS", "TIMED_STAGES", "VF_EPS", "VF_RESIDUAL_STD", "VF_RETURNS_STD",
-    "VF_TOKENS", "VP_SEQUENCES", "derive_metrics", "is_aux", "throughput", "timing_aux", "validation_metrics",
-    "variance_proxy_noise", "vf_explained_var", "without_reserved", *sorted(_LAZY),
+    "AUX_INGREDIENTS", "AUX_PREFIX", "DERIVED_METRICS", "PROMPT_STATS", "THROUGHPUT_GPUS",
+    "THROUGHPUT_GPU_SECONDS", "THROUGHPUT_SECONDS", "THROUGHPUT_TOKENS", "TIMED_STAGES", "VALIDATION_SAMPLES",
+    "VF_EPS", "VF_RESIDUAL_STD", "VF_RETURNS_STD", "VF_TOKENS", "VP_SEQUENCES", "derive_metrics", "is_aux",
+    "throughput", "timing_aux", "variance_proxy_noise", "vf_explained_var", "without_reserved",
+    *sorted(_LAZY),
 ]  # fmt: skip

@@ -14,7 +14,7 @@ prompt once, and merges the prompts of each class (:func:`difficulty_metrics`):
   no GRPO advantage, no gradient);
 - ``group/difficulty/<class>/<metric>``: every data metric over the samples of that class's prompts.
 
-Numpy only: the aggregator computes it (:class:`~rlmetrics.states.PromptStats`).
+Numpy only: the aggregator computes it (:class:`PromptStats`, the state prompt records travel as).
 
 >>> from rlmetrics.stat import Stat
 >>> groups = [("critic/rewards/mean",), ("response/correct_length/mean",)]
@@ -33,13 +33,16 @@ Numpy only: the aggregator computes it (:class:`~rlmetrics.states.PromptStats`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from rlmetrics.groups import group_name
+from rlmetrics.metrics import PROMPT_STATS
 from rlmetrics.metrics.assemble import metrics_of_arrays, with_token_block
-from rlmetrics.stat import empty_arrays, reduce_parts, reduce_runs
+from rlmetrics.metrics.validation.samples import Samples
+from rlmetrics.reduce import Reduction
+from rlmetrics.stat import Stat, empty_arrays, invalid_column, reduce_parts, reduce_runs
 from rlmetrics.values import MetricValueError
 
 TAG = "difficulty"
@@ -118,8 +121,46 @@ def difficulty_metrics(records: Sequence[Mapping[str, Any]]) -> dict[str, float]
     return out
 
 
+class PromptStats(Samples):
+    """Per-prompt summaries of one or more ranks' data metrics: ``(client id, prompt record)`` pairs
+    (:func:`~rlmetrics.metrics.difficulty.prompt_record`), travelling and merging as
+    :class:`Samples`; reducing merges each prompt's records of all ranks and gives the difficulty
+    groups (:func:`~rlmetrics.metrics.difficulty.difficulty_metrics`)."""
+
+    kind: ClassVar[str] = "prompts"
+
+    @staticmethod
+    def check(record: Any) -> None:
+        """ValueError unless ``record`` is a prompt record."""
+        check_record(record)
+
+    def check_merge(self, other: Samples) -> None:
+        """Prompt records of any ranks merge (a group a rank lacks has no observation)."""
+
+    def validate(self) -> None:
+        """ValueError unless each record is a prompt record with the rewards and the correct lengths
+        among its groups, and summaries data can give (:func:`~rlmetrics.stat.invalid_column`)."""
+        for _, record in self.records:
+            check_record(record)
+            names = {name for group in record["groups"] for name in group}
+            if REWARDS not in names or CORRECT not in names:
+                raise ValueError(f"prompt record: groups without {REWARDS!r} and {CORRECT!r}")
+            stats = record["stats"]
+            bad = invalid_column(stats.reshape(5, -1))
+            if bad is not None:
+                uid, group = divmod(bad[0], stats.shape[2])
+                raise ValueError(
+                    f"prompt record: prompt {record['uids'][uid]!r:.60}, {record['groups'][group]}: {bad[1]}"
+                )
+
+    def reduce(self, name: str, reduction: Reduction | None, stat: Stat) -> dict[str, float]:
+        return difficulty_metrics([record for _, record in self.records])
+
+
 def _column_of(groups: list[tuple[str, ...]], name: str) -> int:
     return next(i for i, g in enumerate(groups) if name in g)
 
 
-__all__ = ["CLASSES", "TAG", "check_record", "difficulty_metrics", "prompt_record"]
+__all__ = [
+    "CLASSES", "PROMPT_STATS", "TAG", "PromptStats", "check_record", "difficulty_metrics", "prompt_record",
+]  # fmt: skip

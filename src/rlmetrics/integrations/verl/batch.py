@@ -10,13 +10,10 @@ from typing import Any
 
 from rlmetrics.groups import split_group_name
 from rlmetrics.metrics import (
+    DERIVED_METRICS,
     THROUGHPUT_GPU_SECONDS,
     THROUGHPUT_TOKENS,
     TIMED_STAGES,
-    VF_RESIDUAL_STD,
-    VF_RETURNS_STD,
-    VF_TOKENS,
-    VP_SEQUENCES,
     derive_metrics,
     is_aux,
     timing_aux,
@@ -30,10 +27,7 @@ VERL_REDUCTIONS: dict[str, Reduction] = {"variance_proxy/proxy2_total_power": ME
 """verl's names whose reduction the name's tokens get wrong (``total`` would sum a mean)."""
 
 
-_DERIVED_AUX = {
-    "critic/vf_explained_var": (VF_RETURNS_STD, VF_RESIDUAL_STD, VF_TOKENS),
-    "variance_proxy/proxy3_pure_noise": (VP_SEQUENCES,),
-}
+_DERIVED_AUX = {item.name: item.ingredients for item in DERIVED_METRICS}
 
 
 class Value(float):
