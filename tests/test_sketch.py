@@ -603,3 +603,14 @@ def test_module_does_not_import_torch() -> None:
             names.add(node.module.split(".")[0])
     assert "torch" not in names
     assert names <= {"__future__", "collections", "dataclasses", "fractions", "math", "numpy", "typing"}
+
+
+def test_reducing_a_sketch_leaves_the_callers_stat_as_it_was():
+    """The state protocol's reduce reads the column's Stat; it must not attach the sketch to it (the
+    engine's Stat of a column is read again, e.g. for its histogram)."""
+    from rlmetrics.reduce import resolve
+    from rlmetrics.stat import Stat
+
+    stat = Stat.of([1.0, 2.0, 3.0])
+    got = Sketch.of([1.0, 2.0, 3.0]).reduce("lat/p50", resolve("lat/p50"), stat)
+    assert got == {"lat/p50": 2.0} and stat.sketch is None

@@ -39,7 +39,6 @@ from rlmetrics.histogram import Histogram
 from rlmetrics.sketch import Sketch
 from rlmetrics.stat import Stat
 
-_KINDS = ("mean", "sum", "min", "max", "std", "count", "quantile", "hist")
 _FIELDS_READ = {"count": (0,), "mean": (0, 1), "sum": (0, 1), "std": (0, 1, 2), "min": (0, 3), "max": (0, 4)}
 
 

@@ -378,8 +378,8 @@ class Sketch:
     def reduce(self, name: str, reduction: Any, stat: Any) -> dict[str, float]:
         """The state protocol's reduce (:mod:`rlmetrics.states`): ``{name: value}`` of ``reduction``
         (a quantile) on ``stat`` (its column's merged Stat) with this sketch."""
-        stat.sketch = self
-        return {name: reduction.apply(stat)}
+        with_sketch = type(stat)(stat.count, stat.sum, stat.m2, stat.min, stat.max, self)  # not the caller's
+        return {name: reduction.apply(with_sketch)}
 
     def merge(self, other: Sketch) -> Sketch:
         """A new sketch of both inputs' data; neither input changes. Parameters must match.

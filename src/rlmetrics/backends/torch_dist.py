@@ -98,6 +98,7 @@ from rlmetrics.backends.torch_exchange import (
 )
 from rlmetrics.client import ClientCore, SyncTransport, identity
 from rlmetrics.compute_local import ComputeLocal
+from rlmetrics.extras import require
 from rlmetrics.messages import Reply, StepMeta, StepResult
 from rlmetrics.packing import Packed, Schema
 from rlmetrics.server import Submission, make_reply, merge_items
@@ -105,11 +106,8 @@ from rlmetrics.sketch import Sketch
 from rlmetrics.stat import empty_arrays, merge_arrays
 from rlmetrics.states import State, decode_state, encode_state
 
-try:
-    import torch
-    import torch.distributed as dist
-except ImportError as exc:  # pragma: no cover - torch is an extra
-    raise ImportError("the torch backend needs torch: pip install 'rlmetrics[torch]'") from exc
+torch = require("torch", "torch")
+dist = require("torch.distributed", "torch")
 
 logger = logging.getLogger(__name__)
 

@@ -14,15 +14,13 @@ from typing import Any
 
 import numpy as np
 
+from rlmetrics.extras import require
 from rlmetrics.packing import Schema
 from rlmetrics.reduce import parse_reduction
 from rlmetrics.sketch import BucketWindow, Sketch
 from rlmetrics.stat import empty_arrays, reduce_parts
 
-try:
-    import torch.distributed as dist
-except ImportError as exc:  # pragma: no cover - torch is an extra
-    raise ImportError("the torch backend needs torch: pip install 'rlmetrics[torch]'") from exc
+dist = require("torch.distributed", "torch")
 
 logger = logging.getLogger("rlmetrics.backends.torch_dist")
 
