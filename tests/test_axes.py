@@ -197,6 +197,23 @@ def test_values_only_go_up_on_an_axis():
         drop_worker(agg)
 
 
+def test_rlmetrics_connect_with_axes_is_the_axes_client():
+    """One ``connect``: ``rlmetrics.connect(..., axes=...)`` is ``rlmetrics.axes.connect``."""
+    import rlmetrics
+
+    name = f"axes-{uuid.uuid4().hex[:8]}"
+    client = rlmetrics.connect("local", axes=("policy_version",), world_size=1, name=name)
+    assert isinstance(client, axes_mod.AxesClient)
+    client.submit_metric({"x": [1.0, 3.0]}, axes={"policy_version": 5})
+    client.wait_submit()
+    client.advance("policy_version", 6)
+    assert client.result(0, timeout=5) == {"x": 2.0}
+    assert client.result(5, timeout=5, axis="policy_version") == {"x": 2.0}
+    client.stop()
+    for agg in (name, axes_mod.axis_aggregator(name, "policy_version")):
+        drop_worker(agg)
+
+
 # ------------------------------------------------------------------------------ the seed's calls
 def seed_rank(rng: np.random.Generator, r: int, b: int) -> dict:
     """Rank ``r``'s inputs of the seed's calls: a batch with data sources (some missing), its

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 from rlmetrics.backends import local
@@ -52,8 +53,16 @@ class MetricClient(ComputeLocal, ClientCore):
         transport.watch(self)
 
 
-def connect(backend: str = "local", *, world_size: int | None = None, name: str = "default", **options: Any):
-    """A client of the named aggregator of ``backend``.
+def connect(
+    backend: str = "local",
+    *,
+    world_size: int | None = None,
+    name: str = "default",
+    axes: Iterable[str] | None = None,
+    **options: Any,
+):
+    """A client of the named aggregator of ``backend``; with ``axes`` (e.g. ``("policy_version",)``)
+    an :class:`~rlmetrics.axes.AxesClient` on ``train_step`` and on each (:func:`rlmetrics.axes.connect`).
 
     ``"local"``: every ``connect("local", name=...)`` in the process shares one in-process
     aggregator; each call returns a new client (one per rank/thread). ``"ray"``: every
@@ -77,6 +86,10 @@ def connect(backend: str = "local", *, world_size: int | None = None, name: str 
     {'perf/delta_time/gen': 0.5}
     >>> local.drop_worker("connect-doc")
     """
+    if axes is not None:
+        from rlmetrics.axes import connect as connect_axes
+
+        return connect_axes(backend, axes=axes, world_size=world_size, name=name, **options)
     if world_size is not None:  # before any aggregator is made for it
         world_size_arg(world_size)
     client_keys = ("nan_strategy", "label", "rank", "blocking", "naming")
