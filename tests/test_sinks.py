@@ -18,6 +18,7 @@ from rlmetrics.sinks import (
     ConsoleSink,
     JsonlSink,
     NameMap,
+    Sink,
     Tracking,
     adapt_name,
     make_sinks,
@@ -166,7 +167,7 @@ def test_summary_table_groups_rows_by_first_column_prefix():
 
 
 # --------------------------------------------------------------------------------------- tracking
-class Collect:
+class Collect(Sink):
     def __init__(self):
         self.steps, self.closed = [], False
 

@@ -27,7 +27,8 @@ from typing import IO, Any
 
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
-from rlmetrics.sinks.names import Sink, as_floats, as_step
+from rlmetrics.sinks.base import Sink
+from rlmetrics.sinks.names import as_floats, as_step
 
 
 def format_value(value: float) -> str:

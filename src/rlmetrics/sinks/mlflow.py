@@ -51,8 +51,9 @@ from typing import Any
 
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
+from rlmetrics.sinks.base import Sink
 from rlmetrics.sinks.jsonl import run_config
-from rlmetrics.sinks.names import NameMap, Sink, as_floats, as_step
+from rlmetrics.sinks.names import NameMap, as_floats, as_step
 
 logger = logging.getLogger(__name__)
 

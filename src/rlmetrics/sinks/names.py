@@ -1,4 +1,4 @@
-"""What every sink shares: metric-name adaptation per tracker, float values, the ``Sink`` base.
+"""What every sink shares: metric-name adaptation per tracker, float values, steps.
 
 Trackers restrict metric names; rlmetrics names (``val-core/gsm8k/acc/mean@4``, ``pass@k``) must
 reach each of them readable, never as a path outside the run directory, and never two names onto
@@ -47,8 +47,6 @@ import operator
 import re
 from collections.abc import Mapping
 from typing import Any
-
-from rlmetrics.health import Alert
 
 logger = logging.getLogger(__name__)
 
@@ -177,94 +175,3 @@ def as_step(step: Any) -> int:
     if isinstance(step, bool):
         raise TypeError(f"step must be an int, got {step!r}")
     return operator.index(step)
-
-
-class Sink:
-    """Base of the sinks: ``log(metrics, step)``, ``alert(alert)``, ``close()`` and a context manager.
-
-    ``resumed_at``: the last step the tracker held when this sink was opened to continue a run (None:
-    nothing to skip); ``log`` skips every step up to it (:meth:`skips`), so a driver restarted from an
-    older training checkpoint never writes a step twice, nor a lower step after a higher one.
-    """
-
-    resumed_at: int | None = None
-    _alerted: set | None = None
-
-    def log(self, metrics: Mapping[str, float], step: int) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
-
-    def log_axis(self, metrics: Mapping[str, float], step: int, axis: str) -> None:
-        """Log ``step`` of the step axis ``axis`` (:mod:`rlmetrics.axes`). The base class logs
-        :func:`axis_names` at ``step`` (a series per name, its steps the axis's values: TensorBoard,
-        MLflow, SwanLab, the console); the skip of a resumed run is about ``train_step`` only."""
-        resumed, self.resumed_at = self.resumed_at, None
-        try:
-            self.log(axis_names(metrics, axis), step)
-        finally:
-            self.resumed_at = resumed
-
-    def alert(self, alert: Alert) -> None:
-        """Write a health alert of a step this sink logged (the base class ignores it)."""
-
-    def close(self) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
-
-    def skips(self, step: int) -> bool:
-        """``step`` was logged before this sink resumed the run."""
-        return self.resumed_at is not None and step <= self.resumed_at
-
-    def new_alert(self, key: Any) -> bool:
-        """The alert ``key`` (what identifies an alert in this sink's files) was not written yet
-        (in this session, or before a resume when the sink read its files); it is now recorded."""
-        if self._alerted is None:
-            self._alerted = set()
-        if key in self._alerted:
-            return False
-        self._alerted.add(key)
-        return True
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class RunSink(Sink):
-    """A sink around a tracker's run object with ``run.log(dict, step=...)`` (W&B, SwanLab): names
-    adapted for ``tracker``; ``close()`` runs :meth:`finish` once. A step's histograms go in the same
-    ``run.log`` call, as :meth:`media` makes them (the base: none, the tracker has no histogram)."""
-
-    def __init__(self, tracker: str, run: Any) -> None:
-        self.names = NameMap(tracker)
-        self.run = run
-        self._open = True
-
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        if not self._open:
-            raise ValueError(f"{self!r} is closed")
-        step = as_step(step)
-        values: dict[str, Any] = self.names.adapt(as_floats(metrics))
-        if not self.skips(step):
-            for name, histogram in histograms_of(metrics).items():
-                media = self.media(histogram)
-                if media is not None:
-                    values[self.names(name)] = media
-            self.run.log(values, step=step)
-
-    def media(self, histogram: Any) -> Any:
-        """The tracker's object for a :class:`~rlmetrics.histogram.Histogram` (None: not logged)."""
-        return None
-
-    @property
-    def run_id(self) -> str:
-        """The tracker's id of the run (what ``resume=`` takes to continue it)."""
-        return self.run.id
-
-    def close(self) -> None:
-        if self._open:
-            self._open = False
-            self.finish()
-
-    def finish(self) -> None:
-        self.run.finish()

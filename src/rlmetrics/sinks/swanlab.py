@@ -28,8 +28,8 @@ from typing import Any
 
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
+from rlmetrics.sinks.base import RunSink
 from rlmetrics.sinks.jsonl import run_config
-from rlmetrics.sinks.names import RunSink
 
 
 class SwanLabSink(RunSink):

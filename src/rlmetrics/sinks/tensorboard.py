@@ -27,7 +27,8 @@ from pathlib import Path
 
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
-from rlmetrics.sinks.names import NameMap, Sink, as_floats, as_step, histograms_of
+from rlmetrics.sinks.base import Sink
+from rlmetrics.sinks.names import NameMap, as_floats, as_step, histograms_of
 
 
 class TensorBoardSink(Sink):

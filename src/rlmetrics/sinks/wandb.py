@@ -47,8 +47,9 @@ from typing import Any
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
 from rlmetrics.messages import DEFAULT_AXIS as _TRAIN_STEP
+from rlmetrics.sinks.base import RunSink
 from rlmetrics.sinks.jsonl import run_config
-from rlmetrics.sinks.names import RunSink, as_floats, as_step, axis_names
+from rlmetrics.sinks.names import as_floats, as_step, axis_names
 
 logger = logging.getLogger(__name__)
 
