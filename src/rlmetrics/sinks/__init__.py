@@ -1,8 +1,8 @@
 """Sinks: where step results go — JSONL, the console, TensorBoard, W&B, MLflow, SwanLab.
 
 Every sink is a :class:`Sink` (:mod:`rlmetrics.sinks.base`): ``log(metrics, step)`` (``metrics``:
-``{name: float}``, e.g. a :class:`~rlmetrics.StepResult`), ``alert(alert)`` and ``close()``, and a
-context manager.
+``{name: float}``, e.g. a :class:`~rlmetrics.StepResult`), ``alert(alert)`` and ``close()``, a context
+manager, and the rules of its tracker's metric names (:func:`adapt_name`, :data:`TRACKERS`).
 :class:`Tracking` fans a step out to several sinks and keeps the run going when one of them fails;
 it adds ``meta/coverage`` and ``meta/late`` to a step that has a ``meta``
 (:func:`~rlmetrics.health.coverage_metrics`) and runs the health rules
@@ -40,12 +40,33 @@ from rlmetrics.sinks.base import Sink
 from rlmetrics.sinks.console import ConsoleSink, format_value, render_table, summary_table
 from rlmetrics.sinks.jsonl import JsonlRun, JsonlSink, read_jsonl, record_result, run_config
 from rlmetrics.sinks.mlflow import MLflowSink
-from rlmetrics.sinks.names import NameMap, adapt_name, as_floats, as_step
+from rlmetrics.sinks.names import NameMap, as_floats, as_step
 from rlmetrics.sinks.swanlab import SwanLabSink
 from rlmetrics.sinks.tensorboard import TensorBoardSink
 from rlmetrics.sinks.wandb import WandbSink
 
 logger = logging.getLogger(__name__)
+
+TRACKERS: dict[str, type[Sink]] = {
+    sink.tracker: sink
+    for sink in (JsonlSink, ConsoleSink, TensorBoardSink, WandbSink, MLflowSink, SwanLabSink)
+}
+"""Tracker name → its sink class, which declares the tracker's name rules (:class:`Sink`)."""
+
+
+def adapt_name(name: str, tracker: str) -> str:
+    """``name`` as ``tracker`` gets it (its sink's :meth:`Sink.adapt_name`, the table in
+    docs/trackers.md); pure, without the collision handling of :class:`NameMap`.
+
+    >>> name = "val-core/math/acc/mean@4"
+    >>> adapt_name(name, "mlflow"), adapt_name(name, "tensorboard")
+    ('val-core/math/acc/mean_at_4', 'val-core/math/acc/mean@4')
+    >>> adapt_name("../../escape", "swanlab"), adapt_name("_step", "wandb"), adapt_name("a\\tb", "jsonl")
+    ('__/__/escape', 'metric_step', 'a\\tb')
+    """
+    if tracker not in TRACKERS:
+        raise ValueError(f"unknown tracker {tracker!r}; known: {', '.join(TRACKERS)}")
+    return TRACKERS[tracker].adapt_name(name)
 
 
 class Tracking(Sink):
@@ -393,7 +414,7 @@ def new_run_folder(out_dir: str | os.PathLike) -> Path:
 
 
 __all__ = [
-    "RUN_FILES", "RUN_IDS", "SINKS", "ConsoleSink", "JsonlRun", "JsonlSink", "MLflowSink",
+    "RUN_FILES", "RUN_IDS", "SINKS", "TRACKERS", "ConsoleSink", "JsonlRun", "JsonlSink", "MLflowSink",
     "NameMap", "Sink", "SwanLabSink", "TensorBoardSink", "Tracking", "WandbSink", "adapt_name",
     "format_value", "make_sinks", "new_run_folder", "read_jsonl", "render_table", "run_files",
     "summary_table",

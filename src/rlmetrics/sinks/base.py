@@ -1,30 +1,38 @@
-"""The ``Sink`` base: every method :class:`~rlmetrics.sinks.Tracking` calls.
+"""The ``Sink`` base: every method :class:`~rlmetrics.sinks.Tracking` calls, and the sink's name rules.
 
 A sink implements ``log(metrics, step)`` and ``close()``; the base gives the rest a default that a
 sink may override: ``log_axis`` (the axis's names at its step), ``alert`` (ignored), ``skips`` and
 ``resumed_at`` (the steps a resumed run holds), ``run_id`` (None: no tracker run to continue). So
 ``Tracking`` calls these methods on every sink and never asks which ones it has.
 
+Name rules: a tracker restricts metric names, and each sink class declares what its tracker takes:
+``map_name`` (how a name is rewritten; the base keeps it), ``name_limit`` (the longest name,
+:func:`~rlmetrics.sinks.names.fit` cuts a longer one) and ``case_insensitive_names`` (two names equal
+but for case are one series). :meth:`Sink.adapt_name` applies them;
+:class:`~rlmetrics.sinks.names.NameMap` adds collision handling.
+
 >>> class Printer(Sink):
+...     tracker = "printer"
+...     map_name = staticmethod(str.upper)
 ...     def log(self, metrics, step):
-...         print(step, dict(metrics))
+...         print(step, {self.adapt_name(k): v for k, v in metrics.items()})
 ...     def close(self):
 ...         print("closed")
 >>> with Printer() as sink:
 ...     sink.log({"critic/score/mean": 0.5}, 3)
 ...     sink.log_axis({"reward": 0.25}, 7, "policy_version")
-3 {'critic/score/mean': 0.5}
-7 {'policy_version/reward': 0.25}
+3 {'CRITIC/SCORE/MEAN': 0.5}
+7 {'POLICY_VERSION/REWARD': 0.25}
 closed
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from rlmetrics.health import Alert
-from rlmetrics.sinks.names import NameMap, as_floats, as_step, axis_names, histograms_of
+from rlmetrics.sinks.names import NameMap, as_floats, as_step, axis_names, fit, histograms_of
 
 
 class Sink:
@@ -35,10 +43,27 @@ class Sink:
     older training checkpoint never writes a step twice, nor a lower step after a higher one.
     """
 
+    tracker: ClassVar[str]
+    """The tracker's name (a key of :data:`~rlmetrics.sinks.TRACKERS`)."""
+    name_limit: ClassVar[int | None] = None
+    """The longest metric name the tracker takes (None: any length)."""
+    case_insensitive_names: ClassVar[bool] = False
+    """The tracker takes two names that differ only in case as one metric."""
+
     resumed_at: int | None = None
     run_id: str | None = None
     """The tracker's id of the run, what ``resume=`` takes to continue it (None: the sink has none)."""
     _alerted: set | None = None
+
+    @staticmethod
+    def map_name(name: str) -> str:
+        """``name`` rewritten for the tracker, before :attr:`name_limit` (the base keeps it)."""
+        return name
+
+    @classmethod
+    def adapt_name(cls, name: str) -> str:
+        """``name`` as the tracker gets it: :meth:`map_name`, cut to :attr:`name_limit`."""
+        return fit(cls.map_name(name), cls.name_limit)
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:  # pragma: no cover - interface
         raise NotImplementedError
@@ -83,11 +108,11 @@ class Sink:
 
 class RunSink(Sink):
     """A sink around a tracker's run object with ``run.log(dict, step=...)`` (W&B, SwanLab): names
-    adapted for ``tracker``; ``close()`` runs :meth:`finish` once. A step's histograms go in the
+    adapted by the sink's rules; ``close()`` runs :meth:`finish` once. A step's histograms go in the
     same ``run.log`` call, as :meth:`media` makes them (the base: none, the tracker has no histogram)."""
 
-    def __init__(self, tracker: str, run: Any) -> None:
-        self.names = NameMap(tracker)
+    def __init__(self, run: Any) -> None:
+        self.names = NameMap(type(self))
         self.run = run
         self._open = True
 

@@ -86,6 +86,8 @@ def render_table(metrics: Mapping[str, float], title: str | None = None, max_row
 class ConsoleSink(Sink):
     """Print a table every ``every`` steps (steps divisible by ``every``) to ``file`` (stdout)."""
 
+    tracker = "console"  # names as they are: plain text, rich markup is not interpreted
+
     def __init__(self, every: int = 1, file: IO[str] | None = None, max_rows: int | None = None) -> None:
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")

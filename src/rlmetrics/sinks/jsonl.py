@@ -282,6 +282,8 @@ class JsonlSink(Sink):
     ``resume=True`` too, and skips the steps up to the last one in it.
     """
 
+    tracker = "jsonl"  # names as they are: JSON strings, never paths
+
     def __init__(
         self,
         path: str | os.PathLike,

@@ -2,8 +2,9 @@
 
 Needs the ``trackers`` extra. Upload later with ``swanlab sync <logdir>/run-*``. SwanLab allows one
 active run per process: creating a second SwanLabSink while one is open raises SwanLab's
-RuntimeError. Names are adapted by :func:`rlmetrics.sinks.names.adapt_name` before SwanLab sees
-them, so SwanLab's own silent trimming of leading/trailing ``.`` and ``/`` never merges two metrics.
+RuntimeError. Names are made path-safe (:func:`~rlmetrics.sinks.names.path_safe`) and cut to 512
+characters before SwanLab sees them, so SwanLab's own silent trimming of leading/trailing ``.`` and
+``/`` never merges two metrics.
 
 ``resume=<run id>`` continues that run (``swanlab.init(id=..., resume="allow")``): offline, each
 session writes its own ``run-<time>-<id>`` directory (upload each with ``swanlab sync <dir> --id
@@ -30,10 +31,15 @@ from rlmetrics.extras import require
 from rlmetrics.health import Alert
 from rlmetrics.sinks.base import RunSink
 from rlmetrics.sinks.jsonl import run_config
+from rlmetrics.sinks.names import path_safe
 
 
 class SwanLabSink(RunSink):
     """Log each step with ``run.log(metrics, step=step)``; ``close()`` finishes the run."""
+
+    tracker = "swanlab"
+    name_limit = 512
+    map_name = staticmethod(path_safe)
 
     def __init__(
         self,
@@ -52,7 +58,7 @@ class SwanLabSink(RunSink):
         if resume:
             kw.update(id=resume, resume="allow")
         self.project, self.logdir = project, logdir
-        super().__init__("swanlab", swanlab.init(project=project, mode=mode, **kw))
+        super().__init__(swanlab.init(project=project, mode=mode, **kw))
         if resume:
             self._read_back()
 
