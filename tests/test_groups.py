@@ -21,8 +21,7 @@ from rlmetrics.groups import group_name, segment
 from rlmetrics.metrics import VF_RESIDUAL_STD, VF_RETURNS_STD, VF_TOKENS
 from rlmetrics.metrics.data import compute_data_metric, compute_data_stats
 from rlmetrics.reduce import resolve
-from rlmetrics.sinks import JsonlSink, TensorBoardSink, read_jsonl
-from rlmetrics.sinks.names import TRACKERS, adapt_name
+from rlmetrics.sinks import TRACKERS, JsonlSink, TensorBoardSink, adapt_name, read_jsonl
 from rlmetrics.stat import MetricValueError
 from tests.test_metrics_data import (
     CLIP,

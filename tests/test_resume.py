@@ -424,5 +424,22 @@ def test_alerts_written_before_a_crash_are_not_repeated_by_any_tracker(tmp_path)
     assert {k: [s for s, _ in v] for k, v in swanlab_texts(swanlab_files).items()} == {"alert/grad_norm": [3]}
 
 
+def test_swanlab_resume_writes_what_a_cut_step_lacks(tmp_path):
+    """SwanLab writes a record per metric and flushes every 8 KB: a killed session can leave its last
+    step with part of its metrics (100 steps of 40 metrics, SIGKILL: step 8 held 39). The resumed run
+    writes the metrics that step lacks, once."""
+    with make_sinks(["swanlab"], tmp_path, health=None) as tracking:
+        for step in range(5):
+            tracking.log({"a": float(step), "b": float(step)}, step)
+        tracking.log({"a": 5.0}, 5)  # what a file cut inside step 5 holds
+    with make_sinks(["swanlab"], tmp_path, resume=True, health=None) as tracking:
+        assert tracking.resumed_at == 5
+        for step in range(3, 8):
+            tracking.log({"a": float(step), "b": 10.0 + step}, step)
+    scalars = swanlab_scalars(sorted(tmp_path.glob("swanlab/run-*/run-*.swanlab")))
+    assert sorted(scalars["a"]) == [(s, float(s)) for s in range(8)]
+    assert sorted(scalars["b"]) == [(s, float(s)) for s in range(5)] + [(5, 15.0), (6, 16.0), (7, 17.0)]
+
+
 if __name__ == "__main__":
     forked_starts()

@@ -15,10 +15,13 @@ from hypothesis import strategies as st
 from rlmetrics import StepMeta, StepResult
 from rlmetrics.sinks import (
     SINKS,
+    TRACKERS,
     ConsoleSink,
     JsonlSink,
     NameMap,
+    Sink,
     Tracking,
+    WandbSink,
     adapt_name,
     make_sinks,
     read_jsonl,
@@ -92,7 +95,7 @@ def test_adapted_names_pass_the_trackers_own_checks(name):
 @settings(max_examples=200, deadline=None)
 @given(st.lists(names, max_size=30), st.sampled_from(["tensorboard", "wandb", "mlflow", "swanlab"]))
 def test_name_map_is_stable_and_never_merges_two_names(names_, tracker):
-    m = NameMap(tracker)
+    m = NameMap(TRACKERS[tracker])
     first = {n: m(n) for n in names_}
     assert {n: m(n) for n in reversed(names_)} == first
     fold = str.lower if tracker == "wandb" else str
@@ -100,7 +103,7 @@ def test_name_map_is_stable_and_never_merges_two_names(names_, tracker):
 
 
 def test_name_map_collision_suffix_and_warning(caplog):
-    m = NameMap("wandb")
+    m = NameMap(WandbSink)
     with caplog.at_level(logging.WARNING, logger="rlmetrics.sinks.names"):
         assert [m("Loss"), m("loss"), m("/loss"), m("Loss")] == ["Loss", "loss__2", "loss__3", "Loss"]
     assert sum("already used" in r.getMessage() for r in caplog.records) == 2
@@ -166,7 +169,7 @@ def test_summary_table_groups_rows_by_first_column_prefix():
 
 
 # --------------------------------------------------------------------------------------- tracking
-class Collect:
+class Collect(Sink):
     def __init__(self):
         self.steps, self.closed = [], False
 

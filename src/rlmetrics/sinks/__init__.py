@@ -1,7 +1,8 @@
 """Sinks: where step results go — JSONL, the console, TensorBoard, W&B, MLflow, SwanLab.
 
-Every sink has ``log(metrics, step)`` (``metrics``: ``{name: float}``, e.g. a
-:class:`~rlmetrics.StepResult`), ``alert(alert)`` and ``close()``, and is a context manager.
+Every sink is a :class:`Sink` (:mod:`rlmetrics.sinks.base`): ``log(metrics, step)`` (``metrics``:
+``{name: float}``, e.g. a :class:`~rlmetrics.StepResult`), ``alert(alert)`` and ``close()``, a context
+manager, and the rules of its tracker's metric names (:func:`adapt_name`, :data:`TRACKERS`).
 :class:`Tracking` fans a step out to several sinks and keeps the run going when one of them fails;
 it adds ``meta/coverage`` and ``meta/late`` to a step that has a ``meta``
 (:func:`~rlmetrics.health.coverage_metrics`) and runs the health rules
@@ -35,20 +36,42 @@ from typing import Any
 
 from rlmetrics.health import Alert, Monitor, coverage_metrics
 from rlmetrics.messages import DEFAULT_AXIS, StepResult
+from rlmetrics.sinks.base import Sink
 from rlmetrics.sinks.console import ConsoleSink, format_value, render_table, summary_table
 from rlmetrics.sinks.jsonl import JsonlRun, JsonlSink, read_jsonl, record_result, run_config
 from rlmetrics.sinks.mlflow import MLflowSink
-from rlmetrics.sinks.names import NameMap, Sink, adapt_name, as_floats, as_step, axis_names
+from rlmetrics.sinks.names import NameMap, as_floats, as_step
 from rlmetrics.sinks.swanlab import SwanLabSink
 from rlmetrics.sinks.tensorboard import TensorBoardSink
 from rlmetrics.sinks.wandb import WandbSink
 
 logger = logging.getLogger(__name__)
 
+TRACKERS: dict[str, type[Sink]] = {
+    sink.tracker: sink
+    for sink in (JsonlSink, ConsoleSink, TensorBoardSink, WandbSink, MLflowSink, SwanLabSink)
+}
+"""Tracker name → its sink class, which declares the tracker's name rules (:class:`Sink`)."""
+
+
+def adapt_name(name: str, tracker: str) -> str:
+    """``name`` as ``tracker`` gets it (its sink's :meth:`Sink.adapt_name`, the table in
+    docs/trackers.md); pure, without the collision handling of :class:`NameMap`.
+
+    >>> name = "val-core/math/acc/mean@4"
+    >>> adapt_name(name, "mlflow"), adapt_name(name, "tensorboard")
+    ('val-core/math/acc/mean_at_4', 'val-core/math/acc/mean@4')
+    >>> adapt_name("../../escape", "swanlab"), adapt_name("_step", "wandb"), adapt_name("a\\tb", "jsonl")
+    ('__/__/escape', 'metric_step', 'a\\tb')
+    """
+    if tracker not in TRACKERS:
+        raise ValueError(f"unknown tracker {tracker!r}; known: {', '.join(TRACKERS)}")
+    return TRACKERS[tracker].adapt_name(name)
+
 
 class Tracking(Sink):
-    """Fan-out to ``sinks`` (:class:`Sink`, or any object with ``log`` and ``close``): a sink that
-    raises is reported once (``logging.error``) and disabled; every other sink still gets every step.
+    """Fan-out to ``sinks`` (:class:`Sink` s): a sink that raises is reported once
+    (``logging.error``) and disabled; every other sink still gets every step.
     ``close()`` closes every sink, errors isolated too.
 
     Metric values are checked once, before any sink sees the step: a value that is not a real number
@@ -77,7 +100,7 @@ class Tracking(Sink):
     def resumed_at(self) -> int | None:
         """The last step every resumed sink holds (None: nothing resumed): a restarted driver logs
         from the step after it."""
-        steps = [s.resumed_at for s in self.active if getattr(s, "resumed_at", None) is not None]
+        steps = [s.resumed_at for s in self.active if s.resumed_at is not None]
         return min(steps, default=None)
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
@@ -91,21 +114,20 @@ class Tracking(Sink):
             values.update(extra)
             metrics = StepResult(values, step, meta, getattr(metrics, "histograms", None))
         alerts = self.health.observe(step, values) if self.health is not None else []
-        writing = [(i, sink) for i, sink in enumerate(self.sinks) if self._writes(i, sink, step)]
+        writing = [i for i in range(len(self.sinks)) if self._writes(i, step)]
         if not writing:
             return
         for alert in alerts:
             logger.warning("health alert: %s", alert)
-        for i, sink in writing:
-            self._write(i, sink, metrics, step, alerts)
+        for i in writing:
+            self._write(i, metrics, step, alerts)
         if self.health is not None and self.health.on_alert is not None:
             for alert in alerts:
                 self.health.on_alert(alert)
 
     def log_axis(self, metrics: Mapping[str, float], step: int, axis: str) -> None:
         """Log ``step`` of the step axis ``axis`` (:mod:`rlmetrics.axes`; ``train_step`` is
-        :meth:`log`) to every active sink (``sink.log_axis``; a sink without it gets
-        :func:`~rlmetrics.sinks.names.axis_names` at ``step``), with ``meta/coverage`` and
+        :meth:`log`) to every active sink (:meth:`Sink.log_axis`), with ``meta/coverage`` and
         ``meta/late``; the health rules watch ``train_step`` only."""
         if axis == DEFAULT_AXIS:
             return self.log(metrics, step)
@@ -120,26 +142,34 @@ class Tracking(Sink):
             if i in self.failed:
                 continue
             try:
-                if hasattr(sink, "log_axis"):
-                    sink.log_axis(result, step, axis)
-                else:
-                    sink.log(axis_names(values, axis), step)
+                sink.log_axis(result, step, axis)
             except Exception as exc:
                 self.failed[i] = exc
                 logger.error("sink %r failed at %s %d, disabled: %r", sink, axis, step, exc, exc_info=exc)
 
-    def _writes(self, i: int, sink: Sink, step: int) -> bool:
-        """Sink ``i`` is active and did not hold ``step`` before a resume."""
-        return i not in self.failed and not (hasattr(sink, "skips") and sink.skips(step))
+    def write(
+        self, sink: Sink, metrics: Mapping[str, float], step: int, alerts: Sequence[Alert] = ()
+    ) -> None:
+        """``alerts``, then the step ``metrics``, to ``sink`` (one of :attr:`sinks`), unless it is
+        disabled or held ``step`` before a resume; a sink that raises is reported and disabled. No value
+        check, coverage metrics nor health rules (:meth:`log` adds them): what a caller that logs a
+        step in several calls uses for the later ones (verl's Tracking)."""
+        i = self.sinks.index(sink)
+        if self._writes(i, step):
+            self._write(i, metrics, step, alerts)
 
-    def _write(self, i: int, sink: Sink, metrics: Mapping[str, float], step: int, alerts: list) -> None:
+    def _writes(self, i: int, step: int) -> bool:
+        """Sink ``i`` is active and did not hold ``step`` before a resume."""
+        return i not in self.failed and not self.sinks[i].skips(step)
+
+    def _write(self, i: int, metrics: Mapping[str, float], step: int, alerts: Sequence[Alert]) -> None:
         """The step's alerts, then the step, to sink ``i``; one that raises is disabled. Alerts go
         first: a crash between the two leaves the step unwritten, so it is written again on resume
         (a JSONL file does not repeat an alert it holds), and its alerts are never lost."""
+        sink = self.sinks[i]
         try:
-            if hasattr(sink, "alert"):
-                for alert in alerts:
-                    sink.alert(alert)
+            for alert in alerts:
+                sink.alert(alert)
             sink.log(metrics, step)
         except Exception as exc:
             self.failed[i] = exc
@@ -159,13 +189,12 @@ class Tracking(Sink):
         for e in run.events:
             alerts.setdefault(e["step"], []).append(Alert(step=e["step"], **e["event"]))
         for sink in sinks:
-            i = self.sinks.index(sink)
             done = set()
             for record in run.records:
                 step = record["step"]
-                if self._writes(i, sink, step) and step not in done:
+                if step not in done:
                     done.add(step)
-                    self._write(i, sink, record_result(record), step, alerts.get(step, []))
+                    self.write(sink, record_result(record), step, alerts.get(step, []))
             sink.resumed_at = max(journal.resumed_at, -1 if sink.resumed_at is None else sink.resumed_at)
 
     def close(self) -> None:
@@ -318,7 +347,7 @@ def make_sinks(
         raise
     if aside is not None:
         shutil.rmtree(aside)
-    ids.update({name: sink.run_id for name, sink in zip(wanted, sinks) if hasattr(sink, "run_id")})
+    ids.update({name: sink.run_id for name, sink in zip(wanted, sinks) if sink.run_id is not None})
     if ids:
         tmp = ids_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(ids, indent=1))
@@ -385,7 +414,8 @@ def new_run_folder(out_dir: str | os.PathLike) -> Path:
 
 
 __all__ = [
-    "RUN_FILES", "RUN_IDS", "SINKS", "ConsoleSink", "JsonlRun", "JsonlSink", "MLflowSink", "NameMap", "Sink",
-    "SwanLabSink", "TensorBoardSink", "Tracking", "WandbSink", "adapt_name", "format_value", "make_sinks",
-    "new_run_folder", "read_jsonl", "render_table", "run_files", "summary_table",
+    "RUN_FILES", "RUN_IDS", "SINKS", "TRACKERS", "ConsoleSink", "JsonlRun", "JsonlSink", "MLflowSink",
+    "NameMap", "Sink", "SwanLabSink", "TensorBoardSink", "Tracking", "WandbSink", "adapt_name",
+    "format_value", "make_sinks", "new_run_folder", "read_jsonl", "render_table", "run_files",
+    "summary_table",
 ]  # fmt: skip

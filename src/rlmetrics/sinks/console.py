@@ -27,7 +27,8 @@ from typing import IO, Any
 
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
-from rlmetrics.sinks.names import Sink, as_floats, as_step
+from rlmetrics.sinks.base import Sink
+from rlmetrics.sinks.names import as_floats, as_step
 
 
 def format_value(value: float) -> str:
@@ -84,6 +85,8 @@ def render_table(metrics: Mapping[str, float], title: str | None = None, max_row
 
 class ConsoleSink(Sink):
     """Print a table every ``every`` steps (steps divisible by ``every``) to ``file`` (stdout)."""
+
+    tracker = "console"  # names as they are: plain text, rich markup is not interpreted
 
     def __init__(self, every: int = 1, file: IO[str] | None = None, max_rows: int | None = None) -> None:
         if every < 1:

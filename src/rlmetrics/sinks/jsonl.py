@@ -68,7 +68,8 @@ import numpy as np
 from rlmetrics.health import Alert
 from rlmetrics.histogram import Histogram
 from rlmetrics.messages import StepResult
-from rlmetrics.sinks.names import Sink, as_floats, as_step, histograms_of
+from rlmetrics.sinks.base import Sink
+from rlmetrics.sinks.names import as_floats, as_step, histograms_of
 
 logger = logging.getLogger(__name__)
 
@@ -280,6 +281,8 @@ class JsonlSink(Sink):
     ``append=False`` creates or truncates the file; ``append=True`` continues an existing one;
     ``resume=True`` too, and skips the steps up to the last one in it.
     """
+
+    tracker = "jsonl"  # names as they are: JSON strings, never paths
 
     def __init__(
         self,

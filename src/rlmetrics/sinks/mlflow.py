@@ -4,7 +4,7 @@ Needs the ``trackers`` extra. A run is created in ``experiment`` (created if mis
 one ``log_batch`` call (chunks of 1000 metrics, MLflow's batch limit); ``close()`` marks the run
 FINISHED. ``tracking_uri=None`` uses MLflow's default (``MLFLOW_TRACKING_URI`` or its local store).
 MLflow's usage telemetry is switched off (``MLFLOW_DISABLE_TELEMETRY=true``) unless that variable is
-already set. Names are adapted by :func:`rlmetrics.sinks.names.adapt_name` (MLflow refuses ``@``).
+already set. Names are adapted by :meth:`MLflowSink.map_name` (MLflow refuses ``@``).
 View with ``mlflow ui --backend-store-uri sqlite:///path/mlflow.db``. Histograms
 (:mod:`rlmetrics.histogram`) are not written: MLflow has no histogram metric (the JSONL file,
 TensorBoard and W&B have them).
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sqlite3
 import time
 import uuid
@@ -51,12 +52,14 @@ from typing import Any
 
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
+from rlmetrics.sinks.base import Sink
 from rlmetrics.sinks.jsonl import run_config
-from rlmetrics.sinks.names import NameMap, Sink, as_floats, as_step
+from rlmetrics.sinks.names import NameMap, as_floats, as_step, path_safe
 
 logger = logging.getLogger(__name__)
 
 _BATCH, _PARAM_BATCH = 1000, 100
+_BAD = re.compile(r"[^\w/.\- :]")  # the complement of MLflow's own check (str patterns: \w is Unicode)
 
 
 def flat_params(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -83,6 +86,19 @@ def flat_params(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 class MLflowSink(Sink):
     """Log each step as a batch of metrics of one MLflow run."""
 
+    tracker = "mlflow"
+    name_limit = 250
+
+    @staticmethod
+    def map_name(name: str) -> str:
+        """Path-safe (:func:`~rlmetrics.sinks.names.path_safe`); ``@`` → ``_at_``; any other character
+        outside MLflow's set (letters, digits, ``_ - . space : /``) → ``_``.
+
+        >>> MLflowSink.adapt_name("val-core/math/acc/mean@4"), MLflowSink.adapt_name("acc (%)")
+        ('val-core/math/acc/mean_at_4', 'acc ___')
+        """
+        return _BAD.sub("_", path_safe(name).replace("@", "_at_"))
+
     def __init__(
         self,
         tracking_uri: str | None = None,
@@ -103,7 +119,7 @@ class MLflowSink(Sink):
         else:
             _finish_store(tracking, uri, store)
             self.client = _open_store(tracking, uri, store)
-        self.names = NameMap("mlflow")
+        self.names = NameMap(type(self))
         if resume:
             run = self.client.get_run(resume)
             self.run_id = run.info.run_id
@@ -128,7 +144,7 @@ class MLflowSink(Sink):
         """``config``'s params the run lacks; a warning for each one it holds with another value."""
         limit = require("mlflow.utils.validation", "trackers").MAX_PARAM_VAL_LENGTH
         held = self.client.get_run(self.run_id).data.params if resume else {}
-        names, params = NameMap("mlflow"), []  # params and metrics are apart: names of their own
+        names, params = NameMap(type(self)), []  # params and metrics are apart: names of their own
         for key, value in flat_params(config).items():
             key, value = names(key), str(value)[:limit]
             if key not in held:

@@ -2,15 +2,18 @@
 
 Needs the ``trackers`` extra. Upload later with ``swanlab sync <logdir>/run-*``. SwanLab allows one
 active run per process: creating a second SwanLabSink while one is open raises SwanLab's
-RuntimeError. Names are adapted by :func:`rlmetrics.sinks.names.adapt_name` before SwanLab sees
-them, so SwanLab's own silent trimming of leading/trailing ``.`` and ``/`` never merges two metrics.
+RuntimeError. Names are made path-safe (:func:`~rlmetrics.sinks.names.path_safe`) and cut to 512
+characters before SwanLab sees them, so SwanLab's own silent trimming of leading/trailing ``.`` and
+``/`` never merges two metrics.
 
 ``resume=<run id>`` continues that run (``swanlab.init(id=..., resume="allow")``): offline, each
 session writes its own ``run-<time>-<id>`` directory (upload each with ``swanlab sync <dir> --id
 <id>``, oldest first). The sink reads the run files of the earlier sessions with SwanLab's own
-``DataStoreReader`` and skips every step up to the last one they hold. SwanLab flushes its file
-when its 8 KB buffer fills and when the run finishes: a killed process loses the steps after the
-last flush (:func:`~rlmetrics.sinks.make_sinks` logs them again from the JSONL file). ``config``
+``DataStoreReader`` and skips every step up to the last one they hold. SwanLab writes a record per
+metric and flushes its file when its 8 KB buffer fills and when the run finishes: a killed process
+loses the steps after the last flush (:func:`~rlmetrics.sinks.make_sinks` logs them again from the
+JSONL file), and the last step held may lack some of its metrics: it is not skipped but gets the
+metrics it lacks, once. ``config``
 (a mapping, a dataclass or an OmegaConf config, made JSON-safe by
 :func:`~rlmetrics.sinks.jsonl.run_config`) is the run's config (``swanlab.init(config=...)``, in the
 session's ``files/config.yaml``); a resumed session's file holds the config it was given. A health
@@ -23,17 +26,23 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
+from rlmetrics.sinks.base import RunSink
 from rlmetrics.sinks.jsonl import run_config
-from rlmetrics.sinks.names import RunSink
+from rlmetrics.sinks.names import path_safe
 
 
 class SwanLabSink(RunSink):
     """Log each step with ``run.log(metrics, step=step)``; ``close()`` finishes the run."""
+
+    tracker = "swanlab"
+    name_limit = 512
+    map_name = staticmethod(path_safe)
 
     def __init__(
         self,
@@ -52,16 +61,19 @@ class SwanLabSink(RunSink):
         if resume:
             kw.update(id=resume, resume="allow")
         self.project, self.logdir = project, logdir
-        super().__init__("swanlab", swanlab.init(project=project, mode=mode, **kw))
+        self._cut: int | None = None  # the last step of a resumed run, which may hold part of its metrics
+        self._held: set[str] = set()  # the metrics it holds
+        super().__init__(swanlab.init(project=project, mode=mode, **kw))
         if resume:
             self._read_back()
 
     def _read_back(self) -> None:
-        """The last scalar step and the alerts of this run in the run files of its earlier sessions."""
+        """The last scalar step (and the metrics it holds) and the alerts of this run in the run files
+        of its earlier sessions."""
         store = require("swanlab.sdk.internal.core_python.store", "trackers")
         Record = require("swanlab.proto.swanlab.record.v1.record_pb2", "trackers").Record
         here = Path(self.run.dir)
-        steps = []
+        scalars = []
         self._alerted = set()
         for path in here.parent.glob(f"*-{self.run.id}/run-{self.run.id}.swanlab"):
             if path.parent == here or path.stat().st_size < 8:  # a killed session may leave it empty
@@ -73,12 +85,30 @@ class SwanLabSink(RunSink):
                     record = Record()
                     record.ParseFromString(raw)
                     if record.HasField("scalar"):
-                        steps.append(record.scalar.step)
+                        scalars.append((record.scalar.step, record.scalar.key))
                     elif record.HasField("media"):  # an alert: its text is known by its sha256
                         self._alerted.update((record.media.step, i.sha256) for i in record.media.value.items)
             finally:
                 reader.close()
-        self.resumed_at = max(steps, default=None)
+        self.resumed_at = self._cut = max((step for step, _ in scalars), default=None)
+        self._held = {key for step, key in scalars if step == self._cut}
+
+    def skips(self, step: int) -> bool:
+        """A step up to the last one the run holds, but that one until it is logged again: SwanLab
+        writes a record per metric and flushes every 8 KB, so a killed session may have left part of
+        its metrics; it gets those it lacks."""
+        return super().skips(step) and step != self._cut
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        if step != self._cut:
+            super().log(metrics, step)
+            if self._cut is not None and step > self._cut:  # gone past it: never lower again
+                self._cut = None
+            return
+        lacking = {name: value for name, value in metrics.items() if self.names(name) not in self._held}
+        if lacking:
+            super().log(lacking, step)
+        self._cut = None
 
     def alert(self, alert: Alert) -> None:
         if not self._open:

@@ -2,8 +2,9 @@
 
 Needs the ``tensorboard`` extra. Each step is one event holding every metric as a scalar summary
 (``simple_value``: float32, what TensorBoard's scalar dashboard and ``EventAccumulator.Scalars``
-read) and is flushed at once. Names are adapted by :func:`rlmetrics.sinks.names.adapt_name`; tags
-live inside the event file, the file name never contains a metric name. View with
+read) and is flushed at once. Names are made path-safe (:func:`~rlmetrics.sinks.names.path_safe`;
+``@`` and everything else stay: tags are free strings inside the event file, the file name never
+contains a metric name). View with
 ``tensorboard --logdir <log_dir>``.
 
 Each session writes a new event file in ``log_dir``, and TensorBoard reads all the event files of a
@@ -27,11 +28,15 @@ from pathlib import Path
 
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
-from rlmetrics.sinks.names import NameMap, Sink, as_floats, as_step, histograms_of
+from rlmetrics.sinks.base import Sink
+from rlmetrics.sinks.names import NameMap, as_floats, as_step, histograms_of, path_safe
 
 
 class TensorBoardSink(Sink):
     """Write scalars to an event file in ``log_dir`` (created)."""
+
+    tracker = "tensorboard"
+    map_name = staticmethod(path_safe)
 
     def __init__(self, log_dir: str | os.PathLike, *, resume: bool = False) -> None:
         writer = require("tensorboard.summary.writer.event_file_writer", "tensorboard")
@@ -40,7 +45,7 @@ class TensorBoardSink(Sink):
         self._text_pb = require("tensorboard.plugins.text.summary_v2", "tensorboard").text_pb
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.names = NameMap("tensorboard")
+        self.names = NameMap(type(self))
         if not resume and any(self.log_dir.glob("*tfevents*")):
             raise FileExistsError(
                 f"{self.log_dir} holds TensorBoard event files: pass resume=True to continue that run, "

@@ -4,7 +4,7 @@ Needs the ``trackers`` extra. Upload later with ``wandb sync <dir>/wandb/offline
 started with ``reinit="create_new"`` and logged through its own handle, so a W&B run the user has open
 is left alone. Unless ``settings`` is given, console capture, system metrics, git and code saving are
 off (the sink logs metrics, nothing else). W&B only appends: a step lower than one already logged
-is dropped by W&B with a warning. Names are adapted by :func:`rlmetrics.sinks.names.adapt_name`.
+is dropped by W&B with a warning. Names are adapted by :meth:`WandbSink.map_name`.
 
 ``resume=<run id>`` continues that run (``wandb.init(id=..., resume="allow")``): offline, each session
 writes its own ``offline-run-<time>-<id>`` directory, and ``wandb sync <dir>/wandb/offline-run-*-<id>``
@@ -47,8 +47,9 @@ from typing import Any
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
 from rlmetrics.messages import DEFAULT_AXIS as _TRAIN_STEP
+from rlmetrics.sinks.base import RunSink
 from rlmetrics.sinks.jsonl import run_config
-from rlmetrics.sinks.names import RunSink, as_floats, as_step, axis_names
+from rlmetrics.sinks.names import as_floats, as_step, axis_names, path_safe
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,20 @@ def _last_record(path: Path) -> bytes | None:
 class WandbSink(RunSink):
     """Log each step with ``run.log(metrics, step=step)``; ``close()`` finishes the run."""
 
+    tracker = "wandb"
+    case_insensitive_names = True  # W&B's metric names are
+
+    @staticmethod
+    def map_name(name: str) -> str:
+        """Path-safe (:func:`~rlmetrics.sinks.names.path_safe`); a leading ``_`` becomes ``metric_``
+        (``_step``, ``_runtime`` and ``_timestamp`` are W&B's own keys).
+
+        >>> WandbSink.adapt_name("_step"), WandbSink.adapt_name("/abs/x"), WandbSink.adapt_name("pass@k")
+        ('metric_step', 'abs/x', 'pass@k')
+        """
+        name = path_safe(name)
+        return "metric" + name if name.startswith("_") else name
+
     def __init__(
         self,
         project: str = "rlmetrics",
@@ -130,7 +145,7 @@ class WandbSink(RunSink):
         self._marks: dict[str, float] = {}  # axes: the last value of each step metric, when resumed
         self._defined: set[str] = set()  # axes: names declared with their step metric
         init_kwargs.update(project=project, name=name, dir=dir, mode=mode, config=config)
-        super().__init__("wandb", wandb.init(**init_kwargs))
+        super().__init__(wandb.init(**init_kwargs))
         if resume:
             self._read_back()
 

@@ -199,16 +199,12 @@ class Tracking:
                 self._data.update(values)
                 self.tracking.log(values, step)
                 return
+        # a second call at the step (or one for some backends): no health rules (they saw the step),
+        # each chosen sink gets ``values``, the JSONL file the step's metrics so far
         self._data.update(values)
-        self._write(values, step, only)
-
-    def _write(self, values: dict[str, float], step: int, only: set[str] | None) -> None:
-        """A second call at ``step`` (or one for some backends): no health rules (they saw the step),
-        each chosen sink gets ``values``, the JSONL file the step's metrics so far."""
-        t = self.tracking
-        for i, (name, sink) in enumerate(self._sink_of.items()):
-            if (only is None or name in only) and t._writes(i, sink, step):
-                t._write(i, sink, dict(self._data) if name == "jsonl" else values, step, [])
+        for name, sink in self._sink_of.items():
+            if only is None or name in only:
+                self.tracking.write(sink, dict(self._data) if name == "jsonl" else values, step)
 
     def finish(self, exit_code: int = 0) -> None:
         """Close every sink, once (verl's ``finish``; ``exit_code`` is accepted and unused)."""

@@ -1,0 +1,146 @@
+"""The ``Sink`` base: every method :class:`~rlmetrics.sinks.Tracking` calls, and the sink's name rules.
+
+A sink implements ``log(metrics, step)`` and ``close()``; the base gives the rest a default that a
+sink may override: ``log_axis`` (the axis's names at its step), ``alert`` (ignored), ``skips`` and
+``resumed_at`` (the steps a resumed run holds), ``run_id`` (None: no tracker run to continue). So
+``Tracking`` calls these methods on every sink and never asks which ones it has.
+
+Name rules: a tracker restricts metric names, and each sink class declares what its tracker takes:
+``map_name`` (how a name is rewritten; the base keeps it), ``name_limit`` (the longest name,
+:func:`~rlmetrics.sinks.names.fit` cuts a longer one) and ``case_insensitive_names`` (two names equal
+but for case are one series). :meth:`Sink.adapt_name` applies them;
+:class:`~rlmetrics.sinks.names.NameMap` adds collision handling.
+
+>>> class Printer(Sink):
+...     tracker = "printer"
+...     map_name = staticmethod(str.upper)
+...     def log(self, metrics, step):
+...         print(step, {self.adapt_name(k): v for k, v in metrics.items()})
+...     def close(self):
+...         print("closed")
+>>> with Printer() as sink:
+...     sink.log({"critic/score/mean": 0.5}, 3)
+...     sink.log_axis({"reward": 0.25}, 7, "policy_version")
+3 {'CRITIC/SCORE/MEAN': 0.5}
+7 {'POLICY_VERSION/REWARD': 0.25}
+closed
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from rlmetrics.health import Alert
+from rlmetrics.sinks.names import NameMap, as_floats, as_step, axis_names, fit, histograms_of
+
+
+class Sink:
+    """Base of the sinks: ``log(metrics, step)``, ``alert(alert)``, ``close()`` and a context manager.
+
+    ``resumed_at``: the last step the tracker held when this sink was opened to continue a run (None:
+    nothing to skip); ``log`` skips every step up to it (:meth:`skips`), so a driver restarted from an
+    older training checkpoint never writes a step twice, nor a lower step after a higher one.
+    """
+
+    tracker: ClassVar[str]
+    """The tracker's name (a key of :data:`~rlmetrics.sinks.TRACKERS`)."""
+    name_limit: ClassVar[int | None] = None
+    """The longest metric name the tracker takes (None: any length)."""
+    case_insensitive_names: ClassVar[bool] = False
+    """The tracker takes two names that differ only in case as one metric."""
+
+    resumed_at: int | None = None
+    run_id: str | None = None
+    """The tracker's id of the run, what ``resume=`` takes to continue it (None: the sink has none)."""
+    _alerted: set | None = None
+
+    @staticmethod
+    def map_name(name: str) -> str:
+        """``name`` rewritten for the tracker, before :attr:`name_limit` (the base keeps it)."""
+        return name
+
+    @classmethod
+    def adapt_name(cls, name: str) -> str:
+        """``name`` as the tracker gets it: :meth:`map_name`, cut to :attr:`name_limit`."""
+        return fit(cls.map_name(name), cls.name_limit)
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def log_axis(self, metrics: Mapping[str, float], step: int, axis: str) -> None:
+        """Log ``step`` of the step axis ``axis`` (:mod:`rlmetrics.axes`). The base class logs
+        :func:`~rlmetrics.sinks.names.axis_names` at ``step`` (a series per name, its steps the
+        axis's values: TensorBoard, MLflow, SwanLab, the console); the skip of a resumed run is about
+        ``train_step`` only."""
+        resumed, self.resumed_at = self.resumed_at, None
+        try:
+            self.log(axis_names(metrics, axis), step)
+        finally:
+            self.resumed_at = resumed
+
+    def alert(self, alert: Alert) -> None:
+        """Write a health alert of a step this sink logged (the base class ignores it)."""
+
+    def close(self) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def skips(self, step: int) -> bool:
+        """``step`` was logged before this sink resumed the run."""
+        return self.resumed_at is not None and step <= self.resumed_at
+
+    def new_alert(self, key: Any) -> bool:
+        """The alert ``key`` (what identifies an alert in this sink's files) was not written yet
+        (in this session, or before a resume when the sink read its files); it is now recorded."""
+        if self._alerted is None:
+            self._alerted = set()
+        if key in self._alerted:
+            return False
+        self._alerted.add(key)
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class RunSink(Sink):
+    """A sink around a tracker's run object with ``run.log(dict, step=...)`` (W&B, SwanLab): names
+    adapted by the sink's rules; ``close()`` runs :meth:`finish` once. A step's histograms go in the
+    same ``run.log`` call, as :meth:`media` makes them (the base: none, the tracker has no histogram)."""
+
+    def __init__(self, run: Any) -> None:
+        self.names = NameMap(type(self))
+        self.run = run
+        self._open = True
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        if not self._open:
+            raise ValueError(f"{self!r} is closed")
+        step = as_step(step)
+        values: dict[str, Any] = self.names.adapt(as_floats(metrics))
+        if not self.skips(step):
+            for name, histogram in histograms_of(metrics).items():
+                media = self.media(histogram)
+                if media is not None:
+                    values[self.names(name)] = media
+            self.run.log(values, step=step)
+
+    def media(self, histogram: Any) -> Any:
+        """The tracker's object for a :class:`~rlmetrics.histogram.Histogram` (None: not logged)."""
+        return None
+
+    @property
+    def run_id(self) -> str:
+        """The tracker's id of the run (what ``resume=`` takes to continue it)."""
+        return self.run.id
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self.finish()
+
+    def finish(self) -> None:
+        self.run.finish()
