@@ -441,5 +441,22 @@ def test_swanlab_resume_writes_what_a_cut_step_lacks(tmp_path):
     assert sorted(scalars["b"]) == [(s, float(s)) for s in range(5)] + [(5, 15.0), (6, 16.0), (7, 17.0)]
 
 
+def test_swanlab_resume_completes_a_cut_step_after_a_step_axis_logged_past_it(tmp_path):
+    """A step axis's values are not train steps: ``policy_version`` 5 and 6 logged first must neither
+    take the place of the cut train step 5 nor end its completion."""
+    with make_sinks(["swanlab"], tmp_path, health=None) as tracking:
+        for step in range(5):
+            tracking.log({"a": float(step), "b": float(step)}, step)
+        tracking.log({"a": 5.0}, 5)  # what a file cut inside step 5 holds
+    with make_sinks(["swanlab"], tmp_path, resume=True, health=None) as tracking:
+        for version in (5, 6):
+            tracking.log_axis({"r": float(version)}, version, "policy_version")
+        for step in range(3, 8):
+            tracking.log({"a": float(step), "b": 10.0 + step}, step)
+    scalars = swanlab_scalars(sorted(tmp_path.glob("swanlab/run-*/run-*.swanlab")))
+    assert sorted(scalars["b"]) == [(s, float(s)) for s in range(5)] + [(5, 15.0), (6, 16.0), (7, 17.0)]
+    assert sorted(scalars["policy_version/r"]) == [(5, 5.0), (6, 6.0)]
+
+
 if __name__ == "__main__":
     forked_starts()

@@ -100,9 +100,11 @@ class SwanLabSink(RunSink):
         return super().skips(step) and step != self._cut
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
+        if self._cut is None or self.resumed_at is None:  # nothing cut, or a step axis's (log_axis)
+            return super().log(metrics, step)
         if step != self._cut:
             super().log(metrics, step)
-            if self._cut is not None and step > self._cut:  # gone past it: never lower again
+            if step > self._cut:  # gone past it: never lower again
                 self._cut = None
             return
         lacking = {name: value for name, value in metrics.items() if self.names(name) not in self._held}
