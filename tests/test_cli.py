@@ -200,7 +200,7 @@ def test_plot_breaks_lines_at_missing_steps_and_names_constant_metrics(tmp_path)
 
 def test_plot_hist_of_integer_data_has_one_row_per_integer(tmp_path):
     from rlmetrics.cli.plot import histograms_figure, plot_histograms
-    from rlmetrics.histogram import Histogram
+    from rlmetrics.core.histogram import Histogram
 
     rng = np.random.default_rng(0)
 

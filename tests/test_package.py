@@ -77,7 +77,7 @@ def test_the_sinks_stand_on_the_messages_and_the_core_only():
 
     import rlmetrics
 
-    allowed = {"rlmetrics.messages", "rlmetrics.health", "rlmetrics.histogram", "rlmetrics.stat",
+    allowed = {"rlmetrics.messages", "rlmetrics.health", "rlmetrics.core.histogram", "rlmetrics.core.stat",
                "rlmetrics.extras"}  # fmt: skip
     sinks = Path(rlmetrics.__file__).parent / "sinks"
     for path in sorted(sinks.glob("*.py")):
@@ -86,8 +86,10 @@ def test_the_sinks_stand_on_the_messages_and_the_core_only():
 
 
 ENGINE_AND_CORE = (
-    "aggregator", "client", "columns", "derived", "groups", "health", "histogram", "host", "messages",
-    "packing", "reduce", "server", "sketch", "stat", "states", "steps", "summary", "values", "wire",
+    "engine/aggregator", "client", "engine/columns", "engine/derived", "core/groups", "health",
+    "core/histogram", "core/host", "messages", "core/packing", "core/reduce", "engine/server",
+    "core/sketch", "core/stat", "core/states", "engine/steps", "core/summary", "core/values",
+    "engine/wire",
 )  # fmt: skip
 
 

@@ -48,8 +48,8 @@ from typing import Any
 
 from rlmetrics.client import ClientCore, _step_arg
 from rlmetrics.compute_local import ComputeLocal
+from rlmetrics.core.stat import MetricValueError
 from rlmetrics.messages import DEFAULT_AXIS, StepResult
-from rlmetrics.stat import MetricValueError
 
 AXES = ("policy_version", "rollout_id")
 """The axes :func:`connect` gives a client unless told otherwise (any identifier is an axis)."""

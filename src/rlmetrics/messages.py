@@ -23,14 +23,15 @@ DEFAULT_AXIS = "train_step"
 """The axis of a client's own ``step`` (:mod:`rlmetrics.axes`), the one trackers plot against."""
 
 Submission = tuple[int, Any, int, Any]
-"""``(step, seq, world_size, packed)``: one contribution (``packed``: :class:`~rlmetrics.packing.Packed`);
+"""``(step, seq, world_size, packed)``: one contribution
+(``packed``: :class:`~rlmetrics.core.packing.Packed`);
 a node's forward keys it by ``(client_id, seq)`` pairs instead of ``seq``."""
 Close = Any
 """A step closed by the sender, or ``(step, client ids)``: closed on behalf of those (a node)."""
 
 
 class Message(NamedTuple):
-    """One client's message to the server (:meth:`~rlmetrics.server.Server.handle`): its
+    """One client's message to the server (:meth:`~rlmetrics.engine.server.Server.handle`): its
     submissions, the steps it closes, whether it resends what it kept after a restart
     (``resync``), and the client's ``session`` (its run; None: not tracked)."""
 
@@ -107,7 +108,7 @@ _DEFAULT_META = {f.name: getattr(StepMeta(), f.name) for f in fields(StepMeta)}
 
 class StepResult(dict):
     """``{name: value}`` of one step, with ``step``, ``meta`` (a :class:`StepMeta`) and
-    ``histograms``: ``{name: Histogram}`` of the step's ``hist`` names (:mod:`rlmetrics.histogram`),
+    ``histograms``: ``{name: Histogram}`` of the step's ``hist`` names (:mod:`rlmetrics.core.histogram`),
     kept apart so that every value stays a float."""
 
     def __init__(

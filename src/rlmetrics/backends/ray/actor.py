@@ -1,9 +1,9 @@
 """The aggregator actor: ``MetricWorker``, an async :class:`~rlmetrics.backends.ray.shell.Shell` over
-:class:`~rlmetrics.server.Server`, which owns the call protocol (merge, finalize, save, reply).
+:class:`~rlmetrics.engine.server.Server`, which owns the call protocol (merge, finalize, save, reply).
 
 - ``MetricWorker.remote()`` / ``get_metric_worker(name, namespace)``: one aggregator actor (async,
   ``num_cpus=0`` by default, ``max_restarts=-1``).
-- Clients send one message per step (:mod:`rlmetrics.wire`: names once per schema, then float64
+- Clients send one message per step (:mod:`rlmetrics.engine.wire`: names once per schema, then float64
   buffers) with their credential (:func:`~rlmetrics.client.credential`), and keep it until the
   actor's saved state records the step finalized.
 - Restarts: the server saves its registered clients and finalized steps in Ray's internal KV store
@@ -105,7 +105,7 @@ class _MetricWorker(Shell):
         self, metrics: Mapping[str, Any], world_size: int, step: int | None = None
     ) -> None:
         """A submission without a client: into ``step`` (default: the current round, see
-        :meth:`~rlmetrics.server.Server.submit_direct`)."""
+        :meth:`~rlmetrics.engine.server.Server.submit_direct`)."""
         self.calls["submit_metric"] += 1
         self.server.submit_direct(metrics, world_size, step)
         self.changed()
@@ -116,7 +116,7 @@ class _MetricWorker(Shell):
     # ---------------------------------------------------------------------------- reads
     async def result(self, step: int, timeout: float | None = None, finalize: bool = False) -> StepResult:
         """``step`` once complete; at ``timeout`` final and partial when ``finalize``, else
-        provisional (:meth:`~rlmetrics.server.Server.result`)."""
+        provisional (:meth:`~rlmetrics.engine.server.Server.result`)."""
         self.calls["result"] += 1
         await self._wait(lambda: self.server.result_ready(step), timeout)
         if finalize and not self.server.result_ready(step):
@@ -126,7 +126,7 @@ class _MetricWorker(Shell):
         return out
 
     async def final(self, timeout: float | None = None) -> StepResult:
-        """The seed's ``wait_final_res`` (:meth:`~rlmetrics.server.Server.final_target`): after a
+        """The seed's ``wait_final_res`` (:meth:`~rlmetrics.engine.server.Server.final_target`): after a
         recovery, about the newest step closed once the clients resent theirs."""
         self.calls["final"] += 1
         deadline = time.monotonic() + (self.server.final_timeout if timeout is None else timeout)

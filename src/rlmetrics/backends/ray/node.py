@@ -12,8 +12,8 @@ from typing import Any
 from rlmetrics.backends.ray import compat
 from rlmetrics.backends.ray.compat import ray
 from rlmetrics.backends.ray.shell import AggregatorClass, Shell, keep
+from rlmetrics.core.stat import MetricValueError
 from rlmetrics.messages import Message, StepResult, SubmissionError
-from rlmetrics.stat import MetricValueError
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""What the aggregator actor and a node sub-aggregator share: a :class:`~rlmetrics.server.Server`
+"""What the aggregator actor and a node sub-aggregator share: a :class:`~rlmetrics.engine.server.Server`
 over a :class:`~rlmetrics.backends.ray.store.KVStore`, the schema table of the wire format, waiting
 on asyncio, and how actors of these classes are made (a fresh signing secret each, kept handles).
 
@@ -18,9 +18,9 @@ from rlmetrics.backends.ray import compat
 from rlmetrics.backends.ray.compat import ray
 from rlmetrics.backends.ray.store import KVStore
 from rlmetrics.client import identity, public_id
+from rlmetrics.engine.server import Server
+from rlmetrics.engine.wire import SchemaTable, decode
 from rlmetrics.messages import Message, Reply, SubmissionError
-from rlmetrics.server import Server
-from rlmetrics.wire import SchemaTable, decode
 
 
 class Shell:
@@ -83,7 +83,7 @@ class Shell:
 
     # ------------------------------------------------------------------------ client calls
     async def send(self, who: str, msg: tuple) -> Reply:
-        """One client's message (:mod:`rlmetrics.wire`); ``who``: its credential."""
+        """One client's message (:mod:`rlmetrics.engine.wire`); ``who``: its credential."""
         self.calls["send"] += 1
         return (await self._handle([(who, msg)]))[0]
 
@@ -165,7 +165,7 @@ OPTIONS = (
     "forget_after",
     "max_pending",
 )
-"""What an aggregator actor is made with (:class:`Shell` and :class:`~rlmetrics.server.Server`)."""
+"""What an aggregator actor is made with (:class:`Shell` and :class:`~rlmetrics.engine.server.Server`)."""
 
 ACTOR_OPTIONS = {"num_cpus": 0, "max_restarts": -1, "max_concurrency": 100_000}
 """How aggregator actors are made: no training slot, restarted whenever they die, every waiting call

@@ -42,7 +42,7 @@ deadlines and persistence each change what the others decide), read and tested i
   refuses (:class:`RefusedState`) or this version cannot read is logged, named in ``stats`` and
   left: the server starts empty, and the clients resend what they keep.
 
->>> from rlmetrics.packing import pack
+>>> from rlmetrics.core.packing import pack
 >>> server = Server(store=MemoryStore())
 >>> for rank in ("rank0", "rank1"):
 ...     items = [(0, 0, 2, pack({"loss": 1.0 if rank == "rank0" else 3.0}))]
@@ -64,10 +64,10 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
-from rlmetrics.aggregator import Aggregator, saved_result
+from rlmetrics.core.packing import pack
+from rlmetrics.engine.aggregator import Aggregator, saved_result
+from rlmetrics.engine.wire import close_entry
 from rlmetrics.messages import Close, Message, Reply, StepResult, Submission, SubmissionError
-from rlmetrics.packing import pack
-from rlmetrics.wire import close_entry
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class Server:
     ``recovery_timeout`` seconds for the clients' resends; ``upstream``: the client to the root of
     a node sub-aggregator (this server finalizes nothing, steps have no deadline, replies say what
     the root finalized); ``session_ended(session)``: whether a session is over (None: sessions are
-    not tracked); the rest goes to :class:`~rlmetrics.aggregator.Aggregator` (``renames``,
+    not tracked); the rest goes to :class:`~rlmetrics.engine.aggregator.Aggregator` (``renames``,
     ``keep_results``, ``forget_after``, ``max_pending``).
     """
 
@@ -222,7 +222,7 @@ class Server:
 
     def export_state(self, results: int = SAVED_RESULTS) -> dict:
         """What a next incarnation resumes from (JSON-ready): the engine's state
-        (:meth:`~rlmetrics.aggregator.Aggregator.export_state`), the clients' sessions, the ended
+        (:meth:`~rlmetrics.engine.aggregator.Aggregator.export_state`), the clients' sessions, the ended
         sessions and who speaks for whom."""
         state = self.engine.export_state(results)
         state["sessions"] = dict(self.sessions)
@@ -516,7 +516,7 @@ class Server:
         return result
 
     def finalize(self, step: int) -> StepResult:
-        """The engine's :meth:`~rlmetrics.aggregator.Aggregator.finalize`; a step finalized now also
+        """The engine's :meth:`~rlmetrics.engine.aggregator.Aggregator.finalize`; a step finalized now also
         gets ``meta.contributions`` and ``meta.late`` (module docstring)."""
         engine = self.engine
         if engine.is_finalized(step):
