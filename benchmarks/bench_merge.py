@@ -34,10 +34,10 @@ from typing import TypeVar
 import numpy as np
 import report
 
-from rlmetrics.core.packing import Packed, pack
 from rlmetrics.core.reduce import resolve
 from rlmetrics.engine.aggregator import Aggregator
 from rlmetrics.messages import StepResult
+from rlmetrics.packing import Packed, pack
 
 WORLD_SIZES = (8, 64, 256, 1024)
 METRIC_COUNTS = (100, 1000, 3000)

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from rlmetrics import Stat, ValueWarning, register_reduction
-from rlmetrics.core.packing import Packed, Schema, pack
 from rlmetrics.core.stat import stats_of_rows
 from rlmetrics.engine.aggregator import Aggregator
 from rlmetrics.messages import SubmissionError
+from rlmetrics.packing import Packed, Schema, pack
 
 
 def _feed(agg, step, parts, names=("x/mean", "x/max", "x/min", "x/std", "x/sum", "x/observations")):

@@ -1,7 +1,7 @@
 """The client state machine against an in-memory transport of ours: resends, retries and restarts.
 
 :class:`RestartingTransport` is a real :class:`~rlmetrics.engine.server.Server` over a
-:class:`~rlmetrics.engine.server.MemoryStore` behind a transport that can lose its aggregator at a chosen
+:class:`~rlmetrics.engine.store.MemoryStore` behind a transport that can lose its aggregator at a chosen
 moment, as a Ray actor restart does: the next call raises
 :class:`~rlmetrics.client.AggregatorRestarted`, and a new incarnation (a new Server on the same store)
 resumes from the state the old one saved (registered clients, finalized steps, kept results) and
@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 
 from rlmetrics.client import AggregatorRestarted, ClientCore, Transport, identity
-from rlmetrics.engine.server import MemoryStore, Server
+from rlmetrics.engine.server import Server
+from rlmetrics.engine.store import MemoryStore
 from rlmetrics.messages import Message, StepResult
 
 

@@ -87,9 +87,9 @@ def test_the_sinks_stand_on_the_messages_and_the_core_only():
 
 ENGINE_AND_CORE = (
     "engine/aggregator", "client", "engine/columns", "engine/derived", "core/groups", "health",
-    "core/histogram", "core/host", "messages", "core/packing", "core/reduce", "engine/server",
+    "core/histogram", "core/host", "messages", "packing", "core/reduce", "engine/server",
     "core/sketch", "core/stat", "core/states", "engine/steps", "core/summary", "core/values",
-    "engine/wire",
+    "wire", "engine/store",
 )  # fmt: skip
 
 

@@ -18,8 +18,8 @@ import rlmetrics  # noqa: E402
 from rlmetrics.backends.ray import compat  # noqa: E402
 from rlmetrics.backends.ray.actor import AggregatorClass, _MetricWorker  # noqa: E402
 from rlmetrics.backends.ray.store import KVStore  # noqa: E402
-from rlmetrics.core.packing import pack  # noqa: E402
-from rlmetrics.engine.wire import encode  # noqa: E402
+from rlmetrics.packing import pack  # noqa: E402
+from rlmetrics.wire import encode  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -532,8 +532,8 @@ CO_TENANT = """
 import json, sys
 import ray
 from ray.experimental import internal_kv
-from rlmetrics.core.packing import pack
-from rlmetrics.engine.wire import encode
+from rlmetrics.packing import pack
+from rlmetrics.wire import encode
 
 name, address, rank0, seq = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 ray.init(address=address, logging_level="ERROR", log_to_driver=False)  # another job, same cluster

@@ -9,7 +9,6 @@
 import rlmetrics.metrics  # noqa: F401  the built-in families plug their derived metrics and states in
 from rlmetrics.backends import MetricClient, connect
 from rlmetrics.backends.local import LocalMetricWorker
-from rlmetrics.core.packing import pack
 from rlmetrics.core.reduce import (
     COUNT,
     MAX,
@@ -50,6 +49,7 @@ from rlmetrics.messages import (
     ValueWarning,
     WorldSizeWarning,
 )
+from rlmetrics.packing import pack
 
 __version__ = "0.1.0"
 

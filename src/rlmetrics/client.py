@@ -30,7 +30,6 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from rlmetrics.core.groups import Labels, grouped_values, split_grouped
-from rlmetrics.core.packing import MAX_WORLD_SIZE, Packed, pack, pack_known
 from rlmetrics.core.stat import NAN_STRATEGIES, MetricValueError
 from rlmetrics.engine.derived import without_reserved
 from rlmetrics.messages import (
@@ -46,6 +45,7 @@ from rlmetrics.messages import (
     WorldSizeWarning,
     caller_level,
 )
+from rlmetrics.packing import MAX_WORLD_SIZE, Packed, pack, pack_known
 
 T = TypeVar("T")
 _SCHEMA_CACHE = 512  # schemas a client remembers; beyond, it forgets them all (names that change)

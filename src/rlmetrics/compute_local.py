@@ -24,8 +24,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from rlmetrics.client import world_size_arg
-from rlmetrics.core.packing import pack
 from rlmetrics.core.values import MetricValueError
+from rlmetrics.packing import pack
 
 if TYPE_CHECKING:
     from rlmetrics.metrics.validation import SampleRecord

@@ -24,7 +24,7 @@ DEFAULT_AXIS = "train_step"
 
 Submission = tuple[int, Any, int, Any]
 """``(step, seq, world_size, packed)``: one contribution
-(``packed``: :class:`~rlmetrics.core.packing.Packed`);
+(``packed``: :class:`~rlmetrics.packing.Packed`);
 a node's forward keys it by ``(client_id, seq)`` pairs instead of ``seq``."""
 Close = Any
 """A step closed by the sender, or ``(step, client ids)``: closed on behalf of those (a node)."""

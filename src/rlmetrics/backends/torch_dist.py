@@ -97,7 +97,6 @@ from rlmetrics.backends.torch_exchange import (
 )
 from rlmetrics.client import ClientCore, SyncTransport, identity
 from rlmetrics.compute_local import ComputeLocal
-from rlmetrics.core.packing import Packed, Schema
 from rlmetrics.core.sketch import Sketch
 from rlmetrics.core.stat import empty_arrays, merge_arrays
 from rlmetrics.core.states import State, decode_state, encode_state
@@ -105,6 +104,7 @@ from rlmetrics.engine.aggregator import Aggregator
 from rlmetrics.engine.server import merge_items
 from rlmetrics.extras import require
 from rlmetrics.messages import Reply, StepMeta, StepResult, Submission
+from rlmetrics.packing import Packed, Schema
 
 torch = require("torch", "torch")
 dist = require("torch.distributed", "torch")

@@ -8,6 +8,6 @@ or metric family above it.
 - :mod:`~rlmetrics.core.reduce`: the reduction registry (a name's suffix says how it reduces);
 - :mod:`~rlmetrics.core.states`: the one state protocol (``merge``, ``to_array``, ``reduce``) and the
   lazy table of state kinds the families register;
-- :mod:`~rlmetrics.core.packing`, :mod:`~rlmetrics.core.groups`: a contribution packed as one schema
+- :mod:`~rlmetrics.packing`, :mod:`~rlmetrics.core.groups`: a contribution packed as one schema
   and float64 arrays; per-group names.
 """

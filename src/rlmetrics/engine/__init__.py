@@ -6,7 +6,7 @@
 - :mod:`~rlmetrics.engine.columns`, :mod:`~rlmetrics.engine.steps`: the name registry, a step's
   pending state and its reduction;
 - :mod:`~rlmetrics.engine.derived`: derived metrics as a declared table (a hook the families extend);
-- :mod:`~rlmetrics.engine.wire`: the Ray wire format (names once per schema, then float64 buffers).
+- :mod:`~rlmetrics.wire`: the Ray wire format (names once per schema, then float64 buffers).
 
 It imports no metric family, sink, backend, Ray or torch (``tests/test_package.py``).
 """

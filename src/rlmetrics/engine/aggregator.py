@@ -23,7 +23,7 @@ finalization, export and restore: ~440 lines, a third of them docstrings, one cl
 share one state); the name registry is :mod:`rlmetrics.engine.columns`, a step's merge and reduction
 :mod:`rlmetrics.engine.steps`.
 
->>> from rlmetrics.core.packing import pack
+>>> from rlmetrics.packing import pack
 >>> agg = Aggregator()
 >>> for rank, values in enumerate([[1.0, 2.0], [3.0, 4.0, 5.0]]):
 ...     metrics = {"critic/score/mean": values, "critic/score/max": values}
@@ -48,14 +48,14 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from rlmetrics.core.histogram import Histogram
-from rlmetrics.core.packing import MAX_WORLD_SIZE, Packed
 from rlmetrics.core.reduce import DEFAULT_RENAMES
 from rlmetrics.core.states import State
 from rlmetrics.engine.columns import ColumnIndex
 from rlmetrics.engine.derived import DERIVED, Derived
 from rlmetrics.engine.steps import Group, Layout, Step, layout_of, reduce_step
-from rlmetrics.engine.wire import check_contribution
 from rlmetrics.messages import RefusedNamesError, StepMeta, StepResult, SubmissionError
+from rlmetrics.packing import MAX_WORLD_SIZE, Packed
+from rlmetrics.wire import check_contribution
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ class Aggregator:
         pairs) of one step, as a node forwards its ranks'. All of them are new, or all were
         merged before (False); a mix is refused.
 
-        >>> from rlmetrics.core.packing import pack
+        >>> from rlmetrics.packing import pack
         >>> engine = Aggregator()
         >>> from rlmetrics.core.stat import stats_of_rows
         >>> rows = stats_of_rows(np.array([[1.0], [3.0]]))  # two clients' values, merged by a node
@@ -427,7 +427,7 @@ class Aggregator:
         """``step`` as it stands, leaving it pending (``meta.provisional``): what a reader gets at
         its deadline when it does not finalize; a finalized step's result as :meth:`finalize`.
 
-        >>> from rlmetrics.core.packing import pack
+        >>> from rlmetrics.packing import pack
         >>> engine = Aggregator()
         >>> engine.register("b")
         >>> _ = engine.submit("a", 0, 0, 2, pack({"x/mean": 1.0}))
@@ -535,7 +535,7 @@ class Aggregator:
         finalized steps, and the newest ``results`` results — a restart between finalizing a step
         and the reply reaching its reader leaves the step finalized, and the retried read finds it.
 
-        >>> from rlmetrics.core.packing import pack
+        >>> from rlmetrics.packing import pack
         >>> engine = Aggregator()
         >>> engine.submit("a", 0, 0, 1, pack({"x": 2.0}))  # merged: True
         True

@@ -1,7 +1,8 @@
 """The aggregator side shared by the in-process and Ray backends: what each call does to the engine,
 and when a read may return. Backends add only locking and waiting (a thread condition, asyncio).
 Over 400 lines on purpose: the call protocol is one set of rules (sessions, relays, recovery,
-deadlines and persistence each change what the others decide), read and tested in one place.
+deadlines and persistence each change what the others decide), read and tested in one place
+(where the state is saved: :mod:`rlmetrics.engine.store`).
 
 - ``receive``: a client's items and step closings are merged; every step this completes is
   finalized at once, read or not (its result is kept, up to ``keep_results``), so memory follows
@@ -34,15 +35,17 @@ deadlines and persistence each change what the others decide), read and tested i
   merged submissions keyed by each rank's ``(client_id, seq)`` and closes steps on their behalf, so
   the steps, their completion and their ``meta`` are the flat layout's, by rank. Its own server has
   an ``upstream`` (the client to the root): it finalizes nothing, the root does.
-- Persistence (:meth:`Server.handle`: merge, finalize, save, reply): with a :class:`Store`, every
-  change of what a next incarnation resumes from (registered clients, finalized steps, the newest
-  results, sessions, relays) is saved, and a reply lets a client forget only the steps finalized in
-  the state saved last (:meth:`Server.durable`): a restart resumes from that state, and a step it
-  does not know finalized is merged again from the clients' resends. A stored state the store
-  refuses (:class:`RefusedState`) or this version cannot read is logged, named in ``stats`` and
-  left: the server starts empty, and the clients resend what they keep.
+- Persistence (:meth:`Server.handle`: merge, finalize, save, reply): with a store
+  (:class:`~rlmetrics.engine.store.Store`), every change of what a next incarnation resumes from
+  (registered clients, finalized steps, the newest results, sessions, relays) is saved, and a reply
+  lets a client forget only the steps finalized in the state saved last (:meth:`Server.durable`): a
+  restart resumes from that state, and a step it does not know finalized is merged again from the
+  clients' resends. A stored state the store refuses
+  (:class:`~rlmetrics.engine.store.RefusedState`) or this version cannot read is logged, named in
+  ``stats`` and left: the server starts empty, and the clients resend what they keep.
 
->>> from rlmetrics.core.packing import pack
+>>> from rlmetrics.packing import pack
+>>> from rlmetrics.engine.store import MemoryStore
 >>> server = Server(store=MemoryStore())
 >>> for rank in ("rank0", "rank1"):
 ...     items = [(0, 0, 2, pack({"loss": 1.0 if rank == "rank0" else 3.0}))]
@@ -57,17 +60,17 @@ deadlines and persistence each change what the others decide), read and tested i
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol
+from typing import Any
 
-from rlmetrics.core.packing import pack
-from rlmetrics.engine.aggregator import Aggregator, saved_result
-from rlmetrics.engine.wire import close_entry
+from rlmetrics.engine.aggregator import Aggregator
+from rlmetrics.engine.store import RefusedState, Store
 from rlmetrics.messages import Close, Message, Reply, StepResult, Submission, SubmissionError
+from rlmetrics.packing import pack
+from rlmetrics.wire import close_entry
 
 logger = logging.getLogger(__name__)
 
@@ -76,59 +79,6 @@ FINAL_TIMEOUT = 60.0
 partial (with ``meta`` naming what is missing, and a warning)."""
 SAVED_RESULTS = 2
 """Newest results a saved state keeps: a read retried across a restart finds its step."""
-
-
-class RefusedState(Exception):
-    """A stored state that is not to be resumed from (not this aggregator's, or unreadable); the
-    message says which and why."""
-
-
-class Store(Protocol):
-    """Where a server keeps the state a next incarnation resumes from (:class:`MemoryStore`; on
-    Ray :class:`~rlmetrics.backends.ray.store.KVStore`). ``where`` names it in messages."""
-
-    where: str
-
-    def load(self) -> dict | None:
-        """The saved state, None when nothing is saved; raises :class:`RefusedState`."""
-        ...
-
-    def save(self, state: dict, done: Callable[[bool], None]) -> None:
-        """Save ``state`` (:func:`dump_state` encodes it), then call ``done(saved)``, maybe later
-        and from another thread; of saves not yet written, only the newest need be."""
-        ...
-
-
-class MemoryStore:
-    """A :class:`Store` in memory, saved at once (a restart in a test: a new :class:`Server` on it)."""
-
-    where = "memory"
-
-    def __init__(self) -> None:
-        self.saved: str | None = None
-
-    def load(self) -> dict | None:
-        return None if self.saved is None else json.loads(self.saved)
-
-    def save(self, state: dict, done: Callable[[bool], None]) -> None:
-        self.saved = dump_state(state)
-        done(True)
-
-
-def dump_state(state: Mapping, encoded: dict[int, str] | None = None) -> str:
-    """``state`` (:meth:`Server.export_state`, its ``results`` as ``(step, StepResult)`` pairs) as
-    JSON. ``encoded``: the JSON of results by step, kept between calls so that each result is
-    encoded once (a result never changes; encoding 1,000 values and a meta naming every rank at
-    every step slowed the steps)."""
-    results = {
-        step: (encoded or {}).get(step) or json.dumps(saved_result(step, res))
-        for step, res in state.get("results", ())
-    }
-    if encoded is not None:
-        encoded.clear()
-        encoded.update(results)
-    head = json.dumps({k: v for k, v in state.items() if k != "results"})
-    return f'{head[:-1]}, "results": [{", ".join(results.values())}]}}'
 
 
 class Server:

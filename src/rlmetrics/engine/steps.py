@@ -8,7 +8,7 @@ histograms of its ``hist`` names, :mod:`rlmetrics.core.histogram`).
 :class:`~rlmetrics.engine.aggregator.Aggregator` owns the steps, the bookkeeping and the messages.
 
 >>> from rlmetrics.engine.columns import ColumnIndex
->>> from rlmetrics.core.packing import pack
+>>> from rlmetrics.packing import pack
 >>> columns = ColumnIndex({})
 >>> packed = pack({"reward/mean": [1.0, 2.0, 6.0]})
 >>> known = columns.of(packed.schema, step=0)

@@ -12,7 +12,7 @@ concatenated batch of all ranks:
   and ``.../share/<bins>+`` the fraction with lag ``bins`` or more (a histogram with fixed names);
 - ``staleness/version_span/mean`` (with ``max_version``): token-weighted ``max_version - min_version``.
 
->>> from rlmetrics.core.packing import pack
+>>> from rlmetrics.packing import pack
 >>> m = staleness_metrics(7, min_version=[7, 6, 5], max_version=[7, 7, 6], tokens=[10, 20, 10], bins=2)
 >>> from rlmetrics.engine.aggregator import Aggregator
 >>> engine = Aggregator()

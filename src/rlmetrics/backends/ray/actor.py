@@ -3,7 +3,7 @@
 
 - ``MetricWorker.remote()`` / ``get_metric_worker(name, namespace)``: one aggregator actor (async,
   ``num_cpus=0`` by default, ``max_restarts=-1``).
-- Clients send one message per step (:mod:`rlmetrics.engine.wire`: names once per schema, then float64
+- Clients send one message per step (:mod:`rlmetrics.wire`: names once per schema, then float64
   buffers) with their credential (:func:`~rlmetrics.client.credential`), and keep it until the
   actor's saved state records the step finalized.
 - Restarts: the server saves its registered clients and finalized steps in Ray's internal KV store

@@ -19,8 +19,8 @@ from rlmetrics.backends.ray.compat import ray
 from rlmetrics.backends.ray.store import KVStore
 from rlmetrics.client import identity, public_id
 from rlmetrics.engine.server import Server
-from rlmetrics.engine.wire import SchemaTable, decode
 from rlmetrics.messages import Message, Reply, SubmissionError
+from rlmetrics.wire import SchemaTable, decode
 
 
 class Shell:
@@ -83,7 +83,7 @@ class Shell:
 
     # ------------------------------------------------------------------------ client calls
     async def send(self, who: str, msg: tuple) -> Reply:
-        """One client's message (:mod:`rlmetrics.engine.wire`); ``who``: its credential."""
+        """One client's message (:mod:`rlmetrics.wire`); ``who``: its credential."""
         self.calls["send"] += 1
         return (await self._handle([(who, msg)]))[0]
 

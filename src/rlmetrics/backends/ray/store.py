@@ -1,9 +1,9 @@
-"""``KVStore``: the :class:`~rlmetrics.engine.server.Store` of a Ray aggregator, in Ray's internal KV store
+"""``KVStore``: the :class:`~rlmetrics.engine.store.Store` of a Ray aggregator, in Ray's internal KV store
 (the GCS keeps it across actor restarts), signed with a secret the actor was created with.
 
 Ray hands a restarted actor its creation arguments again, so each incarnation can check that the
 state it resumes from was signed by this actor: a state another job wrote under the key is refused
-(:class:`~rlmetrics.engine.server.RefusedState`), never obeyed. Encoding and writing happen in a saver
+(:class:`~rlmetrics.engine.store.RefusedState`), never obeyed. Encoding and writing happen in a saver
 thread, off the actor's event loop; of the saves posted while one is written, only the newest is.
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from rlmetrics.backends.ray import compat
-from rlmetrics.engine.server import RefusedState, dump_state
+from rlmetrics.engine.store import RefusedState, dump_state
 
 logger = logging.getLogger(__name__)
 

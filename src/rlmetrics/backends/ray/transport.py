@@ -13,8 +13,8 @@ from typing import Any
 from rlmetrics.backends.ray import compat
 from rlmetrics.backends.ray.compat import ray
 from rlmetrics.client import AggregatorRestarted
-from rlmetrics.engine.wire import encode
 from rlmetrics.messages import Reply, StepResult, Submission
+from rlmetrics.wire import encode
 
 _KNOWN_LIMIT = 512  # schema ids a transport remembers the actor has
 
