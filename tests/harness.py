@@ -207,6 +207,32 @@ def plain_reference(parts: list[dict]) -> dict[str, float]:
             "n/total": sum(p["plain"]["n"] for p in parts)}  # fmt: skip
 
 
+def by_group(tag: str, labels: list, columns: dict[str, tuple[np.ndarray, Callable]]) -> dict[str, float]:
+    """numpy per group: ``name: (values, fn)`` gives ``fn(values)`` of all samples under ``name``
+    and of each label's under ``group/<tag>/<label>/<name>``; a name without samples is absent."""
+    labels = np.array(labels, dtype=object)
+    subsets = [("", np.ones(len(labels), bool))] + [(f"group/{tag}/{g}/", labels == g) for g in set(labels)]
+    return {
+        prefix + name: float(fn(values[keep]))
+        for prefix, keep in subsets
+        if keep.any()
+        for name, (values, fn) in columns.items()
+    }
+
+
+def grouped_inputs(rng: np.random.Generator) -> dict:
+    """A rank's samples of the ``group_by`` family: 0 to 5 values, each of one of three envs."""
+    n = int(rng.integers(0, 6))
+    return {"x": rng.normal(size=n), "env": [("a", "b", "c")[i] for i in rng.integers(0, 3, n)]}
+
+
+def grouped_reference(parts: list[dict]) -> dict[str, float]:
+    x = np.concatenate([p["x"] for p in parts])
+    median = lambda v: np.quantile(v, 0.5)  # noqa: E731
+    columns = {"gx/mean": (x, np.mean), "gx/max": (x, np.max), "gx/p50": (x, median)}
+    return by_group("env", sum((p["env"] for p in parts), []), columns)
+
+
 # ------------------------------------------------------------------------------------------- metrics
 @dataclass(frozen=True)
 class Metric:
@@ -239,6 +265,9 @@ METRICS: list[Metric] = [
            when=lambda spec: sum(spec["val"])),
     Metric("plain", lambda c, d, w, step: c.submit_metric(plain_metrics(d), w, step),
            lambda ps, ns: plain_reference(ps)),
+    Metric("group_by", lambda c, d, w, step: c.submit_metric(
+               {"gx/mean": d["x"], "gx/max": d["x"], "gx/p50": d["x"]}, w, step, group_by={"env": d["env"]}),
+           lambda ps, ns: grouped_reference(ps), inputs=grouped_inputs, rel=(1e-12, 1e-12)),
 ]  # fmt: skip
 
 
