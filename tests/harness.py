@@ -374,6 +374,11 @@ def BY_STEP(i: int, step: int) -> str:
     return ("result", "final")[step % 2]
 
 
+def read_step(driver, read: str, step: int, timeout: float):
+    """The driver's read of ``step``: the seed's ``wait_final_res()``, or ``result(step)``."""
+    return driver.wait_final_res() if read == "final" else driver.result(step, timeout=timeout)
+
+
 def run_local(request, scs: list[dict], read: Read) -> Iterator[tuple[dict, int, Any]]:
     """Threads as ranks of one in-process aggregator per scenario."""
     for i, sc in enumerate(scs):
@@ -393,11 +398,7 @@ def run_local(request, scs: list[dict], read: Read) -> Iterator[tuple[dict, int,
                     t.start()
                 for t in threads:
                     t.join()
-                yield (
-                    sc,
-                    step,
-                    driver.wait_final_res() if read(i, step) == "final" else driver.result(step, timeout=30),
-                )
+                yield sc, step, read_step(driver, read(i, step), step, timeout=30)
         finally:
             local.drop_worker(name)
 
@@ -438,11 +439,7 @@ def run_ray(request, scs: list[dict], read: Read) -> Iterator[tuple[dict, int, A
             ray.get([a.client.remote(name, sc, read(i, 0) == "final") for a in ranks])
             for step in range(STEPS):
                 ray.get([a.step.remote(name, sc, step) for a in ranks])
-                yield (
-                    sc,
-                    step,
-                    driver.wait_final_res() if read(i, step) == "final" else driver.result(step, timeout=60),
-                )
+                yield sc, step, read_step(driver, read(i, step), step, timeout=60)
         finally:
             ray.kill(worker)
     for a in actors:
