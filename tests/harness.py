@@ -8,7 +8,7 @@ Adding a metric family is one row of :data:`METRICS`: a name, what one rank subm
 (``submit(client, shard, world, step)``) and the single-process reference on the shards of all ranks
 in rank order (``reference(shards, nan_strategy) -> {name: value}``). A family over inputs of its
 own draws them with ``inputs(rng)`` (the shard is then what it returns, the same on the rank and in
-the reference); for example, one line::
+the reference); for example, one row::
 
     Metric("entropy", lambda c, x, w, step: c.submit_metric({"entropy/mean": x}, w, step),
            lambda xs, ns: {"entropy/mean": np.concatenate(xs).mean()}, inputs=lambda rng: rng.normal(size=3)),
@@ -221,16 +221,19 @@ def by_group(tag: str, labels: list, columns: dict[str, tuple[np.ndarray, Callab
 
 
 def grouped_inputs(rng: np.random.Generator) -> dict:
-    """A rank's samples of the ``group_by`` family: 0 to 5 values, each of one of three envs."""
+    """A rank's inputs of the ``group_by`` family: 0 to 5 values, each of one of three envs, and a
+    number (a loss)."""
     n = int(rng.integers(0, 6))
-    return {"x": rng.normal(size=n), "env": [("a", "b", "c")[i] for i in rng.integers(0, 3, n)]}
+    envs = [("a", "b", "c")[i] for i in rng.integers(0, 3, n)]
+    return {"x": rng.normal(size=n), "env": envs, "loss": float(rng.uniform())}
 
 
 def grouped_reference(parts: list[dict]) -> dict[str, float]:
     x = np.concatenate([p["x"] for p in parts])
     median = lambda v: np.quantile(v, 0.5)  # noqa: E731
     columns = {"gx/mean": (x, np.mean), "gx/max": (x, np.max), "gx/p50": (x, median)}
-    return by_group("env", sum((p["env"] for p in parts), []), columns)
+    loss = {"gloss": float(np.mean([p["loss"] for p in parts]))}  # a number: never per group
+    return by_group("env", sum((p["env"] for p in parts), []), columns) | loss
 
 
 # ------------------------------------------------------------------------------------------- metrics
@@ -266,7 +269,8 @@ METRICS: list[Metric] = [
     Metric("plain", lambda c, d, w, step: c.submit_metric(plain_metrics(d), w, step),
            lambda ps, ns: plain_reference(ps)),
     Metric("group_by", lambda c, d, w, step: c.submit_metric(
-               {"gx/mean": d["x"], "gx/max": d["x"], "gx/p50": d["x"]}, w, step, group_by={"env": d["env"]}),
+               {"gx/mean": d["x"], "gx/max": d["x"], "gx/p50": d["x"], "gloss": d["loss"]}, w, step,
+               group_by={"env": d["env"]}),
            lambda ps, ns: grouped_reference(ps), inputs=grouped_inputs, rel=(1e-12, 1e-12)),
 ]  # fmt: skip
 

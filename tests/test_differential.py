@@ -42,6 +42,7 @@ from tests.harness import (  # noqa: E402
     FINAL,
     STEPS,
     backend,
+    by_group,
     cases,
     check,
     check_run,
@@ -121,15 +122,11 @@ def churn_expected(step: int) -> dict[str, float]:
     """numpy on the concatenation of all ranks' samples of ``step``; a name without samples is absent."""
     parts = [churn_rank_step(r, step) for r in range(CHURN_WORLD)]
     reward, length = (np.concatenate([p[k] for p in parts]) for k in ("reward", "length"))
-    task = np.array(sum((p["task"] for p in parts), []))
-    want = {"loss": float(np.mean([p["loss"] for p in parts]))}
-    subsets = [("", np.ones(len(task), bool))] + [(f"group/task/{t}/", task == t) for t in set(task)]
-    for prefix, keep in subsets:
-        if keep.any():
-            r, q = reward[keep], np.quantile(length[keep], 0.9)
-            want |= {f"{prefix}reward/mean": r.mean(), f"{prefix}reward/max": r.max(),
-                     f"{prefix}reward/std": r.std(), f"{prefix}length/p90": q}  # fmt: skip
-    return {k: float(v) for k, v in want.items()}
+    p90 = lambda v: np.quantile(v, 0.9)  # noqa: E731
+    columns = {"reward/mean": (reward, np.mean), "reward/max": (reward, np.max),
+               "reward/std": (reward, np.std), "length/p90": (length, p90)}  # fmt: skip
+    want = by_group("task", sum((p["task"] for p in parts), []), columns)
+    return {"loss": float(np.mean([p["loss"] for p in parts]))} | want
 
 
 def test_churned_group_names_through_the_sinks_equal_numpy_and_raise_no_alert(tmp_path):
