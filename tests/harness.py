@@ -34,15 +34,17 @@ infinity in the rewards where the scenario says so; data sources, missing or of 
 ``group_by``), its own phase timings and GPUs, its share of a validation round and a few plain
 metrics. Each rank runs the seed's calls on its shard (the rows of :data:`METRICS`, in order):
 ``compute_local_data_metric`` (with ``group_by="data_source"``), ``compute_local_timing_metrics``,
-``compute_local_throughout_metrics``, ``process_local_validation_metrics`` and ``submit_metric``,
-then ``wait_submit()``.
+``compute_local_throughout_metrics``, ``process_local_validation_metrics`` and ``submit_metric``
+(plain metrics; then values grouped by env with ``group_by={"env": ...}`` and a number, on inputs of
+the row's own), then ``wait_submit()``.
 
 The references are one process on the concatenation: ``compute_data_metric`` (with ``group_by``),
 ``compute_timing_metrics`` (each stage's seconds averaged over ranks, as every rank times the same
 step), ``compute_throughput_metrics`` (the ranks' GPUs summed), ``process_validation_metrics`` (the
-samples in rank order) and numpy for the plain metrics. Tolerance: 1e-9 relative for float64 data;
-for float32 tensors ``1e-5`` relative (a row's float32 sum may differ from the concatenation's in
-its last bits, ~ width * 2**-24).
+samples in rank order) and numpy for the plain metrics and for each env's values (the number never
+per group). Tolerance: 1e-9 relative for float64 data; for float32 tensors ``1e-5`` relative (a
+row's float32 sum may differ from the concatenation's in its last bits, ~ width * 2**-24); 1e-12 for
+the grouped values.
 """
 
 from __future__ import annotations
