@@ -1,25 +1,12 @@
-"""The differential harness: every merged number equals the single-process computation on the
-concatenated batch of all ranks, on every backend and with both read patterns.
+"""The differential harness's tests: every metric family of ``tests/harness.py``'s ``METRICS`` on
+every backend of its ``BACKENDS``, with each backend's read patterns, equals the single-process
+computation on the concatenated batch of all ranks (a new metric family or backend is one row there;
+its docstring says how). ``test_a_mean_of_means_is_caught`` runs the harness with one merge replaced
+by a mean of means and checks it fails.
 
-A *scenario* (drawn by hypothesis) is W ranks and two steps. In every step each rank has its own
-batch (unequal sizes, empty shards too; single- or multi-turn; float32 or float64; a NaN or an
-infinity in the rewards where the scenario says so; data sources, missing or of mixed types, for
-``group_by``), its own phase timings and GPUs, its share of a validation round and a few plain
-metrics. Each rank runs the seed's calls on its shard: ``compute_local_data_metric`` (with
-``group_by="data_source"``), ``compute_local_timing_metrics``, ``compute_local_throughout_metrics``,
-``process_local_validation_metrics`` and ``submit_metric``, then ``wait_submit()``. The driver reads
-with ``wait_final_res()`` after the ranks (the seed's loop), or with ``result(step)``.
-
-The reference is one process on the concatenation: ``compute_data_metric`` (with ``group_by``),
-``compute_timing_metrics`` (each stage's seconds averaged over ranks, as every rank times the same
-step), ``compute_throughput_metrics`` (the ranks' GPUs summed), ``process_validation_metrics`` (the
-samples in rank order) and numpy for the plain metrics. Tolerance: 1e-9 relative for float64 data;
-for float32 tensors ``1e-5`` relative (a row's float32 sum may differ from the concatenation's in
-its last bits, ~ width * 2**-24).
-
-Backends: in-process threads (hypothesis, many scenarios), Ray actors (a few scenarios, one actor
-per rank) and torch.distributed gloo processes (3 ranks). ``test_a_mean_of_means_is_caught`` runs
-the harness with one merge replaced by a mean of means and checks it fails.
+The same scenarios and references under failures and other readers: a rank dead mid-step (the
+survivors' concatenation, with or without node sub-aggregators), a second reader with a short
+deadline, a run resumed on a detached aggregator after its driver was killed.
 
 Churned names through the sinks: local ranks break their samples down by tasks that are new at every
 step (``group/task/<task>/...``, each rank holding a few of them) and the driver logs each result
@@ -35,219 +22,52 @@ import pickle
 import subprocess
 import sys
 import threading
-import time
 import uuid
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings
 
 import rlmetrics
 from rlmetrics.backends import local
 from rlmetrics.sinks import make_sinks, read_jsonl
 
-torch = pytest.importorskip("torch")
+pytest.importorskip("torch")
 
 pytestmark = pytest.mark.torch
 
-from rlmetrics.metrics.data import compute_data_metric  # noqa: E402
-from rlmetrics.metrics.timing import compute_throughput_metrics, compute_timing_metrics  # noqa: E402
-from rlmetrics.metrics.validation import process_validation_metrics  # noqa: E402
-
-STEPS = 2
-STAGES = ("gen", "ref", "update_actor", "step")
-UNCHECKABLE = {"perf/process_cpu_mem_used_gb"}  # each process's own memory: no concatenation of it
-CHECKED: list[int] = []  # how many names each checked step compared
-SOURCES = ("gsm8k", "math")
-LABELS = ("gsm8k", "openai/gsm8k", None, float("nan"), "", 3)  # per-sequence data sources: missing, mixed
-
-
-# ------------------------------------------------------------------------------------------- scenarios
-@st.composite
-def scenarios(draw, world=None):
-    """A JSON-able description; the tensors are built from it (:func:`rank_step`)."""
-    w = world or draw(st.integers(1, 4))
-    steps = []
-    for _ in range(STEPS):
-        steps.append(
-            {
-                "sizes": draw(st.lists(st.integers(0, 5), min_size=w, max_size=w)),
-                "prompt": draw(st.integers(1, 4)),
-                "response": draw(st.integers(1, 6)),
-                "multi_turn": draw(st.booleans()),
-                "float64": draw(st.booleans()),
-                "bad": draw(st.sampled_from([None, math.nan, math.inf])),
-                "val": draw(st.lists(st.integers(0, 4), min_size=w, max_size=w)),
-            }
-        )
-    return {
-        "world": w,
-        "nan_strategy": draw(st.sampled_from(["propagate", "drop"])),
-        "seed": draw(st.integers(0, 2**31 - 1)),
-        "steps": steps,
-    }
-
-
-def draw_scenarios(n: int, world: int | None = None) -> list[dict]:
-    """``n`` scenarios drawn by hypothesis (for the backends that run them all in one go): the last
-    of ``5 n`` draws, past the simplest ones hypothesis starts with."""
-    out: list[dict] = []
-
-    @settings(max_examples=5 * n, database=None, derandomize=True, phases=[Phase.generate])
-    @given(scenarios(world))
-    def collect(sc):
-        out.append(sc)
-
-    collect()
-    return out[-n:]
-
-
-def rank_step(sc: dict, rank: int, step: int) -> dict:
-    """One rank's inputs of one step: batch, timing, GPUs, validation share and plain metrics."""
-    spec = sc["steps"][step]
-    g = torch.Generator().manual_seed(sc["seed"] * 7919 + step * 101 + rank)
-    rng = np.random.default_rng([sc["seed"], step, rank])
-    b, p, r = spec["sizes"][rank], spec["prompt"], spec["response"]
-    dtype = torch.float64 if spec["float64"] else torch.float32
-    lengths = torch.randint(0, r + 1, (b,), generator=g)  # 0: an aborted (empty) response
-    mask = (torch.arange(r)[None, :] < lengths[:, None]).long()
-    prompt_len = torch.randint(1, p + 1, (b,), generator=g)
-    prompt_mask = (torch.arange(p)[None, :] >= (p - prompt_len)[:, None]).long()  # left-padded
-    scores = torch.zeros(b, r, dtype=dtype)
-    ends = (lengths - 1).clamp(min=0)
-    scores[torch.arange(b), ends] = torch.randint(0, 2, (b,), generator=g).to(dtype) * (lengths > 0)
-    rewards = scores - 0.05 * mask.to(dtype)
-    if spec["bad"] is not None and b and rank == (step % sc["world"]):
-        rewards[0, 0] = spec["bad"]
-    batch = {
-        "responses": torch.randint(0, 9, (b, r), generator=g),
-        "prompts": torch.randint(0, 9, (b, p), generator=g),
-        "attention_mask": torch.cat([prompt_mask, mask], 1),
-        "response_mask": mask,
-        "token_level_scores": scores,
-        "token_level_rewards": rewards,
-        "advantages": torch.randn(b, r, generator=g, dtype=dtype) * mask,
-        "returns": torch.randn(b, r, generator=g, dtype=dtype) * mask,
-        "values": torch.randn(b, r, generator=g, dtype=dtype) * mask,
-    }
-    if spec["multi_turn"]:
-        batch["__num_turns__"] = torch.randint(1, 4, (b,), generator=g)
-    batch["data_source"] = [LABELS[i] for i in rng.integers(0, len(LABELS), b)]  # group_by's labels
-    n_val = spec["val"][rank]
-    infos = {"acc": rng.integers(0, 2, n_val).astype(float).tolist()}
-    infos["pred"] = [str(v) for v in rng.integers(0, 3, n_val)]
-    val = (
-        [SOURCES[i % 2] for i in range(n_val)],
-        [f"q{(rank + i) % 3}" for i in range(n_val)],  # a prompt's samples sit on several ranks
-        infos,
-        rng.integers(1, 3, n_val).tolist(),
-    )
-    return {
-        "batch": batch,
-        "timing": {s: float(rng.uniform(0.1, 2.0)) for s in STAGES},
-        "gpus": int(rng.integers(1, 3)),
-        "val": val,
-        "plain": {"x": rng.normal(size=int(rng.integers(1, 5))), "w": rng.uniform(0.5, 2.0), "n": 1.0 + rank},
-    }
-
-
-def run_rank(client, sc: dict, rank: int, step: int) -> None:
-    """The seed's calls of one rank for one step."""
-    d = rank_step(sc, rank, step)
-    w = sc["world"]
-    client.compute_local_data_metric(d["batch"], w, step, group_by="data_source")
-    client.compute_local_timing_metrics(d["batch"], d["timing"], w, step)
-    client.compute_local_throughout_metrics(d["batch"], d["timing"], d["gpus"], w, step)
-    if sum(sc["steps"][step]["val"]):
-        client.process_local_validation_metrics(*d["val"], world_size=w, step=step)
-    x = d["plain"]["x"]
-    client.submit_metric(
-        {"x/mean": x.tolist(), "x/max": torch.as_tensor(x), "x/std": x, "x/p90": x.tolist(),
-         "wx/mean": (x, d["plain"]["w"]), "n/total": d["plain"]["n"]},
-        w, step,
-    )  # fmt: skip
-    client.wait_submit(step=step)
-
-
-# ------------------------------------------------------------------------------------------- reference
-def expected(sc: dict, step: int, ranks: list[int] | None = None) -> dict[str, float]:
-    """The single-process computation on the concatenation of the inputs of ``step`` of all ranks
-    (or of ``ranks``)."""
-    parts = [rank_step(sc, r, step) for r in (range(sc["world"]) if ranks is None else ranks)]
-    batch = {k: torch.cat([p["batch"][k] for p in parts]) for k in parts[0]["batch"] if k != "data_source"}
-    batch["data_source"] = sum((p["batch"]["data_source"] for p in parts), [])
-    ns = sc["nan_strategy"]
-    want = dict(compute_data_metric(batch, nan_strategy=ns, group_by="data_source"))
-    timing = {s: float(np.mean([p["timing"][s] for p in parts])) for s in STAGES}
-    want.update({k.replace("timing_s/", "perf/delta_time/"): v
-                 for k, v in compute_timing_metrics(batch, timing, nan_strategy=ns).items()})  # fmt: skip
-    want.update(compute_throughput_metrics(batch, timing, sum(p["gpus"] for p in parts), nan_strategy=ns))
-    if sum(sc["steps"][step]["val"]):
-        cat = [sum((list(p["val"][i]) for p in parts), []) for i in (0, 1, 3)]
-        infos = {k: sum((p["val"][2][k] for p in parts), []) for k in parts[0]["val"][2]}
-        want.update(process_validation_metrics(cat[0], cat[1], infos, cat[2], nan_strategy=ns))
-    x = np.concatenate([p["plain"]["x"] for p in parts])
-    wx = np.concatenate([np.full(p["plain"]["x"].size, p["plain"]["w"]) for p in parts])
-    want.update({
-        "x/mean": x.mean(), "x/max": x.max(), "x/std": x.std(), "x/p90": float(np.quantile(x, 0.9)),
-        "wx/mean": float(np.average(x, weights=wx)), "n/total": sum(p["plain"]["n"] for p in parts),
-    })  # fmt: skip
-    return {k: float(v) for k, v in want.items() if k not in UNCHECKABLE}
-
-
-def check(sc: dict, step: int, got, ranks: list[int] | None = None) -> None:
-    """``got`` is ``step`` of ``sc``: complete and equal to the reference, or with ``ranks`` final,
-    partial and equal to the reference over those ranks alone."""
-    assert got.step == step, (got.step, step)
-    assert got.meta.complete == (ranks is None) and not got.meta.provisional, got.meta
-    want = expected(sc, step, ranks)
-    names = set(got) - UNCHECKABLE - {"meta/coverage", "meta/late"}
-    assert names == set(want), ("names differ", sorted(names ^ set(want)))
-    CHECKED.append(len(want))
-    rel = 1e-9 if sc["steps"][step]["float64"] else 1e-5
-    bad = {}
-    for k, v in want.items():
-        g = got[k]
-        if math.isnan(v) or math.isnan(g):
-            ok = math.isnan(v) and math.isnan(g)
-        else:
-            ok = math.isclose(g, v, rel_tol=rel, abs_tol=rel * 1e-3) or g == v
-        if not ok:
-            bad[k] = (g, v)
-    assert not bad, bad
-
-
-# ------------------------------------------------------------------------------------------- local
-def run_local(sc: dict, read: str) -> None:
-    name = f"diff-{uuid.uuid4().hex[:8]}"
-    w = sc["world"]
-    opts = {"nan_strategy": sc["nan_strategy"], "blocking": read == "final", "name": name}
-    clients = [rlmetrics.connect("local", world_size=w, label=f"rank{r}", rank=r, **opts) for r in range(w)]
-    driver = rlmetrics.connect("local", name=name)
-    try:
-        for step in range(STEPS):
-            threads = [
-                threading.Thread(target=run_rank, args=(c, sc, r, step)) for r, c in enumerate(clients)
-            ]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            got = driver.wait_final_res() if read == "final" else driver.result(step, timeout=30)
-            check(sc, step, got)
-    finally:
-        local.drop_worker(name)
+from tests.harness import (  # noqa: E402
+    EXAMPLES,
+    FINAL,
+    STEPS,
+    backend,
+    by_group,
+    cases,
+    check,
+    check_run,
+    draw_scenarios,
+    ray_ranks,
+    scenarios,
+    slow_last_rank,
+)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::UserWarning")
-@pytest.mark.parametrize("read", ["final", "result"])
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(sc=scenarios())
-def test_local_threads_equal_the_concatenated_batch(sc, read):
-    run_local(sc, read)
+@pytest.mark.parametrize("backend, read", cases())
+def test_every_backend_equals_the_concatenated_batch(backend, read, request):
+    """Every family of ``METRICS`` on ``backend`` read with ``read``: hypothesis scenarios one at a
+    time (``EXAMPLES`` of them), or ``backend.draws`` scenarios drawn up front and run in one go."""
+    if backend.draws is not None:
+        check_run(backend, request, draw_scenarios(backend.draws, backend.world), read)
+        return
+
+    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(sc=scenarios(backend.world))
+    def each(sc):
+        check_run(backend, request, [sc], read)
+
+    each()
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::UserWarning")
@@ -269,10 +89,10 @@ def test_a_mean_of_means_is_caught(monkeypatch):
     sc = {"world": 3, "nan_strategy": "propagate", "seed": 5,
           "steps": [{"sizes": [1, 5, 2], "prompt": 3, "response": 5, "multi_turn": False, "float64": True,
                      "bad": None, "val": [0, 0, 0]}] * STEPS}  # fmt: skip
-    run_local(sc, "final")  # the real merge passes
+    check_run(backend("local"), None, [sc], FINAL)  # the real merge passes
     monkeypatch.setattr(steps, "reduce_parts", mean_of_means)
     with pytest.raises(AssertionError):
-        run_local(sc, "final")
+        check_run(backend("local"), None, [sc], FINAL)
 
 
 # ------------------------------------------------------------------------ churned names, the sinks
@@ -302,15 +122,11 @@ def churn_expected(step: int) -> dict[str, float]:
     """numpy on the concatenation of all ranks' samples of ``step``; a name without samples is absent."""
     parts = [churn_rank_step(r, step) for r in range(CHURN_WORLD)]
     reward, length = (np.concatenate([p[k] for p in parts]) for k in ("reward", "length"))
-    task = np.array(sum((p["task"] for p in parts), []))
-    want = {"loss": float(np.mean([p["loss"] for p in parts]))}
-    subsets = [("", np.ones(len(task), bool))] + [(f"group/task/{t}/", task == t) for t in set(task)]
-    for prefix, keep in subsets:
-        if keep.any():
-            r, q = reward[keep], np.quantile(length[keep], 0.9)
-            want |= {f"{prefix}reward/mean": r.mean(), f"{prefix}reward/max": r.max(),
-                     f"{prefix}reward/std": r.std(), f"{prefix}length/p90": q}  # fmt: skip
-    return {k: float(v) for k, v in want.items()}
+    p90 = lambda v: np.quantile(v, 0.9)  # noqa: E731
+    columns = {"reward/mean": (reward, np.mean), "reward/max": (reward, np.max),
+               "reward/std": (reward, np.std), "length/p90": (length, p90)}  # fmt: skip
+    want = by_group("task", sum((p["task"] for p in parts), []), columns)
+    return {"loss": float(np.mean([p["loss"] for p in parts]))} | want
 
 
 def test_churned_group_names_through_the_sinks_equal_numpy_and_raise_no_alert(tmp_path):
@@ -352,7 +168,6 @@ def test_churned_group_names_through_the_sinks_equal_numpy_and_raise_no_alert(tm
 
 
 # -------------------------------------------------------------- two readers with different deadlines
-SLOW_RANK_S = 0.5  # the last rank's delay at every step
 DASHBOARD_TIMEOUT_S = 0.2  # the second reader's deadline: shorter than the slow rank's delay
 
 
@@ -390,12 +205,6 @@ def check_dashboard(seen: list) -> None:
     ]
 
 
-def slow_last_rank(client, sc: dict, rank: int, step: int) -> None:
-    if rank == sc["world"] - 1:
-        time.sleep(SLOW_RANK_S)
-    run_rank(client, sc, rank, step)
-
-
 @pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::UserWarning")
 def test_local_a_second_readers_short_deadline_finalizes_nothing():
     """Before, the dashboard's deadline finalized the step for everyone: the driver got every step
@@ -423,54 +232,6 @@ def test_local_a_second_readers_short_deadline_finalizes_nothing():
 
 
 # ------------------------------------------------------------------------------------------- Ray
-def ray_ranks(ray, n: int) -> list:
-    """``n`` rank actors; each connects once per aggregator name, as the options of its first step say."""
-
-    @ray.remote(num_cpus=0)
-    class Rank:
-        def __init__(self, rank):
-            self.rank = rank
-            self.clients = {}
-
-        def client(self, name, sc, blocking=True, hierarchy=None):
-            if name not in self.clients:
-                self.clients[name] = rlmetrics.connect(
-                    "ray", name=name, world_size=sc["world"], label=f"rank{self.rank}", rank=self.rank,
-                    nan_strategy=sc["nan_strategy"], blocking=blocking, hierarchy=hierarchy,
-                )  # fmt: skip
-            return self.clients[name].client_id
-
-        def step(self, name, sc, step, blocking=True, slow=False):
-            (slow_last_rank if slow else run_rank)(self.clients[name], sc, self.rank, step)
-
-    return [Rank.remote(r) for r in range(n)]
-
-
-@pytest.mark.ray
-@pytest.mark.slow
-@pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::UserWarning")
-def test_ray_actors_equal_the_concatenated_batch(ray_session):
-    ray = ray_session
-    actors = ray_ranks(ray, 4)
-    for i, sc in enumerate(draw_scenarios(4)):
-        read = ("final", "result")[i % 2]
-        name = f"diff-{uuid.uuid4().hex[:8]}"
-        worker = rlmetrics.get_metric_worker(name=name)
-        driver = rlmetrics.MetricClient(worker)
-        ranks = actors[: sc["world"]]
-        try:
-            ray.get([a.client.remote(name, sc, read == "final") for a in ranks])
-            for step in range(STEPS):
-                ray.get([a.step.remote(name, sc, step) for a in ranks])
-                check(
-                    sc, step, driver.wait_final_res() if read == "final" else driver.result(step, timeout=60)
-                )
-        finally:
-            ray.kill(worker)
-    for a in actors:
-        ray.kill(a)
-
-
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::UserWarning")
@@ -542,7 +303,7 @@ import ray, rlmetrics
 
 args = json.loads(sys.argv[1])
 sys.path.insert(0, args["root"])
-from tests.test_differential import STEPS  # noqa: E402
+from tests.harness import STEPS  # noqa: E402
 
 ray.init(address=args["address"], namespace=args["namespace"], logging_level="ERROR", log_to_driver=False)
 sc = pickle.loads(open(args["scenario"], "rb").read())
@@ -561,7 +322,7 @@ class Rank:
         )
 
     def step(self, step):
-        from tests.test_differential import run_rank
+        from tests.harness import run_rank
 
         run_rank(self.client, sc, self.rank, step)
 
@@ -625,49 +386,3 @@ def test_ray_a_run_resumed_on_a_detached_aggregator_never_merges_the_killed_runs
     finally:
         second.kill()
         ray.kill(ray.get_actor("resumed", namespace=common["namespace"]))
-
-
-# ------------------------------------------------------------------------------------------- torch
-TORCH_WORLD = 3
-
-
-def _torch_rank(rank: int, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    scs = pickle.loads((Path(out_dir) / "scenarios.pkl").read_bytes())
-    dist.init_process_group(
-        "gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=TORCH_WORLD,
-        timeout=timedelta(seconds=60),
-    )  # fmt: skip
-    results = []
-    try:
-        for sc in scs:
-            client = rlmetrics.connect("torch", nan_strategy=sc["nan_strategy"])
-            for step in range(STEPS):
-                run_rank(client, sc, rank, step)
-                results.append(client.wait_final_res() if step % 2 else client.result(step))
-    finally:
-        dist.destroy_process_group()
-    (Path(out_dir) / f"rank{rank}.pkl").write_bytes(pickle.dumps(results))
-
-
-@pytest.mark.slow
-@pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::UserWarning")
-def test_torch_gloo_ranks_equal_the_concatenated_batch(tmp_path):
-    scs = draw_scenarios(4, world=TORCH_WORLD)
-    (tmp_path / "scenarios.pkl").write_bytes(pickle.dumps(scs))
-    proc = subprocess.run(
-        [sys.executable, __file__, str(tmp_path)], capture_output=True, text=True, timeout=240
-    )
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    for rank in range(TORCH_WORLD):
-        results = iter(pickle.loads((tmp_path / f"rank{rank}.pkl").read_bytes()))
-        for sc in scs:
-            for step in range(STEPS):
-                check(sc, step, next(results))
-
-
-if __name__ == "__main__":
-    import torch.multiprocessing as mp
-
-    mp.spawn(_torch_rank, args=(sys.argv[1],), nprocs=TORCH_WORLD, join=True)

@@ -11,7 +11,7 @@ client calls ``wait_final_res()``. A validation round (``Validator.validate`` th
 ``process_local_validation_metrics`` on each dp shard.
 
 Every value is checked against the single-process computation on the concatenated dp shards
-(``tests/test_differential.py``'s inputs and reference), and every read returns at once although
+(``tests/harness.py``'s inputs and reference), and every read returns at once although
 ``final_timeout`` is 60 s: the tp ranks that only call ``wait_submit()`` are never waited for.
 """
 
@@ -24,12 +24,12 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("hypothesis")  # tests.test_differential imports it
+pytest.importorskip("hypothesis")  # tests.harness imports it
 
 import rlmetrics  # noqa: E402
 from rlmetrics import MetricClient  # noqa: E402
 from rlmetrics.metrics.timing import compute_throughput_metrics, compute_timing_metrics  # noqa: E402
-from tests.test_differential import expected, rank_step  # noqa: E402
+from tests.harness import expected, rank_step  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.ray, pytest.mark.slow]
 
@@ -39,7 +39,7 @@ QUICK = 10.0  # a read that waited for no deadline returns well within this
 
 
 def spec(val: list[int]) -> dict:
-    """One step of a test_differential scenario: float64 shards of unequal size, no bad value."""
+    """One step of a harness scenario (``tests/harness.py``): float64 shards of unequal size, no bad value."""
     return {
         "sizes": [3, 5], "prompt": 4, "response": 6, "multi_turn": True, "float64": True,
         "bad": None, "val": val,
@@ -49,6 +49,7 @@ def spec(val: list[int]) -> dict:
 # steps 0 and 2: training; 1 and 3: validation rounds (a prompt's samples sit on both dp ranks)
 SC = {"world": DP, "nan_strategy": "propagate", "seed": 11, "steps": [spec([0, 0]), spec([4, 3])] * 2}
 TRAIN, VALIDATE = (0, 2), (1, 3)
+TRAIN_FAMILIES = ("data", "throughput", "plain")  # tests.harness.METRICS rows a training step submits
 
 
 def node_metrics(d: dict) -> dict:
@@ -61,8 +62,8 @@ def node_metrics(d: dict) -> dict:
 def want_train(step: int) -> dict[str, float]:
     """The reference of a training step: the concatenation's data, throughput and node metrics
     (``expected``), rank 0's timings alone (siiRL submits them from rank 0 with ``world_size=1``)."""
-    skip = ("perf/delta_time/", "timing_", "group/")  # group/: expected's group_by, which siiRL does not pass
-    want = {k: v for k, v in expected(SC, step).items() if not k.startswith(skip)}
+    skip = "group/"  # the data family's group_by, which siiRL does not pass
+    want = {k: v for k, v in expected(SC, step, metrics=TRAIN_FAMILIES).items() if not k.startswith(skip)}
     shards = [rank_step(SC, r, step) for r in range(DP)]
     cat = {k: torch.cat([d["batch"][k] for d in shards]) for k in shards[0]["batch"] if k != "data_source"}
     mean_timing = {s: float(np.mean([d["timing"][s] for d in shards])) for s in shards[0]["timing"]}
@@ -127,7 +128,7 @@ def test_siirl_dagworker_pattern_dp_by_tp_equals_the_concatenated_shards(ray_ses
                 want = want_train(step)
             else:
                 ray.get([w.validate.remote(step) for w in workers])
-                want = {k: v for k, v in expected(SC, step).items() if k.startswith("val")}
+                want = expected(SC, step, metrics=("validation",))
             res, took, caught = ray.get(workers[0].wait_final_res.remote())
             assert took < QUICK, f"step {step}: wait_final_res took {took:.1f} s (waited for a deadline?)"
             assert not caught, caught
@@ -142,7 +143,7 @@ def test_siirl_dagworker_pattern_dp_by_tp_equals_the_concatenated_shards(ray_ses
 
 
 def check_values(res, want: dict[str, float], step: int) -> None:
-    """``tests.test_differential.check``'s comparison, on the names of ``want``."""
+    """``tests.harness.check``'s comparison, on the names of ``want``."""
     own = ("meta/coverage", "meta/late", "perf/process_cpu_mem_used_gb")  # not of the data
     got = {k: v for k, v in res.items() if k not in own}
     assert set(got) == set(want), ("names differ", step, sorted(set(got) ^ set(want)))
