@@ -6,7 +6,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rlmetrics.metrics import analysis, catalog
+from examples import seed_metrics
+from rlmetrics.metrics import catalog
 from rlmetrics.metrics.data import compute_data_metric
 from rlmetrics.metrics.timing import compute_throughput_metrics, compute_timing_metrics
 from rlmetrics.metrics.validation import process_validation_metrics
@@ -40,7 +41,7 @@ def produced_names() -> set[str]:
         exact=True,
     )
     names |= set(val)
-    for module in (analysis.custom, analysis.advanced, analysis.model, analysis.conversation):
+    for module in (seed_metrics.custom, seed_metrics.advanced, seed_metrics.model, seed_metrics.conversation):
         for value in vars(module).values():  # the name tuples of the seed's example metrics
             if isinstance(value, tuple) and value and all(isinstance(v, str) and "/" in v for v in value):
                 names |= set(value)

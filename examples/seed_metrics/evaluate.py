@@ -15,17 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
-from rlmetrics.extras import require
+from rlmetrics import MetricValueError, Sketch, Stat, resolve
 from rlmetrics.host import HostPlan
 from rlmetrics.metrics.batch import as_batch
-from rlmetrics.reduce import resolve
-from rlmetrics.sketch import Sketch
-from rlmetrics.stat import Stat
 from rlmetrics.summary import NAN_STRATEGIES, summarize
-from rlmetrics.values import MetricValueError
-
-torch = require("torch", "torch")
 
 
 @dataclass(frozen=True)
@@ -95,7 +90,7 @@ def evaluate(
     """The statistics of ``planners`` on ``data``, with one device-to-host copy."""
     if nan_strategy not in NAN_STRATEGIES:
         raise ValueError(f"nan_strategy must be one of {NAN_STRATEGIES}, got {nan_strategy!r}")
-    data = as_batch(data, "rlmetrics.metrics.analysis")
+    data = as_batch(data, "seed_metrics")
     call = Call(chunk_elements, nan_strategy == "drop")
     for planner in planners:
         planner(data, call)

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlmetrics.extras import require
-from rlmetrics.metrics.analysis.entropy import POLICY_ENTROPY_EPS, chunked_entropy, policy_entropy
-from rlmetrics.metrics.analysis.evaluate import Call, Out, as_tensor, floats_of, get, obs, stats_of, summary
-from rlmetrics.metrics.analysis.tokens import Rows, rows_of
-from rlmetrics.metrics.batch import as_batch
-from rlmetrics.stat import Stat
+import torch
 
-torch = require("torch", "torch")
+from rlmetrics import Stat
+from rlmetrics.metrics.batch import as_batch
+
+from .entropy import POLICY_ENTROPY_EPS, chunked_entropy, policy_entropy
+from .evaluate import Call, Out, as_tensor, floats_of, get, obs, stats_of, summary
+from .tokens import Rows, rows_of
 
 TOKEN_ACCURACY = ("custom/token_accuracy/mean",)
 RESPONSE_QUALITY = (
