@@ -88,7 +88,8 @@ The code: :mod:`~seed_metrics.evaluate` (planners, one host copy, the two views)
 :mod:`~seed_metrics.entropy`, and one module per example of the seed:
 :mod:`~seed_metrics.custom` (Method 1), :mod:`~seed_metrics.advanced`
 (Method 4), :mod:`~seed_metrics.model` (Example 1),
-:mod:`~seed_metrics.conversation` (Example 2); the whole pack here.
+:mod:`~seed_metrics.conversation` (Example 2); the whole pack here. Its metric names and how
+ranks merge them: :data:`CATALOG` (``rlmetrics.metrics.catalog.markdown_table(CATALOG)``).
 """  # noqa: E501
 
 from __future__ import annotations
@@ -143,8 +144,28 @@ from .model import (
     plan_model,
 )
 
+CATALOG: tuple[tuple[str, str], ...] = (
+    ("custom/token_accuracy/mean", "share of tokens marked correct (correct_tokens)"),
+    ("custom/response_quality/{mean,max,min}", "distinct tokens per response (vocabulary diversity)"),
+    ("training/policy_entropy/mean", "policy entropy over response tokens"),
+    ("training/grad_norm/mean", "gradient norm"),
+    ("training/loss/{mean,std}", "loss"),
+    ("analysis/coherence/{mean,std,median}", "1 / (1 + variance of the response tokens)"),
+    ("analysis/transition_diversity/mean", "distinct / total token bigrams"),
+    ("analysis/{unique,total}_transitions/total", "distinct / all token bigrams (distinct: sum of ranks')"),
+    ("analysis/reward_distribution/{mean,std,median,min,max,p25,p75}", "sequence rewards"),
+    ("analysis/reward_{positive,negative,zero}_ratio/mean", "share of sequences with reward > 0, < 0, = 0"),
+    ("analysis/reward_nonzero_token_ratio/mean", "share of response tokens with a non-zero reward"),
+    ("model/attention_entropy/mean", "entropy of attention weights"),
+    ("model/prompt_attention_ratio/mean", "attention mass on prompt keys"),
+    ("model/hidden_norm/{mean,std}", "L2 norm of hidden states"),
+    ("conversation/quality/{mean,std,min,max}", "0.3 length fit + 0.3 vocabulary + 0.4 non-repetition"),
+)
+"""(pattern, meaning) of every metric of the pack, as :data:`rlmetrics.metrics.catalog.CATALOG` lists
+the library's (the table of ``docs/metrics.md``, "The example pack")."""
+
 __all__ = [
-    "ATTENTION_ENTROPY_EPS", "CPU_CHUNK_ELEMENTS", "DEVICE_CHUNK_ELEMENTS", "POLICY_ENTROPY_EPS",
+    "ATTENTION_ENTROPY_EPS", "CATALOG", "CPU_CHUNK_ELEMENTS", "DEVICE_CHUNK_ELEMENTS", "POLICY_ENTROPY_EPS",
     "TARGET_LENGTH",
     "analyze_reward_distribution", "analyze_token_transitions", "attention_entropy",
     "compute_advanced_metrics", "compute_advanced_stats", "compute_conversation_quality_metrics",
