@@ -32,18 +32,19 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 from rlmetrics.derived import without_reserved
 from rlmetrics.groups import Labels, grouped_values, split_grouped
 from rlmetrics.messages import (
+    Close,
     LateDataWarning,
     NonFiniteWarning,
     PartialStepWarning,
     ProvisionalWarning,
     StepResult,
     StepWarning,
+    Submission,
     SubmissionError,
     WorldSizeWarning,
     caller_level,
 )
 from rlmetrics.packing import MAX_WORLD_SIZE, Packed, pack, pack_known
-from rlmetrics.server import Close, Submission
 from rlmetrics.stat import NAN_STRATEGIES, MetricValueError
 
 T = TypeVar("T")

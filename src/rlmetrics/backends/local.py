@@ -22,8 +22,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from rlmetrics.client import SyncTransport, identity
-from rlmetrics.messages import Reply, StepResult, SubmissionError
-from rlmetrics.server import Close, Server, Submission
+from rlmetrics.messages import Close, Message, Reply, StepResult, Submission, SubmissionError
+from rlmetrics.server import Server
 
 _WORKERS: dict[str, LocalMetricWorker] = {}  # named in-process aggregators, like Ray's named actors
 _WORKERS_LOCK = threading.Lock()
@@ -72,7 +72,7 @@ class LocalMetricWorker(SyncTransport):
             return Reply({str(who)[:80]: str(exc)}, self.server.incarnation)
         with self._cond:
             self._finalize_due()  # first: data after its step's deadline is late, as on Ray
-            reply = self.server.receive(client_id, items, close, resync, session)
+            [reply] = self.server.handle([Message(client_id, items, close, resync, session)])
             self._cond.notify_all()
         return reply
 
@@ -114,10 +114,7 @@ class LocalMetricWorker(SyncTransport):
 
     def _finalize_due(self) -> None:
         """Finalize the steps whose own deadline passed (with the lock held)."""
-        due = self.server.due_steps()
-        for step in due:
-            self.server.finalize(step)
-        if due:
+        if self.server.finalize_due():
             self._cond.notify_all()
 
 

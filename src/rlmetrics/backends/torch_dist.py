@@ -99,9 +99,9 @@ from rlmetrics.backends.torch_exchange import (
 from rlmetrics.client import ClientCore, SyncTransport, identity
 from rlmetrics.compute_local import ComputeLocal
 from rlmetrics.extras import require
-from rlmetrics.messages import Reply, StepMeta, StepResult
+from rlmetrics.messages import Reply, StepMeta, StepResult, Submission
 from rlmetrics.packing import Packed, Schema
-from rlmetrics.server import Submission, make_reply, merge_items
+from rlmetrics.server import merge_items
 from rlmetrics.sketch import Sketch
 from rlmetrics.stat import empty_arrays, merge_arrays
 from rlmetrics.states import State, decode_state, encode_state
@@ -180,7 +180,7 @@ class TorchDistTransport(SyncTransport):
                 errors[f"{client_id}/{step}/{seq}"] = (
                     f"step {step}: already collected by wait_submit() (now at step {self.next_step})"
                 )
-            return make_reply(self._engine, errors, "torch")
+            return Reply(errors, "torch", *self._engine.finalized_state())
 
     def result(self, step: int, timeout: float | None = None, finalize: bool = False) -> StepResult:
         """The result of a collected step (final: every step is, once collected); waits up to

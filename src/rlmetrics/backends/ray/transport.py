@@ -13,8 +13,7 @@ from typing import Any
 from rlmetrics.backends.ray import compat
 from rlmetrics.backends.ray.compat import ray
 from rlmetrics.client import AggregatorRestarted
-from rlmetrics.messages import Reply, StepResult
-from rlmetrics.server import Submission
+from rlmetrics.messages import Reply, StepResult, Submission
 from rlmetrics.wire import encode
 
 _KNOWN_LIMIT = 512  # schema ids a transport remembers the actor has
