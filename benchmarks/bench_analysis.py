@@ -1,4 +1,4 @@
-"""The seed's example metric pack, vectorised (rlmetrics.metrics.analysis), against its loop references.
+"""The seed's example metric pack, vectorised (examples/seed_metrics), against its loop references.
 
 A batch of B sequences (prompt P, response R; Zipf-distributed token ids, so bigrams repeat; random
 response lengths from 0 to R) with every input the seed's examples read: ``correct_tokens``,
@@ -9,10 +9,10 @@ one only adds equal time to both sides), ``loss_values``, ``grad_norm``, and mod
 
 - **loop references** (``ref_*`` below): the seed's example functions as its docs write them, a Python
   loop per sequence with ``.item()`` per token where the seed has one; the reward distribution, which
-  the seed only names, as defined in rlmetrics.metrics.analysis, with a loop per sequence.
+  the seed only names, as defined in examples/seed_metrics, with a loop per sequence.
   ``float_dtype`` sets the precision of the floating-point statistics (the seed's ``.float()``,
-  float32; float64 here by default, to compare tightly). The tests check the library against these.
-- **vectorised**: the ``compute_*`` functions of rlmetrics.metrics.analysis (dict view, one host copy).
+  float32; float64 here by default, to compare tightly). The tests check the pack against these.
+- **vectorised**: the ``compute_*`` functions of examples/seed_metrics (dict view, one host copy).
 
 Every row asserts that both sides give the same numbers (relative 1e-9, NaN equal to NaN). Timed: the
 fastest of ``reps`` calls after one warm-up call, of ``3 * reps`` for the fast vectorised side (as
@@ -28,16 +28,19 @@ Run: ``make bench``, or
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import report
 import torch
 
-from rlmetrics.metrics import analysis as an
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's root: its examples package
+from examples import seed_metrics as an  # noqa: E402
 
 FULL = {"B": 256, "R": 1024, "P": 512}
 QUICK = {"B": 32, "R": 256, "P": 128}

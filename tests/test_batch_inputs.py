@@ -9,9 +9,9 @@ import torch
 from tensordict import TensorDict
 
 import rlmetrics
+from examples.seed_metrics import compute_example_metrics, compute_example_stats
 from rlmetrics.backends import local
 from rlmetrics.core.stat import MetricValueError
-from rlmetrics.metrics.analysis import compute_example_metrics, compute_example_stats
 from rlmetrics.metrics.data import compute_data_metric, compute_data_stats
 from rlmetrics.metrics.timing import (
     compute_throughput_metrics,

@@ -6,8 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from examples import seed_metrics
 from rlmetrics.core.reduce import DEFAULT_RENAMES, rename
-from rlmetrics.metrics import analysis, catalog
+from rlmetrics.metrics import catalog
 from rlmetrics.metrics.data import compute_data_metric
 from rlmetrics.metrics.timing import compute_throughput_metrics, compute_timing_metrics
 from rlmetrics.metrics.validation import process_validation_metrics
@@ -15,6 +16,7 @@ from rlmetrics.metrics.validation import process_validation_metrics
 pytestmark = pytest.mark.torch
 
 METRICS_DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
+REFERENCE = catalog.CATALOG + seed_metrics.CATALOG  # the library's metrics, then the example pack's
 
 
 def produced_names() -> set[str]:
@@ -40,8 +42,14 @@ def produced_names() -> set[str]:
         exact=True,
     )
     names |= set(val)
-    for module in (analysis.custom, analysis.advanced, analysis.model, analysis.conversation):
-        for value in vars(module).values():  # the name tuples of the seed's example metrics
+    return names | example_names()
+
+
+def example_names() -> set[str]:
+    """The names of the seed's example metrics (examples/seed_metrics): the name tuples of its modules."""
+    names: set[str] = set()
+    for module in (seed_metrics.custom, seed_metrics.advanced, seed_metrics.model, seed_metrics.conversation):
+        for value in vars(module).values():
             if isinstance(value, tuple) and value and all(isinstance(v, str) and "/" in v for v in value):
                 names |= set(value)
     return names
@@ -50,14 +58,20 @@ def produced_names() -> set[str]:
 def test_every_produced_name_is_in_the_reference():
     names = produced_names()
     assert len(names) > 150
-    missing = sorted(n for n in names if not any(catalog.covers(p, n) for p, _ in catalog.CATALOG))
+    missing = sorted(n for n in names if not any(catalog.covers(p, n) for p, _ in REFERENCE))
     assert missing == []
 
 
 def test_every_reference_name_without_placeholders_is_produced():
     names = produced_names()
-    stale = [n for p, _ in catalog.CATALOG for n in catalog.expand(p) if "<" not in n and n not in names]
+    stale = [n for p, _ in REFERENCE for n in catalog.expand(p) if "<" not in n and n not in names]
     assert stale == []
+
+
+def test_the_library_reference_lists_no_example_metric():
+    """The example pack documents its own names (seed_metrics.CATALOG); the library claims none of them."""
+    claimed = sorted(n for n in example_names() if any(catalog.covers(p, n) for p, _ in catalog.CATALOG))
+    assert claimed == []
 
 
 def test_metrics_doc_carries_the_generated_table():
@@ -65,3 +79,6 @@ def test_metrics_doc_carries_the_generated_table():
     block = re.search(r"<!-- metric-reference -->\n(.*?)<!-- /metric-reference -->", text, re.S)
     assert block is not None, "docs/metrics.md lacks the metric-reference markers"
     assert block.group(1) == catalog.markdown_table(), "run: python -m rlmetrics.metrics.catalog"
+    example = re.search(r"<!-- example-reference -->\n(.*?)<!-- /example-reference -->", text, re.S)
+    assert example is not None, "docs/metrics.md lacks the example-reference markers"
+    assert example.group(1) == catalog.markdown_table(seed_metrics.CATALOG)

@@ -9,9 +9,9 @@ import torch
 from tensordict import TensorDict
 
 import rlmetrics
+from examples.seed_metrics import compute_example_metrics, compute_example_stats
 from rlmetrics.backends import local
 from rlmetrics.core.stat import MetricValueError, Stat
-from rlmetrics.metrics.analysis import compute_example_metrics, compute_example_stats
 from rlmetrics.metrics.data import data_metrics_from_stats
 from rlmetrics.metrics.timing import compute_throughput_metrics, compute_timing_metrics
 

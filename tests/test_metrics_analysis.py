@@ -1,8 +1,8 @@
-"""Tests of rlmetrics.metrics.analysis: every example metric equals its loop reference, merges exactly,
-computes entropy in bounded memory and reads the device once.
+"""Tests of examples/seed_metrics, the seed's example pack: every example metric equals its loop
+reference, merges exactly, computes entropy in bounded memory and reads the device once.
 
 The loop references are the seed's example functions as its docs write them (a Python loop per
-sequence); they live in benchmarks/bench_analysis.py, which times the library against them.
+sequence); they live in benchmarks/bench_analysis.py, which times the pack against them.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from examples import seed_metrics as an
+from examples.seed_metrics.evaluate import Call
 from rlmetrics.core.reduce import STD, resolve
-from rlmetrics.metrics import analysis as an
-from rlmetrics.metrics.analysis.evaluate import Call
 
 REL = 1e-10
 pytestmark = [

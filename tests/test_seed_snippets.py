@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.torch, pytest.mark.ray]
 
 USAGE_PATTERN = """
 from rlmetrics import MetricClient, MetricWorker
-from rlmetrics.metrics.analysis import compute_advanced_metrics
+from examples.seed_metrics import compute_advanced_metrics
 
 # Initialize metric worker and client
 metric_worker = MetricWorker.remote()
@@ -49,7 +49,7 @@ final_metrics = metric_client.wait_final_res()
 
 SUBMIT_METRICS = """
 from rlmetrics import MetricClient
-from rlmetrics.metrics.analysis import compute_custom_data_metrics
+from examples.seed_metrics import compute_custom_data_metrics
 
 # In your DAG worker or training script
 custom_metrics = compute_custom_data_metrics(batch)

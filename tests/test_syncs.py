@@ -1,9 +1,10 @@
 """Device→host synchronisations per call, counted on an accelerator emulated on the CPU (tests/syncs.py).
 
-Every ``compute_*`` / ``analyze_*`` function of :mod:`rlmetrics.metrics` (data, timing and throughput,
-the analysis pack) and ``submit_metric`` of tensors wait for the device at most once per call,
-whatever the batch (several shapes, optional keys present or not, an empty batch), and give the same
-numbers as on the CPU. The counter itself is checked first: it sees each kind of sync, once.
+Every ``compute_*`` / ``analyze_*`` function of :mod:`rlmetrics.metrics` (data, timing and throughput)
+and of the example pack (examples/seed_metrics) and ``submit_metric`` of tensors wait for the device
+at most once per call, whatever the batch (several shapes, optional keys present or not, an empty
+batch), and give the same numbers as on the CPU. The counter itself is checked first: it sees each
+kind of sync, once.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import rlmetrics  # noqa: E402
-from rlmetrics import Stat, stat  # noqa: E402
+from examples import seed_metrics as analysis  # noqa: E402
+from rlmetrics import Stat  # noqa: E402
 from rlmetrics.backends import local  # noqa: E402
+from rlmetrics.core import stat  # noqa: E402
 from rlmetrics.core.host import _device_to_host, _pinned_to_host, to_host  # noqa: E402
-from rlmetrics.metrics import analysis, data, timing  # noqa: E402
+from rlmetrics.metrics import data, timing  # noqa: E402
 from tests.syncs import DEVICE, DeviceTensor, SyncCounter, on_device  # noqa: E402
 
 pytestmark = pytest.mark.torch

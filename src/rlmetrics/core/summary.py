@@ -8,8 +8,8 @@ caller that refuses them). A numpy input is summarized with numpy, a torch tenso
 own device, without data-dependent shapes (no host sync): the caller moves the results to the host
 in one copy (:mod:`rlmetrics.core.host`). Every summary of the package goes through it:
 :meth:`Stat.of <rlmetrics.core.stat.Stat.of>` (numpy and torch), :func:`stats_of_rows` (the aggregator's
-single observations), the per-sequence and device summaries of :mod:`rlmetrics.metrics.data` and
-:mod:`rlmetrics.metrics.analysis`.
+single observations), the per-sequence and device summaries of :mod:`rlmetrics.metrics.data` (and
+of the example pack, ``examples/seed_metrics``).
 
 >>> summarize(np.array([1.0, 2.0, 3.0, 10.0]), keep=np.array([1, 1, 1, 0]) != 0).tolist()
 [3.0, 6.0, 2.0, 1.0, 3.0]

@@ -74,22 +74,6 @@ CATALOG: tuple[tuple[str, str], ...] = (
     ),
     ("val-aux/num_turns/{min,max,mean}", "turns per validation sample"),
     ("val/test_score/<source>", "mean reward of a data source"),
-    # the seed's example pack (rlmetrics.metrics.analysis)
-    ("custom/token_accuracy/mean", "share of tokens marked correct (correct_tokens)"),
-    ("custom/response_quality/{mean,max,min}", "distinct tokens per response (vocabulary diversity)"),
-    ("training/policy_entropy/mean", "policy entropy over response tokens"),
-    ("training/grad_norm/mean", "gradient norm"),
-    ("training/loss/{mean,std}", "loss"),
-    ("analysis/coherence/{mean,std,median}", "1 / (1 + variance of the response tokens)"),
-    ("analysis/transition_diversity/mean", "distinct / total token bigrams"),
-    ("analysis/{unique,total}_transitions/total", "distinct / all token bigrams (distinct: sum of ranks')"),
-    ("analysis/reward_distribution/{mean,std,median,min,max,p25,p75}", "sequence rewards"),
-    ("analysis/reward_{positive,negative,zero}_ratio/mean", "share of sequences with reward > 0, < 0, = 0"),
-    ("analysis/reward_nonzero_token_ratio/mean", "share of response tokens with a non-zero reward"),
-    ("model/attention_entropy/mean", "entropy of attention weights"),
-    ("model/prompt_attention_ratio/mean", "attention mass on prompt keys"),
-    ("model/hidden_norm/{mean,std}", "L2 norm of hidden states"),
-    ("conversation/quality/{mean,std,min,max}", "0.3 length fit + 0.3 vocabulary + 0.4 non-repetition"),
 )
 """(pattern, meaning) of every built-in metric, in the order of ``docs/metrics.md``."""
 
@@ -134,10 +118,11 @@ def merge_of(pattern: str) -> str:
     return " / ".join(found)
 
 
-def markdown_table() -> str:
-    """The metric reference as a markdown table (the one of ``docs/metrics.md``)."""
+def markdown_table(rows: tuple[tuple[str, str], ...] = CATALOG) -> str:
+    """The metric reference as a markdown table (the one of ``docs/metrics.md``): of the built-in
+    metrics, or of your own ``(pattern, meaning)`` rows (``examples/seed_metrics`` documents its names so)."""
     lines = ["| name | meaning | merged over ranks |", "|---|---|---|"]
-    lines += [f"| `{p}` | {meaning} | {merge_of(p)} |" for p, meaning in CATALOG]
+    lines += [f"| `{p}` | {meaning} | {merge_of(p)} |" for p, meaning in rows]
     return "\n".join(lines) + "\n"
 
 

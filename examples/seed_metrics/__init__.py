@@ -1,4 +1,18 @@
-"""The seed's example metrics ("Custom Metrics Implementation"), vectorised and exact under merging.
+"""An example of custom metrics on rlmetrics: the seed's "Custom Metrics Implementation" examples,
+vectorised and exact under merging. Not part of the library: the library ships the data, timing and
+validation metrics; this package shows how a user writes metrics of their own on its public API.
+
+Run from the root of a source checkout (``examples`` on the path); the tests import it as
+``examples.seed_metrics``::
+
+    from examples.seed_metrics import compute_example_stats
+    client.submit_metric(compute_example_stats(batch), world_size)  # Stats: merged exactly over ranks
+
+What it uses of rlmetrics: :class:`rlmetrics.Stat` (what a rank submits), :func:`rlmetrics.resolve`
+(the reduction of a name), :class:`rlmetrics.Sketch`, and the host planner the library's data metrics
+use too, :class:`rlmetrics.core.host.HostPlan`: each metric queues its device tensors with a reader, one
+copy brings them all to the host (:mod:`~seed_metrics.evaluate` adds the call's options and the
+two views below on top of it).
 
 Every example function of the seed keeps its name, its metric names and its per-rank numbers, without
 a Python loop over the batch or the sequence: per-row statistics come from masks and cumsums, distinct
@@ -69,12 +83,13 @@ int64); larger ids raise ``ValueError``.
 >>> compute_token_transition_stats(data)["analysis/unique_transitions/total"].sum
 3.0
 
-The code: :mod:`~rlmetrics.metrics.analysis.evaluate` (planners, one host copy, the two views),
-:mod:`~rlmetrics.metrics.analysis.tokens` (distinct tokens and bigrams),
-:mod:`~rlmetrics.metrics.analysis.entropy`, and one module per example of the seed:
-:mod:`~rlmetrics.metrics.analysis.custom` (Method 1), :mod:`~rlmetrics.metrics.analysis.advanced`
-(Method 4), :mod:`~rlmetrics.metrics.analysis.model` (Example 1),
-:mod:`~rlmetrics.metrics.analysis.conversation` (Example 2); the whole pack here.
+The code: :mod:`~seed_metrics.evaluate` (planners, one host copy, the two views),
+:mod:`~seed_metrics.tokens` (distinct tokens and bigrams),
+:mod:`~seed_metrics.entropy`, and one module per example of the seed:
+:mod:`~seed_metrics.custom` (Method 1), :mod:`~seed_metrics.advanced`
+(Method 4), :mod:`~seed_metrics.model` (Example 1),
+:mod:`~seed_metrics.conversation` (Example 2); the whole pack here. Its metric names and how
+ranks merge them: :data:`CATALOG` (``rlmetrics.metrics.catalog.markdown_table(CATALOG)``).
 """  # noqa: E501
 
 from __future__ import annotations
@@ -82,9 +97,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from rlmetrics.core.stat import Stat
-from rlmetrics.extras import require
-from rlmetrics.metrics.analysis.advanced import (
+import torch  # noqa: F401  (the doctests use it)
+
+from rlmetrics import Stat
+
+from .advanced import (
     ADVANCED,
     analyze_reward_distribution,
     analyze_token_transitions,
@@ -94,7 +111,7 @@ from rlmetrics.metrics.analysis.advanced import (
     compute_sequence_coherence,
     compute_token_transition_stats,
 )
-from rlmetrics.metrics.analysis.conversation import (
+from .conversation import (
     TARGET_LENGTH,
     compute_conversation_quality_metrics,
     compute_conversation_quality_stats,
@@ -103,7 +120,7 @@ from rlmetrics.metrics.analysis.conversation import (
     conversation_quality_scores,
     plan_conversation,
 )
-from rlmetrics.metrics.analysis.custom import (
+from .custom import (
     compute_custom_data_metrics,
     compute_custom_data_stats,
     compute_custom_training_metrics,
@@ -112,7 +129,7 @@ from rlmetrics.metrics.analysis.custom import (
     plan_custom_data,
     plan_custom_training,
 )
-from rlmetrics.metrics.analysis.entropy import (
+from .entropy import (
     ATTENTION_ENTROPY_EPS,
     CPU_CHUNK_ELEMENTS,
     DEVICE_CHUNK_ELEMENTS,
@@ -120,17 +137,35 @@ from rlmetrics.metrics.analysis.entropy import (
     attention_entropy,
     policy_entropy,
 )
-from rlmetrics.metrics.analysis.evaluate import Planner, floats_of, stats_of
-from rlmetrics.metrics.analysis.model import (
+from .evaluate import Planner, floats_of, stats_of
+from .model import (
     compute_model_performance_metrics,
     compute_model_performance_stats,
     plan_model,
 )
 
-torch = require("torch", "torch")  # (the doctests use it)
+CATALOG: tuple[tuple[str, str], ...] = (
+    ("custom/token_accuracy/mean", "share of tokens marked correct (correct_tokens)"),
+    ("custom/response_quality/{mean,max,min}", "distinct tokens per response (vocabulary diversity)"),
+    ("training/policy_entropy/mean", "policy entropy over response tokens"),
+    ("training/grad_norm/mean", "gradient norm"),
+    ("training/loss/{mean,std}", "loss"),
+    ("analysis/coherence/{mean,std,median}", "1 / (1 + variance of the response tokens)"),
+    ("analysis/transition_diversity/mean", "distinct / total token bigrams"),
+    ("analysis/{unique,total}_transitions/total", "distinct / all token bigrams (distinct: sum of ranks')"),
+    ("analysis/reward_distribution/{mean,std,median,min,max,p25,p75}", "sequence rewards"),
+    ("analysis/reward_{positive,negative,zero}_ratio/mean", "share of sequences with reward > 0, < 0, = 0"),
+    ("analysis/reward_nonzero_token_ratio/mean", "share of response tokens with a non-zero reward"),
+    ("model/attention_entropy/mean", "entropy of attention weights"),
+    ("model/prompt_attention_ratio/mean", "attention mass on prompt keys"),
+    ("model/hidden_norm/{mean,std}", "L2 norm of hidden states"),
+    ("conversation/quality/{mean,std,min,max}", "0.3 length fit + 0.3 vocabulary + 0.4 non-repetition"),
+)
+"""(pattern, meaning) of every metric of the pack, as :data:`rlmetrics.metrics.catalog.CATALOG` lists
+the library's (the table of ``docs/metrics.md``, "The example pack")."""
 
 __all__ = [
-    "ATTENTION_ENTROPY_EPS", "CPU_CHUNK_ELEMENTS", "DEVICE_CHUNK_ELEMENTS", "POLICY_ENTROPY_EPS",
+    "ATTENTION_ENTROPY_EPS", "CATALOG", "CPU_CHUNK_ELEMENTS", "DEVICE_CHUNK_ELEMENTS", "POLICY_ENTROPY_EPS",
     "TARGET_LENGTH",
     "analyze_reward_distribution", "analyze_token_transitions", "attention_entropy",
     "compute_advanced_metrics", "compute_advanced_stats", "compute_conversation_quality_metrics",

@@ -7,15 +7,14 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 
-from rlmetrics.core.stat import Stat
-from rlmetrics.extras import require
-from rlmetrics.metrics.analysis.advanced import check_ids
-from rlmetrics.metrics.analysis.evaluate import Call, Out, as_tensor, floats_of, get, obs, stats_of
-from rlmetrics.metrics.analysis.tokens import Rows, rows_of
+from rlmetrics import Stat
 from rlmetrics.metrics.batch import as_batch
 
-torch = require("torch", "torch")
+from .advanced import check_ids
+from .evaluate import Call, Out, as_tensor, floats_of, get, obs, stats_of
+from .tokens import Rows, rows_of
 
 TARGET_LENGTH = 50
 """The seed's ``compute_length_appropriateness`` target length."""

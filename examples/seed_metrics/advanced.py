@@ -1,5 +1,5 @@
 """The seed's "Method 4" examples (``compute_advanced_metrics``): sequence coherence, token transitions,
-reward distribution (names and merge semantics in :mod:`rlmetrics.metrics.analysis`).
+reward distribution (names and merge semantics in :mod:`seed_metrics`).
 """
 
 from __future__ import annotations
@@ -8,14 +8,13 @@ import math
 from typing import Any
 
 import numpy as np
+import torch
 
-from rlmetrics.core.stat import Stat
-from rlmetrics.extras import require
-from rlmetrics.metrics.analysis.evaluate import Call, Out, as_tensor, floats_of, get, obs, ratio, stats_of
-from rlmetrics.metrics.analysis.tokens import rows_of
+from rlmetrics import Stat
 from rlmetrics.metrics.batch import as_batch
 
-torch = require("torch", "torch")
+from .evaluate import Call, Out, as_tensor, floats_of, get, obs, ratio, stats_of
+from .tokens import rows_of
 
 COHERENCE = ("analysis/coherence/mean", "analysis/coherence/std", "analysis/coherence/median")
 TRANSITION_DIVERSITY = ("analysis/transition_diversity/mean",)

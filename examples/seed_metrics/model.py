@@ -7,12 +7,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from rlmetrics.core.stat import Stat
-from rlmetrics.extras import require
-from rlmetrics.metrics.analysis.entropy import attention_entropy
-from rlmetrics.metrics.analysis.evaluate import Call, Out, as_tensor, floats_of, ratio, stats_of, summary
+import torch
 
-torch = require("torch", "torch")
+from rlmetrics import Stat
+
+from .entropy import attention_entropy
+from .evaluate import Call, Out, as_tensor, floats_of, ratio, stats_of, summary
 
 ATTENTION_ENTROPY = ("model/attention_entropy/mean",)
 PROMPT_ATTENTION_RATIO = ("model/prompt_attention_ratio/mean",)

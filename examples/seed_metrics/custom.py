@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlmetrics.core.stat import Stat
-from rlmetrics.extras import require
-from rlmetrics.metrics.analysis.entropy import POLICY_ENTROPY_EPS, chunked_entropy, policy_entropy
-from rlmetrics.metrics.analysis.evaluate import Call, Out, as_tensor, floats_of, get, obs, stats_of, summary
-from rlmetrics.metrics.analysis.tokens import Rows, rows_of
+import torch
+
+from rlmetrics import Stat
 from rlmetrics.metrics.batch import as_batch
 
-torch = require("torch", "torch")
+from .entropy import POLICY_ENTROPY_EPS, chunked_entropy
+from .evaluate import Call, Out, as_tensor, floats_of, get, obs, stats_of, summary
+from .tokens import Rows, rows_of
 
 TOKEN_ACCURACY = ("custom/token_accuracy/mean",)
 RESPONSE_QUALITY = (
@@ -79,21 +79,11 @@ def plan_custom_training(data: Any, call: Call) -> None:
     logits = get(data, "policy_logits")
     if logits is not None:
         logits, mask = as_tensor(logits), get(data, "response_mask")
-        if mask is None:
-            s = summary(policy_entropy(logits, chunk_elements=call.chunk_elements), drop=call.drop)
-        else:
-            w = as_tensor(mask).broadcast_to(logits.shape[:-1]).reshape(-1)
-            if logits.device.type == "cpu":  # skip masked rows: a data-dependent shape syncs nothing here
-                index = (w != 0).nonzero().squeeze(1)
-                s = summary(
-                    chunked_entropy(logits, POLICY_ENTROPY_EPS, True, call.chunk_elements, index),
-                    w[index],
-                    call.drop,
-                )
-            else:
-                s = summary(
-                    policy_entropy(logits, chunk_elements=call.chunk_elements).reshape(-1), w, call.drop
-                )
+        w = None if mask is None else as_tensor(mask).broadcast_to(logits.shape[:-1]).reshape(-1)
+        # on the CPU, where a data-dependent shape syncs nothing, masked rows are not computed at all
+        index = None if w is None or logits.device.type != "cpu" else (w != 0).nonzero().squeeze(1)
+        entropy = chunked_entropy(logits, POLICY_ENTROPY_EPS, True, call.chunk_elements, index)
+        s = summary(entropy.reshape(-1), w if index is None else w[index], call.drop)
         call.add((s,), lambda s: [Out(POLICY_ENTROPY, Stat(*s.tolist()))])
     grad_norm = get(data, "grad_norm")
     if grad_norm is not None:
@@ -120,7 +110,7 @@ def compute_custom_training_metrics(
     """The seed's ``compute_custom_training_metrics``: policy entropy, grad norm, loss mean/std.
 
     ``training/policy_entropy/mean`` is the ``response_mask``-weighted mean of
-    :func:`policy_entropy` of ``policy_logits`` (all positions without a mask);
+    :func:`~seed_metrics.entropy.policy_entropy` of ``policy_logits`` (all positions without a mask);
     ``training/grad_norm/mean`` the mean of ``grad_norm``; ``training/loss/mean|std`` the mean and the
     unbiased std (torch's ``.std()``) of ``loss_values``.
 

@@ -1,14 +1,13 @@
 """Entropy over the last dim in row chunks of bounded size: policy entropy from logits, attention entropy
 from attention weights (the seed's definitions, ``-sum(p * log(p + eps))``; see
-:mod:`rlmetrics.metrics.analysis` for why not ``logsumexp``).
+:mod:`seed_metrics` for why not ``logsumexp``).
 """
 
 from __future__ import annotations
 
-from rlmetrics.extras import require
-from rlmetrics.metrics.analysis.evaluate import as_tensor
+import torch
 
-torch = require("torch", "torch")
+from .evaluate import as_tensor
 
 POLICY_ENTROPY_EPS = 1e-8
 ATTENTION_ENTROPY_EPS = 1e-9

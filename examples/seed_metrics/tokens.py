@@ -8,10 +8,9 @@ from __future__ import annotations
 from functools import cached_property
 from typing import Any
 
-from rlmetrics.extras import require
-from rlmetrics.metrics.analysis.evaluate import Call, as_tensor
+import torch
 
-torch = require("torch", "torch")
+from .evaluate import Call, as_tensor
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _NARROW_INTS = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32)

@@ -4,7 +4,9 @@ readers turn them into statistics, reported in the seed's view (floats) or the m
 A *planner* ``planner(data, call)`` looks at the inputs and queues, with ``call.add(tensors, read)``,
 the device tensors its metrics need and a reader that turns their host arrays into :class:`Out`
 statistics. :func:`evaluate` runs the planners of one call and moves every queued tensor to the host
-in one copy (:class:`~rlmetrics.core.host.HostPlan`).
+in one copy. The copy is the library's: :class:`Call` holds a :class:`~rlmetrics.core.host.HostPlan`, the
+planner of the data metrics and of ``Stat.of`` on tensors too, and adds only what is this pack's
+own: the call's options (entropy chunk, ``nan_strategy="drop"``) and the rows several metrics share.
 """
 
 from __future__ import annotations
@@ -15,17 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
+from rlmetrics import MetricValueError, Sketch, Stat, resolve
 from rlmetrics.core.host import HostPlan
-from rlmetrics.core.reduce import resolve
-from rlmetrics.core.sketch import Sketch
-from rlmetrics.core.stat import Stat
 from rlmetrics.core.summary import NAN_STRATEGIES, summarize
-from rlmetrics.core.values import MetricValueError
-from rlmetrics.extras import require
 from rlmetrics.metrics.batch import as_batch
-
-torch = require("torch", "torch")
 
 
 @dataclass(frozen=True)
@@ -95,7 +92,7 @@ def evaluate(
     """The statistics of ``planners`` on ``data``, with one device-to-host copy."""
     if nan_strategy not in NAN_STRATEGIES:
         raise ValueError(f"nan_strategy must be one of {NAN_STRATEGIES}, got {nan_strategy!r}")
-    data = as_batch(data, "rlmetrics.metrics.analysis")
+    data = as_batch(data, "seed_metrics")
     call = Call(chunk_elements, nan_strategy == "drop")
     for planner in planners:
         planner(data, call)
@@ -117,20 +114,17 @@ def _finite(out: Out, nan_strategy: str) -> Out:
 def stats_of(
     data: Any, planners: Sequence[Planner], chunk_elements: int | None = None, nan_strategy: str = "propagate"
 ) -> dict[str, Stat]:
-    """The mergeable view of :func:`evaluate`: a Stat per name."""
-    return as_stats(evaluate(data, planners, chunk_elements, nan_strategy))
+    """The mergeable view of :func:`evaluate`: a Stat per name (names of one statistic share it)."""
+    outs = evaluate(data, planners, chunk_elements, nan_strategy)
+    return {name: out.stat for out in outs for name in out.names}
 
 
 def floats_of(
     data: Any, planners: Sequence[Planner], chunk_elements: int | None = None, nan_strategy: str = "propagate"
 ) -> dict[str, float]:
-    """The seed's view of :func:`evaluate`: this rank's number per name."""
-    return as_floats(evaluate(data, planners, chunk_elements, nan_strategy))
-
-
-def as_stats(outs: list[Out]) -> dict[str, Stat]:
-    """The mergeable view: a Stat per name (names of one statistic share it)."""
-    return {name: out.stat for out in outs for name in out.names}
+    """The seed's view of :func:`evaluate`: the number the seed's code reports per name on this rank."""
+    outs = evaluate(data, planners, chunk_elements, nan_strategy)
+    return {name: _seed_value(name, out) for out in outs for name in out.names}
 
 
 def _seed_value(name: str, out: Out) -> float:
@@ -145,12 +139,7 @@ def _seed_value(name: str, out: Out) -> float:
     return red.apply(stat)
 
 
-def as_floats(outs: list[Out]) -> dict[str, float]:
-    """The seed's view: the number the seed's code reports for each name on this rank."""
-    return {name: _seed_value(name, out) for out in outs for name in out.names}
-
-
 __all__ = [
-    "Call", "Out", "Planner", "as_floats", "as_stats", "as_tensor", "evaluate", "floats_of", "get", "obs",
+    "Call", "Out", "Planner", "as_tensor", "evaluate", "floats_of", "get", "obs",
     "ratio", "stats_of", "summary",
 ]  # fmt: skip
