@@ -460,3 +460,28 @@ def test_swanlab_resume_completes_a_cut_step_after_a_step_axis_logged_past_it(tm
 
 if __name__ == "__main__":
     forked_starts()
+
+
+def test_a_lagging_tracker_gets_every_metric_of_a_step_verl_logged_in_several_calls(tmp_path):
+    """verl's trainer calls ``Tracking.log`` several times for one step (its training metrics, then
+    its validation metrics): the JSONL file holds a record per call, the later one with all the
+    step's metrics so far. A resumed run catches up a tracker that lost those steps with the step's
+    last record (before, its first: the validation metrics never reached the tracker)."""
+    import shutil
+
+    from rlmetrics.integrations.verl import Tracking as VerlTracking
+
+    tracking = VerlTracking("p", "e", default_backend=["file", "tensorboard"], out_dir=tmp_path, health=None)
+    for step in range(3):
+        tracking.log({"train/loss": float(step)}, step)
+        tracking.log({"val/score": 10.0 + step}, step)
+    tracking.finish()
+    shutil.rmtree(tmp_path / "tensorboard")  # the tracker's files lost (a killed writer, a new disk)
+    tracking = VerlTracking("p", "e", default_backend=["file", "tensorboard"], out_dir=tmp_path, health=None)
+    assert tracking.resumed_at == 2
+    tracking.log({"train/loss": 3.0, "val/score": 13.0}, 3)
+    tracking.finish()
+    assert tensorboard_steps(tmp_path / "tensorboard") == {
+        "train/loss": [0, 1, 2, 3],
+        "val/score": [0, 1, 2, 3],
+    }

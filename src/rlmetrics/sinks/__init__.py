@@ -179,22 +179,20 @@ class Tracking(Sink):
         """Log to each of ``sinks`` the steps (and their alerts) of the resumed JSONL file after the
         last step its own files hold, then let every one of them resume after the file's last step.
 
-        The JSONL file has every step it was given (one flushed write per step), while a killed
-        process loses what a tracker had not written yet (W&B writes a step when the next one starts,
-        SwanLab flushes its file every 8 KB)."""
+        The JSONL file has every step it was given (one flushed write per step; a later call at a
+        step, as verl's trainer makes, adds a record with all the step's metrics so far), while a
+        killed process loses what a tracker had not written yet (W&B writes a step when the next one
+        starts, SwanLab flushes its file every 8 KB)."""
         if journal.resumed_at is None:
             return
         run = read_jsonl(journal.path)
         alerts: dict[int, list[Alert]] = {}
         for e in run.events:
             alerts.setdefault(e["step"], []).append(Alert(step=e["step"], **e["event"]))
+        last = {record["step"]: record for record in run.records}  # a later record of a step wins
         for sink in sinks:
-            done = set()
-            for record in run.records:
-                step = record["step"]
-                if step not in done:
-                    done.add(step)
-                    self.write(sink, record_result(record), step, alerts.get(step, []))
+            for step, record in last.items():
+                self.write(sink, record_result(record), step, alerts.get(step, []))
             sink.resumed_at = max(journal.resumed_at, -1 if sink.resumed_at is None else sink.resumed_at)
 
     def close(self) -> None:
