@@ -18,7 +18,7 @@ from rlmetrics.core.sketch import Sketch
 from rlmetrics.core.stat import Stat
 from rlmetrics.engine.aggregator import Aggregator
 from rlmetrics.engine.server import Server
-from rlmetrics.messages import SubmissionError
+from rlmetrics.messages import Message, SubmissionError
 from rlmetrics.metrics.validation import encode_samples, process_validation_metrics
 from rlmetrics.metrics.validation.samples import VALIDATION_SAMPLES, Samples
 from rlmetrics.packing import Packed, pack
@@ -87,7 +87,7 @@ def send(server, table, client_id, msg):
     except SubmissionError as exc:
         return {client_id: str(exc)}
     assert not unknown
-    return server.receive(client_id, items, close).errors
+    return server.handle([Message(client_id, items, close)])[0].errors
 
 
 def run_step(msg, hostile_first):

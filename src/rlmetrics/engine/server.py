@@ -260,17 +260,6 @@ class Server:
         plain = self.reply({})
         return [self.reply(errors, late) if errors or late else plain for errors, late in outcomes]
 
-    def receive(
-        self,
-        client_id: str,
-        items: list[Submission],
-        close: list[Close],
-        resync: bool = False,
-        session: str | None = None,
-    ) -> Reply:
-        """:meth:`handle` of one message."""
-        return self.handle([Message(client_id, items, close, resync, session)])[0]
-
     def merge(
         self,
         client_id: str,
