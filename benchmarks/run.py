@@ -5,8 +5,8 @@ baseline measured in the same run (see docs/benchmarks.md). bench_peers and benc
 0.2.0 and verl 0.9.1 (make bench-peers installs them). The benchmarks ship with the source
 checkout, not with the package (so this is no `rlmetrics` command).
 
-    python benchmarks/run.py --quick
-    python benchmarks/run.py merge data
+    .venv/bin/python benchmarks/run.py --quick
+    .venv/bin/python benchmarks/run.py merge data
 """
 
 from __future__ import annotations

@@ -9,9 +9,11 @@ Run from the root of a source checkout (``examples`` on the path); the tests imp
     client.submit_metric(compute_example_stats(batch), world_size)  # Stats: merged exactly over ranks
 
 What it uses of rlmetrics: :class:`rlmetrics.Stat` (what a rank submits), :func:`rlmetrics.resolve`
-(the reduction of a name), :class:`rlmetrics.Sketch`, and the host planner the library's data metrics
-use too, :class:`rlmetrics.core.host.HostPlan`: each metric queues its device tensors with a reader, one
-copy brings them all to the host (:mod:`~seed_metrics.evaluate` adds the call's options and the
+(the reduction of a name), :class:`rlmetrics.Sketch`, the summary kernel
+(:func:`rlmetrics.core.summary.summarize`), the batch view the metric functions read
+(:func:`rlmetrics.metrics.batch.as_batch`), and the host planner the library's data metrics use too,
+:class:`rlmetrics.core.host.HostPlan`: each metric queues its device tensors with a reader, one copy
+brings them all to the host (:mod:`examples.seed_metrics.evaluate` adds the call's options and the
 two views below on top of it).
 
 Every example function of the seed keeps its name, its metric names and its per-rank numbers, without
@@ -83,7 +85,7 @@ int64); larger ids raise ``ValueError``.
 >>> compute_token_transition_stats(data)["analysis/unique_transitions/total"].sum
 3.0
 
-The code: :mod:`~seed_metrics.evaluate` (planners, one host copy, the two views),
+The code: :mod:`examples.seed_metrics.evaluate` (planners, one host copy, the two views),
 :mod:`~seed_metrics.tokens` (distinct tokens and bigrams),
 :mod:`~seed_metrics.entropy`, and one module per example of the seed:
 :mod:`~seed_metrics.custom` (Method 1), :mod:`~seed_metrics.advanced`

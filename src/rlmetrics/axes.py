@@ -296,7 +296,7 @@ def connect(
     :func:`rlmetrics.backends.connect`)."""
     import rlmetrics  # the package, initialized first: no import circle through the backends
 
-    return rlmetrics.connect(backend, axes=axes, world_size=world_size, name=name, **options)
+    return rlmetrics.connect(backend, axes=tuple(axes), world_size=world_size, name=name, **options)
 
 
 def connect_axes(

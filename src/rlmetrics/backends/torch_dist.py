@@ -369,7 +369,7 @@ class TorchMetricClient(ComputeLocal, ClientCore):
 
     ``group``: the process group (None: the default group). ``result_on``: None (every rank gets
     the result) or a group rank (only that rank gets it; the others get an empty
-    :class:`~rlmetrics.engine.aggregator.StepResult` with ``meta.result_on``, and skip the final
+    :class:`~rlmetrics.messages.StepResult` with ``meta.result_on``, and skip the final
     reduction work). ``renames``, ``keep_results``: as for the Aggregator; ``device``: where the
     collective vectors live (default ``cuda`` for NCCL, else ``cpu``); ``nan_strategy``, ``label``,
     ``rank``: client options (label defaults to ``rank{r}``, rank to the group rank).

@@ -124,7 +124,6 @@ class Server:
         self.restored = saved is not None and self._resume(saved, recovery_timeout)
         self._saved = self._marker()  # what the state saved last records
         self._durable = self.engine.finalized_state()  # its finalized steps (replies let clients forget them)
-        self._encoded: dict[int, str] = {}
 
     def _start_empty(self) -> None:
         self.engine = Aggregator(**self._engine_options)
@@ -373,6 +372,7 @@ class Server:
         self.engine.note_closed(step)
         self._closed_at.setdefault(step, time.monotonic())
         self._announced.setdefault(step, set()).add(client_id)
+        self.persist()
 
     def nodes_of(self, step: int) -> list[str]:
         """The addresses of the nodes that speak for a rank ``step`` misses (a deadline drains them)."""

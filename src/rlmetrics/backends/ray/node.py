@@ -62,11 +62,14 @@ class _NodeWorker(Shell):
         self._forwarded: dict[int, set] = {}
         self._forwarder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlmetrics-forward")
 
+    def _waits(self, message: Message) -> bool:
+        return message.client not in self._relayed or _newest_close(message) > self._announced
+
     async def _admit(self, who: str, message: Message) -> Message | str:
         """Relay the rank to the root first (:meth:`_relay`); a rank's resend is trimmed to what
         this node did not forward, or, after this node's restart, forwarded keyed by its rank."""
         client_id = message.client
-        step = max((c for c in message.close if type(c) is int), default=-1)
+        step = _newest_close(message)
         refused = await self._relay(who, client_id, step if step > self._announced else None)
         if refused or not message.resync:
             return refused or message
@@ -180,6 +183,11 @@ class _NodeWorker(Shell):
 
 
 NodeWorker = AggregatorClass(_NodeWorker)
+
+
+def _newest_close(message: Message) -> int:
+    """The newest step ``message`` closes for its sender (-1: none)."""
+    return max((c for c in message.close if type(c) is int), default=-1)
 
 
 def node_actor_name(root: str, node_id: str) -> str:

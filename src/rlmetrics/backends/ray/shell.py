@@ -95,13 +95,21 @@ class Shell:
 
     async def _handle(self, batch: list[tuple[str, tuple]]) -> list[Reply]:
         """Decode each ``(credential, message)``, admit it (:meth:`_admit`), and let the server
-        handle those admitted; the replies. A message with a schema this incarnation lacks merges
-        nothing, nor do the later messages of its client in the batch (a close must not overtake
-        its data): their replies name the schemas, and the client repeats them in order with names."""
+        handle those admitted, in order; the replies. A message with a schema this incarnation lacks
+        merges nothing, nor do the later messages of its client in the batch (a close must not
+        overtake its data): their replies name the schemas, and the client repeats them in order
+        with names. The messages admitted so far are handled before an admission that waits
+        (:meth:`_waits`: a node relays to the root), as if each had come alone."""
         self.calls["messages"] += len(batch)
-        replies: list[Reply | None] = []  # None: the server's reply, in turn
-        messages: list[Message] = []
+        replies: list[Reply | None] = []
+        admitted: list[tuple[int, Message]] = []  # (its reply's place, the message) not handled yet
         waiting: dict[str, list[bytes]] = {}  # credentials with a message to repeat: the schemas
+
+        def handle() -> None:
+            for (i, _), reply in zip(admitted, self.server.handle([m for _, m in admitted])):
+                replies[i] = reply
+            admitted.clear()
+
         for who, msg in batch:
             client = self._who(who)
             if isinstance(client, str):
@@ -115,15 +123,20 @@ class Shell:
             if unknown or who in waiting:
                 replies.append(Reply({}, self.incarnation, unknown=waiting.setdefault(who, unknown)))
                 continue
-            admitted = await self._admit(who, Message(client[0], items, close, msg[4], client[1]))
-            if isinstance(admitted, str):
-                replies.append(self.server.reply({client[0]: admitted}))
-            else:
-                messages.append(admitted)
-                replies.append(None)
-        handled = iter(self.server.handle(messages))
+            message = Message(client[0], items, close, msg[4], client[1])
+            if self._waits(message):
+                handle()
+            ready = await self._admit(who, message)
+            replies.append(self.server.reply({client[0]: ready}) if isinstance(ready, str) else None)
+            if not isinstance(ready, str):
+                admitted.append((len(replies) - 1, ready))
+        handle()
         self.changed()
-        return [next(handled) if r is None else r for r in replies]
+        return replies  # every place is filled
+
+    def _waits(self, message: Message) -> bool:
+        """Whether admitting ``message`` waits for another actor (a node's relay to the root)."""
+        return False
 
     async def _admit(self, who: str, message: Message) -> Message | str:
         """The message the server is to handle, or why it is refused (a node relays ranks first)."""
