@@ -1,5 +1,6 @@
 """The step-keyed engine: exact merging, completion, partial results, idempotence, bad input."""
 
+import json
 import logging
 import math
 
@@ -8,7 +9,7 @@ import pytest
 
 from rlmetrics import Stat, ValueWarning, register_reduction
 from rlmetrics.aggregator import Aggregator
-from rlmetrics.messages import SubmissionError
+from rlmetrics.messages import StepMeta, SubmissionError, TorchFacts
 from rlmetrics.packing import Packed, Schema, pack
 from rlmetrics.stat import stats_of_rows
 
@@ -264,3 +265,17 @@ def test_std_names_pool_data_but_average_per_rank_numbers():
     res = agg.finalize(0)
     assert res["loss/std"] == pytest.approx(np.concatenate(data).std(), rel=1e-12)
     assert res["scalar/std"] == pytest.approx(np.mean([d.std() for d in data]), rel=1e-12)
+
+
+def test_meta_of_an_older_file_reads_the_torch_facts():
+    """The torch.distributed facts are one field (meta.torch) read as before (meta.exchange, ...),
+    written as the keys they always were: a resumed run reads what an older run saved."""
+    saved = {"contributors": [0, 1], "ranks": 2, "relayout": True, "exchange": "gather", "result_on": 0}
+    meta = StepMeta.from_dict(saved)
+    assert meta.torch == TorchFacts(ranks=2, relayout=True, exchange="gather", result_on=0)
+    assert (meta.ranks, meta.relayout, meta.exchange, meta.result_on) == (2, True, "gather", 0)
+    assert meta.complete and meta.to_dict() == saved
+    assert json.dumps(meta.to_dict()) == json.dumps(saved)
+    plain = StepMeta.from_dict({"complete": False, "missing_ranks": ["r1"]})
+    assert plain.torch is None and plain.exchange is None and not plain.relayout
+    assert "torch" not in plain.to_dict() and "ranks" not in plain.to_dict()

@@ -3,7 +3,7 @@ with its :class:`StepMeta`, the :class:`Reply` to a client's message, the errors
 contribution, the warnings a client gives its user (:class:`RLMetricsWarning`), and the name of
 the default step axis (what the sinks need of the rest, so that they import only this and the core).
 
->>> res = StepResult({"loss": 0.5}, 3, StepMeta(complete=False, missing_ranks=["rank2@host:1"]))
+>>> res = StepResult({"loss": 0.5}, 3, StepMeta.of(missing_ranks=["rank2@host:1"]))
 >>> res["loss"], res.step, res.meta.complete, res.meta.missing_ranks
 (0.5, 3, False, ['rank2@host:1'])
 >>> res.meta.to_dict()  # only what differs from a complete step
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -22,9 +22,25 @@ DEFAULT_AXIS = "train_step"
 """The axis of a client's own ``step`` (:mod:`rlmetrics.axes`), the one trackers plot against."""
 
 
-@dataclass
+@dataclass(frozen=True)
+class TorchFacts:
+    """What a torch.distributed step says besides what every backend says (``meta.torch``):
+    ``ranks`` in the group, ``relayout`` (the ranks agreed on new names), ``exchange`` (the form of
+    the state exchange), ``result_on`` (the rank that has the values, None: every rank)."""
+
+    ranks: int | None = None
+    relayout: bool = False
+    exchange: str | None = None
+    result_on: int | None = None
+
+
+_TORCH_KEYS = tuple(f.name for f in fields(TorchFacts))
+
+
+@dataclass(frozen=True)
 class StepMeta:
-    """What a result says about its step besides the values.
+    """What a result says about its step besides the values, built whole by :meth:`of` and never
+    changed after (frozen: a finalized step's meta is what every reader of it gets).
 
     - ``complete``: every registered rank closed the step and every name has ``world_size``
       contributions (else the step was finalized at a reader's deadline, or as ``stale``);
@@ -46,8 +62,8 @@ class StepMeta:
     - ``provisional``: the step is not final: a reader's deadline passed and the reader did not
       finalize it (``result(step, timeout)`` without ``finalize=True``); what arrived so far, and
       the step stays open for the rest;
-    - torch.distributed only: ``ranks`` in the group, ``relayout`` (the ranks agreed on new names),
-      ``exchange`` (the form of the state exchange), ``result_on`` (the rank that has the values).
+    - ``torch``: the facts of torch.distributed only (:class:`TorchFacts`, None elsewhere), also
+      read as ``ranks``, ``relayout``, ``exchange`` and ``result_on``.
     """
 
     complete: bool = True
@@ -62,25 +78,108 @@ class StepMeta:
     evicted: bool = False
     stale: bool = False
     provisional: bool = False
-    ranks: int | None = None
-    relayout: bool = False
-    exchange: str | None = None
-    result_on: int | None = None
+    torch: TorchFacts | None = None
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        complete: bool | None = None,
+        missing_ranks: Iterable[str] = (),
+        missing_metrics: Mapping[str, Sequence[int]] | None = None,
+        empty: Iterable[str] = (),
+        contributors: Iterable[Any] = (),
+        refused: Mapping[str, str] | None = None,
+        conflicts: Mapping[str, str] | None = None,
+        contributions: Sequence[int] | None = None,
+        late: int = 0,
+        evicted: bool = False,
+        stale: bool = False,
+        provisional: bool = False,
+        torch: TorchFacts | None = None,
+    ) -> StepMeta:
+        """The meta of a step from every fact known of it, in containers of its own (nothing the
+        caller keeps changing is shared). ``complete`` unless given: no rank and no name is
+        missing and the result is kept (not ``evicted``).
+
+        >>> meta = StepMeta.of(missing_ranks=("rank1",), contributions=(3, 4), late=1)
+        >>> meta.complete, meta.missing_ranks, meta.contributions
+        (False, ['rank1'], [3, 4])
+        >>> meta.to_dict()
+        {'complete': False, 'missing_ranks': ['rank1'], 'contributions': [3, 4], 'late': 1}
+        >>> meta.late = 0
+        Traceback (most recent call last):
+        dataclasses.FrozenInstanceError: cannot assign to field 'late'
+        """
+        missing_ranks = list(missing_ranks)
+        missing = {name: list(counts) for name, counts in (missing_metrics or {}).items()}
+        if complete is None:
+            complete = not missing_ranks and not missing and not evicted
+        return cls(
+            complete=complete,
+            missing_ranks=missing_ranks,
+            missing_metrics=missing,
+            empty=list(empty),
+            contributors=list(contributors),
+            refused=dict(refused or {}),
+            conflicts=dict(conflicts or {}),
+            contributions=None if contributions is None else list(contributions),
+            late=late,
+            evicted=evicted,
+            stale=stale,
+            provisional=provisional,
+            torch=torch,
+        )
+
+    @property
+    def ranks(self) -> int | None:
+        """torch.distributed: the ranks in the group (:class:`TorchFacts`)."""
+        return None if self.torch is None else self.torch.ranks
+
+    @property
+    def relayout(self) -> bool:
+        """torch.distributed: the ranks agreed on new names in the step (:class:`TorchFacts`)."""
+        return self.torch is not None and self.torch.relayout
+
+    @property
+    def exchange(self) -> str | None:
+        """torch.distributed: the form of the step's state exchange (:class:`TorchFacts`)."""
+        return None if self.torch is None else self.torch.exchange
+
+    @property
+    def result_on(self) -> int | None:
+        """torch.distributed: the rank that has the values, None: every rank (:class:`TorchFacts`)."""
+        return None if self.torch is None else self.torch.result_on
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields that differ from a complete step's defaults, JSON-ready (JSONL, saved state)."""
-        out = {}
+        """The fields that differ from a complete step's defaults, JSON-ready (JSONL, saved state);
+        the facts of ``torch`` are keys of their own (``ranks``, ``relayout``, ...), as they were
+        before they had a field of their own."""
+        out: dict[str, Any] = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            if v != _DEFAULT_META[f.name]:
+            if f.name != "torch" and v != _DEFAULT_META[f.name]:
                 out[f.name] = list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v
+        for f in fields(TorchFacts) if self.torch is not None else ():
+            v = getattr(self.torch, f.name)
+            if v != f.default:
+                out[f.name] = v
         return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> StepMeta:
-        """Inverse of :meth:`to_dict` (unknown keys are ignored)."""
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+        """Inverse of :meth:`to_dict` (unknown keys are ignored).
+
+        >>> meta = StepMeta.of(contributors=[0, 1], torch=TorchFacts(ranks=2, exchange="gather"))
+        >>> meta.to_dict()
+        {'contributors': [0, 1], 'ranks': 2, 'exchange': 'gather'}
+        >>> StepMeta.from_dict(meta.to_dict()) == meta, meta.exchange
+        (True, 'gather')
+        """
+        known = {f.name for f in fields(cls)} - {"torch"}
+        facts = {"complete": True, **{k: v for k, v in d.items() if k in known}}
+        torch = {k: d[k] for k in _TORCH_KEYS if k in d}
+        return cls.of(**facts, torch=TorchFacts(**torch) if torch else None)
 
 
 _DEFAULT_META = {f.name: getattr(StepMeta(), f.name) for f in fields(StepMeta)}

@@ -340,10 +340,7 @@ class Server:
         when ``finalize``, otherwise what arrived so far, provisional (the step stays open)."""
         if finalize or self.result_ready(step):
             return self.finalize(step)
-        result = self.engine.peek(step)
-        if result.meta.provisional:
-            result.meta.contributions = list(self.engine.contributions(step))
-        return result
+        return self.engine.peek(step, contributions=self.engine.contributions(step))
 
     def finalize(self, step: int) -> StepResult:
         """The engine's :meth:`~rlmetrics.aggregator.Aggregator.finalize`; a step finalized now also
@@ -351,12 +348,10 @@ class Server:
         engine = self.engine
         if engine.is_finalized(step):
             return engine.finalize(step)
-        counts = engine.contributions(step)
-        result = engine.finalize(step)
+        late, self._late = engine.late - self._late, engine.late
+        result = engine.finalize(step, contributions=engine.contributions(step), late=late)
         self._closed_at.pop(step, None)
         self._announced.pop(step, None)
-        result.meta.contributions = list(counts)
-        result.meta.late, self._late = engine.late - self._late, engine.late
         return result
 
     def final_target(self) -> int | None:
