@@ -188,7 +188,23 @@ _DEFAULT_META = {f.name: getattr(StepMeta(), f.name) for f in fields(StepMeta)}
 class StepResult(dict):
     """``{name: value}`` of one step, with ``step``, ``meta`` (a :class:`StepMeta`) and
     ``histograms``: ``{name: Histogram}`` of the step's ``hist`` names (:mod:`rlmetrics.histogram`),
-    kept apart so that every value stays a float."""
+    kept apart so that every value stays a float.
+
+    Read-only once built: the aggregator keeps a finalized result and gives the same one to every
+    reader of the step (and to its saved state), so none may change it for the others; ``dict(res)``
+    is a copy to change.
+
+    >>> res = StepResult({"loss": 0.5}, 3)
+    >>> res["loss"] = 1.0
+    Traceback (most recent call last):
+    TypeError: a StepResult is read-only (dict(res) is a copy to change)
+    >>> {**res, "extra": 1.0}
+    {'loss': 0.5, 'extra': 1.0}
+    """
+
+    step: int
+    meta: StepMeta
+    histograms: dict[str, Any]
 
     def __init__(
         self,
@@ -198,12 +214,24 @@ class StepResult(dict):
         histograms: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(values)
-        self.step = step
-        self.meta = StepMeta() if meta is None else meta
-        self.histograms = dict(histograms or {})
+        object.__setattr__(self, "step", step)
+        object.__setattr__(self, "meta", StepMeta() if meta is None else meta)
+        object.__setattr__(self, "histograms", dict(histograms or {}))
 
-    def __reduce__(self):  # keep step, meta and histograms across pickling (Ray)
+    def __reduce__(self) -> tuple[Any, ...]:  # keep step, meta and histograms across pickling (Ray)
         return (StepResult, (dict(self), self.step, self.meta, self.histograms))
+
+    def _read_only(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("a StepResult is read-only (dict(res) is a copy to change)")
+
+    __setitem__ = __delitem__ = __ior__ = _read_only
+    update = pop = popitem = setdefault = clear = _read_only
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"a StepResult is read-only: cannot set {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"a StepResult is read-only: cannot delete {name!r}")
 
 
 @dataclass
