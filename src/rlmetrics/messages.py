@@ -16,6 +16,7 @@ import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from types import FrameType
 from typing import Any
 
 DEFAULT_AXIS = "train_step"
@@ -321,7 +322,8 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 def caller_level() -> int:
     """The ``stacklevel`` of the first frame outside rlmetrics: a warning points at the user's call
     (a reply, for one, is handled at the user's next call, wherever that is)."""
-    frame, level = sys._getframe(1), 1
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1
     return level

@@ -175,7 +175,7 @@ class _NodeWorker(_MetricWorker):
     def _reply(self, errors: dict[str, str], late: Any = ()) -> Reply:
         return Reply(errors, self.incarnation, *self.upstream.finalized_state, late=sorted(late))
 
-    async def relay(self, *args: Any) -> dict:
+    async def relay(self, *args: Any) -> dict[str, str]:
         raise SubmissionError("a node sub-aggregator does not speak for another node")
 
     async def result(self, step: int, timeout: float | None = None, finalize: bool = False) -> StepResult:
