@@ -93,7 +93,7 @@ lint: install-test
 
 # install-peers: benchmarks/bench_peers.py is one of benchmarks/bench_*.py
 bench: install-test install-peers
-	for b in benchmarks/bench_*.py; do $(BIN)/python $$b || exit 1; done
+	$(BIN)/python benchmarks/run.py
 
 bench-peers: install-peers
 	$(BIN)/python benchmarks/bench_peers.py

@@ -19,7 +19,7 @@ thread. The one-thread ratio is the sober one: on a small, busy machine the refe
 ``.item()`` also waits for the device (not measured here). Both sides must agree (relative 1e-5) on
 every name they share; the benchmark asserts it.
 
-Second table: the cost of the built-in histograms (:mod:`rlmetrics.histogram`):
+Second table: the cost of the built-in histograms (:mod:`rlmetrics.core.histogram`):
 ``compute_data_stats(batch)`` (what ``compute_local_data_metric`` submits: the Stats plus the
 sketches of the default histograms, response and prompt lengths and scores) and
 ``compute_data_stats(batch, histograms=HISTOGRAMS.values())`` (also every advantage token) against
@@ -46,8 +46,8 @@ import psutil
 import report
 import torch
 
+from rlmetrics.core.stat import Stat
 from rlmetrics.metrics.data import DEFAULT_HISTOGRAMS, HISTOGRAMS, compute_data_metric, compute_data_stats
-from rlmetrics.stat import Stat
 
 SHAPES = ((64, 512, 1024), (256, 1024, 2048))
 QUICK_SHAPES = ((64, 256, 512),)

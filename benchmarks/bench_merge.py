@@ -3,7 +3,7 @@
 One step: each of W ranks submits one dict of M scalar floats under the same M metric names (a mix of
 realistic names such as ``critic/score_7/mean``, ``perf/total_num_tokens_7``, ``timing_s/gen_7``).
 
-- **rlmetrics**: each rank's dict is packed once with :func:`rlmetrics.aggregator.pack` and a shared
+- **rlmetrics**: each rank's dict is packed once with :func:`rlmetrics.engine.aggregator.pack` and a shared
   schema cache, outside the timed region (that client-side cost is the ``pack µs/rank`` column, the
   median over ranks). Timed: ``submit`` + ``close`` for every rank, then ``finalize(step)``. One
   warm-up step registers the schema; the median of the following steps is reported.
@@ -34,10 +34,10 @@ from typing import TypeVar
 import numpy as np
 import report
 
-from rlmetrics.aggregator import Aggregator
+from rlmetrics.core.packing import Packed, pack
+from rlmetrics.core.reduce import resolve
+from rlmetrics.engine.aggregator import Aggregator
 from rlmetrics.messages import StepResult
-from rlmetrics.packing import Packed, pack
-from rlmetrics.reduce import resolve
 
 WORLD_SIZES = (8, 64, 256, 1024)
 METRIC_COUNTS = (100, 1000, 3000)

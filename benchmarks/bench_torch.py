@@ -153,7 +153,7 @@ _STAGES = (  # (label, module, attribute path): timed around every call, in one 
     ("wait_submit", "rlmetrics.backends.torch_dist", "TorchMetricClient.wait_submit"),
     ("send: merge into the rank's aggregator", "rlmetrics.backends.torch_dist", "TorchDistTransport.send"),
     ("close_step", "rlmetrics.backends.torch_dist", "TorchDistTransport.close_step"),
-    ("take the rank's submissions", "rlmetrics.aggregator", "Aggregator.take"),
+    ("take the rank's submissions", "rlmetrics.engine.aggregator", "Aggregator.take"),
     ("local columns", "rlmetrics.backends.torch_dist", "TorchDistTransport._local_columns"),
     ("exchange_state", "rlmetrics.backends.torch_dist", "exchange_state"),
     ("collective (gloo, W = 1)", "rlmetrics.backends.torch_dist", "TorchDistTransport._collect"),

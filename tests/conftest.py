@@ -1,6 +1,6 @@
 import pytest
 
-from rlmetrics import reduce
+from rlmetrics.core import reduce
 
 
 @pytest.fixture(autouse=True)

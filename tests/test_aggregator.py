@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from rlmetrics import Stat, ValueWarning, register_reduction
-from rlmetrics.aggregator import Aggregator
+from rlmetrics.core.packing import Packed, Schema, pack
+from rlmetrics.core.stat import stats_of_rows
+from rlmetrics.engine.aggregator import Aggregator
 from rlmetrics.messages import StepMeta, SubmissionError, TorchFacts
-from rlmetrics.packing import Packed, Schema, pack
-from rlmetrics.stat import stats_of_rows
 
 
 def _feed(agg, step, parts, names=("x/mean", "x/max", "x/min", "x/std", "x/sum", "x/observations")):
@@ -73,7 +73,7 @@ def test_partial_result_names_missing_ranks_and_metrics_and_logs_once_at_info(ca
         agg.submit(f"r{r}", 0, 0, 4, pack({"a": float(r), "b/max": float(r)}))
         agg.close(f"r{r}", 0)
     agg.submit("r3", 1, 0, 4, pack({"a": 1.0}))  # r3 registered, but never closes step 0
-    with caplog.at_level(logging.INFO, logger="rlmetrics.aggregator"):
+    with caplog.at_level(logging.INFO, logger="rlmetrics.engine.aggregator"):
         res = agg.finalize(0)
     # the reader's client warns; the engine (in the user's process, in-process) logs it below WARNING
     assert [r.levelno for r in caplog.records if "partial" in r.getMessage()] == [logging.INFO]
@@ -159,7 +159,7 @@ def test_nan_strategies(caplog):
     agg = Aggregator()
     agg.submit("r", 0, 0, 1, pack({"a": [1.0, math.nan], "b": 2.0}))
     agg.close("r", 0)
-    with caplog.at_level(logging.DEBUG, logger="rlmetrics.aggregator"):
+    with caplog.at_level(logging.DEBUG, logger="rlmetrics.engine.aggregator"):
         res = agg.finalize(0)
     assert [r.levelno for r in caplog.records if "non-finite value in metric(s) ['a']" in r.getMessage()] == [
         logging.DEBUG

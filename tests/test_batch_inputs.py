@@ -10,6 +10,7 @@ from tensordict import TensorDict
 
 import rlmetrics
 from rlmetrics.backends import local
+from rlmetrics.core.stat import MetricValueError
 from rlmetrics.metrics.analysis import compute_example_metrics, compute_example_stats
 from rlmetrics.metrics.data import compute_data_metric, compute_data_stats
 from rlmetrics.metrics.timing import (
@@ -18,7 +19,6 @@ from rlmetrics.metrics.timing import (
     compute_timing_metrics,
     compute_timing_stats,
 )
-from rlmetrics.stat import MetricValueError
 
 pytestmark = pytest.mark.torch
 

@@ -6,11 +6,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from rlmetrics.core.reduce import DEFAULT_RENAMES, rename
 from rlmetrics.metrics import analysis, catalog
 from rlmetrics.metrics.data import compute_data_metric
 from rlmetrics.metrics.timing import compute_throughput_metrics, compute_timing_metrics
 from rlmetrics.metrics.validation import process_validation_metrics
-from rlmetrics.reduce import DEFAULT_RENAMES, rename
 
 pytestmark = pytest.mark.torch
 

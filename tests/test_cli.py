@@ -1,5 +1,6 @@
 """The command line, run as a user would: a real demo run, then report / plot / compare / bench on it."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -200,7 +201,7 @@ def test_plot_breaks_lines_at_missing_steps_and_names_constant_metrics(tmp_path)
 
 def test_plot_hist_of_integer_data_has_one_row_per_integer(tmp_path):
     from rlmetrics.cli.plot import histograms_figure, plot_histograms
-    from rlmetrics.histogram import Histogram
+    from rlmetrics.core.histogram import Histogram
 
     rng = np.random.default_rng(0)
 
@@ -283,8 +284,12 @@ def test_demo_joins_an_existing_cluster(tmp_path):
     assert not any(name.startswith("val-") for name in run.names())
 
 
-def test_bench_runs_a_named_benchmark():
-    out = rlmetrics_cli("bench", "merge", "--quick").stdout
+def test_the_benchmark_runner_runs_a_named_benchmark():
+    """``python benchmarks/run.py NAME`` from a checkout (the benchmarks do not ship with the package)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root / "src")}
+    cmd = [sys.executable, "benchmarks/run.py", "merge", "--quick"]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env=env).stdout
     assert "## bench_merge" in out and "|" in out
 
 

@@ -1,9 +1,11 @@
 """The client state machine against an in-memory transport of ours: resends, retries and restarts.
 
-:class:`RestartingTransport` is a real :class:`~rlmetrics.server.Server` behind a transport that can
-lose its aggregator at a chosen moment, as a Ray actor restart does: the next call raises
-:class:`~rlmetrics.client.AggregatorRestarted`, and a new incarnation resumes from the state the old
-one saved (registered clients, finalized steps, kept results) and waits for the clients' resends.
+:class:`RestartingTransport` is a real :class:`~rlmetrics.engine.server.Server` over a
+:class:`~rlmetrics.engine.server.MemoryStore` behind a transport that can lose its aggregator at a chosen
+moment, as a Ray actor restart does: the next call raises
+:class:`~rlmetrics.client.AggregatorRestarted`, and a new incarnation (a new Server on the same store)
+resumes from the state the old one saved (registered clients, finalized steps, kept results) and
+waits for the clients' resends.
 Posted messages stay in flight until collected, and can be delivered twice. (The Ray backend is
 tested with real Ray in ``tests/test_ray_backend.py`` and ``tests/test_chaos.py``.)
 """
@@ -13,16 +15,16 @@ from __future__ import annotations
 import pytest
 
 from rlmetrics.client import AggregatorRestarted, ClientCore, Transport, identity
-from rlmetrics.messages import StepResult
-from rlmetrics.server import Server
+from rlmetrics.engine.server import MemoryStore, Server
+from rlmetrics.messages import Message, StepResult
 
 
 class RestartingTransport:
     """One aggregator for several clients (each gets a view with :meth:`client`)."""
 
     def __init__(self) -> None:
-        self.server = Server(final_timeout=0.0)
-        self.saved = self.server.engine.export_state()
+        self.store = MemoryStore()  # what a Ray actor keeps in Ray's KV store
+        self.server = Server(final_timeout=0.0, store=self.store)
         self.died = False
         self.incarnations = 1
         self.duplicate = False  # deliver every posted message twice
@@ -35,20 +37,12 @@ class RestartingTransport:
         if self.died:
             self.died = False
             self.incarnations += 1
-            self.server = Server(final_timeout=0.0)
-            self.server.restore(self.saved, recovery_timeout=5.0)
+            self.server = Server(final_timeout=0.0, store=self.store, recovery_timeout=5.0)
             raise AggregatorRestarted("the aggregator restarted")
         return self.server
 
-    def _save(self) -> None:  # what a Ray actor writes to Ray's KV store after a change
-        self.saved = self.server.engine.export_state()
-
-    def send(self, who, items, close, resync=False) -> dict:
-        server = self._live()
-        errors = server.merge(identity(who)[0], items, close, resync)
-        server.finalize_complete({it[0] for it in items} | set(close))
-        self._save()
-        return server.reply(errors)
+    def send(self, who, items, close, resync=False):
+        return self._live().handle([Message(identity(who)[0], items, close, resync)])[0]
 
     def post(self, client_id, items, close, block=False):
         self._live()
@@ -61,24 +55,17 @@ class RestartingTransport:
         return reply
 
     def result(self, step, timeout, finalize=False) -> StepResult:
-        server = self._live()
-        out = server.result(step, finalize)
-        self._save()
-        return out
+        return self._live().result(step, finalize)
 
     def final(self, timeout=None) -> StepResult:
         server = self._live()
-        out = server.final(server.final_target())
-        self._save()
-        return out
+        return server.final(server.final_target())
 
     def register(self, who) -> None:
         self._live().register(identity(who)[0])
-        self._save()
 
     def depart(self, who) -> None:
         self._live().depart(identity(who)[0])
-        self._save()
 
     def watch(self, client) -> None:
         """The clients learn of a restart from their calls only."""
@@ -133,6 +120,10 @@ def test_a_stopped_clients_resend_after_a_restart_counts_its_data_and_does_not_r
     assert b.result(1).meta.complete
 
 
+# the second delivery of a message that completed its step finds the step final: the server cannot
+# tell it from late data (it keeps no seqs of final steps), so the client warns; Ray delivers a
+# message twice only as a resend after a restart, which is never counted late
+@pytest.mark.filterwarnings("ignore::rlmetrics.LateDataWarning")
 def test_a_message_delivered_twice_is_merged_once():
     transport = RestartingTransport()
     transport.duplicate = True

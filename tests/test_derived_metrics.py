@@ -10,10 +10,10 @@ from tensordict import TensorDict
 
 import rlmetrics
 from rlmetrics.backends import local
+from rlmetrics.core.stat import MetricValueError, Stat
 from rlmetrics.metrics.analysis import compute_example_metrics, compute_example_stats
 from rlmetrics.metrics.data import data_metrics_from_stats
 from rlmetrics.metrics.timing import compute_throughput_metrics, compute_timing_metrics
-from rlmetrics.stat import MetricValueError, Stat
 
 pytestmark = pytest.mark.torch
 

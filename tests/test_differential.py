@@ -254,7 +254,7 @@ def test_local_threads_equal_the_concatenated_batch(sc, read):
 def test_a_mean_of_means_is_caught(monkeypatch):
     """The harness fails when the engine merges stat arrays as an equal-weight mean of the parts'
     means (what a per-rank-average system reports)."""
-    from rlmetrics import steps
+    from rlmetrics.engine import steps
 
     def mean_of_means(parts):
         counts, sums = parts[0], parts[1]

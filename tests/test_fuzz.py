@@ -513,8 +513,8 @@ def test_ray_nan_inf_and_extremes_propagate_with_a_warning(ray_worker, sc):
 def test_ray_malformed_and_oversized_contributions_are_refused_and_others_complete(ray_worker):
     import ray
 
-    from rlmetrics.packing import pack
-    from rlmetrics.wire import VERSION, encode
+    from rlmetrics.core.packing import pack
+    from rlmetrics.engine.wire import VERSION, encode
 
     worker, incarnation = ray_worker
     base = next(_BASES) * 100
@@ -549,9 +549,9 @@ def test_ray_a_count_of_minus_1e9_and_a_sketch_offset_of_1e15_are_refused_and_th
     in the step's ``meta.refused``; the honest step equals numpy and the actor keeps serving."""
     import ray
 
-    from rlmetrics.packing import pack
-    from rlmetrics.sketch import Sketch
-    from rlmetrics.wire import encode
+    from rlmetrics.core.packing import pack
+    from rlmetrics.core.sketch import Sketch
+    from rlmetrics.engine.wire import encode
 
     worker, incarnation = ray_worker
     base = next(_BASES) * 100

@@ -17,12 +17,12 @@ import torch
 
 import rlmetrics
 from rlmetrics.backends import local
-from rlmetrics.groups import group_name, segment
+from rlmetrics.core.groups import group_name, segment
+from rlmetrics.core.reduce import resolve
+from rlmetrics.core.stat import MetricValueError
 from rlmetrics.metrics import VF_RESIDUAL_STD, VF_RETURNS_STD, VF_TOKENS
 from rlmetrics.metrics.data import compute_data_metric, compute_data_stats
-from rlmetrics.reduce import resolve
 from rlmetrics.sinks import TRACKERS, JsonlSink, TensorBoardSink, adapt_name, read_jsonl
-from rlmetrics.stat import MetricValueError
 from tests.test_metrics_data import (
     CLIP,
     CountHostMoves,
@@ -145,7 +145,7 @@ def test_different_labels_have_different_names_and_one_label_one_name_in_every_p
     assert segment(3) == segment(3.0) == segment(np.int64(3)) == segment("3") == segment(b"3") == "3"
     assert segment("") == "--empty" and segment(True) == segment("True") == "True"
     # the same in every process (a per-process hash() would not be): interpreters with other hash seeds
-    code = f"from rlmetrics.groups import segment; print([segment(x) for x in {TRICKY!r}])"
+    code = f"from rlmetrics.core.groups import segment; print([segment(x) for x in {TRICKY!r}])"
     for seed in ("1", "2"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
         out = subprocess.run(
@@ -600,8 +600,8 @@ def test_a_refused_name_of_the_call_leaves_its_difficulty_groups(request):
 
 
 def test_a_malformed_prompt_record_is_refused_when_it_arrives():
+    from rlmetrics.core.states import decode_state, encode_state
     from rlmetrics.metrics.difficulty import PromptStats
-    from rlmetrics.states import decode_state, encode_state
 
     record = {"uids": ["p"], "groups": [("critic/rewards/mean",)], "stats": np.zeros((5, 1, 1))}
     assert decode_state(*encode_state(PromptStats([("c", record)]))).records[0][1] is record

@@ -17,7 +17,7 @@ from rlmetrics.cli import build_parser
 pytestmark = pytest.mark.slow  # subprocesses
 
 SRC = Path(rlmetrics.__file__).resolve().parents[1]  # the command runs the package these tests import
-COMMANDS = ("demo", "report", "plot", "compare", "bench")
+COMMANDS = ("demo", "report", "plot", "compare")
 MARKUP = re.compile(r"``|:(?:class|mod|func|meth|attr|data|exc):`")
 
 

@@ -1,4 +1,4 @@
-"""Histograms of all ranks' data (rlmetrics.histogram): the built-in data histograms and a name the
+"""Histograms of all ranks' data (rlmetrics.core.histogram): the built-in data histograms and a name the
 user marks, merged by the in-process backend (threads as ranks), written by the JSONL and
 TensorBoard sinks and read back with each one's own reader (Ray actors: ``test_ray_backend.py``;
 W&B, MLflow and SwanLab: ``test_sinks_trackers.py``; the demo's histograms and ``rlmetrics plot
@@ -15,9 +15,9 @@ import pytest
 
 import rlmetrics
 from rlmetrics.backends import local
-from rlmetrics.histogram import HIST_BINS, Histogram
+from rlmetrics.core.histogram import HIST_BINS, Histogram
+from rlmetrics.core.stat import Stat
 from rlmetrics.sinks import make_sinks, read_jsonl
-from rlmetrics.stat import Stat
 from tests.trackers import tensorboard_accumulator
 
 REL_ERR = 0.005  # the sketch's default relative error

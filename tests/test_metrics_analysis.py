@@ -18,9 +18,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from rlmetrics.core.reduce import STD, resolve
 from rlmetrics.metrics import analysis as an
 from rlmetrics.metrics.analysis.evaluate import Call
-from rlmetrics.reduce import STD, resolve
 
 REL = 1e-10
 pytestmark = [

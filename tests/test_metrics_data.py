@@ -20,10 +20,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import rlmetrics
 from rlmetrics.backends import local
+from rlmetrics.core.stat import Stat
 from rlmetrics.metrics import AUX_PREFIX, VF_TOKENS, derive_metrics
 from rlmetrics.metrics.data import compute_data_metric, compute_data_stats, data_metrics_from_stats
 from rlmetrics.metrics.data import tokens as tokens_module
-from rlmetrics.stat import Stat
 
 pytestmark = pytest.mark.torch
 
@@ -761,7 +761,7 @@ def test_process_memory_survives_its_file_closed_or_reused_behind_its_back(tmp_p
 def test_a_registered_reduction_that_reads_m2_gets_it_for_advantages():
     """compute_data_metric skips the M2 of advantages and values only while no reduction of their
     names reads it: a std registered for them is the std of the response tokens."""
-    from rlmetrics.reduce import register_reduction, unregister_reduction
+    from rlmetrics.core.reduce import register_reduction, unregister_reduction
 
     batch = make_batch(np.random.default_rng(5), 6, 3, 7)
     adv = np.asarray(batch["advantages"], float)[np.asarray(batch["attention_mask"])[:, -7:] != 0]

@@ -77,7 +77,7 @@ def test_the_sinks_stand_on_the_messages_and_the_core_only():
 
     import rlmetrics
 
-    allowed = {"rlmetrics.messages", "rlmetrics.health", "rlmetrics.histogram", "rlmetrics.stat",
+    allowed = {"rlmetrics.messages", "rlmetrics.health", "rlmetrics.core.histogram", "rlmetrics.core.stat",
                "rlmetrics.extras"}  # fmt: skip
     sinks = Path(rlmetrics.__file__).parent / "sinks"
     for path in sorted(sinks.glob("*.py")):
@@ -86,8 +86,10 @@ def test_the_sinks_stand_on_the_messages_and_the_core_only():
 
 
 ENGINE_AND_CORE = (
-    "aggregator", "client", "columns", "derived", "groups", "health", "histogram", "host", "messages",
-    "packing", "reduce", "server", "sketch", "stat", "states", "steps", "summary", "values", "wire",
+    "engine/aggregator", "client", "engine/columns", "engine/derived", "core/groups", "health",
+    "core/histogram", "core/host", "messages", "core/packing", "core/reduce", "engine/server",
+    "core/sketch", "core/stat", "core/states", "engine/steps", "core/summary", "core/values",
+    "engine/wire",
 )  # fmt: skip
 
 
@@ -113,3 +115,52 @@ def test_the_engine_and_the_core_import_no_metric_family_tracker_backend_ray_or_
                 assert not name.startswith(outside), (module, name)
                 if node in tree.body:
                     assert name.split(".")[0] != "torch", (module, name)
+
+
+def test_no_import_circle():
+    """No module imports, at its top or inside a function, a module that imports it back (issue
+    32: the node sub-aggregator subclassed the root's actor, which imported the node module to
+    create nodes). Importing a module's own package and imports only for type checkers are no
+    edges."""
+    import ast
+    from pathlib import Path
+
+    import rlmetrics
+
+    root = Path(rlmetrics.__file__).parent
+    modules = {}
+    for path in root.rglob("*.py"):
+        parts = ["rlmetrics", *path.relative_to(root).with_suffix("").parts]
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def typing_only(node):
+        return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+    def imported(path):
+        names, todo = set(), list(ast.parse(path.read_text()).body)
+        while todo:
+            node = todo.pop()
+            if typing_only(node):
+                continue
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.update([node.module, *(f"{node.module}.{a.name}" for a in node.names)])
+            elif isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+            todo.extend(ast.iter_child_nodes(node))
+        return names
+
+    graph = {m: {n for n in imported(p) if n in modules and not m.startswith(n + ".") and n != m}
+             for m, p in modules.items()}  # fmt: skip
+    done, path = set(), []
+
+    def visit(module):
+        assert module not in path, " -> ".join([*path[path.index(module) :], module])
+        if module not in done:
+            path.append(module)
+            for other in sorted(graph[module]):
+                visit(other)
+            path.pop()
+            done.add(module)
+
+    for module in sorted(graph):
+        visit(module)

@@ -17,8 +17,9 @@ ray = pytest.importorskip("ray")
 import rlmetrics  # noqa: E402
 from rlmetrics.backends.ray import compat  # noqa: E402
 from rlmetrics.backends.ray.actor import AggregatorClass, _MetricWorker  # noqa: E402
-from rlmetrics.packing import pack  # noqa: E402
-from rlmetrics.wire import encode  # noqa: E402
+from rlmetrics.backends.ray.store import KVStore  # noqa: E402
+from rlmetrics.core.packing import pack  # noqa: E402
+from rlmetrics.engine.wire import encode  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -531,8 +532,8 @@ CO_TENANT = """
 import json, sys
 import ray
 from ray.experimental import internal_kv
-from rlmetrics.packing import pack
-from rlmetrics.wire import encode
+from rlmetrics.core.packing import pack
+from rlmetrics.engine.wire import encode
 
 name, address, rank0, seq = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 ray.init(address=address, logging_level="ERROR", log_to_driver=False)  # another job, same cluster
@@ -588,11 +589,21 @@ def test_a_co_tenant_job_can_neither_send_under_a_ranks_id_nor_plant_a_saved_sta
     assert "refused" in ray.get(worker.stats.remote())["refused_state"]
 
 
-def test_a_signed_state_this_version_cannot_read_is_refused_and_the_run_goes_on(name):
-    """A state the aggregator signed but cannot read (another version's form, here a result entry
-    of the wrong shape) is refused as a planted one is: the restarted actor starts empty and says
-    why in ``stats()``, the ranks resend what they keep, and the steps after are complete and
-    exact. Before, the restore raised in the actor's constructor, and Ray restarted it forever."""
+UNREADABLE = {
+    "wrong-shape": json.dumps(
+        {"clients": [], "done_below": 0, "finalized": [], "results": [[0, {"x/mean": 1.0}]]}
+    ),
+    "not-json": '{"clients": [], "done_below": 0, "finalized"',
+}
+
+
+@pytest.mark.parametrize("form", sorted(UNREADABLE))
+def test_a_signed_state_this_version_cannot_read_is_refused_and_the_run_goes_on(name, form):
+    """A state the aggregator signed but cannot read (another version's form: a result entry of
+    the wrong shape, or no JSON at all) is refused as a planted one is: the restarted actor starts
+    empty and says why in ``stats()``, the ranks resend what they keep, and the steps after are
+    complete and exact. Before, the restore raised in the actor's constructor, and the actor never
+    came back (for a state that is no JSON, until the store's load refused it)."""
     import hashlib
     import hmac
 
@@ -603,7 +614,7 @@ def test_a_signed_state_this_version_cannot_read_is_refused_and_the_run_goes_on(
     ray.get([a.step.remote(0) for a in ranks])
     check_step(reader.result(0, timeout=60), 0, range(world))
     key = f"rlmetrics/state/{worker._actor_id.hex()}".encode()
-    body = json.dumps({"clients": [], "done_below": 0, "finalized": [], "results": [[0, {"x/mean": 1.0}]]})
+    body = UNREADABLE[form]
     mac = hmac.new(secret.encode(), key + b"\n" + body.encode(), hashlib.sha256).hexdigest().encode()
     compat.kv_put(key, mac + b"\n" + body.encode())
     first = incarnation(worker)
@@ -641,12 +652,18 @@ def check_whole_step(reader, step, ranks):
         check_step(reader.result(step, timeout=15), step, ranks)
 
 
-class _LateSavingWorker(_MetricWorker):
-    """The aggregator with its state saves landing 1 s late, as a loaded machine's saver thread may."""
+class _LateKVStore(KVStore):
+    """Ray's KV store with every save landing 1 s late, as a loaded machine's saver thread may."""
 
-    def _write_state(self):
+    def _write(self):
         time.sleep(1.0)
-        super()._write_state()
+        super()._write()
+
+
+class _LateSavingWorker(_MetricWorker):
+    """The aggregator with its state saves landing 1 s late."""
+
+    store_class = _LateKVStore
 
 
 LateSavingWorker = AggregatorClass(_LateSavingWorker)
@@ -668,20 +685,26 @@ def test_a_step_finalized_but_not_yet_saved_comes_back_whole_after_a_restart(nam
     check_whole_step(reader, 1, range(2))
 
 
-class _RefusedSaveWorker(_MetricWorker):
-    """The aggregator with every state save refused by the KV store (a GCS that takes no writes)."""
+class _RefusingKVStore(KVStore):
+    """Ray's KV store refusing every write (a GCS that takes no writes)."""
 
     refused_finalized = False  # a refused save recorded step 0 finalized
 
-    def _write_state(self):
-        state = self._state
+    def _write(self):
+        state = self._next[0]
         refuse = mock.patch.object(compat, "kv_put", side_effect=ConnectionError("the GCS refused the write"))
         with refuse:
-            super()._write_state()
+            super()._write()
         self.refused_finalized |= state["done_below"] > 0 or 0 in state["finalized"]
 
+
+class _RefusedSaveWorker(_MetricWorker):
+    """The aggregator with every state save refused by the KV store."""
+
+    store_class = _RefusingKVStore
+
     def step_0_save_refused(self):
-        return self.refused_finalized
+        return self.store.refused_finalized
 
 
 RefusedSaveWorker = AggregatorClass(_RefusedSaveWorker)

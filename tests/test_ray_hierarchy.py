@@ -78,7 +78,7 @@ def _saved_clients(actor):
     from rlmetrics.backends.ray import compat
 
     for _ in range(100):  # the save lands from the actor's saver thread
-        saved = compat.kv_get(actor._kv_key)
+        saved = compat.kv_get(actor.store.key)
         if saved is not None:  # its signature, then the state
             return json.loads(saved.partition(b"\n")[2])["clients"]
         time.sleep(0.05)

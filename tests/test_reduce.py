@@ -1,4 +1,5 @@
-"""Tests of rlmetrics.reduce: name -> reduction rules, the registry, the seed's API, applying reductions."""
+"""Tests of rlmetrics.core.reduce: name -> reduction rules, the registry, the seed's API, applying
+reductions."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlmetrics import reduce
-from rlmetrics.reduce import (
+from rlmetrics.core import reduce
+from rlmetrics.core.reduce import (
     COUNT,
     DEFAULT_RENAMES,
     MAX,
@@ -37,7 +38,7 @@ from rlmetrics.reduce import (
     resolve,
     unregister_reduction,
 )  # fmt: skip
-from rlmetrics.stat import Stat
+from rlmetrics.core.stat import Stat
 
 BUILTINS = (MEAN, SUM, MIN, MAX, STD, COUNT, MEDIAN)
 ARRAY_REDUCTIONS = (MEAN, SUM, MIN, MAX, STD, COUNT)

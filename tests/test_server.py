@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from rlmetrics import LocalMetricWorker, MetricClient
-from rlmetrics.aggregator import Aggregator
-from rlmetrics.packing import Packed, pack
-from rlmetrics.server import Server
+from rlmetrics.core.packing import Packed, pack
+from rlmetrics.engine.aggregator import Aggregator
+from rlmetrics.engine.server import Server
 
 
 def engine_counts(engine: Aggregator) -> tuple[int, int, int]:

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rlmetrics.histogram import Histogram
+from rlmetrics.core.histogram import Histogram
+from rlmetrics.core.stat import Stat
 from rlmetrics.messages import StepResult
 from rlmetrics.sinks import (
     JsonlSink,
@@ -21,7 +22,6 @@ from rlmetrics.sinks import (
     make_sinks,
     read_jsonl,
 )
-from rlmetrics.stat import Stat
 from tests.trackers import (
     one,
     read_mlflow,

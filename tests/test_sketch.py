@@ -1,4 +1,5 @@
-"""Tests of rlmetrics.sketch: exactness against torch, error bounds, merging, serialisation, edge cases."""
+"""Tests of rlmetrics.core.sketch: exactness against torch, error bounds, merging, serialisation, edge
+cases."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import rlmetrics.sketch as sketch_module
-from rlmetrics.sketch import BucketWindow, Sketch
+import rlmetrics.core.sketch as sketch_module
+from rlmetrics.core.sketch import BucketWindow, Sketch
 
 QS = (0.0, 0.05, 0.25, 0.5, 0.95, 0.99, 0.999, 1.0)
 N_BIG = 1_000_000
@@ -608,8 +609,8 @@ def test_module_does_not_import_torch() -> None:
 def test_reducing_a_sketch_leaves_the_callers_stat_as_it_was():
     """The state protocol's reduce reads the column's Stat; it must not attach the sketch to it (the
     engine's Stat of a column is read again, e.g. for its histogram)."""
-    from rlmetrics.reduce import resolve
-    from rlmetrics.stat import Stat
+    from rlmetrics.core.reduce import resolve
+    from rlmetrics.core.stat import Stat
 
     stat = Stat.of([1.0, 2.0, 3.0])
     got = Sketch.of([1.0, 2.0, 3.0]).reduce("lat/p50", resolve("lat/p50"), stat)

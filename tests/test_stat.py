@@ -1,4 +1,5 @@
-"""Tests of rlmetrics.stat: merged summaries equal numpy on the concatenated data, input handling, errors."""
+"""Tests of rlmetrics.core.stat: merged summaries equal numpy on the concatenated data, input handling,
+errors."""
 
 from __future__ import annotations
 
@@ -10,8 +11,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlmetrics.sketch import Sketch
-from rlmetrics.stat import MetricValueError, Stat, empty_arrays, merge_arrays, reduce_parts, stats_of_rows
+from rlmetrics.core.sketch import Sketch
+from rlmetrics.core.stat import (
+    MetricValueError,
+    Stat,
+    empty_arrays,
+    merge_arrays,
+    reduce_parts,
+    stats_of_rows,
+)
 from tests.torch_params import TORCH, made, tensor
 
 REL = 1e-9

@@ -1,4 +1,5 @@
-"""Tests of rlmetrics.stat on torch tensors: dtypes, masks on the device, one host read, torch's median."""
+"""Tests of rlmetrics.core.stat on torch tensors: dtypes, masks on the device, one host read, torch's
+median."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ torch = pytest.importorskip("torch")
 from torch.overrides import TorchFunctionMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from rlmetrics.stat import Stat  # noqa: E402
+from rlmetrics.core.stat import Stat  # noqa: E402
 from tests.test_stat import assert_matches  # noqa: E402
 
 pytestmark = pytest.mark.torch

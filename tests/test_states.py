@@ -6,15 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rlmetrics.aggregator import Aggregator
+from rlmetrics.core.packing import Packed, pack
+from rlmetrics.core.reduce import resolve
+from rlmetrics.core.sketch import Sketch
+from rlmetrics.core.stat import Stat
+from rlmetrics.core.states import KINDS, State, decode_state, encode_state
+from rlmetrics.engine.aggregator import Aggregator
+from rlmetrics.engine.wire import SchemaTable, decode, encode
 from rlmetrics.metrics.validation import encode_samples, process_validation_metrics
 from rlmetrics.metrics.validation.samples import VALIDATION_SAMPLES, Samples
-from rlmetrics.packing import Packed, pack
-from rlmetrics.reduce import resolve
-from rlmetrics.sketch import Sketch
-from rlmetrics.stat import Stat
-from rlmetrics.states import KINDS, State, decode_state, encode_state
-from rlmetrics.wire import SchemaTable, decode, encode
 
 
 def test_every_kind_is_a_state_and_travels_unchanged():

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 import rlmetrics  # noqa: E402
 from rlmetrics import Stat, stat  # noqa: E402
 from rlmetrics.backends import local  # noqa: E402
-from rlmetrics.host import _device_to_host, _pinned_to_host, to_host  # noqa: E402
+from rlmetrics.core.host import _device_to_host, _pinned_to_host, to_host  # noqa: E402
 from rlmetrics.metrics import analysis, data, timing  # noqa: E402
 from tests.syncs import DEVICE, DeviceTensor, SyncCounter, on_device  # noqa: E402
 

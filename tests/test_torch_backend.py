@@ -110,7 +110,7 @@ def _main_scenario(rank: int, exchange: str) -> dict:
         client.submit_metric(
             {"lat/p50": d["lat"], "w/mean": (x, d["w"]), "w/p90": Stat.of(x, weight=d["w"], sketch=True)}
         )
-        client.submit_metric({"lat/hist": d["lat"]})  # a histogram (rlmetrics.histogram)
+        client.submit_metric({"lat/hist": d["lat"]})  # a histogram (rlmetrics.core.histogram)
         client.submit_metric({"wide/p99": d["wide"], "wide/p10": d["wide"], "wide/median": d["wide"]})
         if rank == 0:  # a rank-0-only timing, below zero: must not become max(0, ...)
             client.submit_metric({"only0/latency/max": -(1.0 + step + np.arange(3.0))})

@@ -14,14 +14,14 @@ import pytest
 import torch
 
 import rlmetrics
-from rlmetrics.aggregator import Aggregator
 from rlmetrics.backends import local
+from rlmetrics.core.packing import pack
+from rlmetrics.core.stat import MetricValueError, Stat
+from rlmetrics.engine.aggregator import Aggregator
 from rlmetrics.metrics.analysis import compute_custom_training_metrics, compute_custom_training_stats
 from rlmetrics.metrics.data import compute_data_metric, compute_data_stats
 from rlmetrics.metrics.timing import compute_timing_stats
 from rlmetrics.metrics.validation import encode_samples, process_validation_metrics
-from rlmetrics.packing import pack
-from rlmetrics.stat import MetricValueError, Stat
 
 pytestmark = pytest.mark.torch
 

@@ -14,15 +14,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from rlmetrics.aggregator import Aggregator
+from rlmetrics.core.packing import Packed, pack
+from rlmetrics.core.sketch import Sketch
+from rlmetrics.core.stat import Stat
+from rlmetrics.engine.aggregator import Aggregator
+from rlmetrics.engine.server import Server
+from rlmetrics.engine.wire import SchemaTable, _float_bytes, _floats, decode, encode
 from rlmetrics.messages import SubmissionError
 from rlmetrics.metrics.validation import encode_samples, process_validation_metrics
 from rlmetrics.metrics.validation.samples import VALIDATION_SAMPLES, Samples
-from rlmetrics.packing import Packed, pack
-from rlmetrics.server import Server
-from rlmetrics.sketch import Sketch
-from rlmetrics.stat import Stat
-from rlmetrics.wire import SchemaTable, _float_bytes, _floats, decode, encode
 
 doubles = hnp.arrays(np.float64, st.integers(0, 700), elements=st.floats(width=64))
 float32s = hnp.arrays(np.float32, st.integers(0, 700), elements=st.floats(width=32)).map(

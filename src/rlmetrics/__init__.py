@@ -7,25 +7,10 @@
 """
 
 import rlmetrics.metrics  # noqa: F401  the built-in families plug their derived metrics and states in
-from rlmetrics.aggregator import Aggregator
 from rlmetrics.backends import MetricClient, connect
 from rlmetrics.backends.local import LocalMetricWorker
-from rlmetrics.messages import (
-    LateDataWarning,
-    NonFiniteWarning,
-    PartialStepWarning,
-    ProvisionalWarning,
-    RayStartedWarning,
-    RLMetricsWarning,
-    StepMeta,
-    StepResult,
-    StepWarning,
-    SubmissionError,
-    ValueWarning,
-    WorldSizeWarning,
-)
-from rlmetrics.packing import pack
-from rlmetrics.reduce import (
+from rlmetrics.core.packing import pack
+from rlmetrics.core.reduce import (
     COUNT,
     MAX,
     MEAN,
@@ -48,8 +33,23 @@ from rlmetrics.reduce import (
     resolve,
     unregister_reduction,
 )
-from rlmetrics.sketch import Sketch
-from rlmetrics.stat import MetricValueError, Stat
+from rlmetrics.core.sketch import Sketch
+from rlmetrics.core.stat import MetricValueError, Stat
+from rlmetrics.engine.aggregator import Aggregator
+from rlmetrics.messages import (
+    LateDataWarning,
+    NonFiniteWarning,
+    PartialStepWarning,
+    ProvisionalWarning,
+    RayStartedWarning,
+    RLMetricsWarning,
+    StepMeta,
+    StepResult,
+    StepWarning,
+    SubmissionError,
+    ValueWarning,
+    WorldSizeWarning,
+)
 
 __version__ = "0.1.0"
 

@@ -46,11 +46,10 @@ import functools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from rlmetrics.backends import connect as connect_backend
 from rlmetrics.client import ClientCore, _step_arg
 from rlmetrics.compute_local import ComputeLocal
+from rlmetrics.core.stat import MetricValueError
 from rlmetrics.messages import DEFAULT_AXIS, StepResult
-from rlmetrics.stat import MetricValueError
 
 AXES = ("policy_version", "rollout_id")
 """The axes :func:`connect` gives a client unless told otherwise (any identifier is an axis)."""
@@ -293,22 +292,26 @@ def connect(
     name: str = "default",
     **options: Any,
 ) -> AxesClient:
+    """``rlmetrics.connect(backend, axes=axes, ...)`` with the default :data:`AXES` (see
+    :func:`rlmetrics.backends.connect`)."""
+    import rlmetrics  # the package, initialized first: no import circle through the backends
+
+    return rlmetrics.connect(backend, axes=axes, world_size=world_size, name=name, **options)
+
+
+def connect_axes(
+    connect: Callable[..., Any], backend: str, axes: Iterable[str], name: str, **options: Any
+) -> AxesClient:
     """An :class:`AxesClient` of the aggregator ``name`` of ``backend`` (``"local"`` or ``"ray"``)
-    on ``train_step`` and ``axes``: a :func:`rlmetrics.connect` client per axis, the one of axis
-    ``a`` on the aggregator :func:`axis_aggregator` ``(name, a)``. Options go to every one of them;
-    with ``world_size`` the client is a rank registered on each of its axes at once, so no step of
-    them completes before it moved past it: give a rank only the axes it submits on."""
+    on ``train_step`` and ``axes``: a ``connect`` client per axis, the one of axis ``a`` on the
+    aggregator :func:`axis_aggregator` ``(name, a)``. Options go to every one of them; with
+    ``world_size`` the client is a rank registered on each of its axes at once, so no step of them
+    completes before it moved past it: give a rank only the axes it submits on."""
     if backend == "torch":
         raise ValueError("step axes need an aggregator process: backend 'local' or 'ray', not 'torch'")
     axes = tuple(axes)
     bad = [a for a in axes if not isinstance(a, str) or not a.isidentifier() or a == DEFAULT_AXIS]
     if bad or len(set(axes)) != len(axes):
         raise ValueError(f"axes must be distinct identifiers other than {DEFAULT_AXIS!r}, got {axes!r}")
-    main = connect_backend(backend, world_size=world_size, name=name, **options)
-    return AxesClient(
-        main,
-        {
-            a: connect_backend(backend, world_size=world_size, name=axis_aggregator(name, a), **options)
-            for a in axes
-        },
-    )
+    main = connect(backend, name=name, **options)
+    return AxesClient(main, {a: connect(backend, name=axis_aggregator(name, a), **options) for a in axes})

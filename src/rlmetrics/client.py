@@ -29,9 +29,12 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from rlmetrics.derived import without_reserved
-from rlmetrics.groups import Labels, grouped_values, split_grouped
+from rlmetrics.core.groups import Labels, grouped_values, split_grouped
+from rlmetrics.core.packing import MAX_WORLD_SIZE, Packed, pack, pack_known
+from rlmetrics.core.stat import NAN_STRATEGIES, MetricValueError
+from rlmetrics.engine.derived import without_reserved
 from rlmetrics.messages import (
+    Close,
     LateDataWarning,
     NonFiniteWarning,
     PartialStepWarning,
@@ -39,13 +42,11 @@ from rlmetrics.messages import (
     Reply,
     StepResult,
     StepWarning,
+    Submission,
     SubmissionError,
     WorldSizeWarning,
     caller_level,
 )
-from rlmetrics.packing import MAX_WORLD_SIZE, Packed, pack, pack_known
-from rlmetrics.server import Close, Submission
-from rlmetrics.stat import NAN_STRATEGIES, MetricValueError
 
 T = TypeVar("T")
 _SCHEMA_CACHE = 512  # schemas a client remembers; beyond, it forgets them all (names that change)
@@ -261,14 +262,14 @@ class ClientCore:
         """Summarize ``metrics`` and queue them for ``step`` (default: the current step).
 
         Returns at once; nothing is sent before :meth:`wait_submit`. A value that cannot be
-        summarized raises :class:`~rlmetrics.stat.MetricValueError` naming it, after the other
+        summarized raises :class:`~rlmetrics.core.stat.MetricValueError` naming it, after the other
         metrics of the call were queued; so does a name under the reserved prefix ``_aux/`` that is
-        no ingredient of a derived metric (:func:`rlmetrics.derived.without_reserved`).
+        no ingredient of a derived metric (:func:`rlmetrics.engine.derived.without_reserved`).
 
         ``group_by``: ``{tag: labels}``, one label per sample; each per-sample value (a 1-D list,
         array or tensor, or a ``(values, weights)`` pair) is also submitted per group, as
-        ``group/<tag>/<label's name>/<name>`` (:func:`rlmetrics.groups.segment`: missing labels have
-        a group of their own; :func:`rlmetrics.groups.grouped_values`). A rank sends only
+        ``group/<tag>/<label's name>/<name>`` (:func:`rlmetrics.core.groups.segment`: missing labels have
+        a group of their own; :func:`rlmetrics.core.groups.grouped_values`). A rank sends only
         the groups it has, so grouped names (these, and any name starting with ``group/``) expect
         one contribution: their step completes when every registered rank closed it and the names
         without group have all theirs (``docs/groups.md``).
@@ -435,7 +436,7 @@ class ClientCore:
         and advance to the step after it.
 
         Blocking (the default, see ``blocking``) it returns once the aggregator holds the message,
-        and raises :class:`~rlmetrics.stat.MetricValueError` if it refused some of the data (the
+        and raises :class:`~rlmetrics.core.stat.MetricValueError` if it refused some of the data (the
         rest is merged). Data queued for a later step (``submit_metric(..., step=)``) travels now
         and is merged, but that step is closed only by the ``wait_submit`` that reaches it.
         """

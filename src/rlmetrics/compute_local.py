@@ -24,8 +24,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from rlmetrics.client import world_size_arg
-from rlmetrics.packing import pack
-from rlmetrics.values import MetricValueError
+from rlmetrics.core.packing import pack
+from rlmetrics.core.values import MetricValueError
 
 if TYPE_CHECKING:
     from rlmetrics.metrics.validation import SampleRecord
@@ -60,7 +60,7 @@ class ComputeLocal:
         prompt's samples of all ranks (this rank sends its per-prompt summaries,
         :mod:`rlmetrics.metrics.difficulty`). Missing labels (None, NaN) are a group of their own
         (``docs/groups.md``); labels refused (not one per sample) and values refused raise
-        :class:`~rlmetrics.stat.MetricValueError` after the call's other metrics were queued."""
+        :class:`~rlmetrics.core.stat.MetricValueError` after the call's other metrics were queued."""
         from rlmetrics.metrics.batch import as_batch
         from rlmetrics.metrics.custom import debug_enabled, debug_report, run_custom_metrics
         from rlmetrics.metrics.data import data_stats_and_prompts

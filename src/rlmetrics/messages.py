@@ -1,7 +1,8 @@
-"""What the aggregator tells its callers, built here and nowhere else: a step's :class:`StepResult`
-with its :class:`StepMeta`, the :class:`Reply` to a client's message, the errors of a refused
-contribution, the warnings a client gives its user (:class:`RLMetricsWarning`), and the name of
-the default step axis (what the sinks need of the rest, so that they import only this and the core).
+"""What clients and the aggregator tell each other, built here and nowhere else: a client's
+:class:`Message` of :data:`Submission` items, a step's :class:`StepResult` with its
+:class:`StepMeta`, the :class:`Reply` to a client's message, the errors of a refused contribution,
+the warnings a client gives its user (:class:`RLMetricsWarning`), and the name of the default step
+axis (what the sinks need of the rest, so that they import only this and the core).
 
 >>> res = StepResult({"loss": 0.5}, 3, StepMeta.of(missing_ranks=["rank2@host:1"]))
 >>> res["loss"], res.step, res.meta.complete, res.meta.missing_ranks
@@ -17,10 +18,29 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from types import FrameType
-from typing import Any
+from typing import Any, NamedTuple
 
 DEFAULT_AXIS = "train_step"
 """The axis of a client's own ``step`` (:mod:`rlmetrics.axes`), the one trackers plot against."""
+
+Submission = tuple[int, Any, int, Any]
+"""``(step, seq, world_size, packed)``: one contribution
+(``packed``: :class:`~rlmetrics.core.packing.Packed`);
+a node's forward keys it by ``(client_id, seq)`` pairs instead of ``seq``."""
+Close = Any
+"""A step closed by the sender, or ``(step, client ids)``: closed on behalf of those (a node)."""
+
+
+class Message(NamedTuple):
+    """One client's message to the server (:meth:`~rlmetrics.engine.server.Server.handle`): its
+    submissions, the steps it closes, whether it resends what it kept after a restart
+    (``resync``), and the client's ``session`` (its run; None: not tracked)."""
+
+    client: str
+    items: list[Submission]
+    close: list[Close]
+    resync: bool = False
+    session: str | None = None
 
 
 @dataclass(frozen=True)
@@ -188,7 +208,7 @@ _DEFAULT_META = {f.name: getattr(StepMeta(), f.name) for f in fields(StepMeta)}
 
 class StepResult(dict):
     """``{name: value}`` of one step, with ``step``, ``meta`` (a :class:`StepMeta`) and
-    ``histograms``: ``{name: Histogram}`` of the step's ``hist`` names (:mod:`rlmetrics.histogram`),
+    ``histograms``: ``{name: Histogram}`` of the step's ``hist`` names (:mod:`rlmetrics.core.histogram`),
     kept apart so that every value stays a float.
 
     Read-only once built: the aggregator keeps a finalized result and gives the same one to every

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
+from rlmetrics.axes import connect_axes
 from rlmetrics.backends import local
 from rlmetrics.client import ClientCore, Transport, world_size_arg
 from rlmetrics.compute_local import ComputeLocal
@@ -62,7 +63,8 @@ def connect(
     **options: Any,
 ):
     """A client of the named aggregator of ``backend``; with ``axes`` (e.g. ``("policy_version",)``)
-    an :class:`~rlmetrics.axes.AxesClient` on ``train_step`` and on each (:func:`rlmetrics.axes.connect`).
+    an :class:`~rlmetrics.axes.AxesClient` on ``train_step`` and on each
+    (:func:`rlmetrics.axes.connect_axes`).
 
     ``"local"``: every ``connect("local", name=...)`` in the process shares one in-process
     aggregator; each call returns a new client (one per rank/thread). ``"ray"``: every
@@ -87,9 +89,7 @@ def connect(
     >>> local.drop_worker("connect-doc")
     """
     if axes is not None:
-        from rlmetrics.axes import connect as connect_axes
-
-        return connect_axes(backend, axes=axes, world_size=world_size, name=name, **options)
+        return connect_axes(connect, backend, axes, name, world_size=world_size, **options)
     if world_size is not None:  # before any aggregator is made for it
         world_size_arg(world_size)
     client_keys = ("nan_strategy", "label", "rank", "blocking", "naming")

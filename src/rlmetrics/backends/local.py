@@ -1,4 +1,4 @@
-"""In-process backend: one :class:`~rlmetrics.server.Server` shared by threads.
+"""In-process backend: one :class:`~rlmetrics.engine.server.Server` shared by threads.
 
 >>> import threading, rlmetrics
 >>> def rank(r):
@@ -22,8 +22,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from rlmetrics.client import SyncTransport, identity
-from rlmetrics.messages import Reply, StepResult, SubmissionError
-from rlmetrics.server import Close, Server, Submission
+from rlmetrics.engine.server import Server
+from rlmetrics.messages import Close, Message, Reply, StepResult, Submission, SubmissionError
 
 _WORKERS: dict[str, LocalMetricWorker] = {}  # named in-process aggregators, like Ray's named actors
 _WORKERS_LOCK = threading.Lock()
@@ -32,7 +32,7 @@ _WORKERS_LOCK = threading.Lock()
 class LocalMetricWorker(SyncTransport):
     """The seed's ``MetricWorker`` in-process and thread-safe; blocking methods instead of ``.remote``.
 
-    Keyword options go to :class:`~rlmetrics.server.Server` (``final_timeout``, ``step_timeout``,
+    Keyword options go to :class:`~rlmetrics.engine.server.Server` (``final_timeout``, ``step_timeout``,
     ``renames``, ``keep_results``, ``forget_after``, ``max_pending``).
     """
 
@@ -51,7 +51,7 @@ class LocalMetricWorker(SyncTransport):
 
     def submit_metric(self, metrics: Mapping[str, Any], world_size: int, step: int | None = None) -> None:
         """A submission without a client: into ``step`` (default: the current round, see
-        :meth:`~rlmetrics.server.Server.submit_direct`)."""
+        :meth:`~rlmetrics.engine.server.Server.submit_direct`)."""
         with self._cond:
             self.server.submit_direct(metrics, world_size, step)
             self._cond.notify_all()
@@ -72,13 +72,13 @@ class LocalMetricWorker(SyncTransport):
             return Reply({str(who)[:80]: str(exc)}, self.server.incarnation)
         with self._cond:
             self._finalize_due()  # first: data after its step's deadline is late, as on Ray
-            reply = self.server.receive(client_id, items, close, resync, session)
+            [reply] = self.server.handle([Message(client_id, items, close, resync, session)])
             self._cond.notify_all()
         return reply
 
     def result(self, step: int, timeout: float | None = None, finalize: bool = False) -> StepResult:
         """``step`` once complete; at ``timeout`` final when ``finalize``, else provisional
-        (:meth:`~rlmetrics.server.Server.result`)."""
+        (:meth:`~rlmetrics.engine.server.Server.result`)."""
         with self._cond:
             self._wait(lambda: self.server.result_ready(step), timeout)
             out = self.server.result(step, finalize)
@@ -114,10 +114,7 @@ class LocalMetricWorker(SyncTransport):
 
     def _finalize_due(self) -> None:
         """Finalize the steps whose own deadline passed (with the lock held)."""
-        due = self.server.due_steps()
-        for step in due:
-            self.server.finalize(step)
-        if due:
+        if self.server.finalize_due():
             self._cond.notify_all()
 
 

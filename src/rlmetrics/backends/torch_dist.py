@@ -33,7 +33,7 @@ M2, min, max per name), then:
      ``all_gather`` of the vector, whose ``F`` stat fields are those the names' reductions read
      (count and sum of a mean, count and max of a max, count, sum and M2 of a std, all five of a
      quantile or histogram: about two per name rather than five); every rank merges the ``W``
-     stat arrays itself with :func:`~rlmetrics.stat.reduce_parts`, as the in-process aggregator
+     stat arrays itself with :func:`~rlmetrics.core.stat.reduce_parts`, as the in-process aggregator
      does (exact pooled M2, no sum of squares that cancels; a NaN reaches min and max).
    * ``"reduce"`` (beyond): three collectives issued together (async) and awaited together: ``SUM``
      of count and sum of the ``L`` names, ``MAX`` of ``max`` for max names and ``-min`` for min
@@ -51,10 +51,10 @@ M2, min, max per name), then:
    exact sketch and the total fits ``exact_limit``, the raw values are summed into disjoint
    per-rank slots (a gather by ``SUM``), so quantiles equal the in-process aggregator's exact ones
    (``torch.quantile`` / ``torch.median``). Otherwise every rank folds its sketch onto the
-   :class:`~rlmetrics.sketch.BucketWindow` that covers every rank's buckets
-   (:meth:`~rlmetrics.sketch.Sketch.fold`) and the sum is read back with
-   :meth:`~rlmetrics.sketch.Sketch.from_folded`: the same counts as
-   :meth:`~rlmetrics.sketch.Sketch.merge`, so the same relative error.
+   :class:`~rlmetrics.core.sketch.BucketWindow` that covers every rank's buckets
+   (:meth:`~rlmetrics.core.sketch.Sketch.fold`) and the sum is read back with
+   :meth:`~rlmetrics.core.sketch.Sketch.from_folded`: the same counts as
+   :meth:`~rlmetrics.core.sketch.Sketch.merge`, so the same relative error.
 
 So a steady step costs one round trip: one collective in the ``"gather"`` form, two or three
 issued together in the ``"reduce"`` form; plus the ``SUM`` of step 2 with quantile names. Layouts
@@ -64,7 +64,7 @@ name sends count 0 and
 neutral extremes, so the name is not reported as zero; a name no rank has in a step is left out of
 that step's values (listed in ``meta.empty``). NaN follows ``nan_strategy``; with
 ``"propagate"`` a NaN reaches mean, std, min, max and quantiles. States other than sketches
-(validation samples, :mod:`rlmetrics.states`) are gathered in their travelling form with one
+(validation samples, :mod:`rlmetrics.core.states`) are gathered in their travelling form with one
 ``all_gather_object`` in the steps that have them, and merged.
 
 The exchange itself (the layout, both forms, the sketch plans) is
@@ -87,7 +87,6 @@ from typing import Any
 
 import numpy as np
 
-from rlmetrics.aggregator import Aggregator
 from rlmetrics.backends.torch_exchange import (
     EXCHANGES,
     GATHER_LIMIT,
@@ -98,13 +97,14 @@ from rlmetrics.backends.torch_exchange import (
 )
 from rlmetrics.client import ClientCore, SyncTransport, identity
 from rlmetrics.compute_local import ComputeLocal
+from rlmetrics.core.packing import Packed, Schema
+from rlmetrics.core.sketch import Sketch
+from rlmetrics.core.stat import empty_arrays, merge_arrays
+from rlmetrics.core.states import State, decode_state, encode_state
+from rlmetrics.engine.aggregator import Aggregator
+from rlmetrics.engine.server import merge_items
 from rlmetrics.extras import require
-from rlmetrics.messages import Reply, StepMeta, StepResult, TorchFacts
-from rlmetrics.packing import Packed, Schema
-from rlmetrics.server import Submission, make_reply, merge_items
-from rlmetrics.sketch import Sketch
-from rlmetrics.stat import empty_arrays, merge_arrays
-from rlmetrics.states import State, decode_state, encode_state
+from rlmetrics.messages import Reply, StepMeta, StepResult, Submission, TorchFacts
 
 torch = require("torch", "torch")
 dist = require("torch.distributed", "torch")
@@ -116,7 +116,7 @@ __all__ = ["EXCHANGES", "GATHER_LIMIT", "Layout", "TorchDistTransport", "TorchMe
 
 class TorchDistTransport(SyncTransport):
     """The transport of :class:`TorchMetricClient`: merges this rank's submissions of a step in a
-    local :class:`~rlmetrics.aggregator.Aggregator`, runs the collective of
+    local :class:`~rlmetrics.engine.aggregator.Aggregator`, runs the collective of
     :meth:`close_step`, and finalizes the merged step with a second Aggregator (renames, derived
     and validation metrics, NaN warnings), so the reported numbers come from the same code as with
     the other backends.
@@ -180,7 +180,7 @@ class TorchDistTransport(SyncTransport):
                 errors[f"{client_id}/{step}/{seq}"] = (
                     f"step {step}: already collected by wait_submit() (now at step {self.next_step})"
                 )
-            return make_reply(self._engine, errors, "torch")
+            return Reply(errors, "torch", *self._engine.finalized_state())
 
     def result(self, step: int, timeout: float | None = None, finalize: bool = False) -> StepResult:
         """The result of a collected step (final: every step is, once collected); waits up to
@@ -340,7 +340,7 @@ class TorchDistTransport(SyncTransport):
 
     def _gather_states(self, states: dict[int, State]) -> dict[int, State]:
         """Every rank's non-sketch states, by one ``all_gather_object`` of their travelling form
-        (:mod:`rlmetrics.states`), merged by layout position."""
+        (:mod:`rlmetrics.core.states`), merged by layout position."""
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, {p: encode_state(s) for p, s in states.items()}, group=self.group)
         self.collectives_last_step += 1
@@ -367,7 +367,7 @@ class TorchMetricClient(ComputeLocal, ClientCore):
 
     ``group``: the process group (None: the default group). ``result_on``: None (every rank gets
     the result) or a group rank (only that rank gets it; the others get an empty
-    :class:`~rlmetrics.aggregator.StepResult` with ``meta.result_on``, and skip the final
+    :class:`~rlmetrics.engine.aggregator.StepResult` with ``meta.result_on``, and skip the final
     reduction work). ``renames``, ``keep_results``: as for the Aggregator; ``device``: where the
     collective vectors live (default ``cuda`` for NCCL, else ``cpu``); ``nan_strategy``, ``label``,
     ``rank``: client options (label defaults to ``rank{r}``, rank to the group rank).

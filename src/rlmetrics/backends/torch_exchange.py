@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
+from rlmetrics.core.packing import Schema
+from rlmetrics.core.reduce import parse_reduction
+from rlmetrics.core.sketch import BucketWindow, Sketch
+from rlmetrics.core.stat import empty_arrays, reduce_parts
 from rlmetrics.extras import require
-from rlmetrics.packing import Schema
-from rlmetrics.reduce import parse_reduction
-from rlmetrics.sketch import BucketWindow, Sketch
-from rlmetrics.stat import empty_arrays, reduce_parts
 
 dist = require("torch.distributed", "torch")
 

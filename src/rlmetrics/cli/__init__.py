@@ -1,4 +1,4 @@
-"""The rlmetrics command line: demo, report, plot, compare, bench.
+"""The rlmetrics command line: demo, report, plot, compare.
 
     rlmetrics demo                     # train a tiny policy with GRPO on 4 Ray ranks (CPU, a minute)
     rlmetrics report runs/demo         # last/min/max/mean per metric
@@ -33,14 +33,13 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from rlmetrics.cli import bench, demo, plot, report
+    from rlmetrics.cli import demo, plot, report
 
     parser = Parser(prog="rlmetrics", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo.add_parser(sub)
     report.add_parser(sub)
     plot.add_parsers(sub)
-    bench.add_parser(sub)
     return parser
 
 

@@ -180,7 +180,7 @@ def histograms_figure(run: object, names: Sequence[str], title: str = "") -> Any
 def _integer_valued(hist: Any) -> bool:
     """Every bin of ``hist`` is narrower than 1 and each non-empty one holds an integer.
 
-    >>> from rlmetrics.histogram import Histogram
+    >>> from rlmetrics.core.histogram import Histogram
     >>> edges = np.linspace(1, 3, 5)  # [1, 1.5), [1.5, 2), [2, 2.5), [2.5, 3]
     >>> _integer_valued(Histogram(edges, np.array([4.0, 0, 2, 1])))  # values 1, 2, 3
     True

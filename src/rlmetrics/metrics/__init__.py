@@ -3,8 +3,8 @@
 The submodules that need torch are imported on first use, so ``import rlmetrics.metrics`` stays
 light: ``from rlmetrics.metrics import compute_data_metric`` imports :mod:`rlmetrics.metrics.data`.
 Importing it (``import rlmetrics`` does) plugs the built-in families into the engine: their derived
-metrics into :data:`rlmetrics.derived.DERIVED`, their state kinds into
-:data:`rlmetrics.states.KINDS` (imported at first use).
+metrics into :data:`rlmetrics.engine.derived.DERIVED`, their state kinds into
+:data:`rlmetrics.core.states.KINDS` (imported at first use).
 
 **Derived metrics.** Some metrics are not a reduction of one merged Stat but a function of several:
 the explained variance ``1 - Var(returns - values) / (Var(returns) + eps)``, the per-token times
@@ -12,7 +12,7 @@ the explained variance ``1 - Var(returns - values) / (Var(returns) + eps)``, the
 own ratios gives a wrong number, so their ingredients travel as ordinary metrics under names
 starting with :data:`AUX_PREFIX`, whose own reductions are exact (pooled ``std``, ``sum``, the
 mean of the ranks' seconds), and :func:`derive_metrics` turns a merged result into the reported one
-(:func:`rlmetrics.derived.derive`): it computes each entry of :data:`DERIVED_METRICS` whose
+(:func:`rlmetrics.engine.derived.derive`): it computes each entry of :data:`DERIVED_METRICS` whose
 ingredients are present and drops the auxiliary names. It needs nothing but the ``{name: float}``
 result. The formulas, and where they differ from siiRL's per-rank average: ``docs/reductions.md``.
 
@@ -32,8 +32,8 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rlmetrics.derived import AUX_PREFIX, DERIVED, Derived, derive, is_aux, without_reserved
-from rlmetrics.states import register_state
+from rlmetrics.core.states import register_state
+from rlmetrics.engine.derived import AUX_PREFIX, DERIVED, Derived, derive, is_aux, without_reserved
 
 VF_EPS = 1e-5
 """Added to Var(returns) in the explained variance, as siiRL does."""
@@ -137,7 +137,7 @@ DERIVED_METRICS: tuple[Derived, ...] = (
     Derived("variance_proxy/proxy3_pure_noise", (VP_SEQUENCES,), variance_proxy_noise),
     *(Derived(f"timing_per_token_ms/{s}", timing_aux(s), _per_token_ms(s)) for s in TIMED_STAGES),
 )
-"""The built-in derived metrics (each a :class:`~rlmetrics.derived.Derived`: name, ingredients,
+"""The built-in derived metrics (each a :class:`~rlmetrics.engine.derived.Derived`: name, ingredients,
 function of the merged ``{name: float}``). Only the integrations (and ``critic/vf_explained_var`` of
 every data-metric function) submit the ingredients of the others."""
 DERIVED.extend(DERIVED_METRICS)
@@ -157,8 +157,9 @@ register_state("prompts", "rlmetrics.metrics.difficulty:PromptStats", column=PRO
 
 
 def derive_metrics(values: Mapping[str, float]) -> dict[str, float]:
-    """The reported metrics of a merged result: the derived metrics of :data:`rlmetrics.derived.DERIVED`
-    computed, auxiliary names dropped; for each group of grouped names (:mod:`rlmetrics.groups`) from
+    """The reported metrics of a merged result: the derived metrics of
+    :data:`rlmetrics.engine.derived.DERIVED`
+    computed, auxiliary names dropped; for each group of grouped names (:mod:`rlmetrics.core.groups`) from
     that group's names.
 
     >>> a = "group/src/a/"

@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from rlmetrics.core.reduce import resolve, rules_version
+from rlmetrics.core.stat import Stat
 from rlmetrics.metrics import VF_RESIDUAL_STD, VF_RETURNS_STD, VF_TOKENS, derive_metrics, vf_explained_var
-from rlmetrics.reduce import resolve, rules_version
-from rlmetrics.stat import Stat
 
 VF_AUX = (VF_RETURNS_STD, VF_RESIDUAL_STD, VF_TOKENS)
 
@@ -90,7 +90,7 @@ def column_values(
 @functools.lru_cache(maxsize=256)
 def _reductions(names: tuple[str, ...], rules: int) -> list[tuple[Any, np.ndarray]]:
     """The names' reductions and the indices of the names each one reduces (names repeat per call;
-    ``rules``: :func:`~rlmetrics.reduce.rules_version`, so a reduction registered later counts)."""
+    ``rules``: :func:`~rlmetrics.core.reduce.rules_version`, so a reduction registered later counts)."""
     groups: dict[Any, list[int]] = {}
     for i, name in enumerate(names):
         groups.setdefault(resolve(name), []).append(i)

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from rlmetrics.stat import MetricValueError
+from rlmetrics.core.stat import MetricValueError
 
 ACCEPTED = (
     "a mapping, a TensorDict, or an object with .batch (+ .non_tensor_batch, .meta_info) as verl's DataProto"

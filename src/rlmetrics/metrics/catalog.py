@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 
-from rlmetrics.reduce import resolve
+from rlmetrics.core.reduce import resolve
 
 SAMPLES = "all ranks' samples"
 _SEQ, _TOK = "sequence-weighted", "token-weighted"

@@ -2,7 +2,7 @@
 
 ``register_metric(fn)`` adds ``fn(batch) -> {name: value}`` to the functions that
 ``MetricClient.compute_local_data_metric`` runs on every batch; values may be numbers, tensors,
-lists or :class:`~rlmetrics.stat.Stat` (submit data or Stats for exact merging). A function that
+lists or :class:`~rlmetrics.core.stat.Stat` (submit data or Stats for exact merging). A function that
 raises is logged with its name and skipped; the other metrics are still submitted.
 
 >>> def reward_spread(batch):
@@ -22,8 +22,8 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from rlmetrics.core.stat import Stat
 from rlmetrics.messages import NonFiniteWarning, ValueWarning, caller_level
-from rlmetrics.stat import Stat
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ prompt once, and merges the prompts of each class (:func:`difficulty_metrics`):
 
 Numpy only: the aggregator computes it (:class:`PromptStats`, the state prompt records travel as).
 
->>> from rlmetrics.stat import Stat
+>>> from rlmetrics.core.stat import Stat
 >>> groups = [("critic/rewards/mean",), ("response/correct_length/mean",)]
 >>> def rows(rewards):  # one prompt's samples: their rewards and correct lengths (length 10)
 ...     r = np.array(rewards)
@@ -37,13 +37,13 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from rlmetrics.groups import group_name
+from rlmetrics.core.groups import group_name
+from rlmetrics.core.reduce import Reduction
+from rlmetrics.core.stat import Stat, empty_arrays, invalid_column, reduce_parts, reduce_runs
+from rlmetrics.core.values import MetricValueError
 from rlmetrics.metrics import PROMPT_STATS
 from rlmetrics.metrics.assemble import metrics_of_arrays, with_token_block
 from rlmetrics.metrics.validation.samples import Samples
-from rlmetrics.reduce import Reduction
-from rlmetrics.stat import Stat, empty_arrays, invalid_column, reduce_parts, reduce_runs
-from rlmetrics.values import MetricValueError
 
 TAG = "difficulty"
 CLASSES = ("all_correct", "all_wrong", "mixed")
@@ -139,7 +139,7 @@ class PromptStats(Samples):
 
     def validate(self) -> None:
         """ValueError unless each record is a prompt record with the rewards and the correct lengths
-        among its groups, and summaries data can give (:func:`~rlmetrics.stat.invalid_column`)."""
+        among its groups, and summaries data can give (:func:`~rlmetrics.core.stat.invalid_column`)."""
         for _, record in self.records:
             check_record(record)
             names = {name for group in record["groups"] for name in group}

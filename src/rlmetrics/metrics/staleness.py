@@ -12,9 +12,9 @@ concatenated batch of all ranks:
   and ``.../share/<bins>+`` the fraction with lag ``bins`` or more (a histogram with fixed names);
 - ``staleness/version_span/mean`` (with ``max_version``): token-weighted ``max_version - min_version``.
 
->>> from rlmetrics.packing import pack
+>>> from rlmetrics.core.packing import pack
 >>> m = staleness_metrics(7, min_version=[7, 6, 5], max_version=[7, 7, 6], tokens=[10, 20, 10], bins=2)
->>> from rlmetrics.aggregator import Aggregator
+>>> from rlmetrics.engine.aggregator import Aggregator
 >>> engine = Aggregator()
 >>> _ = engine.submit("rank0", 0, 0, 1, pack(m))
 >>> {k: round(v, 4) for k, v in engine.finalize(0).items()}  # doctest: +NORMALIZE_WHITESPACE
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from rlmetrics.values import MetricValueError
+from rlmetrics.core.values import MetricValueError
 
 LAG = "staleness/version_lag"
 SPAN = "staleness/version_span/mean"

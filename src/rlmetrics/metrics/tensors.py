@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
+from rlmetrics.core.values import is_dataless
 from rlmetrics.extras import require
 from rlmetrics.metrics.batch import as_batch, key_error
-from rlmetrics.values import is_dataless
 
 torch = require("torch", "torch")
 

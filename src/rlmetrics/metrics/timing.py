@@ -23,7 +23,7 @@ Tokens: ``global_token_num`` (per-sequence counts; in the batch, or in a ``DataP
 list into the ``meta_info`` of every shard; summed on every rank it would count each token W times,
 so a list whose length is not the batch's number of sequences is not this rank's: its tokens come
 from ``attention_mask`` instead (the same counts, for this rank's sequences), and without an
-``attention_mask`` the list is refused with :class:`~rlmetrics.stat.MetricValueError`.
+``attention_mask`` the list is refused with :class:`~rlmetrics.core.stat.MetricValueError`.
 
 Names depend on the keys present (``timing_raw``'s stages, the masks, ``global_token_num``), never on
 the values: a batch without tokens or a zero step time still yields every name, with an empty
@@ -39,8 +39,11 @@ from typing import Any
 
 import numpy as np
 
+from rlmetrics.core.host import to_host
+from rlmetrics.core.reduce import resolve
+from rlmetrics.core.stat import Stat
+from rlmetrics.core.values import scalar_value
 from rlmetrics.extras import require
-from rlmetrics.host import to_host
 from rlmetrics.metrics import (
     THROUGHPUT_GPUS,
     THROUGHPUT_SECONDS,
@@ -51,9 +54,6 @@ from rlmetrics.metrics import (
 from rlmetrics.metrics.batch import key_error
 from rlmetrics.metrics.data import data_metrics_from_stats
 from rlmetrics.metrics.tensors import BatchTensors
-from rlmetrics.reduce import resolve
-from rlmetrics.stat import Stat
-from rlmetrics.values import scalar_value
 
 torch = require("torch", "torch")
 
@@ -82,7 +82,8 @@ def _stage_values(timing_raw: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _read(values: dict[Any, Any]) -> dict[Any, Any]:
-    """``values`` with their tensors read, in one device-to-host copy (:func:`~rlmetrics.host.to_host`)."""
+    """``values`` with their tensors read, in one device-to-host copy
+    (:func:`~rlmetrics.core.host.to_host`)."""
     keys = [k for k, v in values.items() if isinstance(v, torch.Tensor)]
     host = to_host([values[k] for k in keys])
     return {**values, **{k: float(h.sum()) for k, h in zip(keys, host)}}

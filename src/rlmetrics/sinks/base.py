@@ -129,7 +129,7 @@ class RunSink(Sink):
             self.run.log(values, step=step)
 
     def media(self, histogram: Any) -> Any:
-        """The tracker's object for a :class:`~rlmetrics.histogram.Histogram` (None: not logged)."""
+        """The tracker's object for a :class:`~rlmetrics.core.histogram.Histogram` (None: not logged)."""
         return None
 
     @property

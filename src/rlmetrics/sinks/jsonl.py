@@ -4,7 +4,7 @@ Each line is ``{"step": 3, "time": <unix seconds>, "metrics": {name: value, ...}
 when the logged mapping has a ``meta`` of a step that is not complete (a partial
 :class:`~rlmetrics.StepResult`: missing ranks and metrics, contributors), made JSON-safe (tuples
 and sets → lists, other objects → ``str``), and ``"histograms": {name: {"edges": [...], "counts":
-[...], "sum": s, "sum_squares": s2}}`` when it has histograms (:mod:`rlmetrics.histogram`;
+[...], "sum": s, "sum_squares": s2}}`` when it has histograms (:mod:`rlmetrics.core.histogram`;
 :meth:`JsonlRun.histograms` reads them back).
 
 - Non-finite values are written as Python's ``NaN``, ``Infinity``, ``-Infinity``: ``json.loads``
@@ -65,8 +65,8 @@ from typing import Any
 
 import numpy as np
 
+from rlmetrics.core.histogram import Histogram
 from rlmetrics.health import Alert
-from rlmetrics.histogram import Histogram
 from rlmetrics.messages import StepResult
 from rlmetrics.sinks.base import Sink
 from rlmetrics.sinks.names import as_floats, as_step, histograms_of

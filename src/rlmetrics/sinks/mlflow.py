@@ -6,7 +6,7 @@ FINISHED. ``tracking_uri=None`` uses MLflow's default (``MLFLOW_TRACKING_URI`` o
 MLflow's usage telemetry is switched off (``MLFLOW_DISABLE_TELEMETRY=true``) unless that variable is
 already set. Names are adapted by :meth:`MLflowSink.map_name` (MLflow refuses ``@``).
 View with ``mlflow ui --backend-store-uri sqlite:///path/mlflow.db``. Histograms
-(:mod:`rlmetrics.histogram`) are not written: MLflow has no histogram metric (the JSONL file,
+(:mod:`rlmetrics.core.histogram`) are not written: MLflow has no histogram metric (the JSONL file,
 TensorBoard and W&B have them).
 
 ``config`` (the run's config: a mapping, a dataclass or an OmegaConf config,

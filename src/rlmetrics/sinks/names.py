@@ -126,7 +126,7 @@ def as_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 
 def histograms_of(metrics: Mapping[str, Any]) -> dict[str, Any]:
-    """The :class:`~rlmetrics.histogram.Histogram` s of a logged step (a
+    """The :class:`~rlmetrics.core.histogram.Histogram` s of a logged step (a
     :class:`~rlmetrics.StepResult`'s ``histograms``; none for a plain mapping)."""
     return dict(getattr(metrics, "histograms", None) or {})
 

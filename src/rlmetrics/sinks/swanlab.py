@@ -17,7 +17,7 @@ metrics it lacks, once. ``config``
 (a mapping, a dataclass or an OmegaConf config, made JSON-safe by
 :func:`~rlmetrics.sinks.jsonl.run_config`) is the run's config (``swanlab.init(config=...)``, in the
 session's ``files/config.yaml``); a resumed session's file holds the config it was given. A health
-alert is a text ``alert/<rule>`` at its step. Histograms (:mod:`rlmetrics.histogram`) are not
+alert is a text ``alert/<rule>`` at its step. Histograms (:mod:`rlmetrics.core.histogram`) are not
 written: SwanLab 0.10.3 (the version tested) has no histogram type (its newer documentation describes
 a ``swanlab.Histogram``); the JSONL file, TensorBoard and W&B have them.
 """

@@ -1,8 +1,11 @@
 """Ray backend: the seed's ``MetricWorker`` actor and its clients' transport (extra ``ray``).
 
-- :mod:`~rlmetrics.backends.ray.actor`: ``MetricWorker`` (a thin async shell over
-  :class:`~rlmetrics.server.Server`) and ``get_metric_worker``;
+- :mod:`~rlmetrics.backends.ray.actor`: ``MetricWorker`` (the root aggregator actor) and
+  ``get_metric_worker``;
 - :mod:`~rlmetrics.backends.ray.node`: per-node sub-aggregators (``hierarchy="node"``);
+- :mod:`~rlmetrics.backends.ray.shell`: what both actors share (a
+  :class:`~rlmetrics.engine.server.Server`, decoding, asyncio waiting) and how they are made;
+- :mod:`~rlmetrics.backends.ray.store`: ``KVStore``, the signed saved state in Ray's KV store;
 - :mod:`~rlmetrics.backends.ray.transport`: ``RayTransport``, the per-process sender and watcher;
 - :mod:`~rlmetrics.backends.ray.compat`: every private Ray API the backend uses.
 """

@@ -10,18 +10,20 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rlmetrics.backends.ray import compat
-from rlmetrics.backends.ray.actor import AggregatorClass, _MetricWorker, keep
 from rlmetrics.backends.ray.compat import ray
-from rlmetrics.messages import Reply, StepResult, SubmissionError
-from rlmetrics.stat import MetricValueError
+from rlmetrics.backends.ray.shell import AggregatorClass, Shell, keep
+from rlmetrics.core.stat import MetricValueError
+from rlmetrics.messages import Message, StepResult, SubmissionError
 
 logger = logging.getLogger(__name__)
 
 
-class _NodeWorker(_MetricWorker):
-    """A per-node sub-aggregator: merges the ranks of its node and forwards each step upstream in
-    one message once every local rank closed it, or when the root asks (:meth:`drain`: a reader's
-    deadline there, or the step's own), leaving out the local ranks that did not close it.
+class _NodeWorker(Shell):
+    """A per-node sub-aggregator, a :class:`~rlmetrics.backends.ray.shell.Shell` whose server has
+    the client to the root as its ``upstream`` (it finalizes nothing): merges the ranks of its node
+    and forwards each step upstream in one message once every local rank closed it, or when the root
+    asks (:meth:`drain`: a reader's deadline there, or the step's own), leaving out the local ranks
+    that did not close it.
 
     It speaks for its ranks at the root, so the root keeps the flat layout's steps, completion and
     ``meta``, by rank: before it answers a rank's first message, or one that closes a step no rank
@@ -37,57 +39,48 @@ class _NodeWorker(_MetricWorker):
     the root before).
     """
 
-    _auto_finalize = False
-
-    def __init__(self, root: str, namespace: str | None, node_id: str, **options: Any) -> None:
-        super().__init__(**options)
-        self.address = node_actor_name(root, node_id)
-        self._relayed: set[str] = set()  # ranks the root knows this node speaks for
-        self._announced = -1
-        # steps forwarded and not yet final upstream: the (client_id, seq) keys their forwards carried
-        self._forwarded: dict[int, set] = {}
-        self._forwarder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlmetrics-forward")
+    def __init__(
+        self,
+        root: str,
+        namespace: str | None,
+        node_id: str,
+        recovery_timeout: float = 30.0,
+        secret: str | None = None,
+        **options: Any,
+    ) -> None:
         from rlmetrics.backends import MetricClient
         from rlmetrics.backends.ray.transport import RayTransport
 
         # no session: the node serves every run that reaches it; the root checks the ranks' sessions
         uplink = RayTransport(ray.get_actor(root, namespace=namespace), session=None)
         self.upstream = MetricClient(uplink, label=f"node:{node_id}", blocking=False)
+        super().__init__(recovery_timeout, secret, upstream=self.upstream, **options)
+        self.address = node_actor_name(root, node_id)
+        self._relayed: set[str] = set()  # ranks the root knows this node speaks for
+        self._announced = -1
+        # steps forwarded and not yet final upstream: the (client_id, seq) keys their forwards carried
+        self._forwarded: dict[int, set] = {}
+        self._forwarder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlmetrics-forward")
 
-    def _export_state(self) -> dict:  # finalized steps are the root's business
-        state = self.server.export_state(results=0)
-        return {**state, "done_below": 0, "finalized": [], "results": []}
-
-    def _marker(self) -> tuple:
-        return (frozenset(self.engine.clients), self.server.changes)
-
-    async def _merge(
-        self,
-        who: str,
-        client_id: str,
-        session: str | None,
-        items: list,
-        close: list,
-        resync: bool,
-        steps: set,
-        late: set,
-    ) -> dict[str, str]:
-        step = max((c for c in close if type(c) is int), default=-1)
+    async def _admit(self, who: str, message: Message) -> Message | str:
+        """Relay the rank to the root first (:meth:`_relay`); a rank's resend is trimmed to what
+        this node did not forward, or, after this node's restart, forwarded keyed by its rank."""
+        client_id = message.client
+        step = max((c for c in message.close if type(c) is int), default=-1)
         refused = await self._relay(who, client_id, step if step > self._announced else None)
-        if refused:
-            return {client_id: refused}
-        if not resync:
-            return self.server.merge(client_id, items, close, False, session, steps, late)
+        if refused or not message.resync:
+            return refused or message
         if not self.restored:  # a rank's resend (the root restarted, or a call failed): what this node
             # forwarded already, its upstream client keeps and resends itself
-            items = [it for it in items if (client_id, it[1]) not in self._forwarded.get(it[0], ())]
-            return self.server.merge(client_id, items, close, True, session, steps, late)
+            forwarded = self._forwarded
+            items = [it for it in message.items if (client_id, it[1]) not in forwarded.get(it[0], ())]
+            return message._replace(items=items)
         # after this node's restart: each keyed by its rank (some reached the root before), ahead of
         # the forwards that close them
-        keyed = [(step, ((client_id, seq),), world_size, packed) for step, seq, world_size, packed in items]
+        keyed = [(step, ((client_id, seq),), ws, packed) for step, seq, ws, packed in message.items]
         if keyed:
             self._forwarder.submit(self._resend_upstream, keyed)
-        return self.server.merge(client_id, [], close, True, session, steps, late)
+        return message._replace(items=[])
 
     def _resend_upstream(self, items: list) -> None:
         try:
@@ -126,8 +119,8 @@ class _NodeWorker(_MetricWorker):
         await super().depart(who)
         await compat.remote(self.upstream.transport.handle.depart, who)
 
-    def _changed_state(self) -> None:
-        super()._changed_state()
+    def changed(self) -> None:
+        super().changed()
         self._forward_ready()
 
     def _forward_ready(self) -> None:
@@ -171,9 +164,6 @@ class _NodeWorker(_MetricWorker):
                 self.engine.clients.difference_update(missing)
             self._forward(step)
         await asyncio.wrap_future(self._forwarder.submit(self.upstream.flush))
-
-    def _reply(self, errors: dict[str, str], late: Any = ()) -> Reply:
-        return Reply(errors, self.incarnation, *self.upstream.finalized_state, late=sorted(late))
 
     async def relay(self, *args: Any) -> dict[str, str]:
         raise SubmissionError("a node sub-aggregator does not speak for another node")

@@ -13,9 +13,8 @@ from typing import Any
 from rlmetrics.backends.ray import compat
 from rlmetrics.backends.ray.compat import ray
 from rlmetrics.client import AggregatorRestarted
-from rlmetrics.messages import Reply, StepResult
-from rlmetrics.server import Submission
-from rlmetrics.wire import encode
+from rlmetrics.engine.wire import encode
+from rlmetrics.messages import Reply, StepResult, Submission
 
 _KNOWN_LIMIT = 512  # schema ids a transport remembers the actor has
 
@@ -29,7 +28,7 @@ class RayTransport:
     together in the next one.
     ``session``: the run its clients belong to, by default this process's Ray job (the driver's,
     for the actors it created): a restarted run is a new job, and the aggregator drops what the
-    ended one left open (:class:`~rlmetrics.server.Server`); None for a client of no run.
+    ended one left open (:class:`~rlmetrics.engine.server.Server`); None for a client of no run.
     """
 
     def __init__(

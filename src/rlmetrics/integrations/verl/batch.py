@@ -8,7 +8,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rlmetrics.groups import split_group_name
+from rlmetrics.core.groups import split_group_name
+from rlmetrics.core.reduce import MEAN, Reduction, resolve
+from rlmetrics.core.stat import Stat
 from rlmetrics.metrics import (
     DERIVED_METRICS,
     THROUGHPUT_GPU_SECONDS,
@@ -20,8 +22,6 @@ from rlmetrics.metrics import (
 )
 from rlmetrics.metrics.batch import BatchView
 from rlmetrics.metrics.validation import encode_samples, samples_by_source
-from rlmetrics.reduce import MEAN, Reduction, resolve
-from rlmetrics.stat import Stat
 
 VERL_REDUCTIONS: dict[str, Reduction] = {"variance_proxy/proxy2_total_power": MEAN}
 """verl's names whose reduction the name's tokens get wrong (``total`` would sum a mean)."""
@@ -88,7 +88,7 @@ def compute_timing_metrics(batch: Any, timing_raw: Mapping[str, Any]) -> dict[st
     >>> m["timing_s/gen"], m["timing_per_token_ms/gen"], m["timing_per_token_ms/ref"]
     (0.3, 100.0, 100.0)
     """
-    from rlmetrics.host import to_host
+    from rlmetrics.core.host import to_host
     from rlmetrics.metrics.data import verl_lengths
     from rlmetrics.metrics.timing import stage_seconds
 

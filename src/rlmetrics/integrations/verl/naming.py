@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rlmetrics.core.reduce import MEAN, STD, Reduction, resolve
+from rlmetrics.core.stat import Stat
 from rlmetrics.integrations.verl.batch import VERL_REDUCTIONS, Value
 from rlmetrics.integrations.verl.worker import is_metric, metric_stat
-from rlmetrics.reduce import MEAN, STD, Reduction, resolve
-from rlmetrics.stat import Stat
 
 
 class Naming:

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from rlmetrics.reduce import MAX, MEAN, MIN, SUM, Reduction
-from rlmetrics.stat import Stat
+from rlmetrics.core.reduce import MAX, MEAN, MIN, SUM, Reduction
+from rlmetrics.core.stat import Stat
 
 
 class AggregationType(Enum):

@@ -8,7 +8,7 @@ Each family has two views of **one** computation:
 
 * ``compute_*(data) -> dict[str, float]`` -- the seed's function: the numbers one rank reports.
 * ``compute_*_stats(data) -> dict[str, Stat]`` -- what a rank submits: one
-  :class:`~rlmetrics.stat.Stat` per name (names of one statistic share the same Stat), so the
+  :class:`~rlmetrics.core.stat.Stat` per name (names of one statistic share the same Stat), so the
   aggregator reports the statistic of all ranks' data together. Per-sequence metrics carry the
   per-sequence values, token metrics the token values (summarized on the device), ratios their
   numerator and denominator.
@@ -82,6 +82,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from rlmetrics.core.stat import Stat
 from rlmetrics.extras import require
 from rlmetrics.metrics.analysis.advanced import (
     ADVANCED,
@@ -125,7 +126,6 @@ from rlmetrics.metrics.analysis.model import (
     compute_model_performance_stats,
     plan_model,
 )
-from rlmetrics.stat import Stat
 
 torch = require("torch", "torch")  # (the doctests use it)
 

@@ -9,11 +9,11 @@ from typing import Any
 
 import numpy as np
 
+from rlmetrics.core.stat import Stat
 from rlmetrics.extras import require
 from rlmetrics.metrics.analysis.evaluate import Call, Out, as_tensor, floats_of, get, obs, ratio, stats_of
 from rlmetrics.metrics.analysis.tokens import rows_of
 from rlmetrics.metrics.batch import as_batch
-from rlmetrics.stat import Stat
 
 torch = require("torch", "torch")
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlmetrics.core.stat import Stat
 from rlmetrics.extras import require
 from rlmetrics.metrics.analysis.entropy import POLICY_ENTROPY_EPS, chunked_entropy, policy_entropy
 from rlmetrics.metrics.analysis.evaluate import Call, Out, as_tensor, floats_of, get, obs, stats_of, summary
 from rlmetrics.metrics.analysis.tokens import Rows, rows_of
 from rlmetrics.metrics.batch import as_batch
-from rlmetrics.stat import Stat
 
 torch = require("torch", "torch")
 

@@ -4,7 +4,7 @@ readers turn them into statistics, reported in the seed's view (floats) or the m
 A *planner* ``planner(data, call)`` looks at the inputs and queues, with ``call.add(tensors, read)``,
 the device tensors its metrics need and a reader that turns their host arrays into :class:`Out`
 statistics. :func:`evaluate` runs the planners of one call and moves every queued tensor to the host
-in one copy (:class:`~rlmetrics.host.HostPlan`).
+in one copy (:class:`~rlmetrics.core.host.HostPlan`).
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from typing import Any
 
 import numpy as np
 
+from rlmetrics.core.host import HostPlan
+from rlmetrics.core.reduce import resolve
+from rlmetrics.core.sketch import Sketch
+from rlmetrics.core.stat import Stat
+from rlmetrics.core.summary import NAN_STRATEGIES, summarize
+from rlmetrics.core.values import MetricValueError
 from rlmetrics.extras import require
-from rlmetrics.host import HostPlan
 from rlmetrics.metrics.batch import as_batch
-from rlmetrics.reduce import resolve
-from rlmetrics.sketch import Sketch
-from rlmetrics.stat import Stat
-from rlmetrics.summary import NAN_STRATEGIES, summarize
-from rlmetrics.values import MetricValueError
 
 torch = require("torch", "torch")
 
@@ -53,7 +53,7 @@ def ratio(names: tuple[str, ...], num: float, den: float) -> Out:
 
 def summary(x: torch.Tensor, weight: torch.Tensor | None = None, drop: bool = False) -> torch.Tensor:
     """``[count, sum, m2, min, max]`` (float64, on x's device) of ``x`` weighted by ``weight``, by
-    :func:`~rlmetrics.summary.summarize`: values of weight 0 drop out, NaN elsewhere propagates;
+    :func:`~rlmetrics.core.summary.summarize`: values of weight 0 drop out, NaN elsewhere propagates;
     with ``drop`` non-finite values drop out too."""
     x = x.detach()
     w = None if weight is None else weight.detach().to(torch.float64).broadcast_to(x.shape).reshape(-1)
@@ -74,7 +74,7 @@ def get(data: Any, key: str) -> Any:
 @dataclass
 class Call:
     """One evaluation: its options, what its metrics share (``shared``: e.g. the token rows of one
-    ``(responses, mask)``) and the :class:`~rlmetrics.host.HostPlan` of its device tensors."""
+    ``(responses, mask)``) and the :class:`~rlmetrics.core.host.HostPlan` of its device tensors."""
 
     chunk_elements: int | None = None
     drop: bool = False  # device summaries leave non-finite values out

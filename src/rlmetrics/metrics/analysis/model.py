@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from rlmetrics.core.stat import Stat
 from rlmetrics.extras import require
 from rlmetrics.metrics.analysis.entropy import attention_entropy
 from rlmetrics.metrics.analysis.evaluate import Call, Out, as_tensor, floats_of, ratio, stats_of, summary
-from rlmetrics.stat import Stat
 
 torch = require("torch", "torch")
 

@@ -1,6 +1,6 @@
 """Data metrics of a PPO / GRPO batch: the seed's ``compute_data_metric``, exact under merging.
 
-:func:`compute_data_stats` summarizes a batch into one :class:`~rlmetrics.stat.Stat` per metric name,
+:func:`compute_data_stats` summarizes a batch into one :class:`~rlmetrics.core.stat.Stat` per metric name,
 so that merging the Stats of all ranks gives the statistics of the concatenated batch:
 
 - ``critic/advantages|returns|values/*`` summarize the response tokens (``response_mask != 0``):
@@ -12,7 +12,7 @@ so that merging the Stats of all ranks gives the statistics of the concatenated 
   (:data:`DEFAULT_HISTOGRAMS`, sequences: cheap) and on request ``critic/advantages/hist`` (response
   tokens: a sketch of every token costs about as much as all the other data metrics) carry a
   quantile sketch of their observations and are reported as histograms of all ranks' data
-  (:mod:`rlmetrics.histogram`), not as numbers (``compute_data_stats(..., histograms=...)``);
+  (:mod:`rlmetrics.core.histogram`), not as numbers (``compute_data_stats(..., histograms=...)``);
 - ``critic/vf_explained_var`` is ``1 - Var(returns - values) / (Var(returns) + 1e-5)`` over the
   response tokens (unbiased variances, as siiRL). A ratio of variances does not merge by itself, so
   its ingredients also travel under auxiliary names (pooled stds and the token count, see
@@ -43,7 +43,7 @@ the per-sequence metrics and the assembly of names and stat arrays;
 The token summaries and the per-sequence sums (scores, rewards, lengths) are computed on the
 batch's device with fixed shapes (no masked_select, no ``.item()``) and reach the host in one
 transfer. Missing keys skip the metrics that need them; a key of the wrong shape or dtype raises
-:class:`~rlmetrics.stat.MetricValueError` naming it (:class:`~rlmetrics.metrics.tensors.BatchTensors`).
+:class:`~rlmetrics.core.stat.MetricValueError` naming it (:class:`~rlmetrics.metrics.tensors.BatchTensors`).
 Batch keys: ``responses``, ``attention_mask``, ``response_mask``, ``token_level_scores``,
 ``token_level_rewards``, ``advantages``, ``returns``, ``values``, ``__num_turns__``,
 ``tool_call_counts`` (tensors, numpy arrays or lists), in a plain dict, a TensorDict or a verl
@@ -60,7 +60,10 @@ from typing import Any
 import numpy as np
 import psutil
 
-from rlmetrics.groups import GroupBy
+from rlmetrics.core.groups import GroupBy
+from rlmetrics.core.reduce import resolve, rules_version
+from rlmetrics.core.stat import FIELDS, Stat
+from rlmetrics.core.summary import NAN_STRATEGIES
 from rlmetrics.metrics import is_aux
 from rlmetrics.metrics.data.grouped import Breakdowns
 from rlmetrics.metrics.data.sequences import (
@@ -80,9 +83,6 @@ from rlmetrics.metrics.data.verl_style import (
 )
 from rlmetrics.metrics.difficulty import difficulty_metrics
 from rlmetrics.metrics.tensors import Batch, BatchTensors
-from rlmetrics.reduce import resolve, rules_version
-from rlmetrics.stat import FIELDS, Stat
-from rlmetrics.summary import NAN_STRATEGIES
 
 HISTOGRAMS = {
     "response_mask": "response/length/hist",
@@ -111,7 +111,7 @@ def compute_data_stats(
     ``nan_strategy``: non-finite values of the observations (response tokens of advantages, returns
     and values; sequence scores, rewards, turns, tool calls) reach the statistics (``"propagate"``),
     are left out (``"drop"``; a sequence with a non-finite reward has no correct/wrong length), or
-    raise :class:`~rlmetrics.stat.MetricValueError` naming the metric (``"error"``).
+    raise :class:`~rlmetrics.core.stat.MetricValueError` naming the metric (``"error"``).
     ``aux=False`` leaves out the auxiliary Stats of the explained variance. ``histograms``: the
     names of :data:`HISTOGRAMS` to give as Stats with sketches (True: :data:`DEFAULT_HISTOGRAMS`,
     False: none). ``torch_compile=True``
@@ -217,7 +217,7 @@ def compute_data_metric(
 def data_metrics_from_stats(stats: Mapping[str, Stat]) -> dict[str, float]:
     """Reduce (merged) data Stats to ``{name: float}`` as the aggregator does: each name by its
     reduction, empty Stats left out, then :func:`rlmetrics.metrics.derive_metrics`; histogram names
-    (:data:`HISTOGRAMS`) are left out too (:class:`~rlmetrics.histogram.Histogram` reads them).
+    (:data:`HISTOGRAMS`) are left out too (:class:`~rlmetrics.core.histogram.Histogram` reads them).
 
     >>> import torch
     >>> a = compute_data_stats({"advantages": torch.tensor([[1.0, 2.0]]), "response_mask": torch.ones(1, 2)})
@@ -236,8 +236,8 @@ def data_metrics_from_stats(stats: Mapping[str, Stat]) -> dict[str, float]:
 @functools.lru_cache(maxsize=8)
 def _m2_read(rules: int) -> bool:
     """Whether the reduction of an advantages or values name reads M2 (a std, quantile or
-    histogram registered for it with :func:`~rlmetrics.reduce.register_reduction`); ``rules``:
-    :func:`~rlmetrics.reduce.rules_version`."""
+    histogram registered for it with :func:`~rlmetrics.core.reduce.register_reduction`); ``rules``:
+    :func:`~rlmetrics.core.reduce.rules_version`."""
     names = [*triple("critic/advantages"), *triple("critic/values")]
     return any(FIELDS.index("m2") in resolve(n).fields for n in names)
 

@@ -3,9 +3,9 @@
 Every sequence's own summaries (per-sequence values: one observation; response tokens: their
 count, sum, M2 around the sequence's mean, min and max, computed on the device with the other
 summaries, :class:`~rlmetrics.metrics.data.tokens.TokenSummaries` with ``rows=True``) are merged on
-the host over each group's sequences (:func:`~rlmetrics.stat.reduce_runs`, exact), and the metrics
+the host over each group's sequences (:func:`~rlmetrics.core.stat.reduce_runs`, exact), and the metrics
 of each group are assembled as the batch's are (the explained variance's ingredients included), under
-``group/<tag>/<value>/<metric>`` (:mod:`rlmetrics.groups`). A group's Stats merge across ranks as any
+``group/<tag>/<value>/<metric>`` (:mod:`rlmetrics.core.groups`). A group's Stats merge across ranks as any
 Stat does, so its global values are those of its sequences of all ranks concatenated.
 
 The labels come from the batch (a key: a tensor, a numpy array or a list, also in verl's
@@ -20,18 +20,18 @@ from typing import Any
 
 import numpy as np
 
-from rlmetrics.groups import MISSING, GroupBy, Labels, group_name, tag_sources
+from rlmetrics.core.groups import MISSING, GroupBy, Labels, group_name, tag_sources
+from rlmetrics.core.stat import empty_arrays, reduce_parts, reduce_runs
+from rlmetrics.core.values import MetricValueError, is_torch
 from rlmetrics.metrics.batch import BatchView, key_error
 from rlmetrics.metrics.data.sequences import Part, part_rows, part_summaries, with_token_block
 from rlmetrics.metrics.difficulty import TAG, prompt_record
-from rlmetrics.stat import empty_arrays, reduce_parts, reduce_runs
-from rlmetrics.values import MetricValueError, is_torch
 
 
 class Breakdowns:
     """The ``group_by`` of one call and the prompt ids of its difficulty groups: raw labels (tensors
     are moved with the batch's others, :attr:`tensors`), turned into grouped Stats by :meth:`arrays`.
-    ``errors``: a tag whose labels are refused (:meth:`Labels.of <rlmetrics.groups.Labels.of>`) is
+    ``errors``: a tag whose labels are refused (:meth:`Labels.of <rlmetrics.core.groups.Labels.of>`) is
     left out, with its message under its tag (without ``errors``: raised)."""
 
     def __init__(

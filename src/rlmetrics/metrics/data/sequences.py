@@ -3,7 +3,7 @@ a batch's names and ``(5, K)`` stat array.
 
 The per-sequence vectors (sums over each row, lengths) are computed on the batch's device, reach the
 host with the token summaries in one copy (:func:`fetch`), and are summarized there by
-:func:`~rlmetrics.summary.summarize` (a few numbers per sequence: small operations cost less on the
+:func:`~rlmetrics.core.summary.summarize` (a few numbers per sequence: small operations cost less on the
 host than as device kernels), vectors of one length together.
 """
 
@@ -14,14 +14,14 @@ from typing import Any
 
 import numpy as np
 
-from rlmetrics.host import HostPlan
+from rlmetrics.core.host import HostPlan
+from rlmetrics.core.stat import empty_arrays
+from rlmetrics.core.summary import nonfinite, summarize
+from rlmetrics.core.values import MetricValueError
 from rlmetrics.metrics.assemble import VF_AUX, column_values, metrics_of_arrays, with_token_block
 from rlmetrics.metrics.batch import key_error
 from rlmetrics.metrics.data.tokens import TokenSummaries, triple
 from rlmetrics.metrics.tensors import BatchTensors, floating
-from rlmetrics.stat import empty_arrays
-from rlmetrics.summary import nonfinite, summarize
-from rlmetrics.values import MetricValueError
 
 CORRECT_THRESHOLD = 0.5
 """A response is correct when its sequence reward (sum of ``token_level_rewards``) exceeds this."""

@@ -1,9 +1,9 @@
 """The response-token summaries of a batch: ``critic/advantages|returns|values/*`` and the explained
 variance's ingredients, over the tokens where ``response_mask != 0``.
 
-This is the summary kernel of :mod:`rlmetrics.summary`, specialised for millions of tokens on the
-CPU and built from its pieces (:func:`~rlmetrics.summary.total`, :func:`~rlmetrics.summary.divisor`,
-:func:`~rlmetrics.summary.extremes`, :func:`~rlmetrics.summary.square_`). What differs is the
+This is the summary kernel of :mod:`rlmetrics.core.summary`, specialised for millions of tokens on the
+CPU and built from its pieces (:func:`~rlmetrics.core.summary.total`, :func:`~rlmetrics.core.summary.divisor`,
+:func:`~rlmetrics.core.summary.extremes`, :func:`~rlmetrics.core.summary.square_`). What differs is the
 masking: the tensors are masked with integer arithmetic on their float bits (:class:`_TokenMask`)
 rather than boolean selections (``torch.where`` runs ~30x slower here), the padding is then set to a
 response token (so it does not change the extremes; then 0 again for M2), the work happens in scratch
@@ -29,13 +29,13 @@ from typing import Any
 
 import numpy as np
 
+from rlmetrics.core.host import to_host
+from rlmetrics.core.summary import divisor, extremes, square_, total
+from rlmetrics.core.values import MetricValueError
 from rlmetrics.extras import require
-from rlmetrics.host import to_host
 from rlmetrics.metrics import VF_RESIDUAL_STD, VF_RETURNS_STD
 from rlmetrics.metrics.batch import key_error
 from rlmetrics.metrics.tensors import BatchTensors, floating
-from rlmetrics.summary import divisor, extremes, square_, total
-from rlmetrics.values import MetricValueError
 
 torch = require("torch", "torch")
 

@@ -17,9 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from rlmetrics.core.groups import GroupBy
+from rlmetrics.core.host import to_host
+from rlmetrics.core.stat import Stat
 from rlmetrics.extras import require
-from rlmetrics.groups import GroupBy
-from rlmetrics.host import to_host
 from rlmetrics.metrics import VP_SEQUENCES, variance_proxy_noise
 from rlmetrics.metrics.data.grouped import Breakdowns
 from rlmetrics.metrics.data.sequences import (
@@ -31,7 +32,6 @@ from rlmetrics.metrics.data.sequences import (
 )
 from rlmetrics.metrics.data.tokens import TokenSummaries, triple
 from rlmetrics.metrics.tensors import Batch, BatchTensors, last_dim
-from rlmetrics.stat import Stat
 
 torch = require("torch", "torch")
 

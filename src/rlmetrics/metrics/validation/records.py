@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from rlmetrics.summary import NAN_STRATEGIES
-from rlmetrics.values import MetricValueError
+from rlmetrics.core.summary import NAN_STRATEGIES
+from rlmetrics.core.values import MetricValueError
 
 RECORD_VERSION = 1
 
@@ -85,7 +85,7 @@ def encode_samples(
     Non-finite numbers (NaN, inf) follow ``nan_strategy``: ``"propagate"`` keeps them (they reach the
     metrics as in the seed), ``"drop"`` leaves out every sample that has one (in any variable, with
     its turn count when ``sample_turns`` has one per sample; and non-finite turn counts),
-    ``"error"`` raises :class:`~rlmetrics.stat.MetricValueError` naming the variable.
+    ``"error"`` raises :class:`~rlmetrics.core.stat.MetricValueError` naming the variable.
 
     >>> r = encode_samples(["a", "b", "a"], ["p", "p", "p"], {"acc": [1, 0, 1], "pred": ["x", "y", "x"]})
     >>> r.sources, r.group.tolist(), r.values["pred"], r.pred.tolist(), r.pred_table

@@ -11,11 +11,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from rlmetrics.core.reduce import Reduction
+from rlmetrics.core.stat import Stat
 from rlmetrics.metrics import VALIDATION_SAMPLES
 from rlmetrics.metrics.validation import merge_samples, process_samples
 from rlmetrics.metrics.validation.records import SampleRecord, check_mergeable, check_record
-from rlmetrics.reduce import Reduction
-from rlmetrics.stat import Stat
 
 
 class Samples:

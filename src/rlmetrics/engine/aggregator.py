@@ -2,7 +2,7 @@
 
 Workers hand the engine *contributions*: ``(client_id, step, seq, world_size, packed)`` where
 ``packed`` holds a schema (metric names and their reductions) and one ``(5, M)`` float64 stat array
-(:data:`rlmetrics.stat.FIELDS`), plus other states by column (:mod:`rlmetrics.states`: quantile
+(:data:`rlmetrics.core.stat.FIELDS`), plus other states by column (:mod:`rlmetrics.core.states`: quantile
 sketches for the names that need them, validation samples). The engine
 merges them per ``(step, name)``:
 
@@ -20,10 +20,10 @@ engine is not thread-safe and never waits; backends add locking and waiting arou
 
 Where it lives: this module keeps the bookkeeping of steps (contributions, closes, completion,
 finalization, export and restore: ~440 lines, a third of them docstrings, one class whose methods
-share one state); the name registry is :mod:`rlmetrics.columns`, a step's merge and reduction
-:mod:`rlmetrics.steps`.
+share one state); the name registry is :mod:`rlmetrics.engine.columns`, a step's merge and reduction
+:mod:`rlmetrics.engine.steps`.
 
->>> from rlmetrics.packing import pack
+>>> from rlmetrics.core.packing import pack
 >>> agg = Aggregator()
 >>> for rank, values in enumerate([[1.0, 2.0], [3.0, 4.0, 5.0]]):
 ...     metrics = {"critic/score/mean": values, "critic/score/max": values}
@@ -48,15 +48,15 @@ from typing import Any
 
 import numpy as np
 
-from rlmetrics.columns import ColumnIndex
-from rlmetrics.derived import DERIVED, Derived
-from rlmetrics.histogram import Histogram
+from rlmetrics.core.histogram import Histogram
+from rlmetrics.core.packing import MAX_WORLD_SIZE, Packed
+from rlmetrics.core.reduce import DEFAULT_RENAMES
+from rlmetrics.core.states import State
+from rlmetrics.engine.columns import ColumnIndex
+from rlmetrics.engine.derived import DERIVED, Derived
+from rlmetrics.engine.steps import Group, Layout, Step, layout_of, reduce_step
+from rlmetrics.engine.wire import check_contribution
 from rlmetrics.messages import RefusedNamesError, StepMeta, StepResult, SubmissionError
-from rlmetrics.packing import MAX_WORLD_SIZE, Packed
-from rlmetrics.reduce import DEFAULT_RENAMES
-from rlmetrics.states import State
-from rlmetrics.steps import Group, Layout, Step, layout_of, reduce_step
-from rlmetrics.wire import check_contribution
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class Aggregator:
     """Step-keyed merge engine (see the module docstring).
 
     ``renames``: result-name prefix renames (default ``timing_s/`` → ``perf/delta_time/``).
-    ``derived``: the metrics computed from merged values (default :data:`rlmetrics.derived.DERIVED`,
+    ``derived``: the metrics computed from merged values (default :data:`rlmetrics.engine.derived.DERIVED`,
     which holds the built-in ones of :mod:`rlmetrics.metrics`).
     ``keep_results``: how many finalized results stay readable with :meth:`result`.
     ``forget_after``: schemas not submitted for this many steps are dropped, and names no kept
@@ -171,9 +171,9 @@ class Aggregator:
         pairs) of one step, as a node forwards its ranks'. All of them are new, or all were
         merged before (False); a mix is refused.
 
-        >>> from rlmetrics.packing import pack
+        >>> from rlmetrics.core.packing import pack
         >>> engine = Aggregator()
-        >>> from rlmetrics.stat import stats_of_rows
+        >>> from rlmetrics.core.stat import stats_of_rows
         >>> rows = stats_of_rows(np.array([[1.0], [3.0]]))  # two clients' values, merged by a node
         >>> both = Packed(pack({"r/mean": 1.0}).schema, rows, contributions=2)
         >>> engine.submit_merged((("a", 0), ("b", 0)), 0, 2, both), engine.submit("a", 0, 0, 2, both)
@@ -432,7 +432,7 @@ class Aggregator:
         its deadline when it does not finalize; a finalized step's result as :meth:`finalize`
         (``facts`` as there).
 
-        >>> from rlmetrics.packing import pack
+        >>> from rlmetrics.core.packing import pack
         >>> engine = Aggregator()
         >>> engine.register("b")
         >>> _ = engine.submit("a", 0, 0, 2, pack({"x/mean": 1.0}))
@@ -493,7 +493,8 @@ class Aggregator:
         return out
 
     def _values(self, st: Step) -> tuple[dict[str, float], list[str], dict[str, Histogram]]:
-        """The step's values, empty names and histograms (:func:`~rlmetrics.steps.reduce_step`), its layout
+        """The step's values, empty names and histograms
+        (:func:`~rlmetrics.engine.steps.reduce_step`), its layout
         cached by its set of schemas; a non-finite value is logged once per name (DEBUG: the reader's
         client warns)."""
         key = tuple(st.groups)
@@ -539,7 +540,7 @@ class Aggregator:
         finalized steps, and the newest ``results`` results — a restart between finalizing a step
         and the reply reaching its reader leaves the step finalized, and the retried read finds it.
 
-        >>> from rlmetrics.packing import pack
+        >>> from rlmetrics.core.packing import pack
         >>> engine = Aggregator()
         >>> engine.submit("a", 0, 0, 1, pack({"x": 2.0}))  # merged: True
         True

@@ -4,7 +4,7 @@ Some metrics are not a reduction of one merged Stat but a function of several (a
 from two pooled stds and a token count, a throughput from summed tokens and seconds). Their
 ingredients travel as ordinary metrics under names starting with :data:`AUX_PREFIX`; the engine
 computes each :class:`Derived` of its table whose ingredients are present, in each group of grouped
-names (:mod:`rlmetrics.groups`), and drops the auxiliary names (:func:`derive`).
+names (:mod:`rlmetrics.core.groups`), and drops the auxiliary names (:func:`derive`).
 
 The table is a hook of the engine, as ``renames`` is (``Aggregator(derived=...)``); its default,
 :data:`DERIVED`, is what the metric families append to (the built-in ones: :mod:`rlmetrics.metrics`).
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
-from rlmetrics.groups import GROUP_PREFIX, split_group_name
+from rlmetrics.core.groups import GROUP_PREFIX, split_group_name
 
 AUX_PREFIX = "_aux/"
 """Names under this prefix carry the ingredients of derived metrics; they are not reported."""

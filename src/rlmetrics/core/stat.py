@@ -2,13 +2,13 @@
 
 A :class:`Stat` holds what is needed to merge summaries of data that lives on many ranks and still get
 the statistics of the concatenated data: weighted count, sum, M2 (sum of squared deviations from the
-mean), min and max, and optionally a quantile :class:`~rlmetrics.sketch.Sketch`. Merging uses the
+mean), min and max, and optionally a quantile :class:`~rlmetrics.core.sketch.Sketch`. Merging uses the
 parallel variance formula (Chan et al.), so no sum of squares ever cancels.
 
 The same merge math works on whole vectors of statistics: the wire and the aggregator keep one
 ``(5, M)`` float64 array per contribution (rows :data:`FIELDS`), merged with :func:`merge_arrays`
 and :func:`reduce_parts`. :class:`Stat` is the one-metric view of that layout. Values are summarized
-by the one kernel of :mod:`rlmetrics.summary`; what counts as a value is :mod:`rlmetrics.values`.
+by the one kernel of :mod:`rlmetrics.core.summary`; what counts as a value is :mod:`rlmetrics.core.values`.
 
 >>> a, b = Stat.of([1.0, 2.0]), Stat.of([3.0, 4.0, 5.0])
 >>> m = a.merge(b)
@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from rlmetrics.host import HostPlan, to_host
-from rlmetrics.sketch import Sketch
-from rlmetrics.summary import NAN_STRATEGIES, nonfinite, stats_of_rows, summarize
-from rlmetrics.values import (
+from rlmetrics.core.host import HostPlan, to_host
+from rlmetrics.core.sketch import Sketch
+from rlmetrics.core.summary import NAN_STRATEGIES, nonfinite, stats_of_rows, summarize
+from rlmetrics.core.values import (
     MetricValueError,
     and_mask,
     as_float_array,
@@ -137,7 +137,7 @@ _EMPTY_TAIL = empty_arrays(1)[1:]  # sum, M2, min and max of a column without ob
 
 def invalid_column(stats: np.ndarray) -> tuple[int, str] | None:
     """The first column of a ``(5, M)`` stat array that no data can give, and what is wrong with it;
-    None when every column is one that :func:`~rlmetrics.summary.summarize` and :func:`merge_arrays`
+    None when every column is one that :func:`~rlmetrics.core.summary.summarize` and :func:`merge_arrays`
     give (a contribution from another process may hold any float).
 
     Such a column has a finite count >= 0 (weights are finite and non-negative) and M2 >= 0, NaN

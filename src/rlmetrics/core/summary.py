@@ -1,13 +1,13 @@
 """The one summary kernel: count, sum, M2, min and max of observations, for numpy arrays and torch tensors.
 
-:func:`summarize` turns values into the rows of a stat array (:data:`rlmetrics.stat.FIELDS`) along
+:func:`summarize` turns values into the rows of a stat array (:data:`rlmetrics.core.stat.FIELDS`) along
 their last axis, for any leading shape: ``keep`` (which values are observations), ``weight``
 (non-negative weights; a weight of 0 drops a value) and ``nan_strategy`` (``"drop"`` leaves out
 non-finite values; ``"propagate"`` and ``"error"`` keep them, and :func:`nonfinite` counts them for the
 caller that refuses them). A numpy input is summarized with numpy, a torch tensor with torch on its
 own device, without data-dependent shapes (no host sync): the caller moves the results to the host
-in one copy (:mod:`rlmetrics.host`). Every summary of the package goes through it:
-:meth:`Stat.of <rlmetrics.stat.Stat.of>` (numpy and torch), :func:`stats_of_rows` (the aggregator's
+in one copy (:mod:`rlmetrics.core.host`). Every summary of the package goes through it:
+:meth:`Stat.of <rlmetrics.core.stat.Stat.of>` (numpy and torch), :func:`stats_of_rows` (the aggregator's
 single observations), the per-sequence and device summaries of :mod:`rlmetrics.metrics.data` and
 :mod:`rlmetrics.metrics.analysis`.
 

@@ -373,10 +373,10 @@ class Sketch:
 
     # ------------------------------------------------------------------ merging
     kind: ClassVar[str] = "sketch"
-    """The state kind (:mod:`rlmetrics.states`)."""
+    """The state kind (:mod:`rlmetrics.core.states`)."""
 
     def reduce(self, name: str, reduction: Any, stat: Any) -> dict[str, float]:
-        """The state protocol's reduce (:mod:`rlmetrics.states`): ``{name: value}`` of ``reduction``
+        """The state protocol's reduce (:mod:`rlmetrics.core.states`): ``{name: value}`` of ``reduction``
         (a quantile) on ``stat`` (its column's merged Stat) with this sketch."""
         with_sketch = type(stat)(stat.count, stat.sum, stat.m2, stat.min, stat.max, self)  # not the caller's
         return {name: reduction.apply(with_sketch)}

@@ -2,20 +2,20 @@
 
 A metric whose reduction is ``hist`` (a name whose last segment is ``hist``, e.g.
 ``response/length/hist``, or any name registered with ``register_reduction(name, "hist")``) carries a
-:class:`~rlmetrics.sketch.Sketch` like a percentile name, and is reported as a :class:`Histogram` in
+:class:`~rlmetrics.core.sketch.Sketch` like a percentile name, and is reported as a :class:`Histogram` in
 :attr:`StepResult.histograms <rlmetrics.messages.StepResult>` instead of a number.
 
 - **Edges**: :data:`HIST_BINS` equal-width bins from the merged (exact) minimum to the maximum:
   ``numpy.histogram_bin_edges(data, HIST_BINS)`` of the concatenated data of every rank, which
   depends on the minimum and the maximum alone.
-- **Counts**: :meth:`Sketch.histogram <rlmetrics.sketch.Sketch.histogram>`. While the merged sketch is
+- **Counts**: :meth:`Sketch.histogram <rlmetrics.core.sketch.Sketch.histogram>`. While the merged sketch is
   exact (at most 4096 values, unit weights), ``numpy.histogram(data, edges)[0]`` itself; beyond, each
   bin's count differs from numpy's by at most the number of values within ``rel_err * |x|`` (0.5 %)
   of the bin's two edges: only values that close to an edge can land in the neighbouring bin.
 - No histogram for a step whose data has no observation or a non-finite value (NaN or infinity:
   numpy's edges would not be finite either); the scalar metrics show those.
 
->>> from rlmetrics.stat import Stat
+>>> from rlmetrics.core.stat import Stat
 >>> h = Histogram.of(Stat.of([1.0, 2.0, 2.0, 5.0], sketch=True), bins=4)
 >>> h.edges.tolist(), h.counts.tolist()
 ([1.0, 2.0, 3.0, 4.0, 5.0], [1.0, 2.0, 0.0, 1.0])
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from rlmetrics.stat import Stat
+from rlmetrics.core.stat import Stat
 
 HIST_BINS = 64
 """Bins of a reported histogram (W&B's default)."""

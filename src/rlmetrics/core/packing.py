@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from rlmetrics.groups import GROUP_PREFIX
+from rlmetrics.core.groups import GROUP_PREFIX
+from rlmetrics.core.reduce import MEAN, STD, Reduction, parse_reduction, resolve
+from rlmetrics.core.sketch import Sketch
+from rlmetrics.core.stat import MetricValueError, Stat, invalid_column, scalar_value
+from rlmetrics.core.states import State
 from rlmetrics.messages import ValueWarning, caller_level
-from rlmetrics.reduce import MEAN, STD, Reduction, parse_reduction, resolve
-from rlmetrics.sketch import Sketch
-from rlmetrics.stat import MetricValueError, Stat, invalid_column, scalar_value
-from rlmetrics.states import State
 
 MAX_WORLD_SIZE = 1 << 32
 """Largest ``world_size`` (and node contribution count): the engine counts contributions in int64."""
@@ -55,7 +55,7 @@ class Packed:
     """One contribution's numbers, in schema order: ``stats`` is a ``(5, M)`` stat array, or a
     1-D array of ``M`` values when every metric is a single observation (the common case of
     scalar metrics: one float per metric on the wire); ``states``: the other states
-    (:mod:`rlmetrics.states`: sketches, validation samples) by column."""
+    (:mod:`rlmetrics.core.states`: sketches, validation samples) by column."""
 
     schema: Schema
     stats: np.ndarray
@@ -112,7 +112,7 @@ def pack(
     Values: numbers, lists, numpy arrays, torch tensors, :class:`Stat` or ``(value, weight)``.
     A bad value is left out; its message goes to ``errors`` (by name) when given, else the first
     one is raised as :class:`MetricValueError`. ``schemas`` caches schemas across calls.
-    ``overrides``: names whose reduction is not the one :func:`~rlmetrics.reduce.resolve` gives
+    ``overrides``: names whose reduction is not the one :func:`~rlmetrics.core.reduce.resolve` gives
     (a client's naming profile).
 
     >>> p = pack({"a/mean": 2.0, "b/max": [1.0, 7.0]})

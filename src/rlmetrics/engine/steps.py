@@ -1,14 +1,14 @@
 """One step's pending state and its reduction to values: the engine's inner loop.
 
 :class:`Step` holds a step's contributions, one :class:`Group` per schema (stacked, folded into a
-``(5, M)`` stat array once), and its other states by column (:mod:`rlmetrics.states`).
+``(5, M)`` stat array once), and its other states by column (:mod:`rlmetrics.core.states`).
 :func:`layout_of` resolves a step's schemas to global columns, output names and reduction groups
 once per set of schemas; :func:`reduce_step` turns a step into ``{name: value}`` (and the
-histograms of its ``hist`` names, :mod:`rlmetrics.histogram`).
-:class:`~rlmetrics.aggregator.Aggregator` owns the steps, the bookkeeping and the messages.
+histograms of its ``hist`` names, :mod:`rlmetrics.core.histogram`).
+:class:`~rlmetrics.engine.aggregator.Aggregator` owns the steps, the bookkeeping and the messages.
 
->>> from rlmetrics.columns import ColumnIndex
->>> from rlmetrics.packing import pack
+>>> from rlmetrics.engine.columns import ColumnIndex
+>>> from rlmetrics.core.packing import pack
 >>> columns = ColumnIndex({})
 >>> packed = pack({"reward/mean": [1.0, 2.0, 6.0]})
 >>> known = columns.of(packed.schema, step=0)
@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rlmetrics.columns import ColumnIndex
-from rlmetrics.derived import Derived, derive, is_aux
-from rlmetrics.histogram import Histogram
-from rlmetrics.reduce import Reduction, parse_reduction
-from rlmetrics.stat import Stat, empty_arrays, merge_arrays, reduce_parts, stats_of_rows
-from rlmetrics.states import State
+from rlmetrics.core.histogram import Histogram
+from rlmetrics.core.reduce import Reduction, parse_reduction
+from rlmetrics.core.stat import Stat, empty_arrays, merge_arrays, reduce_parts, stats_of_rows
+from rlmetrics.core.states import State
+from rlmetrics.engine.columns import ColumnIndex
+from rlmetrics.engine.derived import Derived, derive, is_aux
 
 _BLOCK = 1 << 21  # floats stacked per schema and step before they are folded into one stat array
 
@@ -42,8 +42,8 @@ class Group:
     contributions of another ``world_size`` apart, so the root sees the disagreement too).
 
     Single-observation contributions (1-D) are stacked as plain values and summarized in one pass
-    (:func:`~rlmetrics.stat.stats_of_rows`); others are stacked field-major for
-    :func:`~rlmetrics.stat.reduce_parts`. Blocks are sized to hold about 2M floats.
+    (:func:`~rlmetrics.core.stat.stats_of_rows`); others are stacked field-major for
+    :func:`~rlmetrics.core.stat.reduce_parts`. Blocks are sized to hold about 2M floats.
     """
 
     __slots__ = (
@@ -232,7 +232,7 @@ def reduce_step(
 def _reduce_states(
     st: Step, lay: Layout, total: np.ndarray, out: np.ndarray, columns: ColumnIndex
 ) -> tuple[dict[str, float], dict[str, Histogram]]:
-    """Each state's values (:mod:`rlmetrics.states`): its own column's into ``out`` (a sketch's
+    """Each state's values (:mod:`rlmetrics.core.states`): its own column's into ``out`` (a sketch's
     quantile) or the histograms, the others returned (validation samples' metrics, computed once
     over every rank's samples)."""
     extra: dict[str, float] = {}

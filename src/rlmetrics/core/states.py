@@ -7,19 +7,19 @@ Every state implements one small protocol, :class:`State`:
 - ``to_array()`` / ``from_array(arr)``: how it travels (a numpy array: the wire and the torch backend
   move states only this way, by their ``kind``);
 - ``reduce(name, reduction, stat)``: the values it reports at the end of its step, given its
-  column's name, reduction and merged :class:`~rlmetrics.stat.Stat`;
+  column's name, reduction and merged :class:`~rlmetrics.core.stat.Stat`;
 - ``validate()``: ValueError unless data can give it (the aggregator validates every contribution's
   states before merging them: a state from another process may hold any value).
 
-:class:`~rlmetrics.stat.Stat` (count, sum, M2, min, max) is every column's state and the fast path:
+:class:`~rlmetrics.core.stat.Stat` (count, sum, M2, min, max) is every column's state and the fast path:
 a contribution carries all of them as one ``(5, M)`` float64 array, merged as matrices. The other
-states ride on a column of a contribution (``Packed.states``): a :class:`~rlmetrics.sketch.Sketch`
+states ride on a column of a contribution (``Packed.states``): a :class:`~rlmetrics.core.sketch.Sketch`
 on a name whose reduction reads quantiles, and the kinds the metric families register
 (:func:`register_state`) on their own columns: validation samples
 (:class:`~rlmetrics.metrics.validation.samples.Samples`) and prompt records
 (:class:`~rlmetrics.metrics.difficulty.PromptStats`). This module knows none of them.
 
->>> from rlmetrics.reduce import resolve
+>>> from rlmetrics.core.reduce import resolve
 >>> a, b = Sketch.of([1.0, 2.0]), Sketch.of([3.0, 4.0, 5.0])
 >>> travelled = decode_state(*encode_state(a))
 >>> travelled.merge(b).reduce("lat/p50", resolve("lat/p50"), Stat.of([1.0, 2.0, 3.0, 4.0, 5.0]))
@@ -33,9 +33,9 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
-from rlmetrics.reduce import Reduction, parse_reduction
-from rlmetrics.sketch import Sketch
-from rlmetrics.stat import Stat
+from rlmetrics.core.reduce import Reduction, parse_reduction
+from rlmetrics.core.sketch import Sketch
+from rlmetrics.core.stat import Stat
 
 
 @runtime_checkable

@@ -7,7 +7,7 @@ the metric and the problem.
 >>> as_float_array(["1.5"], "loss", "values")
 Traceback (most recent call last):
 ...
-rlmetrics.values.MetricValueError: metric 'loss': values are not numbers (got <U3 data)
+rlmetrics.core.values.MetricValueError: metric 'loss': values are not numbers (got <U3 data)
 """
 
 from __future__ import annotations

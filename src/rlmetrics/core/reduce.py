@@ -1,6 +1,6 @@
 """Reductions and the rules that pick one from a metric's name.
 
-A :class:`Reduction` turns a merged :class:`~rlmetrics.stat.Stat` into the reported number: ``MEAN``
+A :class:`Reduction` turns a merged :class:`~rlmetrics.core.stat.Stat` into the reported number: ``MEAN``
 is the weighted mean, ``STD`` the pooled (population) std, ``MIN``/``MAX``/``SUM``/``COUNT`` what they
 say, ``MEDIAN`` and :func:`percentile` read the quantile sketch (exact while small: the median is the
 lower middle value as ``torch.median``, percentiles interpolate linearly as ``torch.quantile``).
@@ -12,7 +12,7 @@ registry → tokens of the name → ``MEAN``. Tokens: the last path segment is s
 token of the segment); a
 segment without one passes to the segment before it. Built in: ``graph_output_handling`` → max (the
 seed's special metric) and ``val/test_score/*`` → mean (its last segment is a data source name).
-A grouped name (``group/<tag>/<value>/<metric>``, :mod:`rlmetrics.groups`) not in the registry itself
+A grouped name (``group/<tag>/<value>/<metric>``, :mod:`rlmetrics.core.groups`) not in the registry itself
 resolves as its metric.
 
 >>> [resolve(n).name for n in ("critic/score/max", "actor/minibatch_loss", "perf/total_num_tokens",
@@ -34,10 +34,10 @@ from typing import Any
 
 import numpy as np
 
-from rlmetrics.groups import GROUP_PREFIX, split_group_name
-from rlmetrics.histogram import Histogram
-from rlmetrics.sketch import Sketch
-from rlmetrics.stat import Stat
+from rlmetrics.core.groups import GROUP_PREFIX, split_group_name
+from rlmetrics.core.histogram import Histogram
+from rlmetrics.core.sketch import Sketch
+from rlmetrics.core.stat import Stat
 
 _FIELDS_READ = {"count": (0,), "mean": (0, 1), "sum": (0, 1), "std": (0, 1, 2), "min": (0, 3), "max": (0, 4)}
 
@@ -47,7 +47,7 @@ class Reduction:
     """How a merged Stat becomes one number.
 
     ``kind`` is one of ``mean sum min max std count quantile hist``; ``q`` is the quantile in
-    [0, 1] for ``quantile``; ``hist`` gives a :class:`~rlmetrics.histogram.Histogram` (or None), not
+    [0, 1] for ``quantile``; ``hist`` gives a :class:`~rlmetrics.core.histogram.Histogram` (or None), not
     a number. ``name`` is the spec string that :func:`parse_reduction` reads back.
 
     >>> MAX.apply(Stat.of([1.0, 5.0, 3.0]))
@@ -68,7 +68,7 @@ class Reduction:
 
     def apply(self, stat: Stat) -> Any:
         """The reported value for one merged Stat (``nan`` when it holds no observation; a
-        :class:`~rlmetrics.histogram.Histogram` or None for ``hist``)."""
+        :class:`~rlmetrics.core.histogram.Histogram` or None for ``hist``)."""
         if self.needs_sketch:
             if stat.sketch is None:
                 raise ValueError(
@@ -83,7 +83,7 @@ class Reduction:
 
     @property
     def fields(self) -> tuple[int, ...]:
-        """The rows of a merged stat array (:data:`~rlmetrics.stat.FIELDS`) that :meth:`apply` reads:
+        """The rows of a merged stat array (:data:`~rlmetrics.core.stat.FIELDS`) that :meth:`apply` reads:
         all five for a quantile or histogram (a Stat's sketch comes with all of them).
 
         >>> STD.fields, MAX.fields

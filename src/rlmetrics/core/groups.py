@@ -6,7 +6,7 @@ reported once per value of the tag, under
     ``group/<tag>/<value>/<metric>``
 
 e.g. ``group/data_source/gsm8k/critic/score/mean``. The name keeps the metric's own name whole at its
-end, so its reduction is the metric's (:func:`rlmetrics.reduce.resolve` resolves a grouped name by
+end, so its reduction is the metric's (:func:`rlmetrics.core.reduce.resolve` resolves a grouped name by
 its metric, registry included) and derived metrics are derived per group
 (:func:`rlmetrics.metrics.derive_metrics`). Names starting with ``group/`` are reserved for them.
 
@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from rlmetrics.values import MetricValueError, is_torch
+from rlmetrics.core.values import MetricValueError, is_torch
 
 GROUP_PREFIX = "group/"
 """Grouped metric names start with this (reserved for them)."""

@@ -7,7 +7,7 @@ key another name already has (``perf/delta_time/gen`` beside ``timing_s/gen``, r
 alone. Schemas not submitted for a while are forgotten, and the names no remaining schema has free
 their columns for new names: memory stays bounded when names change over a run.
 
->>> from rlmetrics.packing import pack
+>>> from rlmetrics.core.packing import pack
 >>> index = ColumnIndex({"timing_s/": "perf/delta_time/"})
 >>> index.of(pack({"a/mean": 1.0, "timing_s/gen": 2.0}).schema, step=0).cols.tolist()
 [0, 1]
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rlmetrics.core.packing import Schema
+from rlmetrics.core.reduce import parse_reduction, rename
 from rlmetrics.messages import SubmissionError
-from rlmetrics.packing import Schema
-from rlmetrics.reduce import parse_reduction, rename
 
 logger = logging.getLogger(__name__)
 

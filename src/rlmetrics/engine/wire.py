@@ -6,8 +6,8 @@ A message is a plain tuple of ints, bytes and small tuples (cheap for pickle and
     items   = [(step, seq, world_size, schema_id, stats, {column: (kind, array)}, contributions), ...]
     schemas = {schema_id: (names, reductions)}   # only for schemas the receiver does not know yet
 
-The ``{column: (kind, array)}`` are the contribution's other states (:mod:`rlmetrics.states`:
-quantile sketches, validation samples), each as :func:`~rlmetrics.states.encode_state` gives it.
+The ``{column: (kind, array)}`` are the contribution's other states (:mod:`rlmetrics.core.states`:
+quantile sketches, validation samples), each as :func:`~rlmetrics.core.states.encode_state` gives it.
 ``seq`` is a client's sequence number, or, in an item that merges several clients' submissions (a
 node sub-aggregator's forward), the tuple of their ``(client_id, seq)`` keys.
 
@@ -26,9 +26,9 @@ checks the form (a malformed message is refused whole, with :class:`SubmissionEr
 of non-empty str names and known reductions, steps, closes, sequence numbers, state columns and
 states that can be built, buffers of bounded size. :func:`check_contribution` checks the values (a bad
 contribution is refused alone): the engine calls it on every contribution, whatever its backend,
-and checks all values but those :func:`~rlmetrics.packing.pack` made from data in this process.
+and checks all values but those :func:`~rlmetrics.core.packing.pack` made from data in this process.
 
->>> from rlmetrics.packing import pack
+>>> from rlmetrics.core.packing import pack
 >>> p = pack({"a/mean": 1.0, "b/max": 2.0})
 >>> msg = encode([(0, 0, 2, p)], [0], send_names=True)
 >>> table = SchemaTable()
@@ -47,11 +47,11 @@ from typing import Any
 
 import numpy as np
 
+from rlmetrics.core.packing import Packed, Schema
+from rlmetrics.core.reduce import parse_reduction
+from rlmetrics.core.stat import invalid_column
+from rlmetrics.core.states import State, column_kind, decode_state, encode_state, is_bound
 from rlmetrics.messages import SubmissionError
-from rlmetrics.packing import Packed, Schema
-from rlmetrics.reduce import parse_reduction
-from rlmetrics.stat import invalid_column
-from rlmetrics.states import State, column_kind, decode_state, encode_state, is_bound
 
 VERSION = 4
 # (step, seq or a merged item's (client_id, seq) keys, world_size, packed)
@@ -123,7 +123,7 @@ class SchemaTable:
 def decode(msg: tuple, table: SchemaTable) -> tuple[list[Item], list, list[bytes]]:
     """Items whose schema is known, the closes (:func:`close_entry`), and the ids of unknown schemas.
 
-    Raises :class:`~rlmetrics.aggregator.SubmissionError` for a malformed message, and nothing else.
+    Raises :class:`~rlmetrics.engine.aggregator.SubmissionError` for a malformed message, and nothing else.
     """
     try:
         version, raw_items, close, schemas, _resync = msg
@@ -189,16 +189,16 @@ def close_entry(entry: Any) -> int | tuple[int, tuple[str, ...]]:
 def check_contribution(packed: Packed, at: np.ndarray, held: Mapping[int, State]) -> dict[int, State]:
     """The states of ``packed`` merged with a step's ``held`` states (by the step's column; ``at``:
     the step's column of each of ``packed``'s, -1 for a name left out), once every value of
-    ``packed`` passed its check (unless :func:`~rlmetrics.packing.pack` made it from data:
+    ``packed`` passed its check (unless :func:`~rlmetrics.core.packing.pack` made it from data:
     ``packed.checked``); ``held`` is unchanged, so a refused contribution changes nothing.
 
     Raises :class:`SubmissionError` naming the metric, the value and the problem for a stat column
-    no data gives (:func:`~rlmetrics.stat.invalid_column`), a state that fails its ``validate()``
+    no data gives (:func:`~rlmetrics.core.stat.invalid_column`), a state that fails its ``validate()``
     (a sketch's offsets and sizes, a validation record's indices), a bound kind on a column that
-    does not carry it (:func:`~rlmetrics.states.column_kind`), or a state that does not merge with
+    does not carry it (:func:`~rlmetrics.core.states.column_kind`), or a state that does not merge with
     the step's (another kind, other sketch parameters, records of other variables).
 
-    >>> from rlmetrics.packing import pack
+    >>> from rlmetrics.core.packing import pack
     >>> p = pack({"x/mean": [1.0, 2.0]})
     >>> stats = p.stats.copy()
     >>> stats[0, 0] = -1e9

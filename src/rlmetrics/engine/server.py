@@ -1,5 +1,7 @@
 """The aggregator side shared by the in-process and Ray backends: what each call does to the engine,
 and when a read may return. Backends add only locking and waiting (a thread condition, asyncio).
+Over 400 lines on purpose: the call protocol is one set of rules (sessions, relays, recovery,
+deadlines and persistence each change what the others decide), read and tested in one place.
 
 - ``receive``: a client's items and step closings are merged; every step this completes is
   finalized at once, read or not (its result is kept, up to ``keep_results``), so memory follows
@@ -30,37 +32,103 @@ and when a read may return. Backends add only locking and waiting (a thread cond
   told (a run found ended, a node that did not forward) is logged at WARNING.
 - A node sub-aggregator speaks for the ranks it relayed (:meth:`Server.relay`): it forwards their
   merged submissions keyed by each rank's ``(client_id, seq)`` and closes steps on their behalf, so
-  the steps, their completion and their ``meta`` are the flat layout's, by rank.
+  the steps, their completion and their ``meta`` are the flat layout's, by rank. Its own server has
+  an ``upstream`` (the client to the root): it finalizes nothing, the root does.
+- Persistence (:meth:`Server.handle`: merge, finalize, save, reply): with a :class:`Store`, every
+  change of what a next incarnation resumes from (registered clients, finalized steps, the newest
+  results, sessions, relays) is saved, and a reply lets a client forget only the steps finalized in
+  the state saved last (:meth:`Server.durable`): a restart resumes from that state, and a step it
+  does not know finalized is merged again from the clients' resends. A stored state the store
+  refuses (:class:`RefusedState`) or this version cannot read is logged, named in ``stats`` and
+  left: the server starts empty, and the clients resend what they keep.
 
->>> from rlmetrics.packing import pack
->>> server = Server()
+>>> from rlmetrics.core.packing import pack
+>>> server = Server(store=MemoryStore())
 >>> for rank in ("rank0", "rank1"):
-...     reply = server.receive(rank, [(0, 0, 2, pack({"loss": 1.0 if rank == "rank0" else 3.0}))], [0])
->>> server.engine.is_finalized(0), server.final_target(), dict(server.final(0))  # complete: finalized
-(True, 0, {'loss': 2.0})
+...     items = [(0, 0, 2, pack({"loss": 1.0 if rank == "rank0" else 3.0}))]
+...     [reply] = server.handle([Message(rank, items, close=[0])])
+>>> reply.done_below, dict(server.final(server.final_target()))  # complete: finalized, saved
+(1, {'loss': 2.0})
+>>> again = Server(store=server.store)  # a next incarnation resumes from the saved state
+>>> again.restored, dict(again.final(0)), again.recovering()  # waits for the clients' resends
+(True, {'loss': 2.0}, True)
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
-from rlmetrics.aggregator import Aggregator
-from rlmetrics.messages import Reply, StepResult, SubmissionError
-from rlmetrics.packing import Packed, pack
-from rlmetrics.wire import close_entry
+from rlmetrics.core.packing import pack
+from rlmetrics.engine.aggregator import Aggregator, saved_result
+from rlmetrics.engine.wire import close_entry
+from rlmetrics.messages import Close, Message, Reply, StepResult, Submission, SubmissionError
 
-Submission = tuple[int, Any, int, Packed]  # (step, seq or (client_id, seq) keys, world_size, packed)
-Close = Any  # a step closed by the sender, or (step, client ids): closed on behalf of those (a node)
 logger = logging.getLogger(__name__)
 
 FINAL_TIMEOUT = 60.0
 """Seconds ``wait_final_res()`` waits for the newest closed step to complete before it returns it
 partial (with ``meta`` naming what is missing, and a warning)."""
+SAVED_RESULTS = 2
+"""Newest results a saved state keeps: a read retried across a restart finds its step."""
+
+
+class RefusedState(Exception):
+    """A stored state that is not to be resumed from (not this aggregator's, or unreadable); the
+    message says which and why."""
+
+
+class Store(Protocol):
+    """Where a server keeps the state a next incarnation resumes from (:class:`MemoryStore`; on
+    Ray :class:`~rlmetrics.backends.ray.store.KVStore`). ``where`` names it in messages."""
+
+    where: str
+
+    def load(self) -> dict | None:
+        """The saved state, None when nothing is saved; raises :class:`RefusedState`."""
+        ...
+
+    def save(self, state: dict, done: Callable[[bool], None]) -> None:
+        """Save ``state`` (:func:`dump_state` encodes it), then call ``done(saved)``, maybe later
+        and from another thread; of saves not yet written, only the newest need be."""
+        ...
+
+
+class MemoryStore:
+    """A :class:`Store` in memory, saved at once (a restart in a test: a new :class:`Server` on it)."""
+
+    where = "memory"
+
+    def __init__(self) -> None:
+        self.saved: str | None = None
+
+    def load(self) -> dict | None:
+        return None if self.saved is None else json.loads(self.saved)
+
+    def save(self, state: dict, done: Callable[[bool], None]) -> None:
+        self.saved = dump_state(state)
+        done(True)
+
+
+def dump_state(state: Mapping, encoded: dict[int, str] | None = None) -> str:
+    """``state`` (:meth:`Server.export_state`, its ``results`` as ``(step, StepResult)`` pairs) as
+    JSON. ``encoded``: the JSON of results by step, kept between calls so that each result is
+    encoded once (a result never changes; encoding 1,000 values and a meta naming every rank at
+    every step slowed the steps)."""
+    results = {
+        step: (encoded or {}).get(step) or json.dumps(saved_result(step, res))
+        for step, res in state.get("results", ())
+    }
+    if encoded is not None:
+        encoded.clear()
+        encoded.update(results)
+    head = json.dumps({k: v for k, v in state.items() if k != "results"})
+    return f'{head[:-1]}, "results": [{", ".join(results.values())}]}}'
 
 
 class Server:
@@ -68,12 +136,13 @@ class Server:
 
     ``final_timeout``: default deadline of :meth:`final` reads; ``step_timeout``: every step's own
     deadline after its first close (None: none); ``incarnation``: this server's id (a restarted Ray
-    actor gets a new one);
-    ``auto_finalize=False`` keeps complete steps pending and gives steps no deadline (a node
-    sub-aggregator forwards them, the root decides); ``session_ended(session)``: whether a session
-    is over (None: sessions are not tracked); the rest goes to
-    :class:`~rlmetrics.aggregator.Aggregator` (``renames``, ``keep_results``, ``forget_after``,
-    ``max_pending``).
+    actor gets a new one); ``store``: where the state a next incarnation resumes from is saved
+    (None: nowhere, replies follow the engine), and resumed from now, waiting at most
+    ``recovery_timeout`` seconds for the clients' resends; ``upstream``: the client to the root of
+    a node sub-aggregator (this server finalizes nothing, steps have no deadline, replies say what
+    the root finalized); ``session_ended(session)``: whether a session is over (None: sessions are
+    not tracked); the rest goes to :class:`~rlmetrics.engine.aggregator.Aggregator` (``renames``,
+    ``keep_results``, ``forget_after``, ``max_pending``).
     """
 
     def __init__(
@@ -82,20 +151,33 @@ class Server:
         final_timeout: float = FINAL_TIMEOUT,
         step_timeout: float | None = None,
         incarnation: str | None = None,
-        auto_finalize: bool = True,
+        store: Store | None = None,
+        recovery_timeout: float = 30.0,
+        upstream: Any = None,
         session_ended: Callable[[str], bool] | None = None,
         **engine_options: Any,
     ) -> None:
-        self.engine = Aggregator(**engine_options)
-        self.final_timeout = final_timeout
         if step_timeout is not None and not step_timeout > 0:
             raise ValueError(
                 f"step_timeout must be a positive number of seconds or None, got {step_timeout!r}"
             )
+        self._engine_options = engine_options
+        self.final_timeout = final_timeout
         self.step_timeout = step_timeout
         self.incarnation = incarnation or uuid.uuid4().hex
-        self.auto_finalize = auto_finalize
+        self.store = store
+        self.upstream = upstream
         self.session_ended = session_ended
+        self.refused_state: str | None = None  # why a stored state was not resumed from
+        self._start_empty()
+        saved = self._load()
+        self.restored = saved is not None and self._resume(saved, recovery_timeout)
+        self._saved = self._marker()  # what the state saved last records
+        self._durable = self.engine.finalized_state()  # its finalized steps (replies let clients forget them)
+        self._encoded: dict[int, str] = {}
+
+    def _start_empty(self) -> None:
+        self.engine = Aggregator(**self._engine_options)
         self.awaiting: set[str] = set()  # registered clients a restarted incarnation waits for
         self.recovery_deadline = 0.0
         self.sessions: dict[str, str] = {}  # client -> its session
@@ -110,10 +192,37 @@ class Server:
         self._direct = itertools.count()
         self._late = 0  # the engine's late count when the previous step was finalized
 
+    @property
+    def finalizes(self) -> bool:
+        """This server finalizes steps (not a node sub-aggregator's: its root does)."""
+        return self.upstream is None
+
     # ------------------------------------------------------------------------------- recovery
-    def export_state(self, results: int = 2) -> dict:
+    def _load(self) -> dict | None:
+        try:
+            return None if self.store is None else self.store.load()
+        except RefusedState as exc:
+            self._refuse(str(exc))
+            return None
+
+    def _resume(self, saved: dict, recovery_timeout: float) -> bool:
+        """Resume from ``saved``; False when this version cannot read it (it starts empty, as after
+        a refused state: a restart that failed on it would restart forever)."""
+        try:
+            self.restore(saved, recovery_timeout)
+            return True
+        except Exception as exc:  # noqa: BLE001 - a state this server saved, in a form it does not read
+            self._refuse(f"the saved state in {self.store.where} could not be read ({exc!r:.200})")
+            self._start_empty()  # the failed restore may have left part of the state
+            return False
+
+    def _refuse(self, why: str) -> None:
+        self.refused_state = f"{why}: refused; starting empty, the clients resend what they keep"
+        logger.error("rlmetrics: %s", self.refused_state)
+
+    def export_state(self, results: int = SAVED_RESULTS) -> dict:
         """What a next incarnation resumes from (JSON-ready): the engine's state
-        (:meth:`~rlmetrics.aggregator.Aggregator.export_state`), the clients' sessions, the ended
+        (:meth:`~rlmetrics.engine.aggregator.Aggregator.export_state`), the clients' sessions, the ended
         sessions and who speaks for whom."""
         state = self.engine.export_state(results)
         state["sessions"] = dict(self.sessions)
@@ -142,7 +251,65 @@ class Server:
     def recovering(self) -> bool:
         return bool(self.awaiting) and time.monotonic() < self.recovery_deadline
 
+    def _marker(self) -> tuple:
+        """What the saved state depends on: registered clients, sessions and relays; at a root
+        also finalized steps and the newest result (a node's are the root's business)."""
+        engine = self.engine
+        if not self.finalizes:
+            return (frozenset(engine.clients), self.changes)
+        done_below, finalized = engine.finalized_state()
+        newest = tuple(step for step, _ in engine.newest_results(1))
+        return (
+            frozenset(engine.clients),
+            done_below,
+            len(finalized),
+            engine.newest_closed,
+            newest,
+            self.changes,
+        )
+
+    def persist(self) -> None:
+        """Save what a next incarnation resumes from, if that changed (with a store)."""
+        if self.store is None or self._marker() == self._saved:
+            return
+        self._saved = self._marker()
+        state = self.export_state(results=0)
+        if self.finalizes:  # the results as they are: the store encodes each once
+            state["results"] = self.engine.newest_results(SAVED_RESULTS)
+        else:
+            state.update(done_below=0, finalized=[], results=[])
+        self.store.save(state, lambda saved: self._on_saved(state, saved))
+
+    def _on_saved(self, state: dict, saved: bool) -> None:
+        if saved:
+            self._durable = (state["done_below"], state["finalized"])
+        else:  # the next change saves again; until a save lands, clients keep their steps
+            self._saved = None
+
+    def durable(self) -> tuple[int, list[int]]:
+        """``(done_below, finalized)`` that replies report (a client stops keeping those steps):
+        as of the state saved last (with a store), as the root last reported it (a node), else
+        the engine's."""
+        if self.upstream is not None:
+            return self.upstream.finalized_state
+        return self._durable if self.store is not None else self.engine.finalized_state()
+
     # --------------------------------------------------------------------------------- intake
+    def handle(self, messages: Iterable[Message]) -> list[Reply]:
+        """The call protocol: merge each message in turn (:meth:`merge`), finalize the steps they
+        completed, save (:meth:`persist`), and reply to each (:meth:`reply`). The messages without
+        errors or late data share one reply object (Ray pickles it once)."""
+        steps: set[int] = set()
+        outcomes = []
+        for message in messages:
+            late: set[int] = set()
+            errors = self.merge(*message, steps=steps, late=late)
+            outcomes.append((errors, late))
+        self.finalize_complete(steps)
+        self.persist()
+        plain = self.reply({})
+        return [self.reply(errors, late) if errors or late else plain for errors, late in outcomes]
+
     def receive(
         self,
         client_id: str,
@@ -151,12 +318,8 @@ class Server:
         resync: bool = False,
         session: str | None = None,
     ) -> Reply:
-        """Merge one client's message (:meth:`merge`) and build its reply."""
-        steps: set[int] = set()
-        late: set[int] = set()
-        errors = self.merge(client_id, items, close, resync, session, steps, late)
-        self.finalize_complete(steps)
-        return self.reply(errors, late)
+        """:meth:`handle` of one message."""
+        return self.handle([Message(client_id, items, close, resync, session)])[0]
 
     def merge(
         self,
@@ -263,6 +426,7 @@ class Server:
             self.nodes[node] = address
             self.changes += 1
         self.engine.register(client_id)
+        self.persist()
         return None
 
     def announce(self, step: int, client_id: str) -> None:
@@ -282,7 +446,7 @@ class Server:
 
     def finalize_complete(self, steps: Iterable[int]) -> None:
         """Finalize those of ``steps`` that hold data, some client closed, and are complete now."""
-        if not self.auto_finalize:
+        if not self.finalizes:
             return
         engine = self.engine
         for step in sorted(set(steps)):
@@ -290,7 +454,9 @@ class Server:
                 self.finalize(step)
 
     def reply(self, errors: dict[str, str], late: Iterable[int] = ()) -> Reply:
-        return make_reply(self.engine, errors, self.incarnation, late)
+        """The reply to a message: its ``errors``, the steps whose data it sent was dropped as
+        ``late``, and the steps its client may stop keeping (:meth:`durable`)."""
+        return Reply(errors, self.incarnation, *self.durable(), late=sorted(late))
 
     def submit_direct(self, metrics: Mapping[str, Any], world_size: int, step: int | None = None) -> None:
         """A submission without a client (the seed's ``MetricWorker.submit_metric``): into ``step``,
@@ -303,17 +469,19 @@ class Server:
         refused = self.join(client_id, session)
         if refused is None:
             self.engine.register(client_id)
+            self.persist()
         return refused
 
     def depart(self, client_id: str) -> None:
         """``client_id`` leaves: no step waits for it, and steps that waited only for it finalize."""
         self.engine.depart(client_id)
         self.finalize_complete(self.engine.pending_steps())
+        self.persist()
 
     # ------------------------------------------------------------------------------ deadlines
     def due_steps(self, now: float | None = None) -> list[int]:
         """Pending steps whose own deadline (``step_timeout`` after their first close) passed."""
-        if self.step_timeout is None or not self.auto_finalize or self.recovering():
+        if self.step_timeout is None or not self.finalizes or self.recovering():
             return []
         now = time.monotonic() if now is None else now
         engine = self.engine
@@ -323,7 +491,7 @@ class Server:
 
     def next_due(self) -> float | None:
         """When the next step's own deadline passes (``time.monotonic()``), None without one."""
-        if self.step_timeout is None or not self.auto_finalize or not self._closed_at:
+        if self.step_timeout is None or not self.finalizes or not self._closed_at:
             return None
         if self.recovering():
             return self.recovery_deadline
@@ -339,11 +507,13 @@ class Server:
         """``step``'s result now: kept or complete; else, at a reader's deadline, partial and final
         when ``finalize``, otherwise what arrived so far, provisional (the step stays open)."""
         if finalize or self.result_ready(step):
-            return self.finalize(step)
+            result = self.finalize(step)
+            self.persist()
+            return result
         return self.engine.peek(step, contributions=self.engine.contributions(step))
 
     def finalize(self, step: int) -> StepResult:
-        """The engine's :meth:`~rlmetrics.aggregator.Aggregator.finalize`; a step finalized now also
+        """The engine's :meth:`~rlmetrics.engine.aggregator.Aggregator.finalize`; a step finalized now also
         gets ``meta.contributions`` and ``meta.late`` (module docstring)."""
         engine = self.engine
         if engine.is_finalized(step):
@@ -392,9 +562,20 @@ class Server:
         return self.result_ready(target)
 
     def final(self, target: int | None) -> StepResult:
+        """The :meth:`final_target` read: ``target`` finalized (saved)."""
         if target is None:
             return StepResult({}, -1)
-        return self.finalize(target)
+        result = self.finalize(target)
+        self.persist()
+        return result
+
+    def finalize_due(self) -> list[int]:
+        """Finalize the steps whose own deadline passed (:meth:`due_steps`) and save; those steps."""
+        due = self.due_steps()
+        for step in due:
+            self.finalize(step)
+        self.persist()
+        return due
 
     def stats(self) -> dict:
         """Registered clients, pending steps and what the engine holds (tests and monitoring)."""
@@ -403,6 +584,7 @@ class Server:
             "pending": self.engine.pending_steps(),
             "memory": self.engine.memory(),
             "late": self.engine.late,
+            "refused_state": self.refused_state,
         }
 
 
@@ -477,12 +659,3 @@ def _not_spoken_for(
 
 def _seq_text(seq: Any) -> str:
     return str(seq) if not isinstance(seq, tuple) else f"merged({len(seq)})"
-
-
-def make_reply(
-    engine: Aggregator, errors: dict[str, str], incarnation: str, late: Iterable[int] = ()
-) -> Reply:
-    """The reply to a send: errors, what the client may stop keeping (steps below ``done_below``
-    and those in ``finalized`` are finalized), and the steps whose data it sent was dropped as late."""
-    done_below, finalized = engine.finalized_state()
-    return Reply(errors, incarnation, done_below, finalized, late=sorted(late))

@@ -1,0 +1,212 @@
+"""What the aggregator actor and a node sub-aggregator share: a :class:`~rlmetrics.engine.server.Server`
+over a :class:`~rlmetrics.backends.ray.store.KVStore`, the schema table of the wire format, waiting
+on asyncio, and how actors of these classes are made (a fresh signing secret each, kept handles).
+
+The server owns the call protocol (merge, finalize, save, reply); a shell decodes messages, hands
+them over, and wakes the calls that wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections import Counter
+from typing import Any
+
+from rlmetrics.backends.ray import compat
+from rlmetrics.backends.ray.compat import ray
+from rlmetrics.backends.ray.store import KVStore
+from rlmetrics.client import identity, public_id
+from rlmetrics.engine.server import Server
+from rlmetrics.engine.wire import SchemaTable, decode
+from rlmetrics.messages import Message, Reply, SubmissionError
+
+
+class Shell:
+    """An actor body around ``self.server``. ``secret``: the key that signs the saved state
+    (:class:`AggregatorClass` gives every new actor one); ``recovery_timeout``: seconds a
+    restarted incarnation waits for the clients' resends; the rest goes to the Server."""
+
+    store_class = KVStore
+
+    def __init__(self, recovery_timeout: float = 30.0, secret: str | None = None, **options: Any) -> None:
+        context = ray.get_runtime_context()
+        self._namespace = context.namespace
+        key = f"rlmetrics/state/{context.get_actor_id()}".encode()
+        self.store = self.store_class(key, (secret or secrets.token_hex(32)).encode())
+        self.server = Server(
+            store=self.store, recovery_timeout=recovery_timeout, session_ended=compat.job_dead, **options
+        )
+        self.engine = self.server.engine
+        self.table = SchemaTable()
+        self.calls: Counter[str] = Counter()
+        self._changed = asyncio.Event()
+
+    @property
+    def incarnation(self) -> str:
+        return self.server.incarnation
+
+    @property
+    def restored(self) -> bool:
+        """This incarnation resumed from the state an earlier one saved (it restarted)."""
+        return self.server.restored
+
+    def changed(self) -> None:
+        """After every call: forget the schemas the engine forgot, wake the waiting calls."""
+        for sid in self.engine.drain_forgotten():
+            self.table.schemas.pop(sid, None)
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _wait(self, ready: Any, timeout: float | None) -> None:
+        """Until ``ready()`` holds or the deadline; woken by every change and at the end of a
+        recovery."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not ready():
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return
+            recovery = self.server.recovery_deadline if self.server.recovering() else None
+            limits = [t - now for t in (deadline, recovery) if t is not None]
+            try:
+                await asyncio.wait_for(self._changed.wait(), min(limits) if limits else None)
+            except asyncio.TimeoutError:
+                pass
+
+    def _who(self, who: str) -> tuple[str, str | None] | str:
+        """``(client_id, session)`` of a credential, or why it is refused."""
+        try:
+            return identity(who)
+        except SubmissionError as exc:
+            return str(exc)
+
+    # ------------------------------------------------------------------------ client calls
+    async def send(self, who: str, msg: tuple) -> Reply:
+        """One client's message (:mod:`rlmetrics.engine.wire`); ``who``: its credential."""
+        self.calls["send"] += 1
+        return (await self._handle([(who, msg)]))[0]
+
+    async def send_many(self, batch: list[tuple[str, tuple]]) -> list[Reply]:
+        """Messages of several clients of one process (or several of one client), posted while its
+        previous call was in flight: each handled as :meth:`send` handles it, in order."""
+        self.calls["send_many"] += 1
+        return await self._handle(batch)
+
+    async def _handle(self, batch: list[tuple[str, tuple]]) -> list[Reply]:
+        """Decode each ``(credential, message)``, admit it (:meth:`_admit`), and let the server
+        handle those admitted; the replies. A message with a schema this incarnation lacks merges
+        nothing, nor do the later messages of its client in the batch (a close must not overtake
+        its data): their replies name the schemas, and the client repeats them in order with names."""
+        self.calls["messages"] += len(batch)
+        replies: list[Reply | None] = []  # None: the server's reply, in turn
+        messages: list[Message] = []
+        waiting: dict[str, list[bytes]] = {}  # credentials with a message to repeat: the schemas
+        for who, msg in batch:
+            client = self._who(who)
+            if isinstance(client, str):
+                replies.append(self.server.reply({public_id(who)[:80]: client}))
+                continue
+            try:
+                items, close, unknown = decode(msg, self.table)
+            except SubmissionError as exc:
+                replies.append(self.server.reply({client[0]: str(exc)}))
+                continue
+            if unknown or who in waiting:
+                replies.append(Reply({}, self.incarnation, unknown=waiting.setdefault(who, unknown)))
+                continue
+            admitted = await self._admit(who, Message(client[0], items, close, msg[4], client[1]))
+            if isinstance(admitted, str):
+                replies.append(self.server.reply({client[0]: admitted}))
+            else:
+                messages.append(admitted)
+                replies.append(None)
+        handled = iter(self.server.handle(messages))
+        self.changed()
+        return [next(handled) if r is None else r for r in replies]
+
+    async def _admit(self, who: str, message: Message) -> Message | str:
+        """The message the server is to handle, or why it is refused (a node relays ranks first)."""
+        return message
+
+    async def register(self, who: str) -> None:
+        client = self._who(who)
+        refused = client if isinstance(client, str) else self.server.register(*client)
+        if refused:
+            raise SubmissionError(refused)
+        self.changed()
+
+    async def depart(self, who: str) -> None:
+        client = self._who(who)
+        if isinstance(client, str):
+            raise SubmissionError(client)
+        self.server.depart(client[0])
+        self.changed()
+
+    async def watch(self) -> None:
+        """Never returns: a client's watcher learns of this incarnation's death when it fails."""
+        await asyncio.Event().wait()
+
+    async def ping(self) -> str:
+        return self.incarnation
+
+    async def stats(self) -> dict:
+        """Calls received by method, registered clients, pending steps and what the engine holds
+        (for tests and monitoring), and why a saved state was refused (if one was)."""
+        return {"calls": dict(self.calls), **self.server.stats()}
+
+
+OPTIONS = (
+    "recovery_timeout",
+    "final_timeout",
+    "step_timeout",
+    "renames",
+    "keep_results",
+    "forget_after",
+    "max_pending",
+)
+"""What an aggregator actor is made with (:class:`Shell` and :class:`~rlmetrics.engine.server.Server`)."""
+
+ACTOR_OPTIONS = {"num_cpus": 0, "max_restarts": -1, "max_concurrency": 100_000}
+"""How aggregator actors are made: no training slot, restarted whenever they die, every waiting call
+served at once (readers wait inside the actor)."""
+
+
+class AggregatorClass:
+    """``ray.remote(**ACTOR_OPTIONS)(cls)`` whose every new actor gets a fresh ``secret`` among its
+    creation arguments: Ray gives a restarted actor the same arguments, so each incarnation can
+    check that the state it resumes from was signed by this actor (a job reading Ray's KV store
+    does not see the arguments). ``.remote(...)`` and ``.options(...).remote(...)`` as Ray's."""
+
+    def __init__(self, cls: type) -> None:
+        self.actor_class = ray.remote(**ACTOR_OPTIONS)(cls)
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return self.actor_class.remote(*args, **_with_secret(kwargs))
+
+    def options(self, **options: Any) -> Any:
+        made = self.actor_class.options(**options)
+
+        class _Options:
+            @staticmethod
+            def remote(*args: Any, **kwargs: Any) -> Any:
+                return made.remote(*args, **_with_secret(kwargs))
+
+        return _Options
+
+
+def _with_secret(kwargs: dict) -> dict:
+    unknown = sorted(set(kwargs) - {*OPTIONS, "secret"})
+    if unknown:  # else the actor's creation fails, and its callers see "metric worker is gone"
+        raise TypeError(f"unknown aggregator option(s) {unknown}; the options: {OPTIONS}")
+    return {"secret": secrets.token_hex(32), **kwargs}
+
+
+_KEPT: dict[str, Any] = {}
+"""The first handle this process got to each aggregator, by actor id, kept for the process's life:
+only the creator's own handle keeps a non-detached actor alive (not one looked up by name later)."""
+
+
+def keep(handle: Any) -> Any:
+    _KEPT.setdefault(compat.actor_key(handle), handle)
+    return handle
