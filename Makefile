@@ -85,9 +85,11 @@ test: install-test install-peers
 test-core: install-test
 	$(BIN)/python -m pytest -n 2 -m "not slow and not ray and not torch"
 
+# mypy types the modules listed in pyproject.toml's [tool.mypy] files.
 lint: install-test
 	$(BIN)/ruff check src tests benchmarks conftest.py
 	$(BIN)/ruff format --check src tests benchmarks conftest.py
+	$(BIN)/mypy
 
 # install-peers: benchmarks/bench_peers.py is one of benchmarks/bench_*.py
 bench: install-test install-peers
@@ -106,4 +108,4 @@ chaos: install-test
 	$(BIN)/python benchmarks/chaos.py --seed 0 --steps 200
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache
+	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache .mypy_cache

@@ -1,7 +1,10 @@
 """The step-keyed engine: exact merging, completion, partial results, idempotence, bad input."""
 
+import dataclasses
+import json
 import logging
 import math
+import pickle
 
 import numpy as np
 import pytest
@@ -9,7 +12,7 @@ import pytest
 from rlmetrics import Stat, ValueWarning, register_reduction
 from rlmetrics.core.stat import stats_of_rows
 from rlmetrics.engine.aggregator import Aggregator
-from rlmetrics.messages import SubmissionError
+from rlmetrics.messages import StepMeta, SubmissionError, TorchFacts
 from rlmetrics.packing import Packed, Schema, pack
 
 
@@ -264,3 +267,48 @@ def test_std_names_pool_data_but_average_per_rank_numbers():
     res = agg.finalize(0)
     assert res["loss/std"] == pytest.approx(np.concatenate(data).std(), rel=1e-12)
     assert res["scalar/std"] == pytest.approx(np.mean([d.std() for d in data]), rel=1e-12)
+
+
+def test_a_finalized_result_is_built_whole_and_never_patched():
+    """Every fact of a step is in its meta from the start (StepMeta.of), and nobody changes a
+    finalized result after: every reader of the step, and the saved state, get the same one."""
+    engine = Aggregator(max_pending=1)
+    engine.register("a")
+    engine.register("b")
+    engine.submit("a", 0, 0, 2, pack({"x/mean": 1.0}))
+    engine.submit("a", 1, 0, 2, pack({"x/mean": 2.0}))  # step 0 is finalized stale
+    res = engine.result(0)
+    assert res.meta.stale and not res.meta.complete and res.meta.missing_metrics == {"x/mean": [1, 2]}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        res.meta.stale = False
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        res.meta.contributions = [1, 2]
+    with pytest.raises(TypeError, match="read-only"):
+        res["x/mean"] = 5.0
+    with pytest.raises(TypeError, match="read-only"):
+        res.update({"y": 1.0})
+    with pytest.raises(AttributeError, match="read-only"):
+        res.step = 3
+    assert engine.finalize(0) is res and dict(res) == {"x/mean": 1.0}
+    again = pickle.loads(pickle.dumps(res))  # results travel pickled (Ray)
+    assert dict(again) == dict(res) and again.step == 0 and again.meta == res.meta
+    # facts the caller knows (a server's contributions and late) go in at finalization
+    done = engine.finalize(1, contributions=(1, 2), late=3)
+    assert done.meta.contributions == [1, 2] and done.meta.late == 3 and not done.meta.provisional
+    assert engine.finalize(1, late=9).meta.late == 3  # a finalized step's result stays as it was
+    peeked = Aggregator().peek(5, contributions=(0, 0))
+    assert peeked.meta.provisional and peeked.meta.contributions == [0, 0]
+
+
+def test_meta_of_an_older_file_reads_the_torch_facts():
+    """The torch.distributed facts are one field (meta.torch) read as before (meta.exchange, ...),
+    written as the keys they always were: a resumed run reads what an older run saved."""
+    saved = {"contributors": [0, 1], "ranks": 2, "relayout": True, "exchange": "gather", "result_on": 0}
+    meta = StepMeta.from_dict(saved)
+    assert meta.torch == TorchFacts(ranks=2, relayout=True, exchange="gather", result_on=0)
+    assert (meta.ranks, meta.relayout, meta.exchange, meta.result_on) == (2, True, "gather", 0)
+    assert meta.complete and meta.to_dict() == saved
+    assert json.dumps(meta.to_dict()) == json.dumps(saved)
+    plain = StepMeta.from_dict({"complete": False, "missing_ranks": ["r1"]})
+    assert plain.torch is None and plain.exchange is None and not plain.relayout
+    assert "torch" not in plain.to_dict() and "ranks" not in plain.to_dict()

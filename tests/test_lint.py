@@ -1,4 +1,5 @@
-"""The tree stays ruff-clean (what `make lint` checks), so CI catches style drift."""
+"""The tree stays ruff-clean and its typed modules mypy-clean (what `make lint` checks), so CI catches
+drift."""
 
 import subprocess
 import sys
@@ -17,4 +18,11 @@ def test_ruff(args):
         capture_output=True,
         text=True,
     )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-1000:]
+
+
+def test_mypy():
+    """The typed modules ([tool.mypy] files of pyproject.toml) stay free of type errors."""
+    pytest.importorskip("mypy")
+    out = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-1000:]

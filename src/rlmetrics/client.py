@@ -38,6 +38,7 @@ from rlmetrics.messages import (
     NonFiniteWarning,
     PartialStepWarning,
     ProvisionalWarning,
+    Reply,
     StepResult,
     StepWarning,
     Submission,
@@ -66,11 +67,11 @@ class Transport(Protocol):
     :class:`AggregatorRestarted`.
     """
 
-    def send(self, who: str, items: list[Submission], close: list[Close], resync: bool = False) -> Any: ...
+    def send(self, who: str, items: list[Submission], close: list[Close], resync: bool = False) -> Reply: ...
 
     def post(self, who: str, items: list[Submission], close: list[Close], block: bool = False) -> Any: ...
 
-    def collect(self, posted: Any, block: bool = True) -> Any: ...
+    def collect(self, posted: Any, block: bool = True) -> Reply | None: ...
 
     def result(self, step: int, timeout: float | None, finalize: bool = False) -> StepResult: ...
 
@@ -90,7 +91,7 @@ class SyncTransport:
     def post(self, who: str, items: list[Submission], close: list[Close], block: bool = False) -> Any:
         return self.send(who, items, close)  # type: ignore[attr-defined]
 
-    def collect(self, posted: dict, block: bool = True) -> dict:
+    def collect(self, posted: Reply, block: bool = True) -> Reply:
         return posted
 
     def watch(self, client: ClientCore) -> None:
@@ -230,8 +231,9 @@ class ClientCore:
             self._flush([step])
             return
         with self._lock:
-            closers = self._closed.setdefault(step, set())
+            closers = self._closed.get(step) or set()  # a node closes steps only on behalf of its ranks
             closers.update(on_behalf)
+            self._closed[step] = closers
             self._flush([(step, tuple(sorted(closers)))])
 
     def close_steps(self, steps: Iterable[int], block: bool = False) -> None:
@@ -321,7 +323,7 @@ class ClientCore:
         return len(packed.schema.names)
 
     # ------------------------------------------------------------------------------ sending
-    def _flush(self, close: list[int], block: bool = False) -> None:
+    def _flush(self, close: list[Close], block: bool = False) -> None:
         """Send what is queued and ``close``; ``block``: the caller waits for the reply at once."""
         with self._lock:
             items, self._buffer = self._buffer, []
@@ -385,7 +387,7 @@ class ClientCore:
                 return
             self._handle(reply)
 
-    def _handle(self, reply: dict) -> None:
+    def _handle(self, reply: Reply) -> None:
         incarnation = reply.incarnation
         if self._incarnation is not None and incarnation != self._incarnation:
             self._incarnation = incarnation
@@ -592,7 +594,7 @@ def world_size_arg(world_size: Any) -> int:
     if (
         not isinstance(world_size, numbers.Integral)
         or isinstance(world_size, bool)
-        or not 1 <= world_size <= MAX_WORLD_SIZE
+        or not 1 <= int(world_size) <= MAX_WORLD_SIZE
     ):
         raise ValueError(
             f"world_size must be an int in [1, {MAX_WORLD_SIZE}] (the number of contributions expected per "

@@ -4,7 +4,7 @@
 the warnings a client gives its user (:class:`RLMetricsWarning`), and the name of the default step
 axis (what the sinks need of the rest, so that they import only this and the core).
 
->>> res = StepResult({"loss": 0.5}, 3, StepMeta(complete=False, missing_ranks=["rank2@host:1"]))
+>>> res = StepResult({"loss": 0.5}, 3, StepMeta.of(missing_ranks=["rank2@host:1"]))
 >>> res["loss"], res.step, res.meta.complete, res.meta.missing_ranks
 (0.5, 3, False, ['rank2@host:1'])
 >>> res.meta.to_dict()  # only what differs from a complete step
@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from types import FrameType
 from typing import Any, NamedTuple
 
 DEFAULT_AXIS = "train_step"
@@ -42,9 +43,25 @@ class Message(NamedTuple):
     session: str | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
+class TorchFacts:
+    """What a torch.distributed step says besides what every backend says (``meta.torch``):
+    ``ranks`` in the group, ``relayout`` (the ranks agreed on new names), ``exchange`` (the form of
+    the state exchange), ``result_on`` (the rank that has the values, None: every rank)."""
+
+    ranks: int | None = None
+    relayout: bool = False
+    exchange: str | None = None
+    result_on: int | None = None
+
+
+_TORCH_KEYS = tuple(f.name for f in fields(TorchFacts))
+
+
+@dataclass(frozen=True)
 class StepMeta:
-    """What a result says about its step besides the values.
+    """What a result says about its step besides the values, built whole by :meth:`of` and never
+    changed after (frozen: a finalized step's meta is what every reader of it gets).
 
     - ``complete``: every registered rank closed the step and every name has ``world_size``
       contributions (else the step was finalized at a reader's deadline, or as ``stale``);
@@ -66,8 +83,8 @@ class StepMeta:
     - ``provisional``: the step is not final: a reader's deadline passed and the reader did not
       finalize it (``result(step, timeout)`` without ``finalize=True``); what arrived so far, and
       the step stays open for the rest;
-    - torch.distributed only: ``ranks`` in the group, ``relayout`` (the ranks agreed on new names),
-      ``exchange`` (the form of the state exchange), ``result_on`` (the rank that has the values).
+    - ``torch``: the facts of torch.distributed only (:class:`TorchFacts`, None elsewhere), also
+      read as ``ranks``, ``relayout``, ``exchange`` and ``result_on``.
     """
 
     complete: bool = True
@@ -82,25 +99,108 @@ class StepMeta:
     evicted: bool = False
     stale: bool = False
     provisional: bool = False
-    ranks: int | None = None
-    relayout: bool = False
-    exchange: str | None = None
-    result_on: int | None = None
+    torch: TorchFacts | None = None
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        complete: bool | None = None,
+        missing_ranks: Iterable[str] = (),
+        missing_metrics: Mapping[str, Sequence[int]] | None = None,
+        empty: Iterable[str] = (),
+        contributors: Iterable[Any] = (),
+        refused: Mapping[str, str] | None = None,
+        conflicts: Mapping[str, str] | None = None,
+        contributions: Sequence[int] | None = None,
+        late: int = 0,
+        evicted: bool = False,
+        stale: bool = False,
+        provisional: bool = False,
+        torch: TorchFacts | None = None,
+    ) -> StepMeta:
+        """The meta of a step from every fact known of it, in containers of its own (nothing the
+        caller keeps changing is shared). ``complete`` unless given: no rank and no name is
+        missing and the result is kept (not ``evicted``).
+
+        >>> meta = StepMeta.of(missing_ranks=("rank1",), contributions=(3, 4), late=1)
+        >>> meta.complete, meta.missing_ranks, meta.contributions
+        (False, ['rank1'], [3, 4])
+        >>> meta.to_dict()
+        {'complete': False, 'missing_ranks': ['rank1'], 'contributions': [3, 4], 'late': 1}
+        >>> meta.late = 0
+        Traceback (most recent call last):
+        dataclasses.FrozenInstanceError: cannot assign to field 'late'
+        """
+        missing_ranks = list(missing_ranks)
+        missing = {name: list(counts) for name, counts in (missing_metrics or {}).items()}
+        if complete is None:
+            complete = not missing_ranks and not missing and not evicted
+        return cls(
+            complete=complete,
+            missing_ranks=missing_ranks,
+            missing_metrics=missing,
+            empty=list(empty),
+            contributors=list(contributors),
+            refused=dict(refused or {}),
+            conflicts=dict(conflicts or {}),
+            contributions=None if contributions is None else list(contributions),
+            late=late,
+            evicted=evicted,
+            stale=stale,
+            provisional=provisional,
+            torch=torch,
+        )
+
+    @property
+    def ranks(self) -> int | None:
+        """torch.distributed: the ranks in the group (:class:`TorchFacts`)."""
+        return None if self.torch is None else self.torch.ranks
+
+    @property
+    def relayout(self) -> bool:
+        """torch.distributed: the ranks agreed on new names in the step (:class:`TorchFacts`)."""
+        return self.torch is not None and self.torch.relayout
+
+    @property
+    def exchange(self) -> str | None:
+        """torch.distributed: the form of the step's state exchange (:class:`TorchFacts`)."""
+        return None if self.torch is None else self.torch.exchange
+
+    @property
+    def result_on(self) -> int | None:
+        """torch.distributed: the rank that has the values, None: every rank (:class:`TorchFacts`)."""
+        return None if self.torch is None else self.torch.result_on
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields that differ from a complete step's defaults, JSON-ready (JSONL, saved state)."""
-        out = {}
+        """The fields that differ from a complete step's defaults, JSON-ready (JSONL, saved state);
+        the facts of ``torch`` are keys of their own (``ranks``, ``relayout``, ...), as they were
+        before they had a field of their own."""
+        out: dict[str, Any] = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            if v != _DEFAULT_META[f.name]:
+            if f.name != "torch" and v != _DEFAULT_META[f.name]:
                 out[f.name] = list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v
+        for f in fields(TorchFacts) if self.torch is not None else ():
+            v = getattr(self.torch, f.name)
+            if v != f.default:
+                out[f.name] = v
         return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> StepMeta:
-        """Inverse of :meth:`to_dict` (unknown keys are ignored)."""
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+        """Inverse of :meth:`to_dict` (unknown keys are ignored).
+
+        >>> meta = StepMeta.of(contributors=[0, 1], torch=TorchFacts(ranks=2, exchange="gather"))
+        >>> meta.to_dict()
+        {'contributors': [0, 1], 'ranks': 2, 'exchange': 'gather'}
+        >>> StepMeta.from_dict(meta.to_dict()) == meta, meta.exchange
+        (True, 'gather')
+        """
+        known = {f.name for f in fields(cls)} - {"torch"}
+        facts = {"complete": True, **{k: v for k, v in d.items() if k in known}}
+        torch = {k: d[k] for k in _TORCH_KEYS if k in d}
+        return cls.of(**facts, torch=TorchFacts(**torch) if torch else None)
 
 
 _DEFAULT_META = {f.name: getattr(StepMeta(), f.name) for f in fields(StepMeta)}
@@ -109,7 +209,23 @@ _DEFAULT_META = {f.name: getattr(StepMeta(), f.name) for f in fields(StepMeta)}
 class StepResult(dict):
     """``{name: value}`` of one step, with ``step``, ``meta`` (a :class:`StepMeta`) and
     ``histograms``: ``{name: Histogram}`` of the step's ``hist`` names (:mod:`rlmetrics.core.histogram`),
-    kept apart so that every value stays a float."""
+    kept apart so that every value stays a float.
+
+    Read-only once built: the aggregator keeps a finalized result and gives the same one to every
+    reader of the step (and to its saved state), so none may change it for the others; ``dict(res)``
+    is a copy to change.
+
+    >>> res = StepResult({"loss": 0.5}, 3)
+    >>> res["loss"] = 1.0
+    Traceback (most recent call last):
+    TypeError: a StepResult is read-only (dict(res) is a copy to change)
+    >>> {**res, "extra": 1.0}
+    {'loss': 0.5, 'extra': 1.0}
+    """
+
+    step: int
+    meta: StepMeta
+    histograms: dict[str, Any]
 
     def __init__(
         self,
@@ -119,12 +235,24 @@ class StepResult(dict):
         histograms: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(values)
-        self.step = step
-        self.meta = StepMeta() if meta is None else meta
-        self.histograms = dict(histograms or {})
+        object.__setattr__(self, "step", step)
+        object.__setattr__(self, "meta", StepMeta() if meta is None else meta)
+        object.__setattr__(self, "histograms", dict(histograms or {}))
 
-    def __reduce__(self):  # keep step, meta and histograms across pickling (Ray)
+    def __reduce__(self) -> tuple[Any, ...]:  # keep step, meta and histograms across pickling (Ray)
         return (StepResult, (dict(self), self.step, self.meta, self.histograms))
+
+    def _read_only(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("a StepResult is read-only (dict(res) is a copy to change)")
+
+    __setitem__ = __delitem__ = __ior__ = _read_only
+    update = pop = popitem = setdefault = clear = _read_only
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"a StepResult is read-only: cannot set {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"a StepResult is read-only: cannot delete {name!r}")
 
 
 @dataclass
@@ -214,7 +342,8 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 def caller_level() -> int:
     """The ``stacklevel`` of the first frame outside rlmetrics: a warning points at the user's call
     (a reply, for one, is handled at the user's next call, wherever that is)."""
-    frame, level = sys._getframe(1), 1
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1
     return level

@@ -66,7 +66,8 @@ class Packed:
 
 def _to_stat(name: str, value: Any, needs_sketch: bool, nan_strategy: str) -> Stat:
     if isinstance(value, Stat):
-        if needs_sketch and value.sketch is None:
+        sketch = value.sketch
+        if needs_sketch and sketch is None:
             raise MetricValueError(
                 f"metric {name!r}: its reduction reads quantiles; "
                 "build the Stat with Stat.of(..., sketch=True)"
@@ -74,9 +75,9 @@ def _to_stat(name: str, value: Any, needs_sketch: bool, nan_strategy: str) -> St
         bad = invalid_column(value.to_array()[:, None])  # a Stat built by hand may hold anything
         if bad is not None:
             raise MetricValueError(f"metric {name!r}: the Stat has {bad[1]}")
-        if needs_sketch:
+        if needs_sketch and sketch is not None:
             try:
-                value.sketch.validate()
+                sketch.validate()
             except ValueError as exc:
                 raise MetricValueError(f"metric {name!r}: {exc}") from None
         if nan_strategy == "propagate" or value.finite:
@@ -158,11 +159,11 @@ def pack(
                     states[len(names)] = stat.sketch
                 columns.append(stat.to_array())
         except Exception as exc:  # whatever a value raises, it refuses that name only
-            key = name if isinstance(name, str) else repr(name)
-            failed[key] = str(exc)
+            shown = name if isinstance(name, str) else repr(name)
+            failed[shown] = str(exc)
             if not isinstance(exc, MetricValueError):
-                failed[key] = (
-                    f"metric {key!r}: cannot summarize {type(value).__name__} ({type(exc).__name__}: {exc})"
+                failed[shown] = (
+                    f"metric {shown!r}: cannot summarize {type(value).__name__} ({type(exc).__name__}: {exc})"
                 )
             continue
         names.append(name)

@@ -103,7 +103,7 @@ from rlmetrics.core.states import State, decode_state, encode_state
 from rlmetrics.engine.aggregator import Aggregator
 from rlmetrics.engine.server import merge_items
 from rlmetrics.extras import require
-from rlmetrics.messages import Reply, StepMeta, StepResult, Submission
+from rlmetrics.messages import Reply, StepMeta, StepResult, Submission, TorchFacts
 from rlmetrics.packing import Packed, Schema
 
 torch = require("torch", "torch")
@@ -195,7 +195,7 @@ class TorchDistTransport(SyncTransport):
                     )
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return StepResult({}, step, StepMeta(complete=False))
+                    return StepResult({}, step, StepMeta.of(complete=False))
                 self._cond.wait(left)
             return self._engine.finalize(step)
 
@@ -250,10 +250,8 @@ class TorchDistTransport(SyncTransport):
                     world_size=self.world_size, rank=self.rank,
                 )  # fmt: skip
             self._last_seen[total[0] > 0] = step
-            res = self._finish(step, lay, total, {**global_sketches, **others})
-            res.meta.relayout, res.meta.ranks = relayout, self.world_size
-            res.meta.contributors = list(range(self.world_size))
-            res.meta.exchange = exchange_form(self.exchange, self.world_size, lay)
+            facts = TorchFacts(self.world_size, relayout, form, self.result_on)
+            res = self._finish(step, lay, total, {**global_sketches, **others}, facts)
             self._last = res
             self.next_step = step + 1
             self._cond.notify_all()
@@ -353,15 +351,15 @@ class TorchDistTransport(SyncTransport):
                 out[p] = state if p not in out else out[p].merge(state)
         return out
 
-    def _finish(self, step: int, lay: Layout, total: np.ndarray, states: dict[int, State]) -> StepResult:
-        """The step's result by the Aggregator's own finalization (or an empty one off ``result_on``)."""
+    def _finish(
+        self, step: int, lay: Layout, total: np.ndarray, states: dict[int, State], facts: TorchFacts
+    ) -> StepResult:
+        """The step's result by the Aggregator's own finalization (or an empty one off ``result_on``),
+        its meta with every rank of the group as a contributor and the step's ``facts``."""
         if lay.names and (self.result_on is None or self.result_on == self.rank):
             self._engine.submit("group", step, 0, 1, Packed(lay.schema, total, states), register=False)
         self._engine.close("group", step)
-        res = self._engine.finalize(step)
-        if self.result_on is not None:
-            res.meta.result_on = self.result_on
-        return res
+        return self._engine.finalize(step, contributors=range(self.world_size), torch=facts)
 
 
 class TorchMetricClient(ComputeLocal, ClientCore):

@@ -54,7 +54,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -372,7 +372,7 @@ class Sketch:
         return self._buckets
 
     # ------------------------------------------------------------------ merging
-    kind = "sketch"
+    kind: ClassVar[str] = "sketch"
     """The state kind (:mod:`rlmetrics.core.states`)."""
 
     def reduce(self, name: str, reduction: Any, stat: Any) -> dict[str, float]:

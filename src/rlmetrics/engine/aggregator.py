@@ -44,6 +44,7 @@ import math
 import numbers
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -331,7 +332,7 @@ class Aggregator:
             while len(self._steps) > self.max_pending:
                 oldest = min(s for s in self._steps if s != step)
                 logger.info("step %d finalized partial: %d newer steps pending", oldest, self.max_pending)
-                self.finalize(oldest).meta.stale = True
+                self.finalize(oldest, stale=True)
         return st
 
     def register(self, client_id: str) -> None:
@@ -388,18 +389,21 @@ class Aggregator:
         return int(np.minimum(received, expected).sum()), int(expected.sum())
 
     # -------------------------------------------------------------------------------- output
-    def finalize(self, step: int) -> StepResult:
-        """The step's result (partial when incomplete); frees the step's state.
+    def finalize(self, step: int, **facts: Any) -> StepResult:
+        """The step's result (partial when incomplete); frees the step's state. ``facts``: what the
+        caller knows of the step besides the engine (keywords of :meth:`StepMeta.of`: a server's
+        ``contributions`` and ``late``, torch.distributed's ``contributors`` and ``torch``), in
+        the meta from the start: a result is never changed once finalized.
 
-        A step finalized before returns its kept result, or an empty one with ``meta.evicted``
-        when it is no longer kept (more than ``keep_results`` newer results).
+        A step finalized before returns its kept result (``facts`` are not taken), or an empty one
+        with ``meta.evicted`` when it is no longer kept (more than ``keep_results`` newer results).
         """
         if self.is_finalized(step):
             kept = self._results.get(step)
             if kept is not None:
                 return kept
-            return StepResult({}, step, StepMeta(complete=False, evicted=True))
-        result = self._result_of(step)
+            return StepResult({}, step, StepMeta.of(evicted=True))
+        result = self._result_of(step, **facts)
         seen = self._steps.pop(step, None) is not None
         meta = result.meta
         if not meta.complete:
@@ -423,9 +427,10 @@ class Aggregator:
             self._forget(step)
         return result
 
-    def peek(self, step: int) -> StepResult:
+    def peek(self, step: int, **facts: Any) -> StepResult:
         """``step`` as it stands, leaving it pending (``meta.provisional``): what a reader gets at
-        its deadline when it does not finalize; a finalized step's result as :meth:`finalize`.
+        its deadline when it does not finalize; a finalized step's result as :meth:`finalize`
+        (``facts`` as there).
 
         >>> from rlmetrics.packing import pack
         >>> engine = Aggregator()
@@ -437,25 +442,25 @@ class Aggregator:
         """
         if self.is_finalized(step):
             return self.finalize(step)
-        result = self._result_of(step)
-        result.meta.provisional = True
-        return result
+        return self._result_of(step, provisional=True, **facts)
 
-    def _result_of(self, step: int) -> StepResult:
-        """The result of pending (or unknown) ``step`` as it stands; its state is left as it is."""
+    def _result_of(self, step: int, **facts: Any) -> StepResult:
+        """The result of pending (or unknown) ``step`` as it stands, with the caller's ``facts``
+        (:meth:`StepMeta.of`); its state is left as it is."""
         missing_ranks, missing_metrics = self.missing(step)
         st = self._steps.get(step)
         values, empty, histograms = self._values(st) if st is not None and st.groups else ({}, [], {})
         conflicts = {self.columns.names[c]: why for c, why in st.conflicts.items()} if st is not None else {}
-        meta = StepMeta(
-            complete=st is not None and not missing_ranks and not missing_metrics,
-            missing_ranks=missing_ranks,
-            missing_metrics=missing_metrics,
-            empty=empty,
-            contributors=sorted(st.contributors) if st is not None else [],
-            refused=dict(st.refused) if st is not None else {},
-            conflicts=conflicts,
-        )
+        known = {
+            "complete": st is not None and not missing_ranks and not missing_metrics,
+            "missing_ranks": missing_ranks,
+            "missing_metrics": missing_metrics,
+            "empty": empty,
+            "contributors": sorted(st.contributors) if st is not None else [],
+            "refused": st.refused if st is not None else {},
+            "conflicts": conflicts,
+        }
+        meta = StepMeta.of(**{**known, **facts})  # a fact of the caller wins (torch: its contributors)
         return StepResult(values, step, meta, histograms)
 
     def closed_by_contributors(self, step: int) -> bool:

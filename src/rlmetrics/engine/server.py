@@ -122,7 +122,7 @@ class Server:
         self._start_empty()
         saved = self._load()
         self.restored = saved is not None and self._resume(saved, recovery_timeout)
-        self._saved = self._marker()  # what the state saved last records
+        self._saved: tuple | None = self._marker()  # what the state saved last records (None: resave)
         self._durable = self.engine.finalized_state()  # its finalized steps (replies let clients forget them)
 
     def _start_empty(self) -> None:
@@ -161,7 +161,8 @@ class Server:
             self.restore(saved, recovery_timeout)
             return True
         except Exception as exc:  # noqa: BLE001 - a state this server saved, in a form it does not read
-            self._refuse(f"the saved state in {self.store.where} could not be read ({exc!r:.200})")
+            where = self.store.where if self.store is not None else "the given state"
+            self._refuse(f"the saved state in {where} could not be read ({exc!r:.200})")
             self._start_empty()  # the failed restore may have left part of the state
             return False
 
@@ -268,7 +269,7 @@ class Server:
         session: str | None = None,
         steps: set[int] | None = None,
         late: set[int] | None = None,
-    ) -> dict:
+    ) -> dict[str, str]:
         """:func:`merge_items` (a resend after a restart is not late: it was merged before), and a
         resend ends the wait for that client; a message of an ended session is refused whole. The
         steps the message is about go to ``steps``: call :meth:`finalize_complete` on them after;
@@ -322,9 +323,11 @@ class Server:
         return None
 
     def _end_sessions(self, new: str) -> None:
+        ended = self.session_ended
+        assert ended is not None  # join() tracks sessions only with it
         self._sessions_checked = time.monotonic()
         for old in sorted(self._seen_sessions - self.ended - {new}):
-            if not self.session_ended(old):
+            if not ended(old):
                 continue
             self.ended.add(old)
             self.changes += 1
@@ -449,10 +452,7 @@ class Server:
             result = self.finalize(step)
             self.persist()
             return result
-        result = self.engine.peek(step)
-        if result.meta.provisional:
-            result.meta.contributions = list(self.engine.contributions(step))
-        return result
+        return self.engine.peek(step, contributions=self.engine.contributions(step))
 
     def finalize(self, step: int) -> StepResult:
         """The engine's :meth:`~rlmetrics.engine.aggregator.Aggregator.finalize`; a step finalized now also
@@ -460,12 +460,10 @@ class Server:
         engine = self.engine
         if engine.is_finalized(step):
             return engine.finalize(step)
-        counts = engine.contributions(step)
-        result = engine.finalize(step)
+        late, self._late = engine.late - self._late, engine.late
+        result = engine.finalize(step, contributions=engine.contributions(step), late=late)
         self._closed_at.pop(step, None)
         self._announced.pop(step, None)
-        result.meta.contributions = list(counts)
-        result.meta.late, self._late = engine.late - self._late, engine.late
         return result
 
     def final_target(self) -> int | None:

@@ -168,7 +168,7 @@ class _NodeWorker(Shell):
             self._forward(step)
         await asyncio.wrap_future(self._forwarder.submit(self.upstream.flush))
 
-    async def relay(self, *args: Any) -> dict:
+    async def relay(self, *args: Any) -> dict[str, str]:
         raise SubmissionError("a node sub-aggregator does not speak for another node")
 
     async def result(self, step: int, timeout: float | None = None, finalize: bool = False) -> StepResult:
