@@ -1,5 +1,8 @@
 """Backend-neutral client logic: step counter, coalescing, resend buffer, sequence ids.
 
+Over 400 lines on purpose: the step counter, coalescing, the resend buffer and the handling of
+replies are one state machine under one lock; split, each part would need the others' invariants.
+
 A client summarizes each ``submit_metric`` call at once (so a bad value raises in the caller, naming
 the metric), buffers the result, and sends everything of a step in one call to its
 :class:`Transport` when the step is closed by ``wait_submit()``, which by default returns once the

@@ -1,5 +1,8 @@
 """Health monitors: rules evaluated on every merged step, and an :class:`Alert` when one starts to hold.
 
+Over 400 lines on purpose: the built-in rules, the Monitor that runs them and the Alert they raise,
+each rule a few lines beside its documentation.
+
 A rule is any callable ``rule(step, metrics)`` (``metrics``: ``{name: float}`` of one step, steps in
 the order they are logged) that returns what is wrong *now*: ``None`` (nothing), a message (one
 condition), or ``{metric: message}`` (one condition per metric). Its ``name`` attribute (else its

@@ -1,5 +1,9 @@
 """torch.distributed backend: the client API over collectives, for runs without a central actor.
 
+Over 400 lines on purpose: the client and its transport over collectives are one protocol (every
+rank calls the same collectives in the same order); the forms of the exchange live in
+torch_exchange.py.
+
 Every rank of a process group holds a :class:`TorchMetricClient` (``rlmetrics.connect("torch")``).
 ``submit_metric`` summarizes at once, as with every backend; ``wait_submit()`` is the collective
 point: every rank of the group calls it once per step (like the ``dist.barrier`` of the seed) and

@@ -16,6 +16,9 @@ and score histograms of all ranks' data, histograms.png) into --out.
     rlmetrics demo --seed 1 --lr 0.1          # another run; a learning rate that collapses the policy
     rlmetrics demo --simulate --backend local --sinks jsonl,console
 """
+# Over 400 lines on purpose: the driver of one run end to end (ranks, steps, validation, sinks,
+# plots, the summary it prints), read top to bottom as the example the README points to; this is a
+# comment, not the docstring, because the docstring is the command's --help.
 
 from __future__ import annotations
 

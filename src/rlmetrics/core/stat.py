@@ -1,5 +1,8 @@
 """Mergeable summary statistics.
 
+Over 400 lines on purpose: a Stat's construction from every input form (values, masks, weights,
+tensors), its merge and its reduction share the five-field layout.
+
 A :class:`Stat` holds what is needed to merge summaries of data that lives on many ranks and still get
 the statistics of the concatenated data: weighted count, sum, M2 (sum of squared deviations from the
 mean), min and max, and optionally a quantile :class:`~rlmetrics.core.sketch.Sketch`. Merging uses the

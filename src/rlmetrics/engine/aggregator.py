@@ -1,5 +1,8 @@
 """The step-keyed merge engine: pure Python + numpy, no Ray, no torch.
 
+Over 400 lines on purpose: contributions, completion, finalization, eviction and the saved state are
+one step-keyed state; every rule reads the same per-step bookkeeping.
+
 Workers hand the engine *contributions*: ``(client_id, step, seq, world_size, packed)`` where
 ``packed`` holds a schema (metric names and their reductions) and one ``(5, M)`` float64 stat array
 (:data:`rlmetrics.core.stat.FIELDS`), plus other states by column (:mod:`rlmetrics.core.states`: quantile

@@ -1,5 +1,9 @@
 """Sinks: where step results go — JSONL, the console, TensorBoard, W&B, MLflow, SwanLab.
 
+Over 400 lines on purpose: ``Tracking`` (fan-out, health, catching a resumed tracker up) and
+``make_sinks`` (a run folder's files and run ids) decide together what a resumed or rerun folder
+holds.
+
 Every sink is a :class:`Sink` (:mod:`rlmetrics.sinks.base`): ``log(metrics, step)`` (``metrics``:
 ``{name: float}``, e.g. a :class:`~rlmetrics.StepResult`), ``alert(alert)`` and ``close()``, a context
 manager, and the rules of its tracker's metric names (:func:`adapt_name`, :data:`TRACKERS`).
