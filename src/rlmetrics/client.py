@@ -397,11 +397,10 @@ class ClientCore:
             self.resync()
             return
         self._incarnation = incarnation
-        done_below, finalized = reply.done_below, set(reply.finalized)
-        self.finalized_state = (done_below, reply.finalized)
-        for step in [s for s in self._kept if s < done_below or s in finalized]:
+        self.finalized_state = (reply.done_below, reply.finalized)
+        for step in [s for s in self._kept if reply.is_final(s)]:
             del self._kept[step]
-        for step in [s for s in self._closed if s < done_below or s in finalized]:
+        for step in [s for s in self._closed if reply.is_final(s)]:
             del self._closed[step]
         if reply.late:
             hint = "This rank was slower than the reader's timeout (give the reader a longer one)"

@@ -255,15 +255,25 @@ class StepResult(dict):
         raise AttributeError(f"a StepResult is read-only: cannot delete {name!r}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Reply:
-    """The aggregator's answer to a client's message: ``errors`` about its data (by
-    ``client/step/seq``), the aggregator's ``incarnation``, and which steps are final (every step
-    below ``done_below`` and those in ``finalized``), so the client stops keeping them. ``unknown``
-    (a Ray actor): schema ids it lacks; if any, nothing of the message was merged: send it again
-    with names.
-    ``late``: the steps whose data in the message arrived when they were final already (dropped,
-    counted in a next step's ``meta.late``); the client warns (:class:`LateDataWarning`)."""
+    """The aggregator's answer to a client's message, in one of two kinds:
+
+    - the message was merged (:attr:`merged`): ``errors`` say what of it was refused (by
+      ``client/step/seq``; the rest was merged), ``late`` the steps whose data in it arrived when
+      they were final already (dropped, counted in a next step's ``meta.late``; the client warns,
+      :class:`LateDataWarning`);
+    - nothing of it was merged: a Ray actor lacks the schema ids in ``unknown`` (it restarted, or
+      forgot them), and the client sends the message again with names.
+
+    Either way: the aggregator's ``incarnation`` (a new one: the client resends what it keeps), and
+    which steps are final, so the client stops keeping them (:meth:`is_final`: every step below
+    ``done_below`` and those in ``finalized``).
+
+    >>> reply = Reply({}, "incarnation-1", done_below=3, finalized=[5])
+    >>> reply.merged, [s for s in range(7) if reply.is_final(s)]
+    (True, [0, 1, 2, 5])
+    """
 
     errors: dict[str, str]
     incarnation: str
@@ -271,6 +281,15 @@ class Reply:
     finalized: list[int] = field(default_factory=list)
     unknown: list[bytes] = field(default_factory=list)
     late: list[int] = field(default_factory=list)
+
+    @property
+    def merged(self) -> bool:
+        """The message was merged (else it is to be sent again with names: ``unknown``)."""
+        return not self.unknown
+
+    def is_final(self, step: int) -> bool:
+        """``step`` is final at the aggregator: its client may stop keeping it."""
+        return step < self.done_below or step in self.finalized
 
 
 class SubmissionError(ValueError):

@@ -62,7 +62,7 @@ class RayTransport:
         return msg
 
     def _track(self, reply: Reply, who: str, items: list[Submission], close: list, resync: bool) -> Reply:
-        if reply.unknown:
+        if not reply.merged:
             reply = self.repeat(who, items, close, resync)
         if reply.incarnation != self._incarnation:
             self._known = {item[3].schema.id for item in items}
@@ -223,7 +223,7 @@ class _Sender:
         outcomes: list[Reply | BaseException] = []
         for i, (transport, client_id, items, close, _) in enumerate(batch):
             outcome: Reply | BaseException = error if error is not None else replies[i]
-            if isinstance(outcome, Reply) and outcome.unknown:
+            if isinstance(outcome, Reply) and not outcome.merged:
                 try:
                     outcome = transport.repeat(client_id, items, close, False)
                 except (Exception, SystemExit) as exc:  # AggregatorRestarted: the client resends
