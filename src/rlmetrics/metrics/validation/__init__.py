@@ -108,7 +108,7 @@ from rlmetrics.metrics.validation.bootstrap import (
     bootstrap_sizes,
 )
 from rlmetrics.metrics.validation.compute import at_n, compute
-from rlmetrics.metrics.validation.exact import pass_at_k
+from rlmetrics.metrics.validation.exact import pass_at_k, pass_hat_k
 from rlmetrics.metrics.validation.records import (
     RECORD_VERSION,
     STYLES,
@@ -190,13 +190,18 @@ def process_validation_metrics(
     exact: bool = False,
     n_bootstrap: int = N_BOOTSTRAP,
     nan_strategy: str = "propagate",
+    tie: str = "first",
+    missing: str | None = None,
 ) -> dict[str, float]:
     """The seed's validation metrics ``{name: value}`` (see the module docstring for the names).
 
     ``sample_turns`` may be a flat sequence of turn counts or a sequence of arrays (the seed
     concatenates them). ``exact=True`` adds the ``pass@k``, ``.../exact_mean|exact_std``,
     ``.../unbiased`` and ``.../ci_low|ci_high`` keys.
-    ``nan_strategy``: as :func:`encode_samples`.
+    ``nan_strategy``, ``tie`` (``"none"``: a tied vote is no majority, maj reports 0, keys
+    ``maj_strict@k/...``) and ``missing`` (None, ``"count_as_zero"``, ``"drop"``, ``"error"``: what a
+    None or NaN score counts as; the choice is in the keys, ``<var>:<choice>``): as
+    :func:`encode_samples`.
 
     >>> m = process_validation_metrics(["a", "a", "b"], ["p", "p", "q"], {"reward": [1.0, 0.0, 0.5]},
     ...                                sample_turns=[2, 3, 4])
@@ -205,7 +210,10 @@ def process_validation_metrics(
     >>> m["val-aux/num_turns/max"], m["val-aux/num_turns/mean"]
     (4.0, 3.0)
     """
-    record = encode_samples(data_sources, sample_inputs, infos_dict, sample_turns, nan_strategy=nan_strategy)
+    record = encode_samples(
+        data_sources, sample_inputs, infos_dict, sample_turns,
+        nan_strategy=nan_strategy, tie=tie, missing=missing,
+    )  # fmt: skip
     return process_samples(record, seed, exact=exact, n_bootstrap=n_bootstrap)
 
 
@@ -267,18 +275,31 @@ def process_samples(
     for (src, var), metrics in res.metrics.items():
         core = "acc" if (src, "acc") in res.metrics else "reward"
         n_max = res.n_max[(src, var)]
+        tag = var_key(record, var)
         for name, value in metrics.items():
             is_core = var == core and name.startswith(("mean", "maj", "best")) and at_n(name) == n_max
-            out[f"{'val-core' if is_core else 'val-aux'}/{src}/{var}/{name}"] = value
+            out[f"{'val-core' if is_core else 'val-aux'}/{src}/{tag}/{metric_key(record, name)}"] = value
         for name, value in res.extras.get((src, var), {}).items():
-            out[f"val-aux/{src}/{var}/{name}"] = value
+            out[f"val-aux/{src}/{tag}/{metric_key(record, name)}"] = value
     turns = np.asarray(record.turns, dtype=np.float64)
     if len(turns):
         out["val-aux/num_turns/min"] = float(turns.min())
         out["val-aux/num_turns/max"] = float(turns.max())
         out["val-aux/num_turns/mean"] = float(turns.mean())
-    out.update({f"val/test_score/{src}": v for src, v in res.test_score.items()})
+    score = var_key(record, "val/test_score")
+    out.update({f"{score}/{src}": v for src, v in res.test_score.items()})
     return out
+
+
+def var_key(record: SampleRecord, var: str) -> str:
+    """A variable's segment of the keys: ``<var>:<missing>`` when the record says what its missing
+    scores were made into (runs with different rules never share a key), else ``var``."""
+    return var if record.missing is None else f"{var}:{record.missing}"
+
+
+def metric_key(record: SampleRecord, name: str) -> str:
+    """A metric's name as keyed: ``maj@k`` is ``maj_strict@k`` when a tie is no majority."""
+    return "maj_strict@" + name[4:] if record.tie == "none" and name.startswith("maj@") else name
 
 
 def samples_by_source(
@@ -298,7 +319,8 @@ def samples_by_source(
     res = compute(record, record.seed if seed is None else seed, n_bootstrap, exact)
     out: dict[Any, dict[str, dict[str, float]]] = {}
     for (src, var), metrics in res.metrics.items():
-        out.setdefault(src, {})[var] = {**metrics, **res.extras.get((src, var), {})}
+        entry = {**metrics, **res.extras.get((src, var), {})}
+        out.setdefault(src, {})[var_key(record, var)] = {metric_key(record, k): v for k, v in entry.items()}
     return out
 
 
@@ -313,6 +335,6 @@ def _float_array_or_none(data: Sequence[Any]) -> np.ndarray | None:
 __all__ = [
     "CACHE_BYTES", "CHUNK_BYTES", "N_BOOTSTRAP", "RECORD_VERSION", "STYLES", "TABLE_MAX_N", "SampleRecord",
     "aggregate_validation_metrics", "bootstrap_indices", "bootstrap_metric", "bootstrap_sizes",
-    "calc_maj_val", "encode_samples", "merge_samples", "pass_at_k", "process_samples",
+    "calc_maj_val", "encode_samples", "merge_samples", "pass_at_k", "pass_hat_k", "process_samples",
     "process_validation_metrics", "record_digest", "samples_by_source",
 ]  # fmt: skip

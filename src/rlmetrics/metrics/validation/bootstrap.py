@@ -69,8 +69,10 @@ def bootstrap_group(
     n: int,
     seed: int,
     n_bootstrap: int,
+    tie: str = "first",
 ) -> dict[tuple[str, str], np.ndarray]:
-    """best/worst/maj @k mean and std per prompt for prompts with ``n`` samples (rows of ``mats``).
+    """best/worst/maj @k mean and std per prompt for prompts with ``n`` samples (rows of ``mats``);
+    ``tie="none"``: a row whose vote ties reports 0 (no majority), else the seed's tie-break.
 
     Each comes from how many bootstrap rows take each of a prompt's values (:func:`_row_stats`):
     best/worst from the subset-count tables of :func:`_miss_table` for ``n <= TABLE_MAX_N``
@@ -96,8 +98,12 @@ def bootstrap_group(
                 out[(v, f"{name}@{k}/{stat}")] = values
         if dense is not None and n_classes is not None:
             winners = _winner_histogram(dense, n_classes, idx, n, seed)
+            if tie == "none":  # the tied rows move to an extra column of value 0
+                tied = _tied_counts(dense, idx, n)
+                winners = np.concatenate([winners - tied[:, :n], tied[:, n:]], axis=1)
             for v, mat in mats.items():
-                out[(v, f"maj@{k}/mean")], out[(v, f"maj@{k}/std")] = _row_stats(mat, winners, n_bootstrap)
+                x = np.concatenate([mat, np.zeros((len(mat), 1))], axis=1) if tie == "none" else mat
+                out[(v, f"maj@{k}/mean")], out[(v, f"maj@{k}/std")] = _row_stats(x, winners, n_bootstrap)
     return out
 
 
@@ -199,6 +205,34 @@ def _winner_histogram(
         winners = _majority_winners(dense[lo:hi], n_classes[lo:hi], words, idx)  # (m, n_bootstrap)
         flat = (winners + n * np.arange(hi - lo)[:, None]).ravel()
         out[lo:hi] = np.bincount(flat, minlength=(hi - lo) * n).reshape(hi - lo, n)
+    return out
+
+
+def _tied_counts(dense: np.ndarray, idx: np.ndarray, n: int) -> np.ndarray:
+    """``(P, n + 1)``: per prompt, how many bootstrap rows tie (two or more preds share the top vote
+    count), by the position the seed's tie-break reports (columns ``:n``), and in all (column ``n``).
+    Plain counting, in chunks of prompts (``tie="none"`` only)."""
+    n_boot, k = idx.shape
+    out = np.zeros((len(dense), n + 1))
+    chunk = max(1, CHUNK_BYTES // (8 * n_boot * k))
+    for lo in range(0, len(dense), chunk):
+        codes = dense[lo : lo + chunk][:, idx]  # (m, n_bootstrap, k)
+        top = np.zeros(codes.shape[:2])
+        at_top = np.zeros(codes.shape[:2])
+        first = np.full(codes.shape[:2], k)
+        for c in range(int(codes.max()) + 1):
+            hit = codes == c
+            count = hit.sum(axis=2)
+            pos = np.where(hit.any(axis=2), hit.argmax(axis=2), k)
+            more, same = count > top, (count == top) & (count > 0)
+            first = np.where(more, pos, np.where(same, np.minimum(first, pos), first))
+            at_top = np.where(more, 1, at_top + same)
+            top = np.maximum(top, count)
+        tied = at_top > 1
+        rows, cols = np.nonzero(tied)
+        where = idx[cols, first[rows, cols]]  # the sample the seed's tie-break reports
+        np.add.at(out, (lo + rows, where), 1.0)
+        out[lo : lo + len(codes), n] = tied.sum(axis=1)
     return out
 
 

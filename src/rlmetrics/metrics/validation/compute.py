@@ -1,7 +1,7 @@
 """The per-prompt metrics of a record and their averages per data source (:func:`compute`), view by view,
 prompts grouped by their number of samples.
 
-The ``exact=True`` estimators (``pass@k``, ``.../exact_mean``, ``.../unbiased``) also get a 95 %
+The ``exact=True`` estimators (``pass@k``, ``pass^k``, ``.../exact_mean``, ``.../unbiased``) also get a 95 %
 confidence interval across prompts, ``<name>/ci_low`` and ``<name>/ci_high``: the mean over the data
 source's prompts plus or minus :data:`Z95` standard errors (sample std of the per-prompt values,
 ``ddof=1``, over the square root of the number of prompts; the normal approximation, treating
@@ -31,7 +31,7 @@ Z95 = 1.959963984540054
 
 def _has_ci(name: str) -> bool:
     """The estimators that get a confidence interval: pass@k, exact means, unbiased estimators."""
-    return name.startswith("pass@") or name.endswith(("/exact_mean", "/unbiased"))
+    return name.startswith(("pass@", "pass^")) or name.endswith(("/exact_mean", "/unbiased"))
 
 
 class _Sums:
@@ -89,7 +89,7 @@ def _seed_names(n: int, has_pred: bool) -> list[str]:
 
 
 def _extra_names(n: int, has_pred: bool) -> list[str]:
-    names = [f"pass@{k}" for k in (1, *bootstrap_sizes(n))]
+    names = [f"pass{sign}{k}" for k in (1, *bootstrap_sizes(n)) for sign in "@^"]
     for k in bootstrap_sizes(n):
         for metric in ("best", "worst", "maj") if has_pred else ("best", "worst"):
             names += [f"{metric}@{k}/exact_mean", f"{metric}@{k}/exact_std", f"{metric}@{k}/unbiased"]
@@ -109,7 +109,7 @@ def compute(record: SampleRecord, seed: int, n_bootstrap: int, exact: bool) -> R
     else:
         views, group_source = [seed_view(record)], np.asarray(record.group_source, dtype=np.intp)
         variables = list(views[0].values)
-    run = _Run(group_source, _Sums(n_src), seed, n_bootstrap, exact)
+    run = _Run(group_source, _Sums(n_src), seed, n_bootstrap, exact, record.tie)
     run.pooled = {v: (np.zeros(n_src), np.zeros(n_src)) for v in variables}
     run.binary = {v: np.zeros(n_src) for v in variables}
     per_var: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # used groups and group sizes
@@ -143,7 +143,7 @@ def compute(record: SampleRecord, seed: int, n_bootstrap: int, exact: bool) -> R
                 extras = res.extras[key] = {}
                 for n in ns:
                     for name in _extra_names(n, True):
-                        if name.startswith("pass@") and binary[v][s] > 0:
+                        if name.startswith("pass") and binary[v][s] > 0:
                             continue
                         value = sums.mean(v, name, s)
                         if name not in extras and value is not None:
@@ -175,6 +175,7 @@ class _Run:
     seed: int
     n_bootstrap: int
     exact: bool
+    tie: str = "first"
     pooled: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # sum of squares, dof
     binary: dict[str, np.ndarray] = field(default_factory=dict)  # prompts with a value outside {0, 1}
 
@@ -230,9 +231,9 @@ def _add_prompts(
             pooled[v][0][:] += ss
             pooled[v][1][:] += np.bincount(src[keep[v]], minlength=n_src) * (n - 1)
     if n > 1:
-        per_prompt.update(bootstrap_group(mats, dense, n_classes, n, run.seed, run.n_bootstrap))
+        per_prompt.update(bootstrap_group(mats, dense, n_classes, n, run.seed, run.n_bootstrap, run.tie))
     if run.exact:
-        per_prompt.update(exact_group(mats, dense, n_classes, n))
+        per_prompt.update(exact_group(mats, dense, n_classes, n, run.tie))
         for v, mat in mats.items():
             nonbinary = ~np.all((mat == 0) | (mat == 1), axis=1)
             binary[v] += np.bincount(src[keep[v]], weights=nonbinary[keep[v]], minlength=n_src)

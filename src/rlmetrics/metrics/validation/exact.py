@@ -39,6 +39,23 @@ def pass_at_k(n: int, c: np.ndarray | int, k: int) -> np.ndarray:
     return 1.0 - table[np.asarray(c, dtype=np.intp)]
 
 
+def pass_hat_k(n: int, c: np.ndarray | int, k: int) -> np.ndarray:
+    """Unbiased pass^k: ``C(c, k) / C(n, k)``, the probability that ``k`` samples drawn without
+    replacement from ``n`` with ``c`` correct are all correct (the estimate of "all ``k`` fresh samples
+    correct"), as the product ``prod_{i<k} (c - i) / (n - i)``.
+
+    >>> pass_hat_k(4, np.array([0, 2, 3, 4]), 2).round(6).tolist()
+    [0.0, 0.166667, 0.5, 1.0]
+    """
+    if not 1 <= k <= n:
+        raise ValueError(f"pass^k needs 1 <= k <= n, got k={k}, n={n}")
+    table = np.ones(n + 1)
+    hits = np.arange(n + 1, dtype=np.float64)  # c = 0..n
+    for i in range(k):
+        table *= np.clip(hits - i, 0.0, None) / (n - i)
+    return table[np.asarray(c, dtype=np.intp)]
+
+
 @functools.lru_cache(maxsize=256)
 def subset_weights(n: int, k: int) -> np.ndarray:
     """``w[i] = C(i, k - 1) / C(n, k)``: the probability that the ``(i + 1)``-th smallest of ``n``
@@ -56,16 +73,22 @@ def subset_weights(n: int, k: int) -> np.ndarray:
 
 
 def exact_group(
-    mats: dict[str, np.ndarray], dense: np.ndarray | None, n_classes: np.ndarray | None, n: int
+    mats: dict[str, np.ndarray],
+    dense: np.ndarray | None,
+    n_classes: np.ndarray | None,
+    n: int,
+    tie: str = "first",
 ) -> dict[tuple[str, str], np.ndarray]:
-    """pass@k, the exact best/worst/maj expectations and stds of the bootstrap, and the unbiased
-    best/worst/maj over k-subsets, per prompt (``n`` samples each)."""
+    """pass@k, pass^k, the exact best/worst/maj expectations and stds of the bootstrap, and the
+    unbiased best/worst/maj over k-subsets, per prompt (``n`` samples each). ``tie="none"``: a tied
+    vote is no majority and reports 0."""
     out: dict[tuple[str, str], np.ndarray] = {}
     ks = bootstrap_sizes(n)
     for v, mat in mats.items():
         ones = np.where((mat == 0) | (mat == 1), mat, 0).sum(axis=1).astype(np.intp)
         for k in (1, *ks):
             out[(v, f"pass@{k}")] = pass_at_k(n, ones, k)
+            out[(v, f"pass^{k}")] = pass_hat_k(n, ones, k)
         srt = np.sort(mat, axis=1)  # NaN last: any NaN makes the expectations NaN
         i = np.arange(1, n + 1, dtype=np.float64)
         for k in ks:
@@ -80,7 +103,7 @@ def exact_group(
             out[(v, f"worst@{k}/unbiased")] = srt @ w_subset[::-1]
     if dense is not None and n_classes is not None and ks and mats:
         names = list(mats)
-        majority = _exact_majority(mats, names, dense, n_classes, n, ks)
+        majority = _exact_majority(mats, names, dense, n_classes, n, ks, tie == "none")
         for k in ks:
             first, second = majority[(k, False)]
             unbiased, _ = majority[(k, True)]
@@ -99,6 +122,7 @@ def _exact_majority(
     n_classes: np.ndarray,
     n: int,
     ks: list[int],
+    strict: bool = False,
 ) -> dict[tuple[int, bool], tuple[np.ndarray, np.ndarray]]:
     """``{(k, subsets): (E[maj value], E[maj value**2])}`` per prompt and variable, for ``k`` draws
     with replacement (``subsets`` False) and for a uniform ``k``-subset in a uniform order (True: the
@@ -108,7 +132,8 @@ def _exact_majority(
     among tied classes each wins with probability 1/(number tied); the same holds for subsets. So
     E = sum over classes c of P(c wins) * (mean of c), and P(c wins) depends on the class sizes
     alone: it is computed once per distinct multiset of class sizes (a few hundred partitions of
-    ``n`` cover thousands of prompts), by :func:`_win_probabilities`."""
+    ``n`` cover thousands of prompts), by :func:`_win_probabilities`. ``strict``: a tie wins for
+    no class (the value is 0)."""
     n_prompts = len(dense)
     rows = np.arange(n_prompts)[:, None]
     size = np.zeros((n_prompts, n))
@@ -129,7 +154,7 @@ def _exact_majority(
         for subsets in (False, True):
             win = np.zeros((n_prompts, n))
             np.put_along_axis(
-                win, order, _win_probabilities(partitions, n, k, subsets)[which.ravel()], axis=1
+                win, order, _win_probabilities(partitions, n, k, subsets, strict)[which.ravel()], axis=1
             )
             first = np.stack([(win * mean).sum(axis=1) for mean, _ in means], axis=1)
             second = np.stack([(win * square).sum(axis=1) for _, square in means], axis=1)
@@ -137,8 +162,11 @@ def _exact_majority(
     return out
 
 
-def _win_probabilities(partitions: np.ndarray, n: int, k: int, subsets: bool) -> np.ndarray:
-    """``P(class c wins)`` for each row of class sizes (largest first, zeros for padding).
+def _win_probabilities(
+    partitions: np.ndarray, n: int, k: int, subsets: bool, strict: bool = False
+) -> np.ndarray:
+    """``P(class c wins)`` for each row of class sizes (largest first, zeros for padding); ``strict``:
+    ``P(class c alone has the most votes)``.
 
     A dynamic program per level L (the winning count): classes are visited in turn, each taking
     j <= L of the remaining r draws (binomial, or hypergeometric for subsets), tracking how many
@@ -156,7 +184,7 @@ def _win_probabilities(partitions: np.ndarray, n: int, k: int, subsets: bool) ->
         idx = by_count[lo : lo + step]
         d = int(count[idx].max())
         chan = np.broadcast_to(np.eye(d, d + 1, 1), (len(idx), d, d + 1))  # channel 0: the mass
-        out[idx, :d] = _majority_dp(partitions[idx, :d], chan, n, k, log_fact, pmf)[:, 1:]
+        out[idx, :d] = _majority_dp(partitions[idx, :d], chan, n, k, log_fact, pmf, strict)[:, 1:]
     return out
 
 
@@ -193,12 +221,19 @@ def _hypergeom_pmf(
 
 
 def _majority_dp(
-    size: np.ndarray, chan: np.ndarray, n: int, k: int, log_fact: np.ndarray, pmf=_binom_pmf
+    size: np.ndarray,
+    chan: np.ndarray,
+    n: int,
+    k: int,
+    log_fact: np.ndarray,
+    pmf=_binom_pmf,
+    strict: bool = False,
 ) -> np.ndarray:
     """E[channel of the winning class] for prompts with (at most) ``d`` classes of the given sizes;
     empty classes (size 0) are padding. ``pmf(r, j, size, pool, log_fact)``: the probability that a
     class of ``size`` of the ``pool`` samples left takes ``j`` of ``r`` draws (binomial: with
-    replacement; hypergeometric: a subset)."""
+    replacement; hypergeometric: a subset). ``strict``: only a class alone at the top wins (no
+    share of a tie)."""
     n_prompts, d = size.shape
     n_chan = chan.shape[-1]
     remaining = n - np.cumsum(size, axis=1) + size  # samples of class c and the classes after it
@@ -239,9 +274,12 @@ def _majority_dp(
                     src = acc[:, lo : r_hi + 1, :-1]
                     new[:, lo - j : r_hi + 1 - j, 1:] += (src + src[..., :1] * chan[:, None, None, c]) * w
             acc = new
+        if strict:
+            result += acc[:, 0, 1]
+            continue
         ways = np.arange(1, tied + 1, dtype=np.float64)
         result += (acc[:, 0, 1:] / ways[None, :, None]).sum(axis=1)
     return result
 
 
-__all__ = ["exact_group", "pass_at_k", "subset_weights"]
+__all__ = ["exact_group", "pass_at_k", "pass_hat_k", "subset_weights"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,11 @@ RECORD_VERSION = 1
 
 STYLES = ("seed", "verl")
 """Record styles: the seed's (siiRL's) semantics, or verl 0.9.1's (see the module docstring)."""
+TIES = ("first", "none")
+"""How maj@k treats a tied vote: the seed's (the pred seen first wins), or no majority (reports 0)."""
+MISSING = (None, "count_as_zero", "drop", "error")
+"""What a failed or missing sample (a score that is None or NaN) counts as: None keeps the seed's
+behaviour (keys unchanged); the others name themselves in the keys (``<var>:<choice>``)."""
 
 
 @dataclass
@@ -43,7 +49,9 @@ class SampleRecord:
       samples have a ``pred`` (preds are compared as dict keys, as the seed does);
     - ``exact``: whether the metrics of the record add the ``exact=True`` keys;
     - ``style`` (:data:`STYLES`), ``seed`` (of the bootstrap) and ``expected``: ``(data_source, prompt,
-      count)`` triples (verl's ``expected_acc_counts``), which only the ``"verl"`` style reads.
+      count)`` triples (verl's ``expected_acc_counts``), which only the ``"verl"`` style reads;
+    - ``tie`` (:data:`TIES`) of maj@k and ``missing`` (:data:`MISSING`): what the samples' missing
+      scores were made into (the keys name it).
     """
 
     sources: list[Any]
@@ -60,6 +68,8 @@ class SampleRecord:
     style: str = "seed"
     seed: int = 42
     expected: list[tuple[Any, Any, int]] = field(default_factory=list)
+    tie: str = "first"
+    missing: str | None = None
     version: int = RECORD_VERSION
 
     @property
@@ -79,6 +89,8 @@ def encode_samples(
     seed: int = 42,
     expected_counts: Mapping[tuple[Any, Any], int] | None = None,
     nan_strategy: str = "propagate",
+    tie: str = "first",
+    missing: str | None = None,
 ) -> SampleRecord:
     """One rank's validation samples as a :class:`SampleRecord`. ``digest_prompts=True`` keeps a
     16-byte blake2b digest of each prompt; ``exact``: whether the metrics of the merged records add
@@ -89,6 +101,17 @@ def encode_samples(
     metrics as in the seed), ``"drop"`` leaves out every sample that has one (in any variable, with
     its turn count when ``sample_turns`` has one per sample; and non-finite turn counts),
     ``"error"`` raises :class:`~rlmetrics.core.stat.MetricValueError` naming the variable.
+
+    ``tie``: maj@k's tie rule (:data:`TIES`). ``missing`` (:data:`MISSING`), applied first, to every
+    variable but ``pred``: a value that is None or NaN is a failed sample (value by value, so the
+    samples split over ranks get what one process gets);
+    ``"count_as_zero"`` makes it 0.0 (verl 0.9.1 counts a failed session as ``acc=0``), ``"drop"``
+    leaves the sample out (every variable, and its turn count when there is one per sample),
+    ``"error"`` raises :class:`~rlmetrics.core.stat.MetricValueError` naming the variable, data source,
+    prompt and sample; None (the default) leaves it as it was.
+
+    >>> encode_samples(["a", "a"], ["p", "p"], {"acc": [1.0, None]}, missing="count_as_zero").values
+    {'acc': array([1., 0.])}
 
     >>> r = encode_samples(["a", "b", "a"], ["p", "p", "p"], {"acc": [1, 0, 1], "pred": ["x", "y", "x"]})
     >>> r.sources, r.group.tolist(), r.values["pred"], r.pred.tolist(), r.pred_table
@@ -101,11 +124,22 @@ def encode_samples(
     n = len(data_sources)
     if style not in STYLES:
         raise ValueError(f"style must be one of {STYLES}, got {style!r}")
+    if tie not in TIES:
+        raise ValueError(f"tie must be one of {TIES}, got {tie!r}")
+    if missing not in MISSING:
+        raise ValueError(f"missing must be one of {MISSING}, got {missing!r}")
     if len(sample_inputs) != n:
         raise ValueError(f"{len(sample_inputs)} sample_inputs for {n} data_sources")
     for var, col in infos_dict.items():
         if len(col) != n:
             raise ValueError(f"infos_dict[{var!r}] has {len(col)} values for {n} samples")
+    options = {"digest_prompts": digest_prompts, "exact": exact, "style": style, "seed": seed,
+               "expected_counts": expected_counts, "nan_strategy": nan_strategy, "tie": tie}  # fmt: skip
+    if missing is not None:
+        parts = _fill_missing(data_sources, sample_inputs, infos_dict, sample_turns, missing)
+        record = encode_samples(*parts, **options)
+        record.missing = missing
+        return record
     if nan_strategy != "propagate":
         keep, turns = _finite_samples(infos_dict, n, _turns_array(sample_turns), nan_strategy)
         if keep is not None or turns is not None:
@@ -120,6 +154,7 @@ def encode_samples(
                 style=style,
                 seed=seed,
                 expected_counts=expected_counts,
+                tie=tie,
             )
     groups: dict[tuple[Any, Any], int] = {}
     codes = [groups.setdefault(key, len(groups)) for key in zip(data_sources, sample_inputs)]
@@ -148,6 +183,7 @@ def encode_samples(
         exact=bool(exact),
         style=style,
         seed=int(seed),
+        tie=tie,
         expected=[
             (src, _digest(p) if digest_prompts else p, int(c))
             for (src, p), c in (expected_counts or {}).items()
@@ -178,9 +214,12 @@ def merge_samples(records: Iterable[SampleRecord]) -> SampleRecord:
     records = list(records)
     check_mergeable((), records)
     style, seed = (records[0].style, records[0].seed) if records else ("seed", 42)
+    tie, missing = (records[0].tie, records[0].missing) if records else ("first", None)
     common = {
         "style": style,
         "seed": seed,
+        "tie": tie,
+        "missing": missing,
         "expected": [triple for r in records for triple in r.expected],
         "turns": _concat([r.turns for r in records], np.float64),
         "exact": any(r.exact for r in records),
@@ -272,6 +311,9 @@ def check_mergeable(held: Sequence[SampleRecord], new: Iterable[Any]) -> None:
             raise ValueError(
                 f"records of different styles or seeds: {(first.style, first.seed)} vs {(r.style, r.seed)}"
             )
+        if (r.tie, r.missing) != (first.tie, first.missing):
+            rules = (first.tie, first.missing), (r.tie, r.missing)
+            raise ValueError(f"records of different tie or missing rules: {rules[0]} vs {rules[1]}")
         if r.n_samples:
             if full is None:
                 full = r
@@ -313,6 +355,8 @@ def check_record(record: Any) -> None:
     r = record
     if r.style not in STYLES:
         raise ValueError(f"validation record: style {r.style!r:.40} is not one of {STYLES}")
+    if r.tie not in TIES or r.missing not in MISSING:
+        raise ValueError(f"validation record: tie {r.tie!r:.40} or missing {r.missing!r:.40} unknown")
     if not isinstance(r.exact, bool):
         raise ValueError(f"validation record: exact {r.exact!r:.40} is not a bool")
     if not (isinstance(r.seed, numbers.Integral) and 0 <= r.seed < 2**32):
@@ -456,6 +500,43 @@ def _finite_samples(
     return (None if keep.all() else keep), turns[~bad_turns]
 
 
+def _fill_missing(
+    data_sources: Sequence[Any],
+    sample_inputs: Sequence[Any],
+    infos_dict: Mapping[str, Sequence[Any]],
+    sample_turns: Any,
+    missing: str,
+) -> tuple[list, list, dict[str, list], Any]:
+    """The inputs with their failed samples (None or NaN scores) made 0.0 or left out, or raise (the
+    ``missing=`` rule of :func:`encode_samples`)."""
+    n = len(data_sources)
+    bad = np.zeros(n, bool)
+    infos = {var: col.tolist() if isinstance(col, np.ndarray) else list(col)
+             for var, col in infos_dict.items()}  # fmt: skip
+    for var, col in infos.items():
+        if var == "pred":  # every other variable, by value: a rank's part decides alike
+            continue
+        gone = [v is None or (is_number(v) and math.isnan(v)) for v in col]
+        if missing == "error" and any(gone):
+            i = gone.index(True)
+            raise MetricValueError(
+                f"validation variable {var!r}: sample {i} (data source {data_sources[i]!r}, prompt "
+                f"{sample_inputs[i]!r:.80}) is {col[i]!r}, {sum(gone)} missing in all (missing='error')"
+            )
+        if missing == "count_as_zero":
+            infos[var] = [0.0 if g else v for v, g in zip(col, gone)]
+        bad |= np.asarray(gone, bool)
+    if missing != "drop" or not bad.any():
+        return list(data_sources), list(sample_inputs), infos, sample_turns
+    keep = ~bad
+    turns = _turns_array(sample_turns)
+    if len(turns) == n:
+        sample_turns = turns[keep]
+    pick = lambda col: [v for v, k in zip(col, keep) if k]  # noqa: E731
+    kept = {var: pick(col) for var, col in infos.items()}
+    return pick(data_sources), pick(sample_inputs), kept, sample_turns
+
+
 def is_number(v: Any) -> bool:
     return isinstance(v, (numbers.Real, np.bool_)) and not isinstance(v, str)
 
@@ -487,6 +568,6 @@ def _numeric_column(col: Any, var: str) -> tuple[np.ndarray | None, np.ndarray |
 
 
 __all__ = [
-    "MAX_EXPECTED", "RECORD_VERSION", "STYLES", "SampleRecord", "check_mergeable", "check_record",
-    "encode_samples", "is_number", "merge_samples", "record_digest",
+    "MAX_EXPECTED", "MISSING", "RECORD_VERSION", "STYLES", "TIES", "SampleRecord", "check_mergeable",
+    "check_record", "encode_samples", "is_number", "merge_samples", "record_digest",
 ]  # fmt: skip
