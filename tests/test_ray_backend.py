@@ -811,6 +811,23 @@ def test_validation_records_travel_and_merge_in_rank_order(name):
     assert clients[0].result(0, timeout=30) == process_validation_metrics(sources, prompts, infos)
 
 
+def test_validation_choices_travel_and_merge_in_rank_order(name):
+    """pass^k, tie="none" and missing="count_as_zero" (issue 33 point 4) through the Ray aggregator:
+    4 ranks' records merged equal one process over all samples."""
+    from rlmetrics.metrics.validation import process_validation_metrics
+    from tests.test_validation_choices import CHOICES, choices_split
+
+    whole, parts = choices_split()
+    worker = rlmetrics.get_metric_worker(name=name)
+    clients = [rlmetrics.MetricClient(worker, label=f"rank{r}") for r in range(4)]
+    for r in (3, 1, 0, 2):
+        clients[r].process_local_validation_metrics(*parts[r], world_size=4, **CHOICES)
+        clients[r].wait_submit()
+    got = clients[0].result(0, timeout=30)
+    assert got == process_validation_metrics(*whole, **CHOICES)
+    assert "val-aux/math/acc:count_as_zero/pass^4" in got
+
+
 def test_difficulty_groups_travel_and_decide_on_every_rank_s_samples(name):
     """Data breakdowns and prompt records of three clients through the Ray aggregator: a prompt whose
     samples sit on two ranks is classified once, on all of them."""

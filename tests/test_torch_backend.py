@@ -143,6 +143,21 @@ def _main_scenario(rank: int, exchange: str) -> dict:
     return out
 
 
+def _choices_scenario(rank: int) -> dict:
+    """pass^k, tie="none" and missing="count_as_zero" (issue 33 point 4) on each rank's part."""
+    import rlmetrics
+
+    root = str(Path(__file__).resolve().parents[1])  # the spawned worker runs this file as a script
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from tests.test_validation_choices import CHOICES, choices_split
+
+    client = rlmetrics.connect("torch")
+    client.process_local_validation_metrics(*choices_split()[1][rank], **CHOICES)
+    client.wait_submit()
+    return client.result(0)
+
+
 def _drop_scenario(rank: int, exchange: str) -> dict:
     import rlmetrics
 
@@ -259,6 +274,7 @@ def _worker(rank: int, out_dir: str) -> None:
             "result_on": _result_on_scenario(rank),
             "failure": _failure_scenario(rank),
             "subgroup": _subgroup_scenario(rank),
+            "choices": _choices_scenario(rank),
         }
     finally:
         dist.destroy_process_group()
@@ -425,6 +441,17 @@ def test_validation_metrics_equal_the_single_process_result(ranks):
             got = ranks[r]["main"][exchange]["results"][VALIDATION_STEP]
             assert {k: got[k] for k in expected} == expected
             assert not any(k.startswith("_aux/") for k in got)
+
+
+def test_validation_choices_equal_the_single_process_result(ranks):
+    from rlmetrics.metrics.validation import process_validation_metrics
+    from tests.test_validation_choices import CHOICES, choices_split
+
+    expected = process_validation_metrics(*choices_split()[0], **CHOICES)
+    assert "val-core/gsm8k/acc:count_as_zero/maj_strict@6/mean" in expected
+    for r in range(WORLD):
+        got = ranks[r]["choices"]
+        assert {k: got[k] for k in expected} == expected
 
 
 def test_reads_of_collected_steps(ranks):
