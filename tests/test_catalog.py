@@ -30,7 +30,7 @@ def produced_names() -> set[str]:
     names |= set(compute_throughput_metrics(batch, timing, 1))
     rng = np.random.default_rng(1)
     n = 2 * 3 * 8
-    val = process_validation_metrics(
+    val_inputs = (
         ["a"] * (n // 2) + ["b"] * (n // 2),
         [f"p{i // 8}" for i in range(n)],
         {
@@ -38,10 +38,12 @@ def produced_names() -> set[str]:
             "acc": (rng.random(n) < 0.5).astype(float).tolist(),
             "pred": rng.integers(0, 3, n).astype(str).tolist(),
         },
-        sample_turns=rng.integers(1, 4, n),
-        exact=True,
+        rng.integers(1, 4, n),
     )
+    val = process_validation_metrics(*val_inputs, exact=True)
     names |= set(val)
+    for options in ({"tie": "none", "missing": "drop"}, {"missing": "count_as_zero"}, {"missing": "error"}):
+        names |= set(process_validation_metrics(*val_inputs, exact=True, **options))
     return names | example_names()
 
 

@@ -57,6 +57,10 @@ CATALOG: tuple[tuple[str, str], ...] = (
     ("val-aux/<source>/<var>/maj@<k>/{mean,std}", "bootstrap majority vote of k samples"),
     ("val-aux/<source>/<var>/pass@<k>", "unbiased pass@k of 0/1 variables (exact=True)"),
     (
+        "val-aux/<source>/<var>/pass^<k>",
+        "unbiased pass^k (all k samples correct), C(c, k) / C(n, k), of 0/1 variables (exact=True)",
+    ),
+    (
         "val-aux/<source>/<var>/{best,worst,maj}@<k>/{exact_mean,exact_std}",
         "exact expectation / std of the bootstrap distribution (exact=True)",
     ),
@@ -72,8 +76,31 @@ CATALOG: tuple[tuple[str, str], ...] = (
         "val-aux/<source>/<var>/{best,worst,maj}@<k>/{exact_mean,unbiased}/{ci_low,ci_high}",
         "95 % confidence interval across prompts (exact=True)",
     ),
+    (
+        "val-aux/<source>/<var>/pass^<k>/{ci_low,ci_high}",
+        "95 % confidence interval across prompts (exact=True)",
+    ),
+    (
+        "val-core/<source>/<var>/maj_strict@<n>/{mean,std}",
+        'bootstrap majority vote of n samples, a tie no majority (reports 0; tie="none", instead of maj@n)',
+    ),
+    ("val-aux/<source>/<var>/maj_strict@<k>/{mean,std}", 'maj@k/... with tie="none": a tie is no majority'),
+    (
+        "val-aux/<source>/<var>/maj_strict@<k>/{exact_mean,exact_std,unbiased}",
+        'maj@k/... with tie="none": a tie is no majority (exact=True)',
+    ),
+    (
+        "val-aux/<source>/<var>/maj_strict@<k>/{exact_mean,unbiased}/{ci_low,ci_high}",
+        '95 % confidence interval across prompts (exact=True, tie="none")',
+    ),
+    (
+        "val-{core,aux}/<source>/<var>:{count_as_zero,drop,error}/<metric>",
+        "every val-core / val-aux key above, of samples whose None or NaN scores were made 0, left out, or "
+        "refused (missing=...)",
+    ),
     ("val-aux/num_turns/{min,max,mean}", "turns per validation sample"),
     ("val/test_score/<source>", "mean reward of a data source"),
+    ("val/test_score:{count_as_zero,drop,error}/<source>", "mean reward of a data source (missing=...)"),
 )
 """(pattern, meaning) of every built-in metric, in the order of ``docs/metrics.md``."""
 
@@ -106,7 +133,7 @@ def covers(pattern: str, name: str) -> bool:
 
 def merge_of(pattern: str) -> str:
     """How a metric of ``pattern`` is merged over ranks: its reductions, in the order of the names."""
-    if pattern.startswith(("val-core/", "val-aux/", "val/")):
+    if pattern.startswith(("val-core/", "val-aux/", "val-{", "val/")):
         return SAMPLES
     if pattern == "critic/vf_explained_var":
         return "derived"
