@@ -69,6 +69,10 @@ and a 95 % confidence interval across prompts, ``<name>/ci_low|ci_high``, for ea
 by a dynamic program over the vote counts, exact up to float rounding, once per distinct multiset
 of class sizes (``docs/validation.md`` has the cost). Like every key here, they are final values
 over all samples (computed once, after merging the records), not inputs to a per-name reduction.
+Also ``pass^k`` (all ``k`` correct, ``C(c, k) / C(n, k)``, next to each ``pass@k``); ``tie="none"``
+(a tied maj@k vote is no majority and reports 0, keys ``maj_strict@k/...``) and ``missing=`` (what a
+None or NaN score counts as, named in the keys ``<var>:<choice>``) of :func:`encode_samples`; the
+defaults keep the seed's numbers and keys (``docs/validation.md``).
 
 **Distributed.** :func:`encode_samples` turns one rank's samples into a compact
 :class:`SampleRecord` (codes plus tables, float64 columns); :func:`merge_samples` concatenates
