@@ -147,7 +147,7 @@ class ComputeLocal:
         calls within the rank; clients without a rank follow, ordered by the content of their
         samples. Non-finite values follow ``nan_strategy`` (``"drop"`` leaves out the samples that
         have one). ``exact=True`` adds ``pass@k`` and the exact best/worst/maj@k keys;
-        ``record_options`` (``style``, ``seed``, ``expected_counts``) go to
+        ``record_options`` (``style``, ``seed``, ``expected_counts``, ``tie``, ``missing``) go to
         :func:`~rlmetrics.metrics.validation.encode_samples`."""
         from rlmetrics.metrics.validation import encode_samples
 
