@@ -12,8 +12,8 @@ ranks are exact (the median of the ranks' times, no sketch). Numpy only: the agg
 - ``perf/straggler/<stage>/slowest``: the :data:`SLOWEST` slowest ranks' names, slowest first (ties
   by name), a list of strings: in :attr:`~rlmetrics.StepResult.lists`, not among the float values.
 
-A rank that times a stage twice in one step (two calls) reports the sum. Non-finite times are not
-sent (a NaN is no time).
+A rank sends its times once per step (one contribution per rank, as every name); pairs of one rank
+name add up per stage. Non-finite times are not sent (a NaN is no time).
 
 >>> report = straggler_metrics({"rank0": {"gen": 1.0}, "rank1": {"gen": 1.2}, "rank2": {"gen": 3.0}})
 >>> report["perf/straggler/gen/p50"], report["perf/straggler/gen/max_over_p50"]
