@@ -75,6 +75,16 @@ def test_non_finite_times_and_non_numbers_are_left_out():
     assert res.lists == {"perf/straggler/gen/slowest": ids[::-1], "perf/straggler/ref/slowest": [ids[1]]}
 
 
+def test_a_rank_is_named_by_its_rank_else_its_client_id_or_as_asked():
+    worker = local.LocalMetricWorker()
+    a, b, c = (MetricClient(worker, world_size=3, rank=r) for r in (0, None, None))
+    for client, seconds in zip((a, b, c), (3.0, 2.0, 1.0)):
+        extra = {"name": "trainer-7"} if client is c else {}
+        client.compute_local_straggler_metrics({"gen": seconds}, step=0, **extra)
+        client.wait_submit()
+    assert a.result(0).lists["perf/straggler/gen/slowest"] == ["rank0", b.client_id, "trainer-7"]
+
+
 def test_a_ranks_pairs_add_up_per_stage():
     state = StageTimes([("r0", {"gen": 1.0}), ("r1", {"gen": 5.0})]).merge(StageTimes([("r0", {"gen": 2.0})]))
     assert state.reduce("", None, None)["perf/straggler/gen/min"] == 3.0
@@ -139,7 +149,7 @@ def test_the_rule_alerts_once_when_a_rank_stays_k_times_slower_naming_rank_and_s
         (8, "straggler", "perf/straggler/gen/max_over_p50"),  # again after a step where it did not hold
     ]
     assert events[0]["event"]["message"] == (
-        f"rank {ids[2]} took 2.5x the median gen time on 3 consecutive steps (>= 2x)"
+        f"{ids[2]} took 2.5x the median gen time on 3 consecutive steps (>= 2x)"
     )
 
 

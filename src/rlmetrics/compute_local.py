@@ -114,19 +114,27 @@ class ComputeLocal:
             self.compute_local_straggler_metrics(timing_raw, world_size, step)
 
     def compute_local_straggler_metrics(
-        self, timing_raw: Mapping[str, float], world_size: int | None = None, step: int | None = None
+        self,
+        timing_raw: Mapping[str, float],
+        world_size: int | None = None,
+        step: int | None = None,
+        *,
+        name: str | None = None,
     ) -> None:
-        """Send this rank's own seconds per stage under its name (``client_id``); the aggregator
-        reports ``perf/straggler/<stage>/{min,p50,max,max_over_p50}`` over ranks and the slowest
-        ranks' names in ``StepResult.lists`` (:mod:`rlmetrics.metrics.stragglers`). Non-finite times
-        are left out."""
+        """Send this rank's own seconds per stage under its name (``name``, else ``rank<N>`` for a
+        client with a rank — torch: its group rank —, else its ``client_id``), once per step; the
+        aggregator reports ``perf/straggler/<stage>/{min,p50,max,max_over_p50}`` over ranks and the
+        slowest ranks' names in ``StepResult.lists`` (:mod:`rlmetrics.metrics.stragglers`).
+        Non-finite times are left out."""
         import math
 
         from rlmetrics.metrics.stragglers import STAGE_TIMES, StageTimes
         from rlmetrics.metrics.timing import stage_seconds
 
         times = {k: float(v) for k, v in stage_seconds(timing_raw).items() if math.isfinite(v)}
-        self._submit_state(STAGE_TIMES, StageTimes([(self.client_id, times)]), world_size, step)
+        if name is None:
+            name = self.client_id if self.rank is None else f"rank{self.rank}"
+        self._submit_state(STAGE_TIMES, StageTimes([(str(name), times)]), world_size, step)
 
     def compute_local_throughout_metrics(
         self,

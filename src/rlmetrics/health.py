@@ -365,7 +365,7 @@ class Straggler(Rule):
     >>> for i, ratio in enumerate([3.0, 2.5, 1.1]):
     ...     print(i, list(rule(i, step(i, ratio, "rank7")).values()))
     0 []
-    1 ['rank rank7 took 2.5x the median gen time on 2 consecutive steps (>= 2x)']
+    1 ['rank7 took 2.5x the median gen time on 2 consecutive steps (>= 2x)']
     2 []
     """
 
@@ -392,7 +392,7 @@ class Straggler(Rule):
             count = before[1] + 1 if before is not None and before[0] == rank else 1
             runs[n] = (rank, count)
             if count >= self.steps:
-                who = "the slowest rank" if rank is None else f"rank {rank}"
+                who = "the slowest rank" if rank is None else rank
                 out[n] = (
                     f"{who} took {v:.3g}x the median {stage} time on {count} consecutive steps "
                     f"(>= {self.factor:g}x)"
