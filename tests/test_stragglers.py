@@ -169,3 +169,51 @@ def test_the_catalog_lists_the_names():
     (ids, res), *_ = run([[{"gen": 1.0}, {"gen": 2.0}]])
     for name in [*res, *res.lists]:
         assert any(catalog.covers(p, name) for p, _ in catalog.CATALOG), name
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_ray_the_slowest_ranks_by_name(ray_session):
+    import uuid
+
+    import rlmetrics
+
+    name = f"strag-{uuid.uuid4().hex[:8]}"
+    clients = [rlmetrics.connect("ray", name=name, world_size=3, rank=r) for r in range(3)]
+    for client, seconds in zip(clients, (2.0, 7.0, 1.0)):
+        client.compute_local_straggler_metrics({"gen": seconds}, step=0)
+        client.wait_submit()
+    res = clients[0].result(0)
+    assert res["perf/straggler/gen/p50"] == 2.0 and res["perf/straggler/gen/max_over_p50"] == 3.5
+    assert res.lists == {"perf/straggler/gen/slowest": ["rank1", "rank0", "rank2"]}
+
+
+def _torch_rank(rank: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    import rlmetrics
+
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=2)
+    try:
+        client = rlmetrics.connect("torch")
+        client.compute_local_straggler_metrics({"gen": 1.0 + 4 * rank})
+        client.wait_submit()
+        res = client.wait_final_res()
+    finally:
+        dist.destroy_process_group()
+    with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:
+        pickle.dump((dict(res), res.lists), f)
+
+
+@pytest.mark.slow
+def test_torch_every_rank_gets_the_report_and_the_names(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_torch_rank, args=(str(tmp_path),), nprocs=2, join=True)
+    for rank in range(2):
+        values, lists = pickle.loads((tmp_path / f"rank{rank}.pkl").read_bytes())
+        assert values == {
+            "perf/straggler/gen/min": 1.0, "perf/straggler/gen/p50": 3.0, "perf/straggler/gen/max": 5.0,
+            "perf/straggler/gen/max_over_p50": 5.0 / 3.0,
+        }  # fmt: skip
+        assert lists == {"perf/straggler/gen/slowest": ["rank1", "rank0"]}
