@@ -34,13 +34,15 @@ infinity in the rewards where the scenario says so; data sources, missing or of 
 ``group_by``), its own phase timings and GPUs, its share of a validation round and a few plain
 metrics. Each rank runs the seed's calls on its shard (the rows of :data:`METRICS`, in order):
 ``compute_local_data_metric`` (with ``group_by="data_source"``), ``compute_local_timing_metrics``,
-``compute_local_throughout_metrics``, ``process_local_validation_metrics`` and ``submit_metric``
+``compute_local_throughout_metrics``, ``compute_local_straggler_metrics`` (each rank's own stage
+times), ``process_local_validation_metrics`` and ``submit_metric``
 (plain metrics; then values grouped by env with ``group_by={"env": ...}`` and a number, on inputs of
 the row's own), then ``wait_submit()``.
 
 The references are one process on the concatenation: ``compute_data_metric`` (with ``group_by``),
 ``compute_timing_metrics`` (each stage's seconds averaged over ranks, as every rank times the same
-step), ``compute_throughput_metrics`` (the ranks' GPUs summed), ``process_validation_metrics`` (the
+step), ``compute_throughput_metrics`` (the ranks' GPUs summed), numpy's min, median and max of
+each stage's seconds over ranks (the straggler report), ``process_validation_metrics`` (the
 samples in rank order) and numpy for the plain metrics and for each env's values (the number never
 per group). Tolerance: 1e-9 relative for float64 data; for float32 tensors ``1e-5`` relative (a
 row's float32 sum may differ from the concatenation's in its last bits, ~ width * 2**-24); 1e-12 for
@@ -187,6 +189,17 @@ def mean_timing(parts: list[dict]) -> dict[str, float]:
     return {s: float(np.mean([p["timing"][s] for p in parts])) for s in STAGES}
 
 
+def straggler_reference(parts: list[dict]) -> dict[str, float]:
+    """Each stage's seconds over ranks, by numpy: min, median, max and max / median."""
+    out = {}
+    for s in STAGES:
+        t = np.array([p["timing"][s] for p in parts])
+        head = f"perf/straggler/{s}/"
+        out |= {head + "min": t.min(), head + "p50": np.median(t), head + "max": t.max()}
+        out[head + "max_over_p50"] = t.max() / np.median(t)
+    return out
+
+
 def cat_validation(parts: list[dict]) -> tuple:
     """The validation samples of all ranks in rank order: sources, prompts, infos, turns."""
     cat = [sum((list(p["val"][i]) for p in parts), []) for i in (0, 1, 3)]
@@ -264,6 +277,8 @@ METRICS: list[Metric] = [
                d["batch"], d["timing"], d["gpus"], w, step),
            lambda ps, ns: compute_throughput_metrics(
                cat_batch(ps), mean_timing(ps), sum(p["gpus"] for p in ps), nan_strategy=ns)),
+    Metric("stragglers", lambda c, d, w, step: c.compute_local_straggler_metrics(d["timing"], w, step),
+           lambda ps, ns: straggler_reference(ps)),
     Metric("validation",
            lambda c, d, w, step: c.process_local_validation_metrics(*d["val"], world_size=w, step=step),
            lambda ps, ns: process_validation_metrics(*cat_validation(ps), nan_strategy=ns),

@@ -99,13 +99,42 @@ class ComputeLocal:
         timing_raw: Mapping[str, float],
         world_size: int | None = None,
         step: int | None = None,
+        *,
+        stragglers: bool = False,
     ) -> None:
         """Submit ``timing_s/{stage}`` and ``timing_per_token_ms/{stage}`` of this rank; the per-token
-        times are derived from all ranks' seconds and tokens (:mod:`rlmetrics.metrics.timing`)."""
+        times are derived from all ranks' seconds and tokens (:mod:`rlmetrics.metrics.timing`).
+        ``stragglers=True``: also this rank's own seconds per stage, for the straggler report
+        (:meth:`compute_local_straggler_metrics`)."""
         from rlmetrics.metrics.timing import compute_timing_stats
 
         stats = compute_timing_stats(data, timing_raw, nan_strategy=self._compute_strategy())
         self.submit_metric(stats, world_size, step)
+        if stragglers:
+            self.compute_local_straggler_metrics(timing_raw, world_size, step)
+
+    def compute_local_straggler_metrics(
+        self,
+        timing_raw: Mapping[str, float],
+        world_size: int | None = None,
+        step: int | None = None,
+        *,
+        name: str | None = None,
+    ) -> None:
+        """Send this rank's own seconds per stage under its name (``name``, else ``rank<N>`` for a
+        client with a rank — torch: its group rank —, else its ``client_id``), once per step; the
+        aggregator reports ``perf/straggler/<stage>/{min,p50,max,max_over_p50}`` over ranks and the
+        slowest ranks' names in ``StepResult.lists`` (:mod:`rlmetrics.metrics.stragglers`).
+        Non-finite times are left out."""
+        import math
+
+        from rlmetrics.metrics.stragglers import STAGE_TIMES, StageTimes
+        from rlmetrics.metrics.timing import stage_seconds
+
+        times = {k: float(v) for k, v in stage_seconds(timing_raw).items() if math.isfinite(v)}
+        if name is None:
+            name = self.client_id if self.rank is None else f"rank{self.rank}"
+        self._submit_state(STAGE_TIMES, StageTimes([(str(name), times)]), world_size, step)
 
     def compute_local_throughout_metrics(
         self,

@@ -17,7 +17,7 @@ keyword arguments override them (docs/health.md lists them with their thresholds
 (:class:`NonFinite`), ``zero_std_groups`` (:class:`ZeroStdGroups`), ``grad_norm``
 (:class:`GradNorm`), ``entropy_collapse`` (:class:`EntropyCollapse`), ``clip_ratio_spike``
 (:class:`ClipRatioSpike`), ``response_clip_spike`` (:class:`ResponseClipSpike`), ``kl_blowup``
-(:class:`KLBlowup`) and ``silent`` (:class:`Silent`).
+(:class:`KLBlowup`), ``silent`` (:class:`Silent`) and ``straggler`` (:class:`Straggler`).
 
 >>> monitor = Monitor()
 >>> [a.rule for a in monitor.observe(0, {"actor/grad_norm": 1.5, "critic/score/mean": 0.2})]
@@ -348,11 +348,64 @@ class Silent(Rule):
         return out
 
 
+class Straggler(Rule):
+    """One rank is ``factor`` x slower than the median rank in a stage on ``steps`` consecutive
+    logged steps: ``perf/straggler/<stage>/max_over_p50 >= factor`` with the same slowest rank
+    (the first name of ``perf/straggler/<stage>/slowest``, in the step's ``lists``:
+    :mod:`rlmetrics.metrics.stragglers`). It alerts once, at the step its run reaches ``steps``,
+    naming the rank and the stage; again after a step where it did not hold (a faster step, or
+    another rank the slowest: that rank's run starts then). State: each watched stage's current
+    rank and run length, for the stages of the last step.
+
+    >>> from rlmetrics.messages import StepResult
+    >>> def step(i, ratio, rank):
+    ...     lists = {"perf/straggler/gen/slowest": [rank, "rank0"]}
+    ...     return StepResult({"perf/straggler/gen/max_over_p50": ratio}, i, lists=lists)
+    >>> rule = Straggler(steps=2)
+    >>> for i, ratio in enumerate([3.0, 2.5, 1.1]):
+    ...     print(i, list(rule(i, step(i, ratio, "rank7")).values()))
+    0 []
+    1 ['rank7 took 2.5x the median gen time on 2 consecutive steps (>= 2x)']
+    2 []
+    """
+
+    name = "straggler"
+    patterns = ("perf/straggler/*/max_over_p50",)
+    factor = 2.0
+    steps = 3
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        self._runs: dict[str, tuple[str | None, int]] = {}  # watched name -> (slowest rank, run length)
+
+    def __call__(self, step, metrics):
+        lists = getattr(metrics, "lists", None) or {}
+        runs, out = {}, {}
+        for n, v in self.watched(metrics):
+            if not (math.isfinite(v) and v >= self.factor):
+                continue
+            stage = n[len("perf/straggler/") : -len("/max_over_p50")]
+            rank = (list(lists.get(f"perf/straggler/{stage}/slowest") or ()) or [None])[0]
+            before = self._runs.get(n)
+            count = before[1] + 1 if before is not None and before[0] == rank else 1
+            runs[n] = (rank, count)
+            if count >= self.steps:
+                who = "the slowest rank" if rank is None else rank
+                out[n] = (
+                    f"{who} took {v:.3g}x the median {stage} time on {count} consecutive steps "
+                    f"(>= {self.factor:g}x)"
+                )
+        self._runs = runs
+        return out
+
+
 DEFAULT_RULES: dict[str, type[Rule]] = {
     r.name: r
     for r in (
         NonFinite, ZeroStdGroups, GradNorm, EntropyCollapse, ClipRatioSpike, ResponseClipSpike, KLBlowup,
-        Silent,
+        Silent, Straggler,
     )
 }  # fmt: skip
 """The default rules by name, in the order they run."""
@@ -362,7 +415,7 @@ def default_rules(**options: Mapping[str, Any] | None) -> list[Rule]:
     """Fresh default rules; ``options`` per rule name: a dict of keyword arguments, or None to drop
     the rule (``default_rules(kl_blowup={"ceiling": 5.0}, silent=None)``).
 
-    >>> [r.name for r in default_rules(silent=None, grad_norm=None, zero_std_groups=None)]
+    >>> [r.name for r in default_rules(silent=None, grad_norm=None, zero_std_groups=None, straggler=None)]
     ['non_finite', 'entropy_collapse', 'clip_ratio_spike', 'response_clip_spike', 'kl_blowup']
     """
     unknown = sorted(set(options) - set(DEFAULT_RULES))

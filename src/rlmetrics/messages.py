@@ -209,7 +209,8 @@ _DEFAULT_META = {f.name: getattr(StepMeta(), f.name) for f in fields(StepMeta)}
 class StepResult(dict):
     """``{name: value}`` of one step, with ``step``, ``meta`` (a :class:`StepMeta`) and
     ``histograms``: ``{name: Histogram}`` of the step's ``hist`` names (:mod:`rlmetrics.core.histogram`),
-    kept apart so that every value stays a float.
+    and ``lists``: ``{name: [str, ...]}`` (the slowest ranks of ``perf/straggler/<stage>/slowest``,
+    :mod:`rlmetrics.metrics.stragglers`), kept apart so that every value stays a float.
 
     Read-only once built: the aggregator keeps a finalized result and gives the same one to every
     reader of the step (and to its saved state), so none may change it for the others; ``dict(res)``
@@ -226,6 +227,7 @@ class StepResult(dict):
     step: int
     meta: StepMeta
     histograms: dict[str, Any]
+    lists: dict[str, list[str]]
 
     def __init__(
         self,
@@ -233,14 +235,16 @@ class StepResult(dict):
         step: int,
         meta: StepMeta | None = None,
         histograms: Mapping[str, Any] | None = None,
+        lists: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(values)
         object.__setattr__(self, "step", step)
         object.__setattr__(self, "meta", StepMeta() if meta is None else meta)
         object.__setattr__(self, "histograms", dict(histograms or {}))
+        object.__setattr__(self, "lists", {k: list(v) for k, v in (lists or {}).items()})
 
-    def __reduce__(self) -> tuple[Any, ...]:  # keep step, meta and histograms across pickling (Ray)
-        return (StepResult, (dict(self), self.step, self.meta, self.histograms))
+    def __reduce__(self) -> tuple[Any, ...]:  # keep step, meta, histograms and lists across pickling (Ray)
+        return (StepResult, (dict(self), self.step, self.meta, self.histograms, self.lists))
 
     def _read_only(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError("a StepResult is read-only (dict(res) is a copy to change)")

@@ -452,7 +452,7 @@ class Aggregator:
         (:meth:`StepMeta.of`); its state is left as it is."""
         missing_ranks, missing_metrics = self.missing(step)
         st = self._steps.get(step)
-        values, empty, histograms = self._values(st) if st is not None and st.groups else ({}, [], {})
+        values, empty, side = self._values(st) if st is not None and st.groups else ({}, [], {})
         conflicts = {self.columns.names[c]: why for c, why in st.conflicts.items()} if st is not None else {}
         known = {
             "complete": st is not None and not missing_ranks and not missing_metrics,
@@ -464,7 +464,9 @@ class Aggregator:
             "conflicts": conflicts,
         }
         meta = StepMeta.of(**{**known, **facts})  # a fact of the caller wins (torch: its contributors)
-        return StepResult(values, step, meta, histograms)
+        histograms = {k: v for k, v in side.items() if isinstance(v, Histogram)}
+        lists = {k: v for k, v in side.items() if not isinstance(v, Histogram)}
+        return StepResult(values, step, meta, histograms, lists)
 
     def closed_by_contributors(self, step: int) -> bool:
         """Some client closed ``step`` and every client that contributed to it did."""
@@ -495,8 +497,8 @@ class Aggregator:
             out.append((packed, group.world_size, tuple(group.keys)))
         return out
 
-    def _values(self, st: Step) -> tuple[dict[str, float], list[str], dict[str, Histogram]]:
-        """The step's values, empty names and histograms
+    def _values(self, st: Step) -> tuple[dict[str, float], list[str], dict[str, Any]]:
+        """The step's values, empty names, histograms and lists of names
         (:func:`~rlmetrics.engine.steps.reduce_step`), its layout
         cached by its set of schemas; a non-finite value is logged once per name (DEBUG: the reader's
         client warns)."""
@@ -506,13 +508,13 @@ class Aggregator:
             if len(self._layouts) >= 1024:
                 self._layouts.clear()
             lay = self._layouts[key] = layout_of(st, self.columns)
-        values, empty, histograms = reduce_step(st, lay, self.columns, self.derived)
+        values, empty, side = reduce_step(st, lay, self.columns, self.derived)
         if not math.isfinite(sum(values.values())):  # a sum of finite values is finite, but for overflow
             bad = [n for n, v in values.items() if not math.isfinite(v) and n not in self._nan_warned]
             if bad:
                 self._nan_warned.update(bad)
                 logger.debug("non-finite value in metric(s) %s", bad[:10])
-        return values, empty, histograms
+        return values, empty, side
 
     _FINALIZED_CAP = 4096
 

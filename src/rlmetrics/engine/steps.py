@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -197,11 +198,12 @@ def layout_of(st: Step, columns: ColumnIndex) -> Layout:
 
 def reduce_step(
     st: Step, lay: Layout, columns: ColumnIndex, derived: Sequence[Derived] = ()
-) -> tuple[dict[str, float], list[str], dict[str, Histogram]]:
-    """``(values, empty, histograms)``: the step's reduced values by output name (the ``derived``
+) -> tuple[dict[str, float], list[str], dict[str, Any]]:
+    """``(values, empty, side)``: the step's reduced values by output name (the ``derived``
     metrics computed and the auxiliary names dropped when the step has any), the names no
-    contribution had data for (left out of values) and the histograms of its ``hist`` names that
-    have finite data."""
+    contribution had data for (left out of values) and what is no float: the histograms of its
+    ``hist`` names that have finite data, and the lists of names a state reports (a list or tuple
+    of strings: the slowest ranks of a stage)."""
     groups = list(st.groups.values())
     if lay.positions is None:
         total = groups[0].fold()
@@ -213,7 +215,7 @@ def reduce_step(
     for red, idx in lay.plain:
         out[idx] = red.apply_arrays(total[:, idx])
     out[lay.quantiles] = math.nan  # unless a sketch reduces them
-    extra, histograms = _reduce_states(st, lay, total, out, columns)
+    extra, side = _reduce_states(st, lay, total, out, columns)
     has_data = total[0] > 0
     if has_data.all():
         values, empty = dict(zip(lay.out_names, out.tolist())), []
@@ -226,17 +228,17 @@ def reduce_step(
     if lay.derived:
         values = derive(values, derived)
     values.update(extra)
-    return values, empty, histograms
+    return values, empty, side
 
 
 def _reduce_states(
     st: Step, lay: Layout, total: np.ndarray, out: np.ndarray, columns: ColumnIndex
-) -> tuple[dict[str, float], dict[str, Histogram]]:
+) -> tuple[dict[str, float], dict[str, Any]]:
     """Each state's values (:mod:`rlmetrics.core.states`): its own column's into ``out`` (a sketch's
-    quantile) or the histograms, the others returned (validation samples' metrics, computed once
-    over every rank's samples)."""
+    quantile) or the histograms, the lists of names apart, the others returned (validation
+    samples' metrics, computed once over every rank's samples)."""
     extra: dict[str, float] = {}
-    histograms: dict[str, Histogram] = {}
+    histograms: dict[str, Any] = {}
     if not st.states:
         return extra, histograms
     position = {c: i for i, c in enumerate(lay.cols.tolist())}
@@ -250,5 +252,9 @@ def _reduce_states(
                 histograms[name] = value
             elif value is not None:
                 out[i] = value
-        extra.update(got)
+        for key, value in got.items():
+            if isinstance(value, (list, tuple)):
+                histograms[key] = [str(v) for v in value]
+            else:
+                extra[key] = value
     return extra, histograms

@@ -152,8 +152,12 @@ its value: how many samples a contribution holds)."""
 PROMPT_STATS = AUX_PREFIX + "difficulty/prompts/total"
 """The column prompt records ride on (:class:`~rlmetrics.metrics.difficulty.PromptStats`; its
 value: how many prompts a contribution holds)."""
+STAGE_TIMES = AUX_PREFIX + "perf/straggler/ranks/total"
+"""The column each rank's own stage times ride on (:class:`~rlmetrics.metrics.stragglers.StageTimes`;
+its value: how many ranks' times a contribution holds)."""
 register_state("samples", "rlmetrics.metrics.validation.samples:Samples", column=VALIDATION_SAMPLES)
 register_state("prompts", "rlmetrics.metrics.difficulty:PromptStats", column=PROMPT_STATS)
+register_state("stage_times", "rlmetrics.metrics.stragglers:StageTimes", column=STAGE_TIMES)
 
 
 def derive_metrics(values: Mapping[str, float]) -> dict[str, float]:
@@ -188,7 +192,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "AUX_INGREDIENTS", "AUX_PREFIX", "DERIVED_METRICS", "PROMPT_STATS", "THROUGHPUT_GPUS",
+    "AUX_INGREDIENTS", "AUX_PREFIX", "DERIVED_METRICS", "PROMPT_STATS", "STAGE_TIMES", "THROUGHPUT_GPUS",
     "THROUGHPUT_GPU_SECONDS", "THROUGHPUT_SECONDS", "THROUGHPUT_TOKENS", "TIMED_STAGES", "VALIDATION_SAMPLES",
     "VF_EPS", "VF_RESIDUAL_STD", "VF_RETURNS_STD", "VF_TOKENS", "VP_SEQUENCES", "derive_metrics", "is_aux",
     "throughput", "timing_aux", "variance_proxy_noise", "vf_explained_var", "without_reserved",

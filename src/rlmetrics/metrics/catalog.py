@@ -3,7 +3,8 @@
 The reference table of ``docs/metrics.md`` is :func:`markdown_table` verbatim (a test keeps them
 equal, and another that every name the metric functions produce is listed here). Patterns: ``{a,b}``
 stands for each alternative, ``<x>`` for any segment. The merge column is computed from the name rules
-(:func:`rlmetrics.resolve`), except for validation metrics, computed once over all ranks' samples.
+(:func:`rlmetrics.resolve`), except for validation metrics, computed once over all ranks' samples,
+and the straggler report, over each rank's own seconds per stage.
 
 >>> expand("critic/score/{mean,max}")
 ['critic/score/mean', 'critic/score/max']
@@ -22,6 +23,7 @@ import re
 from rlmetrics.core.reduce import resolve
 
 SAMPLES = "all ranks' samples"
+RANKS = "each rank's own seconds"
 _SEQ, _TOK = "sequence-weighted", "token-weighted"
 
 CATALOG: tuple[tuple[str, str], ...] = (
@@ -48,6 +50,10 @@ CATALOG: tuple[tuple[str, str], ...] = (
     ("perf/total_num_tokens", "tokens in the step's batches"),
     ("perf/time_per_step", "seconds per training step"),
     ("perf/throughput", "tokens per second per GPU"),
+    # compute_local_straggler_metrics (rlmetrics.metrics.stragglers)
+    ("perf/straggler/<stage>/{min,p50,max}", "a stage's seconds of the fastest, median, slowest rank"),
+    ("perf/straggler/<stage>/max_over_p50", "the slowest rank's seconds over the median rank's"),
+    ("perf/straggler/<stage>/slowest", "the 3 slowest ranks by name, slowest first (StepResult.lists)"),
     # process_validation_metrics (rlmetrics.metrics.validation)
     ("val-core/<source>/<var>/mean@<n>", "mean of the core variable (acc, else reward) over all n samples"),
     ("val-core/<source>/<var>/{best,worst}@<n>/{mean,std}", "bootstrap best / worst of n samples"),
@@ -135,6 +141,8 @@ def merge_of(pattern: str) -> str:
     """How a metric of ``pattern`` is merged over ranks: its reductions, in the order of the names."""
     if pattern.startswith(("val-core/", "val-aux/", "val-{", "val/")):
         return SAMPLES
+    if pattern.startswith("perf/straggler/"):
+        return RANKS
     if pattern == "critic/vf_explained_var":
         return "derived"
     names = [re.sub(r"<([a-z]+)>", lambda m: _EXAMPLES[m.group(1)], n) for n in expand(pattern)]

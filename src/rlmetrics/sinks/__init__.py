@@ -116,8 +116,11 @@ class Tracking(Sink):
         extra = coverage_metrics(meta)
         if extra:
             values.update(extra)
-            metrics = StepResult(values, step, meta, getattr(metrics, "histograms", None))
-        alerts = self.health.observe(step, values) if self.health is not None else []
+            metrics = StepResult(
+                values, step, meta, getattr(metrics, "histograms", None), getattr(metrics, "lists", None)
+            )
+        observed = StepResult(values, step, meta, lists=getattr(metrics, "lists", None))  # rules read lists
+        alerts = self.health.observe(step, observed) if self.health is not None else []
         writing = [i for i in range(len(self.sinks)) if self._writes(i, step)]
         if not writing:
             return

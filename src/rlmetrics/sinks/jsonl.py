@@ -5,7 +5,8 @@ when the logged mapping has a ``meta`` of a step that is not complete (a partial
 :class:`~rlmetrics.StepResult`: missing ranks and metrics, contributors), made JSON-safe (tuples
 and sets → lists, other objects → ``str``), and ``"histograms": {name: {"edges": [...], "counts":
 [...], "sum": s, "sum_squares": s2}}`` when it has histograms (:mod:`rlmetrics.core.histogram`;
-:meth:`JsonlRun.histograms` reads them back).
+:meth:`JsonlRun.histograms` reads them back), and ``"lists": {name: [str, ...]}`` when it has lists
+of names (``perf/straggler/<stage>/slowest``, :mod:`rlmetrics.metrics.stragglers`).
 
 - Non-finite values are written as Python's ``NaN``, ``Infinity``, ``-Infinity``: ``json.loads``
   (and pandas, and :func:`read_jsonl`) read them back as floats, so a diverging run stays visible as
@@ -69,7 +70,7 @@ from rlmetrics.core.histogram import Histogram
 from rlmetrics.health import Alert
 from rlmetrics.messages import StepResult
 from rlmetrics.sinks.base import Sink
-from rlmetrics.sinks.names import as_floats, as_step, histograms_of
+from rlmetrics.sinks.names import as_floats, as_step, histograms_of, lists_of
 
 logger = logging.getLogger(__name__)
 
@@ -261,9 +262,9 @@ def _ends_with_newline(path: Path, end: int) -> bool:
 
 def record_result(record: Mapping[str, Any]) -> StepResult:
     """A metric record of the file as the :class:`~rlmetrics.StepResult` that was logged (its values
-    and histograms; its ``meta`` is not kept)."""
+    histograms and lists; its ``meta`` is not kept)."""
     histograms = {name: Histogram.from_dict(d) for name, d in record.get("histograms", {}).items()}
-    return StepResult(record["metrics"], record["step"], histograms=histograms)
+    return StepResult(record["metrics"], record["step"], histograms=histograms, lists=record.get("lists"))
 
 
 def read_jsonl(path: str | os.PathLike) -> JsonlRun:
@@ -346,6 +347,9 @@ class JsonlSink(Sink):
         histograms = histograms_of(metrics)
         if histograms:
             record["histograms"] = {name: h.to_dict() for name, h in histograms.items()}
+        lists = lists_of(metrics)
+        if lists:
+            record["lists"] = lists
         self._write(record)
         self._steps.add((axis, step))
 

@@ -146,3 +146,9 @@ def as_step(step: Any) -> int:
     if isinstance(step, bool):
         raise TypeError(f"step must be an int, got {step!r}")
     return operator.index(step)
+
+
+def lists_of(metrics: Mapping[str, Any]) -> dict[str, list[str]]:
+    """The lists of names of a logged step (a :class:`~rlmetrics.StepResult`'s ``lists``: the slowest
+    ranks of ``perf/straggler/<stage>/slowest``; none for a plain mapping)."""
+    return {k: list(v) for k, v in (getattr(metrics, "lists", None) or {}).items()}
