@@ -220,9 +220,12 @@ class Server:
 
     def persist(self) -> None:
         """Save what a next incarnation resumes from, if that changed (with a store)."""
-        if self.store is None or self._marker() == self._saved:
+        if self.store is None:
             return
-        self._saved = self._marker()
+        marker = self._marker()  # on every call: built once (a frozenset of the clients)
+        if marker == self._saved:
+            return
+        self._saved = marker
         state = self.export_state(results=0)
         if self.finalizes:  # the results as they are: the store encodes each once
             state["results"] = self.engine.newest_results(SAVED_RESULTS)
