@@ -12,8 +12,10 @@ tested with real Ray in ``tests/test_ray_backend.py`` and ``tests/test_chaos.py`
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+from rlmetrics.backends import MetricClient
 from rlmetrics.client import AggregatorRestarted, ClientCore, Transport, identity
 from rlmetrics.engine.server import Server
 from rlmetrics.engine.store import MemoryStore
@@ -162,3 +164,27 @@ def test_the_restart_limit_of_one_call_raises():
     client = ClientCore(AlwaysRestarting(), world_size=1)
     with pytest.raises(ConnectionError, match="restarted 5 times"):
         client.result(0)
+
+
+def test_a_finalized_steps_histograms_and_slowest_ranks_survive_the_restart():
+    """A reader after a restart gets what the first reader got: the step's histograms (numpy's
+    over both ranks' values) and the straggler report's list of the slowest ranks."""
+    transport = RestartingTransport()
+    a, b = (MetricClient(transport, world_size=2, rank=r) for r in range(2))
+    for client in (a, b):
+        client.register()
+    data = {a: [1.0, 2.0, 2.5], b: [7.0, 9.0]}
+    for client, seconds in ((a, 3.0), (b, 12.0)):
+        client.submit_metric({"actor/entropy/hist": data[client]})
+        client.compute_local_straggler_metrics({"gen": seconds}, step=0)
+        client.wait_submit()
+    before = a.result(0)
+    transport.restart()
+    a.submit_metric({"x": 1.0})  # the new incarnation answers from the saved state
+    a.wait_submit()
+    after = a.result(0)
+    assert after.lists == before.lists == {"perf/straggler/gen/slowest": ["rank1", "rank0"]}
+    counts, edges = np.histogram(data[a] + data[b], bins=before.histograms["actor/entropy/hist"].edges)
+    for res in (before, after):
+        h = res.histograms["actor/entropy/hist"]
+        assert h.counts.tolist() == counts.tolist() and h.edges.tolist() == edges.tolist()

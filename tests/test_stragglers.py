@@ -217,3 +217,32 @@ def test_torch_every_rank_gets_the_report_and_the_names(tmp_path):
             "perf/straggler/gen/max_over_p50": 5.0 / 3.0,
         }  # fmt: skip
         assert lists == {"perf/straggler/gen/slowest": ["rank1", "rank0"]}
+
+
+def test_the_slowest_ranks_reach_every_tracker_read_back_with_its_reader(tmp_path):
+    """TensorBoard: a text summary per step; W&B: a table per step; SwanLab: a text per step; MLflow:
+    a run tag holding the newest step's names. Each read with the tracker's own format code."""
+    from tests.trackers import one, swanlab_texts, tensorboard_texts, wandb_rows
+
+    times = [[{"gen": 1.0 + i} for i in range(4)], [{"gen": 9.0 - 2 * i} for i in range(4)]]
+    runs = run(times)
+    wants = [", ".join(reference(ids, times[step], "gen")[1]) for step, (ids, _) in enumerate(runs)]
+    with make_sinks(["tensorboard", "wandb", "mlflow", "swanlab"], tmp_path, health=None) as tracking:
+        for step, (_, res) in enumerate(runs):
+            tracking.log(res, step)
+        assert not tracking.failed
+        mlflow_run = tracking.sinks[2].run_id
+    key = "perf/straggler/gen/slowest"
+    assert tensorboard_texts(tmp_path / "tensorboard")[key] == list(enumerate(wants))
+    run_file = one(tmp_path, "wandb/offline-run-*/run-*.wandb")
+    tables = [(step, row) for step, row in wandb_rows([run_file]) if key + "/path" in row]
+    assert [step for step, _ in tables] == [0, 1]  # a table is nested keys, its data a file
+    assert all(row[key + "/_type"] == "table-file" for _, row in tables)
+    files = [run_file.parent / "files" / row[key + "/path"] for _, row in tables]
+    rows = [json.loads(path.read_text())["data"] for path in files]
+    assert [", ".join(r for (r,) in data) for data in rows] == wants
+    assert swanlab_texts([one(tmp_path, "swanlab/run-*/run-*.swanlab")])[key] == list(enumerate(wants))
+    from mlflow.tracking import MlflowClient
+
+    tags = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(mlflow_run).data.tags
+    assert tags[key] == wants[-1]

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from rlmetrics.health import Alert
-from rlmetrics.sinks.names import NameMap, as_floats, as_step, axis_names, fit, histograms_of
+from rlmetrics.sinks.names import NameMap, as_floats, as_step, axis_names, fit, histograms_of, lists_of
 
 
 class Sink:
@@ -108,8 +108,9 @@ class Sink:
 
 class RunSink(Sink):
     """A sink around a tracker's run object with ``run.log(dict, step=...)`` (W&B, SwanLab): names
-    adapted by the sink's rules; ``close()`` runs :meth:`finish` once. A step's histograms go in the
-    same ``run.log`` call, as :meth:`media` makes them (the base: none, the tracker has no histogram)."""
+        adapted by the sink's rules; ``close()`` runs :meth:`finish` once. A step's histograms go in the
+        same ``run.log`` call, as :meth:`media` makes them (the base: none, the tracker has no histogram),
+    and its lists of names (:attr:`StepResult.lists <rlmetrics.StepResult>`) as :meth:`text` makes them."""
 
     def __init__(self, run: Any) -> None:
         self.names = NameMap(type(self))
@@ -126,11 +127,17 @@ class RunSink(Sink):
                 media = self.media(histogram)
                 if media is not None:
                     values[self.names(name)] = media
+            for name, names in lists_of(metrics).items():
+                values[self.names(name)] = self.text(names)
             self.run.log(values, step=step)
 
     def media(self, histogram: Any) -> Any:
         """The tracker's object for a :class:`~rlmetrics.core.histogram.Histogram` (None: not logged)."""
         return None
+
+    def text(self, names: list[str]) -> Any:  # pragma: no cover - interface
+        """The tracker's object for a list of names (the straggler report's slowest ranks)."""
+        raise NotImplementedError
 
     @property
     def run_id(self) -> str:

@@ -28,7 +28,7 @@ from typing import IO, Any
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
 from rlmetrics.sinks.base import Sink
-from rlmetrics.sinks.names import as_floats, as_step, lists_of
+from rlmetrics.sinks.names import as_floats, as_step, texts_of
 
 
 def format_value(value: float) -> str:
@@ -109,8 +109,8 @@ class ConsoleSink(Sink):
         if meta is not None and not meta.complete:
             table.caption = f"partial step: missing ranks {meta.missing_ranks}"
         self.console.print(table)
-        for name, names in lists_of(metrics).items():  # the slowest ranks of a stage: one line each
-            self.console.print(self._text.Text(f"{name}: {', '.join(names)}"), soft_wrap=True)
+        for name, text in texts_of(metrics).items():  # the slowest ranks of a stage: one line each
+            self.console.print(self._text.Text(f"{name}: {text}"), soft_wrap=True)
         for line in alerts:
             self.console.print(line, soft_wrap=True)
 

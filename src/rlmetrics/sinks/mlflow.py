@@ -7,7 +7,9 @@ MLflow's usage telemetry is switched off (``MLFLOW_DISABLE_TELEMETRY=true``) unl
 already set. Names are adapted by :meth:`MLflowSink.map_name` (MLflow refuses ``@``).
 View with ``mlflow ui --backend-store-uri sqlite:///path/mlflow.db``. Histograms
 (:mod:`rlmetrics.core.histogram`) are not written: MLflow has no histogram metric (the JSONL file,
-TensorBoard and W&B have them).
+TensorBoard and W&B have them). A step's lists of names (:attr:`StepResult.lists
+<rlmetrics.StepResult>`: the slowest ranks) are run tags, each holding the newest step's names
+joined by ``", "``.
 
 ``config`` (the run's config: a mapping, a dataclass or an OmegaConf config,
 :func:`~rlmetrics.sinks.jsonl.run_config`) is logged as the run's params, flattened as verl does
@@ -54,7 +56,7 @@ from rlmetrics.extras import require
 from rlmetrics.health import Alert
 from rlmetrics.sinks.base import Sink
 from rlmetrics.sinks.jsonl import run_config
-from rlmetrics.sinks.names import NameMap, as_floats, as_step, path_safe
+from rlmetrics.sinks.names import NameMap, as_floats, as_step, path_safe, texts_of
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +173,9 @@ class MLflowSink(Sink):
         batch = [self._Metric(k, v, now, step) for k, v in values.items()]
         for i in range(0, len(batch), _BATCH):
             self.client.log_batch(self.run_id, metrics=batch[i : i + _BATCH])
+        tags = [self._RunTag(self.names(k), text) for k, text in texts_of(metrics).items()]
+        if tags:  # a tag holds its latest value: the slowest ranks of the newest step
+            self.client.log_batch(self.run_id, tags=tags)
 
     def alert(self, alert: Alert) -> None:
         if not self._open:

@@ -152,3 +152,8 @@ def lists_of(metrics: Mapping[str, Any]) -> dict[str, list[str]]:
     """The lists of names of a logged step (a :class:`~rlmetrics.StepResult`'s ``lists``: the slowest
     ranks of ``perf/straggler/<stage>/slowest``; none for a plain mapping)."""
     return {k: list(v) for k, v in (getattr(metrics, "lists", None) or {}).items()}
+
+
+def texts_of(metrics: Mapping[str, Any]) -> dict[str, str]:
+    """:func:`lists_of` as the text a tracker shows, the names joined by ``", "``."""
+    return {k: ", ".join(v) for k, v in lists_of(metrics).items()}

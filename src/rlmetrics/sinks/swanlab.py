@@ -19,7 +19,8 @@ metrics it lacks, once. ``config``
 session's ``files/config.yaml``); a resumed session's file holds the config it was given. A health
 alert is a text ``alert/<rule>`` at its step. Histograms (:mod:`rlmetrics.core.histogram`) are not
 written: SwanLab 0.10.3 (the version tested) has no histogram type (its newer documentation describes
-a ``swanlab.Histogram``); the JSONL file, TensorBoard and W&B have them.
+a ``swanlab.Histogram``); the JSONL file, TensorBoard and W&B have them. A step's lists of names
+(:attr:`StepResult.lists <rlmetrics.StepResult>`: the slowest ranks) are texts at the step.
 """
 
 from __future__ import annotations
@@ -111,6 +112,9 @@ class SwanLabSink(RunSink):
         if lacking:
             super().log(lacking, step)
         self._cut = None
+
+    def text(self, names: list[str]) -> Any:
+        return self._swanlab.Text(", ".join(names))
 
     def alert(self, alert: Alert) -> None:
         if not self._open:

@@ -16,7 +16,9 @@ that goes back ("orphaned" data), so a resumed run must only go forward. A healt
 summary ``alert/<rule>`` at its step (TensorBoard's Text tab). A step's histograms
 (:attr:`StepResult.histograms <rlmetrics.StepResult>`) are histogram summaries in the same event
 (``HistogramProto``: ``bucket_limit`` the right edges, ``bucket`` the counts; TensorBoard's Histograms
-and Distributions tabs, ``EventAccumulator.Histograms``).
+and Distributions tabs, ``EventAccumulator.Histograms``). A step's lists of names
+(:attr:`StepResult.lists <rlmetrics.StepResult>`: the slowest ranks) are text summaries at the step,
+the names joined by ``", "``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from pathlib import Path
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
 from rlmetrics.sinks.base import Sink
-from rlmetrics.sinks.names import NameMap, as_floats, as_step, histograms_of, path_safe
+from rlmetrics.sinks.names import NameMap, as_floats, as_step, histograms_of, path_safe, texts_of
 
 
 class TensorBoardSink(Sink):
@@ -84,6 +86,8 @@ class TensorBoardSink(Sink):
                 bucket_limit=h.edges[1:].tolist(), bucket=h.counts.tolist(),
             )  # fmt: skip
             out.append(Value(tag=self.names(name), histo=histo))
+        for name, text in texts_of(metrics).items():
+            out.extend(self._text_pb(self.names(name), text).value)
         self._write(step, out)
 
     def alert(self, alert: Alert) -> None:

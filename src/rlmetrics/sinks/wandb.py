@@ -138,7 +138,7 @@ class WandbSink(RunSink):
         init_kwargs.setdefault("reinit", "create_new")
         if resume:
             init_kwargs.update(id=resume, resume="allow")
-        self._Histogram = wandb.Histogram
+        self._Histogram, self._Table = wandb.Histogram, wandb.Table
         self.project, self.mode, self.close_timeout = project, mode, close_timeout
         self.axes = axes
         self._row = 0  # axes: the next W&B step
@@ -211,6 +211,9 @@ class WandbSink(RunSink):
 
     def media(self, histogram: Any) -> Any:
         return self._Histogram(np_histogram=(histogram.counts, histogram.edges))
+
+    def text(self, names: list[str]) -> Any:
+        return self._Table(columns=["rank"], data=[[n] for n in names])
 
     def alert(self, alert: Alert) -> None:
         if not self._open:
