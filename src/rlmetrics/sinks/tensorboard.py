@@ -17,6 +17,16 @@ summary ``alert/<rule>`` at its step (TensorBoard's Text tab). A step's histogra
 (:attr:`StepResult.histograms <rlmetrics.StepResult>`) are histogram summaries in the same event
 (``HistogramProto``: ``bucket_limit`` the right edges, ``bucket`` the counts; TensorBoard's Histograms
 and Distributions tabs, ``EventAccumulator.Histograms``).
+
+Every step is in the event file, but TensorBoard samples what it shows: by default its UI keeps
+1,000 scalars per tag (500 histograms, 10 images), a random sample of a longer run's points
+(reservoir sampling), so a run of more than 1,000 steps shows some of them. To see every step::
+
+    tensorboard --logdir runs/demo/tensorboard --samples_per_plugin scalars=0,histograms=0
+
+(``0`` keeps all, ``scalars=100000`` up to that many). Reading the files with tensorboard's
+``EventAccumulator`` samples too (10,000 scalars and 1 histogram per tag by default):
+``EventAccumulator(log_dir, size_guidance={"scalars": 0, "histograms": 0})`` keeps all.
 """
 
 from __future__ import annotations
