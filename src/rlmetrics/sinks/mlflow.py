@@ -1,11 +1,17 @@
 """MLflow, through ``MlflowClient`` on any tracking URI (``sqlite:///path/mlflow.db`` for local runs).
 
 Needs the ``trackers`` extra. A run is created in ``experiment`` (created if missing); each step is
-one ``log_batch`` call (chunks of 1000 metrics, MLflow's batch limit); ``close()`` marks the run
-FINISHED. ``tracking_uri=None`` uses MLflow's default (``MLFLOW_TRACKING_URI`` or its local store).
-MLflow's usage telemetry is switched off (``MLFLOW_DISABLE_TELEMETRY=true``) unless that variable is
-already set. Names are adapted by :meth:`MLflowSink.map_name` (MLflow refuses ``@``).
-View with ``mlflow ui --backend-store-uri sqlite:///path/mlflow.db``. Histograms
+one ``log_batch`` call, split to keep within both of MLflow's LogBatch limits: 1000 metrics and a
+request of 1 MB (``MAX_METRICS_PER_BATCH`` and ``MAX_BATCH_LOG_REQUEST_SIZE``, 10^6 bytes, in
+``mlflow.utils.validation``). The size of a request is estimated as the REST client writes it
+(indented JSON, non-ASCII characters escaped as ``\\uXXXX``): per metric, its key as a JSON string plus
+:data:`METRIC_BYTES` for the rest of its entry (the longest value, timestamp and step). ASCII keys
+of MLflow's 250 characters stay under 1 MB at 1000 metrics; long non-ASCII keys (``验证/...``: 6 bytes
+a character) do not, and such a step is sent in more requests. ``close()`` marks the run FINISHED.
+``tracking_uri=None`` uses MLflow's default (``MLFLOW_TRACKING_URI`` or its local store). MLflow's
+usage telemetry is switched off (``MLFLOW_DISABLE_TELEMETRY=true``) unless that variable is already
+set. Names are adapted by :meth:`MLflowSink.map_name` (MLflow refuses ``@``). View with
+``mlflow ui --backend-store-uri sqlite:///path/mlflow.db``. Histograms
 (:mod:`rlmetrics.core.histogram`) are not written: MLflow has no histogram metric (the JSONL file,
 TensorBoard and W&B have them). A step's lists of names (:attr:`StepResult.lists
 <rlmetrics.StepResult>`: the slowest ranks) are run tags, each holding the newest step's names
@@ -15,8 +21,9 @@ joined by ``", "``.
 :func:`~rlmetrics.sinks.jsonl.run_config`) is logged as the run's params, flattened as verl does
 (:func:`flat_params`: nested keys joined with ``/``, a list as ``list_len`` and its indices), each
 value as its ``str`` cut to MLflow's limit (``MAX_PARAM_VAL_LENGTH``, 6000 in MLflow 3.x), in batches
-of 100 (MLflow's limit). MLflow params cannot change: a resumed run gets the keys it lacks, and a key
-whose value changed keeps its first value, with one warning naming the key and both values.
+of 100 (MLflow's limit) and of at most 1 MB (100 non-ASCII values of 6000 characters are 3.6 MB).
+MLflow params cannot change: a resumed run gets the keys it lacks, and a key whose value changed
+keeps its first value, with one warning naming the key and both values.
 
 ``resume=<run id>`` continues that run (marked RUNNING again) and skips every step up to the last one
 it holds (the largest step of its latest metrics but the ``alert/`` ones, written in the same
@@ -40,13 +47,14 @@ file are closed.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import sqlite3
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import closing
 from glob import escape
 from pathlib import Path
@@ -60,7 +68,19 @@ from rlmetrics.sinks.names import NameMap, as_floats, as_step, path_safe, texts_
 
 logger = logging.getLogger(__name__)
 
-_BATCH, _PARAM_BATCH = 1000, 100
+_BATCH, _PARAM_BATCH = 1000, 100  # MLflow's MAX_METRICS_PER_BATCH, MAX_PARAMS_TAGS_PER_BATCH
+REQUEST_BYTES = 1_000_000
+"""MLflow's limit on a LogBatch request (``mlflow.utils.validation.MAX_BATCH_LOG_REQUEST_SIZE``, which the
+sink uses when MLflow has it)."""
+METRIC_BYTES = 160
+"""A metric's entry in a LogBatch request, its key left out, rounded up: at most 144 bytes as MLflow
+3.17's ``message_to_json`` writes it (field names, punctuation and indentation 81, the longest value
+24: ``-1.2345678901234567e-308``, an int64 timestamp 19 and step 20)."""
+PARAM_BYTES = 64
+"""A param's entry in a LogBatch request, its key and value left out (44 bytes, rounded up)."""
+REQUEST_HEAD = 256
+"""A LogBatch request without its entries: the run id, the list's name and brackets (some 70 bytes,
+rounded up)."""
 _BAD = re.compile(r"[^\w/.\- :]")  # the complement of MLflow's own check (str patterns: \w is Unicode)
 
 
@@ -83,6 +103,45 @@ def flat_params(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{key}"] = value
     return out
+
+
+def json_size(text: str) -> int:
+    """The bytes of ``text`` as a JSON string the way MLflow's client writes it (``json.dumps``:
+    quotes, escapes, non-ASCII as ``\\uXXXX``).
+
+    >>> json_size("acc"), json_size('a"b'), json_size("验证")
+    (5, 6, 14)
+    """
+    return len(json.dumps(text))
+
+
+def _metric_size(metric: Any) -> int:
+    return json_size(metric.key) + METRIC_BYTES
+
+
+def _param_size(param: Any) -> int:
+    return json_size(param.key) + json_size(param.value) + PARAM_BYTES
+
+
+def batches(items: list, size: Callable[[Any], int], most: int, limit: int = REQUEST_BYTES) -> Iterator[list]:
+    """``items`` in consecutive batches of at most ``most`` items whose ``size`` add up to at most
+    ``limit`` less :data:`REQUEST_HEAD` (an item bigger than that alone is a batch of its own).
+
+    >>> [len(b) for b in batches(list(range(7)), lambda i: 300, most=3, limit=REQUEST_HEAD + 700)]
+    [2, 2, 2, 1]
+    """
+    room = limit - REQUEST_HEAD
+    batch: list = []
+    used = 0
+    for item in items:
+        n = size(item)
+        if batch and (len(batch) == most or used + n > room):
+            yield batch
+            batch, used = [], 0
+        batch.append(item)
+        used += n
+    if batch:
+        yield batch
 
 
 class MLflowSink(Sink):
@@ -114,6 +173,8 @@ class MLflowSink(Sink):
         tracking = require("mlflow.tracking", "trackers")
         entities = require("mlflow.entities", "trackers")
         self._Metric, self._RunTag = entities.Metric, entities.RunTag
+        validation = require("mlflow.utils.validation", "trackers")
+        self._request_bytes = getattr(validation, "MAX_BATCH_LOG_REQUEST_SIZE", REQUEST_BYTES)
         uri = tracking_uri or tracking.get_tracking_uri()
         store = _sqlite_path(uri)
         if store is None:
@@ -159,8 +220,8 @@ class MLflowSink(Sink):
                     held[key],
                     value,
                 )
-        for i in range(0, len(params), _PARAM_BATCH):
-            self.client.log_batch(self.run_id, params=params[i : i + _PARAM_BATCH])
+        for batch in batches(params, _param_size, _PARAM_BATCH, self._request_bytes):
+            self.client.log_batch(self.run_id, params=batch)
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         if not self._open:
@@ -171,8 +232,8 @@ class MLflowSink(Sink):
             return
         now = int(time.time() * 1000)
         batch = [self._Metric(k, v, now, step) for k, v in values.items()]
-        for i in range(0, len(batch), _BATCH):
-            self.client.log_batch(self.run_id, metrics=batch[i : i + _BATCH])
+        for request in batches(batch, _metric_size, _BATCH, self._request_bytes):
+            self.client.log_batch(self.run_id, metrics=request)
         tags = [self._RunTag(self.names(k), text) for k, text in texts_of(metrics).items()]
         if tags:  # a tag holds its latest value: the slowest ranks of the newest step
             self.client.log_batch(self.run_id, tags=tags)

@@ -19,6 +19,16 @@ summary ``alert/<rule>`` at its step (TensorBoard's Text tab). A step's histogra
 and Distributions tabs, ``EventAccumulator.Histograms``). A step's lists of names
 (:attr:`StepResult.lists <rlmetrics.StepResult>`: the slowest ranks) are text summaries at the step,
 the names joined by ``", "``.
+
+Every step is in the event file, but TensorBoard samples what it shows: by default its UI keeps
+1,000 scalars per tag (500 histograms, 10 images), a random sample of a longer run's points
+(reservoir sampling), so a run of more than 1,000 steps shows some of them. To see every step::
+
+    tensorboard --logdir runs/demo/tensorboard --samples_per_plugin scalars=0,histograms=0
+
+(``0`` keeps all, ``scalars=100000`` up to that many). Reading the files with tensorboard's
+``EventAccumulator`` samples too (10,000 scalars and 1 histogram per tag by default):
+``EventAccumulator(log_dir, size_guidance={"scalars": 0, "histograms": 0})`` keeps all.
 """
 
 from __future__ import annotations

@@ -12,7 +12,9 @@ uploads them as one run, in order. The sink first reads the run files of the ear
 online, the run's step) and skips every step up to the last one they hold, so no step is written
 twice and none below a committed one (W&B would drop it). A step's histograms
 (:attr:`StepResult.histograms <rlmetrics.StepResult>`) are logged as
-``wandb.Histogram(np_histogram=(counts, edges))`` in the step's row. A health alert is a W&B alert
+``wandb.Histogram(np_histogram=(counts, edges))`` in the step's row; one of more than 512 bins (W&B's
+limit, ``wandb.Histogram.MAX_LENGTH``; W&B refuses more) is logged with its adjacent bins merged
+(:func:`merge_bins`: every count kept, no resampling). A health alert is a W&B alert
 (``run.alert``, titled with the rule and the metric; W&B sends an online run's alerts by e-mail or
 Slack) and ``alert/<rule> = 1`` in the step's history.
 
@@ -44,6 +46,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
 from rlmetrics.messages import DEFAULT_AXIS as _TRAIN_STEP
@@ -53,7 +57,30 @@ from rlmetrics.sinks.names import as_floats, as_step, axis_names, path_safe
 
 logger = logging.getLogger(__name__)
 
+WANDB_MAX_BINS = 512
+"""The most bins a ``wandb.Histogram`` takes (its ``MAX_LENGTH``; 64 is W&B's default)."""
+
 _HEADER, _BLOCK = 7, 32768  # leveldb log format: 7-byte file and record headers, 32 KiB blocks
+
+
+def merge_bins(counts: Any, edges: Any, limit: int = WANDB_MAX_BINS) -> tuple[np.ndarray, np.ndarray]:
+    """``(counts, edges)`` of at most ``limit`` bins: a histogram of more is re-binned exactly, each
+    ``ceil(bins / limit)`` adjacent bins merged into one (their counts summed, their outer edges kept;
+    the last group may be smaller), so every count stays in the range it was in and the total is
+    unchanged. Fewer bins are returned as they are.
+
+    >>> counts, edges = merge_bins([1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5], limit=2)
+    >>> counts.tolist(), edges.tolist()
+    ([6.0, 9.0], [0.0, 3.0, 5.0])
+    >>> [a.size for a in merge_bins(np.ones(1000), np.arange(1001.0))]
+    [500, 501]
+    """
+    counts, edges = np.asarray(counts, dtype=np.float64), np.asarray(edges, dtype=np.float64)
+    if counts.size <= limit:
+        return counts, edges
+    group = -(-counts.size // limit)
+    starts = np.arange(0, counts.size, group)
+    return np.add.reduceat(counts, starts), np.append(edges[starts], edges[-1])
 
 
 def _run_records(path: Path) -> Iterator[bytes]:
@@ -210,7 +237,7 @@ class WandbSink(RunSink):
         self._row += 1
 
     def media(self, histogram: Any) -> Any:
-        return self._Histogram(np_histogram=(histogram.counts, histogram.edges))
+        return self._Histogram(np_histogram=merge_bins(histogram.counts, histogram.edges))
 
     def text(self, names: list[str]) -> Any:
         return self._Table(columns=["rank"], data=[[n] for n in names])
