@@ -310,6 +310,27 @@ def test_the_seed_calls_land_on_train_step_and_on_every_axis():
             drop_worker(agg)
 
 
+def test_the_straggler_report_lands_on_train_step_and_on_every_axis():
+    """An axes client had no ``rank``: its straggler call raised AttributeError."""
+    name = f"axes-strag-{uuid.uuid4().hex[:8]}"
+    seconds = [3.0, 8.0]
+    clients = [
+        axes_mod.connect("local", axes=("policy_version",), world_size=2, name=name, rank=r) for r in range(2)
+    ]
+    reader = axes_mod.connect("local", axes=("policy_version",), name=name)
+    try:
+        for r, client in enumerate(clients):
+            client.compute_local_straggler_metrics({"gen": seconds[r]}, axes={"policy_version": 0})
+            client.wait_submit()
+        for res in (reader.result(0, timeout=10), reader.result(0, timeout=10, axis="policy_version")):
+            assert res["perf/straggler/gen/p50"] == np.median(seconds)
+            assert res["perf/straggler/gen/max"] == max(seconds)
+            assert res.lists == {"perf/straggler/gen/slowest": ["rank1", "rank0"]}
+    finally:
+        for agg in (name, axes_mod.axis_aggregator(name, "policy_version")):
+            drop_worker(agg)
+
+
 # ---------------------------------------------------------------------------------------- the sinks
 def test_jsonl_and_wandb_each_axis_on_its_own_step(local_run, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")

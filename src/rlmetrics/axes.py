@@ -88,7 +88,8 @@ class AxesClient(ComputeLocal):
     axis (see the module docstring). Made by :func:`connect`.
 
     The seed's calls (``compute_local_data_metric``, ``compute_local_timing_metrics``,
-    ``compute_local_throughout_metrics``, ``process_local_validation_metrics``) take ``axes=`` too
+    ``compute_local_throughout_metrics``, ``process_local_validation_metrics``) and
+    ``compute_local_straggler_metrics`` take ``axes=`` too
     and, like :meth:`submit_metric`, land on ``train_step`` and on every axis.
 
     >>> from rlmetrics.backends.local import drop_worker
@@ -125,6 +126,11 @@ class AxesClient(ComputeLocal):
         """The ``train_step`` client's id."""
         return self.main.client_id
 
+    @property
+    def rank(self) -> int | None:
+        """The ``train_step`` client's rank (None: none given)."""
+        return self.main.rank
+
     def submit_metric(
         self,
         metrics: Mapping[str, Any],
@@ -159,6 +165,7 @@ class AxesClient(ComputeLocal):
     compute_local_throughout_metrics = _on_axes(ComputeLocal.compute_local_throughout_metrics)
     compute_local_throughput_metrics = compute_local_throughout_metrics
     process_local_validation_metrics = _on_axes(ComputeLocal.process_local_validation_metrics)
+    compute_local_straggler_metrics = _on_axes(ComputeLocal.compute_local_straggler_metrics)
 
     def _on_every_axis(
         self,
