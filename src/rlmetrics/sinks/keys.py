@@ -123,20 +123,18 @@ class KeyView:
         """The keys of ``metrics`` this view keeps, and (``copies``) the overview's copies."""
         if self.everything or (self.globs is None and not copies):
             return metrics
-        seen, values = self._seen, {}
-        overview = {}
-        for name, value in metrics.items():
-            kept, copied = seen.get(name) or self._decide(name)
-            if kept:
-                values[name] = value
-            if copied:
-                overview[OVERVIEW + name] = value
-        if copies:
-            values.update(overview)
+        seen, decide = self._seen, self._decide
+        if self.globs is None:  # every key, and the copies
+            values = dict(metrics)
+            values.update({OVERVIEW + n: v for n, v in metrics.items() if (seen.get(n) or decide(n))[1]})
+        else:
+            values = {n: v for n, v in metrics.items() if (seen.get(n) or decide(n))[0]}
+            if copies and self.overview:
+                values.update({OVERVIEW + n: v for n, v in metrics.items() if seen[n][1]})
         hists, lists = histograms_of(metrics), lists_of(metrics)
         if not hasattr(metrics, "meta") and not hists and not lists:
             return values
-        keep = {n for n in (*hists, *lists) if (seen.get(n) or self._decide(n))[0]}
+        keep = {n for n in (*hists, *lists) if (seen.get(n) or decide(n))[0]}
         return StepResult(
             values,
             getattr(metrics, "step", 0),
