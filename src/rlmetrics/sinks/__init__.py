@@ -10,10 +10,12 @@ manager, and the rules of its tracker's metric names (:func:`adapt_name`, :data:
 :class:`Tracking` fans a step out to several sinks and keeps the run going when one of them fails;
 it adds ``meta/coverage`` and ``meta/late`` to a step that has a ``meta``
 (:func:`~rlmetrics.health.coverage_metrics`) and runs the health rules
-(:class:`~rlmetrics.health.Monitor`) on each step. :func:`make_sinks` builds the usual set in one
-output directory by name (see :data:`SINKS`): a folder holds one run, which ``resume=True`` continues
-and ``overwrite=True`` replaces; a folder holding a run is refused otherwise (:func:`run_files`,
-:func:`new_run_folder`).
+(:class:`~rlmetrics.health.Monitor`) on each step, and gives each tracker the keys its ``keys=``
+view selects (:mod:`rlmetrics.sinks.keys`: every key, the core set, globs; an ``overview/`` copy of
+the core set; warnings near W&B's limits; the JSONL file keeps every key). :func:`make_sinks`
+builds the usual set in one output directory by name (see :data:`SINKS`): a folder holds one run,
+which ``resume=True`` continues and ``overwrite=True`` replaces; a folder holding a run is refused
+otherwise (:func:`run_files`, :func:`new_run_folder`).
 
 Importing this package imports no tracker, torch or rich: each sink imports its library when it is
 created, and a missing one raises an ImportError naming the pip extra.
