@@ -180,6 +180,11 @@ def test_bad_keys_are_refused_before_any_file(tmp_path, keys, said):
         make_sinks(["jsonl"], tmp_path / "run", core=[""])
 
 
+def test_keys_may_be_any_iterable_of_globs(tmp_path):
+    with make_sinks(["jsonl"], tmp_path, keys=(g for g in ["critic/**"])) as tracking:
+        assert tracking.view.globs == ("critic/**",)
+
+
 def test_globs():
     view = KeyView(["critic/*/mean", "val-core/**", "actor/entropy?"])
     names = [

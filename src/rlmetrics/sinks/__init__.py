@@ -367,7 +367,7 @@ def make_sinks(
     >>> make_sinks(["jsonl"], out, overwrite=True).close()
     """
     config = run_config(config)
-    KeyView(keys, core)  # a bad keys= or core= raises here, before any file
+    keys = KeyView(keys, core).keys  # a bad keys= or core= raises here, before any file
     if isinstance(names, str):
         names = names.split(",")
     wanted = list(dict.fromkeys(n.strip() for n in names if n.strip()))

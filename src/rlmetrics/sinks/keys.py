@@ -107,6 +107,11 @@ class KeyView:
         self._seen: dict[str, tuple[bool, bool]] = {}  # name -> (kept, copied to the overview)
 
     @property
+    def keys(self) -> str | list[str]:
+        """``keys`` as given, a list of globs as a list (an iterator read once)."""
+        return "all" if self.globs is None else "core" if not self.globs else list(self.globs)
+
+    @property
     def everything(self) -> bool:
         """Every key goes through unchanged (``keys="all"`` without the overview)."""
         return self.globs is None and not self.overview
