@@ -232,7 +232,10 @@ def log_run(args: argparse.Namespace) -> tuple[float, float]:
             started_ray = True
     sinks = [s for s in args.sinks.split(",") if s]
     health = Monitor(default_rules(**HEALTH))
-    tracking = make_sinks(["jsonl", *sinks], out, run_name=name, overwrite=args.overwrite, health=health)
+    keys = args.keys if args.keys in ("all", "core") else [g for g in args.keys.split(",") if g]
+    tracking = make_sinks(
+        ["jsonl", *sinks], out, run_name=name, overwrite=args.overwrite, health=health, keys=keys
+    )
     ranks = f"{args.workers} ranks" + ("" if args.simulate else " (each imports torch, then all join gloo)")
     print(f"starting the aggregator and {ranks}...", flush=True)
     driver = connect(args.backend, name=name)  # a reader; creates the aggregator first
@@ -341,6 +344,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="jsonl,tensorboard",
         help="comma-separated: jsonl,console,tensorboard,wandb,mlflow,swanlab (offline; "
         "JSONL is always written)",
+    )
+    p.add_argument(
+        "--keys",
+        default="all",
+        help="what the trackers get: all, core (the core metrics) or comma-separated globs such as "
+        "'critic/**,actor/*', which add an overview/ section of the core metrics (JSONL keeps every key)",
     )
     p.add_argument(
         "--out",

@@ -10,10 +10,12 @@ manager, and the rules of its tracker's metric names (:func:`adapt_name`, :data:
 :class:`Tracking` fans a step out to several sinks and keeps the run going when one of them fails;
 it adds ``meta/coverage`` and ``meta/late`` to a step that has a ``meta``
 (:func:`~rlmetrics.health.coverage_metrics`) and runs the health rules
-(:class:`~rlmetrics.health.Monitor`) on each step. :func:`make_sinks` builds the usual set in one
-output directory by name (see :data:`SINKS`): a folder holds one run, which ``resume=True`` continues
-and ``overwrite=True`` replaces; a folder holding a run is refused otherwise (:func:`run_files`,
-:func:`new_run_folder`).
+(:class:`~rlmetrics.health.Monitor`) on each step, and gives each tracker the keys its ``keys=``
+view selects (:mod:`rlmetrics.sinks.keys`: every key, the core set, globs; an ``overview/`` copy of
+the core set; warnings near W&B's limits; the JSONL file keeps every key). :func:`make_sinks`
+builds the usual set in one output directory by name (see :data:`SINKS`): a folder holds one run,
+which ``resume=True`` continues and ``overwrite=True`` replaces; a folder holding a run is refused
+otherwise (:func:`run_files`, :func:`new_run_folder`).
 
 Importing this package imports no tracker, torch or rich: each sink imports its library when it is
 created, and a missing one raises an ImportError naming the pip extra.
@@ -34,6 +36,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,6 +46,7 @@ from rlmetrics.messages import DEFAULT_AXIS, StepResult
 from rlmetrics.sinks.base import Sink
 from rlmetrics.sinks.console import ConsoleSink, format_value, render_table, summary_table
 from rlmetrics.sinks.jsonl import JsonlRun, JsonlSink, read_jsonl, record_result, run_config
+from rlmetrics.sinks.keys import CORE_KEYS, LIMITS, OVERVIEW, KeyLimits, KeyView
 from rlmetrics.sinks.mlflow import MLflowSink
 from rlmetrics.sinks.names import NameMap, as_floats, as_step
 from rlmetrics.sinks.swanlab import SwanLabSink
@@ -87,12 +91,37 @@ class Tracking(Sink):
     sink that writes its step, just before the step, then passed to the monitor's ``on_alert`` (its
     exceptions reach the caller). A step every sink skipped (logged before a resume) feeds the rules
     but alerts nobody.
+
+    ``keys``, ``core``, ``overview``: what each tracker gets (:class:`~rlmetrics.sinks.keys.KeyView`):
+    every key (``"all"``), the ``core`` globs only (``"core"``) or the keys of a list of globs, and
+    with ``overview`` (None: on for a list of globs) a copy of each core key under ``overview/``. A
+    JSONL sink gets every key whatever ``keys`` is (the record a resumed run catches up from), the
+    console no copies. A glob of ``keys`` that matched no key of the run is warned about at
+    :meth:`close`. The W&B sinks are watched for W&B's limits
+    (:class:`~rlmetrics.sinks.keys.KeyLimits`, ``clock`` its time).
     """
 
-    def __init__(self, sinks: Iterable[Sink], health: Monitor | bool | None = True) -> None:
+    def __init__(
+        self,
+        sinks: Iterable[Sink],
+        health: Monitor | bool | None = True,
+        *,
+        keys: str | Sequence[str] = "all",
+        core: Sequence[str] = CORE_KEYS,
+        overview: bool | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.sinks = list(sinks)
         self.failed: dict[int, BaseException] = {}  # index in ``sinks`` → the exception that disabled it
         self.health = Monitor() if health is True else (health or None)
+        if overview is None:
+            overview = not isinstance(keys, str)
+        self.view = KeyView(keys, core, overview=overview)
+        self.limits = {
+            i: KeyLimits(t, clock=clock)
+            for i, s in enumerate(self.sinks)
+            if (t := getattr(s, "tracker", None)) in LIMITS
+        }
         self._closed = False
 
     @property
@@ -149,7 +178,7 @@ class Tracking(Sink):
             if i in self.failed:
                 continue
             try:
-                sink.log_axis(result, step, axis)
+                sink.log_axis(self._viewed(i, result, copies=False), step, axis)
             except Exception as exc:
                 self.failed[i] = exc
                 logger.error("sink %r failed at %s %d, disabled: %r", sink, axis, step, exc, exc_info=exc)
@@ -174,13 +203,23 @@ class Tracking(Sink):
         first: a crash between the two leaves the step unwritten, so it is written again on resume
         (a JSONL file does not repeat an alert it holds), and its alerts are never lost."""
         sink = self.sinks[i]
+        metrics = self._viewed(i, metrics)
         try:
             for alert in alerts:
                 sink.alert(alert)
             sink.log(metrics, step)
+            if i in self.limits:
+                self.limits[i].observe(metrics)
         except Exception as exc:
             self.failed[i] = exc
             logger.error("sink %r failed at step %d and is disabled: %r", sink, step, exc, exc_info=exc)
+
+    def _viewed(self, i: int, metrics: Mapping[str, float], copies: bool = True) -> Mapping[str, float]:
+        """What sink ``i`` gets of ``metrics`` (:attr:`view`; a JSONL sink all, the console no copies)."""
+        tracker = getattr(self.sinks[i], "tracker", None)
+        if tracker == "jsonl":
+            return metrics
+        return self.view(metrics, copies=copies and tracker != "console")
 
     def catch_up(self, journal: JsonlSink, sinks: Iterable[Sink]) -> None:
         """Log to each of ``sinks`` the steps (and their alerts) of the resumed JSONL file after the
@@ -206,6 +245,8 @@ class Tracking(Sink):
         if self._closed:
             return
         self._closed = True
+        for glob in self.view.unmatched():
+            logger.warning("keys: the glob %r matched no key of this run (a typo?)", glob)
         for sink in self.sinks:
             try:
                 sink.close()
@@ -280,6 +321,9 @@ def make_sinks(
     health: Monitor | bool | None = True,
     axes: bool = False,
     config: Any = None,
+    keys: str | Sequence[str] = "all",
+    core: Sequence[str] = CORE_KEYS,
+    overview: bool | None = None,
 ) -> Tracking:
     """A :class:`Tracking` over the sinks named in ``names`` (a list, or one comma-separated str;
     blank names skipped, repeats once), running the ``health`` rules (see :class:`Tracking`).
@@ -304,6 +348,15 @@ def make_sinks(
     and alerts, with no place for a run's config. If one sink cannot be created, the ones already
     created are closed and the error is raised.
 
+    ``keys``: what the trackers get of each step (docs/trackers.md, "A key budget and a core view"):
+    ``"all"`` (the default: every key, as before), ``"core"`` (the ``core`` globs only,
+    :data:`~rlmetrics.sinks.keys.CORE_KEYS` by default) or a list of globs (``*`` within a ``/``
+    segment, ``**`` across). ``overview`` (None: on for a list of globs, off otherwise): a copy of
+    each core key under ``overview/``, the same values, a section of its own in W&B, TensorBoard,
+    MLflow and SwanLab. ``metrics.jsonl`` keeps every key whatever ``keys`` is, so a resumed run
+    catches its trackers up with what they kept. A bad ``keys`` raises ValueError before any file is
+    made.
+
     >>> import tempfile
     >>> out = Path(tempfile.mkdtemp())
     >>> make_sinks(["jsonl"], out).close()
@@ -314,6 +367,7 @@ def make_sinks(
     >>> make_sinks(["jsonl"], out, overwrite=True).close()
     """
     config = run_config(config)
+    keys = KeyView(keys, core).keys  # a bad keys= or core= raises here, before any file
     if isinstance(names, str):
         names = names.split(",")
     wanted = list(dict.fromkeys(n.strip() for n in names if n.strip()))
@@ -357,7 +411,7 @@ def make_sinks(
         tmp = ids_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(ids, indent=1))
         os.replace(tmp, ids_file)
-    tracking = Tracking(sinks, health=health)
+    tracking = Tracking(sinks, health=health, keys=keys, core=core, overview=overview)
     if resume and "jsonl" in wanted:
         tracking.catch_up(sinks[wanted.index("jsonl")], [s for n, s in zip(wanted, sinks) if n in CATCH_UP])
     return tracking
@@ -419,8 +473,8 @@ def new_run_folder(out_dir: str | os.PathLike) -> Path:
 
 
 __all__ = [
-    "RUN_FILES", "RUN_IDS", "SINKS", "TRACKERS", "ConsoleSink", "JsonlRun", "JsonlSink", "MLflowSink",
-    "NameMap", "Sink", "SwanLabSink", "TensorBoardSink", "Tracking", "WandbSink", "adapt_name",
-    "format_value", "make_sinks", "new_run_folder", "read_jsonl", "render_table", "run_files",
-    "summary_table",
+    "CORE_KEYS", "LIMITS", "OVERVIEW", "RUN_FILES", "RUN_IDS", "SINKS", "TRACKERS", "ConsoleSink",
+    "JsonlRun", "JsonlSink", "KeyLimits", "KeyView", "MLflowSink", "NameMap", "Sink", "SwanLabSink",
+    "TensorBoardSink", "Tracking", "WandbSink", "adapt_name", "format_value", "make_sinks",
+    "new_run_folder", "read_jsonl", "render_table", "run_files", "summary_table",
 ]  # fmt: skip
