@@ -237,8 +237,7 @@ def compute_mfu_stats(
     flops_name, seconds_name, peak_name = mfu_aux(stage)
     name = f"perf/mfu/{stage}"
     seconds_stat = Stat.of(seconds, nan_strategy=nan_strategy, name=name)
-    used = seconds_stat.count > 0 and gpus is not None and gpus > 0
-    if not used:
+    if gpus is None or not (seconds_stat.count > 0 and gpus > 0):  # a dropped time, a bad n_gpu: no MFU
         return {name: Stat(), flops_name: Stat(), seconds_name: Stat(), peak_name: Stat()}
     ratio = flops / (seconds * gpus * peak) if seconds > 0 else None
     return {
