@@ -34,14 +34,16 @@ infinity in the rewards where the scenario says so; data sources, missing or of 
 ``group_by``), its own phase timings and GPUs, its share of a validation round and a few plain
 metrics. Each rank runs the seed's calls on its shard (the rows of :data:`METRICS`, in order):
 ``compute_local_data_metric`` (with ``group_by="data_source"``), ``compute_local_timing_metrics``,
-``compute_local_throughout_metrics``, ``compute_local_straggler_metrics`` (each rank's own stage
-times), ``process_local_validation_metrics`` and ``submit_metric``
+``compute_local_throughout_metrics``, ``compute_local_mfu_metrics`` (the actor's from the model's
+size, the reference model's from a FLOPs-per-token number), ``compute_local_straggler_metrics``
+(each rank's own stage times), ``process_local_validation_metrics`` and ``submit_metric``
 (plain metrics; then values grouped by env with ``group_by={"env": ...}`` and a number, on inputs of
 the row's own), then ``wait_submit()``.
 
 The references are one process on the concatenation: ``compute_data_metric`` (with ``group_by``),
 ``compute_timing_metrics`` (each stage's seconds averaged over ranks, as every rank times the same
-step), ``compute_throughput_metrics`` (the ranks' GPUs summed), numpy's min, median and max of
+step), ``compute_throughput_metrics`` (the ranks' GPUs summed), the MFU by hand (all sequences' FLOPs over
+the mean seconds times all GPUs times the peak), numpy's min, median and max of
 each stage's seconds over ranks (the straggler report), ``process_validation_metrics`` (the
 samples in rank order) and numpy for the plain metrics and for each env's values (the number never
 per group). Tolerance: 1e-9 relative for float64 data; for float32 tensors ``1e-5`` relative (a
@@ -222,6 +224,34 @@ def plain_reference(parts: list[dict]) -> dict[str, float]:
             "n/total": sum(p["plain"]["n"] for p in parts)}  # fmt: skip
 
 
+MFU_MODEL = {"num_params": 4.9e8, "num_hidden_layers": 24, "hidden_size": 896}  # about Qwen2.5-0.5B
+MFU_FLOPS_PER_TOKEN = 3.1e9  # the ref stage's, given as a number
+
+
+def mfu_submit(client, d: dict, world: int, step: int) -> None:
+    """The actor's MFU from the model's size (each sequence's length from the batch, H100 by name) and
+    the reference model's from a number of tokens and a FLOPs-per-token number (A100 by number)."""
+    client.compute_local_mfu_metrics(
+        d["batch"], d["timing"], d["gpus"], world, step, model=MFU_MODEL, peak_flops="NVIDIA H100 80GB HBM3"
+    )
+    tokens = int(d["batch"]["attention_mask"].sum())
+    client.compute_local_mfu_metrics(tokens, d["timing"], d["gpus"], world, step, stage="ref",
+                                     flops_per_token=MFU_FLOPS_PER_TOKEN, peak_flops=312e12)  # fmt: skip
+
+
+def mfu_reference(parts: list[dict]) -> dict[str, float]:
+    """By hand on the concatenation: sum over sequences of s (6 N + 12 L H s) FLOPs, over the mean
+    seconds of the ranks' timers times all GPUs times the peak."""
+    s = np.concatenate([p["batch"]["attention_mask"].sum(-1).numpy() for p in parts]).astype(np.float64)
+    n, layers, hidden = MFU_MODEL.values()
+    gpus = sum(p["gpus"] for p in parts)
+    actor = (s * (6 * n + 12 * layers * hidden * s)).sum() / (
+        mean_timing(parts)["update_actor"] * gpus * 989e12
+    )
+    ref = s.sum() * MFU_FLOPS_PER_TOKEN / (mean_timing(parts)["ref"] * gpus * 312e12)
+    return {"perf/mfu/actor": actor, "perf/mfu/ref": ref}
+
+
 def by_group(tag: str, labels: list, columns: dict[str, tuple[np.ndarray, Callable]]) -> dict[str, float]:
     """numpy per group: ``name: (values, fn)`` gives ``fn(values)`` of all samples under ``name``
     and of each label's under ``group/<tag>/<label>/<name>``; a name without samples is absent."""
@@ -277,6 +307,7 @@ METRICS: list[Metric] = [
                d["batch"], d["timing"], d["gpus"], w, step),
            lambda ps, ns: compute_throughput_metrics(
                cat_batch(ps), mean_timing(ps), sum(p["gpus"] for p in ps), nan_strategy=ns)),
+    Metric("mfu", mfu_submit, lambda ps, ns: mfu_reference(ps)),
     Metric("stragglers", lambda c, d, w, step: c.compute_local_straggler_metrics(d["timing"], w, step),
            lambda ps, ns: straggler_reference(ps)),
     Metric("validation",

@@ -8,8 +8,10 @@ import pytest
 
 from examples import seed_metrics
 from rlmetrics.core.reduce import DEFAULT_RENAMES, rename
-from rlmetrics.metrics import catalog
+from rlmetrics.metrics import MFU_STAGES, catalog
 from rlmetrics.metrics.data import compute_data_metric
+from rlmetrics.metrics.memory import memory_metrics
+from rlmetrics.metrics.mfu import compute_mfu_metrics
 from rlmetrics.metrics.timing import compute_throughput_metrics, compute_timing_metrics
 from rlmetrics.metrics.validation import process_validation_metrics
 
@@ -28,6 +30,9 @@ def produced_names() -> set[str]:
     timing = {"gen": 1.0, "ref": 0.5, "values": 0.5, "adv": 0.1, "update_actor": 2.0, "step": 4.0}
     names |= {rename(n, DEFAULT_RENAMES) for n in compute_timing_metrics(batch, timing)}
     names |= set(compute_throughput_metrics(batch, timing, 1))
+    for stage in MFU_STAGES:
+        names |= set(compute_mfu_metrics(batch, timing, 1, flops_per_token=1e9, peak_flops=1e12, stage=stage))
+    names |= set(memory_metrics(1.0, 2.0, 3.0, 4.0, stage="gen"))  # what a CUDA rank reports
     rng = np.random.default_rng(1)
     n = 2 * 3 * 8
     val_inputs = (

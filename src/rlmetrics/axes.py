@@ -88,7 +88,8 @@ class AxesClient(ComputeLocal):
     axis (see the module docstring). Made by :func:`connect`.
 
     The seed's calls (``compute_local_data_metric``, ``compute_local_timing_metrics``,
-    ``compute_local_throughout_metrics``, ``process_local_validation_metrics``) and
+    ``compute_local_throughout_metrics``, ``compute_local_mfu_metrics``,
+    ``compute_local_memory_metrics``, ``process_local_validation_metrics``) and
     ``compute_local_straggler_metrics`` take ``axes=`` too
     and, like :meth:`submit_metric`, land on ``train_step`` and on every axis.
 
@@ -164,6 +165,8 @@ class AxesClient(ComputeLocal):
     compute_local_timing_metrics = _on_axes(ComputeLocal.compute_local_timing_metrics)
     compute_local_throughout_metrics = _on_axes(ComputeLocal.compute_local_throughout_metrics)
     compute_local_throughput_metrics = compute_local_throughout_metrics
+    compute_local_mfu_metrics = _on_axes(ComputeLocal.compute_local_mfu_metrics)
+    compute_local_memory_metrics = _on_axes(ComputeLocal.compute_local_memory_metrics)
     process_local_validation_metrics = _on_axes(ComputeLocal.process_local_validation_metrics)
     compute_local_straggler_metrics = _on_axes(ComputeLocal.compute_local_straggler_metrics)
 

@@ -155,6 +155,54 @@ class ComputeLocal:
 
     compute_local_throughput_metrics = compute_local_throughout_metrics
 
+    def compute_local_mfu_metrics(
+        self,
+        data: Any,
+        timing_raw: Mapping[str, float],
+        n_gpu: int,
+        world_size: int | None = None,
+        step: int | None = None,
+        *,
+        peak_flops: float | str,
+        flops_per_token: float | None = None,
+        model: Any = None,
+        **options: Any,
+    ) -> None:
+        """Submit ``perf/mfu/{stage}`` (default ``perf/mfu/actor``, verl's name): model FLOPs
+        utilization, derived after the merge from all ranks' FLOPs (their tokens times
+        ``flops_per_token``, or the count of ``model``, a
+        :class:`~rlmetrics.metrics.mfu.ModelFlops`: ``6 N + 12 L H S`` per training token), the
+        stage's seconds and the peak FLOP/s of their GPUs (``n_gpu``: this rank's GPUs, as for
+        :meth:`compute_local_throughout_metrics`; ``peak_flops``: one GPU's dense peak, a number or
+        a device name such as ``"H100"``). ``data``: this rank's batch or its number of tokens;
+        ``options``: ``stage``, ``timer``, ``seq_len``, ``training``
+        (:func:`~rlmetrics.metrics.mfu.compute_mfu_stats`)."""
+        from rlmetrics.metrics.mfu import compute_mfu_stats
+
+        stats = compute_mfu_stats(
+            data, timing_raw, n_gpu, peak_flops=peak_flops, flops_per_token=flops_per_token, model=model,
+            nan_strategy=self._compute_strategy(), **options,
+        )  # fmt: skip
+        self.submit_metric(stats, world_size, step)
+
+    def compute_local_memory_metrics(
+        self,
+        stage: str | None = None,
+        world_size: int | None = None,
+        step: int | None = None,
+        *,
+        reset_peak: bool = False,
+        device: Any = None,
+    ) -> None:
+        """Submit this rank's GPU memory: ``perf/max_memory_{allocated,reserved}_gb`` (verl's) and,
+        with ``stage``, ``perf/memory/<stage>/{allocated_gb,reserved_gb,peak_gb}``; the max over
+        ranks is reported. Nothing without a CUDA device (:mod:`rlmetrics.metrics.memory`)."""
+        from rlmetrics.metrics.memory import compute_memory_metrics
+
+        metrics = compute_memory_metrics(stage, device=device, reset_peak=reset_peak)
+        if metrics:
+            self.submit_metric(metrics, world_size, step)
+
     def process_local_validation_metrics(
         self,
         data_sources: list[str],

@@ -11,7 +11,8 @@ registry → tokens of the name → ``MEAN``. Tokens: the last path segment is s
 ``median``, ``std``, ``pNN``/``pNN.N`` → percentile, ``hist`` → histogram decide (the last such
 token of the segment); a
 segment without one passes to the segment before it. Built in: ``graph_output_handling`` → max (the
-seed's special metric) and ``val/test_score/*`` → mean (its last segment is a data source name).
+seed's special metric), ``val/test_score/*`` → mean (its last segment is a data source name) and the
+GPU memory, ``perf/memory/*`` and ``perf/max_memory_{allocated,reserved}_gb`` → max (the worst rank).
 A grouped name (``group/<tag>/<value>/<metric>``, :mod:`rlmetrics.core.groups`) not in the registry itself
 resolves as its metric.
 
@@ -173,8 +174,15 @@ def parse_reduction(spec: str | Reduction) -> Reduction:
 
 
 # ---------------------------------------------------------------------------------------- registry
-_BUILTIN: dict[str, Reduction] = {"graph_output_handling": MAX}  # only rollout tp rank 0 contributes
-_BUILTIN_GLOBS: dict[str, Reduction] = {"val/test_score/*": MEAN}  # the last segment is a data source
+_BUILTIN: dict[str, Reduction] = {
+    "graph_output_handling": MAX,  # only rollout tp rank 0 contributes
+    "perf/max_memory_allocated_gb": MAX,  # GPU memory (rlmetrics.metrics.memory): the worst rank OOMs
+    "perf/max_memory_reserved_gb": MAX,
+}
+_BUILTIN_GLOBS: dict[str, Reduction] = {
+    "val/test_score/*": MEAN,  # the last segment is a data source
+    "perf/memory/*": MAX,  # GPU memory per stage: the worst rank
+}
 
 SPECIAL_METRICS: dict[str, Reduction] = dict(_BUILTIN)
 """Exact metric names with a fixed reduction (the seed's ``Special_Metric``); a plain dict, read on

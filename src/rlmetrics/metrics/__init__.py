@@ -8,7 +8,8 @@ metrics into :data:`rlmetrics.engine.derived.DERIVED`, their state kinds into
 
 **Derived metrics.** Some metrics are not a reduction of one merged Stat but a function of several:
 the explained variance ``1 - Var(returns - values) / (Var(returns) + eps)``, the per-token times
-``1000 * seconds / tokens`` and the throughput ``tokens / (seconds * gpus)``. Averaging the ranks'
+``1000 * seconds / tokens``, the throughput ``tokens / (seconds * gpus)`` and the MFU ``flops /
+(seconds * gpus * peak)``. Averaging the ranks'
 own ratios gives a wrong number, so their ingredients travel as ordinary metrics under names
 starting with :data:`AUX_PREFIX`, whose own reductions are exact (pooled ``std``, ``sum``, the
 mean of the ranks' seconds), and :func:`derive_metrics` turns a merged result into the reported one
@@ -112,6 +113,37 @@ def throughput(values: Mapping[str, float]) -> float | None:
     return tokens / gpu_seconds
 
 
+MFU_STAGES = ("actor", "critic", "actor_infer", "ref")
+"""Stages with a ``perf/mfu/{stage}`` (verl's names: ``perf/mfu/actor``, ``perf/mfu/critic``,
+``perf/mfu/actor_infer``; and the reference model's forward pass)."""
+
+
+def mfu_aux(stage: str) -> tuple[str, str, str]:
+    """The auxiliary names of ``perf/mfu/{stage}``: the model FLOPs of the ranks' tokens (summed), the
+    stage's seconds (averaged over ranks, which time the same step) and the peak FLOP/s of the
+    ranks' GPUs (``n_gpu * peak``, summed).
+
+    >>> mfu_aux("actor")
+    ('_aux/perf/mfu/actor/flops/sum', '_aux/perf/mfu/actor/seconds/mean', '_aux/perf/mfu/actor/peak/sum')
+    """
+    head = f"{AUX_PREFIX}perf/mfu/{stage}/"
+    return head + "flops/sum", head + "seconds/mean", head + "peak/sum"
+
+
+def _mfu(stage: str) -> Callable[[Mapping[str, float]], float | None]:
+    flops_name, seconds_name, peak_name = mfu_aux(stage)
+
+    def mfu(values: Mapping[str, float]) -> float | None:
+        """``flops / (seconds * peak)``: all ranks' model FLOPs over the stage's time and the peak
+        FLOP/s of all their GPUs (left out when the time or the peak is zero)."""
+        flops, seconds, peak = values.get(flops_name), values.get(seconds_name), values.get(peak_name)
+        if flops is None or seconds is None or peak is None or not seconds * peak > 0:
+            return None
+        return flops / (seconds * peak)
+
+    return mfu
+
+
 VP_SEQUENCES = AUX_PREFIX + "variance_proxy/sequences/sum"
 """Number of sequences behind the variance proxies (summed over ranks)."""
 
@@ -136,6 +168,7 @@ DERIVED_METRICS: tuple[Derived, ...] = (
     ),
     Derived("variance_proxy/proxy3_pure_noise", (VP_SEQUENCES,), variance_proxy_noise),
     *(Derived(f"timing_per_token_ms/{s}", timing_aux(s), _per_token_ms(s)) for s in TIMED_STAGES),
+    *(Derived(f"perf/mfu/{s}", mfu_aux(s), _mfu(s)) for s in MFU_STAGES),
 )
 """The built-in derived metrics (each a :class:`~rlmetrics.engine.derived.Derived`: name, ingredients,
 function of the merged ``{name: float}``). Only the integrations (and ``critic/vf_explained_var`` of
@@ -181,6 +214,8 @@ _LAZY = {
     "compute_timing_metrics": "timing",
     "compute_throughout_metrics": "timing",
     "compute_throughput_metrics": "timing",
+    "compute_mfu_metrics": "mfu",
+    "compute_memory_metrics": "memory",
 }
 
 
@@ -192,9 +227,10 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "AUX_INGREDIENTS", "AUX_PREFIX", "DERIVED_METRICS", "PROMPT_STATS", "STAGE_TIMES", "THROUGHPUT_GPUS",
-    "THROUGHPUT_GPU_SECONDS", "THROUGHPUT_SECONDS", "THROUGHPUT_TOKENS", "TIMED_STAGES", "VALIDATION_SAMPLES",
-    "VF_EPS", "VF_RESIDUAL_STD", "VF_RETURNS_STD", "VF_TOKENS", "VP_SEQUENCES", "derive_metrics", "is_aux",
-    "throughput", "timing_aux", "variance_proxy_noise", "vf_explained_var", "without_reserved",
+    "AUX_INGREDIENTS", "AUX_PREFIX", "DERIVED_METRICS", "MFU_STAGES", "PROMPT_STATS", "STAGE_TIMES",
+    "THROUGHPUT_GPUS", "THROUGHPUT_GPU_SECONDS", "THROUGHPUT_SECONDS", "THROUGHPUT_TOKENS", "TIMED_STAGES",
+    "VALIDATION_SAMPLES", "VF_EPS", "VF_RESIDUAL_STD", "VF_RETURNS_STD", "VF_TOKENS", "VP_SEQUENCES",
+    "derive_metrics", "is_aux", "mfu_aux", "throughput", "timing_aux", "variance_proxy_noise",
+    "vf_explained_var", "without_reserved",
     *sorted(_LAZY),
 ]  # fmt: skip

@@ -50,6 +50,11 @@ CATALOG: tuple[tuple[str, str], ...] = (
     ("perf/total_num_tokens", "tokens in the step's batches"),
     ("perf/time_per_step", "seconds per training step"),
     ("perf/throughput", "tokens per second per GPU"),
+    # compute_local_mfu_metrics (rlmetrics.metrics.mfu)
+    ("perf/mfu/{actor,critic,actor_infer,ref}", "model FLOPs / (stage seconds * GPUs * dense peak FLOP/s)"),
+    # compute_local_memory_metrics (rlmetrics.metrics.memory; CUDA only)
+    ("perf/max_memory_{allocated,reserved}_gb", "peak GPU memory held by tensors / reserved, GiB"),
+    ("perf/memory/<stage>/{allocated_gb,reserved_gb,peak_gb}", "GPU memory after a stage, GiB"),
     # compute_local_straggler_metrics (rlmetrics.metrics.stragglers)
     ("perf/straggler/<stage>/{min,p50,max}", "a stage's seconds of the fastest, median, slowest rank"),
     ("perf/straggler/<stage>/max_over_p50", "the slowest rank's seconds over the median rank's"),
@@ -143,7 +148,7 @@ def merge_of(pattern: str) -> str:
         return SAMPLES
     if pattern.startswith("perf/straggler/"):
         return RANKS
-    if pattern == "critic/vf_explained_var":
+    if pattern == "critic/vf_explained_var" or pattern.startswith("perf/mfu/"):
         return "derived"
     names = [re.sub(r"<([a-z]+)>", lambda m: _EXAMPLES[m.group(1)], n) for n in expand(pattern)]
     found: list[str] = []

@@ -1,0 +1,270 @@
+"""Model FLOPs utilization, ``perf/mfu/{stage}``, exact when merged over ranks.
+
+**Formula.** For a dense decoder-only transformer with ``N`` parameters, ``L`` layers and hidden
+size ``H``, a token of a sequence of ``S`` tokens costs, in training (forward and backward)::
+
+    flops_per_token = 6 * N + 12 * L * H * S
+
+``6 N``: two FLOPs per parameter per token forward (a multiply and an add), four backward; ``12 L H
+S``: the attention scores and their weighted sum, ``Q K^T`` and ``A V``, forward and backward,
+with no saving counted for the causal mask. This is the count of Chowdhery et al., "PaLM: Scaling
+Language Modeling with Pathways" (2022), Appendix B (``6N + 12LHQT``, with ``H Q`` the hidden size
+and ``T`` the sequence length), after Kaplan et al., "Scaling Laws for Neural Language Models"
+(2020), section 2.1. A forward pass alone (``training=False``: verl's ``actor_infer``, the
+reference model) is a third: ``2 N + 4 L H S``. A batch of sequences of lengths ``s_i`` costs
+``sum_i s_i * (6 N + 12 L H s_i)`` (each sequence with its own length); a number of tokens without
+lengths needs ``seq_len``. Mixture-of-experts models, embeddings counted or not, recomputation
+(activation checkpointing adds a forward): give your own ``flops_per_token``.
+
+verl's ``flops_counter`` counts the attention term as half of this (``6 * sum(s_i^2) * head_dim *
+heads * layers``: the causal mask's saving) and the parameters from the model config; so its MFU is
+a little lower than this one for long sequences. Either way MFU is a ratio against a *dense* peak.
+
+**Peak.** ``peak_flops``: the peak FLOP/s of one GPU, a number or a device name of
+:data:`PEAK_FLOPS` (dense bf16 tensor-core peaks from the vendors' data sheets, without the 2x of
+structured sparsity: the data sheets print the sparse figure first).
+
+**Merged over ranks.** Each rank sends its own FLOPs (its tokens times FLOPs per token), the stage's
+seconds and its GPUs' peak (``n_gpu * peak_flops``); the aggregator sums the FLOPs and the peaks,
+averages the seconds (every rank times the same step) and derives::
+
+    perf/mfu/{stage} = sum over ranks of FLOPs / (seconds * sum over ranks of n_gpu * peak)
+
+which, for one FLOPs-per-token number and one kind of GPU, is ``(sum of tokens) * flops_per_token /
+(seconds * total GPUs * peak per GPU)``. Counting each rank's FLOPs from the *global* token count
+and then summing (or averaging per-rank MFUs computed so) gives W times the true value:
+open-instruct's PR #1808 reported 44.3 % against a true 11.1 %.
+
+The stage's seconds: ``timing_raw[timer]``; ``timer=None`` takes :data:`DEFAULT_TIMERS`' entry of
+the stage when ``timing_raw`` has it, else ``"step"``.
+
+>>> model = ModelFlops(n_params=7e9, n_layers=32, hidden_size=4096)
+>>> model.per_token(4096) / 1e9   # 6 * 7e9 + 12 * 32 * 4096 * 4096
+48.442450944
+>>> m = compute_mfu_metrics(2_000_000, {"update_actor": 100.0}, 8, model=model, seq_len=4096,
+...                         peak_flops="H100")
+>>> round(m["perf/mfu/actor"], 4)   # 2e6 * 48.44e9 / (100 s * 8 * 989e12)
+0.1225
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from rlmetrics.core.stat import Stat
+from rlmetrics.core.values import MetricValueError, scalar_value
+from rlmetrics.metrics import MFU_STAGES, mfu_aux
+
+PEAK_FLOPS: dict[str, float] = {
+    "H100": 989e12,  # H100 SXM, bf16 dense (1979 with sparsity)
+    "H100 SXM": 989e12,
+    "H100 PCIe": 756e12,
+    "H800": 989e12,
+    "H200": 989e12,
+    "H20": 148e12,
+    "B200": 2250e12,
+    "A100": 312e12,  # A100 SXM / PCIe, bf16 dense (624 with sparsity)
+    "A800": 312e12,
+    "L40S": 362e12,
+    "MI300X": 1307e12,
+}
+"""Dense bf16 peak FLOP/s of one GPU by name (no sparsity). :func:`peak_flops_of` matches a name
+(``torch.cuda.get_device_name()``'s too, e.g. ``"NVIDIA H100 80GB HBM3"``) by its longest key."""
+
+DEFAULT_TIMERS = {
+    "actor": "update_actor",
+    "critic": "update_critic",
+    "actor_infer": "old_log_prob",
+    "ref": "ref",
+}
+"""The ``timing_raw`` stage each MFU stage is timed by (verl's timer names), else ``"step"``."""
+
+
+@dataclass(frozen=True)
+class ModelFlops:
+    """A dense decoder's size for the FLOPs count of the module docstring: ``n_params`` (all
+    parameters), ``n_layers``, ``hidden_size``.
+
+    >>> ModelFlops(1e9, 16, 2048).per_token(1024, training=False) / 1e9   # (6e9 + 12*16*2048*1024) / 3
+    2.134217728
+    """
+
+    n_params: float
+    n_layers: int
+    hidden_size: int
+
+    @classmethod
+    def of(cls, model: Any) -> ModelFlops:
+        """A ModelFlops, or one from a mapping or object with ``n_params`` (or ``num_params``),
+        ``n_layers`` (or Hugging Face's ``num_hidden_layers``) and ``hidden_size``.
+
+        >>> ModelFlops.of({"num_params": 5e8, "num_hidden_layers": 24, "hidden_size": 896})
+        ModelFlops(n_params=500000000.0, n_layers=24, hidden_size=896)
+        """
+        if isinstance(model, ModelFlops):
+            return model
+        get = model.get if isinstance(model, Mapping) else lambda k, d=None: getattr(model, k, d)
+
+        def first(*keys: str) -> Any:
+            for k in keys:
+                if get(k) is not None:
+                    return get(k)
+            raise ValueError(f"model: needs one of {keys} (got {model!r})")
+
+        return cls(
+            float(first("n_params", "num_params")),
+            int(first("n_layers", "num_hidden_layers", "num_layers")),
+            int(first("hidden_size", "d_model")),
+        )
+
+    def per_token(self, seq_len: float, *, training: bool = True) -> float:
+        """FLOPs of one token of a sequence of ``seq_len`` tokens: ``6 N + 12 L H S`` in training,
+        a third of it forward only."""
+        flops = 6.0 * self.n_params + 12.0 * self.n_layers * self.hidden_size * float(seq_len)
+        return flops if training else flops / 3.0
+
+    def of_sequences(self, lengths: Any, *, training: bool = True) -> float:
+        """FLOPs of sequences of ``lengths`` tokens: ``sum_i s_i * (6 N + 12 L H s_i)`` (a third
+        forward only)."""
+        s = [float(x) for x in lengths]
+        flops = 6.0 * self.n_params * sum(s) + 12.0 * self.n_layers * self.hidden_size * sum(x * x for x in s)
+        return flops if training else flops / 3.0
+
+
+def peak_flops_of(device: float | str) -> float:
+    """Peak FLOP/s of one GPU: a positive number as given, a name looked up in :data:`PEAK_FLOPS`
+    (case and spaces ignored; the longest key inside the name wins).
+
+    >>> peak_flops_of("NVIDIA H100 80GB HBM3"), peak_flops_of("a100-sxm4-80gb"), peak_flops_of(1e15)
+    (989000000000000.0, 312000000000000.0, 1000000000000000.0)
+    """
+    if isinstance(device, str):
+        key = re.sub(r"[\s_-]", "", device).lower()
+        found = [k for k in PEAK_FLOPS if re.sub(r"[\s_-]", "", k).lower() in key]
+        if not found:
+            raise ValueError(
+                f"peak_flops: unknown device {device!r}; give its dense peak FLOP/s as a number "
+                f"(known: {', '.join(PEAK_FLOPS)})"
+            )
+        return PEAK_FLOPS[max(found, key=len)]
+    value = scalar_value(device, "peak_flops")
+    if value is None or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"peak_flops: must be a positive number of FLOP/s or a device name, got {device!r}")
+    return value
+
+
+def _tokens_and_lengths(data: Any) -> tuple[float, list[float] | None]:
+    """This rank's tokens and, when known, each sequence's tokens: a number of tokens as given (no
+    lengths), a batch's as :func:`~rlmetrics.metrics.timing.batch_tokens` counts them."""
+    value = (
+        scalar_value(data, "perf/mfu") if not hasattr(data, "keys") and not hasattr(data, "batch") else None
+    )
+    if value is not None:
+        return value, None
+    import torch
+
+    from rlmetrics.metrics.tensors import BatchTensors
+    from rlmetrics.metrics.timing import batch_tokens
+
+    tokens = batch_tokens(data, "compute_mfu_metrics")
+    t = BatchTensors(data, "compute_mfu_metrics")
+    counts = t.batch.get("global_token_num")
+    if counts is not None:
+        counts = torch.as_tensor(counts).reshape(-1)
+        if t.size is None or counts.numel() == t.size:
+            return tokens, counts.to(torch.float64).tolist()
+    if t.attention is not None:
+        return tokens, t.attention.sum(dim=-1, dtype=torch.float64).tolist()
+    return tokens, None
+
+
+def compute_mfu_stats(
+    data: Any,
+    timing_raw: Mapping[str, Any],
+    n_gpu: Any,
+    *,
+    peak_flops: float | str,
+    flops_per_token: float | None = None,
+    model: Any = None,
+    seq_len: float | None = None,
+    stage: str = "actor",
+    timer: str | None = None,
+    training: bool | None = None,
+    nan_strategy: str = "propagate",
+) -> dict[str, Stat]:
+    """What a rank submits for :func:`compute_mfu_metrics`: ``perf/mfu/{stage}`` (this rank's ratio,
+    kept where the derivation cannot run) and its ingredients (:func:`rlmetrics.metrics.mfu_aux`);
+    empty when ``timing_raw`` has neither the stage's timer nor ``"step"``.
+
+    >>> stats = compute_mfu_stats(1000, {"step": 2.0}, 4, flops_per_token=1e9, peak_flops=1e12)
+    >>> [stats[n].sum for n in mfu_aux("actor")]
+    [1000000000000.0, 2.0, 4000000000000.0]
+    """
+    if stage not in MFU_STAGES:
+        raise ValueError(f"stage: one of {MFU_STAGES} (the names perf/mfu/<stage> the aggregator derives)")
+    if (flops_per_token is None) == (model is None):
+        raise ValueError("compute_mfu_metrics: give either flops_per_token or model")
+    peak = peak_flops_of(peak_flops)
+    if timer is None:
+        timer = DEFAULT_TIMERS[stage] if DEFAULT_TIMERS[stage] in timing_raw else "step"
+    if timer not in timing_raw:
+        return {}
+    from rlmetrics.metrics.timing import stage_seconds
+
+    seconds = stage_seconds({timer: timing_raw[timer]}).get(timer)
+    if seconds is None:
+        return {}
+    tokens, lengths = _tokens_and_lengths(data)
+    train = stage in ("actor", "critic") if training is None else training
+    if flops_per_token is not None:
+        fpt = scalar_value(flops_per_token, "flops_per_token")
+        if fpt is None or not fpt >= 0:
+            raise ValueError(f"flops_per_token: must be a number >= 0, got {flops_per_token!r}")
+        flops = tokens * fpt
+    else:
+        spec = ModelFlops.of(model)
+        if seq_len is not None:
+            flops = tokens * spec.per_token(seq_len, training=train)
+        elif lengths is not None:
+            flops = spec.of_sequences(lengths, training=train)
+        else:
+            raise MetricValueError("compute_mfu_metrics: a number of tokens with model= needs seq_len=")
+    gpus = scalar_value(n_gpu, "n_gpu")
+    flops_name, seconds_name, peak_name = mfu_aux(stage)
+    name = f"perf/mfu/{stage}"
+    seconds_stat = Stat.of(seconds, nan_strategy=nan_strategy, name=name)
+    if gpus is None or not (seconds_stat.count > 0 and gpus > 0):  # a dropped time, a bad n_gpu: no MFU
+        return {name: Stat(), flops_name: Stat(), seconds_name: Stat(), peak_name: Stat()}
+    ratio = flops / (seconds * gpus * peak) if seconds > 0 else None
+    return {
+        name: Stat() if ratio is None else Stat.of(ratio),
+        flops_name: Stat.of(flops, nan_strategy=nan_strategy, name=name),
+        seconds_name: seconds_stat,
+        peak_name: Stat.of(gpus * peak),
+    }
+
+
+def compute_mfu_metrics(
+    data: Any, timing_raw: Mapping[str, Any], n_gpu: Any, **options: Any
+) -> dict[str, float]:
+    """``perf/mfu/{stage}`` of one process's batch: its model FLOPs over the stage's seconds and the
+    peak FLOP/s of its ``n_gpu`` GPUs. ``data``: a batch (tokens as in
+    :func:`~rlmetrics.metrics.timing.compute_throughput_metrics`, each sequence's length from
+    ``attention_mask``) or a number of tokens; ``options``: those of :func:`compute_mfu_stats`.
+
+    >>> compute_mfu_metrics({"attention_mask": [[1, 1, 0], [1, 1, 1]]}, {"step": 1.0}, 1,
+    ...                     flops_per_token=1e9, peak_flops=1e10)
+    {'perf/mfu/actor': 0.5}
+    """
+    from rlmetrics.metrics.data import data_metrics_from_stats
+
+    return data_metrics_from_stats(compute_mfu_stats(data, timing_raw, n_gpu, **options))
+
+
+__all__ = [
+    "DEFAULT_TIMERS", "PEAK_FLOPS", "ModelFlops", "compute_mfu_metrics", "compute_mfu_stats", "peak_flops_of",
+]  # fmt: skip
