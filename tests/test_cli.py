@@ -242,6 +242,14 @@ def test_plot_without_a_match_fails_clearly(run_dir, tmp_path):
     assert not (tmp_path / "x.png").exists()
 
 
+@pytest.mark.parametrize("keys", ["core,critic/**", ","])
+def test_demo_refuses_keys_that_mix_words_and_globs_before_any_file(tmp_path, keys):
+    args = ["demo", "--backend", "local", "--simulate", "--keys", keys, "--out", str(tmp_path / "run")]
+    out = subprocess.run([sys.executable, "-m", "rlmetrics", *args], capture_output=True, text=True)
+    assert out.returncode != 0 and f"--keys {keys!r}: 'all', 'core' or comma-separated globs" in out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "run").exists()
+
+
 @pytest.mark.ray
 def test_demo_as_make_demo_runs_it(tmp_path):
     """``rlmetrics demo`` with its defaults (tests/test_demo_grpo.py checks its numbers): it announces

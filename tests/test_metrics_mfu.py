@@ -124,6 +124,10 @@ def test_bad_options_are_refused():
         compute_mfu_stats(10, {"step": 1.0}, 1, flops_per_token=1.0, peak_flops=1e12, stage="rollout")
     with pytest.raises(rlmetrics.MetricValueError, match="seq_len"):
         compute_mfu_stats(10, {"step": 1.0}, 1, model=ModelFlops(1e9, 2, 64), peak_flops=1e12)
+    with pytest.raises(ValueError, match=r"timer='update_actr' is not in timing_raw \(it has \['step'\]\)"):
+        compute_mfu_stats(10, {"step": 1.0}, 1, flops_per_token=1.0, peak_flops=1e12, timer="update_actr")
+    with pytest.raises(ValueError, match="got a object.*ModelFlops\\(n_params=sum"):
+        compute_mfu_stats(10, {"step": 1.0}, 1, model=object(), peak_flops=1e12, seq_len=8)
 
 
 def test_axes_client_takes_the_new_methods():

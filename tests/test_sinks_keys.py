@@ -178,6 +178,8 @@ def test_bad_keys_are_refused_before_any_file(tmp_path, keys, said):
     assert not (tmp_path / "run").exists()
     with pytest.raises(ValueError, match="core="):
         make_sinks(["jsonl"], tmp_path / "run", core=[""])
+    with pytest.raises(ValueError, match=r"core='my/metric': a list of globs, e\.g\. core=\(\*CORE_KEYS"):
+        make_sinks(["jsonl"], tmp_path / "run", core="my/metric")  # not one glob per character
 
 
 def test_keys_may_be_any_iterable_of_globs(tmp_path):
@@ -207,6 +209,12 @@ def test_core_keys_match_the_built_in_names():
     assert set(view({"response/length/mean": 1.0, "val-core/gsm8k/reward:drop/mean@8": 1.0})) == {
         "response/length/mean", "val-core/gsm8k/reward:drop/mean@8"
     }  # fmt: skip
+    verl_sources = {
+        "val-core/openai/gsm8k/reward/mean@1": 1.0,
+        "val-core/HuggingFaceH4/MATH-500/acc/mean@4": 1.0,
+    }
+    assert set(view(verl_sources)) == set(verl_sources)  # verl's data sources hold a '/'
+    assert view({"val-core/openai/gsm8k/reward/best@4/mean": 1.0}) == {}
     assert len(CORE_KEYS) == 11
 
 

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from rlmetrics.backends import connect
+from rlmetrics.sinks.keys import KEYS
 
 DEFAULT_OUT = "runs/demo"
 SOURCES = ("gsm8k", "math500")
@@ -232,7 +233,7 @@ def log_run(args: argparse.Namespace) -> tuple[float, float]:
             started_ray = True
     sinks = [s for s in args.sinks.split(",") if s]
     health = Monitor(default_rules(**HEALTH))
-    keys = args.keys if args.keys in ("all", "core") else [g for g in args.keys.split(",") if g]
+    keys = args.keys if args.keys in KEYS else [g for g in args.keys.split(",") if g]
     tracking = make_sinks(
         ["jsonl", *sinks], out, run_name=name, overwrite=args.overwrite, health=health, keys=keys
     )
@@ -414,6 +415,12 @@ def _run(args: argparse.Namespace) -> int:
         )
     if args.backend == "local" and not args.simulate:
         raise SystemExit("rlmetrics demo: the real run needs Ray (--backend local needs --simulate)")
+    globs = [g for g in args.keys.split(",") if g]
+    if args.keys not in KEYS and (not globs or set(globs) & set(KEYS)):
+        raise SystemExit(
+            f"rlmetrics demo: --keys {args.keys!r}: 'all', 'core' or comma-separated globs such as "
+            "'critic/**,actor/grad_norm' (not both)"
+        )
     args.out = out_folder(args.out, args.overwrite)
     run(args)
     return 0

@@ -113,7 +113,11 @@ class ModelFlops:
             for k in keys:
                 if get(k) is not None:
                     return get(k)
-            raise ValueError(f"model: needs one of {keys} (got {model!r})")
+            raise ValueError(
+                f"model: needs one of {keys} (got a {type(model).__name__}); from a torch model and its "
+                "config: ModelFlops(n_params=sum(p.numel() for p in model.parameters()), "
+                "n_layers=config.num_hidden_layers, hidden_size=config.hidden_size)"
+            )
 
         return cls(
             float(first("n_params", "num_params")),
@@ -211,6 +215,8 @@ def compute_mfu_stats(
     peak = peak_flops_of(peak_flops)
     if timer is None:
         timer = DEFAULT_TIMERS[stage] if DEFAULT_TIMERS[stage] in timing_raw else "step"
+    elif timer not in timing_raw:
+        raise ValueError(f"timer={timer!r} is not in timing_raw (it has {sorted(timing_raw)})")
     if timer not in timing_raw:
         return {}
     from rlmetrics.metrics.timing import stage_seconds

@@ -42,7 +42,7 @@ CORE_KEYS: tuple[str, ...] = (
     "actor/entropy/mean",
     "actor/grad_norm",  # grad norm
     "perf/throughput",  # tokens per second per GPU
-    "val-core/*/*/mean@*",  # validation core: each source's and variable's mean of all n samples
+    "val-core/**/mean@*",  # validation core: each source's (verl's "openai/gsm8k" too) variable's mean@n
 )
 """The core set: score, reward, response length, KL, entropy, grad norm, throughput and the
 validation core, as globs over the built-in names (docs/metrics.md) and verl's actor names. Extend it
@@ -96,6 +96,8 @@ class KeyView:
 
     def __init__(self, keys: Any = "all", core: Sequence[str] = CORE_KEYS, overview: bool = False) -> None:
         self.globs = check_keys(keys)
+        if isinstance(core, str):
+            raise ValueError(f"core={core!r}: a list of globs, e.g. core=(*CORE_KEYS, {core!r})")
         core = tuple(core)
         if not all(isinstance(g, str) and g for g in core):
             raise ValueError(f"core={core!r}: a list of non-empty globs such as CORE_KEYS")
