@@ -179,6 +179,17 @@ def test_clearml_offline_reads_back_and_refuses_resume(tmp_path):
         make_sinks(["clearml"], out, resume=True)
 
 
+def test_clearml_one_task_per_process(tmp_path):
+    pytest.importorskip("clearml")
+    from rlmetrics.sinks import ClearMLSink
+
+    with ClearMLSink(logdir=tmp_path / "a") as first:
+        with pytest.raises(RuntimeError, match="one per process"):
+            ClearMLSink(logdir=tmp_path / "b")
+        first.log({"loss": 1.0}, 0)
+    assert [e["value"] for e in clearml_events(first.folder) if e["type"] == "training_stats_scalar"] == [1.0]
+
+
 def test_the_new_trackers_are_registered():
     assert {"prometheus", "trackio", "clearml"} <= set(TRACKERS)
     assert adapt_name("loss", "clearml") == "loss/loss"

@@ -19,7 +19,9 @@ what follows (``critic/score/mean`` → ``critic/score``, ``mean``); a name with
 (``task.connect_configuration``, name ``config``). A health alert is a text line of the task's log
 (``report_text``), a step's lists of names too. Histograms are not written. An offline session cannot
 be continued: ``resume=`` raises ValueError (a folder's earlier sessions stay; import them, then start
-a new folder).
+a new folder). ClearML has one task per process: a second sink while one is open raises RuntimeError
+(``Task.init`` would hand back the open task), and ``Task.set_offline(True)`` stays set for the
+process.
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ class ClearMLSink(Sink):
             )
         clearml = require("clearml", "trackers")
         Task = clearml.Task
+        if Task.current_task() is not None:  # Task.init would hand back that task: two sinks, one session
+            raise RuntimeError(
+                "clearml: a ClearML task is open in this process (one per process); close it first"
+            )
         self.project, self.logdir = project, Path(logdir)
         self.logdir.mkdir(parents=True, exist_ok=True)
         Task.set_offline(True)
