@@ -44,6 +44,10 @@ def test_prometheus_serves_the_newest_step_and_frees_its_port():
             ({"run": "demo"}, values["val-core/math/acc/mean@4"])
         ]
         assert got["rlmetrics_loss"] == [({"run": "demo"}, values["loss"])]
+        assert set(got) == {
+            "rlmetrics_step", "rlmetrics_critic_score_mean", "rlmetrics_val_core_math_acc_mean_at_4",
+            "rlmetrics_loss", "rlmetrics_alerts",
+        }  # fmt: skip
     sink.log({"critic/score/mean": 9.0}, 7)  # a metric missing from the newest step is not served
     got = scrape(sink.url)
     assert "rlmetrics_loss" not in got and got["rlmetrics_critic_score_mean"][0][1] == 9.0
@@ -103,7 +107,10 @@ def local_trackio(monkeypatch):
 def trackio_logs(project: str, run: str) -> dict[int, dict]:
     from trackio.sqlite_storage import SQLiteStorage
 
-    return {int(r["step"]): r for r in SQLiteStorage.get_logs(project, run)}
+    rows = SQLiteStorage.get_logs(project, run)
+    steps = [int(r["step"]) for r in rows]
+    assert len(steps) == len(set(steps)), f"a step logged twice: {steps}"
+    return {int(r["step"]): r for r in rows}
 
 
 def test_trackio_reads_back_and_resumes(tmp_path, local_trackio):
