@@ -229,7 +229,17 @@ def test_make_sinks(tmp_path):
     with pytest.raises(ValueError) as err:
         make_sinks(["jsonl", "neptune"], tmp_path)
     assert "neptune" in str(err.value) and all(name in str(err.value) for name in SINKS)
-    assert set(SINKS) == {"jsonl", "console", "tensorboard", "wandb", "mlflow", "swanlab"}
+    assert set(SINKS) == {
+        "jsonl",
+        "console",
+        "tensorboard",
+        "wandb",
+        "mlflow",
+        "swanlab",
+        "trackio",
+        "clearml",
+        "prometheus",
+    }
     assert [type(s).__name__ for s in make_sinks(" console, ", tmp_path).sinks] == ["ConsoleSink"]
     tracking = make_sinks("jsonl,,console,jsonl".split(","), tmp_path / "out")
     assert [type(s).__name__ for s in tracking.sinks] == ["JsonlSink", "ConsoleSink"]

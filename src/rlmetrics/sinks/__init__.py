@@ -1,4 +1,5 @@
-"""Sinks: where step results go — JSONL, the console, TensorBoard, W&B, MLflow, SwanLab.
+"""Sinks: where step results go — JSONL, the console, TensorBoard, W&B, MLflow, SwanLab, trackio,
+ClearML and a live Prometheus endpoint.
 
 Over 400 lines on purpose: ``Tracking`` (fan-out, health, catching a resumed tracker up) and
 ``make_sinks`` (a run folder's files and run ids) decide together what a resumed or rerun folder
@@ -44,21 +45,27 @@ from typing import Any
 from rlmetrics.health import Alert, Monitor, coverage_metrics
 from rlmetrics.messages import DEFAULT_AXIS, StepResult
 from rlmetrics.sinks.base import Sink
+from rlmetrics.sinks.clearml import ClearMLSink
 from rlmetrics.sinks.console import ConsoleSink, format_value, render_table, summary_table
 from rlmetrics.sinks.jsonl import JsonlRun, JsonlSink, read_jsonl, record_result, run_config
 from rlmetrics.sinks.keys import CORE_KEYS, LIMITS, OVERVIEW, KeyLimits, KeyView
 from rlmetrics.sinks.mlflow import MLflowSink
 from rlmetrics.sinks.names import NameMap, as_floats, as_step
+from rlmetrics.sinks.prometheus import PrometheusSink
 from rlmetrics.sinks.swanlab import SwanLabSink
 from rlmetrics.sinks.tensorboard import TensorBoardSink
+from rlmetrics.sinks.trackio import TrackioSink
 from rlmetrics.sinks.wandb import WandbSink
 
 logger = logging.getLogger(__name__)
 
 TRACKERS: dict[str, type[Sink]] = {
     sink.tracker: sink
-    for sink in (JsonlSink, ConsoleSink, TensorBoardSink, WandbSink, MLflowSink, SwanLabSink)
-}
+    for sink in (
+        JsonlSink, ConsoleSink, TensorBoardSink, WandbSink, MLflowSink, SwanLabSink, TrackioSink, ClearMLSink,
+        PrometheusSink,
+    )
+}  # fmt: skip
 """Tracker name → its sink class, which declares the tracker's name rules (:class:`Sink`)."""
 
 
@@ -272,6 +279,29 @@ def _wandb(out_dir: Path, project: str, run_name: str | None, resume: bool | str
     return WandbSink(project, run_name, dir=out_dir, mode="offline", resume=_run_id(resume), **kw)
 
 
+def _trackio(out_dir: Path, project: str, run_name: str | None, resume: bool | str, **kw) -> TrackioSink:
+    return TrackioSink(project, run_name, logdir=out_dir / "trackio", resume=_run_id(resume), **kw)
+
+
+def _clearml(out_dir: Path, project: str, run_name: str | None, resume: bool | str, **kw) -> ClearMLSink:
+    """A saved task id (an earlier session in the folder) raises: offline sessions are not continued."""
+    return ClearMLSink(project, run_name, logdir=out_dir / "clearml", resume=_run_id(resume), **kw)
+
+
+PROMETHEUS_PORT = "RLMETRICS_PROMETHEUS_PORT"
+"""The environment variable with the port :func:`make_sinks`'s Prometheus endpoint listens on (unset:
+a free port, logged), and ``RLMETRICS_PROMETHEUS_ADDR`` its address (unset: ``127.0.0.1``)."""
+
+
+def _prometheus(out_dir: Path, project: str, run_name: str | None, resume: bool | str) -> PrometheusSink:
+    """No files, nothing to resume: a restarted run serves again from its next step."""
+    return PrometheusSink(
+        int(os.environ.get(PROMETHEUS_PORT) or 0),
+        os.environ.get("RLMETRICS_PROMETHEUS_ADDR") or "127.0.0.1",
+        run=run_name or Path(out_dir).resolve().name,
+    )
+
+
 def _run_id(resume: bool | str) -> str | None:
     return resume if isinstance(resume, str) else None
 
@@ -287,6 +317,9 @@ SINKS: dict[str, Callable[[Path, str, str | None, bool | str], Sink]] = {
     "wandb": _wandb,
     "mlflow": _mlflow,
     "swanlab": _swanlab,
+    "trackio": _trackio,
+    "clearml": _clearml,
+    "prometheus": _prometheus,
 }
 """Sink name → factory ``(out_dir, project, run_name, resume) -> Sink``, as :func:`make_sinks` uses
 them; ``resume``: False (a new run), True (continue what is in ``out_dir``) or the id of the
@@ -297,15 +330,15 @@ RUN_IDS = "run_ids.json"
 
 RUN_FILES = (
     "metrics.jsonl", "tensorboard", "wandb", "swanlab", "mlflow.db", "mlflow.db-journal", "mlflow.db.*.init*",
-    RUN_IDS, "run_ids.tmp",
+    "trackio", "clearml", RUN_IDS, "run_ids.tmp",
 )  # fmt: skip
 """What :func:`make_sinks` writes in its folder (glob patterns: the sinks' files and folders, the MLflow
 store's journal and the temporary stores of killed starts, the run ids and their temporary file)."""
 
-CONFIG_SINKS = ("wandb", "mlflow", "swanlab")
+CONFIG_SINKS = ("wandb", "mlflow", "swanlab", "trackio", "clearml")
 """The sinks :func:`make_sinks` gives the run's ``config`` (the trackers that store one)."""
 
-CATCH_UP = ("tensorboard", "wandb", "mlflow", "swanlab")
+CATCH_UP = ("tensorboard", "wandb", "mlflow", "swanlab", "trackio")
 """The sinks :func:`make_sinks` brings up to the JSONL file when it resumes a run
 (:meth:`Tracking.catch_up`)."""
 
@@ -329,8 +362,11 @@ def make_sinks(
     blank names skipped, repeats once), running the ``health`` rules (see :class:`Tracking`).
 
     Files go to ``out_dir`` (created): ``metrics.jsonl``, ``tensorboard/``, ``wandb/``,
-    ``mlflow.db``, ``swanlab/``, and :data:`RUN_IDS` (the W&B, MLflow and SwanLab run ids);
-    trackers run offline. A folder holds one run: a folder that holds one (:func:`run_files`, whatever
+    ``mlflow.db``, ``swanlab/``, ``trackio/``, ``clearml/``, and :data:`RUN_IDS` (the W&B, MLflow,
+    SwanLab, trackio and ClearML run ids); trackers run offline. ``prometheus`` writes no file: it
+    serves the newest step over HTTP (:data:`PROMETHEUS_PORT`) and resumes nothing; a resumed
+    folder's ClearML session raises (offline sessions are not continued). A folder holds one run: a
+    folder that holds one (:func:`run_files`, whatever
     sinks wrote it) is refused with a one-line FileExistsError naming what it holds, unless
     ``overwrite=True``, which removes those files (other files stay; a start that fails puts them
     back) and starts a new run, or
@@ -473,8 +509,9 @@ def new_run_folder(out_dir: str | os.PathLike) -> Path:
 
 
 __all__ = [
-    "CORE_KEYS", "LIMITS", "OVERVIEW", "RUN_FILES", "RUN_IDS", "SINKS", "TRACKERS", "ConsoleSink",
-    "JsonlRun", "JsonlSink", "KeyLimits", "KeyView", "MLflowSink", "NameMap", "Sink", "SwanLabSink",
-    "TensorBoardSink", "Tracking", "WandbSink", "adapt_name", "format_value", "make_sinks",
-    "new_run_folder", "read_jsonl", "render_table", "run_files", "summary_table",
+    "CORE_KEYS", "LIMITS", "OVERVIEW", "PROMETHEUS_PORT", "RUN_FILES", "RUN_IDS", "SINKS", "TRACKERS",
+    "ClearMLSink", "ConsoleSink", "JsonlRun", "JsonlSink", "KeyLimits", "KeyView", "MLflowSink", "NameMap",
+    "PrometheusSink", "Sink", "SwanLabSink", "TensorBoardSink", "TrackioSink", "Tracking", "WandbSink",
+    "adapt_name", "format_value", "make_sinks", "new_run_folder", "read_jsonl", "render_table", "run_files",
+    "summary_table",
 ]  # fmt: skip

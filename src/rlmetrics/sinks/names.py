@@ -97,6 +97,11 @@ class NameMap:
         self._taken.add(self._fold(candidate))
         return candidate
 
+    def reserve(self, *adapted: str) -> None:
+        """Take the adapted names ``adapted`` for the sink's own series: a metric adapting to one of
+        them gets ``__2`` (a Prometheus sink's ``step`` gauge)."""
+        self._taken.update(map(self._fold, adapted))
+
     def adapt(self, metrics: Mapping[str, float]) -> dict[str, float]:
         """``{adapted name: value}``."""
         return {self(name): value for name, value in metrics.items()}

@@ -1,0 +1,128 @@
+"""ClearML in offline mode: the session is a folder (and its zip) under the sink's folder.
+
+Needs the ``trackers`` extra. :class:`ClearMLSink` calls ``Task.set_offline(True)`` before
+``Task.init``, so no server is contacted and no ``clearml.conf`` is needed; the session is
+``<logdir>/offline/<task id>/`` (``metrics.jsonl``: a JSON list of events a line, ``task.json``), zipped
+to ``<task id>.zip`` when the sink closes; upload it later with
+``Task.import_offline_session("<zip>")`` on a machine that reaches the server. ClearML puts the
+session under its cache folder, ``CLEARML_CACHE_DIR`` (default ``~/.clearml/cache``): the sink sets
+the variable to ``logdir`` while the task is made and puts back what it was. ClearML still writes
+``~/.clearml/.session.json`` (its session cache, a few bytes). Its reporter thread is used instead
+of its reporter subprocess (``Task._report_subprocess_enabled``, the
+``sdk.development.report_use_subprocess`` setting): offline, the subprocess makes ``close()`` wait
+10 s (clearml 2.1.12). No framework hooks, argument parser, console capture nor resource monitor.
+
+Names: a metric is a scalar plot: ClearML's ``title`` is the name up to its last ``/``, ``series``
+what follows (``critic/score/mean`` → ``critic/score``, ``mean``); a name without ``/`` is both
+(``loss`` → ``loss/loss``, :meth:`map_name`), so two names never meet on one series
+(:class:`~rlmetrics.sinks.names.NameMap`). ``config`` is the task's configuration
+(``task.connect_configuration``, name ``config``). A health alert is a text line of the task's log
+(``report_text``), a step's lists of names too. Histograms are not written. An offline session cannot
+be continued: ``resume=`` raises ValueError (a folder's earlier sessions stay; import them, then start
+a new folder). ClearML has one task per process: a second sink while one is open raises RuntimeError
+(``Task.init`` would hand back the open task), and ``Task.set_offline(True)`` stays set for the
+process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from rlmetrics.extras import require
+from rlmetrics.health import Alert
+from rlmetrics.sinks.base import Sink
+from rlmetrics.sinks.jsonl import run_config
+from rlmetrics.sinks.names import NameMap, as_floats, as_step, lists_of
+
+
+def clearml_name(name: str) -> str:
+    """``name`` as ``<title>/<series>``: a name without ``/`` is both (``loss`` → ``loss/loss``)."""
+    return name if "/" in name else f"{name}/{name}"
+
+
+class ClearMLSink(Sink):
+    """Report each metric with ``logger.report_scalar(title, series, value, iteration=step)``;
+    ``close()`` closes the task (and zips the offline session)."""
+
+    tracker = "clearml"
+    map_name = staticmethod(clearml_name)
+
+    def __init__(
+        self,
+        project: str = "rlmetrics",
+        name: str | None = None,
+        logdir: str | os.PathLike = "clearml",
+        resume: str | bool | None = None,
+        config: Any = None,
+    ) -> None:
+        if resume:
+            raise ValueError(
+                "clearml: an offline ClearML session cannot be continued (resume=); start a new folder"
+            )
+        clearml = require("clearml", "trackers")
+        Task = clearml.Task
+        if Task.current_task() is not None:  # Task.init would hand back that task: two sinks, one session
+            raise RuntimeError(
+                "clearml: a ClearML task is open in this process (one per process); close it first"
+            )
+        self.project, self.logdir = project, Path(logdir)
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        Task.set_offline(True)
+        if hasattr(Task, "_report_subprocess_enabled"):
+            Task._report_subprocess_enabled = False
+        cache = os.environ.get("CLEARML_CACHE_DIR")
+        os.environ["CLEARML_CACHE_DIR"] = str(self.logdir.resolve())
+        try:
+            self.task = Task.init(
+                project_name=project,
+                task_name=name or "rlmetrics",
+                reuse_last_task_id=False,
+                auto_connect_frameworks=False,
+                auto_connect_arg_parser=False,
+                auto_connect_streams=False,
+                auto_resource_monitoring=False,
+            )
+            self.folder = Path(self.task.get_offline_mode_folder())
+        finally:
+            if cache is None:
+                os.environ.pop("CLEARML_CACHE_DIR", None)
+            else:
+                os.environ["CLEARML_CACHE_DIR"] = cache
+        config = run_config(config)
+        if config is not None:
+            self.task.connect_configuration(config, name="config")
+        self.logger = self.task.get_logger()
+        self.names = NameMap(type(self))
+        self._open = True
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        if not self._open:
+            raise ValueError(f"{self!r} is closed")
+        step = as_step(step)
+        for name, value in as_floats(metrics).items():
+            title, _, series = self.names(name).rpartition("/")
+            self.logger.report_scalar(title, series, value, iteration=step)
+        for name, names in lists_of(metrics).items():
+            self.logger.report_text(f"{name}: {', '.join(names)}", iteration=step, print_console=False)
+
+    def alert(self, alert: Alert) -> None:
+        if not self._open:
+            raise ValueError(f"{self!r} is closed")
+        if self.new_alert((alert.step, alert.rule)):
+            self.logger.report_text(f"alert/{alert.rule}: {alert}", iteration=alert.step, print_console=False)
+
+    @property
+    def run_id(self) -> str:
+        """The offline task's id (``offline-<hex>``, the session folder's name)."""
+        return self.task.id
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self.task.close()
+
+    def __repr__(self) -> str:
+        return f"ClearMLSink(project={self.project!r}, logdir={str(self.logdir)!r})"

@@ -1,0 +1,145 @@
+"""A live Prometheus endpoint: the newest merged step as gauges, scraped over HTTP.
+
+Needs the ``trackers`` extra (``prometheus_client``). :class:`PrometheusSink` starts
+``prometheus_client.start_http_server`` on ``addr:port`` (``127.0.0.1`` and a free port by default;
+``port=`` for the one a Prometheus scrape config names) with a registry of its own, so the process's
+default registry (and whatever else registers there) is left alone; ``close()`` shuts the server
+down and frees the port. It holds no files: nothing to resume, a restarted driver serves again from
+its next step (the time series in Prometheus carry on, with a gap).
+
+One gauge per metric, not one family with a ``name`` label: a Grafana user types
+``rlmetrics_critic_score_mean`` as they type Ray's ``ray_node_cpu_utilization``, gets it
+autocompleted, and each gauge keeps its own unit and HELP text (the rlmetrics name); a ``name``
+label would put rewards, seconds and bytes in one family, which ``sum``/``avg`` over it would mix.
+Names: ``<prefix>_`` and the metric name with every character outside ``[a-zA-Z0-9_]`` made ``_``
+(``@`` is ``_at_``; ``:`` too, Prometheus keeps it for recording rules), so ``critic/score/mean`` is
+``rlmetrics_critic_score_mean``; two names that meet get ``__2``, ``__3`` …
+(:class:`~rlmetrics.sinks.names.NameMap`, one warning each). Every sample has a ``run`` label (the
+run's name). ``<prefix>_step{axis="train_step"}`` is the step served; a step of another axis
+(:meth:`log_axis`) serves its values as ``<prefix>_<axis>_<name>`` and its step under its own
+``axis`` label. A metric missing from the newest step is not served (its series goes stale, as
+Prometheus does with a target that stops exporting one). Health alerts count in
+``<prefix>_alerts_total{rule=...}``. Histograms and lists of names are not served (the JSONL file,
+TensorBoard and W&B have them).
+
+Collection is a custom collector over the newest step (one ``collect()`` call per scrape, on the
+server's thread, reading one snapshot the logging thread swaps in whole), not a ``Gauge`` object per
+metric.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from rlmetrics.extras import require
+from rlmetrics.health import Alert
+from rlmetrics.messages import DEFAULT_AXIS
+from rlmetrics.sinks.base import Sink
+from rlmetrics.sinks.names import NameMap, as_floats, as_step, axis_names
+
+logger = logging.getLogger(__name__)
+
+_OUTSIDE = re.compile(r"[^a-zA-Z0-9_]")
+
+
+def prometheus_name(name: str) -> str:
+    """``name`` with every character outside ``[a-zA-Z0-9_]`` made ``_`` (``@`` → ``_at_``): what
+    follows the sink's ``<prefix>_``.
+
+    >>> prometheus_name("critic/score/mean"), prometheus_name("val-core/acc/mean@4")
+    ('critic_score_mean', 'val_core_acc_mean_at_4')
+    """
+    return _OUTSIDE.sub("_", name.replace("@", "_at_")) or "_"
+
+
+class PrometheusSink(Sink):
+    """Serve the newest step at ``http://<addr>:<port>/metrics`` (:attr:`url`; ``port=0``: a free
+    one, :attr:`port` tells which) until :meth:`close`."""
+
+    tracker = "prometheus"
+    map_name = staticmethod(prometheus_name)
+
+    def __init__(
+        self, port: int = 0, addr: str = "127.0.0.1", *, prefix: str = "rlmetrics", run: str = "rlmetrics"
+    ) -> None:
+        client = require("prometheus_client", "trackers")
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", prefix):
+            raise ValueError(f"prefix {prefix!r} is no Prometheus metric name")
+        self._gauge, self._counter = GaugeMetricFamily, CounterMetricFamily
+        self.prefix, self.run = prefix, run
+        self.names = NameMap(type(self))
+        self.names.reserve("step", "alerts")
+        self._lock = threading.Lock()
+        # axis → (step, {gauge name: (rlmetrics name, value)}): replaced whole by log, read by collect
+        self._steps: dict[str, tuple[int, dict[str, tuple[str, float]]]] = {}
+        self._alerts: dict[str, int] = {}
+        self.registry = client.CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+        self._server, self._thread = client.start_http_server(port, addr=addr, registry=self.registry)
+        self.addr, self.port = addr, self._server.server_port
+        self._open = True
+        logger.info("prometheus: serving the newest step at %s", self.url)
+
+    @property
+    def url(self) -> str:
+        """Where the metrics are scraped."""
+        return f"http://{self.addr}:{self.port}/metrics"
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        self._serve(DEFAULT_AXIS, metrics, step)
+
+    def log_axis(self, metrics: Mapping[str, float], step: int, axis: str) -> None:
+        """Serve a step of ``axis`` next to the newest train step: its values as ``<axis>/<name>``,
+        its step as ``<prefix>_step{axis=...}``."""
+        if axis == DEFAULT_AXIS:
+            return self.log(metrics, step)
+        self._serve(axis, axis_names(metrics, axis), step)
+
+    def _serve(self, axis: str, metrics: Mapping[str, float], step: int) -> None:
+        if not self._open:
+            raise ValueError(f"{self!r} is closed")
+        step = as_step(step)
+        values = {f"{self.prefix}_{self.names(k)}": (k, v) for k, v in as_floats(metrics).items()}
+        with self._lock:
+            self._steps = {**self._steps, axis: (step, values)}
+
+    def alert(self, alert: Alert) -> None:
+        if not self._open:
+            raise ValueError(f"{self!r} is closed")
+        with self._lock:
+            self._alerts = {**self._alerts, alert.rule: self._alerts.get(alert.rule, 0) + 1}
+
+    def collect(self) -> Iterator[Any]:
+        """The prometheus_client collector protocol: the families of the newest steps."""
+        with self._lock:
+            steps, alerts = self._steps, self._alerts
+        run = [self.run]
+        served = self._gauge(f"{self.prefix}_step", "The step served, per step axis", labels=["run", "axis"])
+        for axis, (step, _) in steps.items():
+            served.add_metric([self.run, axis], step)
+        yield served
+        for _, values in steps.values():
+            for gauge, (name, value) in values.items():
+                family = self._gauge(gauge, name, labels=["run"])
+                family.add_metric(run, value)
+                yield family
+        counter = self._counter(f"{self.prefix}_alerts", "Health alerts, per rule", labels=["run", "rule"])
+        for rule, count in alerts.items():
+            counter.add_metric([self.run, rule], count)
+        yield counter
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self._server.shutdown()
+            self._server.server_close()
+            self._thread.join()
+
+    def __repr__(self) -> str:
+        return f"PrometheusSink(url={self.url!r})"

@@ -1,0 +1,104 @@
+"""trackio (Hugging Face's local tracker): the run in a SQLite file under the sink's folder.
+
+Needs the ``trackers`` extra. trackio keeps a project's runs in ``<TRACKIO_DIR>/<project>.db``;
+TRACKIO_DIR is read once, when trackio is imported (``~/.cache/huggingface/trackio`` unless the
+environment variable is set). :class:`TrackioSink` puts it in ``logdir``: it sets the variable
+before the first import and, when trackio was imported already with another folder, points trackio's
+module-level folders (``TRACKIO_DIR``, ``MEDIA_DIR``, ``ARTIFACTS_DIR``) at ``logdir`` — so tests and
+users' runs never write to ``$HOME``; the last sink created decides the folder of the process. The
+run is local: ``space_id``, ``server_url`` and ``bucket_id`` are never passed and the
+``TRACKIO_SPACE_ID`` / ``TRACKIO_SERVER_URL`` environment variables are refused (they send the run
+over the network); no dashboard is started (``trackio show --project <project>`` with
+``TRACKIO_DIR=<logdir>`` opens one later), nor trackio's CPU/GPU sampling threads.
+
+``resume=<run name>`` continues that run (``trackio.init(name=..., resume="allow")``): the sink
+reads its logs back with trackio's ``SQLiteStorage.get_logs`` and skips every step up to the last one
+they hold; :attr:`run_id` is the run's name (what trackio resumes by). ``config`` is the run's config.
+Names are kept (trackio takes any string). A health alert is a trackio alert (``run.alert``: title
+the rule, text the alert, at its step). Histograms are not written; a step's lists of names are
+texts joined by ``", "``: trackio logs strings as they are.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from rlmetrics.extras import require
+from rlmetrics.health import Alert
+from rlmetrics.sinks.base import RunSink
+from rlmetrics.sinks.jsonl import run_config
+
+_REMOTE = ("TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL")
+
+
+def _use_dir(logdir: Path) -> Any:
+    """trackio, imported with its folders in ``logdir``."""
+    logdir.mkdir(parents=True, exist_ok=True)
+    if "trackio" not in sys.modules:
+        os.environ["TRACKIO_DIR"] = str(logdir)
+    trackio = require("trackio", "trackers")
+    folders = {"TRACKIO_DIR": logdir, "MEDIA_DIR": logdir / "media", "ARTIFACTS_DIR": logdir / "artifacts"}
+    for name, module in list(sys.modules.items()):
+        if module is not None and (name == "trackio" or name.startswith("trackio.")):
+            for attr, path in folders.items():
+                if isinstance(getattr(module, attr, None), Path):
+                    setattr(module, attr, path)
+    return trackio
+
+
+class TrackioSink(RunSink):
+    """Log each step with ``run.log(metrics, step=step)``; ``close()`` finishes the run."""
+
+    tracker = "trackio"
+
+    def __init__(
+        self,
+        project: str = "rlmetrics",
+        name: str | None = None,
+        logdir: str | os.PathLike = "trackio",
+        resume: str | None = None,
+        config: Any = None,
+    ) -> None:
+        remote = [v for v in _REMOTE if os.environ.get(v)]
+        if remote:
+            raise RuntimeError(
+                f"trackio: {', '.join(remote)} set: the run would leave this machine; unset it"
+            )
+        self.project, self.logdir = project, Path(logdir)
+        trackio = _use_dir(self.logdir)
+        if resume:
+            name = resume
+        run = trackio.init(
+            project=project,
+            name=name,
+            config=run_config(config),
+            resume="allow" if resume else "never",
+            embed=False,
+            auto_log_gpu=False,
+            auto_log_cpu=False,
+        )
+        super().__init__(run)
+        if resume:
+            storage = require("trackio.sqlite_storage", "trackers").SQLiteStorage
+            logs = storage.get_logs(project, run.name)
+            self.resumed_at = max((int(r["step"]) for r in logs), default=None)
+
+    @property
+    def run_id(self) -> str:
+        """The run's name: what ``resume=`` takes (trackio resumes a run by name)."""
+        return self.run.name
+
+    def text(self, names: list[str]) -> Any:
+        return ", ".join(names)
+
+    def alert(self, alert: Alert) -> None:
+        if not self._open:
+            raise ValueError(f"{self!r} is closed")
+        if self.new_alert((alert.step, alert.rule)):
+            self.run.alert(title=f"alert/{alert.rule}", text=str(alert), step=alert.step)
+
+    def __repr__(self) -> str:
+        return f"TrackioSink(project={self.project!r}, logdir={str(self.logdir)!r})"

@@ -1,0 +1,203 @@
+"""trackio, ClearML (offline) and a live Prometheus endpoint, each read back with its own reader:
+the Prometheus endpoint scraped over HTTP on loopback and parsed with prometheus_client's parser,
+trackio's SQLite store through trackio's ``SQLiteStorage``, ClearML's offline session through its
+``metrics.jsonl`` event file (ClearML's own offline import needs a server)."""
+
+import json
+import socket
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from rlmetrics.health import Alert
+from rlmetrics.messages import StepResult
+from rlmetrics.sinks import PROMETHEUS_PORT, TRACKERS, adapt_name, make_sinks, read_jsonl
+
+pytestmark = pytest.mark.slow
+
+STEPS = [
+    {"critic/score/mean": 0.25 * s, "val-core/math/acc/mean@4": 1.0 / (s + 1), "loss": -s} for s in range(4)
+]
+
+
+def scrape(url: str) -> dict[str, list]:
+    """family name → [(labels, value)] of the endpoint, parsed by prometheus_client."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return {f.name: [(s.labels, s.value) for s in f.samples] for f in text_string_to_metric_families(text)}
+
+
+def test_prometheus_serves_the_newest_step_and_frees_its_port():
+    from rlmetrics.sinks import PrometheusSink
+
+    sink = PrometheusSink(run="demo")
+    assert sink.url.startswith("http://127.0.0.1:")
+    for step, values in enumerate(STEPS):
+        sink.log(values, step)
+        got = scrape(sink.url)
+        assert got["rlmetrics_step"] == [({"run": "demo", "axis": "train_step"}, step)]
+        assert got["rlmetrics_critic_score_mean"] == [({"run": "demo"}, values["critic/score/mean"])]
+        assert got["rlmetrics_val_core_math_acc_mean_at_4"] == [
+            ({"run": "demo"}, values["val-core/math/acc/mean@4"])
+        ]
+        assert got["rlmetrics_loss"] == [({"run": "demo"}, values["loss"])]
+        assert set(got) == {
+            "rlmetrics_step", "rlmetrics_critic_score_mean", "rlmetrics_val_core_math_acc_mean_at_4",
+            "rlmetrics_loss", "rlmetrics_alerts",
+        }  # fmt: skip
+    sink.log({"critic/score/mean": 9.0}, 7)  # a metric missing from the newest step is not served
+    got = scrape(sink.url)
+    assert "rlmetrics_loss" not in got and got["rlmetrics_critic_score_mean"][0][1] == 9.0
+    sink.alert(Alert(step=7, rule="reward_collapse", message="x"))
+    sink.alert(Alert(step=8, rule="reward_collapse", message="y"))
+    assert scrape(sink.url)["rlmetrics_alerts"] == [({"run": "demo", "rule": "reward_collapse"}, 2.0)]
+    sink.log_axis({"reward/mean": 0.5}, 3, "policy_version")
+    got = scrape(sink.url)
+    assert ({"run": "demo", "axis": "policy_version"}, 3.0) in got["rlmetrics_step"]
+    assert got["rlmetrics_policy_version_reward_mean"] == [({"run": "demo"}, 0.5)]
+    port = sink.port
+    sink.close()
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+    with PrometheusSink(
+        port
+    ) as again:  # the port is free again (its closed connections may wait in TIME_WAIT)
+        again.log({"a": 1.0}, 0)
+        assert scrape(again.url)["rlmetrics_a"] == [({"run": "rlmetrics"}, 1.0)]
+    with pytest.raises(ValueError, match="closed"):
+        sink.log({"a": 1.0}, 9)
+
+
+def test_prometheus_names_never_meet_and_the_step_gauge_is_kept():
+    from rlmetrics.sinks import PrometheusSink
+
+    with PrometheusSink() as sink:
+        sink.log({"a/b": 1.0, "a-b": 2.0, "step": 3.0, "x:y": 4.0}, 0)
+        got = scrape(sink.url)
+    assert got["rlmetrics_a_b"][0][1] == 1.0 and got["rlmetrics_a_b__2"][0][1] == 2.0
+    assert got["rlmetrics_step__2"][0][1] == 3.0 and got["rlmetrics_step"][0][1] == 0.0
+    assert got["rlmetrics_x_y"][0][1] == 4.0
+    assert adapt_name("critic/score/mean", "prometheus") == "critic_score_mean"
+
+
+def test_prometheus_through_make_sinks_on_a_given_port(tmp_path, monkeypatch):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv(PROMETHEUS_PORT, str(port))
+    with make_sinks(["jsonl", "prometheus"], tmp_path / "run", run_name="r1") as tracking:
+        for step, values in enumerate(STEPS):
+            tracking.log(StepResult(values, step), step)
+        got = scrape(f"http://127.0.0.1:{port}/metrics")
+    assert got["rlmetrics_critic_score_mean"] == [({"run": "r1"}, STEPS[-1]["critic/score/mean"])]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["metrics.jsonl"]  # no file of its own
+
+
+@pytest.fixture
+def local_trackio(monkeypatch):
+    for var in ("TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    pytest.importorskip("trackio")
+
+
+def trackio_logs(project: str, run: str) -> dict[int, dict]:
+    from trackio.sqlite_storage import SQLiteStorage
+
+    rows = SQLiteStorage.get_logs(project, run)
+    steps = [int(r["step"]) for r in rows]
+    assert len(steps) == len(set(steps)), f"a step logged twice: {steps}"
+    return {int(r["step"]): r for r in rows}
+
+
+def test_trackio_reads_back_and_resumes(tmp_path, local_trackio):
+    out = tmp_path / "run"
+    with make_sinks(["jsonl", "trackio"], out, project="proj", run_name="r1", config={"lr": 0.1}) as tracking:
+        for step, values in enumerate(STEPS[:3]):
+            tracking.log(StepResult(values, step), step)
+    assert (out / "trackio" / "proj.db").exists()
+    logs = trackio_logs("proj", "r1")
+    assert sorted(logs) == [0, 1, 2]
+    for step in range(3):
+        for name, value in STEPS[step].items():
+            assert logs[step][name] == pytest.approx(value)
+    assert json.loads((out / "run_ids.json").read_text())["trackio"] == "r1"
+    # a restart: the folder's trackio run continues, catching up from the JSONL file
+    JSONL = out / "metrics.jsonl"
+    with JSONL.open("a") as f:  # a step the JSONL file has and trackio lacks (a killed process)
+        f.write(json.dumps({"step": 3, "metrics": STEPS[3]}) + "\n")
+    assert [r["step"] for r in read_jsonl(JSONL).records] == [0, 1, 2, 3]
+    with make_sinks(["jsonl", "trackio"], out, project="proj", run_name="r1", resume=True) as tracking:
+        assert tracking.resumed_at == 3
+        tracking.log(StepResult({"critic/score/mean": 5.0}, 4), 4)
+        tracking.log(StepResult({"critic/score/mean": 7.0}, 2), 2)  # held: skipped
+    logs = trackio_logs("proj", "r1")
+    assert sorted(logs) == [0, 1, 2, 3, 4]
+    assert (
+        logs[3]["loss"] == -3 and logs[4]["critic/score/mean"] == 5.0 and logs[2]["critic/score/mean"] == 0.5
+    )
+
+
+def test_trackio_refuses_a_remote_run(tmp_path, local_trackio, monkeypatch):
+    from rlmetrics.sinks import TrackioSink
+
+    monkeypatch.setenv("TRACKIO_SPACE_ID", "someone/space")
+    with pytest.raises(RuntimeError, match="TRACKIO_SPACE_ID"):
+        TrackioSink(logdir=tmp_path)
+
+
+def clearml_events(folder: Path) -> list[dict]:
+    """The events of a ClearML offline session: ``metrics.jsonl``, a JSON list of events a line."""
+    return [
+        e for line in (folder / "metrics.jsonl").read_text().splitlines() if line for e in json.loads(line)
+    ]
+
+
+def test_clearml_offline_reads_back_and_refuses_resume(tmp_path):
+    pytest.importorskip("clearml")
+    out = tmp_path / "run"
+    with make_sinks(["clearml"], out, project="proj", run_name="r1", config={"lr": 0.1}) as tracking:
+        for step, values in enumerate(STEPS):
+            tracking.log(StepResult(values, step), step)
+        sink = tracking.sinks[0]
+        folder = sink.folder
+        task_id = sink.run_id
+    assert folder.parent == (out / "clearml" / "offline").resolve() and folder.name == task_id
+    assert (folder.parent / f"{task_id}.zip").exists()
+    scalars = {
+        (e["metric"], e["variant"], e["iter"]): e["value"]
+        for e in clearml_events(folder)
+        if e["type"] == "training_stats_scalar"
+    }
+    expected = {
+        ("critic/score", "mean"): "critic/score/mean",
+        ("val-core/math/acc", "mean@4"): "val-core/math/acc/mean@4",
+        ("loss", "loss"): "loss",
+    }
+    for (title, series), name in expected.items():
+        for step, values in enumerate(STEPS):
+            assert scalars[(title, series, step)] == pytest.approx(values[name])
+    task = json.loads((folder / "task.json").read_text())
+    assert task["name"] == "r1"
+    with pytest.raises(ValueError, match="clearml"):
+        make_sinks(["clearml"], out, resume=True)
+
+
+def test_clearml_one_task_per_process(tmp_path):
+    pytest.importorskip("clearml")
+    from rlmetrics.sinks import ClearMLSink
+
+    with ClearMLSink(logdir=tmp_path / "a") as first:
+        with pytest.raises(RuntimeError, match="one per process"):
+            ClearMLSink(logdir=tmp_path / "b")
+        first.log({"loss": 1.0}, 0)
+    assert [e["value"] for e in clearml_events(first.folder) if e["type"] == "training_stats_scalar"] == [1.0]
+
+
+def test_the_new_trackers_are_registered():
+    assert {"prometheus", "trackio", "clearml"} <= set(TRACKERS)
+    assert adapt_name("loss", "clearml") == "loss/loss"
+    assert adapt_name("val-core/acc/mean@4", "trackio") == "val-core/acc/mean@4"
