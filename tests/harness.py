@@ -252,6 +252,19 @@ def mfu_reference(parts: list[dict]) -> dict[str, float]:
     return {"perf/mfu/actor": actor, "perf/mfu/ref": ref}
 
 
+CHOICES = {"exact": True, "tie": "none", "missing": "drop"}  # issue 33.4's estimators, one record option set
+
+
+def choices_inputs(rng: np.random.Generator) -> tuple:
+    """A rank's validation samples of the ``validation_choices`` family: 0 to 5, a failed score
+    (None) now and then, votes drawn from two answers (ties happen), prompts shared over ranks."""
+    n = int(rng.integers(0, 6))
+    acc = [None if rng.random() < 0.2 else float(rng.integers(0, 2)) for _ in range(n)]
+    infos = {"acc": acc, "pred": [str(v) for v in rng.integers(0, 2, n)]}
+    prompts = [f"q{int(rng.integers(0, 3))}" for _ in range(n)]
+    return [SOURCES[i % 2] for i in range(n)], prompts, infos, rng.integers(1, 3, n).tolist()
+
+
 def by_group(tag: str, labels: list, columns: dict[str, tuple[np.ndarray, Callable]]) -> dict[str, float]:
     """numpy per group: ``name: (values, fn)`` gives ``fn(values)`` of all samples under ``name``
     and of each label's under ``group/<tag>/<label>/<name>``; a name without samples is absent."""
@@ -310,10 +323,17 @@ METRICS: list[Metric] = [
     Metric("mfu", mfu_submit, lambda ps, ns: mfu_reference(ps)),
     Metric("stragglers", lambda c, d, w, step: c.compute_local_straggler_metrics(d["timing"], w, step),
            lambda ps, ns: straggler_reference(ps)),
+    # a step's validation records share their options, so the float64 flag (which validation
+    # ignores) picks one of the two validation families per step
     Metric("validation",
            lambda c, d, w, step: c.process_local_validation_metrics(*d["val"], world_size=w, step=step),
            lambda ps, ns: process_validation_metrics(*cat_validation(ps), nan_strategy=ns),
-           when=lambda spec: sum(spec["val"])),
+           when=lambda spec: sum(spec["val"]) and not spec["float64"]),
+    Metric("validation_choices",
+           lambda c, d, w, step: c.process_local_validation_metrics(*d, world_size=w, step=step, **CHOICES),
+           lambda ps, ns: process_validation_metrics(*cat_validation([{"val": p} for p in ps]),
+                                                     nan_strategy=ns, **CHOICES),
+           inputs=choices_inputs, when=lambda spec: spec["float64"]),
     Metric("plain", lambda c, d, w, step: c.submit_metric(plain_metrics(d), w, step),
            lambda ps, ns: plain_reference(ps)),
     Metric("group_by", lambda c, d, w, step: c.submit_metric(
