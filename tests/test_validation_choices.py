@@ -135,12 +135,29 @@ def renamed(m: dict, choice: str) -> dict:
     return out
 
 
+def failed_by_hand(infos: dict, choice: str) -> dict[str, float]:
+    """``val-aux/<source>/<var>:<choice>/failed``: the None and NaN scores counted one by one."""
+    out: dict[str, float] = {}
+    for var in ("acc", "reward"):
+        for src in sorted(set(SOURCES)):
+            gone = [x is None or math.isnan(x) for x, s in zip(infos[var], SOURCES) if s == src]
+            out[f"val-aux/{src}/{var}:{choice}/failed"] = float(sum(gone))
+    return out
+
+
+def split_failed(got: dict) -> tuple[dict, dict]:
+    failed = {k: v for k, v in got.items() if k.endswith("/failed")}
+    return {k: v for k, v in got.items() if k not in failed}, failed
+
+
 def test_count_as_zero_equals_the_inputs_with_zeros():
     infos = {"acc": ACC, "reward": REWARD, "pred": PRED}
     got = process_validation_metrics(SOURCES, PROMPTS, infos, TURNS, exact=True, missing="count_as_zero")
     zeros = {v: [0.0 if x is None or math.isnan(x) else x for x in infos[v]] for v in ("acc", "reward")}
     want = process_validation_metrics(SOURCES, PROMPTS, {**zeros, "pred": PRED}, TURNS, exact=True)
+    got, failed = split_failed(got)
     assert got == renamed(want, "count_as_zero")
+    assert failed == failed_by_hand(infos, "count_as_zero") and sum(failed.values()) > 0
     assert got["val-core/math/acc:count_as_zero/mean@3"] == pytest.approx((1 / 3 + 2 / 3) / 2)
 
 
@@ -152,7 +169,9 @@ def test_drop_equals_the_inputs_without_the_failed_samples():
         [SOURCES[i] for i in keep], [PROMPTS[i] for i in keep],
         {v: [col[i] for i in keep] for v, col in infos.items()}, [TURNS[i] for i in keep], exact=True,
     )  # fmt: skip
+    got, failed = split_failed(got)
     assert got == renamed(want, "drop")
+    assert failed == failed_by_hand(infos, "drop") and sum(failed.values()) > 0
     assert got["val-core/math/acc:drop/mean@2"] == pytest.approx((1 / 2 + 1) / 2)
 
 
@@ -270,8 +289,9 @@ def test_validation_leaves_the_global_numpy_rng_alone(monkeypatch):
 
 # ---------------------------------------------------------------------------------- the names
 def test_new_names_through_every_tracker():
-    """``^`` and ``:`` pass every tracker but MLflow unchanged; MLflow maps ``^`` to ``_`` (its set:
-    letters, digits, ``_ - . space : /``), and pass^k never meets pass@k there (``_at_``)."""
+    """``^`` and ``:`` pass every tracker but MLflow and Prometheus unchanged; MLflow maps ``^`` to
+    ``_`` (its set: letters, digits, ``_ - . space : /``), Prometheus every other character, and
+    pass^k never meets pass@k there (``_at_``)."""
     from rlmetrics.sinks import TRACKERS, adapt_name
 
     for tracker in TRACKERS:
@@ -280,5 +300,7 @@ def test_new_names_through_every_tracker():
         assert hat != at, tracker
         if tracker == "mlflow":
             assert (hat, at) == ("val-aux/math/acc:drop/pass_4", "val-aux/math/acc:drop/pass_at_4")
+        elif tracker == "prometheus":  # [a-zA-Z0-9_] only
+            assert (hat, at) == ("val_aux_math_acc_drop_pass_4", "val_aux_math_acc_drop_pass_at_4")
         else:
             assert hat == "val-aux/math/acc:drop/pass^4", tracker

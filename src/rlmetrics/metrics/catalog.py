@@ -68,6 +68,10 @@ CATALOG: tuple[tuple[str, str], ...] = (
     ("val-aux/<source>/<var>/maj@<k>/{mean,std}", "bootstrap majority vote of k samples"),
     ("val-aux/<source>/<var>/pass@<k>", "unbiased pass@k of 0/1 variables (exact=True)"),
     (
+        "val-aux/<source>/<var>:<missing>/failed",
+        "samples whose score was None or NaN, made 0 (count_as_zero) or left out (drop), over all ranks",
+    ),
+    (
         "val-aux/<source>/<var>/pass^<k>",
         "unbiased pass^k (all k samples correct), C(c, k) / C(n, k), of 0/1 variables (exact=True)",
     ),

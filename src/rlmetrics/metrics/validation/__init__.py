@@ -292,6 +292,13 @@ def process_samples(
         out["val-aux/num_turns/mean"] = float(turns.mean())
     score = var_key(record, "val/test_score")
     out.update({f"{score}/{src}": v for src, v in res.test_score.items()})
+    if record.missing in ("count_as_zero", "drop"):  # how many samples each key's rule changed
+        failed = dict.fromkeys(res.metrics, 0)
+        for src, var, count in record.failed:
+            failed[(src, var)] = failed.get((src, var), 0) + count
+        out.update(
+            {f"val-aux/{src}/{var_key(record, var)}/failed": float(c) for (src, var), c in failed.items()}
+        )
     return out
 
 

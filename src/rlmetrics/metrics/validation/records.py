@@ -51,7 +51,8 @@ class SampleRecord:
     - ``style`` (:data:`STYLES`), ``seed`` (of the bootstrap) and ``expected``: ``(data_source, prompt,
       count)`` triples (verl's ``expected_acc_counts``), which only the ``"verl"`` style reads;
     - ``tie`` (:data:`TIES`) of maj@k and ``missing`` (:data:`MISSING`): what the samples' missing
-      scores were made into (the keys name it).
+      scores were made into (the keys name it); ``failed``: ``(data_source, var, count)`` triples, the
+      samples whose score was missing and made 0 or left out (``count_as_zero``, ``drop``).
     """
 
     sources: list[Any]
@@ -70,6 +71,7 @@ class SampleRecord:
     expected: list[tuple[Any, Any, int]] = field(default_factory=list)
     tie: str = "first"
     missing: str | None = None
+    failed: list[tuple[Any, str, int]] = field(default_factory=list)
     version: int = RECORD_VERSION
 
     @property
@@ -136,9 +138,9 @@ def encode_samples(
     options = {"digest_prompts": digest_prompts, "exact": exact, "style": style, "seed": seed,
                "expected_counts": expected_counts, "nan_strategy": nan_strategy, "tie": tie}  # fmt: skip
     if missing is not None:
-        parts = _fill_missing(data_sources, sample_inputs, infos_dict, sample_turns, missing)
+        *parts, failed = _fill_missing(data_sources, sample_inputs, infos_dict, sample_turns, missing)
         record = encode_samples(*parts, **options)
-        record.missing = missing
+        record.missing, record.failed = missing, failed
         return record
     if nan_strategy != "propagate":
         keep, turns = _finite_samples(infos_dict, n, _turns_array(sample_turns), nan_strategy)
@@ -221,6 +223,7 @@ def merge_samples(records: Iterable[SampleRecord]) -> SampleRecord:
         "tie": tie,
         "missing": missing,
         "expected": [triple for r in records for triple in r.expected],
+        "failed": [triple for r in records for triple in r.failed],
         "turns": _concat([r.turns for r in records], np.float64),
         "exact": any(r.exact for r in records),
     }
@@ -361,7 +364,7 @@ def check_record(record: Any) -> None:
         raise ValueError(f"validation record: exact {r.exact!r:.40} is not a bool")
     if not (isinstance(r.seed, numbers.Integral) and 0 <= r.seed < 2**32):
         raise ValueError(f"validation record: seed {r.seed!r:.40} outside [0, 2**32)")
-    for name in ("sources", "prompts", "pred_table", "expected"):
+    for name in ("sources", "prompts", "pred_table", "expected", "failed"):
         table = getattr(r, name)
         if not isinstance(table, list):
             raise ValueError(f"validation record: {name} is a {type(table).__name__}, not a list")
@@ -394,6 +397,10 @@ def check_record(record: Any) -> None:
                 f"with a count in [0, {MAX_EXPECTED}]"
             )
         asked += int(count)
+    for triple in r.failed:
+        count = triple[2] if isinstance(triple, tuple) and len(triple) == 3 else None
+        if not (isinstance(count, numbers.Integral) and count > 0 and isinstance(triple[1], str)):
+            raise ValueError(f"validation record: failed {triple!r:.60}: not (source, var, count > 0)")
     if asked > MAX_EXPECTED:
         raise ValueError(
             f"validation record: expected counts ask for {asked} samples, more than {MAX_EXPECTED}"
@@ -506,11 +513,13 @@ def _fill_missing(
     infos_dict: Mapping[str, Sequence[Any]],
     sample_turns: Any,
     missing: str,
-) -> tuple[list, list, dict[str, list], Any]:
+) -> tuple[list, list, dict[str, list], Any, list[tuple[Any, str, int]]]:
     """The inputs with their failed samples (None or NaN scores) made 0.0 or left out, or raise (the
-    ``missing=`` rule of :func:`encode_samples`)."""
+    ``missing=`` rule of :func:`encode_samples`), and the ``(data_source, var, count)`` of the failed
+    samples."""
     n = len(data_sources)
     bad = np.zeros(n, bool)
+    failed: list[tuple[Any, str, int]] = []
     infos = {var: col.tolist() if isinstance(col, np.ndarray) else list(col)
              for var, col in infos_dict.items()}  # fmt: skip
     for var, col in infos.items():
@@ -526,15 +535,20 @@ def _fill_missing(
         if missing == "count_as_zero":
             infos[var] = [0.0 if g else v for v, g in zip(col, gone)]
         bad |= np.asarray(gone, bool)
+        counts: dict[Any, int] = {}
+        for src, g in zip(data_sources, gone):
+            if g:
+                counts[src] = counts.get(src, 0) + 1
+        failed.extend((src, var, c) for src, c in counts.items())
     if missing != "drop" or not bad.any():
-        return list(data_sources), list(sample_inputs), infos, sample_turns
+        return list(data_sources), list(sample_inputs), infos, sample_turns, failed
     keep = ~bad
     turns = _turns_array(sample_turns)
     if len(turns) == n:
         sample_turns = turns[keep]
     pick = lambda col: [v for v, k in zip(col, keep) if k]  # noqa: E731
     kept = {var: pick(col) for var, col in infos.items()}
-    return pick(data_sources), pick(sample_inputs), kept, sample_turns
+    return pick(data_sources), pick(sample_inputs), kept, sample_turns, failed
 
 
 def is_number(v: Any) -> bool:
