@@ -35,7 +35,7 @@ from rlmetrics.extras import require
 from rlmetrics.health import Alert
 from rlmetrics.sinks.base import Sink
 from rlmetrics.sinks.jsonl import run_config
-from rlmetrics.sinks.names import NameMap, as_floats, as_step, lists_of
+from rlmetrics.sinks.names import NameMap, as_floats, as_step, texts_of
 
 
 def clearml_name(name: str) -> str:
@@ -105,8 +105,8 @@ class ClearMLSink(Sink):
         for name, value in as_floats(metrics).items():
             title, _, series = self.names(name).rpartition("/")
             self.logger.report_scalar(title, series, value, iteration=step)
-        for name, names in lists_of(metrics).items():
-            self.logger.report_text(f"{name}: {', '.join(names)}", iteration=step, print_console=False)
+        for name, text in texts_of(metrics).items():
+            self.logger.report_text(f"{name}: {text}", iteration=step, print_console=False)
 
     def alert(self, alert: Alert) -> None:
         if not self._open:
