@@ -106,6 +106,7 @@ def scenarios(draw, world=None):
                 "float64": draw(st.booleans()),
                 "bad": draw(st.sampled_from([None, math.nan, math.inf])),
                 "val": draw(st.lists(st.integers(0, 4), min_size=w, max_size=w)),
+                "val_choices": draw(st.booleans()),  # the validation_choices family instead of validation
             }
         )
     return {
@@ -323,17 +324,16 @@ METRICS: list[Metric] = [
     Metric("mfu", mfu_submit, lambda ps, ns: mfu_reference(ps)),
     Metric("stragglers", lambda c, d, w, step: c.compute_local_straggler_metrics(d["timing"], w, step),
            lambda ps, ns: straggler_reference(ps)),
-    # a step's validation records share their options, so the float64 flag (which validation
-    # ignores) picks one of the two validation families per step
+    # a step's validation records share their options: a step runs one of the two validation families
     Metric("validation",
            lambda c, d, w, step: c.process_local_validation_metrics(*d["val"], world_size=w, step=step),
            lambda ps, ns: process_validation_metrics(*cat_validation(ps), nan_strategy=ns),
-           when=lambda spec: sum(spec["val"]) and not spec["float64"]),
+           when=lambda spec: sum(spec["val"]) and not spec.get("val_choices")),
     Metric("validation_choices",
            lambda c, d, w, step: c.process_local_validation_metrics(*d, world_size=w, step=step, **CHOICES),
            lambda ps, ns: process_validation_metrics(*cat_validation([{"val": p} for p in ps]),
                                                      nan_strategy=ns, **CHOICES),
-           inputs=choices_inputs, when=lambda spec: spec["float64"]),
+           inputs=choices_inputs, when=lambda spec: spec.get("val_choices")),
     Metric("plain", lambda c, d, w, step: c.submit_metric(plain_metrics(d), w, step),
            lambda ps, ns: plain_reference(ps)),
     Metric("group_by", lambda c, d, w, step: c.submit_metric(
