@@ -129,6 +129,7 @@ class Tracking(Sink):
             for i, s in enumerate(self.sinks)
             if (t := getattr(s, "tracker", None)) in LIMITS
         }
+        self._views: tuple[Any, dict[bool, Mapping[str, float]]] = (None, {})  # the last step's views
         self._closed = False
 
     @property
@@ -226,7 +227,13 @@ class Tracking(Sink):
         tracker = getattr(self.sinks[i], "tracker", None)
         if tracker == "jsonl":
             return metrics
-        return self.view(metrics, copies=copies and tracker != "console")
+        copies = copies and tracker != "console"
+        if self._views[0] is not metrics:  # one view per step and kind, whatever the number of sinks
+            self._views = (metrics, {})
+        made = self._views[1]
+        if copies not in made:
+            made[copies] = self.view(metrics, copies=copies)
+        return made[copies]
 
     def catch_up(self, journal: JsonlSink, sinks: Iterable[Sink]) -> None:
         """Log to each of ``sinks`` the steps (and their alerts) of the resumed JSONL file after the
