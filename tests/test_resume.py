@@ -33,6 +33,7 @@ from tests.trackers import (
     tensorboard_texts,
     wandb_alerts,
     wandb_rows,
+    wandb_run_files,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,7 +121,7 @@ def test_driver_killed_and_restarted_logs_every_step_once_in_every_tracker(tmp_p
         "alert/grad_norm": [NAN_STEP],
     }
 
-    wandb_files = sorted(out.glob(f"wandb/*-{ids['wandb']}/run-{ids['wandb']}.wandb"))
+    wandb_files = wandb_run_files(out, ids["wandb"])
     assert len(wandb_files) == 2
     rows = wandb_rows(wandb_files)
     assert [s for s, _ in rows] == steps  # each once, never a lower step after a higher one
@@ -413,7 +414,7 @@ def test_alerts_written_before_a_crash_are_not_repeated_by_any_tracker(tmp_path)
     assert {t: [s for s, _ in v] for t, v in tensorboard_texts(out / "tensorboard").items()} == {
         "alert/grad_norm": [3]
     }
-    wandb_files = sorted(out.glob(f"wandb/*-{ids['wandb']}/run-{ids['wandb']}.wandb"))
+    wandb_files = wandb_run_files(out, ids["wandb"])
     assert [s for s, row in wandb_rows(wandb_files) if "actor/grad_norm" in row] == steps
     assert [title for title, _, _ in wandb_alerts(wandb_files)] == ["grad_norm: actor/grad_norm"]
     uri = f"sqlite:///{out / 'mlflow.db'}"
@@ -485,3 +486,71 @@ def test_a_lagging_tracker_gets_every_metric_of_a_step_verl_logged_in_several_ca
         "train/loss": [0, 1, 2, 3],
         "val/score": [0, 1, 2, 3],
     }
+
+
+def wandb_run(out, steps, **kw):
+    """A finished offline W&B run of ``x = 123400 + step`` at ``steps``; its id and run file."""
+    with make_sinks(["jsonl", "wandb"], out, health=None, **kw) as tracking:
+        for step in steps:
+            tracking.log({"x": 123400.0 + step}, step)
+    run_id = json.loads((out / "run_ids.json").read_text())["wandb"]
+    return run_id, wandb_run_files(out, run_id)[-1]
+
+
+def test_a_wandb_record_failing_its_checksum_ends_what_the_resume_reads(tmp_path, caplog):
+    """The first session's step 6 is damaged on disk (one byte of its value): the resumed W&B run
+    holds steps 0..5 of it and gets steps 6..9 again from the JSONL file, with a warning naming the
+    file."""
+    out = tmp_path / "run"
+    run_id, run_file = wandb_run(out, range(10))
+    data = bytearray(run_file.read_bytes())
+    at = data.index(b"123406")
+    data[at] = ord("9")
+    run_file.write_bytes(bytes(data))
+    with caplog.at_level("WARNING", logger="rlmetrics.sinks.wandb"):
+        with make_sinks(["jsonl", "wandb"], out, health=None, resume=True) as tracking:
+            wandb = tracking.sinks[1]
+    assert any(str(run_file) in r.getMessage() and "checksum" in r.getMessage() for r in caplog.records)
+    resumed = [f for f in wandb_run_files(out, run_id) if f != run_file]
+    assert wandb.run_id == run_id and len(resumed) == 1
+    assert [(s, row["x"]) for s, row in wandb_rows(resumed) if "x" in row] == [
+        (s, 123400 + s) for s in range(6, 10)
+    ]
+
+
+def test_a_wandb_run_file_of_another_format_is_refused_with_what_to_do(tmp_path):
+    """W&B's run file format is its own: a header this version does not know (a W&B release that
+    changed it) stops the resume with one line, as guessing the steps it holds could drop or repeat
+    steps; nothing of the run is removed."""
+    out = tmp_path / "run"
+    run_id, run_file = wandb_run(out, range(3))
+    data = bytearray(run_file.read_bytes())
+    data[6] = 1  # the format version
+    run_file.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"run-\w+\.wandb starts with .*not the format.*run_ids\.json"):
+        make_sinks(["jsonl", "wandb"], out, health=None, resume=True)
+    assert read_jsonl(out / "metrics.jsonl").steps == [0, 1, 2] and run_file.read_bytes() == bytes(data)
+
+
+def test_a_wandb_session_started_in_the_same_second_as_the_last_is_read_back(tmp_path, monkeypatch):
+    """W&B names a session's folder ``offline-run-<time>-<id>`` to the second and adds ``-1`` when
+    that folder exists (a restart within the second). Empty folders of the next seconds stand in
+    for such a start here: the first session's steps land in a ``-1`` folder, and the resumed run
+    reads them back and skips them."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    from rlmetrics.sinks import WandbSink
+
+    run_id, wandb_dir = "samesecond1", tmp_path / "wandb"
+    now = time.time()
+    for t in range(30):
+        stamp = time.strftime("%Y%m%d_%H%M%S", time.localtime(now + t))
+        (wandb_dir / f"offline-run-{stamp}-{run_id}").mkdir(parents=True, exist_ok=True)
+    with WandbSink(dir=tmp_path, resume=run_id) as first:
+        for step in range(5):
+            first.log({"x": float(step)}, step)
+    assert Path(first.run.settings.sync_dir).name.endswith(f"-{run_id}-1")
+    with WandbSink(dir=tmp_path, resume=run_id) as second:
+        assert second.resumed_at == 4
+        for step in range(8):
+            second.log({"x": float(step)}, step)
+    assert [s for s, row in wandb_rows(wandb_run_files(tmp_path, run_id)) if "x" in row] == list(range(8))

@@ -5,6 +5,7 @@ MLflow's client. Lists keep file order and duplicates (a step written twice show
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -67,6 +68,15 @@ def wandb_records(run_file) -> list:
             buf = b""
             records.append(record)
     return records
+
+
+def wandb_run_files(out, run_id) -> list[Path]:
+    """The run files of every session of the W&B run ``run_id`` under ``out/wandb``, oldest first: a
+    session's folder is ``offline-run-<time>-<id>``, ``-<id>-1`` when it started in the same second
+    as the one before."""
+    files = out.glob(f"wandb/*-{run_id}*/run-{run_id}.wandb")
+    mine = [f for f in files if re.fullmatch(rf".*-{re.escape(run_id)}(-\d+)?", f.parent.name)]
+    return sorted(mine, key=lambda f: f.parent.name)
 
 
 def wandb_rows(run_files) -> list[tuple[int, dict]]:

@@ -241,8 +241,8 @@ class Tracking(Sink):
 
         The JSONL file has every step it was given (one flushed write per step; a later call at a
         step, as verl's trainer makes, adds a record with all the step's metrics so far), while a
-        killed process loses what a tracker had not written yet (W&B writes a step when the next one
-        starts, SwanLab flushes its file every 8 KB)."""
+        killed process loses what a tracker had not written yet (W&B's service writes its file every
+        15 s or 32 KiB, SwanLab every 8 KB)."""
         if journal.resumed_at is None:
             return
         run = read_jsonl(journal.path)

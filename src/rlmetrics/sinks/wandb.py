@@ -7,10 +7,16 @@ off (the sink logs metrics, nothing else). W&B only appends: a step lower than o
 is dropped by W&B with a warning. Names are adapted by :meth:`WandbSink.map_name`.
 
 ``resume=<run id>`` continues that run (``wandb.init(id=..., resume="allow")``): offline, each session
-writes its own ``offline-run-<time>-<id>`` directory, and ``wandb sync <dir>/wandb/offline-run-*-<id>``
-uploads them as one run, in order. The sink first reads the run files of the earlier sessions (and,
+writes its own ``offline-run-<time>-<id>`` directory (``-<id>-1`` for one started in the same second
+as the one before), and ``wandb sync <dir>/wandb/offline-run-*-<id>*`` uploads them as one run, in
+order. The sink first reads the run files of the earlier sessions (and,
 online, the run's step) and skips every step up to the last one they hold, so no step is written
-twice and none below a committed one (W&B would drop it). A step's histograms
+twice and none below a committed one (W&B would drop it). Only the files know what W&B kept: its
+service buffers the file and dies with a killed process, losing what it had not flushed (every 15 s
+or 32 KiB; docs/resume.md), and W&B's API reads no offline run. The files are read in W&B's own,
+undocumented format (a leveldb log of ``Record`` protobufs): the header is checked, so a W&B release
+that changed the format stops the resume with a ValueError saying what to do, and the reading ends
+at a record that fails its checksum, with a warning. A step's histograms
 (:attr:`StepResult.histograms <rlmetrics.StepResult>`) are logged as
 ``wandb.Histogram(np_histogram=(counts, edges))`` in the step's row; one of more than 512 bins (W&B's
 limit, ``wandb.Histogram.MAX_LENGTH``; W&B refuses more) is logged with its adjacent bins merged
@@ -40,9 +46,11 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import struct
 import time
-from collections.abc import Iterable, Iterator, Mapping
+import zlib
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +69,7 @@ WANDB_MAX_BINS = 512
 """The most bins a ``wandb.Histogram`` takes (its ``MAX_LENGTH``; 64 is W&B's default)."""
 
 _HEADER, _BLOCK = 7, 32768  # leveldb log format: 7-byte file and record headers, 32 KiB blocks
+_FILE_HEADER = b":W&B" + struct.pack("<HB", 0xBEE1, 0)  # magic, W&B's magic number, format version 0
 
 
 def merge_bins(counts: Any, edges: Any, limit: int = WANDB_MAX_BINS) -> tuple[np.ndarray, np.ndarray]:
@@ -83,25 +92,42 @@ def merge_bins(counts: Any, edges: Any, limit: int = WANDB_MAX_BINS) -> tuple[np
     return np.add.reduceat(counts, starts), np.append(edges[starts], edges[-1])
 
 
-def _run_records(path: Path) -> Iterator[bytes]:
-    """The payloads of the complete records of a W&B run file, in order (none if it is missing)."""
+def _run_records(path: Path) -> tuple[list[bytes], int | None]:
+    """The payloads of the complete records of a W&B run file, in order (none if it is missing or
+    W&B has not written its header yet), up to the first record that fails its checksum, and the
+    byte offset of that record (None: every record passed). The format is W&B's own, undocumented: a
+    header of another format (a W&B release that changed it) raises ValueError, as guessing which
+    steps the file holds could drop or repeat steps."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        return
-    pos, chunks = _HEADER, []
+        return [], None
+    if len(data) < _HEADER:
+        return [], None
+    if data[:_HEADER] != _FILE_HEADER:
+        raise ValueError(
+            f"W&B run file {path} starts with {data[:_HEADER]!r}, not the format this rlmetrics "
+            f"reads ({_FILE_HEADER!r}), so the steps it holds are not known; resume it with the "
+            "wandb version that wrote it, or continue in a new W&B run (resume=None, or remove "
+            '"wandb" from the run_ids.json of make_sinks)'
+        )
+    pos, chunks, payloads = _HEADER, [], []
     while pos + _HEADER <= len(data):
         if _BLOCK - pos % _BLOCK < _HEADER:  # block trailer
             pos += _BLOCK - pos % _BLOCK
             continue
-        _, length, kind = struct.unpack_from("<IHB", data, pos)
-        if pos + _HEADER + length > len(data):
+        checksum, length, kind = struct.unpack_from("<IHB", data, pos)
+        chunk = data[pos + _HEADER : pos + _HEADER + length]
+        if len(chunk) < length:  # the file ends inside this record: cut by a crash
             break
-        chunks.append(data[pos + _HEADER : pos + _HEADER + length])
+        if zlib.crc32(chunk, zlib.crc32(bytes([kind]))) != checksum:
+            return payloads, pos
+        chunks.append(chunk)
         pos += _HEADER + length
         if kind in (1, 4):  # FULL or LAST
-            yield b"".join(chunks)
+            payloads.append(b"".join(chunks))
             chunks = []
+    return payloads, None
 
 
 def _logged(key: str) -> bool:
@@ -113,12 +139,6 @@ def _step_metrics(keys: Iterable[str]) -> set[str]:
     """The step metrics a row of an ``axes=True`` run may hold: ``train_step`` and the ``a`` of its
     ``a/...`` names."""
     return {_TRAIN_STEP} | {k.split("/", 1)[0] for k in keys if "/" in k}
-
-
-def _last_record(path: Path) -> bytes | None:
-    """The payload of the last complete record of a W&B run file (None if there is none)."""
-    records = list(_run_records(path))
-    return records[-1] if records else None
 
 
 class WandbSink(RunSink):
@@ -180,12 +200,20 @@ class WandbSink(RunSink):
         """The last step and the alerts of this run in the run files of its earlier sessions (online,
         the step W&B resumed it at)."""
         run_file = Path(self.run.settings.sync_file)
-        files = [f for f in run_file.parent.parent.glob(f"*-{self.run.id}/{run_file.name}") if f != run_file]
+        session = re.compile(rf".*-{re.escape(self.run.id)}(-\d+)?")  # -<n>: a start in the same second
+        files = [
+            f
+            for f in run_file.parent.parent.glob(f"*-{self.run.id}*/{run_file.name}")
+            if session.fullmatch(f.parent.name) and f != run_file
+        ]
         steps = [self.run.step - 1] if self.run.step else []
         rows = list(steps)
         self._alerted = set()
         for path in files:
-            for payload in _run_records(path):
+            payloads, bad = _run_records(path)
+            if bad is not None:
+                logger.warning("W&B run file %s: record at byte %d fails its checksum; read to it", path, bad)
+            for payload in payloads:
                 record = self._Record()
                 record.ParseFromString(payload)
                 kind = record.WhichOneof("record_type")
@@ -264,10 +292,14 @@ class WandbSink(RunSink):
     def _wait_written(self, run_file: Path) -> None:
         deadline = time.monotonic() + self.close_timeout
         while True:
-            payload = _last_record(run_file)
-            if payload is not None:
+            try:
+                payloads = _run_records(run_file)[0]
+            except ValueError as exc:
+                logger.warning("%s: not waiting for W&B to write it", exc)
+                return
+            if payloads:
                 record = self._Record()
-                record.ParseFromString(payload)
+                record.ParseFromString(payloads[-1])
                 if record.WhichOneof("record_type") == "exit":
                     return
             if time.monotonic() > deadline:
