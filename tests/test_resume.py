@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import sqlite3
+import struct
 import subprocess
 import sys
 import time
@@ -497,20 +498,35 @@ def wandb_run(out, steps, **kw):
     return run_id, wandb_run_files(out, run_id)[-1]
 
 
-def test_a_wandb_record_failing_its_checksum_ends_what_the_resume_reads(tmp_path, caplog):
-    """The first session's step 6 is damaged on disk (one byte of its value): the resumed W&B run
-    holds steps 0..5 of it and gets steps 6..9 again from the JSONL file, with a warning naming the
-    file."""
+def record_at(data, at):
+    """The offset of the header of the record of a W&B run file that holds byte ``at``."""
+    pos = 7
+    while True:
+        pos += 32768 - pos % 32768 if 32768 - pos % 32768 < 7 else 0  # a block trailer
+        end = pos + 7 + struct.unpack_from("<H", data, pos + 4)[0]
+        if at < end:
+            return pos
+        pos = end
+
+
+@pytest.mark.parametrize("damage", ["value", "length"])
+def test_a_damaged_wandb_record_ends_what_the_resume_reads(tmp_path, caplog, damage):
+    """The first session's step 6 is damaged on disk (one byte of its value, which its checksum
+    catches, or its record's length): the resumed W&B run holds steps 0..5 of it and gets steps
+    6..9 again from the JSONL file, with a warning naming the file."""
     out = tmp_path / "run"
     run_id, run_file = wandb_run(out, range(10))
     data = bytearray(run_file.read_bytes())
     at = data.index(b"123406")
-    data[at] = ord("9")
+    if damage == "value":
+        data[at] = ord("9")
+    else:
+        struct.pack_into("<H", data, record_at(data, at) + 4, 0xFFFF)
     run_file.write_bytes(bytes(data))
     with caplog.at_level("WARNING", logger="rlmetrics.sinks.wandb"):
         with make_sinks(["jsonl", "wandb"], out, health=None, resume=True) as tracking:
             wandb = tracking.sinks[1]
-    assert any(str(run_file) in r.getMessage() and "checksum" in r.getMessage() for r in caplog.records)
+    assert any(str(run_file) in r.getMessage() and "is damaged" in r.getMessage() for r in caplog.records)
     resumed = [f for f in wandb_run_files(out, run_id) if f != run_file]
     assert wandb.run_id == run_id and len(resumed) == 1
     assert [(s, row["x"]) for s, row in wandb_rows(resumed) if "x" in row] == [
@@ -527,9 +543,10 @@ def test_a_wandb_run_file_of_another_format_is_refused_with_what_to_do(tmp_path)
     data = bytearray(run_file.read_bytes())
     data[6] = 1  # the format version
     run_file.write_bytes(bytes(data))
-    with pytest.raises(ValueError, match=r"run-\w+\.wandb starts with .*not the format.*run_ids\.json"):
+    with pytest.raises(ValueError, match=r"run-\w+\.wandb is not of the format .*remove \"wandb\" from"):
         make_sinks(["jsonl", "wandb"], out, health=None, resume=True)
     assert read_jsonl(out / "metrics.jsonl").steps == [0, 1, 2] and run_file.read_bytes() == bytes(data)
+    assert wandb_run_files(out, run_id) == [run_file]  # the refused session left no folder behind
 
 
 def test_a_wandb_session_started_in_the_same_second_as_the_last_is_read_back(tmp_path, monkeypatch):

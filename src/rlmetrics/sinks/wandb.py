@@ -16,7 +16,7 @@ service buffers the file and dies with a killed process, losing what it had not 
 or 32 KiB; docs/resume.md), and W&B's API reads no offline run. The files are read in W&B's own,
 undocumented format (a leveldb log of ``Record`` protobufs): the header is checked, so a W&B release
 that changed the format stops the resume with a ValueError saying what to do, and the reading ends
-at a record that fails its checksum, with a warning. A step's histograms
+at a damaged record (its checksum or its header wrong), with a warning. A step's histograms
 (:attr:`StepResult.histograms <rlmetrics.StepResult>`) are logged as
 ``wandb.Histogram(np_histogram=(counts, edges))`` in the step's row; one of more than 512 bins (W&B's
 limit, ``wandb.Histogram.MAX_LENGTH``; W&B refuses more) is logged with its adjacent bins merged
@@ -47,6 +47,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import struct
 import time
 import zlib
@@ -59,7 +60,7 @@ import numpy as np
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
 from rlmetrics.messages import DEFAULT_AXIS as _TRAIN_STEP
-from rlmetrics.sinks.base import RunSink
+from rlmetrics.sinks.base import RunSink, resume_id
 from rlmetrics.sinks.jsonl import run_config
 from rlmetrics.sinks.names import as_floats, as_step, axis_names, path_safe
 
@@ -94,10 +95,10 @@ def merge_bins(counts: Any, edges: Any, limit: int = WANDB_MAX_BINS) -> tuple[np
 
 def _run_records(path: Path) -> tuple[list[bytes], int | None]:
     """The payloads of the complete records of a W&B run file, in order (none if it is missing or
-    W&B has not written its header yet), up to the first record that fails its checksum, and the
-    byte offset of that record (None: every record passed). The format is W&B's own, undocumented: a
-    header of another format (a W&B release that changed it) raises ValueError, as guessing which
-    steps the file holds could drop or repeat steps."""
+    W&B has not written its header yet), up to the first damaged record (its checksum or its header
+    wrong), and the byte offset of that record (None: none is damaged). The format is W&B's own,
+    undocumented: a file header of another format (a W&B release that changed it) raises
+    ValueError, as guessing which steps the file holds could drop or repeat steps."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -106,10 +107,11 @@ def _run_records(path: Path) -> tuple[list[bytes], int | None]:
         return [], None
     if data[:_HEADER] != _FILE_HEADER:
         raise ValueError(
-            f"W&B run file {path} starts with {data[:_HEADER]!r}, not the format this rlmetrics "
-            f"reads ({_FILE_HEADER!r}), so the steps it holds are not known; resume it with the "
-            "wandb version that wrote it, or continue in a new W&B run (resume=None, or remove "
-            '"wandb" from the run_ids.json of make_sinks)'
+            f"W&B run file {path} is not of the format this rlmetrics reads (it starts with "
+            f"{data[:_HEADER]!r}, not {_FILE_HEADER!r}), so which steps it holds is not known. "
+            "To continue that W&B run, resume with the wandb release that wrote it; to continue the "
+            'training in a new W&B run, remove "wandb" from the folder\'s run_ids.json (make_sinks) '
+            "or create WandbSink without resume="
         )
     pos, chunks, payloads = _HEADER, [], []
     while pos + _HEADER <= len(data):
@@ -117,6 +119,8 @@ def _run_records(path: Path) -> tuple[list[bytes], int | None]:
             pos += _BLOCK - pos % _BLOCK
             continue
         checksum, length, kind = struct.unpack_from("<IHB", data, pos)
+        if kind not in (1, 2, 3, 4) or length > _BLOCK - pos % _BLOCK - _HEADER:  # a damaged header
+            return payloads, pos
         chunk = data[pos + _HEADER : pos + _HEADER + length]
         if len(chunk) < length:  # the file ends inside this record: cut by a crash
             break
@@ -158,6 +162,15 @@ class WandbSink(RunSink):
         name = path_safe(name)
         return "metric" + name if name.startswith("_") else name
 
+    folder_files = ("wandb",)
+    takes_config = catches_up = True
+
+    @classmethod
+    def in_folder(
+        cls, out_dir: Path, project: str, run_name: str | None, resume: bool | str, **options: Any
+    ) -> WandbSink:
+        return cls(project, run_name, dir=out_dir, mode="offline", resume=resume_id(resume), **options)
+
     def __init__(
         self,
         project: str = "rlmetrics",
@@ -194,7 +207,12 @@ class WandbSink(RunSink):
         init_kwargs.update(project=project, name=name, dir=dir, mode=mode, config=config)
         super().__init__(wandb.init(**init_kwargs))
         if resume:
-            self._read_back()
+            try:
+                self._read_back()
+            except ValueError:  # a run file it cannot read: the session just begun is taken back
+                self.run.finish()
+                shutil.rmtree(self.run.settings.sync_dir, ignore_errors=True)
+                raise
 
     def _read_back(self) -> None:
         """The last step and the alerts of this run in the run files of its earlier sessions (online,
@@ -212,7 +230,7 @@ class WandbSink(RunSink):
         for path in files:
             payloads, bad = _run_records(path)
             if bad is not None:
-                logger.warning("W&B run file %s: record at byte %d fails its checksum; read to it", path, bad)
+                logger.warning("W&B run file %s: the record at byte %d is damaged; read up to it", path, bad)
             for payload in payloads:
                 record = self._Record()
                 record.ParseFromString(payload)
@@ -294,8 +312,8 @@ class WandbSink(RunSink):
         while True:
             try:
                 payloads = _run_records(run_file)[0]
-            except ValueError as exc:
-                logger.warning("%s: not waiting for W&B to write it", exc)
+            except ValueError:
+                logger.warning("W&B run file %s: a format rlmetrics does not read; not waited for", run_file)
                 return
             if payloads:
                 record = self._Record()
