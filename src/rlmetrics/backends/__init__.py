@@ -9,15 +9,13 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from rlmetrics.axes import connect_axes
 from rlmetrics.backends import local
 from rlmetrics.client import ClientCore, Transport, world_size_arg
 from rlmetrics.compute_local import ComputeLocal
-
-BACKENDS = ("local", "ray", "torch")
 
 
 class MetricClient(ComputeLocal, ClientCore):
@@ -96,19 +94,22 @@ def connect(
     client_opts = {k: options.pop(k) for k in client_keys if k in options}
     if client_opts.get("naming") is not None:
         options.setdefault("renames", dict(client_opts["naming"].renames))
-    if backend == "local":
-        client = MetricClient(local.get_worker(name, **options), world_size=world_size, **client_opts)
-    elif backend == "ray":
-        client = _connect_ray(name, world_size, client_opts, options)
-    elif backend == "torch":
-        from rlmetrics.backends import torch_dist
-
-        client = torch_dist.TorchMetricClient(world_size=world_size, **client_opts, **options)
-    else:
-        raise ValueError(f"unknown backend {backend!r}: choose one of {BACKENDS}")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}: choose one of {tuple(BACKENDS)}")
+    client = BACKENDS[backend](name, world_size, client_opts, options)
     if world_size is not None:  # a rank: waited for from its first step on
         client.register()
     return client
+
+
+def _connect_local(name: str, world_size: int | None, client_opts: dict, options: dict) -> MetricClient:
+    return MetricClient(local.get_worker(name, **options), world_size=world_size, **client_opts)
+
+
+def _connect_torch(name: str, world_size: int | None, client_opts: dict, options: dict) -> ClientCore:
+    from rlmetrics.backends import torch_dist
+
+    return torch_dist.TorchMetricClient(world_size=world_size, **client_opts, **options)
 
 
 def _connect_ray(name: str, world_size: int | None, client_opts: dict, options: dict) -> MetricClient:
@@ -123,3 +124,12 @@ def _connect_ray(name: str, world_size: int | None, client_opts: dict, options: 
         raise ValueError(f"hierarchy must be None or 'node', got {hierarchy!r}")
     node = ray_backend.node_worker(name, options.get("namespace"))
     return MetricClient(ray_backend.RayTransport(node, root=root), world_size=world_size, **client_opts)
+
+
+BACKENDS: dict[str, Callable[[str, int | None, dict, dict], Any]] = {
+    "local": _connect_local,
+    "ray": _connect_ray,
+    "torch": _connect_torch,
+}
+"""Backend name → ``(name, world_size, client_options, aggregator_options) -> client``: what
+:func:`connect` calls (a new backend is a transport module and a row here)."""

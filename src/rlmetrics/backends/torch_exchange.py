@@ -72,6 +72,12 @@ class Layout:
         def where(pred) -> np.ndarray:
             return np.array([i for i, r in enumerate(kinds) if pred(r)], dtype=np.int64)
 
+        def whole(r) -> bool:  # M2 merges with every rank's count and sum; a histogram reads all fields
+            return 2 in r.fields and r.kind != "quantile"
+
+        def extreme(field: int):  # a min or max field read, reduced with MIN or MAX (a sketch has its own)
+            return lambda r: field in r.fields and not whole(r) and not r.needs_sketch
+
         schema = Schema.of(names, reductions)
         return cls(
             names,
@@ -79,9 +85,9 @@ class Layout:
             schema,
             float(int.from_bytes(schema.id[:6], "big")),
             {n: i for i, n in enumerate(names)},
-            where(lambda r: r.kind in ("std", "hist")),  # a histogram reads every field of its Stat
-            where(lambda r: r.kind == "max"),
-            where(lambda r: r.kind == "min"),
+            where(whole),  # what each kind reads (Reduction.fields), so a new kind needs no change here
+            where(extreme(4)),
+            where(extreme(3)),
             where(lambda r: r.needs_sketch),
             _read_fields(kinds),
         )

@@ -51,7 +51,7 @@ from rlmetrics.sinks.jsonl import JsonlRun, JsonlSink, read_jsonl, record_result
 from rlmetrics.sinks.keys import CORE_KEYS, LIMITS, OVERVIEW, KeyLimits, KeyView
 from rlmetrics.sinks.mlflow import MLflowSink
 from rlmetrics.sinks.names import NameMap, as_floats, as_step
-from rlmetrics.sinks.prometheus import PrometheusSink
+from rlmetrics.sinks.prometheus import PROMETHEUS_PORT, PrometheusSink
 from rlmetrics.sinks.swanlab import SwanLabSink
 from rlmetrics.sinks.tensorboard import TensorBoardSink
 from rlmetrics.sinks.trackio import TrackioSink
@@ -271,81 +271,27 @@ class Tracking(Sink):
         return f"Tracking({self.sinks!r})"
 
 
-def _mlflow(out_dir: Path, project: str, run_name: str | None, resume: bool | str, **kw) -> MLflowSink:
-    uri = f"sqlite:///{(out_dir / 'mlflow.db').resolve().as_posix()}"
-    return MLflowSink(uri, project, run_name, resume=_run_id(resume), **kw)
-
-
-def _swanlab(out_dir: Path, project: str, run_name: str | None, resume: bool | str, **kw) -> SwanLabSink:
-    if run_name:
-        kw["name"] = run_name
-    return SwanLabSink(project, logdir=out_dir / "swanlab", mode="offline", resume=_run_id(resume), **kw)
-
-
-def _wandb(out_dir: Path, project: str, run_name: str | None, resume: bool | str, **kw) -> WandbSink:
-    return WandbSink(project, run_name, dir=out_dir, mode="offline", resume=_run_id(resume), **kw)
-
-
-def _trackio(out_dir: Path, project: str, run_name: str | None, resume: bool | str, **kw) -> TrackioSink:
-    return TrackioSink(project, run_name, logdir=out_dir / "trackio", resume=_run_id(resume), **kw)
-
-
-def _clearml(out_dir: Path, project: str, run_name: str | None, resume: bool | str, **kw) -> ClearMLSink:
-    """A saved task id (an earlier session in the folder) raises: offline sessions are not continued."""
-    return ClearMLSink(project, run_name, logdir=out_dir / "clearml", resume=_run_id(resume), **kw)
-
-
-PROMETHEUS_PORT = "RLMETRICS_PROMETHEUS_PORT"
-"""The environment variable with the port :func:`make_sinks`'s Prometheus endpoint listens on (unset:
-a free port, logged), and ``RLMETRICS_PROMETHEUS_ADDR`` its address (unset: ``127.0.0.1``)."""
-
-
-def _prometheus(out_dir: Path, project: str, run_name: str | None, resume: bool | str) -> PrometheusSink:
-    """No files, nothing to resume: a restarted run serves again from its next step."""
-    return PrometheusSink(
-        int(os.environ.get(PROMETHEUS_PORT) or 0),
-        os.environ.get("RLMETRICS_PROMETHEUS_ADDR") or "127.0.0.1",
-        run=run_name or Path(out_dir).resolve().name,
-    )
-
-
-def _run_id(resume: bool | str) -> str | None:
-    return resume if isinstance(resume, str) else None
-
-
-SINKS: dict[str, Callable[[Path, str, str | None, bool | str], Sink]] = {
-    "jsonl": lambda out_dir, project, run_name, resume: JsonlSink(
-        out_dir / "metrics.jsonl", resume=bool(resume)
-    ),
-    "console": lambda out_dir, project, run_name, resume: ConsoleSink(),
-    "tensorboard": lambda out_dir, project, run_name, resume: TensorBoardSink(
-        out_dir / "tensorboard", resume=bool(resume)
-    ),
-    "wandb": _wandb,
-    "mlflow": _mlflow,
-    "swanlab": _swanlab,
-    "trackio": _trackio,
-    "clearml": _clearml,
-    "prometheus": _prometheus,
-}
-"""Sink name → factory ``(out_dir, project, run_name, resume) -> Sink``, as :func:`make_sinks` uses
-them; ``resume``: False (a new run), True (continue what is in ``out_dir``) or the id of the
-tracker's run to continue. Those of :data:`CONFIG_SINKS` take ``config=``, W&B's ``axes=``."""
+SINKS: dict[str, Callable[..., Sink]] = {name: sink.in_folder for name, sink in TRACKERS.items()}
+"""Sink name → factory ``(out_dir, project, run_name, resume) -> Sink`` (each sink's
+:meth:`Sink.in_folder`), as :func:`make_sinks` uses them; ``resume``: False (a new run), True
+(continue what is in ``out_dir``) or the id of the tracker's run to continue. Those of
+:data:`CONFIG_SINKS` take ``config=``, W&B's ``axes=``."""
 
 RUN_IDS = "run_ids.json"
 """The file in ``out_dir`` where :func:`make_sinks` keeps the id of each tracker's run."""
 
 RUN_FILES = (
-    "metrics.jsonl", "tensorboard", "wandb", "swanlab", "mlflow.db", "mlflow.db-journal", "mlflow.db.*.init*",
-    "trackio", "clearml", RUN_IDS, "run_ids.tmp",
-)  # fmt: skip
-"""What :func:`make_sinks` writes in its folder (glob patterns: the sinks' files and folders, the MLflow
-store's journal and the temporary stores of killed starts, the run ids and their temporary file)."""
+    *(pattern for sink in TRACKERS.values() for pattern in sink.folder_files),
+    RUN_IDS,
+    "run_ids.tmp",
+)
+"""What :func:`make_sinks` writes in its folder (glob patterns): each sink's
+:attr:`~Sink.folder_files`, the run ids and their temporary file."""
 
-CONFIG_SINKS = ("wandb", "mlflow", "swanlab", "trackio", "clearml")
+CONFIG_SINKS = tuple(name for name, sink in TRACKERS.items() if sink.takes_config)
 """The sinks :func:`make_sinks` gives the run's ``config`` (the trackers that store one)."""
 
-CATCH_UP = ("tensorboard", "wandb", "mlflow", "swanlab", "trackio")
+CATCH_UP = tuple(name for name, sink in TRACKERS.items() if sink.catches_up)
 """The sinks :func:`make_sinks` brings up to the JSONL file when it resumes a run
 (:meth:`Tracking.catch_up`)."""
 

@@ -29,6 +29,7 @@ closed
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, ClassVar
 
 from rlmetrics.health import Alert
@@ -50,10 +51,26 @@ class Sink:
     case_insensitive_names: ClassVar[bool] = False
     """The tracker takes two names that differ only in case as one metric."""
 
+    folder_files: ClassVar[tuple[str, ...]] = ()
+    """What :meth:`in_folder` writes in a run folder (glob patterns): what
+    :func:`~rlmetrics.sinks.make_sinks` refuses to write over, and replaces with ``overwrite=True``."""
+    takes_config: ClassVar[bool] = False
+    """:meth:`in_folder` takes the run's ``config=`` (the tracker stores one)."""
+    catches_up: ClassVar[bool] = False
+    """A resumed :func:`~rlmetrics.sinks.make_sinks` first logs to it the steps of the JSONL file
+    that its own files lack (:meth:`~rlmetrics.sinks.Tracking.catch_up`)."""
+
     resumed_at: int | None = None
     run_id: str | None = None
     """The tracker's id of the run, what ``resume=`` takes to continue it (None: the sink has none)."""
     _alerted: set | None = None
+
+    @classmethod
+    def in_folder(cls, out_dir: Path, project: str, run_name: str | None, resume: bool | str) -> Sink:
+        """The sink :func:`~rlmetrics.sinks.make_sinks` makes in its run folder ``out_dir``;
+        ``resume``: False (a new run), True (continue what is in ``out_dir``) or the id of the
+        tracker's run to continue (:func:`resume_id`)."""
+        raise NotImplementedError(f"{cls.__name__} is not made by make_sinks")
 
     @staticmethod
     def map_name(name: str) -> str:
@@ -151,3 +168,8 @@ class RunSink(Sink):
 
     def finish(self) -> None:
         self.run.finish()
+
+
+def resume_id(resume: bool | str) -> str | None:
+    """The tracker run id that :meth:`Sink.in_folder`'s ``resume`` names (None: a new run or none saved)."""
+    return resume if isinstance(resume, str) else None

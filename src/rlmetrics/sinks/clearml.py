@@ -33,7 +33,7 @@ from typing import Any
 
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
-from rlmetrics.sinks.base import Sink
+from rlmetrics.sinks.base import Sink, resume_id
 from rlmetrics.sinks.jsonl import run_config
 from rlmetrics.sinks.names import NameMap, as_floats, as_step, texts_of
 
@@ -49,6 +49,16 @@ class ClearMLSink(Sink):
 
     tracker = "clearml"
     map_name = staticmethod(clearml_name)
+
+    folder_files = ("clearml",)
+    takes_config = True
+
+    @classmethod
+    def in_folder(
+        cls, out_dir: Path, project: str, run_name: str | None, resume: bool | str, **options: Any
+    ) -> ClearMLSink:
+        """A saved task id (an earlier session in the folder) raises: offline sessions are not continued."""
+        return cls(project, run_name, logdir=out_dir / "clearml", resume=resume_id(resume), **options)
 
     def __init__(
         self,

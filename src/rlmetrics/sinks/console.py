@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import IO, Any
 
 from rlmetrics.extras import require
@@ -87,6 +88,10 @@ class ConsoleSink(Sink):
     """Print a table every ``every`` steps (steps divisible by ``every``) to ``file`` (stdout)."""
 
     tracker = "console"  # names as they are: plain text, rich markup is not interpreted
+
+    @classmethod
+    def in_folder(cls, out_dir: Path, project: str, run_name: str | None, resume: bool | str) -> ConsoleSink:
+        return cls()
 
     def __init__(self, every: int = 1, file: IO[str] | None = None, max_rows: int | None = None) -> None:
         if every < 1:

@@ -285,6 +285,12 @@ class JsonlSink(Sink):
 
     tracker = "jsonl"  # names as they are: JSON strings, never paths
 
+    folder_files = ("metrics.jsonl",)
+
+    @classmethod
+    def in_folder(cls, out_dir: Path, project: str, run_name: str | None, resume: bool | str) -> JsonlSink:
+        return cls(out_dir / "metrics.jsonl", resume=bool(resume))
+
     def __init__(
         self,
         path: str | os.PathLike,

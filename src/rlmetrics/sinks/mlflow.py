@@ -62,7 +62,7 @@ from typing import Any
 
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
-from rlmetrics.sinks.base import Sink
+from rlmetrics.sinks.base import Sink, resume_id
 from rlmetrics.sinks.jsonl import run_config
 from rlmetrics.sinks.names import NameMap, as_floats, as_step, path_safe, texts_of
 
@@ -159,6 +159,20 @@ class MLflowSink(Sink):
         ('val-core/math/acc/mean_at_4', 'acc ___')
         """
         return _BAD.sub("_", path_safe(name).replace("@", "_at_"))
+
+    folder_files = (
+        "mlflow.db",
+        "mlflow.db-journal",
+        "mlflow.db.*.init*",
+    )  # the store, its journal, killed starts
+    takes_config = catches_up = True
+
+    @classmethod
+    def in_folder(
+        cls, out_dir: Path, project: str, run_name: str | None, resume: bool | str, **options: Any
+    ) -> MLflowSink:
+        uri = f"sqlite:///{(out_dir / 'mlflow.db').resolve().as_posix()}"
+        return cls(uri, project, run_name, resume=resume_id(resume), **options)
 
     def __init__(
         self,

@@ -30,9 +30,11 @@ metric.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from rlmetrics.extras import require
@@ -56,12 +58,29 @@ def prometheus_name(name: str) -> str:
     return _OUTSIDE.sub("_", name.replace("@", "_at_")) or "_"
 
 
+PROMETHEUS_PORT = "RLMETRICS_PROMETHEUS_PORT"
+"""The environment variable with the port :func:`~rlmetrics.sinks.make_sinks`'s Prometheus endpoint
+listens on (unset: a free port, logged), and ``RLMETRICS_PROMETHEUS_ADDR`` its address (unset:
+``127.0.0.1``)."""
+
+
 class PrometheusSink(Sink):
     """Serve the newest step at ``http://<addr>:<port>/metrics`` (:attr:`url`; ``port=0``: a free
     one, :attr:`port` tells which) until :meth:`close`."""
 
     tracker = "prometheus"
     map_name = staticmethod(prometheus_name)
+
+    @classmethod
+    def in_folder(
+        cls, out_dir: Path, project: str, run_name: str | None, resume: bool | str
+    ) -> PrometheusSink:
+        """No files, nothing to resume: a restarted run serves again from its next step."""
+        return cls(
+            int(os.environ.get(PROMETHEUS_PORT) or 0),
+            os.environ.get("RLMETRICS_PROMETHEUS_ADDR") or "127.0.0.1",
+            run=run_name or Path(out_dir).resolve().name,
+        )
 
     def __init__(
         self, port: int = 0, addr: str = "127.0.0.1", *, prefix: str = "rlmetrics", run: str = "rlmetrics"

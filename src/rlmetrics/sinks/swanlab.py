@@ -33,7 +33,7 @@ from typing import Any
 
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
-from rlmetrics.sinks.base import RunSink
+from rlmetrics.sinks.base import RunSink, resume_id
 from rlmetrics.sinks.jsonl import run_config
 from rlmetrics.sinks.names import path_safe
 
@@ -44,6 +44,17 @@ class SwanLabSink(RunSink):
     tracker = "swanlab"
     name_limit = 512
     map_name = staticmethod(path_safe)
+
+    folder_files = ("swanlab",)
+    takes_config = catches_up = True
+
+    @classmethod
+    def in_folder(
+        cls, out_dir: Path, project: str, run_name: str | None, resume: bool | str, **options: Any
+    ) -> SwanLabSink:
+        if run_name:
+            options["name"] = run_name
+        return cls(project, logdir=out_dir / "swanlab", mode="offline", resume=resume_id(resume), **options)
 
     def __init__(
         self,

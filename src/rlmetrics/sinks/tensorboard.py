@@ -50,6 +50,15 @@ class TensorBoardSink(Sink):
     tracker = "tensorboard"
     map_name = staticmethod(path_safe)
 
+    folder_files = ("tensorboard",)
+    catches_up = True
+
+    @classmethod
+    def in_folder(
+        cls, out_dir: Path, project: str, run_name: str | None, resume: bool | str
+    ) -> TensorBoardSink:
+        return cls(out_dir / "tensorboard", resume=bool(resume))
+
     def __init__(self, log_dir: str | os.PathLike, *, resume: bool = False) -> None:
         writer = require("tensorboard.summary.writer.event_file_writer", "tensorboard")
         self._event_pb2 = require("tensorboard.compat.proto.event_pb2", "tensorboard")

@@ -28,7 +28,7 @@ from typing import Any
 
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
-from rlmetrics.sinks.base import RunSink
+from rlmetrics.sinks.base import RunSink, resume_id
 from rlmetrics.sinks.jsonl import run_config
 
 _REMOTE = ("TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL")
@@ -53,6 +53,15 @@ class TrackioSink(RunSink):
     """Log each step with ``run.log(metrics, step=step)``; ``close()`` finishes the run."""
 
     tracker = "trackio"
+
+    folder_files = ("trackio",)
+    takes_config = catches_up = True
+
+    @classmethod
+    def in_folder(
+        cls, out_dir: Path, project: str, run_name: str | None, resume: bool | str, **options: Any
+    ) -> TrackioSink:
+        return cls(project, run_name, logdir=out_dir / "trackio", resume=resume_id(resume), **options)
 
     def __init__(
         self,

@@ -1,9 +1,9 @@
 """One rank's validation samples as a compact :class:`SampleRecord` (:func:`encode_samples`), records of
+several ranks concatenated in rank order (:func:`merge_samples`), and a record's content hash
+(:func:`record_digest`).
 
 Over 400 lines on purpose: a record's encoding, its merge over ranks and its digest share one
 compact layout (offsets and codes) that nothing else reads.
-several ranks concatenated in rank order (:func:`merge_samples`), and a record's content hash
-(:func:`record_digest`).
 """
 
 from __future__ import annotations
