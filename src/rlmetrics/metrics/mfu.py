@@ -57,6 +57,7 @@ from typing import Any
 
 from rlmetrics.core.stat import Stat
 from rlmetrics.core.values import MetricValueError, scalar_value
+from rlmetrics.extras import require
 from rlmetrics.metrics import MFU_STAGES, mfu_aux
 
 PEAK_FLOPS: dict[str, float] = {
@@ -169,8 +170,7 @@ def _tokens_and_lengths(data: Any) -> tuple[float, list[float] | None]:
     )
     if value is not None:
         return value, None
-    import torch
-
+    torch = require("torch", "torch")
     from rlmetrics.metrics.tensors import BatchTensors
     from rlmetrics.metrics.timing import batch_tokens
 
