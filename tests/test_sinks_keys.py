@@ -11,6 +11,7 @@ import pytest
 
 from rlmetrics.messages import StepResult
 from rlmetrics.sinks import CORE_KEYS, KeyLimits, KeyView, Sink, Tracking, make_sinks, read_jsonl
+from rlmetrics.sinks import TRACKERS as SINK_CLASSES
 from rlmetrics.sinks.keys import Limits
 from tests.trackers import read_swanlab, read_tensorboard, read_wandb
 
@@ -140,8 +141,10 @@ class Recorder(Sink):
     tracker = "recorder"
 
     def __init__(self, tracker=None):
-        if tracker:
+        if tracker:  # stands in for that tracker's sink: its name and which keys it gets
             self.tracker = tracker
+            self.all_keys = SINK_CLASSES[tracker].all_keys
+            self.overview_copies = SINK_CLASSES[tracker].overview_copies
         self.steps, self.axes = [], []
 
     def log(self, metrics, step):

@@ -223,11 +223,12 @@ class Tracking(Sink):
             logger.error("sink %r failed at step %d and is disabled: %r", sink, step, exc, exc_info=exc)
 
     def _viewed(self, i: int, metrics: Mapping[str, float], copies: bool = True) -> Mapping[str, float]:
-        """What sink ``i`` gets of ``metrics`` (:attr:`view`; a JSONL sink all, the console no copies)."""
-        tracker = getattr(self.sinks[i], "tracker", None)
-        if tracker == "jsonl":
+        """What sink ``i`` gets of ``metrics``: :attr:`view`, or all of it (:attr:`Sink.all_keys`),
+        the ``overview/`` copies if it takes them (:attr:`Sink.overview_copies`)."""
+        sink = self.sinks[i]
+        if sink.all_keys:
             return metrics
-        copies = copies and tracker != "console"
+        copies = copies and sink.overview_copies
         if self._views[0] is not metrics:  # one view per step and kind, whatever the number of sinks
             self._views = (metrics, {})
         made = self._views[1]
@@ -314,20 +315,21 @@ def make_sinks(
     """A :class:`Tracking` over the sinks named in ``names`` (a list, or one comma-separated str;
     blank names skipped, repeats once), running the ``health`` rules (see :class:`Tracking`).
 
-    Files go to ``out_dir`` (created): ``metrics.jsonl``, ``tensorboard/``, ``wandb/``,
-    ``mlflow.db``, ``swanlab/``, ``trackio/``, ``clearml/``, and :data:`RUN_IDS` (the W&B, MLflow,
-    SwanLab, trackio and ClearML run ids); trackers run offline. ``prometheus`` writes no file: it
-    serves the newest step over HTTP (:data:`PROMETHEUS_PORT`) and resumes nothing; a resumed
-    folder's ClearML session raises (offline sessions are not continued). A folder holds one run: a
-    folder that holds one (:func:`run_files`, whatever
-    sinks wrote it) is refused with a one-line FileExistsError naming what it holds, unless
+    Files go to ``out_dir`` (created): each sink's :attr:`~Sink.folder_files` (``metrics.jsonl``,
+    ``tensorboard/``, ``wandb/``, ``mlflow.db``, ``swanlab/``, ``trackio/``, ``clearml/``) and
+    :data:`RUN_IDS` (the W&B, MLflow, SwanLab, trackio and ClearML run ids); trackers run offline.
+    ``prometheus`` writes no file: it serves the newest step over HTTP (:data:`PROMETHEUS_PORT`) and
+    resumes nothing; a resumed folder's ClearML session raises (offline sessions are not
+    continued). A folder holds one run: a folder that holds one (:func:`run_files`, whatever sinks
+    wrote it) is refused with a one-line FileExistsError naming what it holds, unless
     ``overwrite=True``, which removes those files (other files stay; a start that fails puts them
     back) and starts a new run, or
     ``resume=True``, which continues the runs found there (a driver restarted after a crash; a first
-    start finds none and starts new runs): the JSONL file and TensorBoard directory, and the tracker
-    runs named in :data:`RUN_IDS` (a tracker without a saved id starts a new run); every sink skips
-    the steps up to the last one it holds, and with ``jsonl`` among the sinks the trackers first get
-    the steps of the JSONL file they lack (:meth:`Tracking.catch_up`). ``axes=True``: the run logs
+    start finds none and starts new runs): each sink's files (:meth:`Sink.in_folder` with
+    ``resume``) and the tracker runs named in :data:`RUN_IDS` (a tracker without a saved id starts a
+    new run); every sink skips the steps up to the last one it holds, and with ``jsonl`` among the
+    sinks the trackers of :data:`CATCH_UP` first get the steps of the JSONL file they lack
+    (:meth:`Tracking.catch_up`). ``axes=True``: the run logs
     steps of other axes too (:meth:`Tracking.log_axis`): the W&B run is made with
     ``WandbSink(axes=True)``. ``config``: the run's config (a mapping, a dataclass or an OmegaConf
     config, made JSON-safe by :func:`~rlmetrics.sinks.jsonl.run_config`; anything else raises

@@ -1,9 +1,17 @@
 """The ``Sink`` base: every method :class:`~rlmetrics.sinks.Tracking` calls, and the sink's name rules.
 
-A sink implements ``log(metrics, step)`` and ``close()``; the base gives the rest a default that a
-sink may override: ``log_axis`` (the axis's names at its step), ``alert`` (ignored), ``skips`` and
-``resumed_at`` (the steps a resumed run holds), ``run_id`` (None: no tracker run to continue). So
-``Tracking`` calls these methods on every sink and never asks which ones it has.
+A sink declares ``tracker`` (its name) and implements ``log(metrics, step)`` and ``close()``; the
+base gives the rest a default that a sink may override: ``log_axis`` (the axis's names at its step),
+``alert`` (ignored), ``skips`` and ``resumed_at`` (the steps a resumed run holds), ``run_id`` (None:
+no tracker run to continue). So ``Tracking`` calls these methods on every sink and never asks which
+ones it has.
+
+A tracker that :func:`~rlmetrics.sinks.make_sinks` builds by name also declares how it lives in a
+run folder: :meth:`Sink.in_folder` (the sink in ``out_dir``; resumed, it reads its own files and
+sets ``resumed_at``), ``folder_files`` (what it writes there, which a rerun refuses and
+``overwrite=True`` removes), ``takes_config`` and ``catches_up``, and which keys of a step it gets
+(``all_keys``, ``overview_copies``); it is listed in :data:`~rlmetrics.sinks.TRACKERS`
+(docs/architecture.md, "Where a change goes").
 
 Name rules: a tracker restricts metric names, and each sink class declares what its tracker takes:
 ``map_name`` (how a name is rewritten; the base keeps it), ``name_limit`` (the longest name,
@@ -40,7 +48,8 @@ class Sink:
     """Base of the sinks: ``log(metrics, step)``, ``alert(alert)``, ``close()`` and a context manager.
 
     ``resumed_at``: the last step the tracker held when this sink was opened to continue a run (None:
-    nothing to skip); ``log`` skips every step up to it (:meth:`skips`), so a driver restarted from an
+    nothing to skip), which the sink reads from its own files; its ``log`` skips every step up to it
+    (:meth:`skips`; :class:`~rlmetrics.sinks.Tracking` skips them too), so a driver restarted from an
     older training checkpoint never writes a step twice, nor a lower step after a higher one.
     """
 
@@ -59,6 +68,12 @@ class Sink:
     catches_up: ClassVar[bool] = False
     """A resumed :func:`~rlmetrics.sinks.make_sinks` first logs to it the steps of the JSONL file
     that its own files lack (:meth:`~rlmetrics.sinks.Tracking.catch_up`)."""
+    all_keys: ClassVar[bool] = False
+    """It gets every key of a step, whatever :class:`~rlmetrics.sinks.Tracking`'s ``keys=`` (the
+    JSONL file: the record a resumed run catches up from)."""
+    overview_copies: ClassVar[bool] = True
+    """It gets the ``overview/`` copies of the core keys when ``Tracking`` makes them (the console
+    shows each key once)."""
 
     resumed_at: int | None = None
     run_id: str | None = None
@@ -70,7 +85,7 @@ class Sink:
         """The sink :func:`~rlmetrics.sinks.make_sinks` makes in its run folder ``out_dir``;
         ``resume``: False (a new run), True (continue what is in ``out_dir``) or the id of the
         tracker's run to continue (:func:`resume_id`)."""
-        raise NotImplementedError(f"{cls.__name__} is not made by make_sinks")
+        raise NotImplementedError(f"{cls.__name__} has no in_folder(), which make_sinks needs to make it")
 
     @staticmethod
     def map_name(name: str) -> str:
@@ -125,8 +140,8 @@ class Sink:
 
 class RunSink(Sink):
     """A sink around a tracker's run object with ``run.log(dict, step=...)`` (W&B, SwanLab): names
-        adapted by the sink's rules; ``close()`` runs :meth:`finish` once. A step's histograms go in the
-        same ``run.log`` call, as :meth:`media` makes them (the base: none, the tracker has no histogram),
+    adapted by the sink's rules; ``close()`` runs :meth:`finish` once. A step's histograms go in the
+    same ``run.log`` call, as :meth:`media` makes them (the base: none, the tracker has no histogram),
     and its lists of names (:attr:`StepResult.lists <rlmetrics.StepResult>`) as :meth:`text` makes them."""
 
     def __init__(self, run: Any) -> None:

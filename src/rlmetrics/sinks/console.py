@@ -88,6 +88,7 @@ class ConsoleSink(Sink):
     """Print a table every ``every`` steps (steps divisible by ``every``) to ``file`` (stdout)."""
 
     tracker = "console"  # names as they are: plain text, rich markup is not interpreted
+    overview_copies = False  # each key once on the screen
 
     @classmethod
     def in_folder(cls, out_dir: Path, project: str, run_name: str | None, resume: bool | str) -> ConsoleSink:

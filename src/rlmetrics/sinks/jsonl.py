@@ -286,6 +286,7 @@ class JsonlSink(Sink):
     tracker = "jsonl"  # names as they are: JSON strings, never paths
 
     folder_files = ("metrics.jsonl",)
+    all_keys = True  # the record a resumed run catches its trackers up from
 
     @classmethod
     def in_folder(cls, out_dir: Path, project: str, run_name: str | None, resume: bool | str) -> JsonlSink:
