@@ -427,3 +427,34 @@ def test_example_logs_every_step_of_every_axis(tmp_path):
     for on in (run, *(run.on_axis(a) for a in AXES)):
         assert on.steps == list(range(8))
         assert all(r["metrics"]["meta/coverage"] == 1.0 for r in on.records)  # every step complete
+
+
+def test_wandb_axes_rows_hold_a_steps_histograms_and_slowest_ranks(tmp_path, monkeypatch):
+    """With axes=True a train step's row keeps what a plain run's row holds besides its floats: the
+    histogram of the ranks' data (numpy's of the concatenation, as W&B's nested keys) and the
+    straggler report's slowest ranks (a string), both declared on the train_step axis."""
+    from rlmetrics.core.histogram import Histogram
+    from rlmetrics.core.stat import Stat
+    from rlmetrics.messages import StepResult
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    rng = np.random.default_rng(3)
+    shards = [rng.integers(0, 300, size=50 * (r + 1)).astype(float) for r in range(2)]
+    merged = Histogram.of(Stat.of(shards[0], sketch=True).merge(Stat.of(shards[1], sketch=True)))
+    result = StepResult(
+        {"critic/score/mean": 0.5}, 0, histograms={"response/length/hist": merged},
+        lists={"perf/straggler/gen/slowest": ["rank1", "rank0"]},
+    )  # fmt: skip
+    with make_sinks(["wandb"], tmp_path, axes=True, health=None) as tracking:
+        tracking.log(result, 0)
+        tracking.log_axis({"reward": 1.0}, 3, "policy_version")
+        assert not tracking.failed
+    run_file = one(tmp_path, "wandb/offline-run-*/run-*.wandb")
+    (_, row), _ = wandb_rows([run_file])
+    counts, edges = np.histogram(np.concatenate(shards), 64)
+    assert row["train_step"] == 0 and row["critic/score/mean"] == 0.5
+    assert row["response/length/hist/values"] == counts.tolist()
+    assert row["response/length/hist/bins"] == edges.tolist()
+    assert row["perf/straggler/gen/slowest"] == "rank1, rank0"
+    step_metric = {r.metric.name: r.metric.step_metric for r in wandb_records(run_file) if r.metric.name}
+    assert step_metric["response/length/hist"] == step_metric["perf/straggler/gen/slowest"] == "train_step"

@@ -153,15 +153,21 @@ class RunSink(Sink):
         if not self._open:
             raise ValueError(f"{self!r} is closed")
         step = as_step(step)
-        values: dict[str, Any] = self.names.adapt(as_floats(metrics))
+        values = self.row(metrics)
         if not self.skips(step):
-            for name, histogram in histograms_of(metrics).items():
-                media = self.media(histogram)
-                if media is not None:
-                    values[self.names(name)] = media
-            for name, names in lists_of(metrics).items():
-                values[self.names(name)] = self.text(names)
             self.run.log(values, step=step)
+
+    def row(self, metrics: Mapping[str, float]) -> dict[str, Any]:
+        """What ``run.log`` gets of a step: its floats, histograms (:meth:`media`) and lists of
+        names (:meth:`text`), under the tracker's names."""
+        values: dict[str, Any] = self.names.adapt(as_floats(metrics))
+        for name, histogram in histograms_of(metrics).items():
+            media = self.media(histogram)
+            if media is not None:
+                values[self.names(name)] = media
+        for name, names in lists_of(metrics).items():
+            values[self.names(name)] = self.text(names)
+        return values
 
     def media(self, histogram: Any) -> Any:
         """The tracker's object for a :class:`~rlmetrics.core.histogram.Histogram` (None: not logged)."""

@@ -32,9 +32,9 @@ session was given (W&B does not read the earlier one back).
 ``axes=True`` (for :mod:`rlmetrics.axes`): every ``log``, ``log_axis`` and alert is a W&B step of
 its own (W&B's ``_step`` only counts rows, so it never goes back and no row is dropped), and each
 metric is plotted against its axis: a ``train_step`` metric holds ``train_step`` in its row and is
-declared ``run.define_metric(name, step_metric="train_step")``, a metric of axis ``a`` is logged as
-``a/<name>`` beside ``a`` with ``step_metric=a``. A resumed run skips each axis's steps up to the
-last one its earlier sessions hold.
+declared ``run.define_metric(name, step_metric="train_step")`` (its histograms and lists of names
+too), a metric of axis ``a`` is logged as ``a/<name>`` beside ``a`` with ``step_metric=a``. A
+resumed run skips each axis's steps up to the last one its earlier sessions hold.
 
 ``run.finish()`` can return before W&B's service has written the run file (``run-<id>.wandb``, a
 leveldb-log framed stream of wandb ``Record`` protobufs): ``close()`` then waits, up to
@@ -255,9 +255,8 @@ class WandbSink(RunSink):
         if not self._open:
             raise ValueError(f"{self!r} is closed")
         step = as_step(step)
-        values = self.names.adapt(as_floats(metrics))
         if not self.skips(step):
-            self._write_row(values, _TRAIN_STEP, step)
+            self._write_row(self.row(metrics), _TRAIN_STEP, step)
 
     def log_axis(self, metrics: Mapping[str, float], step: int, axis: str) -> None:
         if not self.axes:
@@ -269,7 +268,7 @@ class WandbSink(RunSink):
         if step > self._marks.get(axis, -1):
             self._write_row(values, axis, step)
 
-    def _write_row(self, values: dict[str, float], axis: str, step: int) -> None:
+    def _write_row(self, values: dict[str, Any], axis: str, step: int) -> None:
         """One W&B step: ``values`` and ``axis = step``, each name declared with ``axis`` as its
         step metric the first time it is seen."""
         if axis not in self._defined:
