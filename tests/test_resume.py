@@ -547,6 +547,7 @@ def test_a_wandb_run_file_of_another_format_is_refused_with_what_to_do(tmp_path)
         make_sinks(["jsonl", "wandb"], out, health=None, resume=True)
     assert read_jsonl(out / "metrics.jsonl").steps == [0, 1, 2] and run_file.read_bytes() == bytes(data)
     assert wandb_run_files(out, run_id) == [run_file]  # the refused session left no folder behind
+    assert all(path.exists() for path in (out / "wandb").iterdir())  # nor W&B's links into it
 
 
 def test_a_wandb_session_started_in_the_same_second_as_the_last_is_read_back(tmp_path, monkeypatch):

@@ -94,7 +94,7 @@ def connect(
     client_opts = {k: options.pop(k) for k in client_keys if k in options}
     if client_opts.get("naming") is not None:
         options.setdefault("renames", dict(client_opts["naming"].renames))
-    if backend not in BACKENDS:
+    if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: choose one of {tuple(BACKENDS)}")
     client = BACKENDS[backend](name, world_size, client_opts, options)
     if world_size is not None:  # a rank: waited for from its first step on

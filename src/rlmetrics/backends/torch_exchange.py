@@ -85,7 +85,7 @@ class Layout:
             schema,
             float(int.from_bytes(schema.id[:6], "big")),
             {n: i for i, n in enumerate(names)},
-            where(whole),  # what each kind reads (Reduction.fields), so a new kind needs no change here
+            where(whole),  # by the fields each kind reads (Reduction.fields), not by kind names
             where(extreme(4)),
             where(extreme(3)),
             where(lambda r: r.needs_sketch),

@@ -153,9 +153,8 @@ class RunSink(Sink):
         if not self._open:
             raise ValueError(f"{self!r} is closed")
         step = as_step(step)
-        values = self.row(metrics)
         if not self.skips(step):
-            self.run.log(values, step=step)
+            self.run.log(self.row(metrics), step=step)
 
     def row(self, metrics: Mapping[str, float]) -> dict[str, Any]:
         """What ``run.log`` gets of a step: its floats, histograms (:meth:`media`) and lists of
@@ -173,9 +172,11 @@ class RunSink(Sink):
         """The tracker's object for a :class:`~rlmetrics.core.histogram.Histogram` (None: not logged)."""
         return None
 
-    def text(self, names: list[str]) -> Any:  # pragma: no cover - interface
-        """The tracker's object for a list of names (the straggler report's slowest ranks)."""
-        raise NotImplementedError
+    def text(self, names: list[str]) -> Any:
+        """The tracker's object for a list of names (the straggler report's slowest ranks); the base:
+        a string, the names joined by ``", "`` (W&B, trackio: a column of the run's table, no media
+        file, where a ``wandb.Table`` would be a file per step and list)."""
+        return ", ".join(names)
 
     @property
     def run_id(self) -> str:

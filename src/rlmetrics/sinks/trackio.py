@@ -100,9 +100,6 @@ class TrackioSink(RunSink):
         """The run's name: what ``resume=`` takes (trackio resumes a run by name)."""
         return self.run.name
 
-    def text(self, names: list[str]) -> Any:
-        return ", ".join(names)
-
     def alert(self, alert: Alert) -> None:
         if not self._open:
             raise ValueError(f"{self!r} is closed")

@@ -209,10 +209,19 @@ class WandbSink(RunSink):
         if resume:
             try:
                 self._read_back()
-            except ValueError:  # a run file it cannot read: the session just begun is taken back
-                self.run.finish()
-                shutil.rmtree(self.run.settings.sync_dir, ignore_errors=True)
+            except Exception:  # a run file it cannot read: the session just begun is taken back
+                self._take_back()
                 raise
+
+    def _take_back(self) -> None:
+        """Finish this session and remove its folder, and W&B's links into it (``latest-run``, the
+        debug logs), so nothing of it is left for ``wandb sync``."""
+        session = Path(self.run.settings.sync_dir)
+        self.finish()
+        shutil.rmtree(session, ignore_errors=True)
+        for link in session.parent.iterdir():
+            if link.is_symlink() and not link.exists():
+                link.unlink()
 
     def _read_back(self) -> None:
         """The last step and the alerts of this run in the run files of its earlier sessions (online,
@@ -283,12 +292,6 @@ class WandbSink(RunSink):
 
     def media(self, histogram: Any) -> Any:
         return self._Histogram(np_histogram=merge_bins(histogram.counts, histogram.edges))
-
-    def text(self, names: list[str]) -> Any:
-        """A string in the step's row, the names joined by ``", "``: a column of the run's table and
-        no file (a ``wandb.Table`` is a file per step and list: 50,000 in a run of 10,000 steps and
-        5 stages)."""
-        return ", ".join(names)
 
     def alert(self, alert: Alert) -> None:
         if not self._open:
