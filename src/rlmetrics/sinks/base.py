@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from rlmetrics.health import Alert
-from rlmetrics.sinks.names import NameMap, as_floats, as_step, axis_names, fit, histograms_of, lists_of
+from rlmetrics.sinks.names import NameMap, as_floats, as_step, axis_names, fit, histograms_of, texts_of
 
 
 class Sink:
@@ -164,19 +164,20 @@ class RunSink(Sink):
             media = self.media(histogram)
             if media is not None:
                 values[self.names(name)] = media
-        for name, names in lists_of(metrics).items():
-            values[self.names(name)] = self.text(names)
+        for name, text in texts_of(metrics).items():
+            values[self.names(name)] = self.text(text)
         return values
 
     def media(self, histogram: Any) -> Any:
         """The tracker's object for a :class:`~rlmetrics.core.histogram.Histogram` (None: not logged)."""
         return None
 
-    def text(self, names: list[str]) -> Any:
-        """The tracker's object for a list of names (the straggler report's slowest ranks); the base:
-        a string, the names joined by ``", "`` (W&B, trackio: a column of the run's table, no media
-        file, where a ``wandb.Table`` would be a file per step and list)."""
-        return ", ".join(names)
+    def text(self, text: str) -> Any:
+        """The tracker's object for a list of names (the straggler report's slowest ranks) as
+        :func:`~rlmetrics.sinks.names.texts_of` joins them; the base: the string itself (W&B,
+        trackio: a column of the run's table, no media file, where a ``wandb.Table`` would be a file
+        per step and list)."""
+        return text
 
     @property
     def run_id(self) -> str:

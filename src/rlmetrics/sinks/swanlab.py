@@ -124,8 +124,8 @@ class SwanLabSink(RunSink):
             super().log(lacking, step)
         self._cut = None
 
-    def text(self, names: list[str]) -> Any:
-        return self._swanlab.Text(", ".join(names))
+    def text(self, text: str) -> Any:
+        return self._swanlab.Text(text)
 
     def alert(self, alert: Alert) -> None:
         if not self._open:
