@@ -83,10 +83,12 @@ configures it (``init_process_group(timeout=...)``); the result of a step is nev
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -95,6 +97,7 @@ from rlmetrics.backends.torch_exchange import (
     EXCHANGES,
     GATHER_LIMIT,
     Layout,
+    StepsApart,
     exchange_form,
     exchange_state,
     merge_sketches,
@@ -107,7 +110,7 @@ from rlmetrics.core.states import State, decode_state, encode_state
 from rlmetrics.engine.aggregator import Aggregator
 from rlmetrics.engine.server import merge_items
 from rlmetrics.extras import require
-from rlmetrics.messages import Reply, StepMeta, StepResult, Submission, TorchFacts
+from rlmetrics.messages import Reply, StepMeta, StepResult, StepWarning, Submission, TorchFacts
 from rlmetrics.packing import Packed, Schema
 
 torch = require("torch", "torch")
@@ -115,7 +118,38 @@ dist = require("torch.distributed", "torch")
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EXCHANGES", "GATHER_LIMIT", "Layout", "TorchDistTransport", "TorchMetricClient", "exchange_form"]
+__all__ = [
+    "EXCHANGES", "GATHER_LIMIT", "Layout", "RankGoneError", "TorchDistTransport", "TorchMetricClient",
+    "exchange_form",
+]  # fmt: skip
+
+BEAT = 0.5
+"""Seconds between two heartbeats of a process in the default group's store; a rank whose counter
+does not move for :data:`GONE_AFTER` seconds after a failed collective is named gone."""
+GONE_AFTER = 2.0
+_beating: dict[int, threading.Thread] = {}  # id(store): this process's heartbeat thread
+
+
+class RankGoneError(RuntimeError):
+    """A collective of a step failed because a rank of the group is gone (its process died): the
+    message names it, the step, and what to do."""
+
+
+def _beat(store: Any, key: str) -> None:
+    while True:
+        try:
+            store.add(key, 1)
+        except Exception:  # the process group was destroyed: nothing to tell
+            return
+        time.sleep(BEAT)
+
+
+def _store() -> Any:
+    """The default group's store (a private torch API: None where it is missing)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
 
 
 class TorchDistTransport(SyncTransport):
@@ -163,6 +197,18 @@ class TorchDistTransport(SyncTransport):
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
         self.exchange = exchange
         self.next_step = 0  # the step the next close_step collects, equal on every rank
+        self._collecting = 0  # the step of the collectives running
+        self._held: dict[int, list[tuple[Packed, int]]] = {}  # a rank ahead: its parts, until its step's turn
+        self._global = [
+            r if group is None else dist.get_global_rank(group, r) for r in range(self.world_size)
+        ]
+        self._store = _store()
+        if self._store is not None and id(self._store) not in _beating:
+            beat = threading.Thread(
+                target=_beat, args=(self._store, f"rlmetrics/beat/{dist.get_rank()}"), daemon=True
+            )
+            _beating[id(self._store)] = beat
+            beat.start()
         self.relayouts = 0
         self.bytes_last_step = self.bytes_received_last_step = self.collectives_last_step = 0
         self._local = Aggregator(renames={})
@@ -218,48 +264,135 @@ class TorchDistTransport(SyncTransport):
 
     # ---------------------------------------------------------------------------- the collective
     def close_step(self, step: int) -> StepResult:
-        """Collect ``step`` from every rank of the group (a collective; see the module docstring)."""
+        """Collect ``step`` from every rank of the group (a collective; see the module docstring). A
+        rank one step ahead of the others (it skipped a ``wait_submit``) first collects their step,
+        with what it submitted for it, then its own (:meth:`_realign`)."""
         with self._cond:
             self.bytes_last_step = self.bytes_received_last_step = self.collectives_last_step = 0
-            parts = [(packed, ws) for packed, ws, _keys in self._local.take(step)]
-            relayout = False
+            at = step
             while True:
-                lay = self._layout
-                covered = all(self._position(p.schema) is not None for p, _ in parts)
-                if covered:
-                    local, sketches, others = self._local_columns(parts, lay)
-                else:  # exchanged only to agree on a re-layout
-                    local, sketches, others = empty_arrays(len(lay.names)), {}, {}
-                form = exchange_form(self.exchange, self.world_size, lay)
+                try:
+                    res = self._exchange_step(at)
+                except StepsApart:
+                    at = self._realign(at)
+                    continue
+                if at == step:
+                    return res
+                at = step
+
+    def _exchange_step(self, step: int) -> StepResult:
+        parts = self._held.pop(step, None)
+        if parts is None:
+            parts = [(packed, ws) for packed, ws, _keys in self._local.take(step)]
+        relayout = False
+        self._collecting = step
+        while True:
+            lay = self._layout
+            covered = all(self._position(p.schema) is not None for p, _ in parts)
+            if covered:
+                local, sketches, others = self._local_columns(parts, lay)
+            else:  # exchanged only to agree on a re-layout
+                local, sketches, others = empty_arrays(len(lay.names)), {}, {}
+            form = exchange_form(self.exchange, self.world_size, lay)
+            try:
                 merged = exchange_state(
                     self._collect, step, lay, local, sketches, others, covered,
                     form=form, world_size=self.world_size, rank=self.rank,
                 )  # fmt: skip
-                if merged is not None:
-                    break
-                if relayout:
-                    raise RuntimeError("ranks built different layouts after a re-layout")
-                self._relayout(
-                    step, {n: r for p, _ in parts for n, r in zip(p.schema.names, p.schema.reductions)}
-                )
-                relayout = True
-            total, sums, infos = merged
-            n_q = len(lay.quantiles)
-            if sums[0]:  # some rank holds states other than sketches (validation samples)
-                others = self._gather_states(others)
-            global_sketches = {}
-            if n_q:
-                global_sketches = merge_sketches(
-                    self._collect, lay, sketches, sums[1 : 1 + n_q], infos,
-                    world_size=self.world_size, rank=self.rank,
-                )  # fmt: skip
-            self._last_seen[total[0] > 0] = step
-            facts = TorchFacts(self.world_size, relayout, form, self.result_on)
-            res = self._finish(step, lay, total, {**global_sketches, **others}, facts)
-            self._last = res
-            self.next_step = step + 1
-            self._cond.notify_all()
-            return res
+            except StepsApart:
+                self._held[step] = parts  # exchanged again in the step's turn
+                raise
+            if merged is not None:
+                break
+            if relayout:
+                raise RuntimeError("ranks built different layouts after a re-layout")
+            self._relayout(
+                step, {n: r for p, _ in parts for n, r in zip(p.schema.names, p.schema.reductions)}
+            )
+            relayout = True
+        total, sums, infos = merged
+        n_q = len(lay.quantiles)
+        if sums[0]:  # some rank holds states other than sketches (validation samples)
+            others = self._gather_states(others)
+        global_sketches = {}
+        if n_q:
+            global_sketches = merge_sketches(
+                self._collect, lay, sketches, sums[1 : 1 + n_q], infos,
+                world_size=self.world_size, rank=self.rank,
+            )  # fmt: skip
+        self._last_seen[total[0] > 0] = step
+        facts = TorchFacts(self.world_size, relayout, form, self.result_on)
+        res = self._finish(step, lay, total, {**global_sketches, **others}, facts)
+        self._last = res
+        self.next_step = step + 1
+        self._cond.notify_all()
+        return res
+
+    def _realign(self, step: int) -> int:
+        """The step to exchange now, after an exchange whose ranks were at different steps: the
+        lowest, when every rank is at it or one step ahead (a skipped ``wait_submit``, told on every
+        rank by a :class:`~rlmetrics.messages.StepWarning`); else every rank raises."""
+        (rows,) = self._collect((np.array([step, self.next_step], dtype=np.float64), None))
+        steps = rows[:, 0].astype(np.int64)
+        low, high = int(steps.min()), int(steps.max())
+        at: dict[int, list[str]] = {}
+        for r, s in enumerate(steps.tolist()):
+            at.setdefault(s, []).append(f"rank{self._global[r]}")
+        where = "; ".join(
+            f"{', '.join(names[:8])}{' ...' * (len(names) > 8)} at step {s}"
+            for s, names in sorted(at.items())
+        )
+        ahead = ", ".join(at[high][:8])
+        if high - low > 1 or rows[:, 1].max() > low:
+            raise RuntimeError(
+                f"rlmetrics: ranks are at different steps ({where}) and cannot be realigned exactly: "
+                "every rank of the group must call wait_submit(step=...) once per step, with the "
+                "trainer's step, also after a caught error"
+            )
+        warnings.warn(
+            f"rlmetrics: ranks at different steps ({where}): {ahead} did not call "
+            f"wait_submit() for step {low}. Realigned: step {low} holds what every rank submitted for it, "
+            f"step {high} is collected at the next wait_submit(). Call wait_submit(step=...) once per "
+            "step on every rank, also after a caught error",
+            StepWarning,
+            stacklevel=4,
+        )
+        return low
+
+    @contextlib.contextmanager
+    def _failing(self) -> Iterator[None]:
+        """Around a collective: a failure caused by a rank whose process is gone (its heartbeat
+        stopped) raises :class:`RankGoneError` naming it and the step; other failures pass unchanged."""
+        try:
+            yield
+        except RuntimeError as exc:
+            gone = self._gone()
+            if not gone:
+                raise
+            first = (str(exc).strip() or type(exc).__name__).splitlines()[0][:160]
+            raise RankGoneError(
+                f"rlmetrics: step {self._collecting} cannot be collected: {gone} (torch: {first}). A "
+                "torch.distributed group runs no collective without every member: the steps before it "
+                "are collected (client.result). Restart the run from your checkpoint (torchrun "
+                "--max-restarts restarts every rank)"
+            ) from exc
+
+    def _gone(self) -> str:
+        """Which ranks of the group are gone: those whose heartbeat did not move for
+        :data:`GONE_AFTER` seconds ("": none, or no store to ask)."""
+        if self._store is None:
+            return ""
+        keys = [f"rlmetrics/beat/{g}" for g in self._global]
+        try:
+            before = [self._store.add(k, 0) for k in keys]
+            time.sleep(GONE_AFTER)
+            after = [self._store.add(k, 0) for k in keys]
+        except Exception:  # the store went with the rank that hosts it
+            return f"the process group's store is gone with its host (rank{self._global[0]} under torchrun)"
+        gone = [f"rank{g}" for g, a, b in zip(self._global, before, after) if a == b]
+        if not gone:
+            return ""
+        return f"{', '.join(gone)} {'is' if len(gone) == 1 else 'are'} gone (heartbeat stopped)"
 
     def _collect(self, *jobs: tuple[np.ndarray, Any]) -> list[np.ndarray]:
         """Collectives on float64 vectors, issued together (async) and awaited together. A job is
@@ -279,8 +412,9 @@ class TorchDistTransport(SyncTransport):
             self.collectives_last_step += 1
             self.bytes_last_step += vec.nbytes
             self.bytes_received_last_step += out.numel() * 8
-        for w in works:
-            w.wait()
+        with self._failing():
+            for w in works:
+                w.wait()
         return [o.cpu().numpy() if o.device.type != "cpu" else o.numpy() for o in outs]
 
     def _position(self, schema: Schema) -> np.ndarray | None:
@@ -301,7 +435,8 @@ class TorchDistTransport(SyncTransport):
             if self._last_seen[i] >= step - self.memory
         ]
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, (sorted(keys.items()), recent), group=self.group)
+        with self._failing():
+            dist.all_gather_object(gathered, (sorted(keys.items()), recent), group=self.group)
         self.collectives_last_step += 1
         merged: dict[str, str] = {}
         for current, _ in gathered:
@@ -346,7 +481,10 @@ class TorchDistTransport(SyncTransport):
         """Every rank's non-sketch states, by one ``all_gather_object`` of their travelling form
         (:mod:`rlmetrics.core.states`), merged by layout position."""
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, {p: encode_state(s) for p, s in states.items()}, group=self.group)
+        with self._failing():
+            dist.all_gather_object(
+                gathered, {p: encode_state(s) for p, s in states.items()}, group=self.group
+            )
         self.collectives_last_step += 1
         out: dict[int, State] = {}
         for part in gathered:
@@ -414,6 +552,17 @@ class TorchMetricClient(ComputeLocal, ClientCore):
         with self._lock:
             if step is not None:
                 self.step = step
+            if self.step < self.transport.next_step:  # a step collected already: no collective
+                again, self.step = self.step, self.transport.next_step
+                warnings.warn(
+                    f"rlmetrics: rank{self.transport.rank}: wait_submit() for step {again} again: it is "
+                    f"collected already (next: {self.step}); ignored, no collective ran. Call wait_submit() "
+                    "once per step",
+                    StepWarning,
+                    stacklevel=2,
+                )
+                self._flush([])  # data queued for it since is refused: raises
+                return
             try:
                 self._flush([])  # a refused submission raises only after the collective: no rank hangs
             finally:
