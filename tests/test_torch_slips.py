@@ -55,8 +55,8 @@ def _skip(rank: int) -> dict:
         try:
             if rank == 1 and step == SLIP_STEP:
                 values["bad/mean"] = "n/a"  # the other names are queued, then it raises
-            client.submit_metric(values)
-            client.wait_submit(step=step)  # the trainer's step
+            client.submit_metric(values, step=step)  # the trainer's step, in both calls
+            client.wait_submit(step=step)
         except rlmetrics.MetricValueError as exc:
             out["error"] = str(exc)
     out["results"] = {s: client.result(s) for s in range(STEPS)}
@@ -69,7 +69,7 @@ def _double(rank: int) -> dict:
 
     client = rlmetrics.connect("torch")
     for step in range(STEPS):
-        client.submit_metric(metrics(data(rank, step, "double")))
+        client.submit_metric(metrics(data(rank, step, "double")), step=step)
         client.wait_submit(step=step)
         if rank == 1 and step == SLIP_STEP:
             client.wait_submit(step=step)
@@ -85,7 +85,7 @@ def _kill(rank: int) -> dict:
     for step in range(STEPS):
         if rank == KILLED and step == KILL_STEP:
             os.kill(os.getpid(), signal.SIGKILL)
-        client.submit_metric(metrics(data(rank, step, "kill")))
+        client.submit_metric(metrics(data(rank, step, "kill")), step=step)
         start = time.monotonic()
         try:
             client.wait_submit(step=step)
