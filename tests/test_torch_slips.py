@@ -63,6 +63,24 @@ def _skip(rank: int) -> dict:
     return out
 
 
+def _counted(rank: int) -> dict:
+    """As _skip, with the trainer's step passed to wait_submit only: rank 1's data queued at its
+    counter may hold two steps' data, so it is dropped (told), never merged into a wrong step."""
+    import rlmetrics
+
+    client = rlmetrics.connect("torch")
+    for step in range(STEPS):
+        values = metrics(data(rank, step, "counted"))
+        try:
+            if rank == 1 and step == SLIP_STEP:
+                values["bad/mean"] = "n/a"
+            client.submit_metric(values)
+            client.wait_submit(step=step)
+        except rlmetrics.MetricValueError:
+            pass
+    return {"results": {s: client.result(s) for s in range(STEPS)}}
+
+
 def _double(rank: int) -> dict:
     """Rank 1 calls wait_submit twice for one step (a retried loop iteration)."""
     import rlmetrics
@@ -100,7 +118,11 @@ def _worker(rank: int, out_dir: str, runs: list[str]) -> None:
     import torch.distributed as dist
 
     dist.init_process_group(
-        "gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60)
+        "gloo",
+        init_method=f"file://{out_dir}/store",
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=60),
     )
     out = {}
     for run in runs:
@@ -129,7 +151,7 @@ def close(res, want: dict[str, float]) -> bool:
 # ----------------------------------------------------------------------------------------- the tests
 @pytest.fixture(scope="module")
 def slips(tmp_path_factory) -> list[dict]:
-    return run(tmp_path_factory.mktemp("slips"), "skip", "double")
+    return run(tmp_path_factory.mktemp("slips"), "skip", "counted", "double")
 
 
 def test_a_skipped_wait_submit_loses_no_data_and_every_rank_is_told(slips):
@@ -141,6 +163,17 @@ def test_a_skipped_wait_submit_loses_no_data_and_every_rank_is_told(slips):
         (told,) = out["warnings"]
         assert "rank1 at step 2" in told and "rank0, rank2 at step 1" in told and "wait_submit(step=" in told
     assert "bad/mean" in slips[1]["skip"]["error"]
+
+
+def test_data_of_an_unknown_step_is_dropped_never_merged_into_a_wrong_step(slips):
+    for r in range(WORLD):
+        out = slips[r]["counted"]
+        for step in range(STEPS):
+            ranks = [0, 2] if step in (SLIP_STEP, SLIP_STEP + 1) else range(WORLD)
+            assert close(out["results"][step], expected(step, "counted", ranks)), (r, step)
+        assert any("rank1 at step 2" in w for w in out["warnings"])
+    (dropped,) = [w for w in slips[1]["counted"]["warnings"] if "dropped" in w]
+    assert "without step=" in dropped and "submit_metric(..., step=step)" in dropped
 
 
 def test_a_doubled_wait_submit_is_ignored_with_a_warning(slips):
@@ -164,7 +197,11 @@ def test_a_killed_rank_is_named_at_the_step_it_did_not_close(tmp_path):
         assert out["step"] == KILL_STEP and out["seconds"] < 30  # the gloo timeout is 60 s
         message = str(out["error"])
         assert type(out["error"]).__name__ == "RankGoneError", message
-        assert f"rank{KILLED} is gone" in message and f"step {KILL_STEP}" in message and "restart" in message.lower()
+        assert (
+            f"rank{KILLED} is gone" in message
+            and f"step {KILL_STEP}" in message
+            and "restart" in message.lower()
+        )
 
 
 if __name__ == "__main__":

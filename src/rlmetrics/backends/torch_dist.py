@@ -85,6 +85,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import threading
 import time
 import warnings
@@ -369,7 +370,8 @@ class TorchDistTransport(SyncTransport):
             gone = self._gone()
             if not gone:
                 raise
-            first = (str(exc).strip() or type(exc).__name__).splitlines()[0][:160]
+            said = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip())  # gloo's source file:line
+            first = (said.split(". ")[0] or type(exc).__name__)[:120]
             raise RankGoneError(
                 f"rlmetrics: step {self._collecting} cannot be collected: {gone} (torch: {first}). A "
                 "torch.distributed group runs no collective without every member: the steps before it "
@@ -544,14 +546,34 @@ class TorchMetricClient(ComputeLocal, ClientCore):
             naming=naming,
             rank=transport.rank if rank is None else rank,
         )
+        self._counted: set[int] = set()  # seqs of queued submissions made without step=: at the counter
+
+    def submit_metric(
+        self,
+        metrics: Mapping[str, Any],
+        world_size: int | None = None,
+        step: int | None = None,
+        **options: Any,
+    ) -> None:
+        """As :meth:`~rlmetrics.client.ClientCore.submit_metric`; a submission without ``step`` goes
+        to this rank's counter, and is dropped (with a warning) if the next ``wait_submit(step=...)``
+        names another step: which step it was meant for is then unknown."""
+        start = len(self._buffer)
+        try:
+            super().submit_metric(metrics, world_size, step, **options)
+        finally:
+            if step is None:
+                self._counted.update(item[1] for item in self._buffer[start:])
 
     def wait_submit(self, step: int | None = None, block: bool | None = None) -> None:
         """Collective: merge this step (or ``step``) over every rank of the group, then advance to the
         step after it. It always blocks: every rank of the group takes part (``block`` is accepted
         for the client API's sake)."""
         with self._lock:
-            if step is not None:
+            if step is not None and step != self.step:
+                self._drop_counted(step)
                 self.step = step
+            self._counted.clear()
             if self.step < self.transport.next_step:  # a step collected already: no collective
                 again, self.step = self.step, self.transport.next_step
                 warnings.warn(
@@ -568,3 +590,20 @@ class TorchMetricClient(ComputeLocal, ClientCore):
             finally:
                 self.transport.close_step(self.step)
                 self.step += 1
+
+    def _drop_counted(self, step: int) -> None:
+        """Drop what was queued without ``step=`` (at the counter) when ``wait_submit`` names another
+        step: a skipped ``wait_submit`` or an off-by-one base; it may hold two steps' data."""
+        counted = [item for item in self._buffer if item[1] in self._counted]
+        if not counted:
+            return
+        self._buffer = [item for item in self._buffer if item[1] not in self._counted]
+        names = sorted({n for item in counted for n in item[3].schema.names})
+        warnings.warn(
+            f"rlmetrics: rank{self.transport.rank}: wait_submit(step={step}) after {len(names)} metric(s) "
+            f"submitted without step= (at this rank's counter, step {self.step}: {', '.join(names[:5])}"
+            f"{' ...' * (len(names) > 5)}); dropped, as the step they were meant for is unknown. Pass the "
+            "trainer's step to submit_metric(..., step=step) too",
+            StepWarning,
+            stacklevel=3,
+        )
