@@ -81,6 +81,20 @@ def _counted(rank: int) -> dict:
     return {"results": {s: client.result(s) for s in range(STEPS)}}
 
 
+def _slow(rank: int) -> dict:
+    """Rank 1 is alive but slow (longer than a dead rank takes to be named): the others wait for it."""
+    import rlmetrics
+
+    client = rlmetrics.connect("torch")
+    client.submit_metric(metrics(data(rank, 0, "slow")), step=0)
+    if rank == 1:
+        from rlmetrics.backends.torch_dist import GONE_AFTER
+
+        time.sleep(3 * GONE_AFTER)
+    client.wait_submit(step=0)
+    return {"results": {0: client.result(0)}}
+
+
 def _double(rank: int) -> dict:
     """Rank 1 calls wait_submit twice for one step (a retried loop iteration)."""
     import rlmetrics
@@ -151,7 +165,7 @@ def close(res, want: dict[str, float]) -> bool:
 # ----------------------------------------------------------------------------------------- the tests
 @pytest.fixture(scope="module")
 def slips(tmp_path_factory) -> list[dict]:
-    return run(tmp_path_factory.mktemp("slips"), "skip", "counted", "double")
+    return run(tmp_path_factory.mktemp("slips"), "skip", "counted", "double", "slow")
 
 
 def test_a_skipped_wait_submit_loses_no_data_and_every_rank_is_told(slips):
@@ -183,6 +197,12 @@ def test_a_doubled_wait_submit_is_ignored_with_a_warning(slips):
             assert close(out["results"][step], expected(step, "double")), (r, step)
         assert len(out["warnings"]) == (r == 1)
     assert "step 1 again" in slips[1]["double"]["warnings"][0]
+
+
+def test_a_slow_rank_is_waited_for_not_named_gone(slips):
+    for r in range(WORLD):
+        assert close(slips[r]["slow"]["results"][0], expected(0, "slow"))
+        assert slips[r]["slow"]["warnings"] == []
 
 
 def test_a_killed_rank_is_named_at_the_step_it_did_not_close(tmp_path):

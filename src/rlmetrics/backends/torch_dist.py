@@ -90,6 +90,7 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator, Mapping
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -143,6 +144,38 @@ def _beat(store: Any, key: str) -> None:
         except Exception:  # the process group was destroyed: nothing to tell
             return
         time.sleep(BEAT)
+
+
+class _Beats:
+    """The heartbeat counters of a group's ranks, as one waiting rank reads them."""
+
+    def __init__(self, store: Any, ranks: list[int]) -> None:
+        self.store, self.ranks = store, ranks
+        self.seen: dict[int, tuple[int, float]] = {}  # rank: (counter, when it was first read so)
+        self.first = time.monotonic()
+
+    def gone(self) -> list[str]:
+        """The ranks whose counter did not move for :data:`GONE_AFTER` seconds."""
+        now, out = time.monotonic(), []
+        try:
+            counts = [self.store.add(f"rlmetrics/beat/{g}", 0) for g in self.ranks]
+        except Exception:  # the store went with the rank that hosts it
+            return [f"the process group's store (hosted by rank{self.ranks[0]} under torchrun)"]
+        for g, count in zip(self.ranks, counts):
+            last = self.seen.get(g)
+            if last is None or last[0] != count:
+                self.seen[g] = (count, now)
+            elif now - last[1] >= GONE_AFTER:
+                out.append(f"rank{g}")
+        return out
+
+    def settled(self) -> list[str]:
+        """:meth:`gone`, once the counters were read for :data:`GONE_AFTER` seconds."""
+        while True:
+            gone = self.gone()
+            if gone or time.monotonic() - self.first > GONE_AFTER + BEAT:
+                return gone
+            time.sleep(BEAT / 2)
 
 
 def _store() -> Any:
@@ -204,6 +237,8 @@ class TorchDistTransport(SyncTransport):
             r if group is None else dist.get_global_rank(group, r) for r in range(self.world_size)
         ]
         self._store = _store()
+        self._sliced = self._store is not None and dist.get_backend(group) == "gloo"
+        self._beats: _Beats | None = None  # the heartbeats as this step's collectives saw them
         if self._store is not None and id(self._store) not in _beating:
             beat = threading.Thread(
                 target=_beat, args=(self._store, f"rlmetrics/beat/{dist.get_rank()}"), daemon=True
@@ -286,7 +321,7 @@ class TorchDistTransport(SyncTransport):
         if parts is None:
             parts = [(packed, ws) for packed, ws, _keys in self._local.take(step)]
         relayout = False
-        self._collecting = step
+        self._collecting, self._beats = step, None
         while True:
             lay = self._layout
             covered = all(self._position(p.schema) is not None for p, _ in parts)
@@ -366,35 +401,46 @@ class TorchDistTransport(SyncTransport):
         stopped) raises :class:`RankGoneError` naming it and the step; other failures pass unchanged."""
         try:
             yield
+        except RankGoneError:
+            raise
         except RuntimeError as exc:
-            gone = self._gone()
+            if self._store is None:
+                raise
+            beats = self._beats or _Beats(self._store, self._global)
+            gone = beats.settled()
             if not gone:
                 raise
             said = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip())  # gloo's source file:line
-            first = (said.split(". ")[0] or type(exc).__name__)[:120]
-            raise RankGoneError(
-                f"rlmetrics: step {self._collecting} cannot be collected: {gone} (torch: {first}). A "
-                "torch.distributed group runs no collective without every member: the steps before it "
-                "are collected (client.result). Restart the run from your checkpoint (torchrun "
-                "--max-restarts restarts every rank)"
-            ) from exc
+            raise self._gone_error(gone, (said.split(". ")[0] or type(exc).__name__)[:120]) from exc
 
-    def _gone(self) -> str:
-        """Which ranks of the group are gone: those whose heartbeat did not move for
-        :data:`GONE_AFTER` seconds ("": none, or no store to ask)."""
-        if self._store is None:
-            return ""
-        keys = [f"rlmetrics/beat/{g}" for g in self._global]
-        try:
-            before = [self._store.add(k, 0) for k in keys]
-            time.sleep(GONE_AFTER)
-            after = [self._store.add(k, 0) for k in keys]
-        except Exception:  # the store went with the rank that hosts it
-            return f"the process group's store is gone with its host (rank{self._global[0]} under torchrun)"
-        gone = [f"rank{g}" for g, a, b in zip(self._global, before, after) if a == b]
-        if not gone:
-            return ""
-        return f"{', '.join(gone)} {'is' if len(gone) == 1 else 'are'} gone (heartbeat stopped)"
+    def _wait(self, work: Any) -> None:
+        """Wait for a collective; on gloo in slices of :data:`BEAT` seconds, between which a rank
+        whose heartbeat stopped for :data:`GONE_AFTER` seconds raises :class:`RankGoneError` (a peer
+        blocked by another rank's failure learns it here, not at the group's timeout)."""
+        if not self._sliced:
+            work.wait()
+            return
+        while True:
+            try:
+                work.wait(timeout=timedelta(seconds=BEAT))
+                return
+            except RuntimeError as exc:
+                if "Operation timed out" not in str(exc):  # the slice's own timeout
+                    raise
+            self._beats = self._beats or _Beats(self._store, self._global)
+            gone = self._beats.gone()
+            if gone:
+                raise self._gone_error(gone, "")
+
+    def _gone_error(self, gone: list[str], said: str) -> RankGoneError:
+        ranks = f"{', '.join(gone)} {'is' if len(gone) == 1 else 'are'} gone (heartbeat stopped"
+        said = f"; torch: {said}" if said else ""
+        return RankGoneError(
+            f"rlmetrics: step {self._collecting} cannot be collected: {ranks}{said}). "
+            "A torch.distributed group runs no collective without every member: the steps before it "
+            "are collected (client.result). Restart the run from your checkpoint (torchrun "
+            "--max-restarts restarts every rank)"
+        )
 
     def _collect(self, *jobs: tuple[np.ndarray, Any]) -> list[np.ndarray]:
         """Collectives on float64 vectors, issued together (async) and awaited together. A job is
@@ -416,7 +462,7 @@ class TorchDistTransport(SyncTransport):
             self.bytes_received_last_step += out.numel() * 8
         with self._failing():
             for w in works:
-                w.wait()
+                self._wait(w)
         return [o.cpu().numpy() if o.device.type != "cpu" else o.numpy() for o in outs]
 
     def _position(self, schema: Schema) -> np.ndarray | None:
