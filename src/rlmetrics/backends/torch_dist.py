@@ -112,7 +112,15 @@ from rlmetrics.core.states import State, decode_state, encode_state
 from rlmetrics.engine.aggregator import Aggregator
 from rlmetrics.engine.server import merge_items
 from rlmetrics.extras import require
-from rlmetrics.messages import Reply, StepMeta, StepResult, StepWarning, Submission, TorchFacts
+from rlmetrics.messages import (
+    PartialStepWarning,
+    Reply,
+    StepMeta,
+    StepResult,
+    StepWarning,
+    Submission,
+    TorchFacts,
+)
 from rlmetrics.packing import Packed, Schema
 
 torch = require("torch", "torch")
@@ -133,8 +141,13 @@ _beating: dict[int, threading.Thread] = {}  # id(store): this process's heartbea
 
 
 class RankGoneError(RuntimeError):
-    """A collective of a step failed because a rank of the group is gone (its process died): the
-    message names it, the step, and what to do."""
+    """A collective of a step failed because a rank of the group is gone (its process died) and the
+    others could not go on without it: the message names it, the step, and what to do. ``gone``:
+    the global ranks found gone."""
+
+    def __init__(self, message: str, gone: list[int]) -> None:
+        super().__init__(message)
+        self.gone = gone
 
 
 def _beat(store: Any, key: str) -> None:
@@ -154,28 +167,33 @@ class _Beats:
         self.seen: dict[int, tuple[int, float]] = {}  # rank: (counter, when it was first read so)
         self.first = time.monotonic()
 
-    def gone(self) -> list[str]:
-        """The ranks whose counter did not move for :data:`GONE_AFTER` seconds."""
+    def gone(self) -> list[int]:
+        """The ranks whose counter did not move for :data:`GONE_AFTER` seconds (every rank when
+        the store is gone: it went with the rank that hosts it, rank 0 under torchrun)."""
         now, out = time.monotonic(), []
         try:
             counts = [self.store.add(f"rlmetrics/beat/{g}", 0) for g in self.ranks]
-        except Exception:  # the store went with the rank that hosts it
-            return [f"the process group's store (hosted by rank{self.ranks[0]} under torchrun)"]
+        except Exception:
+            return list(self.ranks)
         for g, count in zip(self.ranks, counts):
             last = self.seen.get(g)
             if last is None or last[0] != count:
                 self.seen[g] = (count, now)
             elif now - last[1] >= GONE_AFTER:
-                out.append(f"rank{g}")
+                out.append(g)
         return out
 
-    def settled(self) -> list[str]:
+    def settled(self) -> list[int]:
         """:meth:`gone`, once the counters were read for :data:`GONE_AFTER` seconds."""
         while True:
             gone = self.gone()
             if gone or time.monotonic() - self.first > GONE_AFTER + BEAT:
                 return gone
             time.sleep(BEAT / 2)
+
+
+def _are_gone(ranks: list[int]) -> str:
+    return f"{', '.join(f'rank{g}' for g in ranks)} {'is' if len(ranks) == 1 else 'are'} gone"
 
 
 def _store() -> Any:
@@ -239,6 +257,8 @@ class TorchDistTransport(SyncTransport):
         self._store = _store()
         self._sliced = self._store is not None and dist.get_backend(group) == "gloo"
         self._beats: _Beats | None = None  # the heartbeats as this step's collectives saw them
+        self._regroups = 0  # new groups of survivors formed
+        self._partial: dict[int, list[str]] = {}  # step: the ranks gone while it was collected
         if self._store is not None and id(self._store) not in _beating:
             beat = threading.Thread(
                 target=_beat, args=(self._store, f"rlmetrics/beat/{dist.get_rank()}"), daemon=True
@@ -312,6 +332,9 @@ class TorchDistTransport(SyncTransport):
                 except StepsApart:
                     at = self._realign(at)
                     continue
+                except RankGoneError as exc:
+                    self._regroup(exc)  # then the step again, on the survivors
+                    continue
                 if at == step:
                     return res
                 at = step
@@ -320,6 +343,13 @@ class TorchDistTransport(SyncTransport):
         parts = self._held.pop(step, None)
         if parts is None:
             parts = [(packed, ws) for packed, ws, _keys in self._local.take(step)]
+        try:
+            return self._exchange_parts(step, parts)
+        except (StepsApart, RankGoneError):
+            self._held[step] = parts  # exchanged again in the step's turn, or on the survivors
+            raise
+
+    def _exchange_parts(self, step: int, parts: list[tuple[Packed, int]]) -> StepResult:
         relayout = False
         self._collecting, self._beats = step, None
         while True:
@@ -330,14 +360,10 @@ class TorchDistTransport(SyncTransport):
             else:  # exchanged only to agree on a re-layout
                 local, sketches, others = empty_arrays(len(lay.names)), {}, {}
             form = exchange_form(self.exchange, self.world_size, lay)
-            try:
-                merged = exchange_state(
-                    self._collect, step, lay, local, sketches, others, covered,
-                    form=form, world_size=self.world_size, rank=self.rank,
-                )  # fmt: skip
-            except StepsApart:
-                self._held[step] = parts  # exchanged again in the step's turn
-                raise
+            merged = exchange_state(
+                self._collect, step, lay, local, sketches, others, covered,
+                form=form, world_size=self.world_size, rank=self.rank,
+            )  # fmt: skip
             if merged is not None:
                 break
             if relayout:
@@ -432,14 +458,45 @@ class TorchDistTransport(SyncTransport):
             if gone:
                 raise self._gone_error(gone, "")
 
-    def _gone_error(self, gone: list[str], said: str) -> RankGoneError:
-        ranks = f"{', '.join(gone)} {'is' if len(gone) == 1 else 'are'} gone (heartbeat stopped"
+    def _gone_error(self, gone: list[int], said: str) -> RankGoneError:
         said = f"; torch: {said}" if said else ""
         return RankGoneError(
-            f"rlmetrics: step {self._collecting} cannot be collected: {ranks}{said}). "
-            "A torch.distributed group runs no collective without every member: the steps before it "
-            "are collected (client.result). Restart the run from your checkpoint (torchrun "
-            "--max-restarts restarts every rank)"
+            f"rlmetrics: step {self._collecting} cannot be collected: {_are_gone(gone)} (heartbeat "
+            f"stopped{said}), and the other ranks could not form a group without it. The steps before "
+            "it are collected (client.result). Restart the run from your checkpoint (torchrun "
+            "--max-restarts restarts every rank)",
+            gone,
+        )
+
+    def _regroup(self, exc: RankGoneError) -> None:
+        """Go on without the ranks ``exc`` found gone: the survivors (as the first of them wrote
+        them in the store) form a new group (``new_group``, synchronized among themselves only), and
+        the step they could not collect is collected partial, naming the gone ranks. Raises ``exc``
+        when that cannot be done."""
+        alive = ",".join(str(g) for g in self._global if g not in exc.gone)
+        key = f"rlmetrics/regroup/{self._regroups}/{','.join(map(str, self._global))}"
+        try:
+            agreed = [int(g) for g in self._store.compare_set(key, "", alive).decode().split(",") if g]
+            if dist.get_rank() not in agreed:
+                raise exc
+            group = dist.new_group(agreed, use_local_synchronization=True)
+        except RankGoneError:
+            raise
+        except Exception as failed:
+            raise exc from failed
+        gone = [g for g in self._global if g not in agreed]
+        if self.result_on is not None:
+            on = self._global[self.result_on]
+            self.result_on = agreed.index(on) if on in agreed else None
+        self.group, self._global, self.world_size = group, agreed, len(agreed)
+        self.rank, self._regroups = dist.get_rank(group), self._regroups + 1
+        self._partial[self._collecting] = [f"rank{g}" for g in gone]
+        warnings.warn(
+            f"rlmetrics: step {self._collecting}: {_are_gone(gone)} (heartbeat stopped). Step "
+            f"{self._collecting} is collected without it (meta.missing_ranks) and the {len(agreed)} "
+            "other ranks go on in a new group; the run's own collectives on the old group fail",
+            PartialStepWarning,
+            stacklevel=4,
         )
 
     def _collect(self, *jobs: tuple[np.ndarray, Any]) -> list[np.ndarray]:
@@ -549,7 +606,9 @@ class TorchDistTransport(SyncTransport):
         if lay.names and (self.result_on is None or self.result_on == self.rank):
             self._engine.submit("group", step, 0, 1, Packed(lay.schema, total, states), register=False)
         self._engine.close("group", step)
-        return self._engine.finalize(step, contributors=range(self.world_size), torch=facts)
+        gone = self._partial.pop(step, None)
+        partial = {"complete": False, "missing_ranks": gone} if gone else {}
+        return self._engine.finalize(step, contributors=self._global, torch=facts, **partial)
 
 
 class TorchMetricClient(ComputeLocal, ClientCore):
