@@ -18,8 +18,8 @@ gets the merged step back from ``result(step)`` / ``wait_final_res()``, on every
     dist.init_process_group("gloo")  # torchrun sets rank and world size
     client = rlmetrics.connect("torch")  # group=None: the default group
     for step in range(steps):
-        client.submit_metric({"critic/score/mean": scores, "critic/score/max": scores})
-        client.wait_submit()  # collective: every rank, every step
+        client.submit_metric({"critic/score/mean": scores, "critic/score/max": scores}, step=step)
+        client.wait_submit(step=step)  # collective: every rank, every step
         res = client.result(step)  # the same {name: value} on every rank
 
 **Protocol of one step** (``wait_submit``). The ranks share a *layout*: the sorted names (with their
@@ -49,8 +49,10 @@ M2, min, max per name), then:
    Ranks with different layouts, or a rank with a name outside the layout, make every rank do one
    ``all_gather_object`` of name lists, build the sorted union and exchange again (the rare
    re-layout path; names seen in the last ``memory`` steps stay, so alternating key sets do not
-   re-layout every time). Ranks at different steps raise :class:`RuntimeError` on every rank,
-   instead of hanging.
+   re-layout every time). Ranks at different steps (the header's step, MAX of ``step`` and
+   ``-step``) gather each rank's step: one step apart (a skipped ``wait_submit``), the lower step is
+   collected first and the ranks ahead collect theirs with the others' next call; further apart,
+   every rank raises :class:`RuntimeError` naming where each rank is (:meth:`TorchDistTransport._realign`).
 2. Only when the layout has quantile names: one ``SUM`` of the sketches. While every rank holds an
    exact sketch and the total fits ``exact_limit``, the raw values are summed into disjoint
    per-rank slots (a gather by ``SUM``), so quantiles equal the in-process aggregator's exact ones
@@ -76,9 +78,11 @@ The exchange itself (the layout, both forms, the sketch plans) is
 lines, a third of them docstrings).
 
 ``world_size`` and partial results: in a collective every rank of the group is present by
-construction, so each step is complete; ``world_size`` given to ``submit_metric`` is accepted for
-API compatibility and not used. A dead rank makes the collective fail or time out as torch
-configures it (``init_process_group(timeout=...)``); the result of a step is never partial.
+construction, so a step is complete; ``world_size`` given to ``submit_metric`` is accepted for
+API compatibility and not used. A rank whose process is gone (its heartbeat in the default group's
+store stopped for :data:`GONE_AFTER` seconds) makes the survivors form a new group of themselves:
+the step is collected partial (``meta.missing_ranks``), later steps complete on the survivors; or,
+when they cannot, :class:`RankGoneError`. docs/torch-distributed.md tells the slips and the failures.
 """
 
 from __future__ import annotations
