@@ -1,6 +1,6 @@
 """torch.distributed backend: the client API over collectives, for runs without a central actor.
 
-Over 400 lines on purpose: the client and its transport over collectives are one protocol (every
+Over 600 lines on purpose: the client and its transport over collectives are one protocol (every
 rank calls the same collectives in the same order); the forms of the exchange live in
 torch_exchange.py.
 
@@ -74,8 +74,9 @@ that step's values (listed in ``meta.empty``). NaN follows ``nan_strategy``; wit
 ``all_gather_object`` in the steps that have them, and merged.
 
 The exchange itself (the layout, both forms, the sketch plans) is
-:mod:`rlmetrics.backends.torch_exchange`; this module holds the transport and the client (~420
-lines, a third of them docstrings).
+:mod:`rlmetrics.backends.torch_exchange`; whether the ranks are alive is
+:mod:`rlmetrics.backends.torch_alive`; this module holds the transport and the client (~650 lines,
+a third of them docstrings).
 
 ``world_size`` and partial results: in a collective every rank of the group is present by
 construction, so a step is complete; ``world_size`` given to ``submit_metric`` is accepted for
@@ -99,6 +100,15 @@ from typing import Any
 
 import numpy as np
 
+from rlmetrics.backends.torch_alive import (
+    BEAT,
+    GONE_AFTER,
+    Beats,
+    RankGoneError,
+    are_gone,
+    heartbeat,
+    survivors,
+)
 from rlmetrics.backends.torch_exchange import (
     EXCHANGES,
     GATHER_LIMIT,
@@ -133,79 +143,9 @@ dist = require("torch.distributed", "torch")
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "EXCHANGES", "GATHER_LIMIT", "Layout", "RankGoneError", "TorchDistTransport", "TorchMetricClient",
-    "exchange_form",
+    "EXCHANGES", "GATHER_LIMIT", "GONE_AFTER", "Layout", "RankGoneError", "TorchDistTransport",
+    "TorchMetricClient", "exchange_form",
 ]  # fmt: skip
-
-BEAT = 0.5
-"""Seconds between two heartbeats of a process in the default group's store; a rank whose counter
-does not move for :data:`GONE_AFTER` seconds after a failed collective is named gone."""
-GONE_AFTER = 2.0
-_beating: dict[int, threading.Thread] = {}  # id(store): this process's heartbeat thread
-
-
-class RankGoneError(RuntimeError):
-    """A collective of a step failed because a rank of the group is gone (its process died) and the
-    others could not go on without it: the message names it, the step, and what to do. ``gone``:
-    the global ranks found gone."""
-
-    def __init__(self, message: str, gone: list[int]) -> None:
-        super().__init__(message)
-        self.gone = gone
-
-
-def _beat(store: Any, key: str) -> None:
-    while True:
-        try:
-            store.add(key, 1)
-        except Exception:  # the process group was destroyed: nothing to tell
-            return
-        time.sleep(BEAT)
-
-
-class _Beats:
-    """The heartbeat counters of a group's ranks, as one waiting rank reads them."""
-
-    def __init__(self, store: Any, ranks: list[int]) -> None:
-        self.store, self.ranks = store, ranks
-        self.seen: dict[int, tuple[int, float]] = {}  # rank: (counter, when it was first read so)
-        self.first = time.monotonic()
-
-    def gone(self) -> list[int]:
-        """The ranks whose counter did not move for :data:`GONE_AFTER` seconds (every rank when
-        the store is gone: it went with the rank that hosts it, rank 0 under torchrun)."""
-        now, out = time.monotonic(), []
-        try:
-            counts = [self.store.add(f"rlmetrics/beat/{g}", 0) for g in self.ranks]
-        except Exception:
-            return list(self.ranks)
-        for g, count in zip(self.ranks, counts):
-            last = self.seen.get(g)
-            if last is None or last[0] != count:
-                self.seen[g] = (count, now)
-            elif now - last[1] >= GONE_AFTER:
-                out.append(g)
-        return out
-
-    def settled(self) -> list[int]:
-        """:meth:`gone`, once the counters were read for :data:`GONE_AFTER` seconds."""
-        while True:
-            gone = self.gone()
-            if gone or time.monotonic() - self.first > GONE_AFTER + BEAT:
-                return gone
-            time.sleep(BEAT / 2)
-
-
-def _are_gone(ranks: list[int]) -> str:
-    return f"{', '.join(f'rank{g}' for g in ranks)} {'is' if len(ranks) == 1 else 'are'} gone"
-
-
-def _store() -> Any:
-    """The default group's store (a private torch API: None where it is missing)."""
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:
-        return None
 
 
 class TorchDistTransport(SyncTransport):
@@ -258,17 +198,11 @@ class TorchDistTransport(SyncTransport):
         self._global = [
             r if group is None else dist.get_global_rank(group, r) for r in range(self.world_size)
         ]
-        self._store = _store()
+        self._store = heartbeat()
         self._sliced = self._store is not None and dist.get_backend(group) == "gloo"
-        self._beats: _Beats | None = None  # the heartbeats as this step's collectives saw them
+        self._beats: Beats | None = None  # the heartbeats as this step's collectives saw them
         self._regroups = 0  # new groups of survivors formed
         self._partial: dict[int, list[str]] = {}  # step: the ranks gone while it was collected
-        if self._store is not None and id(self._store) not in _beating:
-            beat = threading.Thread(
-                target=_beat, args=(self._store, f"rlmetrics/beat/{dist.get_rank()}"), daemon=True
-            )
-            _beating[id(self._store)] = beat
-            beat.start()
         self.relayouts = 0
         self.bytes_last_step = self.bytes_received_last_step = self.collectives_last_step = 0
         self._local = Aggregator(renames={})
@@ -436,7 +370,7 @@ class TorchDistTransport(SyncTransport):
         except RuntimeError as exc:
             if self._store is None:
                 raise
-            beats = self._beats or _Beats(self._store, self._global)
+            beats = self._beats or Beats(self._store, self._global)
             gone = beats.settled()
             if not gone:
                 raise
@@ -457,7 +391,7 @@ class TorchDistTransport(SyncTransport):
             except RuntimeError as exc:
                 if "Operation timed out" not in str(exc):  # the slice's own timeout
                     raise
-            self._beats = self._beats or _Beats(self._store, self._global)
+            self._beats = self._beats or Beats(self._store, self._global)
             gone = self._beats.gone()
             if gone:
                 raise self._gone_error(gone, "")
@@ -465,7 +399,7 @@ class TorchDistTransport(SyncTransport):
     def _gone_error(self, gone: list[int], said: str) -> RankGoneError:
         said = f"; torch: {said}" if said else ""
         return RankGoneError(
-            f"rlmetrics: step {self._collecting} cannot be collected: {_are_gone(gone)} (heartbeat "
+            f"rlmetrics: step {self._collecting} cannot be collected: {are_gone(gone)} (heartbeat "
             f"stopped{said}), and the other ranks could not form a group without it. The steps before "
             "it are collected (client.result). Restart the run from your checkpoint (torchrun "
             "--max-restarts restarts every rank)",
@@ -477,10 +411,8 @@ class TorchDistTransport(SyncTransport):
         them in the store) form a new group (``new_group``, synchronized among themselves only), and
         the step they could not collect is collected partial, naming the gone ranks. Raises ``exc``
         when that cannot be done."""
-        alive = ",".join(str(g) for g in self._global if g not in exc.gone)
-        key = f"rlmetrics/regroup/{self._regroups}/{','.join(map(str, self._global))}"
         try:
-            agreed = [int(g) for g in self._store.compare_set(key, "", alive).decode().split(",") if g]
+            agreed = survivors(self._store, self._regroups, self._global, exc.gone)
             if dist.get_rank() not in agreed:
                 raise exc
             group = dist.new_group(agreed, use_local_synchronization=True)
@@ -496,7 +428,7 @@ class TorchDistTransport(SyncTransport):
         self.rank, self._regroups = dist.get_rank(group), self._regroups + 1
         self._partial[self._collecting] = [f"rank{g}" for g in gone]
         warnings.warn(
-            f"rlmetrics: step {self._collecting}: {_are_gone(gone)} (heartbeat stopped). Step "
+            f"rlmetrics: step {self._collecting}: {are_gone(gone)} (heartbeat stopped). Step "
             f"{self._collecting} is collected without it (meta.missing_ranks) and the {len(agreed)} "
             "other ranks go on in a new group; the run's own collectives on the old group fail",
             PartialStepWarning,
