@@ -398,9 +398,12 @@ class TorchDistTransport(SyncTransport):
 
     def _gone_error(self, gone: list[int], said: str) -> RankGoneError:
         said = f"; torch: {said}" if said else ""
+        who = f"{are_gone(gone)} (heartbeat stopped{said})"
+        if dist.get_rank() in gone:  # no counter could be read
+            who = f"the group's store is gone with its host (rank{self._global[0]} under torchrun{said})"
         return RankGoneError(
-            f"rlmetrics: step {self._collecting} cannot be collected: {are_gone(gone)} (heartbeat "
-            f"stopped{said}), and the other ranks could not form a group without it. The steps before "
+            f"rlmetrics: step {self._collecting} cannot be collected: {who}, and the other ranks "
+            "could not form a group without it. The steps before "
             "it are collected (client.result). Restart the run from your checkpoint (torchrun "
             "--max-restarts restarts every rank)",
             gone,
