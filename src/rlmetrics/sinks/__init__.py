@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from rlmetrics.globs import did_you_mean
 from rlmetrics.health import Alert, Monitor, coverage_metrics
 from rlmetrics.messages import DEFAULT_AXIS, StepResult
 from rlmetrics.sinks.base import Sink
@@ -282,7 +283,8 @@ class Tracking(Sink):
             return
         self._closed = True
         for glob in self.view.unmatched():
-            logger.warning("keys: the glob %r matched no key of this run (a typo?)", glob)
+            hint = did_you_mean(self.view.seen, [glob]) or " (a typo?)"
+            logger.warning("keys: the glob %r matched no key of this run%s", glob, hint)
         for sink in self.sinks:
             try:
                 sink.close()
@@ -362,12 +364,12 @@ def make_sinks(
 
     ``keys``: what the trackers get of each step (docs/trackers.md, "A key budget and a core view"):
     ``"all"`` (the default: every key, as before), ``"core"`` (the ``core`` globs only,
-    :data:`~rlmetrics.sinks.keys.CORE_KEYS` by default) or a list of globs (``*`` within a ``/``
-    segment, ``**`` across). ``overview`` (None: on for a list of globs, off otherwise): a copy of
-    each core key under ``overview/``, the same values, a section of its own in W&B, TensorBoard,
-    MLflow and SwanLab. ``metrics.jsonl`` keeps every key whatever ``keys`` is, so a resumed run
-    catches its trackers up with what they kept. A bad ``keys`` raises ValueError before any file is
-    made.
+    :data:`~rlmetrics.sinks.keys.CORE_KEYS` by default) or a list of globs (:mod:`rlmetrics.globs`:
+    ``*`` any characters, ``/`` included, so ``critic/*`` is every key under ``critic/``). ``overview``
+    (None: on for a list of globs, off otherwise): a copy of each core key under ``overview/``, the same
+    values, a section of its own in W&B, TensorBoard, MLflow and SwanLab. ``metrics.jsonl`` keeps every
+    key whatever ``keys`` is, so a resumed run catches its trackers up with what they kept. A bad
+    ``keys`` raises ValueError before any file is made.
 
     >>> import tempfile
     >>> out = Path(tempfile.mkdtemp())
