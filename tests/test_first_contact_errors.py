@@ -1,6 +1,7 @@
 """Mistakes a user makes at first contact, told at once and plainly: ranks that disagree on a
 name's ``world_size`` (in-process, Ray, Ray below node sub-aggregators), a bad ``world_size`` given
-to ``connect``, and a ``submit_metric`` call refused in part (the message says what went through)."""
+to ``connect``, an option typo (its owner and close match), and a ``submit_metric`` call refused
+in part (the message says what went through)."""
 
 import re
 import threading
@@ -135,6 +136,34 @@ def test_connect_refuses_a_bad_world_size_naming_it(bad, name):
         client.set_world_size(bad)
     with pytest.raises(ValueError, match=rf"got {bad!r}"):
         client.submit_metric({"x": 1.0}, bad)
+
+
+@pytest.mark.parametrize(
+    ("backend", "option", "said"),
+    [
+        ("local", "nan_stratgy", "did you mean nan_strategy (a client option)?"),
+        ("local", "final_timout", "did you mean final_timeout (an aggregator option)?"),
+        ("local", "keep_result", "did you mean keep_results (an aggregator option)?"),
+        ("local", "namespace", "it is an option of connect('ray'), not of the 'local' backend"),
+        ("local", "result_on", "it is an option of connect('torch'), not of the 'local' backend"),
+        ("torch", "blocking", "it is an option of connect('local'), not of the 'torch' backend"),
+        ("torch", "nan_stratgy", "did you mean nan_strategy (a client option)?"),
+        ("torch", "resul_on", "did you mean result_on (a torch transport option)?"),
+    ],
+)
+def test_an_option_typo_names_its_owner_and_the_close_match(backend, option, said, name):
+    """The option belongs to the client, the aggregator, Ray's actor or torch's transport: the error
+    says which, before any aggregator or process group is touched (the local one was refused as
+    ``Aggregator.__init__() got an unexpected keyword argument``)."""
+    with pytest.raises(TypeError) as err:
+        rlmetrics.connect(backend, name=name, **{option: 1})
+    assert str(err.value) == f"connect({backend!r}): no option {option!r}; {said}"
+    with pytest.raises(
+        TypeError, match=r"LocalMetricWorker\(\): no option 'nan_strategy'; it is a client option"
+    ):
+        local.get_worker(name, nan_strategy="drop")
+    client = rlmetrics.connect("local", name=name, nan_strategy="drop", final_timeout=5.0, world_size=1)
+    assert client.nan_strategy == "drop" and local.get_worker(name).server.final_timeout == 5.0
 
 
 def test_a_call_refused_in_part_says_what_was_submitted(name):
