@@ -278,3 +278,69 @@ def test_ray_node_hierarchy_the_root_names_the_ranks_too(ray_session):
         for a in actors:
             ray.kill(a)
         ray.kill(root)
+
+
+def _timing_batch(rank):
+    import torch
+
+    b = 2 + rank  # the ranks' batches differ in size
+    mask = torch.ones(b, 6, dtype=torch.long)
+    mask[:, -rank - 1 :] = 0
+    return {"responses": torch.zeros(b, 2), "attention_mask": mask, "global_token_num": mask.sum(-1).tolist()}
+
+
+@pytest.mark.parametrize(
+    ("bad", "said"),
+    [
+        ({"timing": {"gen": "1.0"}}, "timing_raw['gen'] is '1.0' (str), not a number of seconds"),
+        ({"timing": {"gen": None}}, "timing_raw['gen'] is None (NoneType), not a number of seconds"),
+        ({"timing": {"gen": [1.0, 2.0]}}, "timing_raw['gen'] is [1.0, 2.0] (list), not a number of seconds"),
+        ({"n_gpu": 0}, "the GPU count (n_gpu) is 0 (int)"),
+        ({"n_gpu": -1}, "the GPU count (n_gpu) is -1 (int)"),
+        ({"n_gpu": float("nan")}, "the GPU count (n_gpu) is nan (float)"),
+        ({"n_gpu": "2"}, "the GPU count (n_gpu) is '2' (str)"),
+    ],
+)
+def test_a_timing_value_or_gpu_count_that_is_no_number_is_refused_at_the_call(bad, said, name):
+    """Rank 1 passes a bad timing value or ``n_gpu``: its call raises MetricValueError naming the
+    stage or argument and the value (it was dropped with a DEBUG log and the step waited the whole
+    deadline, or the rank was silently left out of perf/throughput); the call's other names went
+    through, and the step ends at once. A stage resubmitted fixed gives every number of a run
+    without the slip; a bad ``n_gpu`` leaves rank 1 out of that step's perf/throughput only."""
+    pytest.importorskip("torch")
+    good_timing, good_gpus = {"gen": 1.0, "update_actor": 2.0, "step": 4.0}, 2
+
+    def run(label, slip):
+        clients = [
+            rlmetrics.connect("local", world_size=2, name=label, rank=r, final_timeout=60) for r in (0, 1)
+        ]
+        for rank, client in enumerate(clients):
+            timing = {**good_timing, "gen": 1.0 + rank}
+            batch = _timing_batch(rank)
+            if slip and rank == 1 and "timing" in bad:
+                with pytest.raises(MetricValueError) as err:
+                    client.compute_local_timing_metrics(batch, {**timing, **bad["timing"]})
+                assert said in str(err.value) and "the step does not wait for them" in str(err.value)
+                client.compute_local_timing_metrics(batch, {"gen": timing["gen"]})  # the fixed value alone
+            else:
+                client.compute_local_timing_metrics(batch, timing)
+            if slip and rank == 1 and "n_gpu" in bad:
+                with pytest.raises(MetricValueError) as err:
+                    client.compute_local_throughput_metrics(batch, timing, bad["n_gpu"])
+                assert said in str(err.value) and "pass the GPUs its batch ran on" in str(err.value)
+                assert "left out of this step's perf/throughput" in str(err.value)
+            else:
+                client.compute_local_throughput_metrics(batch, timing, good_gpus)
+            client.wait_submit()
+        start = time.monotonic()
+        result = clients[0].result(0, timeout=60)
+        assert time.monotonic() - start < SLOW_READ
+        local.drop_worker(label)
+        return result
+
+    got, want = run(name, slip=True), run(f"{name}-reference", slip=False)
+    if "n_gpu" in bad:  # rank 0's own tokens / (seconds x GPUs)
+        tokens0 = sum(_timing_batch(0)["global_token_num"])
+        want = {**want, "perf/throughput": tokens0 / (good_timing["step"] * good_gpus)}
+    assert got.meta.complete and dict(got) == pytest.approx(dict(want))
+    assert {"perf/throughput", "perf/delta_time/gen", "timing_per_token_ms/gen"} <= set(got)
