@@ -142,6 +142,24 @@ def test_sketches_of_different_bounds_merge_under_the_smaller_one_in_any_order()
     assert Sketch.from_array(wide.to_array()).median() == 99_999.0
 
 
+def test_a_merge_of_many_exact_sketches_is_the_sketch_of_their_concatenation():
+    """Exact merges keep sorted runs and sort once when read (the aggregator merges W contributions)."""
+    parts = [normal_values(r, n=n) for r, n in enumerate((0, 3, 1000, 1, 2500))] + [
+        np.array([np.inf, -np.inf])
+    ]
+    merged = Sketch()
+    for part in parts:
+        merged = merged.merge(Sketch.of(part))
+    whole = Sketch.of(np.concatenate(parts))
+    assert merged.is_exact and merged.count == whole.count and repr(merged) == repr(whole)
+    np.testing.assert_array_equal(merged.to_array(), whole.to_array())
+    assert merged.median() == whole.median() and merged.quantile(0.95) == whole.quantile(0.95)
+    halves = Sketch.of(parts[2]).merge(Sketch.of(parts[4]))
+    np.testing.assert_array_equal(
+        halves.merge(halves).values, np.sort(np.concatenate([parts[2], parts[4]] * 2))
+    )
+
+
 # ------------------------------------------------------------------------------------------------ local
 def run_local(steps: dict[int, list[dict]]) -> list:
     """Each step's per-rank metrics submitted by its rank's client; the driver's results."""

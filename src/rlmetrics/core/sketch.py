@@ -284,6 +284,8 @@ class Sketch:
         "_max_buckets",
         "_exact",
         "_values",
+        "_runs",
+        "_n",
         "_nan",
         "_neg_inf",
         "_pos_inf",
@@ -300,7 +302,9 @@ class Sketch:
     ) -> None:
         self._rel_err, self._exact_limit, self._max_buckets = _check_params(rel_err, exact_limit, max_buckets)
         self._exact = True
-        self._values = _EMPTY  # exact mode: sorted non-NaN values (infinities included)
+        self._values: np.ndarray | None = _EMPTY  # exact: sorted non-NaN values (infinities included)
+        self._runs: tuple[np.ndarray, ...] = ()  # exact, while _values is None: sorted runs to merge
+        self._n = 0  # exact: the number of values
         self._nan = 0.0
         self._neg_inf = 0.0  # bucket mode only, like the fields below
         self._pos_inf = 0.0
@@ -357,6 +361,7 @@ class Sketch:
         if w is None and v.size - n_nan <= out._exact_limit:
             out._nan = float(n_nan)
             out._values = _frozen(np.sort(v[~nan_mask]) if n_nan else np.sort(v))
+            out._n = out._values.size
             return out
         out._fill_buckets(v, w)
         return out
@@ -364,7 +369,7 @@ class Sketch:
     def _fill_buckets(self, v: np.ndarray, w: np.ndarray | None) -> None:
         """Switch this (fresh) sketch to bucket mode holding ``v`` with weights ``w`` (None: all 1)."""
         self._exact = False
-        self._values = _EMPTY
+        self._values, self._n = _EMPTY, 0
         if w is not None:
             keep = w > 0
             if not keep.all():
@@ -401,7 +406,7 @@ class Sketch:
             return self
         if self._buckets is None:
             out = self._empty_like()
-            out._fill_buckets(self._values, None)
+            out._fill_buckets(self._sorted(), None)
             out._nan = self._nan
             self._buckets = out
         return self._buckets
@@ -434,9 +439,11 @@ class Sketch:
             )
         limit = min(self._exact_limit, other._exact_limit)
         out = Sketch(self._rel_err, limit, self._max_buckets)
-        if self._exact and other._exact and self._values.size + other._values.size <= limit:
+        if self._exact and other._exact and self._n + other._n <= limit:
             out._nan = self._nan + other._nan
-            out._values = _frozen(np.sort(np.concatenate([self._values, other._values]), kind="stable"))
+            out._n = self._n + other._n
+            runs = self._parts() + other._parts()  # sorted once, when read: k merges cost one sort
+            out._values, out._runs = (runs[0] if runs else _EMPTY, ()) if len(runs) < 2 else (None, runs)
             return out
         a, b = self._as_buckets(), other._as_buckets()
         out._exact = False
@@ -448,6 +455,21 @@ class Sketch:
         out._pos_off, out._pos = _merge_store(a._pos_off, a._pos, b._pos_off, b._pos, self._max_buckets)
         return out
 
+    def _parts(self) -> tuple[np.ndarray, ...]:
+        """Exact mode: the sorted runs of this sketch's values (``_runs`` is read before ``_values``:
+        :meth:`_sorted` sets ``_values`` before it drops the runs)."""
+        runs, values = self._runs, self._values
+        return runs if values is None else ((values,) if values.size else ())
+
+    def _sorted(self) -> np.ndarray:
+        """The sorted values (exact mode; empty in bucket mode), the pending runs merged once."""
+        runs, values = self._runs, self._values
+        if values is None:
+            values = _frozen(np.sort(np.concatenate(runs), kind="stable"))
+            self._values = values
+            self._runs = ()
+        return values
+
     # ------------------------------------------------------------------ queries
     @property
     def count(self) -> float:
@@ -457,7 +479,7 @@ class Sketch:
         2.0
         """
         if self._exact:
-            return float(self._values.size) + self._nan
+            return float(self._n) + self._nan
         stores = float(self._neg.sum() + self._pos.sum())
         return self._nan + self._neg_inf + self._zero + stores + self._pos_inf
 
@@ -525,7 +547,7 @@ class Sketch:
         """
         if not self._exact:
             raise ValueError("a bucket-mode sketch does not hold its values")
-        return self._values
+        return self._sorted()
 
     def bucket_span(self) -> tuple[Span | None, Span | None]:
         """``(negative store, positive store)`` bucket spans ``(lowest, highest)`` of this sketch in
@@ -605,7 +627,7 @@ class Sketch:
         if self._nan > 0:
             return math.nan
         if self._exact:
-            vals = self._values
+            vals = self._sorted()
             n = vals.size
             if n == 0:
                 return math.nan
@@ -665,7 +687,7 @@ class Sketch:
         if e.ndim != 1 or e.size < 2 or not (np.diff(e) > 0).all() or not np.isfinite(e).all():
             raise ValueError("histogram edges must be a 1-D increasing finite array of at least 2 values")
         if self._exact:
-            return np.histogram(self._values, e)[0].astype(np.float64)
+            return np.histogram(self._sorted(), e)[0].astype(np.float64)
         log_g = math.log(self._gamma())
         pos_k = np.arange(self._pos_off, self._pos_off + self._pos.size)
         neg_k = np.arange(self._neg_off, self._neg_off + self._neg.size)
@@ -684,8 +706,8 @@ class Sketch:
         >>> Sketch.of([4.0, 1.0, 3.0, 2.0]).median()
         2.0
         """
-        if self._exact and self._nan == 0 and self._values.size:
-            return float(self._values[(self._values.size - 1) // 2])
+        if self._exact and self._nan == 0 and self._n:
+            return float(self._sorted()[(self._n - 1) // 2])
         return self.quantile(0.5)
 
     # ------------------------------------------------------------------ serialisation
@@ -716,7 +738,7 @@ class Sketch:
                 self._neg_inf,
                 self._pos_inf,
                 self._zero,
-                self._values.size,
+                self._n,
                 self._neg_off,
                 self._neg.size,
                 self._pos_off,
@@ -724,7 +746,7 @@ class Sketch:
             ],
             dtype=np.float64,
         )
-        return np.concatenate([header, self._values, self._neg, self._pos])
+        return np.concatenate([header, self._sorted(), self._neg, self._pos])
 
     @classmethod
     def from_array(cls, arr: ArrayLike) -> Sketch:
@@ -759,6 +781,7 @@ class Sketch:
         out._nan = nan
         out._neg_inf, out._pos_inf, out._zero = neg_inf, pos_inf, zero
         out._values = _frozen(body[:n_values]) if n_values else _EMPTY
+        out._n = n_values
         out._neg_off, out._pos_off = int(neg_off), int(pos_off)
         out._neg = _frozen(body[n_values : n_values + n_neg]) if n_neg else _EMPTY
         out._pos = _frozen(body[n_values + n_neg :]) if n_pos else _EMPTY
@@ -807,7 +830,7 @@ class Sketch:
                     f"sketch: {store.size} {sign} buckets from {off} outside [{lo}, {hi}] "
                     f"(rel_err={self._rel_err})"
                 )
-        v = self._values
+        v = self._sorted()
         if not self._exact:
             if v.size:
                 raise ValueError("sketch: a bucket-mode sketch has exact values")
@@ -827,7 +850,7 @@ class Sketch:
 
     def __repr__(self) -> str:
         if self._exact:
-            return f"Sketch(exact, n={self._values.size}, count={self.count:g}, {self._params()})"
+            return f"Sketch(exact, n={self._n}, count={self.count:g}, {self._params()})"
         return (
             f"Sketch(buckets, count={self.count:g}, neg_buckets={self._neg.size}, "
             f"pos_buckets={self._pos.size}, {self._params()})"
