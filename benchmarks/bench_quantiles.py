@@ -115,8 +115,8 @@ class Side:
                 os.environ[EXACT_QUANTILES_ENV] = saved
         return pickle.dumps(wire.encode([(step, 0, WORLD, packed)], [step], send_names=True))
 
-    def run(self) -> float:
-        """One step; records the times, returns one rank's part plus the aggregator's (seconds)."""
+    def run(self) -> None:
+        """One step; records one rank's part and the aggregator's (seconds)."""
         step, self.step = self.step, self.step + 1
         t0 = time.perf_counter()
         msgs = [self.rank(r, step) for r in range(WORLD)]
@@ -132,7 +132,6 @@ class Side:
         self.rank_s.append((t1 - t0) / WORLD)
         self.agg_s.append(t2 - t1)
         self.bytes = len(msgs[0])
-        return (t1 - t0) / WORLD + (t2 - t1)
 
 
 def measure(n: int, reps: int) -> Row:
@@ -148,17 +147,17 @@ def measure(n: int, reps: int) -> Row:
     if not beyond:
         assert abs(exact.result[NAME] - want) <= 1e-12 * abs(want), (exact.result[NAME], want)
     assert sketch.result.meta.approximate == ([NAME] if n > int(OLD_BOUND) else [])
-    for side in (exact, sketch):
-        side.rank_s.clear()
-        side.agg_s.clear()
-    times = report.interleaved([exact.run, sketch.run], reps)
+    report.interleaved([exact.run, sketch.run], reps)
+    for side in (exact, sketch):  # the rounds' times, without the warm-ups
+        side.rank_s, side.agg_s = side.rank_s[-reps:], side.agg_s[-reps:]
+    step_s = [[r + a for r, a in zip(side.rank_s, side.agg_s)] for side in (exact, sketch)]
     return Row(
         n,
         statistics.median(exact.rank_s) * 1e3,
         statistics.median(exact.agg_s) * 1e3,
         statistics.median(sketch.rank_s) * 1e3,
         statistics.median(sketch.agg_s) * 1e3,
-        statistics.median(e / s for e, s in zip(*times)),
+        statistics.median(e / s for e, s in zip(*step_s)),
         exact.bytes,
         sketch.bytes,
         beyond,
