@@ -35,7 +35,7 @@ the window :meth:`Sketch.merge` would keep, :meth:`Sketch.fold` writes a sketch 
 float64 vector, and :meth:`Sketch.from_folded` reads the sum of those vectors back -- the same
 sketch as merging them one by one.
 
-**Why one module of ~800 lines** (about 480 of code, the rest docstrings and doctests): the sketch's
+**Why one module of ~860 lines** (about 500 of code, the rest docstrings and doctests): the sketch's
 representation (stores, offsets, the array layout) is read nowhere else; split, its private helpers
 would become an API.
 
