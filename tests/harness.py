@@ -38,7 +38,8 @@ metrics. Each rank runs the seed's calls on its shard (the rows of :data:`METRIC
 size, the reference model's from a FLOPs-per-token number), ``compute_local_straggler_metrics``
 (each rank's own stage times), ``process_local_validation_metrics`` and ``submit_metric``
 (plain metrics; then values grouped by env with ``group_by={"env": ...}`` and a number, on inputs of
-the row's own), then ``wait_submit()``.
+the row's own; values under quantile names, more than 4,096 of them from 2 ranks on), then
+``wait_submit()``.
 
 The references are one process on the concatenation: ``compute_data_metric`` (with ``group_by``),
 ``compute_timing_metrics`` (each stage's seconds averaged over ranks, as every rank times the same
@@ -46,9 +47,10 @@ step), ``compute_throughput_metrics`` (the ranks' GPUs summed), the MFU by hand 
 the mean seconds times all GPUs times the peak), numpy's min, median and max of
 each stage's seconds over ranks (the straggler report), ``process_validation_metrics`` (the
 samples in rank order) and numpy for the plain metrics and for each env's values (the number never
-per group). Tolerance: 1e-9 relative for float64 data; for float32 tensors ``1e-5`` relative (a
-row's float32 sum may differ from the concatenation's in its last bits, ~ width * 2**-24); 1e-12 for
-the grouped values.
+per group), numpy's lower median and linear percentiles (1e-12 relative: torch's interpolation,
+which ours is, rounds its rank and its lerp otherwise). Tolerance: 1e-9 relative for float64 data;
+for float32 tensors ``1e-5`` relative (a row's float32 sum may differ from the concatenation's in
+its last bits, ~ width * 2**-24); 1e-12 for the grouped values.
 """
 
 from __future__ import annotations
@@ -295,6 +297,18 @@ def grouped_reference(parts: list[dict]) -> dict[str, float]:
     return by_group("env", sum((p["env"] for p in parts), []), columns) | loss
 
 
+def quantile_inputs(rng: np.random.Generator) -> np.ndarray:
+    """2,400-2,600 values per rank: more than the old exact bound (4,096) from 2 ranks on."""
+    return rng.normal(size=int(rng.integers(2400, 2601)))
+
+
+def quantile_reference(parts: list[np.ndarray]) -> dict[str, float]:
+    """numpy on all ranks' values: the lower middle value (torch.median's), linear percentiles."""
+    x = np.concatenate(parts)
+    return {"qx/median": np.quantile(x, 0.5, method="lower"), "qx/p95": np.quantile(x, 0.95),
+            "qx/p99.9": np.quantile(x, 0.999)}  # fmt: skip
+
+
 # ------------------------------------------------------------------------------------------- metrics
 @dataclass(frozen=True)
 class Metric:
@@ -340,6 +354,10 @@ METRICS: list[Metric] = [
                {"gx/mean": d["x"], "gx/max": d["x"], "gx/p50": d["x"], "gloss": d["loss"]}, w, step,
                group_by={"env": d["env"]}),
            lambda ps, ns: grouped_reference(ps), inputs=grouped_inputs, rel=(1e-12, 1e-12)),
+    # exact quantiles up to the bound: numpy's, but for torch's rounding of the interpolation
+    Metric("quantiles",
+           lambda c, x, w, step: c.submit_metric({"qx/median": x, "qx/p95": x, "qx/p99.9": x}, w, step),
+           lambda ps, ns: quantile_reference(ps), inputs=quantile_inputs, rel=(1e-12, 1e-12)),
 ]  # fmt: skip
 
 

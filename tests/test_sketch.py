@@ -149,7 +149,7 @@ _DISTRIBUTIONS = {
 def test_bucket_relative_error_1e6(name: str) -> None:
     rng = np.random.default_rng(100 + sorted(_DISTRIBUTIONS).index(name))
     x = _DISTRIBUTIONS[name](rng)
-    s = Sketch.of(x)
+    s = Sketch.of(x, exact_limit=4096)
     assert not s.is_exact
     assert s.count == N_BIG
     qs = (0.01, 0.1, 0.5, 0.95, 0.99)
@@ -306,7 +306,7 @@ def test_to_array_round_trip(idx: int) -> None:
 def test_to_array_layout() -> None:
     arr = Sketch.of([3.0, 1.0, 2.0]).to_array()
     assert arr.size == HEADER + 3
-    assert arr[2] == 0.0 and arr[3] == 0.005 and arr[4] == 4096 and arr[5] == 4096 and arr[10] == 3
+    assert arr[2] == 0.0 and arr[3] == 0.005 and arr[4] == 1_000_000 and arr[5] == 4096 and arr[10] == 3
     np.testing.assert_array_equal(arr[HEADER:], [1.0, 2.0, 3.0])
     b = Sketch.of([1.0, -1.0, 0.0, math.inf], exact_limit=0).to_array()
     assert b[2] == 1.0 and b[8] == 1.0 and b[9] == 1.0 and b[12] == 1 and b[14] == 1
@@ -434,7 +434,7 @@ def test_empty_sketch() -> None:
 def test_max_buckets_bound_wide_range() -> None:
     x = np.logspace(-300, 300, 100_000)
     data = np.concatenate([x, -x, np.zeros(100)])
-    s = Sketch.of(data)
+    s = Sketch.of(data, exact_limit=4096)
     arr = s.to_array()
     assert arr[12] <= 4096 and arr[14] <= 4096 and arr.size <= HEADER + 2 * 4096
     # the large magnitudes keep the error bound; the folded low magnitudes are overstated
@@ -444,11 +444,11 @@ def test_max_buckets_bound_wide_range() -> None:
         assert abs(s.quantile(q) - x) <= 0.005 * abs(x) * (1 + 1e-9), q
     x = float(xs[int(0.6 * (xs.size - 1))])  # a positive value around 1e-60, folded into the lowest bucket
     assert x < 1e-50 and s.quantile(0.6) > 1e250
-    merged = s.merge(Sketch.of(np.logspace(-250, 301, 1000)))
+    merged = s.merge(Sketch.of(np.logspace(-250, 301, 1000), exact_limit=4096))
     marr = merged.to_array()
     assert marr[12] <= 4096 and marr[14] <= 4096
     assert _rel_err(merged.quantile(1.0), 1e301) <= 0.005
-    small = Sketch.of(data, max_buckets=10)
+    small = Sketch.of(data, exact_limit=4096, max_buckets=10)
     assert small.to_array().size <= HEADER + 20
 
 
@@ -603,7 +603,7 @@ def test_module_does_not_import_torch() -> None:
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module.split(".")[0])
     assert "torch" not in names
-    assert names <= {"__future__", "collections", "dataclasses", "fractions", "math", "numpy", "typing"}
+    assert names <= {"__future__", "collections", "dataclasses", "fractions", "math", "numpy", "os", "typing"}
 
 
 def test_reducing_a_sketch_leaves_the_callers_stat_as_it_was():

@@ -36,6 +36,7 @@ from rlmetrics.core.sketch import Sketch
 from rlmetrics.core.stat import MetricValueError, Stat
 from rlmetrics.engine.aggregator import Aggregator
 from rlmetrics.messages import (
+    ApproximateWarning,
     LateDataWarning,
     NonFiniteWarning,
     PartialStepWarning,
@@ -73,6 +74,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "COUNT", "MAX", "MEAN", "MEDIAN", "MIN", "SPECIAL_METRICS", "STD", "SUM", "Aggregator",
+    "ApproximateWarning",
     "LateDataWarning", "LocalMetricWorker", "MaxMetric", "MeanMetric", "MedianMetric", "Metric",
     "MetricClient", "MetricFunc", "MetricValueError", "MetricWorker", "MinMetric", "NonFiniteWarning",
     "PartialStepWarning", "PercentileMetric", "ProvisionalWarning", "RLMetricsWarning", "RayStartedWarning",

@@ -36,6 +36,7 @@ from rlmetrics.core.groups import Labels, grouped_values, split_grouped
 from rlmetrics.core.stat import NAN_STRATEGIES, MetricValueError
 from rlmetrics.engine.derived import without_reserved
 from rlmetrics.messages import (
+    ApproximateWarning,
     Close,
     LateDataWarning,
     NonFiniteWarning,
@@ -215,6 +216,7 @@ class ClientCore:
         self._schemas: dict = {}
         self._nan_warned: set[str] = set()
         self._conflict_warned: set[str] = set()
+        self._approximate_warned: set[str] = set()
         self._provisional_warned = False
         self.stopped = False  # stop() left for good: no more submissions
         self.finalized_state: tuple[int, list[int]] = (0, [])  # as the aggregator last reported it
@@ -485,7 +487,8 @@ class ClientCore:
 
     def _checked(self, res: StepResult) -> StepResult:
         """Warn once per evicted or partial result, once per client about provisional ones, and once
-        per metric name that turned non-finite (:class:`~rlmetrics.messages.RLMetricsWarning`)."""
+        per metric name that turned non-finite or approximate
+        (:class:`~rlmetrics.messages.RLMetricsWarning`)."""
         meta = res.meta
         if meta.evicted:
             warnings.warn(
@@ -517,6 +520,17 @@ class ClientCore:
                 f"rlmetrics: step {res.step}: {meta.conflicts[conflicts[0]]} "
                 f"({len(conflicts)} name(s) in meta.conflicts; warned once per name)",
                 WorldSizeWarning,
+                stacklevel=caller_level(),
+            )
+        approximate = [n for n in meta.approximate if n not in self._approximate_warned]
+        if approximate:
+            self._approximate_warned.update(approximate)
+            warnings.warn(
+                f"rlmetrics: step {res.step}: quantile(s) {approximate[:5]} are approximate (within 0.5%): "
+                "more values in the step than the ranks' exact bound (1,000,000 per name and step unless "
+                "RLMETRICS_EXACT_QUANTILES in every rank's environment sets it) or weighted values; "
+                f"{len(approximate)} name(s) in meta.approximate (warned once per name)",
+                ApproximateWarning,
                 stacklevel=caller_level(),
             )
         if math.isfinite(sum(res.values())):  # else a value is not finite, or the sum overflowed

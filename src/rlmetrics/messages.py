@@ -68,6 +68,9 @@ class StepMeta:
     - ``missing_ranks``: registered clients that did not close the step;
     - ``missing_metrics``: ``{name: [received, expected]}`` of the names short of contributions;
     - ``empty``: names without an observation (left out of the values);
+    - ``approximate``: names whose quantiles (or histogram) came from the sketch's buckets, within
+      0.5% relative error, not exact: more values in the step than the exact bound (1,000,000 per
+      name by default, ``RLMETRICS_EXACT_QUANTILES``), or weighted values (docs/reductions.md);
     - ``contributors``: clients that submitted to the step;
     - ``refused``: ``{name: why}`` of names the aggregator refused in the step, and
       ``{"client_id/step/seq": why}`` of contributions it refused whole for a value no data gives
@@ -91,6 +94,7 @@ class StepMeta:
     missing_ranks: list[str] = field(default_factory=list)
     missing_metrics: dict[str, list[int]] = field(default_factory=dict)
     empty: list[str] = field(default_factory=list)
+    approximate: list[str] = field(default_factory=list)
     contributors: list[Any] = field(default_factory=list)
     refused: dict[str, str] = field(default_factory=dict)
     conflicts: dict[str, str] = field(default_factory=dict)
@@ -109,6 +113,7 @@ class StepMeta:
         missing_ranks: Iterable[str] = (),
         missing_metrics: Mapping[str, Sequence[int]] | None = None,
         empty: Iterable[str] = (),
+        approximate: Iterable[str] = (),
         contributors: Iterable[Any] = (),
         refused: Mapping[str, str] | None = None,
         conflicts: Mapping[str, str] | None = None,
@@ -141,6 +146,7 @@ class StepMeta:
             missing_ranks=missing_ranks,
             missing_metrics=missing,
             empty=list(empty),
+            approximate=list(approximate),
             contributors=list(contributors),
             refused=dict(refused or {}),
             conflicts=dict(conflicts or {}),
@@ -348,6 +354,11 @@ class NonFiniteWarning(RLMetricsWarning):
 class WorldSizeWarning(RLMetricsWarning):
     """Ranks gave one name different ``world_size`` in a step (``meta.conflicts``; once per name
     and client: the ranks that gave it are told by an error at every step)."""
+
+
+class ApproximateWarning(RLMetricsWarning):
+    """A quantile or histogram came from the sketch's buckets, not exact (``meta.approximate``; once
+    per name and client)."""
 
 
 class StepWarning(RLMetricsWarning):

@@ -54,8 +54,9 @@ M2, min, max per name), then:
    collected first and the ranks ahead collect theirs with the others' next call; further apart,
    every rank raises :class:`RuntimeError` naming where each rank is (:meth:`TorchDistTransport._realign`).
 2. Only when the layout has quantile names: one ``SUM`` of the sketches. While every rank holds an
-   exact sketch and the total fits ``exact_limit``, the raw values are summed into disjoint
-   per-rank slots (a gather by ``SUM``), so quantiles equal the in-process aggregator's exact ones
+   exact sketch and the total fits the smallest ``exact_limit`` (1,000,000 values by default), the
+   raw values are summed into disjoint slots, each rank's at its offset from the sizes of step 1
+   (a gather by ``SUM``: ``1 + total`` floats), so quantiles equal the in-process aggregator's exact ones
    (``torch.quantile`` / ``torch.median``). Otherwise every rank folds its sketch onto the
    :class:`~rlmetrics.core.sketch.BucketWindow` that covers every rank's buckets
    (:meth:`~rlmetrics.core.sketch.Sketch.fold`) and the sum is read back with
@@ -310,14 +311,13 @@ class TorchDistTransport(SyncTransport):
                 step, {n: r for p, _ in parts for n, r in zip(p.schema.names, p.schema.reductions)}
             )
             relayout = True
-        total, sums, infos = merged
-        n_q = len(lay.quantiles)
-        if sums[0]:  # some rank holds states other than sketches (validation samples)
+        total, n_others, sizes, infos = merged
+        if n_others:  # some rank holds states other than sketches (validation samples)
             others = self._gather_states(others)
         global_sketches = {}
-        if n_q:
+        if len(lay.quantiles):
             global_sketches = merge_sketches(
-                self._collect, lay, sketches, sums[1 : 1 + n_q], infos,
+                self._collect, lay, sketches, sizes, infos,
                 world_size=self.world_size, rank=self.rank,
             )  # fmt: skip
         self._last_seen[total[0] > 0] = step

@@ -116,9 +116,10 @@ def exchange_form(exchange: str, world_size: int, layout: Layout) -> str:
 
 
 def _sketch_info(sk: Sketch | None) -> tuple[float, np.ndarray]:
-    """Step 1 data of one local sketch: its exact size (SUM) and 12 MAX floats: bucket mode flag,
-    exact size, ``[highest, -lowest]`` bucket of the positive and the negative store, parameters
-    and their negatives (so that the MAX tells whether all ranks agree)."""
+    """Step 1 data of one local sketch: its exact size (every rank's, for the offsets of step 2) and
+    12 MAX floats: bucket mode flag, exact size, ``[highest, -lowest]`` bucket of the positive and
+    the negative store, parameters and their negatives (so that the MAX tells whether all ranks
+    agree, and the smallest ``exact_limit``)."""
     out = np.full(_SK_INFO, _NEUTRAL)
     if sk is None:
         return 0.0, out
@@ -147,15 +148,17 @@ def exchange_state(
     world_size: int,
     rank: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """Step 1: ``(merged (5, L) stat array, SUM of [other states, exact sketch sizes], MAX of the
-    sketch infos)``, or None when the ranks must re-layout first."""
+    """Step 1: ``(merged (5, L) stat array, how many other states the ranks hold, every rank's exact
+    sketch sizes (W, Q), MAX of the sketch infos)``, or None when the ranks must re-layout first.
+    The sizes travel in the gathered rows, or (``"reduce"``) in the SUM, each rank in its own slots."""
     fp, n_names = lay.fingerprint, len(lay.names)
     head = np.array([fp, -fp, step, -step, 0.0 if covered else 1.0])
     lacking = [lay.names[p] for p in lay.quantiles.tolist() if p not in sketches and local[0, p] > 0]
     if lacking:
         logger.warning("rank %d: quantile metric(s) %s came without a sketch: left out", rank, lacking)
     info = [_sketch_info(sketches.get(p)) for p in lay.quantiles.tolist()]
-    sums = np.array([float(len(others)), *(size for size, _ in info)])
+    sizes = np.array([size for size, _ in info])
+    sums = np.concatenate([[float(len(others))], sizes])
     infos = np.concatenate([np.empty(0), *(i for _, i in info)])
     if form == "gather":
         (rows,) = collect((np.concatenate([head, sums, infos, local.ravel()[lay.gathered]]), None))
@@ -167,14 +170,20 @@ def exchange_state(
         parts = parts.transpose(1, 0, 2)
         return (
             reduce_parts(parts),
-            rows[:, cut[0] : cut[1]].sum(axis=0),
+            float(rows[:, cut[0]].sum()),
+            rows[:, cut[0] + 1 : cut[1]],
             rows[:, cut[1] : cut[2]].max(axis=0),
         )
     ext = np.concatenate([local[4, lay.maxes], -local[3, lay.mins]])
     nan_ext = np.isnan(ext)
     ext[nan_ext] = _NEUTRAL
+    slots = np.zeros((world_size, sizes.size))
+    slots[rank] = sizes
     jobs = [
-        (np.concatenate([local[0], local[1], sums, [float(nan_ext.any())]]), dist.ReduceOp.SUM),
+        (
+            np.concatenate([local[0], local[1], sums[:1], slots.ravel(), [float(nan_ext.any())]]),
+            dist.ReduceOp.SUM,
+        ),
         (np.concatenate([head, infos, ext]), dist.ReduceOp.MAX),
     ]
     if lay.stds.size:
@@ -194,7 +203,8 @@ def exchange_state(
     if lay.stds.size:
         stds = out[2].reshape(world_size, 5, lay.stds.size).transpose(1, 0, 2)
         total[:, lay.stds] = reduce_parts(stds)
-    return total, total_sums[2 * n_names : -1], maxes[_HEAD : _HEAD + infos.size]
+    all_sizes = total_sums[2 * n_names + 1 : -1].reshape(world_size, sizes.size)
+    return total, float(total_sums[2 * n_names]), all_sizes, maxes[_HEAD : _HEAD + infos.size]
 
 
 class StepsApart(Exception):
@@ -219,9 +229,10 @@ def merge_sketches(
     world_size: int,
     rank: int,
 ) -> dict[int, Sketch]:
-    """Step 2: the global sketch of every quantile name some rank has, by one ``SUM``."""
+    """Step 2: the global sketch of every quantile name some rank has, by one ``SUM``
+    (``exact_sizes``: every rank's exact size of each, ``(W, Q)``)."""
     plans = [
-        _SketchPlan.of(infos[j * _SK_INFO : (j + 1) * _SK_INFO], exact_sizes[j], world_size)
+        _SketchPlan.of(infos[j * _SK_INFO : (j + 1) * _SK_INFO], exact_sizes[:, j])
         for j in range(len(lay.quantiles))
     ]
     quantiles = lay.quantiles.tolist()
@@ -238,61 +249,55 @@ def merge_sketches(
 
 @dataclass
 class _SketchPlan:
-    """How one quantile name travels in step 2, agreed from step 1: exact slots or a bucket window."""
+    """How one quantile name travels in step 2, agreed from step 1: every rank's values at its offset
+    (exact), or a bucket window."""
 
-    world: int
     params: dict[str, Any] | None  # Sketch parameters; None: no rank has a sketch
-    exact: bool = True
-    slot: int = 0  # exact: values per rank slot
-    window: BucketWindow = field(default_factory=BucketWindow)
+    offsets: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))  # exact: rank r's values
+    window: BucketWindow | None = None  # buckets: the window every rank folds onto
 
     @classmethod
-    def of(cls, info: np.ndarray, exact_total: float, world: int) -> _SketchPlan:
+    def of(cls, info: np.ndarray, sizes: np.ndarray) -> _SketchPlan:
+        """The plan from the MAX of the ranks' infos and their exact sizes: exact while no rank holds
+        buckets and the values of all ranks fit the smallest ``exact_limit`` (as a merge keeps)."""
         if info[6] == _NEUTRAL:
-            return cls(world, None)
-        if not np.array_equal(info[6:9], -info[9:12]):
+            return cls(None)
+        if info[6] != -info[9] or info[8] != -info[11]:
             raise ValueError("ranks built quantile sketches with different parameters for one metric")
-        params = {"rel_err": float(info[6]), "exact_limit": int(info[7]), "max_buckets": int(info[8])}
-        if info[0] == 0.0 and exact_total <= params["exact_limit"]:
-            return cls(world, params, slot=int(info[1]))
+        params = {"rel_err": float(info[6]), "exact_limit": int(-info[10]), "max_buckets": int(info[8])}
+        if info[0] == 0.0 and sizes.sum() <= params["exact_limit"]:
+            return cls(params, offsets=np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]))
 
         def span(hi: float, minus_lo: float) -> tuple[int, int] | None:
             return None if hi == _NEUTRAL else (int(-minus_lo), int(hi))
 
         window = BucketWindow.covering(span(info[4], info[5]), span(info[2], info[3]), params["max_buckets"])
-        return cls(world, params, exact=False, window=window)
+        return cls(params, window=window)
 
     @property
     def size(self) -> int:
         if self.params is None:
             return 0
-        return 1 + self.world + self.world * self.slot if self.exact else self.window.size
+        return 1 + int(self.offsets[-1]) if self.window is None else self.window.size
 
     def section(self, sk: Sketch | None, rank: int) -> np.ndarray:
-        """This rank's part of the ``SUM``: NaN weight, size and values in its slot; or its fold."""
+        """This rank's part of the ``SUM``: its NaN weight, then its values at its offset; or its fold."""
         if sk is None or self.params is None:
             return np.zeros(self.size)
-        if not self.exact:
+        if self.window is not None:
             return sk.fold(self.window)
         out = np.zeros(self.size)
-        values = sk.values
         out[0] = sk.nan_count
-        out[1 + rank] = values.size
-        start = 1 + self.world + rank * self.slot
-        out[start : start + values.size] = values
+        out[1 + self.offsets[rank] : 1 + self.offsets[rank + 1]] = sk.values
         return out
 
     def sketch(self, section: np.ndarray) -> Sketch | None:
         """The merged sketch from the summed section."""
         if self.params is None:
             return None
-        if not self.exact:
+        if self.window is not None:
             return Sketch.from_folded(section, self.window, **self.params)
-        sizes = section[1 : 1 + self.world].astype(np.int64)
-        base = 1 + self.world
-        chunks = [section[base + r * self.slot : base + r * self.slot + sizes[r]] for r in range(self.world)]
-        chunks.append(np.full(int(section[0]), np.nan))
-        return Sketch.of(np.concatenate(chunks), **self.params)
+        return Sketch.of(np.concatenate([section[1:], np.full(int(section[0]), np.nan)]), **self.params)
 
 
 __all__ = [

@@ -9,9 +9,10 @@ A metric whose reduction is ``hist`` (a name whose last segment is ``hist``, e.g
   ``numpy.histogram_bin_edges(data, HIST_BINS)`` of the concatenated data of every rank, which
   depends on the minimum and the maximum alone.
 - **Counts**: :meth:`Sketch.histogram <rlmetrics.core.sketch.Sketch.histogram>`. While the merged sketch is
-  exact (at most 4096 values, unit weights), ``numpy.histogram(data, edges)[0]`` itself; beyond, each
-  bin's count differs from numpy's by at most the number of values within ``rel_err * |x|`` (0.5 %)
-  of the bin's two edges: only values that close to an edge can land in the neighbouring bin.
+  exact (at most 1,000,000 values by default, unit weights: docs/reductions.md),
+  ``numpy.histogram(data, edges)[0]`` itself; beyond, each bin's count differs from numpy's by at
+  most the number of values within ``rel_err * |x|`` (0.5 %) of the bin's two edges: only values
+  that close to an edge can land in the neighbouring bin.
 - No histogram for a step whose data has no observation or a non-finite value (NaN or infinity:
   numpy's edges would not be finite either); the scalar metrics show those.
 

@@ -3,11 +3,15 @@
 A :class:`Sketch` has two modes.
 
 * **Exact mode** -- while at most ``exact_limit`` (non-NaN) values are held and every weight is 1, the
-  raw values are kept. :meth:`Sketch.quantile` then equals ``torch.quantile`` (linear interpolation
-  with the same arithmetic, including the fused multiply-add of torch's vectorised CPU kernel, so
-  ``numpy.quantile(method="linear")`` may differ in the last bit) and :meth:`Sketch.median` equals
-  ``torch.median`` (the *lower* middle value for even counts).
-* **Bucket mode** -- beyond ``exact_limit`` values, or as soon as any weight is not 1, values go to
+  raw values are kept (float64: 8 bytes a value). ``exact_limit`` defaults to :func:`default_exact_limit`
+  (1,000,000, or the environment variable ``RLMETRICS_EXACT_QUANTILES``). :meth:`Sketch.quantile`
+  then equals ``torch.quantile`` (linear interpolation with the same arithmetic, including the fused
+  multiply-add of torch's vectorised CPU kernel, so ``numpy.quantile(method="linear")`` may differ
+  in the last bit) and :meth:`Sketch.median` equals ``torch.median`` (the *lower* middle value for
+  even counts).
+* **Bucket mode** -- beyond ``exact_limit`` values (of a merge: the smaller of the two sketches' limits,
+  so a merge is exact exactly when all its inputs are and their values together fit every input's
+  limit), or as soon as any weight is not 1, values go to
   logarithmic buckets with ``gamma = (1 + rel_err) / (1 - rel_err)``. A value ``x > 0`` lands in bucket
   ``k = ceil(log(x) / log(gamma))``, represented by ``2 * gamma**k / (gamma + 1)``; negative values use
   a mirrored store keyed by ``|x|``; ``|x| < 1e-300`` (including ``-0.0``) counts as zero. The bucket
@@ -31,7 +35,7 @@ the window :meth:`Sketch.merge` would keep, :meth:`Sketch.fold` writes a sketch 
 float64 vector, and :meth:`Sketch.from_folded` reads the sum of those vectors back -- the same
 sketch as merging them one by one.
 
-**Why one module of ~800 lines** (about 480 of code, the rest docstrings and doctests): the sketch's
+**Why one module of ~860 lines** (about 500 of code, the rest docstrings and doctests): the sketch's
 representation (stores, offsets, the array layout) is read nowhere else; split, its private helpers
 would become an API.
 
@@ -41,7 +45,7 @@ NaN and infinities are counted apart: any NaN weight makes :meth:`Sketch.quantil
 >>> s = Sketch.of([1.0, 2.0, 3.0, 4.0])
 >>> s.median(), s.quantile(0.5)
 (2.0, 2.5)
->>> big = Sketch.of(np.arange(1.0, 10002.0))  # 10001 values > exact_limit: bucket mode
+>>> big = Sketch.of(np.arange(1.0, 10002.0), exact_limit=10_000)  # 10001 values > exact_limit: buckets
 >>> big.is_exact
 False
 >>> abs(big.median() - 5001.0) <= 0.005 * 5001.0
@@ -51,6 +55,7 @@ True
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from fractions import Fraction
@@ -59,7 +64,11 @@ from typing import Any, ClassVar
 import numpy as np
 from numpy.typing import ArrayLike
 
-__all__ = ["BucketWindow", "Sketch"]
+__all__ = ["EXACT_QUANTILES_ENV", "BucketWindow", "Sketch", "default_exact_limit"]
+
+EXACT_QUANTILES_ENV = "RLMETRICS_EXACT_QUANTILES"
+"""The environment variable that sets :func:`default_exact_limit` (read in every process, at each use)."""
+_DEFAULT_EXACT = 1_000_000
 
 _TINY = 1e-300
 """Values with smaller magnitude count as zero."""
@@ -73,8 +82,8 @@ _MODE_EXACT = 0.0
 _MODE_BUCKETS = 1.0
 _MAX_INT_FLOAT = 2**53
 _MAX_STORE = 1 << 16
-"""Most values (exact mode) or buckets per store of a sketch that comes from another process
-(:meth:`Sketch.validate`): merging it allocates at most 1 MiB beyond its own size."""
+"""Most buckets per store of a sketch that comes from another process (:meth:`Sketch.validate`):
+merging it allocates at most 1 MiB beyond its own size."""
 _FLOAT_MAX = float(np.finfo(np.float64).max)
 _EMPTY = np.zeros(0, dtype=np.float64)
 _EMPTY.flags.writeable = False
@@ -155,7 +164,31 @@ def _unfold_store(lo: int, counts: np.ndarray) -> tuple[int, np.ndarray]:
     return lo + first, _frozen(counts[first : last + 1].copy())
 
 
-def _check_params(rel_err: float, exact_limit: int, max_buckets: int) -> tuple[float, int, int]:
+def default_exact_limit() -> int:
+    """The ``exact_limit`` of a sketch made without one: ``RLMETRICS_EXACT_QUANTILES`` when set (an
+    integer >= 0; ``_`` separators allowed), else 1,000,000 values.
+
+    >>> default_exact_limit()
+    1000000
+    """
+    raw = os.environ.get(EXACT_QUANTILES_ENV)
+    if raw is None or not raw.strip():
+        return _DEFAULT_EXACT
+    try:
+        n = int(raw.strip())
+    except ValueError:
+        n = -1
+    if not 0 <= n <= _MAX_INT_FLOAT:
+        raise ValueError(
+            f"{EXACT_QUANTILES_ENV}={raw!r}: expected the number of values a quantile is exact for "
+            f"(an integer >= 0, e.g. {_DEFAULT_EXACT}); unset it for the default"
+        )
+    return n
+
+
+def _check_params(rel_err: float, exact_limit: int | None, max_buckets: int) -> tuple[float, int, int]:
+    if exact_limit is None:
+        exact_limit = default_exact_limit()
     rel_err = float(rel_err)
     if not 0.0 < rel_err < 1.0:
         raise ValueError(f"rel_err must be in (0, 1), got {rel_err!r}")
@@ -251,6 +284,8 @@ class Sketch:
         "_max_buckets",
         "_exact",
         "_values",
+        "_runs",
+        "_n",
         "_nan",
         "_neg_inf",
         "_pos_inf",
@@ -262,10 +297,14 @@ class Sketch:
         "_buckets",
     )
 
-    def __init__(self, rel_err: float = 0.005, exact_limit: int = 4096, max_buckets: int = 4096) -> None:
+    def __init__(
+        self, rel_err: float = 0.005, exact_limit: int | None = None, max_buckets: int = 4096
+    ) -> None:
         self._rel_err, self._exact_limit, self._max_buckets = _check_params(rel_err, exact_limit, max_buckets)
         self._exact = True
-        self._values = _EMPTY  # exact mode: sorted non-NaN values (infinities included)
+        self._values: np.ndarray | None = _EMPTY  # exact: sorted non-NaN values (infinities included)
+        self._runs: tuple[np.ndarray, ...] = ()  # exact, while _values is None: sorted runs to merge
+        self._n = 0  # exact: the number of values
         self._nan = 0.0
         self._neg_inf = 0.0  # bucket mode only, like the fields below
         self._pos_inf = 0.0
@@ -287,7 +326,7 @@ class Sketch:
         weights: ArrayLike | None = None,
         *,
         rel_err: float = 0.005,
-        exact_limit: int = 4096,
+        exact_limit: int | None = None,
         max_buckets: int = 4096,
     ) -> Sketch:
         """Sketch of ``values`` (1-D, float64) with optional non-negative ``weights`` of the same shape.
@@ -322,6 +361,7 @@ class Sketch:
         if w is None and v.size - n_nan <= out._exact_limit:
             out._nan = float(n_nan)
             out._values = _frozen(np.sort(v[~nan_mask]) if n_nan else np.sort(v))
+            out._n = out._values.size
             return out
         out._fill_buckets(v, w)
         return out
@@ -329,7 +369,7 @@ class Sketch:
     def _fill_buckets(self, v: np.ndarray, w: np.ndarray | None) -> None:
         """Switch this (fresh) sketch to bucket mode holding ``v`` with weights ``w`` (None: all 1)."""
         self._exact = False
-        self._values = _EMPTY
+        self._values, self._n = _EMPTY, 0
         if w is not None:
             keep = w > 0
             if not keep.all():
@@ -366,7 +406,7 @@ class Sketch:
             return self
         if self._buckets is None:
             out = self._empty_like()
-            out._fill_buckets(self._values, None)
+            out._fill_buckets(self._sorted(), None)
             out._nan = self._nan
             self._buckets = out
         return self._buckets
@@ -382,25 +422,30 @@ class Sketch:
         return {name: reduction.apply(with_sketch)}
 
     def merge(self, other: Sketch) -> Sketch:
-        """A new sketch of both inputs' data; neither input changes. Parameters must match.
+        """A new sketch of both inputs' data; neither input changes. ``rel_err`` and ``max_buckets``
+        must match; the merge's ``exact_limit`` is the smaller of the two.
 
         >>> a, b = Sketch.of([1.0, 2.0]), Sketch.of([3.0, 4.0, 5.0])
         >>> a.merge(b).quantile(0.25), a.count
         (2.0, 2.0)
+        >>> a.merge(Sketch.of([3.0], exact_limit=2)).is_exact  # 3 values, more than the smaller limit
+        False
         """
         if not isinstance(other, Sketch):
             raise TypeError(f"can only merge a Sketch, got {type(other).__name__}")
-        if self.params != other.params:
+        if (self._rel_err, self._max_buckets) != (other._rel_err, other._max_buckets):
             raise ValueError(
                 f"cannot merge sketches with different parameters: {self._params()} vs {other._params()}"
             )
-        if self._exact and other._exact and self._values.size + other._values.size <= self._exact_limit:
-            out = self._empty_like()
+        limit = min(self._exact_limit, other._exact_limit)
+        out = Sketch(self._rel_err, limit, self._max_buckets)
+        if self._exact and other._exact and self._n + other._n <= limit:
             out._nan = self._nan + other._nan
-            out._values = _frozen(np.sort(np.concatenate([self._values, other._values])))
+            out._n = self._n + other._n
+            runs = self._parts() + other._parts()  # sorted once, when read: k merges cost one sort
+            out._values, out._runs = (runs[0] if runs else _EMPTY, ()) if len(runs) < 2 else (None, runs)
             return out
         a, b = self._as_buckets(), other._as_buckets()
-        out = self._empty_like()
         out._exact = False
         out._nan = a._nan + b._nan
         out._neg_inf = a._neg_inf + b._neg_inf
@@ -409,6 +454,21 @@ class Sketch:
         out._neg_off, out._neg = _merge_store(a._neg_off, a._neg, b._neg_off, b._neg, self._max_buckets)
         out._pos_off, out._pos = _merge_store(a._pos_off, a._pos, b._pos_off, b._pos, self._max_buckets)
         return out
+
+    def _parts(self) -> tuple[np.ndarray, ...]:
+        """Exact mode: the sorted runs of this sketch's values (``_runs`` is read before ``_values``:
+        :meth:`_sorted` sets ``_values`` before it drops the runs)."""
+        runs, values = self._runs, self._values
+        return runs if values is None else ((values,) if values.size else ())
+
+    def _sorted(self) -> np.ndarray:
+        """The sorted values (exact mode; empty in bucket mode), the pending runs merged once."""
+        runs, values = self._runs, self._values
+        if values is None:
+            values = _frozen(np.sort(np.concatenate(runs), kind="stable"))
+            self._values = values
+            self._runs = ()
+        return values
 
     # ------------------------------------------------------------------ queries
     @property
@@ -419,7 +479,7 @@ class Sketch:
         2.0
         """
         if self._exact:
-            return float(self._values.size) + self._nan
+            return float(self._n) + self._nan
         stores = float(self._neg.sum() + self._pos.sum())
         return self._nan + self._neg_inf + self._zero + stores + self._pos_inf
 
@@ -446,7 +506,7 @@ class Sketch:
         """Most values held exactly (unit weights) before switching to buckets.
 
         >>> Sketch().exact_limit
-        4096
+        1000000
         """
         return self._exact_limit
 
@@ -462,7 +522,7 @@ class Sketch:
     @property
     def params(self) -> dict[str, float | int]:
         """The parameters, as keywords of :class:`Sketch` and :meth:`Sketch.of`; sketches merge only
-        when theirs are equal.
+        when their ``rel_err`` and ``max_buckets`` are equal.
 
         >>> Sketch.of([2.0], **Sketch(rel_err=0.01).params).rel_err
         0.01
@@ -487,7 +547,7 @@ class Sketch:
         """
         if not self._exact:
             raise ValueError("a bucket-mode sketch does not hold its values")
-        return self._values
+        return self._sorted()
 
     def bucket_span(self) -> tuple[Span | None, Span | None]:
         """``(negative store, positive store)`` bucket spans ``(lowest, highest)`` of this sketch in
@@ -527,7 +587,7 @@ class Sketch:
         window: BucketWindow,
         *,
         rel_err: float = 0.005,
-        exact_limit: int = 4096,
+        exact_limit: int | None = None,
         max_buckets: int = 4096,
     ) -> Sketch:
         """The bucket-mode sketch of a (summed) :meth:`fold` vector on ``window``.
@@ -567,7 +627,7 @@ class Sketch:
         if self._nan > 0:
             return math.nan
         if self._exact:
-            vals = self._values
+            vals = self._sorted()
             n = vals.size
             if n == 0:
                 return math.nan
@@ -627,7 +687,7 @@ class Sketch:
         if e.ndim != 1 or e.size < 2 or not (np.diff(e) > 0).all() or not np.isfinite(e).all():
             raise ValueError("histogram edges must be a 1-D increasing finite array of at least 2 values")
         if self._exact:
-            return np.histogram(self._values, e)[0].astype(np.float64)
+            return np.histogram(self._sorted(), e)[0].astype(np.float64)
         log_g = math.log(self._gamma())
         pos_k = np.arange(self._pos_off, self._pos_off + self._pos.size)
         neg_k = np.arange(self._neg_off, self._neg_off + self._neg.size)
@@ -646,8 +706,8 @@ class Sketch:
         >>> Sketch.of([4.0, 1.0, 3.0, 2.0]).median()
         2.0
         """
-        if self._exact and self._nan == 0 and self._values.size:
-            return float(self._values[(self._values.size - 1) // 2])
+        if self._exact and self._nan == 0 and self._n:
+            return float(self._sorted()[(self._n - 1) // 2])
         return self.quantile(0.5)
 
     # ------------------------------------------------------------------ serialisation
@@ -678,7 +738,7 @@ class Sketch:
                 self._neg_inf,
                 self._pos_inf,
                 self._zero,
-                self._values.size,
+                self._n,
                 self._neg_off,
                 self._neg.size,
                 self._pos_off,
@@ -686,7 +746,7 @@ class Sketch:
             ],
             dtype=np.float64,
         )
-        return np.concatenate([header, self._values, self._neg, self._pos])
+        return np.concatenate([header, self._sorted(), self._neg, self._pos])
 
     @classmethod
     def from_array(cls, arr: ArrayLike) -> Sketch:
@@ -721,6 +781,7 @@ class Sketch:
         out._nan = nan
         out._neg_inf, out._pos_inf, out._zero = neg_inf, pos_inf, zero
         out._values = _frozen(body[:n_values]) if n_values else _EMPTY
+        out._n = n_values
         out._neg_off, out._pos_off = int(neg_off), int(pos_off)
         out._neg = _frozen(body[n_values : n_values + n_neg]) if n_neg else _EMPTY
         out._pos = _frozen(body[n_values + n_neg :]) if n_pos else _EMPTY
@@ -733,8 +794,9 @@ class Sketch:
         Its weights are finite and >= 0; each store has at most ``max_buckets`` buckets, between the
         indices of the smallest and the largest finite magnitude at ``rel_err`` (so a merge never
         reads far-away offsets). Exact mode: at most ``exact_limit`` values, sorted, none NaN, and
-        no bucket. Bucket mode: no values. Beyond that, at most 65,536 values or buckets per store
-        (``min(max_buckets, indices)`` for a merge): merging it allocates at most 1 MiB more than it.
+        no bucket. Bucket mode: no values. Beyond that, at most 65,536 buckets per store
+        (``min(max_buckets, indices)`` for a merge): merging it allocates at most 1 MiB more than it
+        (an exact merge allocates the values of both, which came with them).
 
         >>> Sketch.of([1.0, 2.0]).validate()
         >>> bad = Sketch.of([1.0], weights=[2.0]).to_array()
@@ -768,13 +830,13 @@ class Sketch:
                     f"sketch: {store.size} {sign} buckets from {off} outside [{lo}, {hi}] "
                     f"(rel_err={self._rel_err})"
                 )
-        v = self._values
+        v = self._sorted()
         if not self._exact:
             if v.size:
                 raise ValueError("sketch: a bucket-mode sketch has exact values")
             return
-        if v.size > min(self._exact_limit, _MAX_STORE):
-            raise ValueError(f"sketch: {v.size} exact values, more than {min(self._exact_limit, _MAX_STORE)}")
+        if v.size > self._exact_limit:
+            raise ValueError(f"sketch: {v.size} exact values, more than {self._exact_limit}")
         if np.isnan(v).any() or (v[1:] < v[:-1]).any():
             raise ValueError("sketch: exact values must be sorted, without NaN")
         if weights[1:].any() or self._neg.size or self._pos.size:
@@ -788,7 +850,7 @@ class Sketch:
 
     def __repr__(self) -> str:
         if self._exact:
-            return f"Sketch(exact, n={self._values.size}, count={self.count:g}, {self._params()})"
+            return f"Sketch(exact, n={self._n}, count={self.count:g}, {self._params()})"
         return (
             f"Sketch(buckets, count={self.count:g}, neg_buckets={self._neg.size}, "
             f"pos_buckets={self._pos.size}, {self._params()})"

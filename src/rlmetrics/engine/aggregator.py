@@ -53,6 +53,7 @@ import numpy as np
 
 from rlmetrics.core.histogram import Histogram
 from rlmetrics.core.reduce import DEFAULT_RENAMES
+from rlmetrics.core.sketch import Sketch
 from rlmetrics.core.states import State
 from rlmetrics.engine.columns import ColumnIndex
 from rlmetrics.engine.derived import DERIVED, Derived
@@ -459,6 +460,7 @@ class Aggregator:
             "missing_ranks": missing_ranks,
             "missing_metrics": missing_metrics,
             "empty": empty,
+            "approximate": self._approximate(st),
             "contributors": sorted(st.contributors) if st is not None else [],
             "refused": st.refused if st is not None else {},
             "conflicts": conflicts,
@@ -467,6 +469,17 @@ class Aggregator:
         histograms = {k: v for k, v in side.items() if isinstance(v, Histogram)}
         lists = {k: v for k, v in side.items() if not isinstance(v, Histogram)}
         return StepResult(values, step, meta, histograms, lists)
+
+    def _approximate(self, st: Step | None) -> list[str]:
+        """The names of ``st`` whose sketch holds buckets, not the values (``meta.approximate``)."""
+        if st is None or not st.states:
+            return []
+        names = self.columns.out_names
+        return sorted(
+            names[col]
+            for col, state in st.states.items()
+            if isinstance(state, Sketch) and not state.is_exact and state.count > 0
+        )
 
     def closed_by_contributors(self, step: int) -> bool:
         """Some client closed ``step`` and every client that contributed to it did."""

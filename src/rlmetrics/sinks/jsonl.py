@@ -2,7 +2,8 @@
 
 Each line is ``{"step": 3, "time": <unix seconds>, "metrics": {name: value, ...}}``, plus ``"meta"``
 when the logged mapping has a ``meta`` of a step that is not complete (a partial
-:class:`~rlmetrics.StepResult`: missing ranks and metrics, contributors), made JSON-safe (tuples
+:class:`~rlmetrics.StepResult`: missing ranks and metrics, contributors) or has approximate quantiles
+(``meta.approximate``), made JSON-safe (tuples
 and sets → lists, other objects → ``str``), and ``"histograms": {name: {"edges": [...], "counts":
 [...], "sum": s, "sum_squares": s2}}`` when it has histograms (:mod:`rlmetrics.core.histogram`;
 :meth:`JsonlRun.histograms` reads them back), and ``"lists": {name: [str, ...]}`` when it has lists
@@ -349,7 +350,7 @@ class JsonlSink(Sink):
         if axis is not None:
             record["axis"] = axis
         meta = getattr(metrics, "meta", None)
-        if meta is not None and not meta.complete:  # a partial step says what it lacks
+        if meta is not None and (not meta.complete or meta.approximate):  # what it lacks, what is approximate
             record["meta"] = json_safe(meta.to_dict())
         histograms = histograms_of(metrics)
         if histograms:
