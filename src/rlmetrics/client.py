@@ -42,7 +42,6 @@ from rlmetrics.messages import (
     PartialStepWarning,
     ProvisionalWarning,
     Reply,
-    StepMeta,
     StepResult,
     StepWarning,
     Submission,
@@ -592,8 +591,9 @@ def _missing(res: StepResult) -> str:
 def _nothing_for(res: StepResult) -> str:
     """Why a read got nothing (``meta.ranks_at``): where the ranks are, and how to align.
 
-    >>> at = {"rank0@h:1:ab": 2, "rank1@h:1:cd": 2}
-    >>> print(_nothing_for(StepResult({}, 3, StepMeta.of(provisional=True, ranks_at=at))))  # doctest: +ELLIPSIS
+    >>> from rlmetrics.messages import StepMeta
+    >>> meta = StepMeta.of(provisional=True, ranks_at={"rank0@h:1:ab": 2, "rank1@h:1:cd": 2})
+    >>> print(_nothing_for(StepResult({}, 3, meta)))  # doctest: +ELLIPSIS
     no rank has submitted anything for step 3 (ranks rank0, rank1 have closed up to step 2): ...
     """
     by_step: dict[int, list[str]] = {}

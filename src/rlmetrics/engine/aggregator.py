@@ -340,7 +340,8 @@ class Aggregator:
         """No client submitted to or closed ``step``, and every registered client closed a later one
         (the ranks went past it: nothing more comes for it)."""
         up_to = self.closed_up_to
-        return bool(self.clients) and not self.knows(step) and all(up_to.get(c, -1) > step for c in self.clients)
+        ahead = all(up_to.get(c, -1) > step for c in self.clients)
+        return bool(self.clients) and ahead and not self.knows(step)
 
     def knows(self, step: int) -> bool:
         """Some client submitted to or closed ``step`` (it is pending or finalized)."""

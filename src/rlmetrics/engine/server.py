@@ -140,7 +140,7 @@ class Server:
         self._sessions_checked = 0.0  # when the open sessions were last asked whether they ended
         self._direct = itertools.count()
         self._late = 0  # the engine's late count when the previous step was finalized
-        self.logging_reader: tuple[str, str | None] | None = None  # (reader, session) whose deadlines end steps
+        self.logging_reader: tuple[str, str | None] | None = None  # (reader, session) ending steps
         self._returned: dict[str, int] = {}  # reader -> the step final() gave it last
 
     @property
@@ -489,8 +489,10 @@ class Server:
         return self.logging_reader == me
 
     def _ended(self, session: str | None) -> bool:
-        return session is not None and self.session_ended is not None and (
-            session in self.ended or self.session_ended(session)
+        return (
+            session is not None
+            and self.session_ended is not None
+            and (session in self.ended or self.session_ended(session))
         )
 
     def finalize(self, step: int) -> StepResult:
