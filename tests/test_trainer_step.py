@@ -180,7 +180,7 @@ def test_one_step_numbered_like_a_token_count_does_not_take_wait_final_res_over(
     rlmetrics.backends.local.drop_worker(f"{name}-local")
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, max_concurrency=2)  # stop() runs while run() reads
 class Monitor:
     """A second reader in its own process: ``wait_final_res(timeout)`` in a loop (a dashboard)."""
 

@@ -491,7 +491,9 @@ class ClientCore:
         per metric name that turned non-finite (:class:`~rlmetrics.messages.RLMetricsWarning`)."""
         meta = res.meta
         if meta.ranks_at and not res and not meta.contributors:
-            warnings.warn(f"rlmetrics: {_nothing_for(res)}", StepWarning, stacklevel=caller_level())
+            if res.step >= 0 or not self._provisional_warned:  # nothing new for a reader: once
+                self._provisional_warned = res.step < 0 or self._provisional_warned
+                warnings.warn(f"rlmetrics: {_nothing_for(res)}", StepWarning, stacklevel=caller_level())
         elif meta.evicted:
             warnings.warn(
                 f"rlmetrics: step {res.step} is no longer kept (more than keep_results newer results "
@@ -607,7 +609,7 @@ def _nothing_for(res: StepResult) -> str:
     if res.step < 0:
         return (
             f"wait_final_res: no new step for this reader within the timeout ({where}); it returns each step "
-            "once, in order: it returns the next step once every registered rank closed it"
+            "once, in order: it returns the next step once every registered rank closed it (warned once)"
         )
     newest = max(res.meta.ranks_at.values())
     advice = (

@@ -9,17 +9,22 @@ deadlines and persistence each change what the others decide), read and tested i
   the steps in flight, not the steps nobody reads.
 - ``result(step)`` may return once the step is complete or finalized; at the reader's deadline it
   gives the step as it stands, *provisional* (``meta.provisional``: the step stays open), unless
-  the reader asks to finalize it (``finalize=True``: the logging reader). With ``step_timeout``, a
+  the reader asks to finalize it (``finalize=True``: the logging reader). A step nothing arrived
+  for is never finalized: its result says where the ranks are (``meta.ranks_at``), at once when
+  every registered rank closed a later step. With ``step_timeout``, a
   step also has a deadline of its own: that many seconds after a client first closed it, it is
   finalized as it stands (:meth:`Server.due_steps`), read or not.
 - A step finalized here says how whole it is: ``meta.contributions`` is ``[received, expected]``
   contributions summed over its names, ``meta.late`` counts the contributions that arrived for
   steps already final since the previous step was finalized (they were dropped).
-- ``final()`` (the seed's ``wait_final_res``) is about the newest step any client closed: it may
-  return once that step is complete (every registered client closed it and every name has its
-  contributions), at ``final_timeout`` partial. With no client at all (the seed's bare
+- ``final()`` (the seed's ``wait_final_res``) is about the newest step every registered client
+  closed, each step once per reader, in order (:meth:`Server.final_target`): it may return once
+  that step is complete, at ``final_timeout`` as it stands. With no client at all (the seed's bare
   ``MetricWorker.submit_metric`` rounds) it finalizes what arrived since the last read, and the
   next submission starts a new round.
+- One logging reader ends steps at its deadline (:meth:`Server.logs`): the reader that last read
+  with ``finalize=True``, else the first reader of ``final()``; another reader's deadline gives the
+  step provisional, and a reader whose session ended ends nothing.
 - A restarted incarnation (Ray) knows the registered clients from its saved state and waits, at most
   ``recovery_timeout`` seconds, until each of them resent what it keeps.
 - Sessions (Ray: a client's job, i.e. the driver run it belongs to): when a client of a session not
