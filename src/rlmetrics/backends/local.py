@@ -64,6 +64,7 @@ class LocalMetricWorker(SyncTransport):
         reader, session = _reader(who)
         with self._cond:
             server = self.server
+            server.note_reader(reader, session, False)
             self._wait(lambda: server.final_ready(server.final_target(reader)), self._deadline(timeout))
             out = server.final(server.final_target(reader), reader, session)
             self._cond.notify_all()
@@ -89,7 +90,7 @@ class LocalMetricWorker(SyncTransport):
         reader, session = _reader(who)
         with self._cond:
             if finalize:
-                self.server.claim(reader, session)
+                self.server.note_reader(reader, session, True)
             self._wait(lambda: self.server.result_ready(step), timeout)
             out = self.server.result(step, finalize, reader, session)
             self._cond.notify_all()  # finalized at this reader's deadline: other readers of it return

@@ -468,24 +468,21 @@ class Server:
         engine = self.engine
         if not engine.knows(step) and step not in self._announced:
             return engine.peek(step, contributions=(0, 0), ranks_at=engine.ranks_closed_up_to())
-        if self.result_ready(step) or (finalize and self.claim(reader, session)):
+        if self.result_ready(step) or (finalize and not self._ended(session)):
             result = self.finalize(step)
             self.persist()
             return result
         return engine.peek(step, contributions=engine.contributions(step))
 
-    def claim(self, reader: str, session: str | None) -> bool:
-        """``reader`` (of run ``session``) reads with ``finalize=True``: it is the logging reader
-        from now on, unless its run ended (a killed driver's read ends nothing); whether it is."""
-        if self._ended(session):
-            return False
-        self.logging_reader = (reader, session)
-        return True
+    def note_reader(self, reader: str, session: str | None, finalize: bool) -> None:
+        """A read starts: one with ``finalize=True`` makes ``reader`` (of run ``session``) the
+        logging reader; a :meth:`final` read (``finalize=False``) does when there is none yet."""
+        if finalize or self.logging_reader is None:
+            self.logging_reader = (reader, session)
 
     def logs(self, reader: str, session: str | None) -> bool:
         """Whether a :meth:`final` read of ``reader`` finalizes at its deadline: it is the logging
-        reader (the last one that claimed with ``finalize=True``, else the first reader of
-        :meth:`final`), or that one's run ended and this one's did not (it takes over)."""
+        reader (:meth:`note_reader`), or that one's run ended and this one's did not (it takes over)."""
         me = (reader, session)
         if self._ended(session):
             return False

@@ -123,7 +123,7 @@ class _MetricWorker(Shell):
         self.calls["result"] += 1
         reader, session = self._reader(who)
         if finalize:
-            self.server.claim(reader, session)
+            self.server.note_reader(reader, session, True)
         await self._wait(lambda: self.server.result_ready(step), timeout)
         if finalize and not self.server.result_ready(step):
             await self._drain(step)
@@ -138,6 +138,7 @@ class _MetricWorker(Shell):
         self.calls["final"] += 1
         reader, session = self._reader(who)
         server = self.server
+        server.note_reader(reader, session, False)
         deadline = time.monotonic() + (server.final_timeout if timeout is None else timeout)
         await self._wait(lambda: not server.recovering(), None)
         ready = lambda: server.final_ready(server.final_target(reader))  # noqa: E731
