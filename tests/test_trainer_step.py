@@ -334,3 +334,24 @@ def test_a_raw_message_closing_step_2_63_is_refused_naming_it():
     server = Server()
     [reply] = server.handle([Message("rank0", [], [2**63])])
     assert "9223372036854775808" in str(reply.errors) and server.engine.newest_closed is None
+
+
+def test_a_run_from_step_n_never_waits_on_the_steps_before_it():
+    """A trainer's steps from 1 (or from 7 after a resume), in-process: each is whole at once and
+    ``wait_final_res`` returns it; no client keeps a step, and no reply lists every step since 0
+    (every step below the first one used counts as final)."""
+    name = f"from-n-{uuid.uuid4().hex[:6]}"
+    ranks = [rlmetrics.connect("local", name=name, world_size=2, label=f"rank{r}") for r in range(2)]
+    reader = rlmetrics.connect("local", name=name)
+    try:
+        for step in (*range(7, 40), 40):
+            for r, client in enumerate(ranks):
+                client.submit_metric({"x/mean": rank_data(r, step)}, step=step)
+                client.wait_submit(step=step)
+            res = reader.wait_final_res(60)
+            allv = np.concatenate([rank_data(r, step) for r in range(2)])
+            assert res.step == step and res.meta.complete and res["x/mean"] == pytest.approx(allv.mean())
+        assert [c.finalized_state for c in ranks] == [(40, []), (41, [])]  # as of each one's last reply
+        assert not ranks[1]._kept and not ranks[1]._closed
+    finally:
+        rlmetrics.backends.local.drop_worker(name)

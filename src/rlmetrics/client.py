@@ -654,7 +654,7 @@ def _step_arg(step: Any) -> int:
     ...
     ValueError: step must be an int in [0, 9007199254740992] (the trainer's step, e.g. verl's ...
     """
-    if not isinstance(step, numbers.Integral) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+    if not isinstance(step, numbers.Integral) or isinstance(step, bool) or not 0 <= int(step) <= MAX_STEP:
         raise ValueError(
             f"step must be an int in [0, {MAX_STEP}] (the trainer's step, e.g. verl's global_steps; "
             f"not a token or sample count), got {step!r:.80}"

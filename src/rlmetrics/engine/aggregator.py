@@ -111,6 +111,7 @@ class Aggregator:
         self._results: OrderedDict[int, StepResult] = OrderedDict()
         self._finalized: set[int] = set()  # finalized steps >= _done_below
         self._done_below = 0  # every step below it is finalized
+        self._lowest: int | None = None  # the lowest step a client used (this incarnation)
         self._nan_warned: set[str] = set()
         self._layouts: dict[tuple[bytes, ...], Layout] = {}
 
@@ -353,6 +354,8 @@ class Aggregator:
         st = self._steps.get(step)
         if st is None:
             st = self._steps[step] = Step()
+            if self._lowest is None or step < self._lowest:
+                self._lowest = step
             while len(self._steps) > self.max_pending:
                 oldest = min(s for s in self._steps if s != step)
                 logger.info("step %d finalized partial: %d newer steps pending", oldest, self.max_pending)
@@ -544,6 +547,11 @@ class Aggregator:
         used stops that, so beyond ``_FINALIZED_CAP`` tracked steps every unused step below the
         oldest pending one counts as finalized too."""
         self._finalized.add(step)
+        if self._lowest is not None and self._done_below < self._lowest <= step:
+            # no client used a step below the first one it used (a trainer's step from 1, or from N
+            # after a resume): those count as finalized, so that no reply lists every step since
+            self._done_below = self._lowest
+            self._finalized = {s for s in self._finalized if s >= self._lowest}
         while self._done_below in self._finalized:
             self._finalized.discard(self._done_below)
             self._done_below += 1
