@@ -455,7 +455,9 @@ class Server:
         complete, or every registered rank went past it without anything for it."""
         engine = self.engine
         return not self.recovering() and (
-            engine.is_finalized(step) or engine.is_complete(step) or engine.passed(step)
+            engine.is_finalized(step)
+            or engine.is_complete(step)
+            or (engine.passed(step) and step not in self._announced)  # (a node's forward follows)
         )
 
     def result(
