@@ -478,11 +478,12 @@ class ClientCore:
         return self._checked(self._retrying(read))
 
     def wait_final_res(self, timeout: float | None = None) -> StepResult:
-        """The seed's read: the newest step any rank closed, once every registered rank closed it
-        and every metric has its contributions — at most ``timeout`` seconds (default: the
-        aggregator's ``final_timeout``, 60 s), then partial with ``meta`` and a
-        :class:`~rlmetrics.messages.PartialStepWarning`.
-        Without clients (bare ``MetricWorker.submit_metric`` calls) this round's metrics."""
+        """The seed's read: the newest step every registered rank closed, once every metric has its
+        contributions — at most ``timeout`` seconds (default: the aggregator's ``final_timeout``,
+        60 s), then partial with ``meta`` and a :class:`~rlmetrics.messages.PartialStepWarning`
+        (provisional unless this is the logging reader: docs/steps.md). Each step at most once per
+        reader, in order. Without clients (bare ``MetricWorker.submit_metric`` calls) this round's
+        metrics."""
         self.flush()
         return self._checked(self._retrying(lambda: self.transport.final(timeout, self.credential)))
 

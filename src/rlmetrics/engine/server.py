@@ -80,7 +80,7 @@ from rlmetrics.wire import close_entry
 logger = logging.getLogger(__name__)
 
 FINAL_TIMEOUT = 60.0
-"""Seconds ``wait_final_res()`` waits for the newest closed step to complete before it returns it
+"""Seconds ``wait_final_res()`` waits for its step to complete before it returns it
 partial (with ``meta`` naming what is missing, and a warning)."""
 SAVED_RESULTS = 2
 """Newest results a saved state keeps: a read retried across a restart finds its step."""
