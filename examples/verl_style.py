@@ -11,9 +11,12 @@ The driver of a verl trainer holds the whole batch; here it only dispatches it. 
    ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/entropy`` with their token
    counts and ``actor/grad_norm``; then it closes the step;
 3. the driver averages the ranks' updated weights (no gradient all-reduce in this sketch), reads
-   the merged step with ``client.result(step, timeout)`` (no barrier), logs it to the sinks (JSONL,
-   console), and checks that the merged batch, timing and throughput metrics equal the same
-   functions on the full batch.
+   the merged step with ``result(global_steps, timeout, finalize=True)`` (no barrier), logs it to
+   the sinks (JSONL, console), and checks that the merged batch, timing and throughput metrics
+   equal the same functions on the full batch.
+
+The step is verl's ``global_steps`` (from 1), passed by the driver to the ranks, which pass it to
+every ``submit_metric`` / ``wait_submit``; the driver reads and logs that step (docs/steps.md).
 
 A validation round runs on the last step: each rank sends its samples, the aggregator computes
 verl's ``val-core/...`` keys once over all of them.
@@ -125,23 +128,30 @@ class DataParallelRank:
         self.policy = Policy()
 
     def step(
-        self, shard: SimpleNamespace, weights: dict, n_gpus: int, validation: tuple | None = None
+        self,
+        global_steps: int,
+        shard: SimpleNamespace,
+        weights: dict,
+        n_gpus: int,
+        validation: tuple | None = None,
     ) -> dict:
-        """This rank's part of a step; returns its updated weights."""
+        """This rank's part of trainer step ``global_steps``; returns its updated weights."""
         self.client.submit_metric({
             **verl.compute_data_metrics(shard, use_critic=False),
             **verl.compute_timing_metrics(shard, TIMING),
             **verl.compute_throughout_metrics(shard, TIMING, n_gpus),
-        })  # fmt: skip
+        }, step=global_steps)  # fmt: skip
         self.policy.load_state_dict(weights)
-        self.ppo_update(shard.batch)
+        self.ppo_update(shard.batch, global_steps)
         if validation is not None:
             sources, uids, infos, turns = validation
-            verl.submit_validation_metrics(self.client, sources, uids, infos, sample_turns=turns)
-        self.client.wait_submit()
+            verl.submit_validation_metrics(
+                self.client, sources, uids, infos, sample_turns=turns, step=global_steps
+            )
+        self.client.wait_submit(step=global_steps)
         return self.policy.state_dict()
 
-    def ppo_update(self, td: TensorDict) -> None:
+    def ppo_update(self, td: TensorDict, step: int) -> None:
         """One PPO epoch over the shard in mini-batches (one optimizer step each) of micro-batches
         (the clipped loss, token-mean over the mini-batch); each micro-batch's metrics are submitted
         with its response tokens, each mini-batch's gradient norm as one value."""
@@ -170,10 +180,10 @@ class DataParallelRank:
                         "actor/pg_clipfrac": ((clipped * mask).sum().item() / tokens, tokens),
                         "actor/ppo_kl": (kl.item(), tokens),
                         "actor/entropy": ((entropy * mask).sum().item() / tokens, tokens),
-                    })  # fmt: skip
+                    }, step=step)  # fmt: skip
             grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), 1.0)
             optimizer.step()
-            self.client.submit_metric({"actor/grad_norm": grad_norm.item()})
+            self.client.submit_metric({"actor/grad_norm": grad_norm.item()}, step=step)
 
 
 def validation_samples(policy: Policy, generator: torch.Generator) -> tuple[list, list, dict, np.ndarray]:
@@ -208,12 +218,13 @@ def main(argv: list[str] | None = None) -> dict:
         policy = Policy()
         worst = 0.0
         with make_sinks(["jsonl", "console"], out, overwrite=args.overwrite) as sinks:
-            for step in range(args.steps):
+            for global_steps in range(1, args.steps + 1):  # verl's step: from 1 (N after a resume)
                 batch = rollout(policy, args.prompts, generator)
                 n = len(batch.batch)
-                cuts = [0, *sorted(int(c) for c in np.linspace(0, n, args.ranks + 1)[1:-1] + step % 3), n]
+                spread = np.linspace(0, n, args.ranks + 1)[1:-1] + global_steps % 3
+                cuts = [0, *sorted(int(c) for c in spread), n]
                 validation = [None] * args.ranks
-                if step == args.steps - 1:  # a validation round: every rank gets a part of the samples
+                if global_steps == args.steps:  # a validation round: every rank gets a part of the samples
                     sources, uids, infos, turns = validation_samples(policy, generator)
                     validation = [
                         ([sources[i] for i in idx], [uids[i] for i in idx],
@@ -221,12 +232,12 @@ def main(argv: list[str] | None = None) -> dict:
                         for idx in np.array_split(np.arange(len(uids)), args.ranks)
                     ]  # fmt: skip
                 states = ray.get([
-                    rank.step.remote(shard, policy.state_dict(), args.ranks, part)
+                    rank.step.remote(global_steps, shard, policy.state_dict(), args.ranks, part)
                     for rank, shard, part in zip(ranks, chunk(batch, cuts), validation)
                 ])  # fmt: skip
                 policy.load_state_dict({k: torch.stack([s[k] for s in states]).mean(0) for k in states[0]})
-                result = driver.result(step, timeout=60, finalize=True)
-                sinks.log(result, step)
+                result = driver.result(global_steps, timeout=60, finalize=True)
+                sinks.log(result, global_steps)
                 full = {  # the verl driver's own calls, on the whole batch
                     **verl.compute_data_metrics(batch, use_critic=False),
                     **verl.compute_timing_metrics(batch, TIMING),

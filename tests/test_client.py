@@ -57,10 +57,10 @@ class RestartingTransport:
             reply = self.send(*posted)
         return reply
 
-    def result(self, step, timeout, finalize=False) -> StepResult:
+    def result(self, step, timeout, finalize=False, who=None) -> StepResult:
         return self._live().result(step, finalize)
 
-    def final(self, timeout=None) -> StepResult:
+    def final(self, timeout=None, who=None) -> StepResult:
         server = self._live()
         return server.final(server.final_target())
 

@@ -98,9 +98,10 @@ def test_reading_a_step_nobody_submitted_says_so_and_keeps_the_ranks(name, caplo
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             res = reader.result(step, timeout=0.1, finalize=True)
-        assert res.meta.missing_ranks == ids
-        (message,) = reports(caught, rlmetrics.PartialStepWarning)
-        assert f"no data arrived for step {step}" in message and all(i in message for i in ids)
+        assert res.meta.missing_ranks == ids and res.meta.provisional  # never finalized (issue 45)
+        (message,) = reports(caught, rlmetrics.StepWarning)
+        assert f"no rank has submitted anything for step {step}" in message
+        assert "ranks rank0, rank1 have closed up to step 0" in message
     run_step(clients[:1])  # step 1 still waits for both ranks
     with pytest.warns(rlmetrics.ProvisionalWarning):
         assert reader.result(1, timeout=0.1).meta.missing_ranks == [clients[1].client_id]
@@ -225,7 +226,10 @@ def test_ray_late_scalars_of_clients_of_one_process_tell_each_client_once(ray_se
     driver = rlmetrics.connect("ray", name=ray_name)
     for step in range(2):
         run_step(clients, float(step))
-    with pytest.warns(rlmetrics.PartialStepWarning, match="no data arrived for step 2"):
+    other = rlmetrics.connect("ray", name=ray_name, label="other")  # step 2 holds data: it can end
+    other.submit_metric({"y/mean": 1.0}, world_size=1, step=2)
+    other.wait_submit(step=2)
+    with pytest.warns(rlmetrics.PartialStepWarning, match="step 2 is partial"):
         driver.result(2, timeout=0.05, finalize=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -203,8 +203,8 @@ def submit_ahead(new_rank, reader) -> None:
 
 def read_ahead(new_rank, reader) -> None:
     """Ranks at step 1 (step 0 read), a reader looks at step 4 with a short deadline (provisional,
-    nothing finalized), then reads it with ``finalize=True``: that finalizes step 4 alone, and steps
-    1-3 come complete and exact."""
+    nothing finalized), then reads it with ``finalize=True``: nothing reached step 4, so that ends
+    nothing either (issue 45: it says where the ranks are); steps 1-4 come complete and exact."""
     ranks = [new_rank(r) for r in range(2)]
     for r, c in enumerate(ranks):
         c.submit_metric({"own/mean": [float(r)]}, 2)
@@ -212,10 +212,10 @@ def read_ahead(new_rank, reader) -> None:
     assert reader.result(0, timeout=30) == {"own/mean": 0.5}
     look = reader.result(4, timeout=0.3)
     assert look.step == 4 and look.meta.provisional and not look.meta.complete
-    with pytest.warns(RuntimeWarning, match="step 4 is partial"):
+    with pytest.warns(RuntimeWarning, match="no rank has submitted anything for step 4"):
         early = reader.result(4, timeout=0.3, finalize=True)
-    assert early.step == 4 and not early.meta.complete and not early.meta.provisional
-    for step in (1, 2, 3):
+    assert early.step == 4 and not early.meta.complete and early.meta.provisional
+    for step in (1, 2, 3, 4):
         for r, c in enumerate(ranks):
             c.submit_metric({"own/mean": [float(r + step)]}, 2)
             c.wait_submit()

@@ -29,7 +29,7 @@ def test_verl_style_example(tmp_path):
     worst = float(out.stdout.split("largest relative difference ")[1].split()[0])
     assert worst < 1e-12  # the ranks' merged batch, timing and throughput metrics are the full batch's
     run = read_jsonl(tmp_path / "metrics.jsonl")
-    assert run.steps == [0, 1]
+    assert run.steps == [1, 2]  # verl's global_steps, from 1
     last = run.records[-1]["metrics"]
     names = (
         *("critic/score/mean", "response_length_non_aborted/mean", "timing_s/gen", "timing_per_token_ms/gen"),

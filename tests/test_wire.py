@@ -395,7 +395,7 @@ MALFORMED = {  # a message decode refuses whole (it raised AttributeError, Value
     "a version array": (lambda parts: parts.__setitem__(0, np.array([3, 3])), "wire version"),
     "closes not ints": (
         lambda parts: parts.__setitem__(2, ["x"]),
-        "a closed step must be a non-negative int",
+        "a closed step must be an int in",
     ),
     "closes not a list": (lambda parts: parts.__setitem__(2, None), "closed steps must be a list"),
     "a list as seq": (item_field(1, [0]), "seq must be an int or a node's"),

@@ -50,7 +50,7 @@ from rlmetrics.messages import (
     WorldSizeWarning,
     caller_level,
 )
-from rlmetrics.packing import MAX_WORLD_SIZE, Packed, pack, pack_known
+from rlmetrics.packing import MAX_STEP, MAX_WORLD_SIZE, Packed, pack, pack_known
 
 T = TypeVar("T")
 _SCHEMA_CACHE = 512  # schemas a client remembers; beyond, it forgets them all (names that change)
@@ -77,9 +77,11 @@ class Transport(Protocol):
 
     def collect(self, posted: Any, block: bool = True) -> Reply | None: ...
 
-    def result(self, step: int, timeout: float | None, finalize: bool = False) -> StepResult: ...
+    def result(
+        self, step: int, timeout: float | None, finalize: bool = False, who: str | None = None
+    ) -> StepResult: ...
 
-    def final(self, timeout: float | None = None) -> StepResult: ...
+    def final(self, timeout: float | None = None, who: str | None = None) -> StepResult: ...
 
     def register(self, who: str) -> None: ...
 
@@ -474,23 +476,29 @@ class ClientCore:
         or (an aggregator option) ``step_timeout`` seconds after a rank first closed it. The first
         provisional result a client gets warns once (:class:`~rlmetrics.messages.ProvisionalWarning`)."""
         self.flush()
-        return self._checked(self._retrying(lambda: self.transport.result(step, timeout, finalize)))
+        read = lambda: self.transport.result(step, timeout, finalize, self.credential)  # noqa: E731
+        return self._checked(self._retrying(read))
 
     def wait_final_res(self, timeout: float | None = None) -> StepResult:
-        """The seed's read: the newest step any rank closed, once every registered rank closed it
-        and every metric has its contributions — at most ``timeout`` seconds (default: the
-        aggregator's ``final_timeout``, 60 s), then partial with ``meta`` and a
-        :class:`~rlmetrics.messages.PartialStepWarning`.
-        Without clients (bare ``MetricWorker.submit_metric`` calls) this round's metrics."""
+        """The seed's read: the newest step every registered rank closed, once every metric has its
+        contributions — at most ``timeout`` seconds (default: the aggregator's ``final_timeout``,
+        60 s), then partial with ``meta`` and a :class:`~rlmetrics.messages.PartialStepWarning`
+        (provisional unless this is the logging reader: docs/steps.md). Each step at most once per
+        reader, in order. Without clients (bare ``MetricWorker.submit_metric`` calls) this round's
+        metrics."""
         self.flush()
-        return self._checked(self._retrying(lambda: self.transport.final(timeout)))
+        return self._checked(self._retrying(lambda: self.transport.final(timeout, self.credential)))
 
     def _checked(self, res: StepResult) -> StepResult:
         """Warn once per evicted or partial result, once per client about provisional ones, and once
         per metric name that turned non-finite or approximate
         (:class:`~rlmetrics.messages.RLMetricsWarning`)."""
         meta = res.meta
-        if meta.evicted:
+        if meta.ranks_at and not res and not meta.contributors:
+            if res.step >= 0 or not self._provisional_warned:  # nothing new for a reader: once
+                self._provisional_warned = res.step < 0 or self._provisional_warned
+                warnings.warn(f"rlmetrics: {_nothing_for(res)}", StepWarning, stacklevel=caller_level())
+        elif meta.evicted:
             warnings.warn(
                 f"rlmetrics: step {res.step} is no longer kept (more than keep_results newer results "
                 "were finalized); its values are lost to this read",
@@ -597,6 +605,40 @@ def _missing(res: StepResult) -> str:
     return text
 
 
+def _nothing_for(res: StepResult) -> str:
+    """Why a read got nothing (``meta.ranks_at``): where the ranks are, and how to align.
+
+    >>> from rlmetrics.messages import StepMeta
+    >>> meta = StepMeta.of(provisional=True, ranks_at={"rank0@h:1:ab": 2, "rank1@h:1:cd": 2})
+    >>> print(_nothing_for(StepResult({}, 3, meta)))  # doctest: +ELLIPSIS
+    no rank has submitted anything for step 3 (ranks rank0, rank1 have closed up to step 2): ...
+    """
+    by_step: dict[int, list[str]] = {}
+    for client, step in res.meta.ranks_at.items():
+        by_step.setdefault(step, []).append(client.split("@")[0])
+    where = "; ".join(
+        f"rank{'s' if len(c) > 1 else ''} {', '.join(c[:8])}{' ...' if len(c) > 8 else ''} "
+        f"{'have' if len(c) > 1 else 'has'} closed up to step {s}"
+        for s, c in sorted(by_step.items())
+    )
+    if res.step < 0:
+        return (
+            f"wait_final_res: no new step for this reader within the timeout ({where}); it returns each step "
+            "once, in order: it returns the next step once every registered rank closed it (warned once)"
+        )
+    newest = max(res.meta.ranks_at.values())
+    advice = (
+        "a 1-based trainer step? pass the trainer's step to the ranks too: "
+        "wait_submit(step=global_steps) / submit_metric(..., step=global_steps)"
+        if newest < res.step
+        else "the ranks went past it without data for it: read the step the ranks passed to wait_submit"
+    )
+    return (
+        f"no rank has submitted anything for step {res.step} ({where}): nothing was finalized, data that "
+        f"comes for it still counts; you read step {res.step}: {advice}"
+    )
+
+
 def world_size_arg(world_size: Any) -> int:
     """``world_size`` as an int, or ValueError naming it.
 
@@ -620,6 +662,16 @@ def world_size_arg(world_size: Any) -> int:
 
 
 def _step_arg(step: Any) -> int:
-    if not isinstance(step, numbers.Integral) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r:.80}")
+    """``step`` as an int, or ValueError naming it.
+
+    >>> _step_arg(2**63)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: step must be an int in [0, 9007199254740992] (the trainer's step, e.g. verl's ...
+    """
+    if not isinstance(step, numbers.Integral) or isinstance(step, bool) or not 0 <= int(step) <= MAX_STEP:
+        raise ValueError(
+            f"step must be an int in [0, {MAX_STEP}] (the trainer's step, e.g. verl's global_steps; "
+            f"not a token or sample count), got {step!r:.80}"
+        )
     return int(step)

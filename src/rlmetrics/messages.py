@@ -86,6 +86,8 @@ class StepMeta:
     - ``provisional``: the step is not final: a reader's deadline passed and the reader did not
       finalize it (``result(step, timeout)`` without ``finalize=True``); what arrived so far, and
       the step stays open for the rest;
+    - ``ranks_at``: ``{rank: the newest step it closed}`` of the registered ranks, given with a read
+      of a step nothing arrived for (a step base that differs between the reader and the ranks);
     - ``torch``: the facts of torch.distributed only (:class:`TorchFacts`, None elsewhere), also
       read as ``ranks``, ``relayout``, ``exchange`` and ``result_on``.
     """
@@ -103,6 +105,7 @@ class StepMeta:
     evicted: bool = False
     stale: bool = False
     provisional: bool = False
+    ranks_at: dict[str, int] = field(default_factory=dict)
     torch: TorchFacts | None = None
 
     @classmethod
@@ -122,6 +125,7 @@ class StepMeta:
         evicted: bool = False,
         stale: bool = False,
         provisional: bool = False,
+        ranks_at: Mapping[str, int] | None = None,
         torch: TorchFacts | None = None,
     ) -> StepMeta:
         """The meta of a step from every fact known of it, in containers of its own (nothing the
@@ -155,6 +159,7 @@ class StepMeta:
             evicted=evicted,
             stale=stale,
             provisional=provisional,
+            ranks_at=dict(ranks_at or {}),
             torch=torch,
         )
 

@@ -51,7 +51,7 @@ from rlmetrics.core.reduce import parse_reduction
 from rlmetrics.core.stat import invalid_column
 from rlmetrics.core.states import State, column_kind, decode_state, encode_state, is_bound
 from rlmetrics.messages import SubmissionError
-from rlmetrics.packing import Packed, Schema
+from rlmetrics.packing import MAX_STEP, Packed, Schema
 
 VERSION = 4
 # (step, seq or a merged item's (client_id, seq) keys, world_size, packed)
@@ -174,15 +174,15 @@ def close_entry(entry: Any) -> int | tuple[int, tuple[str, ...]]:
     >>> close_entry(3), close_entry((3, ("rank0", "rank1")))
     (3, (3, ('rank0', 'rank1')))
     """
-    if type(entry) is int and entry >= 0:  # the common case
+    if type(entry) is int and 0 <= entry <= MAX_STEP:  # the common case
         return entry
     closers = None
     if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], tuple):
         entry, closers = entry
         if not all(isinstance(c, str) for c in closers):
             raise SubmissionError(f"a close on behalf of clients names them by str ids, got {closers!r:.80}")
-    if not isinstance(entry, numbers.Integral) or isinstance(entry, bool) or entry < 0:
-        raise SubmissionError(f"a closed step must be a non-negative int, got {entry!r:.40}")
+    if not isinstance(entry, numbers.Integral) or isinstance(entry, bool) or not 0 <= entry <= MAX_STEP:
+        raise SubmissionError(f"a closed step must be an int in [0, {MAX_STEP}], got {entry!r:.40}")
     return int(entry) if closers is None else (int(entry), closers)
 
 

@@ -58,13 +58,19 @@ class LocalMetricWorker(SyncTransport):
             self.server.submit_direct(metrics, world_size, step)
             self._cond.notify_all()
 
-    def wait_final_res(self, timeout: float | None = None) -> StepResult:
-        """The newest step any client closed, once complete (at most ``timeout`` seconds, default
-        the server's ``final_timeout``; then partial); without clients, this round's metrics."""
+    def wait_final_res(self, timeout: float | None = None, who: str | None = None) -> StepResult:
+        """The newest step every rank closed, once complete (at most ``timeout`` seconds, default
+        the server's ``final_timeout``; then partial), each step once per reader ``who`` (a
+        client's credential; None: the seed's bare read); without clients, this round's metrics
+        (:meth:`~rlmetrics.engine.server.Server.final_target`)."""
+        reader, session = _reader(who)
         with self._cond:
-            target = self.server.final_target()
-            self._wait(lambda: self.server.final_ready(target), self._deadline(timeout))
-            return self.server.final(target)
+            server = self.server
+            server.note_reader(reader, session, False)
+            self._wait(lambda: server.final_ready(server.final_target(reader)), self._deadline(timeout))
+            out = server.final(server.final_target(reader), reader, session)
+            self._cond.notify_all()
+            return out
 
     # ----------------------------------------------------------------- transport for clients
     def send(self, who: str, items: list[Submission], close: list[Close], resync: bool = False) -> Reply:
@@ -78,17 +84,22 @@ class LocalMetricWorker(SyncTransport):
             self._cond.notify_all()
         return reply
 
-    def result(self, step: int, timeout: float | None = None, finalize: bool = False) -> StepResult:
+    def result(
+        self, step: int, timeout: float | None = None, finalize: bool = False, who: str | None = None
+    ) -> StepResult:
         """``step`` once complete; at ``timeout`` final when ``finalize``, else provisional
-        (:meth:`~rlmetrics.engine.server.Server.result`)."""
+        (:meth:`~rlmetrics.engine.server.Server.result`); ``who``: the reader's credential."""
+        reader, session = _reader(who)
         with self._cond:
+            if finalize:
+                self.server.note_reader(reader, session, True)
             self._wait(lambda: self.server.result_ready(step), timeout)
-            out = self.server.result(step, finalize)
+            out = self.server.result(step, finalize, reader, session)
             self._cond.notify_all()  # finalized at this reader's deadline: other readers of it return
             return out
 
-    def final(self, timeout: float | None = None) -> StepResult:
-        return self.wait_final_res(timeout)
+    def final(self, timeout: float | None = None, who: str | None = None) -> StepResult:
+        return self.wait_final_res(timeout, who)
 
     def register(self, who: str) -> None:
         with self._cond:
@@ -118,6 +129,11 @@ class LocalMetricWorker(SyncTransport):
         """Finalize the steps whose own deadline passed (with the lock held)."""
         if self.server.finalize_due():
             self._cond.notify_all()
+
+
+def _reader(who: str | None) -> tuple[str, str | None]:
+    """``(reader, session)`` of a reader's credential (None: the seed's bare read, ``""``)."""
+    return ("", None) if who is None else identity(who)
 
 
 def get_worker(name: str = "default", **options: Any) -> LocalMetricWorker:

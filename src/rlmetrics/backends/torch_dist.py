@@ -227,7 +227,9 @@ class TorchDistTransport(SyncTransport):
                 )
             return Reply(errors, "torch", *self._engine.finalized_state())
 
-    def result(self, step: int, timeout: float | None = None, finalize: bool = False) -> StepResult:
+    def result(
+        self, step: int, timeout: float | None = None, finalize: bool = False, who: str | None = None
+    ) -> StepResult:
         """The result of a collected step (final: every step is, once collected); waits up to
         ``timeout`` for another thread's ``wait_submit``."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -244,7 +246,7 @@ class TorchDistTransport(SyncTransport):
                 self._cond.wait(left)
             return self._engine.finalize(step)
 
-    def final(self, timeout: float | None = None) -> StepResult:
+    def final(self, timeout: float | None = None, who: str | None = None) -> StepResult:
         """The newest collected step's result (no collective: any subset of ranks may call it)."""
         with self._cond:
             if self._last is None:

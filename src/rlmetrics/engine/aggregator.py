@@ -59,7 +59,7 @@ from rlmetrics.engine.columns import ColumnIndex
 from rlmetrics.engine.derived import DERIVED, Derived
 from rlmetrics.engine.steps import Group, Layout, Step, layout_of, reduce_step
 from rlmetrics.messages import RefusedNamesError, StepMeta, StepResult, SubmissionError
-from rlmetrics.packing import MAX_WORLD_SIZE, Packed
+from rlmetrics.packing import MAX_STEP, MAX_WORLD_SIZE, Packed
 from rlmetrics.wire import check_contribution
 
 logger = logging.getLogger(__name__)
@@ -105,12 +105,14 @@ class Aggregator:
         self.clients: set[str] = set()
         self.late = 0  # contributions that arrived after their step was finalized (dropped)
         self.newest_closed: int | None = None  # the newest step any client closed
+        self.closed_up_to: dict[str, int] = {}  # the newest step each client closed
         self._newest_final = -1  # the newest finalized step
         self.columns = ColumnIndex(self.renames)
         self._steps: dict[int, Step] = {}
         self._results: OrderedDict[int, StepResult] = OrderedDict()
         self._finalized: set[int] = set()  # finalized steps >= _done_below
         self._done_below = 0  # every step below it is finalized
+        self._lowest: int | None = None  # the lowest step a client used (this incarnation)
         self._nan_warned: set[str] = set()
         self._layouts: dict[tuple[bytes, ...], Layout] = {}
 
@@ -185,8 +187,8 @@ class Aggregator:
         >>> engine.finalize(0)["r/mean"]
         2.0
         """
-        if not (type(step) is int or isinstance(step, numbers.Integral)) or step < 0:
-            raise SubmissionError(f"step must be a non-negative int, got {step!r}")
+        if not (type(step) is int or isinstance(step, numbers.Integral)) or not 0 <= step <= MAX_STEP:
+            raise SubmissionError(f"step must be an int in [0, {MAX_STEP}], got {step!r:.40}")
         if (
             not (type(world_size) is int or isinstance(world_size, numbers.Integral))
             or not 1 <= world_size <= MAX_WORLD_SIZE
@@ -293,7 +295,7 @@ class Aggregator:
 
     def close(self, client_id: str, step: int) -> None:
         """``client_id`` will send nothing more for ``step`` (a client's ``wait_submit``)."""
-        self.note_closed(step)
+        self.note_closed(step, client_id)
         if self.is_finalized(step):
             return
         self._step(step).closed.add(client_id)
@@ -304,6 +306,8 @@ class Aggregator:
         with other clients keeps its data (contributions are merged as they arrive): it is listed,
         and its ``meta.refused`` says so."""
         self.clients.difference_update(clients)
+        for client in clients:
+            self.closed_up_to.pop(client, None)
         changed = []
         for step, st in self._steps.items():
             if not (st.contributors & clients or st.closed & clients):
@@ -322,10 +326,28 @@ class Aggregator:
                 logger.warning("step %d holds data of ended clients %s: it is kept whole", step, mixed[:5])
         return changed
 
-    def note_closed(self, step: int) -> None:
-        """Some client closed ``step`` (here or below a node sub-aggregator)."""
+    def note_closed(self, step: int, client_id: str | None = None) -> None:
+        """``client_id`` (or some client) closed ``step`` (here or below a node sub-aggregator)."""
         if self.newest_closed is None or step > self.newest_closed:
             self.newest_closed = step
+        if client_id is not None and step > self.closed_up_to.get(client_id, -1):
+            self.closed_up_to[client_id] = step
+
+    def ranks_closed_up_to(self) -> dict[str, int]:
+        """The newest step each registered client closed (those that closed one)."""
+        up_to = self.closed_up_to
+        return {c: up_to[c] for c in sorted(self.clients) if c in up_to}
+
+    def passed(self, step: int) -> bool:
+        """No client submitted to or closed ``step``, and every registered client closed a later one
+        (the ranks went past it: nothing more comes for it)."""
+        up_to = self.closed_up_to
+        ahead = all(up_to.get(c, -1) > step for c in self.clients)
+        return bool(self.clients) and ahead and not self.knows(step)
+
+    def knows(self, step: int) -> bool:
+        """Some client submitted to or closed ``step`` (it is pending or finalized)."""
+        return step in self._steps or self.is_finalized(step)
 
     def _step(self, step: int) -> Step:
         """The pending state of ``step``, new if needed; beyond ``max_pending`` pending steps the
@@ -333,6 +355,8 @@ class Aggregator:
         st = self._steps.get(step)
         if st is None:
             st = self._steps[step] = Step()
+            if self._lowest is None or step < self._lowest:
+                self._lowest = step
             while len(self._steps) > self.max_pending:
                 oldest = min(s for s in self._steps if s != step)
                 logger.info("step %d finalized partial: %d newer steps pending", oldest, self.max_pending)
@@ -536,6 +560,11 @@ class Aggregator:
         used stops that, so beyond ``_FINALIZED_CAP`` tracked steps every unused step below the
         oldest pending one counts as finalized too."""
         self._finalized.add(step)
+        if self._lowest is not None and self._done_below < self._lowest <= step:
+            # no client used a step below the first one it used (a trainer's step from 1, or from N
+            # after a resume): those count as finalized, so that no reply lists every step since
+            self._done_below = self._lowest
+            self._finalized = {s for s in self._finalized if s >= self._lowest}
         while self._done_below in self._finalized:
             self._finalized.discard(self._done_below)
             self._done_below += 1

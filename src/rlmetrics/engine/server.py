@@ -9,17 +9,22 @@ deadlines and persistence each change what the others decide), read and tested i
   the steps in flight, not the steps nobody reads.
 - ``result(step)`` may return once the step is complete or finalized; at the reader's deadline it
   gives the step as it stands, *provisional* (``meta.provisional``: the step stays open), unless
-  the reader asks to finalize it (``finalize=True``: the logging reader). With ``step_timeout``, a
+  the reader asks to finalize it (``finalize=True``: the logging reader). A step nothing arrived
+  for is never finalized: its result says where the ranks are (``meta.ranks_at``), at once when
+  every registered rank closed a later step. With ``step_timeout``, a
   step also has a deadline of its own: that many seconds after a client first closed it, it is
   finalized as it stands (:meth:`Server.due_steps`), read or not.
 - A step finalized here says how whole it is: ``meta.contributions`` is ``[received, expected]``
   contributions summed over its names, ``meta.late`` counts the contributions that arrived for
   steps already final since the previous step was finalized (they were dropped).
-- ``final()`` (the seed's ``wait_final_res``) is about the newest step any client closed: it may
-  return once that step is complete (every registered client closed it and every name has its
-  contributions), at ``final_timeout`` partial. With no client at all (the seed's bare
+- ``final()`` (the seed's ``wait_final_res``) is about the newest step every registered client
+  closed, each step once per reader, in order (:meth:`Server.final_target`): it may return once
+  that step is complete, at ``final_timeout`` as it stands. With no client at all (the seed's bare
   ``MetricWorker.submit_metric`` rounds) it finalizes what arrived since the last read, and the
   next submission starts a new round.
+- One logging reader ends steps at its deadline (:meth:`Server.logs`): the reader that last read
+  with ``finalize=True``, else the first reader of ``final()``; another reader's deadline gives the
+  step provisional, and a reader whose session ended ends nothing.
 - A restarted incarnation (Ray) knows the registered clients from its saved state and waits, at most
   ``recovery_timeout`` seconds, until each of them resent what it keeps.
 - Sessions (Ray: a client's job, i.e. the driver run it belongs to): when a client of a session not
@@ -44,7 +49,7 @@ deadlines and persistence each change what the others decide), read and tested i
   (:class:`~rlmetrics.engine.store.RefusedState`) or this version cannot read is logged, named in
   ``stats`` and left: the server starts empty, and the clients resend what they keep.
 
->>> from rlmetrics.packing import pack
+>>> from rlmetrics.packing import MAX_STEP, pack
 >>> from rlmetrics.engine.store import MemoryStore
 >>> server = Server(store=MemoryStore())
 >>> for rank in ("rank0", "rank1"):
@@ -68,14 +73,14 @@ from typing import Any
 
 from rlmetrics.engine.aggregator import Aggregator
 from rlmetrics.engine.store import RefusedState, Store
-from rlmetrics.messages import Close, Message, Reply, StepResult, Submission, SubmissionError
-from rlmetrics.packing import pack
+from rlmetrics.messages import Close, Message, Reply, StepMeta, StepResult, Submission, SubmissionError
+from rlmetrics.packing import MAX_STEP, pack
 from rlmetrics.wire import close_entry
 
 logger = logging.getLogger(__name__)
 
 FINAL_TIMEOUT = 60.0
-"""Seconds ``wait_final_res()`` waits for the newest closed step to complete before it returns it
+"""Seconds ``wait_final_res()`` waits for its step to complete before it returns it
 partial (with ``meta`` naming what is missing, and a warning)."""
 SAVED_RESULTS = 2
 """Newest results a saved state keeps: a read retried across a restart finds its step."""
@@ -140,6 +145,8 @@ class Server:
         self._sessions_checked = 0.0  # when the open sessions were last asked whether they ended
         self._direct = itertools.count()
         self._late = 0  # the engine's late count when the previous step was finalized
+        self.logging_reader: tuple[str, str | None] | None = None  # (reader, session) ending steps
+        self._returned: dict[str, int] = {}  # reader -> the step final() gave it last
 
     @property
     def finalizes(self) -> bool:
@@ -375,7 +382,7 @@ class Server:
 
     def announce(self, step: int, client_id: str) -> None:
         """``client_id`` closed ``step`` below a node sub-aggregator, whose forward follows."""
-        self.engine.note_closed(step)
+        self.engine.note_closed(step, client_id)
         self._closed_at.setdefault(step, time.monotonic())
         self._announced.setdefault(step, set()).add(client_id)
         self.persist()
@@ -444,18 +451,53 @@ class Server:
 
     # ---------------------------------------------------------------------------------- reads
     def result_ready(self, step: int) -> bool:
-        """A reader of ``step`` may stop waiting (no recovery is under way)."""
+        """A reader of ``step`` may stop waiting (no recovery is under way): the step is final,
+        complete, or every registered rank went past it without anything for it."""
         engine = self.engine
-        return not self.recovering() and (engine.is_finalized(step) or engine.is_complete(step))
+        return not self.recovering() and (
+            engine.is_finalized(step)
+            or engine.is_complete(step)
+            or (engine.passed(step) and step not in self._announced)  # (a node's forward follows)
+        )
 
-    def result(self, step: int, finalize: bool = False) -> StepResult:
+    def result(
+        self, step: int, finalize: bool = False, reader: str = "", session: str | None = None
+    ) -> StepResult:
         """``step``'s result now: kept or complete; else, at a reader's deadline, partial and final
-        when ``finalize``, otherwise what arrived so far, provisional (the step stays open)."""
-        if finalize or self.result_ready(step):
+        when ``finalize`` (and the reader's run did not end), otherwise what arrived so far,
+        provisional (the step stays open). A step nothing arrived for is never finalized: its
+        provisional result says where the ranks are (``meta.ranks_at``)."""
+        engine = self.engine
+        if not engine.knows(step) and step not in self._announced:
+            return engine.peek(step, contributions=(0, 0), ranks_at=engine.ranks_closed_up_to())
+        if self.result_ready(step) or (finalize and not self._ended(session)):
             result = self.finalize(step)
             self.persist()
             return result
-        return self.engine.peek(step, contributions=self.engine.contributions(step))
+        return engine.peek(step, contributions=engine.contributions(step))
+
+    def note_reader(self, reader: str, session: str | None, finalize: bool) -> None:
+        """A read starts: one with ``finalize=True`` makes ``reader`` (of run ``session``) the
+        logging reader; a :meth:`final` read (``finalize=False``) does when there is none yet."""
+        if finalize or self.logging_reader is None:
+            self.logging_reader = (reader, session)
+
+    def logs(self, reader: str, session: str | None) -> bool:
+        """Whether a :meth:`final` read of ``reader`` finalizes at its deadline: it is the logging
+        reader (:meth:`note_reader`), or that one's run ended and this one's did not (it takes over)."""
+        me = (reader, session)
+        if self._ended(session):
+            return False
+        if self.logging_reader is None or (self.logging_reader != me and self._ended(self.logging_reader[1])):
+            self.logging_reader = me
+        return self.logging_reader == me
+
+    def _ended(self, session: str | None) -> bool:
+        return (
+            session is not None
+            and self.session_ended is not None
+            and (session in self.ended or self.session_ended(session))
+        )
 
     def finalize(self, step: int) -> StepResult:
         """The engine's :meth:`~rlmetrics.engine.aggregator.Aggregator.finalize`; a step finalized now also
@@ -469,50 +511,48 @@ class Server:
         self._announced.pop(step, None)
         return result
 
-    def final_target(self) -> int | None:
-        """The step :meth:`final` is about: the newest one any client closed; without clients the
-        newest pending step (the seed's direct round); None when there is nothing.
-
-        A newest step that holds no data and that not every registered client closed is a rank
-        that ran ahead into a round it has nothing to send for (siiRL: a tp rank that never
-        submits, or any rank, closing an empty validation round while rank 0 still reads the
-        step before): the read is about the newest step before it that holds data, is closed by
-        every registered client, or is final, instead of waiting for the deadline on an empty step.
-        """
+    def final_target(self, reader: str = "") -> int | None:
+        """The step :meth:`final` is about for ``reader``: the newest step every registered rank
+        closed, if ``reader`` was not given it yet; else the oldest step after the one it was given
+        that some rank closed (a rank that closed a far step, e.g. a token count passed as step=,
+        does not take the read over). Without clients: the newest pending step (the seed's direct
+        round). None when there is nothing new for ``reader``."""
         engine = self.engine
-        newest = engine.newest_closed
-        if newest is not None:
-            if not self._ran_ahead(newest):
-                return newest
-            earlier = [s for s in engine.pending_steps() if s < newest and engine.closers(s)]
-            earlier = [s for s in earlier if not self._ran_ahead(s)]
-            if 0 <= engine.newest_final < newest:
-                earlier.append(engine.newest_final)
-            return max(earlier, default=newest)
-        pending = engine.pending_steps()
-        return pending[-1] if pending else None
-
-    def _ran_ahead(self, step: int) -> bool:
-        """``step`` is pending, holds no data, some registered client has not closed it and no node
-        sub-aggregator announced its forward."""
-        engine = self.engine
-        if engine.is_finalized(step) or step in self._announced:  # a node's forward of it follows
-            return False
-        return not engine.has_closed_data(step) and not engine.is_closed(step)
+        after = self._returned.get(reader, -1)
+        if engine.newest_closed is None:
+            pending = [s for s in engine.pending_steps() if s > after]
+            return pending[-1] if pending else None
+        at = engine.ranks_closed_up_to()
+        agreed = min(at.values()) if at else -1
+        if agreed > after:
+            return agreed
+        later = [s for s in engine.pending_steps() if s > after and engine.closers(s)]
+        return min([*later, *(s for s in self._announced if s > after)], default=None)
 
     def final_ready(self, target: int | None) -> bool:
         """A ``final`` read of ``target`` may return: complete, or a direct round (never waited for)."""
-        if target is None or self.engine.newest_closed is None:
+        if self.engine.newest_closed is None:
             return not self.recovering()
-        return self.result_ready(target)
+        return target is not None and self.result_ready(target)
 
-    def final(self, target: int | None) -> StepResult:
-        """The :meth:`final_target` read: ``target`` finalized (saved)."""
+    def final(self, target: int | None, reader: str = "", session: str | None = None) -> StepResult:
+        """The :meth:`final_target` read of ``reader`` (of run ``session``): ``target`` final
+        (saved) when complete or when ``reader`` :meth:`logs`, else provisional; each step once
+        per reader. No ``target``: an empty result (step -1) whose ``meta.ranks_at`` says where
+        the ranks are."""
+        engine = self.engine
         if target is None:
-            return StepResult({}, -1)
-        result = self.finalize(target)
-        self.persist()
-        return result
+            if engine.newest_closed is None:
+                return StepResult({}, -1)
+            return StepResult({}, -1, StepMeta.of(provisional=True, ranks_at=engine.ranks_closed_up_to()))
+        if len(self._returned) >= 1024 and reader not in self._returned:
+            self._returned.clear()  # readers come and go (a client each): the old ones are forgotten
+        self._returned[reader] = target
+        if self.result_ready(target) or self.logs(reader, session):
+            result = self.finalize(target)
+            self.persist()
+            return result
+        return engine.peek(target, contributions=engine.contributions(target))
 
     def finalize_due(self) -> list[int]:
         """Finalize the steps whose own deadline passed (:meth:`due_steps`) and save; those steps."""
@@ -566,7 +606,7 @@ def merge_items(
         except (SubmissionError, ValueError) as exc:
             errors[f"{client_id}/{step}/{_seq_text(seq)}"] = f"step {step}: {exc}"
     for entry in close:
-        if type(entry) is int and entry >= 0:  # the common case: the sender closes a step
+        if type(entry) is int and 0 <= entry <= MAX_STEP:  # the common case: the sender closes a step
             engine.close(client_id, entry)
             if closed is not None:
                 closed.add(entry)

@@ -111,34 +111,53 @@ class _MetricWorker(Shell):
         self.server.submit_direct(metrics, world_size, step)
         self.changed()
 
-    async def wait_final_res(self, timeout: float | None = None) -> StepResult:
-        return await self.final(timeout)
+    async def wait_final_res(self, timeout: float | None = None, who: str | None = None) -> StepResult:
+        return await self.final(timeout, who)
 
     # ---------------------------------------------------------------------------- reads
-    async def result(self, step: int, timeout: float | None = None, finalize: bool = False) -> StepResult:
-        """``step`` once complete; at ``timeout`` final and partial when ``finalize``, else
-        provisional (:meth:`~rlmetrics.engine.server.Server.result`)."""
+    async def result(
+        self, step: int, timeout: float | None = None, finalize: bool = False, who: str | None = None
+    ) -> StepResult:
+        """``step`` once complete; at ``timeout`` final and partial when ``finalize`` (unless the
+        reader's run ended), else provisional (:meth:`~rlmetrics.engine.server.Server.result`);
+        ``who``: the reader's credential."""
         self.calls["result"] += 1
+        reader, session = self._reader(who)
+        if finalize:
+            self.server.note_reader(reader, session, True)
         await self._wait(lambda: self.server.result_ready(step), timeout)
         if finalize and not self.server.result_ready(step):
             await self._drain(step)
-        out = self.server.result(step, finalize)
+        out = self.server.result(step, finalize, reader, session)
         self.changed()
         return out
 
-    async def final(self, timeout: float | None = None) -> StepResult:
-        """The seed's ``wait_final_res`` (:meth:`~rlmetrics.engine.server.Server.final_target`): after a
-        recovery, about the newest step closed once the clients resent theirs."""
+    async def final(self, timeout: float | None = None, who: str | None = None) -> StepResult:
+        """The seed's ``wait_final_res`` (:meth:`~rlmetrics.engine.server.Server.final_target`), each
+        step once per reader ``who`` (None: the seed's bare read): after a recovery, about the
+        newest step closed once the clients resent theirs."""
         self.calls["final"] += 1
-        deadline = time.monotonic() + (self.server.final_timeout if timeout is None else timeout)
-        await self._wait(lambda: not self.server.recovering(), None)
-        target = self.server.final_target()
-        await self._wait(lambda: self.server.final_ready(target), max(0.0, deadline - time.monotonic()))
-        if target is not None and not self.server.final_ready(target):
+        reader, session = self._reader(who)
+        server = self.server
+        server.note_reader(reader, session, False)
+        deadline = time.monotonic() + (server.final_timeout if timeout is None else timeout)
+        await self._wait(lambda: not server.recovering(), None)
+        ready = lambda: server.final_ready(server.final_target(reader))  # noqa: E731
+        await self._wait(ready, max(0.0, deadline - time.monotonic()))
+        target = server.final_target(reader)
+        if target is not None and not server.final_ready(target) and server.logs(reader, session):
             await self._drain(target)
-        out = self.server.final(target)
+            target = server.final_target(reader)
+        out = server.final(target, reader, session)
         self.changed()
         return out
+
+    def _reader(self, who: str | None) -> tuple[str, str | None]:
+        """``(reader, session)`` of a reader's credential (None: the seed's bare read, ``""``)."""
+        reader = ("", None) if who is None else self._who(who)
+        if isinstance(reader, str):
+            raise SubmissionError(reader)
+        return reader
 
     # ------------------------------------------------------------------------ membership
     async def relay(

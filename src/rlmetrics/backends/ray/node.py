@@ -171,12 +171,14 @@ class _NodeWorker(Shell):
     async def relay(self, *args: Any) -> dict[str, str]:
         raise SubmissionError("a node sub-aggregator does not speak for another node")
 
-    async def result(self, step: int, timeout: float | None = None, finalize: bool = False) -> StepResult:
+    async def result(
+        self, step: int, timeout: float | None = None, finalize: bool = False, who: str | None = None
+    ) -> StepResult:
         return await asyncio.get_running_loop().run_in_executor(
             self._forwarder, lambda: self.upstream.result(step, timeout, finalize=finalize)
         )
 
-    async def final(self, timeout: float | None = None) -> StepResult:
+    async def final(self, timeout: float | None = None, who: str | None = None) -> StepResult:
         return await asyncio.get_running_loop().run_in_executor(
             self._forwarder, lambda: self.upstream.wait_final_res(timeout)
         )

@@ -89,11 +89,13 @@ class RayTransport:
             return None
         return self._track(future.result(), who, items, close, False)
 
-    def result(self, step: int, timeout: float | None, finalize: bool = False) -> StepResult:
-        return self._call("result", step, timeout, finalize, actor=self.root)
+    def result(
+        self, step: int, timeout: float | None, finalize: bool = False, who: str | None = None
+    ) -> StepResult:
+        return self._call("result", step, timeout, finalize, who, actor=self.root)
 
-    def final(self, timeout: float | None = None) -> StepResult:
-        return self._call("final", timeout, actor=self.root)
+    def final(self, timeout: float | None = None, who: str | None = None) -> StepResult:
+        return self._call("final", timeout, who, actor=self.root)
 
     def register(self, who: str) -> None:
         self._call("register", who)
