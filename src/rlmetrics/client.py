@@ -164,7 +164,8 @@ class ClientCore:
 
     ``world_size``: default number of contributions expected per metric name and step (change it
     with :meth:`set_world_size`, e.g. after a rank died). ``nan_strategy``: ``"propagate"``
-    (default), ``"drop"`` or ``"error"`` for non-finite values. ``label``: leads the client id;
+    (default), ``"drop"`` or ``"error"`` for non-finite values. ``label``: leads the client id
+    (default: ``rank<N>`` with ``rank``);
     ``client_id``: a fixed id instead (anyone may send under a fixed id: it has no secret).
     ``blocking``: ``wait_submit()`` returns once the aggregator holds the step (default, the seed's
     behaviour, needed before a ``wait_final_res()``); ``False`` returns at once and raises an error
@@ -201,6 +202,8 @@ class ClientCore:
         self.world_size = None if world_size is None else world_size_arg(world_size)
         self.nan_strategy = nan_strategy
         self.naming = naming
+        if label is None and self.rank is not None:
+            label = f"rank{self.rank}"
         self.client_id, secret = (client_id, "") if client_id else new_identity(label)
         self.credential = credential(self.client_id, secret, getattr(transport, "session", None))
         self.blocking = blocking

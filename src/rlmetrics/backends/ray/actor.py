@@ -35,6 +35,7 @@ from rlmetrics.messages import RayStartedWarning, StepResult, SubmissionError
 
 DEFAULT_NAME = "rlmetrics"
 DRAIN_TIMEOUT = 10.0  # seconds a deadline waits for a node sub-aggregator's forward
+LIVENESS_PERIOD = 1.0  # seconds between two questions to Ray about the ranks' processes while a step waits
 logger = logging.getLogger(__name__)
 
 
@@ -52,12 +53,34 @@ class _MetricWorker(Shell):
         super().__init__(recovery_timeout, secret, **options)
         self.running = True
         self._deadlines: asyncio.Task | None = None
+        self._liveness: asyncio.Task | None = None
         self._nodes: dict[str, Any] = {}  # node sub-aggregator handles by actor name
 
     def changed(self) -> None:
         super().changed()
         if self._deadlines is None and self.server.step_timeout is not None:
             self._deadlines = asyncio.get_running_loop().create_task(self._end_due_steps())
+        if self._liveness is None and self.server.processes:
+            self._liveness = asyncio.get_running_loop().create_task(self._watch_ranks())
+
+    async def _watch_ranks(self) -> None:
+        """About once a second while a step is pending, ask Ray whether the registered ranks'
+        processes are alive (:func:`~rlmetrics.backends.ray.compat.gone`); a rank whose actor died
+        or whose node was lost is no longer waited for (:meth:`~rlmetrics.engine.server.Server.lose`)."""
+        while True:
+            await asyncio.sleep(LIVENESS_PERIOD)
+            watched = self.server.watched()
+            if not watched or not self.server.engine.pending_steps():
+                continue
+            try:
+                gone = compat.gone(watched)
+                for client, why in gone.items():
+                    self.server.lose(client, why)
+            except Exception:  # noqa: BLE001 - asked again in a second
+                logger.exception("asking Ray whether the ranks' processes are alive failed")
+                continue
+            if gone:
+                self.changed()
 
     async def _end_due_steps(self) -> None:
         """Finalize every step whose own deadline passes (``step_timeout`` after its first close).
@@ -81,16 +104,19 @@ class _MetricWorker(Shell):
                 logger.exception("finalizing the steps whose deadline passed failed; again in a second")
                 await asyncio.sleep(1.0)
 
-    async def _drain(self, step: int) -> None:
-        """Before ``step`` is finalized at a deadline: the node sub-aggregators that speak for a rank
-        it misses forward what they hold of it (each at most ``DRAIN_TIMEOUT`` seconds)."""
-        await asyncio.gather(*(self._drain_node(address, step) for address in self.server.nodes_of(step)))
+    async def _drain(self, step: int, finalize: bool = True) -> None:
+        """At a reader's deadline for ``step`` (``finalize``: the step is to end there, else the
+        read is provisional): the node sub-aggregators that speak for a rank it misses forward what
+        they hold of it (each at most ``DRAIN_TIMEOUT`` seconds), so the read sees what arrived, as
+        in the flat layout."""
+        nodes = self.server.nodes_of(step)
+        await asyncio.gather(*(self._drain_node(address, step, finalize) for address in nodes))
 
-    async def _drain_node(self, address: str, step: int) -> None:
+    async def _drain_node(self, address: str, step: int, finalize: bool) -> None:
         try:
             node = self._nodes.get(address) or ray.get_actor(address, namespace=self._namespace)
             self._nodes[address] = node
-            await asyncio.wait_for(compat.remote(node.drain, step), DRAIN_TIMEOUT)
+            await asyncio.wait_for(compat.remote(node.drain, step, finalize), DRAIN_TIMEOUT)
         except Exception as exc:  # noqa: BLE001 - a node gone: the ranks it spoke for are missing
             logger.warning("node sub-aggregator %s did not forward step %d: %r", address, step, exc)
 
@@ -119,8 +145,8 @@ class _MetricWorker(Shell):
         provisional (:meth:`~rlmetrics.engine.server.Server.result`)."""
         self.calls["result"] += 1
         await self._wait(lambda: self.server.result_ready(step), timeout)
-        if finalize and not self.server.result_ready(step):
-            await self._drain(step)
+        if not self.server.result_ready(step):
+            await self._drain(step, finalize)
         out = self.server.result(step, finalize)
         self.changed()
         return out
