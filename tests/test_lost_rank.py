@@ -50,9 +50,10 @@ def rank_data(rank: int, step: int) -> np.ndarray:
 class Rank:
     """A trainer rank: its own process, one client made with its rank."""
 
-    def __init__(self, rank: int, name: str):
+    def __init__(self, rank: int, name: str, hierarchy: str | None = None):
         self.rank = rank
-        self.client = rlmetrics.connect("ray", name=name, world_size=WORLD, rank=rank)
+        opts = {"hierarchy": hierarchy} if hierarchy else {}
+        self.client = rlmetrics.connect("ray", name=name, world_size=WORLD, rank=rank, **opts)
 
     def step(self, step: int) -> None:
         d = rank_data(self.rank, step)
@@ -79,10 +80,17 @@ def check_values(res, step: int, ranks) -> None:
     assert res["x/max"] == cat.max() and res["ranks/total"] == len(ranks), (step, dict(res))
 
 
-@pytest.mark.parametrize("killed", ["before_survivors_close", "after_survivors_close"])
-def test_killed_rank_ends_its_step_partial_at_once_and_later_steps_complete_without_it(name, killed):
-    rlmetrics.get_metric_worker(name=name, final_timeout=DEADLINE)  # the driver owns the aggregator
-    ranks = [Rank.remote(r, name) for r in range(WORLD)]
+@pytest.mark.parametrize(
+    "killed, hierarchy",
+    [("before_survivors_close", None), ("after_survivors_close", None), ("after_survivors_close", "node")],
+    ids=["before", "after", "after-below-a-node"],
+)
+def test_killed_rank_ends_its_step_partial_at_once_and_later_steps_complete_without_it(
+    name, killed, hierarchy
+):
+    # the driver owns the aggregator (and with hierarchy="node" its node sub-aggregator)
+    rlmetrics.get_metric_worker(name=name, final_timeout=DEADLINE, hierarchy=hierarchy)
+    ranks = [Rank.remote(r, name, hierarchy) for r in range(WORLD)]
     survivors = [0, 1, 3]
     reader = rlmetrics.connect("ray", name=name)
     monitor = Monitor()
@@ -120,6 +128,8 @@ def test_killed_rank_ends_its_step_partial_at_once_and_later_steps_complete_with
     assert [a.rule for a in alerts] == ["lost_rank"], alerts
     for r in survivors:
         ray.kill(ranks[r])
+    if hierarchy:
+        ray.kill(ray.get_actor(f"{name}/node/{ray.get_runtime_context().get_node_id()}"))
 
 
 def test_hung_but_alive_rank_still_gets_the_deadline(name):

@@ -196,6 +196,34 @@ def test_a_rank_dead_below_a_node_is_named_at_the_readers_deadline_as_in_the_fla
         ray.kill(a)
 
 
+@pytest.mark.parametrize("hierarchy", [None, "node"], ids=["flat", "node"])
+def test_a_provisional_read_returns_what_arrived_below_a_node_as_in_the_flat_layout(cluster, hierarchy):
+    """Three ranks on one node; ranks 0-1 close step 0, rank 2 is late. A dashboard's read
+    (``result(0, timeout)``, not finalizing) gets ranks 0-1's data, provisional, naming rank 2 alone,
+    and the step stays open: once rank 2 sends, the step is complete over all three. Before, below
+    a node the read saw nothing (the node held the step back for rank 2) and blamed all three."""
+    name = f"p-{uuid.uuid4().hex[:8]}"
+    rlmetrics.get_metric_worker(name=name, hierarchy=hierarchy)
+    on_node0 = NodeAffinitySchedulingStrategy(cluster[0], soft=False)
+    ranks = [Rank.options(scheduling_strategy=on_node0).remote(r, name, hierarchy) for r in range(3)]
+    ray.get([a.set_world_size.remote(3) for a in ranks])  # connected with world_size=RANKS
+    ids = ray.get([a.client_id.remote() for a in ranks])
+    reader = rlmetrics.connect("ray", name=name)
+    ray.get([a.step.remote(0) for a in ranks[:2]])
+    with pytest.warns(rlmetrics.ProvisionalWarning):
+        res = reader.result(0, timeout=2.0)
+    allv = np.concatenate([rank_data(r, 0) for r in range(2)])
+    assert res.meta.provisional and res.meta.missing_ranks == [ids[2]], res.meta
+    assert res["x/mean"] == pytest.approx(allv.mean(), rel=1e-12) and res["n/total"] == 2, dict(res)
+    ray.get(ranks[2].step.remote(0))
+    res = reader.result(0, timeout=60)
+    allv = np.concatenate([rank_data(r, 0) for r in range(3)])
+    assert res.meta.complete and res["n/total"] == 3, res.meta
+    assert res["x/mean"] == pytest.approx(allv.mean(), rel=1e-12)
+    for a in ranks:
+        ray.kill(a)
+
+
 def test_a_node_sub_aggregator_killed_mid_run_loses_nothing_and_counts_no_resend_late(cluster):
     """A rank resends what it keeps to its node, which did not restart (step 1: a rank's call failed);
     then the node sub-aggregator of three ranks is killed (Ray restarts it) between two steps and in

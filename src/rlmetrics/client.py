@@ -48,6 +48,7 @@ from rlmetrics.messages import (
     SubmissionError,
     WorldSizeWarning,
     caller_level,
+    rank_name,
 )
 from rlmetrics.packing import MAX_WORLD_SIZE, Packed, pack, pack_known
 
@@ -569,9 +570,10 @@ def _missing(res: StepResult) -> str:
     when no data arrived for it at all) and its incomplete metrics."""
     meta = res.meta
     ranks = meta.missing_ranks
-    closing = f"registered ranks that have not closed it: {ranks[:5]}" + (
+    closing = f"registered ranks that have not closed it: {', '.join(map(rank_name, ranks[:5]))}" + (
         f" and {len(ranks) - 5} more" if len(ranks) > 5 else ""
     )
+    closing += "".join(f" ({rank_name(c)} is gone: {why})" for c, why in list(meta.lost.items())[:3])
     if not meta.contributors and not res:
         if not ranks:
             return f"no data arrived for step {res.step}, and no rank is registered"

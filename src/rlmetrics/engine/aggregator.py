@@ -310,7 +310,8 @@ class Aggregator:
         logger.info("%s", "; ".join(texts))  # the rank is told (its reply), the reader warns
         return (
             "; ".join(texts) + " (merged; the step expects the largest, else ends partial at its deadline;"
-            " give a name one world_size on all ranks: the contributions expected, e.g. the data-parallel size)"
+            " give a name one world_size on all ranks: the contributions expected, e.g. the data-parallel"
+            " size)"
         )
 
     def close(self, client_id: str, step: int) -> None:

@@ -69,8 +69,11 @@ class _MetricWorker(Shell):
         or whose node was lost is no longer waited for (:meth:`~rlmetrics.engine.server.Server.lose`)."""
         while True:
             await asyncio.sleep(LIVENESS_PERIOD)
-            watched = self.server.watched()
-            if not watched or not self.server.engine.pending_steps():
+            watched, engine = self.server.watched(), self.server.engine
+            closed = engine.newest_closed  # a step closed below a node is not pending here yet
+            if not watched or not (
+                engine.pending_steps() or (closed is not None and closed > engine.newest_final)
+            ):
                 continue
             try:
                 gone = compat.gone(watched)
@@ -81,6 +84,8 @@ class _MetricWorker(Shell):
                 continue
             if gone:
                 self.changed()
+            below = {c: self.server.nodes.get(self.server.via.get(c, "")) for c in gone}
+            await asyncio.gather(*(self._call_node(a, "lose", c) for c, a in below.items() if a))
 
     async def _end_due_steps(self) -> None:
         """Finalize every step whose own deadline passes (``step_timeout`` after its first close).
@@ -110,15 +115,16 @@ class _MetricWorker(Shell):
         they hold of it (each at most ``DRAIN_TIMEOUT`` seconds), so the read sees what arrived, as
         in the flat layout."""
         nodes = self.server.nodes_of(step)
-        await asyncio.gather(*(self._drain_node(address, step, finalize) for address in nodes))
+        await asyncio.gather(*(self._call_node(address, "drain", step, finalize) for address in nodes))
 
-    async def _drain_node(self, address: str, step: int, finalize: bool) -> None:
+    async def _call_node(self, address: str, method: str, *args: Any) -> None:
+        """``method(*args)`` of the node sub-aggregator at ``address``, at most ``DRAIN_TIMEOUT`` s."""
         try:
             node = self._nodes.get(address) or ray.get_actor(address, namespace=self._namespace)
             self._nodes[address] = node
-            await asyncio.wait_for(compat.remote(node.drain, step, finalize), DRAIN_TIMEOUT)
+            await asyncio.wait_for(compat.remote(getattr(node, method), *args), DRAIN_TIMEOUT)
         except Exception as exc:  # noqa: BLE001 - a node gone: the ranks it spoke for are missing
-            logger.warning("node sub-aggregator %s did not forward step %d: %r", address, step, exc)
+            logger.warning("node sub-aggregator %s: %s%s failed: %r", address, method, args, exc)
 
     # ------------------------------------------------------------------ the seed's worker API
     async def start(self) -> None:

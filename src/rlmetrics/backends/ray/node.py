@@ -169,6 +169,12 @@ class _NodeWorker(Shell):
             self._forward(step)
         await asyncio.wrap_future(self._forwarder.submit(self.upstream.flush))
 
+    async def lose(self, client_id: str) -> None:
+        """The root found the process of this node's rank ``client_id`` gone: this node waits for
+        it no more, and forwards the steps it held back for it."""
+        self.engine.lose(client_id, "gone")
+        self.changed()
+
     async def relay(self, *args: Any) -> dict[str, str]:
         raise SubmissionError("a node sub-aggregator does not speak for another node")
 
