@@ -329,6 +329,7 @@ class Aggregator:
         self.clients.difference_update(clients)
         for client_id in clients:
             self._sent.pop(client_id, None)
+            self.lost.pop(client_id, None)
         changed = []
         for step, st in self._steps.items():
             if not (st.contributors & clients or st.closed & clients):

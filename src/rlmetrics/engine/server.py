@@ -135,6 +135,7 @@ class Server:
         self.nodes: dict[str, str] = {}  # node client -> its address (the backend's, e.g. an actor name)
         self.processes: dict[str, dict] = {}  # client -> where it runs (the backend's ids: a Ray actor's)
         self._seen_sessions: set[str] = set()
+        self._latest_session: str | None = None  # the session seen last (a new run's)
         self.changes = 0  # counts changes of sessions and relays (what a saved state must follow)
         self._closed_at: dict[int, float] = {}  # pending steps: when a client first closed them
         self._announced: dict[int, set[str]] = {}  # steps closed below a node, not forwarded yet: by whom
@@ -324,6 +325,10 @@ class Server:
             self.changes += 1
             new = session not in self._seen_sessions
             self._seen_sessions.add(session)
+            if new:  # a lost rank of another run says nothing of this run's steps
+                self._latest_session = session
+                for lost in [c for c in self.engine.lost if self.sessions.get(c) != session]:
+                    del self.engine.lost[lost]
             if new or time.monotonic() - self._sessions_checked >= 1.0:  # at most once a second
                 self._end_sessions(session)
         return None
@@ -448,7 +453,11 @@ class Server:
         (:meth:`~rlmetrics.engine.aggregator.Aggregator.lose`)."""
         if client_id not in self.engine.clients:
             return
-        self.engine.lose(client_id, why)
+        latest = self._latest_session
+        if latest is not None and self.sessions.get(client_id, latest) != latest:
+            self.engine.depart(client_id)  # a newer run started: its steps are not this rank's
+        else:
+            self.engine.lose(client_id, why)
         self.processes.pop(client_id, None)
         self.changes += 1
         logger.warning(
