@@ -1,6 +1,7 @@
 """Mistakes a user makes at first contact, told at once and plainly: ranks that disagree on a
 name's ``world_size`` (in-process, Ray, Ray below node sub-aggregators), a bad ``world_size`` given
-to ``connect``, and a ``submit_metric`` call refused in part (the message says what went through)."""
+to ``connect``, an option typo (its owner and close match), and a ``submit_metric`` call refused
+in part (the message says what went through)."""
 
 import re
 import threading
@@ -138,6 +139,34 @@ def test_connect_refuses_a_bad_world_size_naming_it(bad, name):
         client.submit_metric({"x": 1.0}, bad)
 
 
+@pytest.mark.parametrize(
+    ("backend", "option", "said"),
+    [
+        ("local", "nan_stratgy", "did you mean nan_strategy (a client option)?"),
+        ("local", "final_timout", "did you mean final_timeout (an aggregator option)?"),
+        ("local", "keep_result", "did you mean keep_results (an aggregator option)?"),
+        ("local", "namespace", "it is an option of connect('ray'), not of the 'local' backend"),
+        ("local", "result_on", "it is an option of connect('torch'), not of the 'local' backend"),
+        ("torch", "blocking", "it is an option of connect('local'), not of the 'torch' backend"),
+        ("torch", "nan_stratgy", "did you mean nan_strategy (a client option)?"),
+        ("torch", "resul_on", "did you mean result_on (a torch transport option)?"),
+    ],
+)
+def test_an_option_typo_names_its_owner_and_the_close_match(backend, option, said, name):
+    """The option belongs to the client, the aggregator, Ray's actor or torch's transport: the error
+    says which, before any aggregator or process group is touched (the local one was refused as
+    ``Aggregator.__init__() got an unexpected keyword argument``)."""
+    with pytest.raises(TypeError) as err:
+        rlmetrics.connect(backend, name=name, **{option: 1})
+    assert str(err.value) == f"connect({backend!r}): no option {option!r}; {said}"
+    with pytest.raises(
+        TypeError, match=r"LocalMetricWorker\(\): no option 'nan_strategy'; it is a client option"
+    ):
+        local.get_worker(name, nan_strategy="drop")
+    client = rlmetrics.connect("local", name=name, nan_strategy="drop", final_timeout=5.0, world_size=1)
+    assert client.nan_strategy == "drop" and local.get_worker(name).server.final_timeout == 5.0
+
+
 def test_a_call_refused_in_part_says_what_was_submitted(name):
     """One bad value among 13: the message names it and says the other 12 went through, as they did."""
     client = rlmetrics.connect("local", world_size=1, name=name)
@@ -250,3 +279,69 @@ def test_ray_node_hierarchy_the_root_names_the_ranks_too(ray_session):
         for a in actors:
             ray.kill(a)
         ray.kill(root)
+
+
+def _timing_batch(rank):
+    import torch
+
+    b = 2 + rank  # the ranks' batches differ in size
+    mask = torch.ones(b, 6, dtype=torch.long)
+    mask[:, -rank - 1 :] = 0
+    return {"responses": torch.zeros(b, 2), "attention_mask": mask, "global_token_num": mask.sum(-1).tolist()}
+
+
+@pytest.mark.parametrize(
+    ("bad", "said"),
+    [
+        ({"timing": {"gen": "1.0"}}, "timing_raw['gen'] is '1.0' (str), not a number of seconds"),
+        ({"timing": {"gen": None}}, "timing_raw['gen'] is None (NoneType), not a number of seconds"),
+        ({"timing": {"gen": [1.0, 2.0]}}, "timing_raw['gen'] is [1.0, 2.0] (list), not a number of seconds"),
+        ({"n_gpu": 0}, "the GPU count (n_gpu) is 0 (int)"),
+        ({"n_gpu": -1}, "the GPU count (n_gpu) is -1 (int)"),
+        ({"n_gpu": float("nan")}, "the GPU count (n_gpu) is nan (float)"),
+        ({"n_gpu": "2"}, "the GPU count (n_gpu) is '2' (str)"),
+    ],
+)
+def test_a_timing_value_or_gpu_count_that_is_no_number_is_refused_at_the_call(bad, said, name):
+    """Rank 1 passes a bad timing value or ``n_gpu``: its call raises MetricValueError naming the
+    stage or argument and the value (it was dropped with a DEBUG log and the step waited the whole
+    deadline, or the rank was silently left out of perf/throughput); the call's other names went
+    through, and the step ends at once. A stage resubmitted fixed gives every number of a run
+    without the slip; a bad ``n_gpu`` leaves rank 1 out of that step's perf/throughput only."""
+    pytest.importorskip("torch")
+    good_timing, good_gpus = {"gen": 1.0, "update_actor": 2.0, "step": 4.0}, 2
+
+    def run(label, slip):
+        clients = [
+            rlmetrics.connect("local", world_size=2, name=label, rank=r, final_timeout=60) for r in (0, 1)
+        ]
+        for rank, client in enumerate(clients):
+            timing = {**good_timing, "gen": 1.0 + rank}
+            batch = _timing_batch(rank)
+            if slip and rank == 1 and "timing" in bad:
+                with pytest.raises(MetricValueError) as err:
+                    client.compute_local_timing_metrics(batch, {**timing, **bad["timing"]})
+                assert said in str(err.value) and "the step does not wait for them" in str(err.value)
+                client.compute_local_timing_metrics(batch, {"gen": timing["gen"]})  # the fixed value alone
+            else:
+                client.compute_local_timing_metrics(batch, timing)
+            if slip and rank == 1 and "n_gpu" in bad:
+                with pytest.raises(MetricValueError) as err:
+                    client.compute_local_throughput_metrics(batch, timing, bad["n_gpu"])
+                assert said in str(err.value) and "pass the GPUs its batch ran on" in str(err.value)
+                assert "left out of this step's perf/throughput" in str(err.value)
+            else:
+                client.compute_local_throughput_metrics(batch, timing, good_gpus)
+            client.wait_submit()
+        start = time.monotonic()
+        result = clients[0].result(0, timeout=60)
+        assert time.monotonic() - start < SLOW_READ
+        local.drop_worker(label)
+        return result
+
+    got, want = run(name, slip=True), run(f"{name}-reference", slip=False)
+    if "n_gpu" in bad:  # rank 0's own tokens / (seconds x GPUs)
+        tokens0 = sum(_timing_batch(0)["global_token_num"])
+        want = {**want, "perf/throughput": tokens0 / (good_timing["step"] * good_gpus)}
+    assert got.meta.complete and dict(got) == pytest.approx(dict(want))
+    assert {"perf/throughput", "perf/delta_time/gen", "timing_per_token_ms/gen"} <= set(got)

@@ -95,3 +95,83 @@ def test_a_glob_that_matches_nothing_says_what_was_near(command, tmp_path):
     assert out.returncode != 0
     assert "no metric matches 'critic/score'" in out.stderr
     assert "did you mean 'critic/score/*' (3 metrics)?" in out.stderr
+
+
+def write_run(folder, names, steps=3):
+    from rlmetrics.sinks import JsonlSink
+
+    with JsonlSink(folder / "metrics.jsonl") as sink:
+        for step in range(steps):
+            sink.log({n: float(step + i) for i, n in enumerate(names)}, step)
+
+
+NAMES = [
+    "critic/score/mean",
+    "critic/score/max",
+    "critic/vf_explained_var",
+    "actor/grad_norm",
+    "actor/entropy",
+]
+
+
+def test_one_glob_dialect_for_the_cli_keys_and_health_rules(tmp_path, caplog):
+    """``critic/*`` selects the same names in ``report -m``, ``make_sinks(keys=)`` and a health rule."""
+    from rlmetrics.health import Monitor, NonFinite
+    from rlmetrics.sinks import Sink, Tracking, make_sinks, read_jsonl
+
+    want = ["critic/score/mean", "critic/score/max", "critic/vf_explained_var"]
+    write_run(tmp_path, NAMES)
+    out = rlmetrics_cli("report", str(tmp_path), "-m", "critic/*")
+    assert out.returncode == 0, out.stderr
+    assert [n for n in NAMES if n in out.stdout] == want
+    monitor = Monitor([NonFinite(patterns=("critic/*",))])
+    alerts = monitor.observe(0, dict.fromkeys(NAMES, float("nan")))
+    assert sorted(a.metric for a in alerts) == sorted(want)
+    got = []
+
+    class Recorder(Sink):
+        tracker = "recorder"
+
+        def log(self, metrics, step):
+            got.append(sorted(metrics))
+
+        def close(self):
+            pass
+
+    with Tracking([Recorder()], health=None, keys=["critic/*"], overview=False) as tracking:
+        tracking.log(dict.fromkeys(NAMES, 1.0), 0)
+    assert got == [sorted(want)] and not caplog.records  # it matched: no "matched no key" warning
+    with make_sinks(["jsonl"], tmp_path / "keys", keys=["critic/*"]) as tracking:
+        tracking.log(dict.fromkeys(NAMES, 1.0), 0)
+    assert set(read_jsonl(tmp_path / "keys" / "metrics.jsonl").names()) >= set(NAMES)  # JSONL: every key
+
+
+@pytest.mark.parametrize("command", ["report", "plot", "compare"])
+def test_each_of_several_globs_is_checked(command, tmp_path):
+    """A typo in one of several ``-m`` globs is refused with its own did-you-mean, not dropped."""
+    write_run(tmp_path, NAMES)
+    runs = [str(tmp_path), str(tmp_path)] if command == "compare" else [str(tmp_path)]
+    png = [] if command == "report" else ["-o", str(tmp_path / "x.png")]
+    out = rlmetrics_cli(command, *runs, "-m", "critic/*", "-m", "actr/*", "-m", "actor/entropi", *png)
+    assert out.returncode != 0
+    assert "no metric matches 'actr/*', 'actor/entropi'" in out.stderr
+    assert "did you mean 'actor/*' (2 metrics), 'actor/entropy'?" in out.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize("command", ["plot", "compare"])
+def test_plot_without_m_draws_the_core_metrics(command, tmp_path):
+    pytest.importorskip("matplotlib")
+    write_run(tmp_path, NAMES)
+    runs = [str(tmp_path), str(tmp_path)] if command == "compare" else [str(tmp_path)]
+    out = rlmetrics_cli(command, *runs, "-o", str(tmp_path / "core.png"))
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "core.png").stat().st_size > 0
+    if command == "compare":  # the table of last values: the core metrics the run has, no other
+        assert all(n in out.stdout for n in ("critic/score/mean", "actor/grad_norm", "actor/entropy"))
+        assert "critic/score/max" not in out.stdout and "critic/vf_explained_var" not in out.stdout
+    empty = tmp_path / "other"
+    empty.mkdir()
+    write_run(empty, ["my/loss"])
+    out = rlmetrics_cli(command, *([str(empty)] * len(runs)), "-o", str(empty / "x.png"))
+    assert out.returncode != 0 and "no core metric" in out.stderr and "give -m GLOB" in out.stderr

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,7 @@ from hypothesis import strategies as st
 from tensordict import NonTensorData, TensorDict
 from torch.overrides import TorchFunctionMode
 
+from rlmetrics.core.stat import MetricValueError
 from rlmetrics.metrics.timing import (
     compute_throughout_metrics,
     compute_throughput_metrics,
@@ -89,10 +92,20 @@ def test_timing_by_hand():
     }
 
 
-def test_timing_never_raises():
-    timing_raw = {"gen": np.float32(0.5), "ref": torch.tensor(0.25), "bad": "slow", "none": None}
+def test_timing_refuses_a_stage_that_is_not_a_number_naming_it():
+    timing_raw = {"gen": np.float32(0.5), "ref": torch.tensor(0.25)}
     got = compute_timing_metrics({}, timing_raw)  # no masks: no per-token metrics
     assert got == {"timing_s/gen": 0.5, "timing_s/ref": 0.25}
+    with pytest.raises(MetricValueError) as err:
+        compute_timing_metrics({}, {**timing_raw, "bad": "1.0", "none": None, "list": [1.0, 2.0]})
+    message = str(err.value)
+    for shown in (
+        "timing_raw['bad'] is '1.0' (str)",
+        "timing_raw['none'] is None",
+        "['list'] is [1.0, 2.0] (list)",
+    ):
+        assert shown in message
+    assert "not a number of seconds: this rank" in message and "pass a float" in message
     zero = {"responses": torch.zeros(2, 2), "attention_mask": torch.zeros(2, 4, dtype=torch.long)}
     assert compute_timing_metrics(zero, {"gen": 1.0, "adv": 1.0}) == {
         "timing_s/gen": 1.0,
@@ -157,8 +170,13 @@ def test_throughput_falls_back_to_the_attention_mask_and_skips_what_it_cannot_co
         "perf/total_num_tokens": 3.0,
         "perf/time_per_step": 0.0,
     }
-    assert "perf/throughput" not in compute_throughput_metrics({"global_token_num": [3]}, {"step": 1.0}, 0)
-    assert "perf/throughput" not in compute_throughput_metrics({"global_token_num": [3]}, {"step": 1.0}, None)
+    for bad in (0, -1, float("nan"), "2", None):
+        with pytest.raises(
+            MetricValueError, match=rf"the GPU count \(n_gpu\) is {re.escape(repr(bad))} .*positive"
+        ):
+            compute_throughput_metrics({"global_token_num": [3]}, {"step": 1.0}, bad)
+    with pytest.raises(MetricValueError, match=r"timing_raw\['step'\] is '1\.0' \(str\)"):
+        compute_throughput_metrics({"global_token_num": [3]}, {"step": "1.0"}, 1)
 
 
 def test_seed_spelling_is_the_same_function():

@@ -191,15 +191,20 @@ def test_keys_may_be_any_iterable_of_globs(tmp_path):
 
 
 def test_globs():
-    view = KeyView(["critic/*/mean", "val-core/**", "actor/entropy?"])
+    """One dialect (rlmetrics.globs, fnmatch's): ``*``, ``**`` any characters, '/' too; ``?`` one."""
+    view = KeyView(["critic/*", "val-core/**/mean@*", "actor/entropy?", "x/[ab]"])
     names = [
         "critic/score/mean",
         "critic/a/b/mean",
         "val-core/x/acc/mean@4",
         "actor/entropy2",
-        "actor/entropy/",
+        "x/b",
+        "actor/entropy",
+        "critic",
+        "val-core/x/best@4/mean",
+        "x/[ab]",
     ]
-    assert list(view(dict.fromkeys(names, 1.0))) == names[0:1] + names[2:4]
+    assert list(view(dict.fromkeys(names, 1.0))) == names[:5]
     assert view.unmatched() == []
     assert KeyView(["critic.score"])({"criticXscore": 1.0}) == {}  # '.' is literal
 
@@ -247,6 +252,7 @@ def test_an_unmatched_glob_warns_once_at_close(caplog):
         tracking.close()
     (message,) = [r.getMessage() for r in caplog.records]
     assert "'critc/score/*'" in message and "matched no key" in message
+    assert "did you mean 'critic/score/*' (2 metrics)?" in message
 
 
 def warnings_of(caplog):

@@ -201,3 +201,43 @@ def test_the_new_trackers_are_registered():
     assert {"prometheus", "trackio", "clearml"} <= set(TRACKERS)
     assert adapt_name("loss", "clearml") == "loss/loss"
     assert adapt_name("val-core/acc/mean@4", "trackio") == "val-core/acc/mean@4"
+
+
+def test_a_step_logged_twice_is_skipped_by_every_sink(tmp_path, monkeypatch, local_trackio, caplog, capsys):
+    """A retried loop iteration logs step 1 again: one warning, no sink disabled, every tracker's own
+    reader finds steps 0-3 once each with the first values of step 1."""
+    pytest.importorskip("clearml")
+    from tests.trackers import mlflow_history, one, swanlab_scalars, tensorboard_steps, wandb_rows
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv(PROMETHEUS_PORT, str(port))
+    out = tmp_path / "run"
+    with make_sinks(list(TRACKERS), out, project="twice", run_name="r1") as tracking:
+        for step, loss in [(0, 0.0), (1, 1.0), (1, 101.0), (2, 2.0), (3, 3.0)]:  # step 1 retried
+            tracking.log(StepResult({"loss": loss}, step), step)
+        assert not tracking.failed
+        assert scrape(f"http://127.0.0.1:{port}/metrics")["rlmetrics_loss"][0][1] == 3.0
+        ids = {name: sink.run_id for name, sink in zip(TRACKERS, tracking.sinks)}
+        clearml_folder = tracking.sinks[list(TRACKERS).index("clearml")].folder
+    repeats = [r for r in caplog.records if "step 1 is logged already" in r.getMessage()]
+    assert len(repeats) == 1 and repeats[0].levelname == "WARNING"
+    want = [(s, float(s)) for s in range(4)]
+    jsonl = read_jsonl(out / "metrics.jsonl")
+    assert list(zip(*jsonl.series("loss"))) == want
+    assert tensorboard_steps(out / "tensorboard")["loss"] == [0, 1, 2, 3]
+    rows = wandb_rows([one(out, "wandb/offline-run-*/run-*.wandb")])
+    assert [(step, row["loss"]) for step, row in rows] == want
+    assert mlflow_history(f"sqlite:///{out / 'mlflow.db'}", ids["mlflow"], "loss") == want
+    assert swanlab_scalars([one(out, "swanlab/run-*/run-*.swanlab")])["loss"] == want
+    logs = trackio_logs("twice", "r1")  # asserts each step is there once
+    assert [(s, logs[s]["loss"]) for s in sorted(logs)] == want
+    events = clearml_events(clearml_folder)
+    assert [
+        (e["iter"], e["value"])
+        for e in events
+        if e["type"] == "training_stats_scalar" and e["metric"] == "loss"
+    ] == want
+    tables = capsys.readouterr().out
+    assert [tables.count(f"step {s}") for s in range(4)] == [1, 1, 1, 1] and "101" not in tables

@@ -237,7 +237,7 @@ def _failure_scenario(rank: int) -> dict:
         out["late"] = str(exc)
     out["after_late"] = client.result(1)
     bad = rlmetrics.connect("torch")
-    bad.step = 1 if rank == 1 else 0  # ranks out of step: every rank raises, none hangs
+    bad.step = 2 if rank == 1 else 0  # two steps apart (one is realigned): every rank raises, none hangs
     bad.submit_metric({"a/mean": 1.0})
     try:
         bad.wait_submit()

@@ -105,13 +105,32 @@ class ComputeLocal:
         """Submit ``timing_s/{stage}`` and ``timing_per_token_ms/{stage}`` of this rank; the per-token
         times are derived from all ranks' seconds and tokens (:mod:`rlmetrics.metrics.timing`).
         ``stragglers=True``: also this rank's own seconds per stage, for the straggler report
-        (:meth:`compute_local_straggler_metrics`)."""
+        (:meth:`compute_local_straggler_metrics`). A stage whose time is not a number raises
+        MetricValueError naming it and the value, after the call's names were submitted (that
+        stage's with no value of this rank, so the step does not wait for it)."""
         from rlmetrics.metrics.timing import compute_timing_stats
 
-        stats = compute_timing_stats(data, timing_raw, nan_strategy=self._compute_strategy())
-        self.submit_metric(stats, world_size, step)
+        errors: dict[str, str] = {}
+        stats = compute_timing_stats(data, timing_raw, nan_strategy=self._compute_strategy(), errors=errors)
         if stragglers:
             self.compute_local_straggler_metrics(timing_raw, world_size, step)
+        self._submit_refusing(stats, world_size, step, errors)
+
+    def _submit_refusing(
+        self, metrics: Mapping[str, Any], world_size: int | None, step: int | None, errors: dict[str, str]
+    ) -> None:
+        """Submit ``metrics`` (a name a computation refused in ``errors`` among them, with no
+        observation: the step does not wait for it), then raise one MetricValueError for ``errors``
+        and any name :meth:`submit_metric` refuses."""
+        try:
+            self.submit_metric(metrics, world_size, step)
+        except MetricValueError as exc:  # it says what of the call was submitted
+            raise MetricValueError("; ".join([*errors.values(), str(exc)])) from None
+        if errors:
+            raise MetricValueError(
+                "; ".join(errors.values()) + f" (the call's {len(metrics)} names were submitted, those "
+                "named here with no value of this rank: the step does not wait for them)"
+            )
 
     def compute_local_straggler_metrics(
         self,
@@ -147,11 +166,15 @@ class ComputeLocal:
         """Submit ``perf/total_num_tokens``, ``perf/time_per_step``, ``perf/throughput`` (the seed's
         spelling; :meth:`compute_local_throughput_metrics` is the same). ``n_gpu``: the GPUs this
         rank's batch ran on (siiRL passes ``pp * tp``); the throughput is derived from all ranks'
-        tokens, step times and GPUs (:mod:`rlmetrics.metrics.timing`)."""
+        tokens, step times and GPUs (:mod:`rlmetrics.metrics.timing`). An ``n_gpu`` that is not a
+        positive number (or a step time that is no number) raises MetricValueError naming it, after
+        the call's names were submitted (``perf/throughput`` with no value of this rank)."""
         from rlmetrics.metrics.timing import compute_throughput_stats
 
-        stats = compute_throughput_stats(data, timing_raw, n_gpu, nan_strategy=self._compute_strategy())
-        self.submit_metric(stats, world_size, step)
+        errors: dict[str, str] = {}
+        strategy = self._compute_strategy()
+        stats = compute_throughput_stats(data, timing_raw, n_gpu, nan_strategy=strategy, errors=errors)
+        self._submit_refusing(stats, world_size, step, errors)
 
     compute_local_throughput_metrics = compute_local_throughout_metrics
 

@@ -39,7 +39,6 @@ step 1 error grad_norm: actor/grad_norm is nan
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import math
 import re
@@ -48,6 +47,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from rlmetrics.globs import compile_globs
 from rlmetrics.messages import rank_name
 
 logger = logging.getLogger(__name__)
@@ -79,8 +79,8 @@ def rule_name(rule: Callable) -> str:
 
 
 class _Globs:
-    """Whole metric names matching one of the ``fnmatch`` globs ``patterns`` and none of ``ignore``:
-    ``globs(name)``, and ``globs.select(metrics)``, the names of ``metrics`` that do, in order.
+    """Whole metric names matching one of the globs ``patterns`` (:mod:`rlmetrics.globs`) and none
+    of ``ignore``: ``globs(name)``, and ``globs.select(metrics)``, the names of ``metrics`` that do, in order.
 
     ``select`` remembers its answers for at most twice as many names as it is given plus 1024 (it
     forgets them all when it would hold more): a name seen at the previous steps costs one dict
@@ -112,13 +112,14 @@ class _Globs:
 
 
 def _regex(patterns: Iterable[str]) -> Callable[[str], re.Match | None]:
-    """The ``match`` of one regex for the globs (none: a regex that matches nothing)."""
-    return re.compile("|".join(fnmatch.translate(p) for p in patterns) or "(?!)").match
+    """The ``fullmatch`` of one regex for the globs (none: a regex that matches nothing)."""
+    return compile_globs(patterns).fullmatch
 
 
 class Rule:
     """Base of the built-in rules: class attributes are the defaults, keyword arguments override
-    them (``KLBlowup(ceiling=5.0)``); ``patterns`` are ``fnmatch`` globs on whole metric names."""
+    them (``KLBlowup(ceiling=5.0)``); ``patterns`` are globs on whole metric names
+    (:mod:`rlmetrics.globs`)."""
 
     name = "rule"
     level = "warning"

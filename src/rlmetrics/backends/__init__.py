@@ -14,6 +14,7 @@ from typing import Any
 
 from rlmetrics.axes import connect_axes
 from rlmetrics.backends import local
+from rlmetrics.backends.options import OPTIONS, check_options
 from rlmetrics.client import ClientCore, Transport, world_size_arg
 from rlmetrics.compute_local import ComputeLocal
 
@@ -77,7 +78,8 @@ def connect(
     ``naming`` (a naming profile, e.g. :data:`rlmetrics.integrations.verl.NAMING`: its ``renames``
     are the aggregator's default); aggregator options on first use: ``final_timeout``,
     ``step_timeout``, ``renames``, ``keep_results``, ``forget_after``, ``max_pending`` (and for Ray
-    ``namespace``, ``num_cpus``, ``recovery_timeout``).
+    ``namespace``, ``num_cpus``, ``recovery_timeout``). Any other option is refused (TypeError)
+    naming its close match and the layer that owns it (:mod:`rlmetrics.backends.options`).
 
     >>> client = connect("local", world_size=1, name="connect-doc")
     >>> client.submit_metric({"timing_s/gen": 0.5})
@@ -90,12 +92,12 @@ def connect(
         return connect_axes(connect, backend, axes, name, world_size=world_size, **options)
     if world_size is not None:  # before any aggregator is made for it
         world_size_arg(world_size)
-    client_keys = ("nan_strategy", "label", "rank", "blocking", "naming")
-    client_opts = {k: options.pop(k) for k in client_keys if k in options}
-    if client_opts.get("naming") is not None:
-        options.setdefault("renames", dict(client_opts["naming"].renames))
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: choose one of {tuple(BACKENDS)}")
+    check_options(f"connect({backend!r})", backend, options)
+    client_opts = {k: options.pop(k) for k in OPTIONS[backend]["client"] if k in options}
+    if client_opts.get("naming") is not None:
+        options.setdefault("renames", dict(client_opts["naming"].renames))
     client = BACKENDS[backend](name, world_size, client_opts, options)
     if world_size is not None:  # a rank: waited for from its first step on
         client.register()

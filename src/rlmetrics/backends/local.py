@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from rlmetrics.backends.options import check_options
 from rlmetrics.client import SyncTransport, identity
 from rlmetrics.engine.server import Server
 from rlmetrics.messages import Close, Message, Reply, StepResult, Submission, SubmissionError
@@ -37,6 +38,7 @@ class LocalMetricWorker(SyncTransport):
     """
 
     def __init__(self, **options: Any) -> None:
+        check_options("LocalMetricWorker()", "local", options, ("aggregator",))
         self.server = Server(incarnation="local", **options)
         self.engine = self.server.engine
         self._cond = threading.Condition()

@@ -1,6 +1,6 @@
 """torch.distributed backend: the client API over collectives, for runs without a central actor.
 
-Over 400 lines on purpose: the client and its transport over collectives are one protocol (every
+Over 600 lines on purpose: the client and its transport over collectives are one protocol (every
 rank calls the same collectives in the same order); the forms of the exchange live in
 torch_exchange.py.
 
@@ -18,8 +18,8 @@ gets the merged step back from ``result(step)`` / ``wait_final_res()``, on every
     dist.init_process_group("gloo")  # torchrun sets rank and world size
     client = rlmetrics.connect("torch")  # group=None: the default group
     for step in range(steps):
-        client.submit_metric({"critic/score/mean": scores, "critic/score/max": scores})
-        client.wait_submit()  # collective: every rank, every step
+        client.submit_metric({"critic/score/mean": scores, "critic/score/max": scores}, step=step)
+        client.wait_submit(step=step)  # collective: every rank, every step
         res = client.result(step)  # the same {name: value} on every rank
 
 **Protocol of one step** (``wait_submit``). The ranks share a *layout*: the sorted names (with their
@@ -49,8 +49,10 @@ M2, min, max per name), then:
    Ranks with different layouts, or a rank with a name outside the layout, make every rank do one
    ``all_gather_object`` of name lists, build the sorted union and exchange again (the rare
    re-layout path; names seen in the last ``memory`` steps stay, so alternating key sets do not
-   re-layout every time). Ranks at different steps raise :class:`RuntimeError` on every rank,
-   instead of hanging.
+   re-layout every time). Ranks at different steps (the header's step, MAX of ``step`` and
+   ``-step``) gather each rank's step: one step apart (a skipped ``wait_submit``), the lower step is
+   collected first and the ranks ahead collect theirs with the others' next call; further apart,
+   every rank raises :class:`RuntimeError` naming where each rank is (:meth:`TorchDistTransport._realign`).
 2. Only when the layout has quantile names: one ``SUM`` of the sketches. While every rank holds an
    exact sketch and the total fits ``exact_limit``, the raw values are summed into disjoint
    per-rank slots (a gather by ``SUM``), so quantiles equal the in-process aggregator's exact ones
@@ -72,29 +74,46 @@ that step's values (listed in ``meta.empty``). NaN follows ``nan_strategy``; wit
 ``all_gather_object`` in the steps that have them, and merged.
 
 The exchange itself (the layout, both forms, the sketch plans) is
-:mod:`rlmetrics.backends.torch_exchange`; this module holds the transport and the client (~420
-lines, a third of them docstrings).
+:mod:`rlmetrics.backends.torch_exchange`; whether the ranks are alive is
+:mod:`rlmetrics.backends.torch_alive`; this module holds the transport and the client (~650 lines,
+a third of them docstrings).
 
 ``world_size`` and partial results: in a collective every rank of the group is present by
-construction, so each step is complete; ``world_size`` given to ``submit_metric`` is accepted for
-API compatibility and not used. A dead rank makes the collective fail or time out as torch
-configures it (``init_process_group(timeout=...)``); the result of a step is never partial.
+construction, so a step is complete; ``world_size`` given to ``submit_metric`` is accepted for
+API compatibility and not used. A rank whose process is gone (its heartbeat in the default group's
+store stopped for :data:`GONE_AFTER` seconds) makes the survivors form a new group of themselves:
+the step is collected partial (``meta.missing_ranks``), later steps complete on the survivors; or,
+when they cannot, :class:`RankGoneError`. docs/torch-distributed.md tells the slips and the failures.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
 import threading
 import time
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
 
+from rlmetrics.backends.torch_alive import (
+    BEAT,
+    GONE_AFTER,
+    Beats,
+    RankGoneError,
+    are_gone,
+    heartbeat,
+    survivors,
+)
 from rlmetrics.backends.torch_exchange import (
     EXCHANGES,
     GATHER_LIMIT,
     Layout,
+    StepsApart,
     exchange_form,
     exchange_state,
     merge_sketches,
@@ -107,7 +126,15 @@ from rlmetrics.core.states import State, decode_state, encode_state
 from rlmetrics.engine.aggregator import Aggregator
 from rlmetrics.engine.server import merge_items
 from rlmetrics.extras import require
-from rlmetrics.messages import Reply, StepMeta, StepResult, Submission, TorchFacts
+from rlmetrics.messages import (
+    PartialStepWarning,
+    Reply,
+    StepMeta,
+    StepResult,
+    StepWarning,
+    Submission,
+    TorchFacts,
+)
 from rlmetrics.packing import Packed, Schema
 
 torch = require("torch", "torch")
@@ -115,7 +142,10 @@ dist = require("torch.distributed", "torch")
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EXCHANGES", "GATHER_LIMIT", "Layout", "TorchDistTransport", "TorchMetricClient", "exchange_form"]
+__all__ = [
+    "EXCHANGES", "GATHER_LIMIT", "GONE_AFTER", "Layout", "RankGoneError", "TorchDistTransport",
+    "TorchMetricClient", "exchange_form",
+]  # fmt: skip
 
 
 class TorchDistTransport(SyncTransport):
@@ -163,6 +193,16 @@ class TorchDistTransport(SyncTransport):
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
         self.exchange = exchange
         self.next_step = 0  # the step the next close_step collects, equal on every rank
+        self._collecting = 0  # the step of the collectives running
+        self._held: dict[int, list[tuple[Packed, int]]] = {}  # a rank ahead: its parts, until its step's turn
+        self._global = [
+            r if group is None else dist.get_global_rank(group, r) for r in range(self.world_size)
+        ]
+        self._store = heartbeat()
+        self._sliced = self._store is not None and dist.get_backend(group) == "gloo"
+        self._beats: Beats | None = None  # the heartbeats as this step's collectives saw them
+        self._regroups = 0  # new groups of survivors formed
+        self._partial: dict[int, list[str]] = {}  # step: the ranks gone while it was collected
         self.relayouts = 0
         self.bytes_last_step = self.bytes_received_last_step = self.collectives_last_step = 0
         self._local = Aggregator(renames={})
@@ -218,48 +258,185 @@ class TorchDistTransport(SyncTransport):
 
     # ---------------------------------------------------------------------------- the collective
     def close_step(self, step: int) -> StepResult:
-        """Collect ``step`` from every rank of the group (a collective; see the module docstring)."""
+        """Collect ``step`` from every rank of the group (a collective; see the module docstring). A
+        rank one step ahead of the others (it skipped a ``wait_submit``) first collects their step,
+        with what it submitted for it, then its own (:meth:`_realign`)."""
         with self._cond:
             self.bytes_last_step = self.bytes_received_last_step = self.collectives_last_step = 0
-            parts = [(packed, ws) for packed, ws, _keys in self._local.take(step)]
-            relayout = False
+            at = step
             while True:
-                lay = self._layout
-                covered = all(self._position(p.schema) is not None for p, _ in parts)
-                if covered:
-                    local, sketches, others = self._local_columns(parts, lay)
-                else:  # exchanged only to agree on a re-layout
-                    local, sketches, others = empty_arrays(len(lay.names)), {}, {}
-                form = exchange_form(self.exchange, self.world_size, lay)
-                merged = exchange_state(
-                    self._collect, step, lay, local, sketches, others, covered,
-                    form=form, world_size=self.world_size, rank=self.rank,
-                )  # fmt: skip
-                if merged is not None:
-                    break
-                if relayout:
-                    raise RuntimeError("ranks built different layouts after a re-layout")
-                self._relayout(
-                    step, {n: r for p, _ in parts for n, r in zip(p.schema.names, p.schema.reductions)}
-                )
-                relayout = True
-            total, sums, infos = merged
-            n_q = len(lay.quantiles)
-            if sums[0]:  # some rank holds states other than sketches (validation samples)
-                others = self._gather_states(others)
-            global_sketches = {}
-            if n_q:
-                global_sketches = merge_sketches(
-                    self._collect, lay, sketches, sums[1 : 1 + n_q], infos,
-                    world_size=self.world_size, rank=self.rank,
-                )  # fmt: skip
-            self._last_seen[total[0] > 0] = step
-            facts = TorchFacts(self.world_size, relayout, form, self.result_on)
-            res = self._finish(step, lay, total, {**global_sketches, **others}, facts)
-            self._last = res
-            self.next_step = step + 1
-            self._cond.notify_all()
-            return res
+                try:
+                    res = self._exchange_step(at)
+                except StepsApart:
+                    at = self._realign(at)
+                    continue
+                except RankGoneError as exc:
+                    self._regroup(exc)  # then the step again, on the survivors
+                    continue
+                if at == step:
+                    return res
+                at = step
+
+    def _exchange_step(self, step: int) -> StepResult:
+        parts = self._held.pop(step, None)
+        if parts is None:
+            parts = [(packed, ws) for packed, ws, _keys in self._local.take(step)]
+        try:
+            return self._exchange_parts(step, parts)
+        except (StepsApart, RankGoneError):
+            self._held[step] = parts  # exchanged again in the step's turn, or on the survivors
+            raise
+
+    def _exchange_parts(self, step: int, parts: list[tuple[Packed, int]]) -> StepResult:
+        relayout = False
+        self._collecting, self._beats = step, None
+        while True:
+            lay = self._layout
+            covered = all(self._position(p.schema) is not None for p, _ in parts)
+            if covered:
+                local, sketches, others = self._local_columns(parts, lay)
+            else:  # exchanged only to agree on a re-layout
+                local, sketches, others = empty_arrays(len(lay.names)), {}, {}
+            form = exchange_form(self.exchange, self.world_size, lay)
+            merged = exchange_state(
+                self._collect, step, lay, local, sketches, others, covered,
+                form=form, world_size=self.world_size, rank=self.rank,
+            )  # fmt: skip
+            if merged is not None:
+                break
+            if relayout:
+                raise RuntimeError("ranks built different layouts after a re-layout")
+            self._relayout(
+                step, {n: r for p, _ in parts for n, r in zip(p.schema.names, p.schema.reductions)}
+            )
+            relayout = True
+        total, sums, infos = merged
+        n_q = len(lay.quantiles)
+        if sums[0]:  # some rank holds states other than sketches (validation samples)
+            others = self._gather_states(others)
+        global_sketches = {}
+        if n_q:
+            global_sketches = merge_sketches(
+                self._collect, lay, sketches, sums[1 : 1 + n_q], infos,
+                world_size=self.world_size, rank=self.rank,
+            )  # fmt: skip
+        self._last_seen[total[0] > 0] = step
+        facts = TorchFacts(self.world_size, relayout, form, self.result_on)
+        res = self._finish(step, lay, total, {**global_sketches, **others}, facts)
+        self._last = res
+        self.next_step = step + 1
+        self._cond.notify_all()
+        return res
+
+    def _realign(self, step: int) -> int:
+        """The step to exchange now, after an exchange whose ranks were at different steps: the
+        lowest, when every rank is at it or one step ahead (a skipped ``wait_submit``, told on every
+        rank by a :class:`~rlmetrics.messages.StepWarning`); else every rank raises."""
+        (rows,) = self._collect((np.array([step, self.next_step], dtype=np.float64), None))
+        steps = rows[:, 0].astype(np.int64)
+        low, high = int(steps.min()), int(steps.max())
+        at: dict[int, list[str]] = {}
+        for r, s in enumerate(steps.tolist()):
+            at.setdefault(s, []).append(f"rank{self._global[r]}")
+        where = "; ".join(
+            f"{', '.join(names[:8])}{' ...' * (len(names) > 8)} at step {s}"
+            for s, names in sorted(at.items())
+        )
+        ahead = ", ".join(at[high][:8])
+        if high - low > 1 or rows[:, 1].max() > low:
+            raise RuntimeError(
+                f"rlmetrics: ranks are at different steps ({where}) and cannot be realigned exactly: "
+                "every rank of the group must call wait_submit(step=...) once per step, with the "
+                "trainer's step, also after a caught error"
+            )
+        warnings.warn(
+            f"rlmetrics: ranks at different steps ({where}): {ahead} did not call "
+            f"wait_submit() for step {low}. Realigned: step {low} holds what every rank submitted for it, "
+            f"step {high} is collected at the next wait_submit(). Call wait_submit(step=...) once per "
+            "step on every rank, also after a caught error",
+            StepWarning,
+            stacklevel=4,
+        )
+        return low
+
+    @contextlib.contextmanager
+    def _failing(self) -> Iterator[None]:
+        """Around a collective: a failure caused by a rank whose process is gone (its heartbeat
+        stopped) raises :class:`RankGoneError` naming it and the step; other failures pass unchanged."""
+        try:
+            yield
+        except RankGoneError:
+            raise
+        except RuntimeError as exc:
+            if self._store is None:
+                raise
+            beats = self._beats or Beats(self._store, self._global)
+            gone = beats.settled()
+            if not gone:
+                raise
+            said = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip())  # gloo's source file:line
+            raise self._gone_error(gone, (said.split(". ")[0] or type(exc).__name__)[:120]) from exc
+
+    def _wait(self, work: Any) -> None:
+        """Wait for a collective; on gloo in slices of :data:`BEAT` seconds, between which a rank
+        whose heartbeat stopped for :data:`GONE_AFTER` seconds raises :class:`RankGoneError` (a peer
+        blocked by another rank's failure learns it here, not at the group's timeout)."""
+        if not self._sliced:
+            work.wait()
+            return
+        while True:
+            try:
+                work.wait(timeout=timedelta(seconds=BEAT))
+                return
+            except RuntimeError as exc:
+                if "Operation timed out" not in str(exc):  # the slice's own timeout
+                    raise
+            self._beats = self._beats or Beats(self._store, self._global)
+            gone = self._beats.gone()
+            if gone:
+                raise self._gone_error(gone, "")
+
+    def _gone_error(self, gone: list[int], said: str) -> RankGoneError:
+        said = f"; torch: {said}" if said else ""
+        who = f"{are_gone(gone)} (heartbeat stopped{said})"
+        if dist.get_rank() in gone:  # no counter could be read
+            who = f"the group's store is gone with its host (rank{self._global[0]} under torchrun{said})"
+        return RankGoneError(
+            f"rlmetrics: step {self._collecting} cannot be collected: {who}, and the other ranks "
+            "could not form a group without it. The steps before "
+            "it are collected (client.result). Restart the run from your checkpoint (torchrun "
+            "--max-restarts restarts every rank)",
+            gone,
+        )
+
+    def _regroup(self, exc: RankGoneError) -> None:
+        """Go on without the ranks ``exc`` found gone: the survivors (as the first of them wrote
+        them in the store) form a new group (``new_group``, synchronized among themselves only), and
+        the step they could not collect is collected partial, naming the gone ranks. Raises ``exc``
+        when that cannot be done."""
+        try:
+            agreed = survivors(self._store, self._regroups, self._global, exc.gone)
+            if dist.get_rank() not in agreed:
+                raise exc
+            group = dist.new_group(agreed, use_local_synchronization=True)
+        except RankGoneError:
+            raise
+        except Exception as failed:
+            raise exc from failed
+        gone = [g for g in self._global if g not in agreed]
+        if self.result_on is not None:
+            on = self._global[self.result_on]
+            self.result_on = agreed.index(on) if on in agreed else None
+        self.group, self._global, self.world_size = group, agreed, len(agreed)
+        self.rank, self._regroups = dist.get_rank(group), self._regroups + 1
+        self._partial[self._collecting] = [f"rank{g}" for g in gone]
+        warnings.warn(
+            f"rlmetrics: step {self._collecting}: {are_gone(gone)} (heartbeat stopped). Step "
+            f"{self._collecting} is collected without it (meta.missing_ranks) and the {len(agreed)} "
+            "other ranks go on in a new group; the run's own collectives on the old group fail",
+            PartialStepWarning,
+            stacklevel=4,
+        )
 
     def _collect(self, *jobs: tuple[np.ndarray, Any]) -> list[np.ndarray]:
         """Collectives on float64 vectors, issued together (async) and awaited together. A job is
@@ -279,8 +456,9 @@ class TorchDistTransport(SyncTransport):
             self.collectives_last_step += 1
             self.bytes_last_step += vec.nbytes
             self.bytes_received_last_step += out.numel() * 8
-        for w in works:
-            w.wait()
+        with self._failing():
+            for w in works:
+                self._wait(w)
         return [o.cpu().numpy() if o.device.type != "cpu" else o.numpy() for o in outs]
 
     def _position(self, schema: Schema) -> np.ndarray | None:
@@ -301,7 +479,8 @@ class TorchDistTransport(SyncTransport):
             if self._last_seen[i] >= step - self.memory
         ]
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, (sorted(keys.items()), recent), group=self.group)
+        with self._failing():
+            dist.all_gather_object(gathered, (sorted(keys.items()), recent), group=self.group)
         self.collectives_last_step += 1
         merged: dict[str, str] = {}
         for current, _ in gathered:
@@ -346,7 +525,10 @@ class TorchDistTransport(SyncTransport):
         """Every rank's non-sketch states, by one ``all_gather_object`` of their travelling form
         (:mod:`rlmetrics.core.states`), merged by layout position."""
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, {p: encode_state(s) for p, s in states.items()}, group=self.group)
+        with self._failing():
+            dist.all_gather_object(
+                gathered, {p: encode_state(s) for p, s in states.items()}, group=self.group
+            )
         self.collectives_last_step += 1
         out: dict[int, State] = {}
         for part in gathered:
@@ -363,7 +545,9 @@ class TorchDistTransport(SyncTransport):
         if lay.names and (self.result_on is None or self.result_on == self.rank):
             self._engine.submit("group", step, 0, 1, Packed(lay.schema, total, states), register=False)
         self._engine.close("group", step)
-        return self._engine.finalize(step, contributors=range(self.world_size), torch=facts)
+        gone = self._partial.pop(step, None)
+        partial = {"complete": False, "missing_ranks": gone} if gone else {}
+        return self._engine.finalize(step, contributors=self._global, torch=facts, **partial)
 
 
 class TorchMetricClient(ComputeLocal, ClientCore):
@@ -406,16 +590,64 @@ class TorchMetricClient(ComputeLocal, ClientCore):
             naming=naming,
             rank=transport.rank if rank is None else rank,
         )
+        self._counted: set[int] = set()  # seqs of queued submissions made without step=: at the counter
+
+    def submit_metric(
+        self,
+        metrics: Mapping[str, Any],
+        world_size: int | None = None,
+        step: int | None = None,
+        **options: Any,
+    ) -> None:
+        """As :meth:`~rlmetrics.client.ClientCore.submit_metric`; a submission without ``step`` goes
+        to this rank's counter, and is dropped (with a warning) if the next ``wait_submit(step=...)``
+        names another step: which step it was meant for is then unknown."""
+        start = len(self._buffer)
+        try:
+            super().submit_metric(metrics, world_size, step, **options)
+        finally:
+            if step is None:
+                self._counted.update(item[1] for item in self._buffer[start:])
 
     def wait_submit(self, step: int | None = None, block: bool | None = None) -> None:
         """Collective: merge this step (or ``step``) over every rank of the group, then advance to the
         step after it. It always blocks: every rank of the group takes part (``block`` is accepted
         for the client API's sake)."""
         with self._lock:
-            if step is not None:
+            if step is not None and step != self.step:
+                self._drop_counted(step)
                 self.step = step
+            self._counted.clear()
+            if self.step < self.transport.next_step:  # a step collected already: no collective
+                again, self.step = self.step, self.transport.next_step
+                warnings.warn(
+                    f"rlmetrics: rank{self.transport.rank}: wait_submit() for step {again} again: it is "
+                    f"collected already (next: {self.step}); ignored, no collective ran. Call wait_submit() "
+                    "once per step",
+                    StepWarning,
+                    stacklevel=2,
+                )
+                self._flush([])  # data queued for it since is refused: raises
+                return
             try:
                 self._flush([])  # a refused submission raises only after the collective: no rank hangs
             finally:
                 self.transport.close_step(self.step)
                 self.step += 1
+
+    def _drop_counted(self, step: int) -> None:
+        """Drop what was queued without ``step=`` (at the counter) when ``wait_submit`` names another
+        step: a skipped ``wait_submit`` or an off-by-one base; it may hold two steps' data."""
+        counted = [item for item in self._buffer if item[1] in self._counted]
+        if not counted:
+            return
+        self._buffer = [item for item in self._buffer if item[1] not in self._counted]
+        names = sorted({n for item in counted for n in item[3].schema.names})
+        warnings.warn(
+            f"rlmetrics: rank{self.transport.rank}: wait_submit(step={step}) after {len(names)} metric(s) "
+            f"submitted without step= (at this rank's counter, step {self.step}: {', '.join(names[:5])}"
+            f"{' ...' * (len(names) > 5)}); dropped, as the step they were meant for is unknown. Pass the "
+            "trainer's step to submit_metric(..., step=step) too",
+            StepWarning,
+            stacklevel=3,
+        )

@@ -197,13 +197,15 @@ def exchange_state(
     return total, total_sums[2 * n_names : -1], maxes[_HEAD : _HEAD + infos.size]
 
 
+class StepsApart(Exception):
+    """The ranks of one exchange are at different steps (the transport asks each rank's and
+    realigns or raises)."""
+
+
 def _agreed(head: np.ndarray) -> bool:
     """Whether every rank is at this step with this layout, from the MAX of the headers."""
     if head[2] != -head[3]:
-        raise RuntimeError(
-            f"ranks are at different steps ({-head[3]:.0f}..{head[2]:.0f}): every rank of the group "
-            "must call wait_submit() once per step"
-        )
+        raise StepsApart
     return bool(head[0] == -head[1] and head[4] == 0.0)
 
 
@@ -298,6 +300,7 @@ __all__ = [
     "GATHER_LIMIT",
     "Collect",
     "Layout",
+    "StepsApart",
     "exchange_form",
     "exchange_state",
     "merge_sketches",

@@ -3,19 +3,19 @@
     rlmetrics plot runs/demo -m 'critic/score/*' -m 'response/length/mean' -o runs/demo/score.png
     rlmetrics plot runs/demo --hist response/length/hist -o runs/demo/lengths.png
 
-One panel per metric matching a glob (* matches across /); a line breaks where its metric skips
-more steps than its usual stride (validation every k steps is one line, a missing step a gap), and
-a point without a neighbour shows as a marker. A metric with one value over the run (a constant
-learning rate, a rate that stays 0) is named under the panels, not plotted. --hist NAME
-(repeatable) draws a histogram of the run (logged in metrics.jsonl) as a heat map over steps
-instead: one column per step, the counts of its bins (re-binned onto one value axis for all steps,
-one row per integer for integer data) on a log colour scale.
+One panel per metric matching a -m glob (* matches any characters, / too; without -m, the core
+metrics: score, reward, response length, KL, entropy, grad norm, throughput, validation); a line
+breaks where its metric skips more steps than its usual stride (validation every k steps is one
+line, a missing step a gap), and a point without a neighbour shows as a marker. A metric with one
+value over the run (a constant learning rate, a rate that stays 0) is named under the panels, not
+plotted. --hist NAME (repeatable) draws a histogram of the run (logged in metrics.jsonl) as a heat
+map over steps instead: one column per step, the counts of its bins (re-binned onto one value axis
+for all steps, one row per integer for integer data) on a log colour scale.
 """
 
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import math
 import textwrap
 from collections.abc import Sequence
@@ -24,8 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from rlmetrics.cli.report import add_metric_option, last_value, load_run, matching, no_match, print_table
+from rlmetrics.cli.report import add_metric_option, check_globs, last_value, load_run, print_table
 from rlmetrics.extras import require
+from rlmetrics.globs import compile_globs, matching
 from rlmetrics.sinks.console import format_value
 
 MAX_PANELS = 24
@@ -50,7 +51,7 @@ def unit(name: str) -> str:
     >>> unit("perf/delta_time/step"), unit("response/length/mean"), unit("actor/kl_loss")
     ('s', 'tokens', 'actor/kl_loss')
     """
-    return next((u for glob, u in UNITS if fnmatch.fnmatchcase(name, glob)), name)
+    return next((u for glob, u in UNITS if compile_globs([glob]).fullmatch(name)), name)
 
 
 def plot_runs(
@@ -216,7 +217,8 @@ COMPARE = """rlmetrics compare RUN_A RUN_B: the metrics of two runs side by side
 
     rlmetrics compare runs/a runs/b -m 'val-core/*' -o runs/val.png
 
-One panel per metric matching a glob (* matches across /), one line per run, in one PNG; and a
+One panel per metric matching a -m glob (* matches any characters, / too; without -m, the core
+metrics), one line per run, in one PNG; and a
 table of each metric's last value in both runs and their difference (b - a).
 """
 
@@ -224,7 +226,7 @@ table of each metric's last value in both runs and their difference (b - a).
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plot", help="plot metrics of a run to a PNG", description=__doc__)
     p.add_argument("run", help="a metrics.jsonl, or the folder holding one")
-    _add_common(p, "plot.png", required=False)
+    _add_common(p, "plot.png")
     p.add_argument("--hist", action="append", default=[], metavar="NAME",
                    help="heat map over steps of histogram NAME (repeatable), not -m's metrics")  # fmt: skip
     p.set_defaults(handler=_plot)
@@ -237,8 +239,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     c.set_defaults(handler=_compare)
 
 
-def _add_common(p: argparse.ArgumentParser, default_out: str, required: bool = True) -> None:
-    add_metric_option(p, "metrics", required=required)
+def _add_common(p: argparse.ArgumentParser, default_out: str) -> None:
+    add_metric_option(p, "metrics (default: the core metrics, CORE_KEYS)", required=False)
     p.add_argument("-o", "--output", default=default_out, help="PNG file to write")
 
 
@@ -249,29 +251,40 @@ def _plot(args: argparse.Namespace) -> int:
             raise SystemExit(f"rlmetrics: no histogram {args.hist} in {args.run}")
         print(f"wrote {out}")
         return 0
-    if not args.metric:
-        raise SystemExit("rlmetrics plot: give -m GLOB (metrics) or --hist NAME (histograms)")
     run = load_run(args.run)
-    out = plot_runs([(run_label(args.run), run)], args.metric, args.output, title=args.run)
-    return _written(out, args, run.names(), args.run)
+    globs = _globs(args, run.names(), args.run)
+    out = plot_runs([(run_label(args.run), run)], globs, args.output, title=args.run)
+    print(f"wrote {out}")
+    return 0
 
 
 def _compare(args: argparse.Namespace) -> int:
     runs = [(run_label(p), load_run(p)) for p in (args.run_a, args.run_b)]
     if runs[0][0] == runs[1][0]:
         runs = [(args.run_a, runs[0][1]), (args.run_b, runs[1][1])]
-    out = plot_runs(runs, args.metric, args.output, title=f"{runs[0][0]} vs {runs[1][0]}")
     every = sorted(set(runs[0][1].names()) | set(runs[1][1].names()))
-    names = matching(every, args.metric)
+    where = f"{args.run_a} or {args.run_b}"
+    globs = _globs(args, every, where)
+    out = plot_runs(runs, globs, args.output, title=f"{runs[0][0]} vs {runs[1][0]}")
+    names = matching(every, globs)
     rows = [(n, *(last_value(run.series(n)[1]) for _, run in runs)) for n in names]
     rows = [(n, a, b, b - a) for n, a, b in rows]
     if rows:
         print_table(rows, "last values", ["metric", runs[0][0], runs[1][0], "b - a"])
-    return _written(out, args, every, f"{args.run_a} or {args.run_b}")
-
-
-def _written(out: Path | None, args: argparse.Namespace, names: Sequence[str], where: str) -> int:
-    if out is None:
-        raise SystemExit(f"rlmetrics {args.command}: {no_match(names, args.metric, where)}")
     print(f"wrote {out}")
     return 0
+
+
+def _globs(args: argparse.Namespace, names: Sequence[str], where: str) -> Sequence[str]:
+    """The -m globs, each checked against ``names`` (:func:`check_globs`), or the core metrics."""
+    from rlmetrics.sinks.keys import CORE_KEYS
+
+    if args.metric:
+        check_globs(names, args.metric, where, args.command)
+        return args.metric
+    if not matching(names, CORE_KEYS):
+        raise SystemExit(
+            f"rlmetrics {args.command}: no core metric (CORE_KEYS: {', '.join(CORE_KEYS)}) in {where}; "
+            f"give -m GLOB (`rlmetrics report` lists its {len(names)} metrics)"
+        )
+    return CORE_KEYS

@@ -9,14 +9,14 @@ RUN is a metrics.jsonl (written by rlmetrics.sinks.JsonlSink) or the folder hold
 from __future__ import annotations
 
 import argparse
-import difflib
-import fnmatch
 import math
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+
+from rlmetrics.globs import did_you_mean, matching, unmatched
 
 COLUMNS = ["metric", "last", "min", "max", "mean", "steps"]
 
@@ -32,39 +32,22 @@ def load_run(path: str | Path):
     return read_jsonl(file)
 
 
-def matching(names: Sequence[str], globs: Sequence[str]) -> list[str]:
-    """The names matching any glob (all names without globs), in the order of ``names``.
-
-    >>> matching(["critic/score/mean", "perf/throughput", "val-core/a/acc/mean@4"], ["critic/*", "val-*"])
-    ['critic/score/mean', 'val-core/a/acc/mean@4']
-    """
-    return [n for n in names if not globs or any(fnmatch.fnmatchcase(n, g) for g in globs)]
-
-
-def nearby(names: Sequence[str], glob: str) -> str:
-    """What the user may have meant by a glob that matches none of ``names``: the glob of the names
-    under it or holding it, with their number, else the closest name ('' when nothing is close).
-
-    >>> names = ["critic/score/mean", "critic/score/max", "actor/entropy"]
-    >>> nearby(names, "critic/score"), nearby(names, "entropy"), nearby(names, "actor/entropi")
-    ("'critic/score/*' (2 metrics)", "'*entropy*' (1 metric)", "'actor/entropy'")
-    """
-    for wider in (glob.rstrip("/") + "/*", f"*{glob}*"):
-        n = len(matching(names, [wider]))
-        if n:
-            return f"{wider!r} ({n} metric{'s' if n > 1 else ''})"
-    return ", ".join(map(repr, difflib.get_close_matches(glob, names, n=1)))
-
-
 def no_match(names: Sequence[str], globs: Sequence[str], where: str) -> str:
     """The error for globs that match none of a run's ``names``, with what they may have meant.
 
     >>> no_match(["critic/score/mean", "actor/entropy"], ["critic/score", "xyz"], "runs/a")
     "no metric matches 'critic/score', 'xyz' in runs/a; did you mean 'critic/score/*' (1 metric)?"
     """
-    hints = [h for h in (nearby(names, g) for g in globs) if h]
-    did_you_mean = f"; did you mean {', '.join(hints)}?" if hints else f" ({len(names)} metrics)"
-    return f"no metric matches {', '.join(map(repr, globs))} in {where}{did_you_mean}"
+    hint = did_you_mean(names, globs) or f" ({len(names)} metrics)"
+    return f"no metric matches {', '.join(map(repr, globs))} in {where}{hint}"
+
+
+def check_globs(names: Sequence[str], globs: Sequence[str], where: str, command: str) -> None:
+    """Refuse (SystemExit) when a glob of ``globs`` matches none of ``names``: each is named, with
+    what it may have meant, whatever the other globs match."""
+    missed = unmatched(names, globs)
+    if missed:
+        raise SystemExit(f"rlmetrics {command}: {no_match(names, missed, where)}")
 
 
 def last_value(values: np.ndarray) -> float:
@@ -112,14 +95,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def add_metric_option(p: argparse.ArgumentParser, what: str, required: bool) -> None:
     """``-m/--metric GLOB``, repeatable."""
     p.add_argument("-m", "--metric", action="append", default=[], metavar="GLOB", required=required,
-                   help=f"{what} matching GLOB (repeatable; * matches across '/')")  # fmt: skip
+                   help=f"{what} matching GLOB (repeatable; * matches any characters, '/' too)")  # fmt: skip
 
 
 def _run(args: argparse.Namespace) -> int:
     run = load_run(args.run)
+    check_globs(run.names(), args.metric, args.run, "report")
     rows = summarize(run, args.metric)
     if not rows:
-        problem = no_match(run.names(), args.metric, args.run) if args.metric else f"no metric in {args.run}"
-        raise SystemExit(f"rlmetrics report: {problem}")
+        raise SystemExit(f"rlmetrics report: no metric in {args.run}")
     print_table(rows, f"{args.run}: {len(run.steps)} steps")
     return 0

@@ -27,13 +27,15 @@ from ``attention_mask`` instead (the same counts, for this rank's sequences), an
 
 Names depend on the keys present (``timing_raw``'s stages, the masks, ``global_token_num``), never on
 the values: a batch without tokens or a zero step time still yields every name, with an empty
-summary. A ``timing_raw`` value that is not a number is skipped; batch keys of the wrong shape or
-dtype raise, naming the key.
+summary. A ``timing_raw`` value that is not a number (``"1.0"``, None, a list), a step time that is
+not one, or an ``n_gpus`` that is not a positive number is refused with
+:class:`~rlmetrics.core.stat.MetricValueError` naming the stage or argument and the value (through a
+client's ``compute_local_*``, after the call's other names were submitted); batch keys of the wrong
+shape or dtype raise, naming the key.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,7 +43,7 @@ import numpy as np
 
 from rlmetrics.core.host import to_host
 from rlmetrics.core.reduce import resolve
-from rlmetrics.core.stat import Stat
+from rlmetrics.core.stat import MetricValueError, Stat
 from rlmetrics.core.values import scalar_value
 from rlmetrics.extras import require
 from rlmetrics.metrics import (
@@ -57,28 +59,51 @@ from rlmetrics.metrics.tensors import BatchTensors
 
 torch = require("torch", "torch")
 
-logger = logging.getLogger(__name__)
-
 RESPONSE_TOKEN_STAGES = TIMED_STAGES[:1]
 """Stages timed per response token."""
 ALL_TOKEN_STAGES = TIMED_STAGES[1:]
 """Stages timed per token of the whole sequence (prompt + response)."""
 
 
-def _stage_values(timing_raw: Mapping[str, Any]) -> dict[str, Any]:
+def _stage_values(timing_raw: Mapping[str, Any], errors: dict[str, str] | None = None) -> dict[str, Any]:
     """The numbers of ``timing_raw``: floats, and one-element tensors not read yet (they come to
-    the host with the call's other tensors); other entries are skipped."""
-    out = {}
+    the host with the call's other tensors). Another entry is refused (:func:`refuse`: into
+    ``errors`` by name, or a MetricValueError without ``errors``) and is None: its names are sent
+    with no observation, so the step does not wait for this rank's; the others are kept."""
+    out, refused = {}, {}
     for stage, value in timing_raw.items():
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             out[stage] = value.detach().reshape(())
             continue
-        s = scalar_value(value, f"timing_s/{stage}")
-        if s is None:
-            logger.debug("timing_raw[%r] is not a number: %r", stage, value)
+        name = f"timing_s/{stage}"
+        try:
+            s = scalar_value(value, name)
+        except MetricValueError as exc:
+            refused[name], out[stage] = str(exc), None
             continue
+        if s is None:
+            refused[name] = (
+                f"timing_raw[{stage!r}] is {_shown(value)}, not a number of seconds: this rank's {name} "
+                "is left out of this step; pass a float (or a one-element tensor) per stage"
+            )
         out[stage] = s
+    refuse(refused, errors)
     return out
+
+
+def _shown(value: Any) -> str:
+    """``value`` for a message: its repr (cut at 60 characters) and its type."""
+    text = repr(value)
+    return f"{text[:57] + '...' if len(text) > 60 else text} ({type(value).__name__})"
+
+
+def refuse(refused: Mapping[str, str], errors: dict[str, str] | None) -> None:
+    """The messages ``refused`` (by metric name) go into ``errors`` (a client's call: it submits the
+    other names, then raises), or raise one MetricValueError without ``errors`` (a direct call)."""
+    if errors is not None:
+        errors.update(refused)
+    elif refused:
+        raise MetricValueError("; ".join(refused.values()))
 
 
 def _read(values: dict[Any, Any]) -> dict[Any, Any]:
@@ -91,12 +116,13 @@ def _read(values: dict[Any, Any]) -> dict[Any, Any]:
 
 def stage_seconds(timing_raw: Mapping[str, Any]) -> dict[str, float]:
     """The stages of ``timing_raw`` whose time is a number (a float, a numpy or one-element torch
-    scalar), in seconds (tensors read in one copy); the others are skipped.
+    scalar), in seconds (tensors read in one copy); the others are skipped (the timing metrics of
+    the same call refuse them).
 
     >>> stage_seconds({"gen": 1, "note": "slow"})
     {'gen': 1.0}
     """
-    return _read(_stage_values(timing_raw))
+    return {k: v for k, v in _read(_stage_values(timing_raw, {})).items() if v is not None}
 
 
 def _token_counts(t: BatchTensors) -> dict[str, Any]:
@@ -111,12 +137,17 @@ def _token_counts(t: BatchTensors) -> dict[str, Any]:
 
 
 def compute_timing_stats(
-    batch: Any, timing_raw: Mapping[str, Any], *, nan_strategy: str = "propagate"
+    batch: Any,
+    timing_raw: Mapping[str, Any],
+    *,
+    nan_strategy: str = "propagate",
+    errors: dict[str, str] | None = None,
 ) -> dict[str, Stat]:
     """What a rank submits for :func:`compute_timing_metrics`: the Stats of ``timing_s/*``, of each
     ``timing_per_token_ms/*`` (this rank's ratio, kept where the derivation cannot run) and of their
     auxiliary ingredients (seconds and tokens, :func:`rlmetrics.metrics.timing_aux`). Tensor timers
-    and token counts come to the host in one copy.
+    and token counts come to the host in one copy. A stage whose time is not a number is refused
+    (:func:`refuse`), naming the stage and the value.
 
     >>> import torch
     >>> batch = {"responses": torch.zeros(1, 2), "attention_mask": torch.tensor([[1, 1, 1, 0]])}
@@ -126,15 +157,19 @@ def compute_timing_stats(
 'timing_per_token_ms/gen', 'timing_s/gen'], 1.0)
     """
     t = BatchTensors(batch, "compute_timing_metrics")
-    values = _stage_values(timing_raw)
+    values = _stage_values(timing_raw, errors)
     timed = [s for s in TIMED_STAGES if s in values]
     tokens = _token_counts(t) if timed else {}
     read = _read({**{("s", k): v for k, v in values.items()}, **{("t", k): v for k, v in tokens.items()}})
     out = {}
     for stage in values:
         name = f"timing_s/{stage}"  # a stage's name may ask for quantiles (timing_s/p99): a sketch then
-        out[name] = Stat.of(
-            read["s", stage], sketch=resolve(name).needs_sketch, nan_strategy=nan_strategy, name=name
+        seconds = read["s", stage]
+        sketch = resolve(name).needs_sketch
+        out[name] = (
+            Stat()
+            if seconds is None
+            else Stat.of(seconds, sketch=sketch, nan_strategy=nan_strategy, name=name)
         )
     if not tokens:
         return out
@@ -215,18 +250,39 @@ def _token_list(value: Any) -> Any:
 
 
 def compute_throughput_stats(
-    batch: Any, timing_raw: Mapping[str, Any], n_gpus: Any, *, nan_strategy: str = "propagate"
+    batch: Any,
+    timing_raw: Mapping[str, Any],
+    n_gpus: Any,
+    *,
+    nan_strategy: str = "propagate",
+    errors: dict[str, str] | None = None,
 ) -> dict[str, Stat]:
     """What a rank submits for :func:`compute_throughput_metrics`: the Stats of its three names
     (``perf/throughput``: this rank's ratio, kept where the derivation cannot run) and of the
     throughput's ingredients (tokens, seconds and GPUs; :data:`rlmetrics.metrics.THROUGHPUT_TOKENS`).
+    A step time that is not a number, or ``n_gpus`` that is not a positive number, is refused
+    (:func:`refuse`) with the names it makes, naming the value; the other names are kept.
 
     >>> stats = compute_throughput_stats({"global_token_num": [100, 300]}, {"step": 2.0}, 4)
     >>> stats["perf/total_num_tokens"].sum, stats["_aux/perf/throughput/gpus/sum"].sum
     (400.0, 4.0)
     """
     tokens = _total_tokens(BatchTensors(batch, "compute_throughput_metrics"))
-    step = _stage_values({"step": timing_raw["step"]}).get("step") if _has_step(timing_raw) else None
+    refused: dict[str, str] = {}
+    step = _stage_values({"step": timing_raw["step"]}, refused).get("step") if _has_step(timing_raw) else None
+    if refused:
+        refused = {"perf/time_per_step": refused.popitem()[1].replace("timing_s/step", "perf/time_per_step")}
+    try:
+        gpus = scalar_value(n_gpus, "perf/throughput")
+    except MetricValueError:
+        gpus = None
+    if not (gpus is not None and gpus > 0):  # not NaN, 0, negative, a str, None
+        refused["perf/throughput"] = (
+            f"the GPU count (n_gpu) is {_shown(n_gpus)}: this rank is left out of this step's "
+            "perf/throughput; pass the GPUs its batch ran on, a positive number (siiRL passes pp * tp)"
+        )
+        gpus = None
+    refuse(refused, errors)
     read = _read({"tokens": tokens, "step": step})
     tokens, step = read["tokens"], read["step"]
     out: dict[str, Stat] = {}
@@ -234,15 +290,16 @@ def compute_throughput_stats(
         out["perf/total_num_tokens"] = Stat.of(
             tokens, nan_strategy=nan_strategy, name="perf/total_num_tokens"
         )
-    if step is None:
+    if not _has_step(timing_raw):
         return out
-    out["perf/time_per_step"] = Stat.of(step, nan_strategy=nan_strategy, name="perf/time_per_step")
+    out["perf/time_per_step"] = (
+        Stat() if step is None else Stat.of(step, nan_strategy=nan_strategy, name="perf/time_per_step")
+    )
     if tokens is None:
         return out
-    gpus = scalar_value(n_gpus, "perf/throughput")
     token_stat, step_stat = out["perf/total_num_tokens"], out["perf/time_per_step"]
-    # a value dropped under nan_strategy="drop" takes the others along; a bad n_gpus gives no throughput
-    used = token_stat.count > 0 and step_stat.count > 0 and gpus is not None and gpus > 0
+    # a value dropped under nan_strategy="drop" or refused (sent with no observation) takes the others
+    used = token_stat.count > 0 and step_stat.count > 0 and gpus is not None
     out["perf/throughput"] = Stat.of(tokens / (step * gpus)) if used and step > 0 else Stat()
     parts = (token_stat, step_stat, Stat.of(gpus) if used else Stat())
     for name, part in zip((THROUGHPUT_TOKENS, THROUGHPUT_SECONDS, THROUGHPUT_GPUS), parts):

@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from rlmetrics.globs import did_you_mean
 from rlmetrics.health import Alert, Monitor, coverage_metrics
 from rlmetrics.messages import DEFAULT_AXIS, StepResult
 from rlmetrics.sinks.base import Sink
@@ -90,7 +91,9 @@ class Tracking(Sink):
     ``close()`` closes every sink, errors isolated too.
 
     Metric values are checked once, before any sink sees the step: a value that is not a real number
-    raises TypeError to the caller (a caller's bug, not a sink failure).
+    raises TypeError to the caller (a caller's bug, not a sink failure). A step is logged once (per
+    axis): a later :meth:`log` of a step logged already (a retried loop iteration) is skipped with one
+    warning, and every sink keeps the first values (:meth:`write` adds to a step on purpose).
 
     A step with a ``meta`` (a :class:`~rlmetrics.StepResult`) is logged with ``meta/coverage`` and
     ``meta/late`` added. ``health``: the :class:`~rlmetrics.health.Monitor` run on every step (True:
@@ -130,6 +133,7 @@ class Tracking(Sink):
             if (t := getattr(s, "tracker", None)) in LIMITS
         }
         self._views: tuple[Any, dict[bool, Mapping[str, float]]] = (None, {})  # the last step's views
+        self._logged: set[tuple[str, int]] = set()  # (axis, step) given to log() or log_axis()
         self._closed = False
 
     @property
@@ -149,6 +153,8 @@ class Tracking(Sink):
             raise ValueError("Tracking is closed")
         values = as_floats(metrics)
         step = as_step(step)
+        if self._repeated(DEFAULT_AXIS, step):
+            return
         meta = getattr(metrics, "meta", None)
         extra = coverage_metrics(meta)
         if extra:
@@ -179,6 +185,8 @@ class Tracking(Sink):
             raise ValueError("Tracking is closed")
         values = as_floats(metrics)
         step = as_step(step)
+        if self._repeated(axis, step):
+            return
         meta = getattr(metrics, "meta", None)
         values.update(coverage_metrics(meta))
         result = StepResult(values, step, meta)
@@ -190,6 +198,20 @@ class Tracking(Sink):
             except Exception as exc:
                 self.failed[i] = exc
                 logger.error("sink %r failed at %s %d, disabled: %r", sink, axis, step, exc, exc_info=exc)
+
+    def _repeated(self, axis: str, step: int) -> bool:
+        """``step`` of ``axis`` was logged already: warned about, to be skipped; else recorded."""
+        if (axis, step) not in self._logged:
+            self._logged.add((axis, step))
+            return False
+        where = "" if axis == DEFAULT_AXIS else f" of axis {axis!r}"
+        logger.warning(
+            "step %d%s is logged already: this log() is skipped and the trackers keep its first values "
+            "(a retried iteration, or a step read twice?); log each step once",
+            step,
+            where,
+        )
+        return True
 
     def write(
         self, sink: Sink, metrics: Mapping[str, float], step: int, alerts: Sequence[Alert] = ()
@@ -261,7 +283,8 @@ class Tracking(Sink):
             return
         self._closed = True
         for glob in self.view.unmatched():
-            logger.warning("keys: the glob %r matched no key of this run (a typo?)", glob)
+            hint = did_you_mean(self.view.seen, [glob]) or " (a typo?)"
+            logger.warning("keys: the glob %r matched no key of this run%s", glob, hint)
         for sink in self.sinks:
             try:
                 sink.close()
@@ -341,12 +364,12 @@ def make_sinks(
 
     ``keys``: what the trackers get of each step (docs/trackers.md, "A key budget and a core view"):
     ``"all"`` (the default: every key, as before), ``"core"`` (the ``core`` globs only,
-    :data:`~rlmetrics.sinks.keys.CORE_KEYS` by default) or a list of globs (``*`` within a ``/``
-    segment, ``**`` across). ``overview`` (None: on for a list of globs, off otherwise): a copy of
-    each core key under ``overview/``, the same values, a section of its own in W&B, TensorBoard,
-    MLflow and SwanLab. ``metrics.jsonl`` keeps every key whatever ``keys`` is, so a resumed run
-    catches its trackers up with what they kept. A bad ``keys`` raises ValueError before any file is
-    made.
+    :data:`~rlmetrics.sinks.keys.CORE_KEYS` by default) or a list of globs (:mod:`rlmetrics.globs`:
+    ``*`` any characters, ``/`` included, so ``critic/*`` is every key under ``critic/``). ``overview``
+    (None: on for a list of globs, off otherwise): a copy of each core key under ``overview/``, the same
+    values, a section of its own in W&B, TensorBoard, MLflow and SwanLab. ``metrics.jsonl`` keeps every
+    key whatever ``keys`` is, so a resumed run catches its trackers up with what they kept. A bad
+    ``keys`` raises ValueError before any file is made.
 
     >>> import tempfile
     >>> out = Path(tempfile.mkdtemp())

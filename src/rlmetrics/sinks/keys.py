@@ -1,13 +1,13 @@
 """A key budget and a core view: what each tracker gets of a step, and warnings near W&B's limits.
 
 A run logs hundreds to thousands of keys and the few that say whether training works get buried.
-:data:`CORE_KEYS` declares those few as globs over the metric names (``*``: any characters but
-``/``, ``**``: any characters, ``?``: one character but ``/``). :class:`KeyView` is what one tracker
-gets of a step: every key (``keys="all"``), the core ones only (``"core"``, the budget) or those
-matching a list of globs, and with ``overview=True`` a copy of each core key under ``overview/``
-(the same value: W&B makes a section of it, TensorBoard groups its tags, MLflow sorts it together).
-:class:`KeyLimits` warns once as the keys a tracker gets approach its documented limits
-(:data:`LIMITS`).
+:data:`CORE_KEYS` declares those few as globs over the metric names (:mod:`rlmetrics.globs`, the
+dialect of the CLI and the health rules too: ``*`` any characters, ``/`` included). :class:`KeyView`
+is what one tracker gets of a step: every key (``keys="all"``), the core ones only (``"core"``, the
+budget) or those matching a list of globs, and with ``overview=True`` a copy of each core key under
+``overview/`` (the same value: W&B makes a section of it, TensorBoard groups its tags, MLflow sorts
+it together). :class:`KeyLimits` warns once as the keys a tracker gets approach its documented
+limits (:data:`LIMITS`).
 
 >>> view = KeyView(["critic/*/mean"], overview=True)
 >>> dict(view({"critic/score/mean": 0.5, "critic/vf_explained_var": 0.7, "actor/grad_norm": 2.0}))
@@ -19,13 +19,13 @@ matching a list of globs, and with ``overview=True`` a copy of each core key und
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rlmetrics.globs import compile_globs, glob_regex
 from rlmetrics.messages import StepResult
 from rlmetrics.sinks.names import histograms_of, lists_of
 
@@ -53,20 +53,6 @@ OVERVIEW = "overview/"
 
 KEYS = ("all", "core")
 """The words ``keys=`` takes besides a list of globs."""
-
-
-def glob_regex(glob: str) -> str:
-    """The regular expression of ``glob``: ``**`` any characters, ``*`` any but ``/``, ``?`` one but
-    ``/``; everything else literal.
-
-    >>> bool(re.fullmatch(glob_regex("val-core/**"), "val-core/math/acc/mean@4"))
-    True
-    >>> bool(re.fullmatch(glob_regex("actor/*"), "actor/entropy/hist"))
-    False
-    """
-    parts = re.split(r"(\*\*|\*|\?)", glob)
-    table = {"**": ".*", "*": "[^/]*", "?": "[^/]"}
-    return "".join(table.get(p, re.escape(p)) for p in parts)
 
 
 def check_keys(keys: Any) -> tuple[str, ...] | None:
@@ -101,9 +87,9 @@ class KeyView:
         core = tuple(core)
         if not all(isinstance(g, str) and g for g in core):
             raise ValueError(f"core={core!r}: a list of non-empty globs such as CORE_KEYS")
-        self.core = re.compile("|".join(f"(?:{glob_regex(g)})" for g in core) or "(?!)")
+        self.core = compile_globs(core)
         wanted = core if self.globs == () else self.globs or ()
-        self._keep = [re.compile(glob_regex(g)) for g in wanted]
+        self._keep = [compile_globs([g]) for g in wanted]
         self._matched = [False] * len(self._keep)
         self.overview = overview and self.globs != ()  # "core": every key is a core key already
         self._seen: dict[str, tuple[bool, bool]] = {}  # name -> (kept, copied to the overview)
@@ -155,6 +141,11 @@ class KeyView:
         if not self.globs or not self._seen:
             return []
         return [g for g, hit in zip(self.globs, self._matched) if not hit]
+
+    @property
+    def seen(self) -> list[str]:
+        """The keys of the steps so far (what :meth:`unmatched` was matched against)."""
+        return list(self._seen)
 
 
 @dataclass(frozen=True)

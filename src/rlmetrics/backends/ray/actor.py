@@ -27,6 +27,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from rlmetrics.backends.options import check_options
 from rlmetrics.backends.ray import compat
 from rlmetrics.backends.ray.compat import ray
 from rlmetrics.backends.ray.shell import AggregatorClass, Shell, keep
@@ -217,6 +218,7 @@ def get_metric_worker(
     :func:`node_worker`). Without Ray initialized it calls ``ray.init()``, as Ray's own calls do,
     and warns (:class:`~rlmetrics.messages.RayStartedWarning`) if that started a local instance.
     """
+    check_options("get_metric_worker()", "ray", options, ("aggregator", "Ray actor"))
     if not ray.is_initialized() and compat.init():
         warnings.warn(
             "rlmetrics: Ray was not initialized, so a local Ray instance was started for the metric "

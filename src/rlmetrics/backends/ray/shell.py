@@ -14,6 +14,7 @@ import time
 from collections import Counter
 from typing import Any
 
+from rlmetrics.backends.options import check_options
 from rlmetrics.backends.ray import compat
 from rlmetrics.backends.ray.compat import ray
 from rlmetrics.backends.ray.store import KVStore
@@ -180,17 +181,6 @@ class Shell:
         return {"calls": dict(self.calls), **self.server.stats()}
 
 
-OPTIONS = (
-    "recovery_timeout",
-    "final_timeout",
-    "step_timeout",
-    "renames",
-    "keep_results",
-    "forget_after",
-    "max_pending",
-)
-"""What an aggregator actor is made with (:class:`Shell` and :class:`~rlmetrics.engine.server.Server`)."""
-
 ACTOR_OPTIONS = {"num_cpus": 0, "max_restarts": -1, "max_concurrency": 100_000}
 """How aggregator actors are made: no training slot, restarted whenever they die, every waiting call
 served at once (readers wait inside the actor)."""
@@ -220,9 +210,8 @@ class AggregatorClass:
 
 
 def _with_secret(kwargs: dict) -> dict:
-    unknown = sorted(set(kwargs) - {*OPTIONS, "secret"})
-    if unknown:  # else the actor's creation fails, and its callers see "metric worker is gone"
-        raise TypeError(f"unknown aggregator option(s) {unknown}; the options: {OPTIONS}")
+    # else the actor's creation fails, and its callers see "metric worker is gone"
+    check_options("MetricWorker.remote()", "ray", kwargs, ("aggregator",))
     return {"secret": secrets.token_hex(32), **kwargs}
 
 
