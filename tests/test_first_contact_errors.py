@@ -40,9 +40,10 @@ def test_a_rank_with_another_world_size_is_told_at_once_and_the_reader_does_not_
     with pytest.raises(MetricValueError) as err:
         ranks[2].wait_submit()
     text = str(err.value)
-    for part in ("'critic/score/mean'", "world_size 3", "but 2", ranks[2].client_id, ranks[0].client_id):
+    for part in ("'critic/score/mean'", "world_size 3 from rank2", "but 2 from rank0"):
         assert part in text, text
     assert "merged" in text and "data-parallel size" in text, text
+    assert "@" not in text and len(text) < 400, text  # ranks by rank<N>, not by host and pid: a few lines
     start = time.monotonic()
     with pytest.warns(rlmetrics.WorldSizeWarning, match=r"'critic/score/mean'.*world_size 3") as caught:
         res = driver.wait_final_res()
@@ -52,7 +53,7 @@ def test_a_rank_with_another_world_size_is_told_at_once_and_the_reader_does_not_
     assert res.meta.complete and not res.meta.missing_metrics, res.meta
     assert res["critic/score/mean"] == pytest.approx(2.0)  # (0 + 1 + 5) / 3: nothing lost
     assert set(res.meta.conflicts) == {"critic/score/mean", "response/length/mean"}
-    assert ranks[2].client_id in res.meta.conflicts["critic/score/mean"]
+    assert "from rank2," in res.meta.conflicts["critic/score/mean"]
 
 
 def test_two_ranks_two_world_sizes_end_partial_at_the_deadline_saying_why(name):
@@ -65,7 +66,7 @@ def test_two_ranks_two_world_sizes_end_partial_at_the_deadline_saying_why(name):
     ranks[0].wait_submit()
     ranks[1].submit_metric({"critic/score/mean": 3.0}, 3)
     with pytest.raises(
-        MetricValueError, match=r"'critic/score/mean': world_size 3 from rank1@.* but 2 from rank0@"
+        MetricValueError, match=r"'critic/score/mean': world_size 3 from rank1, but 2 from rank0 "
     ):
         ranks[1].wait_submit()
     with pytest.warns(rlmetrics.PartialStepWarning) as caught:
@@ -86,7 +87,7 @@ def test_a_conflict_still_waits_for_a_rank_that_registers_later(name):
     ranks[0].submit_metric({"reward/mean": [0.0]}, 4)
     ranks[0].wait_submit()
     ranks[1].submit_metric({"reward/mean": [1.0]}, 2)
-    with pytest.raises(MetricValueError, match="world_size 2 from rank1@"):
+    with pytest.raises(MetricValueError, match="world_size 2 from rank1, "):
         ranks[1].wait_submit()
     for r in (2, 3):
         ranks[r].submit_metric({"reward/mean": [float(r)]}, 4)
@@ -236,14 +237,14 @@ def test_ray_a_rank_with_another_world_size_is_told_at_once(ray_session):
         assert ray.get([a.step.remote(2) for a in actors[:2]]) == [None, None]
         error = ray.get(actors[2].step.remote(3))
         assert error is not None and "'critic/score/mean'" in error and "world_size 3" in error, error
-        assert ids[2] in error and (ids[0] in error or ids[1] in error) and "but 2" in error, error
+        assert "from rank2, but 2 from rank" in error and "@" not in error, error
         start = time.monotonic()
         res = driver.wait_final_res()
         assert time.monotonic() - start < SLOW_READ
         assert (
             res.step == 1 and not res.meta.missing_metrics and res["critic/score/mean"] == pytest.approx(1.0)
         )
-        assert ids[2] in res.meta.conflicts["critic/score/mean"]
+        assert "from rank2," in res.meta.conflicts["critic/score/mean"]
     finally:
         for a in actors:
             ray.kill(a)
@@ -264,14 +265,14 @@ def test_ray_node_hierarchy_the_root_names_the_ranks_too(ray_session):
     try:
         assert ray.get([a.step.remote(3) for a in actors[:2]]) == [None, None]
         error = ray.get(actors[2].step.remote(2))  # the odd one gives the smaller value
-        assert error is not None and "'critic/score/mean'" in error and ids[2] in error, error
-        assert ids[0] in error or ids[1] in error, error
+        assert error is not None and "'critic/score/mean'" in error and "from rank2," in error, error
+        assert re.search("but 3 from rank[01] ", error) and "@" not in error, error
         start = time.monotonic()
         res = driver.wait_final_res()
         assert time.monotonic() - start < SLOW_READ
         assert not res.meta.missing_metrics and res["critic/score/mean"] == pytest.approx(1.0), res.meta
         why = res.meta.conflicts["critic/score/mean"]  # the root blames the rank that came second too
-        assert re.search(f"world_size 2 from {re.escape(ids[2])}.*but 3 from rank[01]@", why), why
+        assert re.search("world_size 2 from rank2, but 3 from rank[01] ", why), why
     finally:  # the node actor first: a rank owns it, so it may be gone once the ranks are
         node = ray.get_runtime_context().get_node_id()
         ray.kill(ray.get_actor(f"{name}/node/{node}"))

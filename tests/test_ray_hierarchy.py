@@ -15,11 +15,13 @@ import rlmetrics  # noqa: E402
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 NODES, RANKS, STEPS = 2, 6, 3
+CLUSTER: list = []  # the module's Cluster (a test adds a node of its own and removes it)
 
 
 @pytest.fixture(scope="module")
 def cluster():
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    CLUSTER[:] = [c]
     for _ in range(NODES - 1):
         c.add_node(num_cpus=1)
     ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)
@@ -192,6 +194,75 @@ def test_a_rank_dead_below_a_node_is_named_at_the_readers_deadline_as_in_the_fla
         allv = np.concatenate([rank_data(r, s) for r in range(2)])
         assert res.meta.complete and res.meta.contributors == sorted(ids[:2]), res.meta
         assert res["x/mean"] == pytest.approx(allv.mean(), rel=1e-12) and res["n/total"] == 2
+    for a in ranks[:2]:
+        ray.kill(a)
+
+
+@pytest.mark.parametrize("hierarchy", [None, "node"], ids=["flat", "node"])
+def test_a_provisional_read_returns_what_arrived_below_a_node_as_in_the_flat_layout(cluster, hierarchy):
+    """Three ranks on one node; ranks 0-1 close step 0, rank 2 is late. A dashboard's read
+    (``result(0, timeout)``, not finalizing) gets ranks 0-1's data, provisional, naming rank 2 alone,
+    and the step stays open: once rank 2 sends, the step is complete over all three. Before, below
+    a node the read saw nothing (the node held the step back for rank 2) and blamed all three."""
+    name = f"p-{uuid.uuid4().hex[:8]}"
+    rlmetrics.get_metric_worker(name=name, hierarchy=hierarchy)
+    on_node0 = NodeAffinitySchedulingStrategy(cluster[0], soft=False)
+    ranks = [Rank.options(scheduling_strategy=on_node0).remote(r, name, hierarchy) for r in range(3)]
+    ray.get([a.set_world_size.remote(3) for a in ranks])  # connected with world_size=RANKS
+    ids = ray.get([a.client_id.remote() for a in ranks])
+    reader = rlmetrics.connect("ray", name=name)
+    ray.get([a.step.remote(0) for a in ranks[:2]])
+    with pytest.warns(rlmetrics.ProvisionalWarning):
+        res = reader.result(0, timeout=2.0)
+    allv = np.concatenate([rank_data(r, 0) for r in range(2)])
+    assert res.meta.provisional and res.meta.missing_ranks == [ids[2]], res.meta
+    assert res["x/mean"] == pytest.approx(allv.mean(), rel=1e-12) and res["n/total"] == 2, dict(res)
+    ray.get(ranks[2].step.remote(0))
+    res = reader.result(0, timeout=60)
+    allv = np.concatenate([rank_data(r, 0) for r in range(3)])
+    assert res.meta.complete and res["n/total"] == 3, res.meta
+    assert res["x/mean"] == pytest.approx(allv.mean(), rel=1e-12)
+    for a in ranks:
+        ray.kill(a)
+
+
+def test_a_rank_on_a_lost_node_ends_its_step_partial_within_seconds(cluster):
+    """Rank 2 of 3 runs on a node of its own, which is removed after ranks 0-1 closed step 2: Ray
+    records the node dead, the aggregator asks while the step waits, and step 2 ends partial naming
+    rank 2 (``meta.lost`` says the node was lost) well before the 60 s deadline; step 3 completes
+    on ranks 0-1 without ``set_world_size``."""
+    import time
+
+    name = f"l-{uuid.uuid4().hex[:8]}"
+    rlmetrics.get_metric_worker(name=name, final_timeout=60)
+    extra = CLUSTER[0].add_node(num_cpus=1)
+    CLUSTER[0].wait_for_nodes()
+    lone = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] not in cluster)
+    where = [cluster[0], cluster[0], lone]
+    ranks = [
+        Rank.options(scheduling_strategy=NodeAffinitySchedulingStrategy(where[r], soft=False)).remote(
+            r, name, None
+        )
+        for r in range(3)
+    ]
+    ray.get([a.set_world_size.remote(3) for a in ranks])  # connected with world_size=RANKS
+    ids = ray.get([a.client_id.remote() for a in ranks])
+    reader = rlmetrics.connect("ray", name=name)
+    for s in range(2):
+        ray.get([a.step.remote(s) for a in ranks])
+        assert reader.result(s, timeout=60, finalize=True).meta.complete
+    ray.get([a.step.remote(2) for a in ranks[:2]])
+    CLUSTER[0].remove_node(extra)
+    start = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="step 2 is partial"):
+        res = reader.result(2, timeout=60, finalize=True)
+    assert time.monotonic() - start < 30, "step 2 waited for the deadline"
+    check_partial(res, 2, range(2))
+    assert res.meta.missing_ranks == [ids[2]] and "node" in res.meta.lost[ids[2]], res.meta
+    ray.get([a.step.remote(3) for a in ranks[:2]])
+    res = reader.result(3, timeout=60, finalize=True)
+    allv = np.concatenate([rank_data(r, 3) for r in range(2)])
+    assert res.meta.complete and res["x/mean"] == pytest.approx(allv.mean(), rel=1e-12), res.meta
     for a in ranks[:2]:
         ray.kill(a)
 

@@ -49,6 +49,7 @@ from rlmetrics.messages import (
     SubmissionError,
     WorldSizeWarning,
     caller_level,
+    rank_name,
 )
 from rlmetrics.packing import MAX_STEP, MAX_WORLD_SIZE, Packed, pack, pack_known
 
@@ -167,7 +168,8 @@ class ClientCore:
 
     ``world_size``: default number of contributions expected per metric name and step (change it
     with :meth:`set_world_size`, e.g. after a rank died). ``nan_strategy``: ``"propagate"``
-    (default), ``"drop"`` or ``"error"`` for non-finite values. ``label``: leads the client id;
+    (default), ``"drop"`` or ``"error"`` for non-finite values. ``label``: leads the client id
+    (default: ``rank<N>`` with ``rank``);
     ``client_id``: a fixed id instead (anyone may send under a fixed id: it has no secret).
     ``blocking``: ``wait_submit()`` returns once the aggregator holds the step (default, the seed's
     behaviour, needed before a ``wait_final_res()``); ``False`` returns at once and raises an error
@@ -204,6 +206,8 @@ class ClientCore:
         self.world_size = None if world_size is None else world_size_arg(world_size)
         self.nan_strategy = nan_strategy
         self.naming = naming
+        if label is None and self.rank is not None:
+            label = f"rank{self.rank}"
         self.client_id, secret = (client_id, "") if client_id else new_identity(label)
         self.credential = credential(self.client_id, secret, getattr(transport, "session", None))
         self.blocking = blocking
@@ -588,9 +592,10 @@ def _missing(res: StepResult) -> str:
     when no data arrived for it at all) and its incomplete metrics."""
     meta = res.meta
     ranks = meta.missing_ranks
-    closing = f"registered ranks that have not closed it: {ranks[:5]}" + (
+    closing = f"registered ranks that have not closed it: {', '.join(map(rank_name, ranks[:5]))}" + (
         f" and {len(ranks) - 5} more" if len(ranks) > 5 else ""
     )
+    closing += "".join(f" ({rank_name(c)} is gone: {why})" for c, why in list(meta.lost.items())[:3])
     if not meta.contributors and not res:
         if not ranks:
             return f"no data arrived for step {res.step}, and no rank is registered"

@@ -17,7 +17,8 @@ keyword arguments override them (docs/health.md lists them with their thresholds
 (:class:`NonFinite`), ``zero_std_groups`` (:class:`ZeroStdGroups`), ``grad_norm``
 (:class:`GradNorm`), ``entropy_collapse`` (:class:`EntropyCollapse`), ``clip_ratio_spike``
 (:class:`ClipRatioSpike`), ``response_clip_spike`` (:class:`ResponseClipSpike`), ``kl_blowup``
-(:class:`KLBlowup`), ``silent`` (:class:`Silent`) and ``straggler`` (:class:`Straggler`).
+(:class:`KLBlowup`), ``silent`` (:class:`Silent`), ``straggler`` (:class:`Straggler`) and
+``lost_rank`` (:class:`LostRank`).
 
 >>> monitor = Monitor()
 >>> [a.rule for a in monitor.observe(0, {"actor/grad_norm": 1.5, "critic/score/mean": 0.2})]
@@ -47,6 +48,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from rlmetrics.globs import compile_globs
+from rlmetrics.messages import rank_name
 
 logger = logging.getLogger(__name__)
 
@@ -403,11 +405,34 @@ class Straggler(Rule):
         return out
 
 
+class LostRank(Rule):
+    """A rank whose process is gone (a dead Ray actor, a lost node): the step it did not close
+    names it in ``meta.lost``, so it is reported once, at that step; later steps do not expect it.
+
+    >>> from rlmetrics.messages import StepMeta, StepResult
+    >>> meta = StepMeta.of(missing_ranks=["rank2@vm:1:0123456789abcdef"],
+    ...                    lost={"rank2@vm:1:0123456789abcdef": "its Ray actor 5e1f0c2a is dead"})
+    >>> print(LostRank()(7, StepResult({}, 7, meta))["rank2"])
+    rank2 is gone (its Ray actor 5e1f0c2a is dead): step 7 is partial without it, later steps do not expect it
+    """
+
+    name = "lost_rank"
+    level = "error"
+
+    def __call__(self, step, metrics):
+        lost = getattr(getattr(metrics, "meta", None), "lost", None) or {}
+        return {
+            rank_name(c): f"{rank_name(c)} is gone ({why}): step {step} is partial without it, later "
+            "steps do not expect it"
+            for c, why in lost.items()
+        }
+
+
 DEFAULT_RULES: dict[str, type[Rule]] = {
     r.name: r
     for r in (
         NonFinite, ZeroStdGroups, GradNorm, EntropyCollapse, ClipRatioSpike, ResponseClipSpike, KLBlowup,
-        Silent, Straggler,
+        Silent, Straggler, LostRank,
     )
 }  # fmt: skip
 """The default rules by name, in the order they run."""
@@ -418,7 +443,7 @@ def default_rules(**options: Mapping[str, Any] | None) -> list[Rule]:
     the rule (``default_rules(kl_blowup={"ceiling": 5.0}, silent=None)``).
 
     >>> [r.name for r in default_rules(silent=None, grad_norm=None, zero_std_groups=None, straggler=None)]
-    ['non_finite', 'entropy_collapse', 'clip_ratio_spike', 'response_clip_spike', 'kl_blowup']
+    ['non_finite', 'entropy_collapse', 'clip_ratio_spike', 'response_clip_spike', 'kl_blowup', 'lost_rank']
     """
     unknown = sorted(set(options) - set(DEFAULT_RULES))
     if unknown:

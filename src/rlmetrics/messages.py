@@ -77,6 +77,8 @@ class StepMeta:
       (the key of the error in that client's reply; nothing of them was merged);
     - ``conflicts``: ``{name: why}`` of names whose ranks gave them different ``world_size`` in
       the step (merged; the step expects the largest ``world_size`` given);
+    - ``lost``: ``{client: why}`` of the missing ranks whose process is gone (a dead Ray actor, a
+      lost node): this is the step each did not close, later steps do not expect them;
     - ``contributions``: ``[received, expected]`` contributions summed over the step's names (each
       name counted up to its ``world_size``), when the step was finalized by a server;
     - ``late``: contributions that arrived for steps already final (and were dropped) since the
@@ -100,6 +102,7 @@ class StepMeta:
     contributors: list[Any] = field(default_factory=list)
     refused: dict[str, str] = field(default_factory=dict)
     conflicts: dict[str, str] = field(default_factory=dict)
+    lost: dict[str, str] = field(default_factory=dict)
     contributions: list[int] | None = None
     late: int = 0
     evicted: bool = False
@@ -120,6 +123,7 @@ class StepMeta:
         contributors: Iterable[Any] = (),
         refused: Mapping[str, str] | None = None,
         conflicts: Mapping[str, str] | None = None,
+        lost: Mapping[str, str] | None = None,
         contributions: Sequence[int] | None = None,
         late: int = 0,
         evicted: bool = False,
@@ -154,6 +158,7 @@ class StepMeta:
             contributors=list(contributors),
             refused=dict(refused or {}),
             conflicts=dict(conflicts or {}),
+            lost=dict(lost or {}),
             contributions=None if contributions is None else list(contributions),
             late=late,
             evicted=evicted,
@@ -305,6 +310,21 @@ class Reply:
     def is_final(self, step: int) -> bool:
         """``step`` is final at the aggregator: its client may stop keeping it."""
         return step < self.done_below or step in self.finalized
+
+
+def rank_name(client_id: Any) -> str:
+    """How messages name a client: ``rank<N>`` for a rank's client (``rank=N`` or a ``rankN``
+    label), else its id without the key hash that ends it.
+
+    >>> rank_name("rank2@vm:19551:cae1b2c3d4e5f601"), rank_name("client@vm:19551:cae1b2c3d4e5f601")
+    ('rank2', 'client@vm:19551')
+    """
+    text = str(client_id)
+    label, at, where = text.partition("@")
+    if at and label.startswith("rank") and label[4:].isdigit():
+        return label
+    head, colon, tail = text.rpartition(":")
+    return head if at and colon and len(tail) == 16 else text
 
 
 class SubmissionError(ValueError):

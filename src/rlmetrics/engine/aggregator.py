@@ -47,6 +47,7 @@ import math
 import numbers
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -58,7 +59,7 @@ from rlmetrics.core.states import State
 from rlmetrics.engine.columns import ColumnIndex
 from rlmetrics.engine.derived import DERIVED, Derived
 from rlmetrics.engine.steps import Group, Layout, Step, layout_of, reduce_step
-from rlmetrics.messages import RefusedNamesError, StepMeta, StepResult, SubmissionError
+from rlmetrics.messages import RefusedNamesError, StepMeta, StepResult, SubmissionError, rank_name
 from rlmetrics.packing import MAX_STEP, MAX_WORLD_SIZE, Packed
 from rlmetrics.wire import check_contribution
 
@@ -66,8 +67,23 @@ logger = logging.getLogger(__name__)
 
 
 def _giver(keys: tuple[tuple[str, int], ...]) -> str:
-    """Who sent a contribution, for a message: its client, or the first of the clients it merges."""
-    return keys[0][0] if len(keys) == 1 else f"{keys[0][0]} (and {len(keys) - 1} other rank(s))"
+    """Who sent a contribution, for a message: its rank, or the first of the ranks it merges."""
+    first = rank_name(keys[0][0])
+    return first if len(keys) == 1 else f"{first} (and {len(keys) - 1} other rank(s))"
+
+
+@dataclass
+class Lost:
+    """A client whose process is gone (:meth:`Aggregator.lose`): ``why``; ``first``, the step it did
+    not close, which ends partial naming it (None: the next step to come after ``after``, the newest
+    step it closed); ``names``, the world_size it gave each name it sent (later steps expect one
+    contribution fewer of a name whose ranks still give that world_size)."""
+
+    why: str
+    after: int
+    first: int | None
+    names: dict[str, int]
+    cols: Any = None  # (columns, world sizes) of ``names``, until the engine forgets names
 
 
 class Aggregator:
@@ -115,6 +131,8 @@ class Aggregator:
         self._lowest: int | None = None  # the lowest step a client used (this incarnation)
         self._nan_warned: set[str] = set()
         self._layouts: dict[tuple[bytes, ...], Layout] = {}
+        self._sent: dict[str, dict[bytes, int]] = {}  # client -> the world_size it gave each schema
+        self.lost: dict[str, Lost] = {}  # clients whose process is gone
 
     # -------------------------------------------------------------------------------- intake
     def _forget(self, step: int) -> None:
@@ -123,6 +141,8 @@ class Aggregator:
         busy = {sid for st in self._steps.values() for sid, _ in st.groups}
         if self.columns.forget(step - self.forget_after, busy):
             self._layouts.clear()
+            for lost in self.lost.values():
+                lost.cols = None
             self._nan_warned.difference_update(self.columns.forgotten_names)
             self.columns.forgotten_names.clear()
 
@@ -241,7 +261,7 @@ class Aggregator:
         st.seen.update(keys)
         clients = {client_id for client_id, _ in keys}
         if register:
-            self.clients.update(clients)
+            self.clients.update(clients.difference(self.lost) if self.lost else clients)
         st.contributors.update(clients)
         conflicting = None
         if len(known.cols):
@@ -252,6 +272,11 @@ class Aggregator:
                 group.conflicting = st.expect(known.cols, world_size, _giver(keys), len(self.columns))
             group.add(stats if known.keep is None else stats[..., known.keep], packed.contributions)
             group.keys.extend(keys)
+            for client_id in clients if register else ():
+                sent = self._sent.setdefault(client_id, {})
+                if len(sent) > 512:  # names that change over a run
+                    sent.clear()
+                sent[packed.schema.id] = world_size
             conflicting = group.conflicting
         st.states.update(states)
         problems = []
@@ -287,10 +312,9 @@ class Aggregator:
             texts.append(text)
         logger.info("%s", "; ".join(texts))  # the rank is told (its reply), the reader warns
         return (
-            "; ".join(texts) + " (merged; the step expects the largest world_size given, and ends partial"
-            " at its deadline if fewer contributions come; give a name the same world_size on every rank"
-            " that submits it: the number of contributions expected, e.g. the data-parallel size when one"
-            " rank per dp group submits)"
+            "; ".join(texts) + " (merged; the step expects the largest, else ends partial at its deadline;"
+            " give a name one world_size on all ranks: the contributions expected, e.g. the data-parallel"
+            " size)"
         )
 
     def close(self, client_id: str, step: int) -> None:
@@ -308,6 +332,8 @@ class Aggregator:
         self.clients.difference_update(clients)
         for client in clients:
             self.closed_up_to.pop(client, None)
+            self._sent.pop(client, None)
+            self.lost.pop(client, None)
         changed = []
         for step, st in self._steps.items():
             if not (st.contributors & clients or st.closed & clients):
@@ -357,6 +383,9 @@ class Aggregator:
             st = self._steps[step] = Step()
             if self._lowest is None or step < self._lowest:
                 self._lowest = step
+            for lost in self.lost.values():  # the first step after a lost client's last one names it
+                if lost.first is None and step > lost.after:
+                    lost.first = step
             while len(self._steps) > self.max_pending:
                 oldest = min(s for s in self._steps if s != step)
                 logger.info("step %d finalized partial: %d newer steps pending", oldest, self.max_pending)
@@ -370,6 +399,29 @@ class Aggregator:
     def depart(self, client_id: str) -> None:
         """Stop waiting for ``client_id`` in steps that are not closed by it (a client's ``stop``)."""
         self.clients.discard(client_id)
+        self._sent.pop(client_id, None)
+
+    def lose(self, client_id: str, why: str) -> None:
+        """``client_id``'s process is gone (``why``): no step waits for it; the step it did not
+        close (the oldest pending one, else the next to come) ends partial naming it in
+        ``meta.missing_ranks`` and ``meta.lost``, as soon as the others have closed it; later steps
+        expect one contribution fewer of each name it sent (unless their ranks gave that name
+        another world_size since: ``set_world_size`` after the loss)."""
+        if client_id in self.lost:
+            return
+        self.clients.discard(client_id)
+        closed = [s for s, st in self._steps.items() if client_id in st.closed]
+        missed = [s for s, st in self._steps.items() if client_id not in st.closed and (st.closed or st.seen)]
+        names: dict[str, int] = {}
+        for sid, world_size in self._sent.pop(client_id, {}).items():
+            try:
+                schema = self.columns.accepted(sid)
+            except KeyError:  # forgotten: no step has used it for forget_after steps
+                continue
+            for name in schema.names:
+                names[name] = max(world_size, names.get(name, 0))
+        after = max(closed, default=self._newest_final)
+        self.lost[client_id] = Lost(why, after, min(missed, default=None), names)
 
     # ------------------------------------------------------------------------------- status
     def pending_steps(self) -> list[int]:
@@ -392,18 +444,50 @@ class Aggregator:
         """All names have their expected contributions and every registered client closed the step."""
         if not self.is_closed(step):
             return False
-        received, expected = self._steps[step].counts(len(self.columns))
+        received, expected, named = self._counts(step, self._steps[step])
+        return not named and not np.any(received < expected)
+
+    def is_settled(self, step: int) -> bool:
+        """Complete, or would be but for the lost clients it names (:meth:`lose`): it can end now."""
+        if not self.is_closed(step):
+            return False
+        received, expected, _ = self._counts(step, self._steps[step], settle=True)
         return not np.any(received < expected)
+
+    def _counts(self, step: int, st: Step, settle: bool = False) -> tuple[np.ndarray, np.ndarray, list[str]]:
+        """``st.counts`` less what lost clients will not send (:meth:`lose`): in the steps after the
+        one each did not close, and with ``settle`` in that one too; the lost clients ``step`` names."""
+        received, expected = st.counts(len(self.columns))
+        if not self.lost:
+            return received, expected, []
+        named, gone = [], []
+        for client_id, lost in self.lost.items():
+            first = step if lost.first is None and step > lost.after else lost.first
+            if first == step and client_id not in st.closed:
+                named.append(client_id)
+                if settle:
+                    gone.append(lost)
+            elif first is not None and step > first and client_id not in st.contributors:
+                gone.append(lost)
+        for lost in gone:
+            if lost.cols is None:
+                at = [(self.columns.column(n), ws) for n, ws in lost.names.items()]
+                lost.cols = tuple(np.array([x[i] for x in at if x[0] is not None], np.int64) for i in (0, 1))
+            cols, sizes = lost.cols
+            keep = cols < len(expected)
+            cols, sizes = cols[keep], sizes[keep]
+            expected[cols] -= expected[cols] == sizes  # its ranks still count the lost one
+        return received, expected, sorted(named)
 
     def missing(self, step: int) -> tuple[list[str], dict[str, list[int]]]:
         """Registered clients that have not closed ``step``, and ``{name: [received, expected]}``."""
         st = self._steps.get(step)
         if st is None:
             return sorted(self.clients), {}
-        received, expected = st.counts(len(self.columns))
+        received, expected, named = self._counts(step, st)
         short = np.nonzero(received < expected)[0]
         return (
-            sorted(self.clients - st.closed),
+            sorted((self.clients - st.closed).union(named)),
             {self.columns.names[c]: [int(received[c]), int(expected[c])] for c in short},
         )
 
@@ -413,7 +497,7 @@ class Aggregator:
         st = self._steps.get(step)
         if st is None:
             return 0, 0
-        received, expected = st.counts(len(self.columns))
+        received, expected, _ = self._counts(step, st)
         return int(np.minimum(received, expected).sum()), int(expected.sum())
 
     # -------------------------------------------------------------------------------- output
@@ -479,6 +563,7 @@ class Aggregator:
         st = self._steps.get(step)
         values, empty, side = self._values(st) if st is not None and st.groups else ({}, [], {})
         conflicts = {self.columns.names[c]: why for c, why in st.conflicts.items()} if st is not None else {}
+        lost = {c: self.lost[c].why for c in missing_ranks if c in self.lost}
         known = {
             "complete": st is not None and not missing_ranks and not missing_metrics,
             "missing_ranks": missing_ranks,
@@ -488,6 +573,7 @@ class Aggregator:
             "contributors": sorted(st.contributors) if st is not None else [],
             "refused": st.refused if st is not None else {},
             "conflicts": conflicts,
+            "lost": lost,
         }
         meta = StepMeta.of(**{**known, **facts})  # a fact of the caller wins (torch: its contributors)
         histograms = {k: v for k, v in side.items() if isinstance(v, Histogram)}

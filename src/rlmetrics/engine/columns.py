@@ -165,6 +165,10 @@ class ColumnIndex:
         out, self._forgotten = self._forgotten, []
         return out
 
+    def column(self, name: str) -> int | None:
+        """The column of ``name``, None when it has none."""
+        return self._index.get(name)
+
     def accepted(self, sid: bytes) -> Schema:
         """The schema of the accepted names of a known schema id."""
         return self._schemas[sid].accepted()

@@ -73,7 +73,16 @@ from typing import Any
 
 from rlmetrics.engine.aggregator import Aggregator
 from rlmetrics.engine.store import RefusedState, Store
-from rlmetrics.messages import Close, Message, Reply, StepMeta, StepResult, Submission, SubmissionError
+from rlmetrics.messages import (
+    Close,
+    Message,
+    Reply,
+    StepMeta,
+    StepResult,
+    Submission,
+    SubmissionError,
+    rank_name,
+)
 from rlmetrics.packing import MAX_STEP, pack
 from rlmetrics.wire import close_entry
 
@@ -138,7 +147,9 @@ class Server:
         self.ended: set[str] = set()  # sessions found over: their messages are refused
         self.via: dict[str, str] = {}  # rank -> the node client that speaks for it
         self.nodes: dict[str, str] = {}  # node client -> its address (the backend's, e.g. an actor name)
+        self.processes: dict[str, dict] = {}  # client -> where it runs (the backend's ids: a Ray actor's)
         self._seen_sessions: set[str] = set()
+        self._latest_session: str | None = None  # the session seen last (a new run's)
         self.changes = 0  # counts changes of sessions and relays (what a saved state must follow)
         self._closed_at: dict[int, float] = {}  # pending steps: when a client first closed them
         self._announced: dict[int, set[str]] = {}  # steps closed below a node, not forwarded yet: by whom
@@ -186,6 +197,7 @@ class Server:
         state["ended"] = sorted(self.ended)
         state["via"] = dict(self.via)
         state["nodes"] = dict(self.nodes)
+        state["processes"] = dict(self.processes)
         return state
 
     def restore(self, state: Mapping, recovery_timeout: float) -> None:
@@ -197,6 +209,7 @@ class Server:
         self.ended = set(state.get("ended", ()))
         self.via = dict(state.get("via", {}))
         self.nodes = dict(state.get("nodes", {}))
+        self.processes = dict(state.get("processes", {}))
         self._seen_sessions = set(self.sessions.values()) | self.ended
         # a node resends for the ranks it speaks for (it resyncs under its own id)
         clients = state["clients"]
@@ -328,6 +341,10 @@ class Server:
             self.changes += 1
             new = session not in self._seen_sessions
             self._seen_sessions.add(session)
+            if new:  # a lost rank of another run says nothing of this run's steps
+                self._latest_session = session
+                for lost in [c for c in self.engine.lost if self.sessions.get(c) != session]:
+                    del self.engine.lost[lost]
             if new or time.monotonic() - self._sessions_checked >= 1.0:  # at most once a second
                 self._end_sessions(session)
         return None
@@ -402,7 +419,7 @@ class Server:
             return
         engine = self.engine
         for step in sorted(set(steps)):
-            if engine.has_closed_data(step) and engine.is_complete(step):
+            if engine.has_closed_data(step) and engine.is_settled(step):
                 self.finalize(step)
 
     def reply(self, errors: dict[str, str], late: Iterable[int] = ()) -> Reply:
@@ -427,6 +444,43 @@ class Server:
     def depart(self, client_id: str) -> None:
         """``client_id`` leaves: no step waits for it, and steps that waited only for it finalize."""
         self.engine.depart(client_id)
+        self.processes.pop(client_id, None)
+        self.finalize_complete(self.engine.pending_steps())
+        self.persist()
+
+    def runs_in(self, client_id: str, process: Mapping[str, Any]) -> None:
+        """``client_id`` runs in ``process`` (the backend's ids of it, e.g. a Ray actor id), whose
+        end the backend watches for (:meth:`watched`, :meth:`lose`)."""
+        if len(self.processes) >= 4 * len(self.engine.clients) + 1024:  # clients that never submitted
+            self.processes = {c: p for c, p in self.processes.items() if c in self.engine.clients}
+        self.processes[client_id] = dict(process)
+        self.changes += 1
+        self.persist()
+
+    def watched(self) -> dict[str, dict]:
+        """The registered clients whose process the backend is to watch: where each runs."""
+        clients = self.engine.clients
+        return {c: p for c, p in self.processes.items() if c in clients}
+
+    def lose(self, client_id: str, why: str) -> None:
+        """``client_id``'s process is gone (``why``), as its backend knows: no step waits for it,
+        the step it did not close ends partial naming it as soon as the others closed it, and later
+        steps expect one contribution fewer of what it sent
+        (:meth:`~rlmetrics.engine.aggregator.Aggregator.lose`)."""
+        if client_id not in self.engine.clients:
+            return
+        latest = self._latest_session
+        if latest is not None and self.sessions.get(client_id, latest) != latest:
+            self.engine.depart(client_id)  # a newer run started: its steps are not this rank's
+        else:
+            self.engine.lose(client_id, why)
+        self.processes.pop(client_id, None)
+        self.changes += 1
+        logger.warning(
+            "rlmetrics: %s (%s) is gone: %s; the step it did not close ends partial naming it, later "
+            "steps do not wait for it",
+            rank_name(client_id), client_id, why,
+        )  # fmt: skip
         self.finalize_complete(self.engine.pending_steps())
         self.persist()
 
@@ -456,7 +510,7 @@ class Server:
         engine = self.engine
         return not self.recovering() and (
             engine.is_finalized(step)
-            or engine.is_complete(step)
+            or engine.is_settled(step)
             or (engine.passed(step) and step not in self._announced)  # (a node's forward follows)
         )
 

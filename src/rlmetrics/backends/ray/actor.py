@@ -36,6 +36,7 @@ from rlmetrics.messages import RayStartedWarning, StepResult, SubmissionError
 
 DEFAULT_NAME = "rlmetrics"
 DRAIN_TIMEOUT = 10.0  # seconds a deadline waits for a node sub-aggregator's forward
+LIVENESS_PERIOD = 1.0  # seconds between two questions to Ray about the ranks' processes while a step waits
 logger = logging.getLogger(__name__)
 
 
@@ -53,12 +54,39 @@ class _MetricWorker(Shell):
         super().__init__(recovery_timeout, secret, **options)
         self.running = True
         self._deadlines: asyncio.Task | None = None
+        self._liveness: asyncio.Task | None = None
         self._nodes: dict[str, Any] = {}  # node sub-aggregator handles by actor name
 
     def changed(self) -> None:
         super().changed()
         if self._deadlines is None and self.server.step_timeout is not None:
             self._deadlines = asyncio.get_running_loop().create_task(self._end_due_steps())
+        if self._liveness is None and self.server.processes:
+            self._liveness = asyncio.get_running_loop().create_task(self._watch_ranks())
+
+    async def _watch_ranks(self) -> None:
+        """About once a second while a step is pending, ask Ray whether the registered ranks'
+        processes are alive (:func:`~rlmetrics.backends.ray.compat.gone`); a rank whose actor died
+        or whose node was lost is no longer waited for (:meth:`~rlmetrics.engine.server.Server.lose`)."""
+        while True:
+            await asyncio.sleep(LIVENESS_PERIOD)
+            watched, engine = self.server.watched(), self.server.engine
+            closed = engine.newest_closed  # a step closed below a node is not pending here yet
+            if not watched or not (
+                engine.pending_steps() or (closed is not None and closed > engine.newest_final)
+            ):
+                continue
+            try:
+                gone = compat.gone(watched)
+                for client, why in gone.items():
+                    self.server.lose(client, why)
+            except Exception:  # noqa: BLE001 - asked again in a second
+                logger.exception("asking Ray whether the ranks' processes are alive failed")
+                continue
+            if gone:
+                self.changed()
+            below = {c: self.server.nodes.get(self.server.via.get(c, "")) for c in gone}
+            await asyncio.gather(*(self._call_node(a, "lose", c) for c, a in below.items() if a))
 
     async def _end_due_steps(self) -> None:
         """Finalize every step whose own deadline passes (``step_timeout`` after its first close).
@@ -82,18 +110,22 @@ class _MetricWorker(Shell):
                 logger.exception("finalizing the steps whose deadline passed failed; again in a second")
                 await asyncio.sleep(1.0)
 
-    async def _drain(self, step: int) -> None:
-        """Before ``step`` is finalized at a deadline: the node sub-aggregators that speak for a rank
-        it misses forward what they hold of it (each at most ``DRAIN_TIMEOUT`` seconds)."""
-        await asyncio.gather(*(self._drain_node(address, step) for address in self.server.nodes_of(step)))
+    async def _drain(self, step: int, finalize: bool = True) -> None:
+        """At a reader's deadline for ``step`` (``finalize``: the step is to end there, else the
+        read is provisional): the node sub-aggregators that speak for a rank it misses forward what
+        they hold of it (each at most ``DRAIN_TIMEOUT`` seconds), so the read sees what arrived, as
+        in the flat layout."""
+        nodes = self.server.nodes_of(step)
+        await asyncio.gather(*(self._call_node(address, "drain", step, finalize) for address in nodes))
 
-    async def _drain_node(self, address: str, step: int) -> None:
+    async def _call_node(self, address: str, method: str, *args: Any) -> None:
+        """``method(*args)`` of the node sub-aggregator at ``address``, at most ``DRAIN_TIMEOUT`` s."""
         try:
             node = self._nodes.get(address) or ray.get_actor(address, namespace=self._namespace)
             self._nodes[address] = node
-            await asyncio.wait_for(compat.remote(node.drain, step), DRAIN_TIMEOUT)
+            await asyncio.wait_for(compat.remote(getattr(node, method), *args), DRAIN_TIMEOUT)
         except Exception as exc:  # noqa: BLE001 - a node gone: the ranks it spoke for are missing
-            logger.warning("node sub-aggregator %s did not forward step %d: %r", address, step, exc)
+            logger.warning("node sub-aggregator %s: %s%s failed: %r", address, method, args, exc)
 
     # ------------------------------------------------------------------ the seed's worker API
     async def start(self) -> None:
@@ -126,8 +158,8 @@ class _MetricWorker(Shell):
         if finalize:
             self.server.note_reader(reader, session, True)
         await self._wait(lambda: self.server.result_ready(step), timeout)
-        if finalize and not self.server.result_ready(step):
-            await self._drain(step)
+        if not self.server.result_ready(step):
+            await self._drain(step, finalize)
         out = self.server.result(step, finalize, reader, session)
         self.changed()
         return out

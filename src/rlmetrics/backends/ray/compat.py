@@ -12,6 +12,9 @@
 - ``actor_key``: a stable key of an actor handle (``ActorHandle._actor_id``).
 - ``actor_dead``: whether the GCS's actor table (``ray._private.state.actors``) records an actor dead
   for good, so that a client stops waiting for an incarnation that never comes.
+- ``gone``: which of the ranks' processes (their actor ids, :func:`process`) the GCS's actor table
+  records dead, or whose node ``ray.nodes()`` records lost, so that the aggregator stops waiting
+  for a dead rank within a second or two.
 - ``init``: ``ray.init()``, and whether it started a local instance rather than joining a running
   cluster (``ray._private.worker._global_node.head``), so ``connect("ray")`` says when it did.
 - ``job_dead``: whether the GCS's job table (``ray._private.state.state.job_table``) records a job
@@ -77,6 +80,43 @@ def actor_dead(handle: Any) -> bool:
     except Exception:  # noqa: BLE001 - no answer is no proof of death: the caller keeps waiting
         return False
     return isinstance(info, dict) and info.get("State") == "DEAD"
+
+
+def process() -> dict[str, str] | None:
+    """Where this process runs, for :func:`gone`: its actor id and node id (hex); None outside an
+    actor (a driver's end is its job's: :func:`job_dead`)."""
+    context = ray.get_runtime_context()
+    actor = context.get_actor_id()
+    return None if actor is None else {"actor": actor, "node": context.get_node_id()}
+
+
+def gone(processes: dict[str, dict]) -> dict[str, str]:
+    """Of ``processes`` (``{client: process()}``), those whose actor Ray records dead (not
+    restarting) or whose node it records lost: ``{client: why}``. A question the GCS does not answer
+    is no proof of death: that client is left out."""
+    out: dict[str, str] = {}
+    try:
+        dead_nodes = {n["NodeID"] for n in ray.nodes() if not n.get("Alive", True)}
+    except Exception:  # noqa: BLE001 - no answer is no proof of death
+        dead_nodes = set()
+    table: Any = None
+    if len(processes) > 16:  # one question for many ranks
+        try:
+            table = ray._private.state.actors()
+        except Exception:  # noqa: BLE001
+            table = {}
+    for client, proc in processes.items():
+        actor, node = proc.get("actor"), proc.get("node")
+        if node in dead_nodes:
+            out[client] = f"its node {str(node)[:8]} was lost (Ray records it dead)"
+            continue
+        try:
+            info = table.get(actor) if table is not None else ray._private.state.actors(actor_id=actor)
+        except Exception:  # noqa: BLE001
+            continue
+        if isinstance(info, dict) and info.get("State") == "DEAD":
+            out[client] = f"its Ray actor {str(actor)[:8]} is dead"
+    return out
 
 
 def init() -> bool:

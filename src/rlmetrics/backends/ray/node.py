@@ -156,17 +156,24 @@ class _NodeWorker(Shell):
         except Exception:  # the upstream client resends what it keeps once the root answers
             logger.exception("forwarding step %d upstream failed", step)
 
-    async def drain(self, step: int) -> None:
-        """The root ends ``step`` at a deadline: forward what this node holds of it now, and return
-        once the root has it; the local ranks that did not close it are not waited for any more
-        (as at the root), until they submit again."""
+    async def drain(self, step: int, finalize: bool = True) -> None:
+        """A reader's deadline at the root for ``step``: forward what this node holds of it now, and
+        return once the root has it. ``finalize`` (the root ends the step): the local ranks that did
+        not close it are not waited for any more (as at the root), until they submit again; else (a
+        provisional read) they still are, and what they send later follows in another forward."""
         if step in self.engine.pending_steps():  # (else forwarded already, or never opened here)
-            missing = self.engine.clients - self.engine.closers(step)
+            missing = self.engine.clients - self.engine.closers(step) if finalize else ()
             if missing:  # the root's result names them, and its reader warns: no second report
                 logger.info("node step %d forwarded at the root's deadline without %s", step, sorted(missing))
                 self.engine.clients.difference_update(missing)
             self._forward(step)
         await asyncio.wrap_future(self._forwarder.submit(self.upstream.flush))
+
+    async def lose(self, client_id: str) -> None:
+        """The root found the process of this node's rank ``client_id`` gone: this node waits for
+        it no more, and forwards the steps it held back for it."""
+        self.engine.lose(client_id, "gone")
+        self.changed()
 
     async def relay(self, *args: Any) -> dict[str, str]:
         raise SubmissionError("a node sub-aggregator does not speak for another node")

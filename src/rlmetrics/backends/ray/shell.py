@@ -157,6 +157,17 @@ class Shell:
         self.server.depart(client[0])
         self.changed()
 
+    async def runs_in(self, who: str, process: dict) -> None:
+        """The client ``who`` (a credential) runs in ``process``
+        (:func:`~rlmetrics.backends.ray.compat.process`), whose end the root aggregator watches for."""
+        client = self._who(who)
+        if isinstance(client, str):
+            raise SubmissionError(client)
+        if not (isinstance(process, dict) and all(isinstance(v, str) for v in process.values())):
+            raise SubmissionError(f"a process is a dict of str ids, got {process!r:.80}")
+        self.server.runs_in(client[0], process)
+        self.changed()
+
     async def watch(self) -> None:
         """Never returns: a client's watcher learns of this incarnation's death when it fails."""
         await asyncio.Event().wait()

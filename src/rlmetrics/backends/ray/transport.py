@@ -104,8 +104,13 @@ class RayTransport:
         self._call("depart", who)
 
     def watch(self, client: Any) -> None:
-        """Resend ``client``'s kept submissions whenever the actor restarts (one thread per actor)."""
+        """Resend ``client``'s kept submissions whenever the actor restarts (one thread per actor);
+        in a Ray actor, tell the root aggregator where the client runs, so that it stops waiting for
+        it when that actor dies (:func:`~rlmetrics.backends.ray.compat.process`)."""
         _Watcher.of(self).clients.add(client)
+        process = compat.process()
+        if process is not None:  # no reply awaited: an error would come from a later call anyway
+            compat.remote(self.root.runs_in, client.credential, process)
 
 
 def _wait_alive(handle: Any, timeout: float) -> str:
