@@ -216,6 +216,7 @@ class ClientCore:
         self._nan_warned: set[str] = set()
         self._conflict_warned: set[str] = set()
         self._provisional_warned = False
+        self._missed = -1  # newest step the aggregator ended without this client's close (notify_missed)
         self.stopped = False  # stop() left for good: no more submissions
         self.finalized_state: tuple[int, list[int]] = (0, [])  # as the aggregator last reported it
         self._lock = threading.RLock()  # a watcher thread may resend while the owner submits
@@ -280,7 +281,11 @@ class ClientCore:
         ws = self.world_size if world_size is None else world_size_arg(world_size)
         if ws is None:
             raise ValueError("submit_metric needs world_size (or a client created with world_size=...)")
-        step = self.step if step is None else _step_arg(step)  # refused here, before anything is sent
+        if step is None:
+            self._catch_up()
+            step = self.step
+        else:
+            step = _step_arg(step)  # refused here, before anything is sent
         if not isinstance(metrics, Mapping):
             raise MetricValueError(
                 f"metrics must be a mapping of name to value, got {type(metrics).__name__}"
@@ -402,22 +407,71 @@ class ClientCore:
             del self._kept[step]
         for step in [s for s in self._closed if reply.is_final(s)]:
             del self._closed[step]
+        if reply.missed >= 0:
+            self.notify_missed(reply.missed)
         if reply.late:
-            hint = "This rank was slower than the reader's timeout (give the reader a longer one)"
-            if 0 in reply.late:  # or it joined late: a new client starts at step 0
-                hint += (
-                    ", or it was created after the others closed step 0: create the clients before the "
-                    "first step, or set client.step = N (or wait_submit(step=N)) to join at step N"
-                )
-            warnings.warn(
-                f"rlmetrics: client {self.client_id}: its data for step(s) {reply.late[:10]} came after the "
-                "step was final (ended by a reader's deadline, wait_final_res or step_timeout) and was "
-                f"dropped, counted in meta.late. {hint}",
-                LateDataWarning,
-                stacklevel=caller_level(),
-            )
+            self._warn_late(reply.late, reply.missed)
         if reply.errors:
             raise MetricValueError("; ".join(reply.errors.values()))
+
+    def notify_missed(self, step: int) -> None:
+        """The aggregator ended ``step`` at a ``wait_final_res()`` read without this client's close
+        (:meth:`~rlmetrics.engine.server.Server.final`): if this client's counter is at or before
+        ``step`` it skipped a ``wait_submit()``, and its next implicit step is ``step + 1``
+        (:meth:`_catch_up`). Any thread may call it (a backend's push: it takes no lock)."""
+        if step > self._missed:
+            self._missed = step
+
+    def _catch_up(self) -> None:
+        """Move the step counter past the newest step the aggregator ended without this client's
+        close (:meth:`notify_missed`), dropping what is queued for the steps it skips, and tell once:
+        data queued after that is its next iteration's, and goes to the step the others are at."""
+        missed = self._missed
+        if missed < self.step:
+            return
+        with self._lock:
+            skipped = list(range(self.step, missed + 1))
+            dropped = [item for item in self._buffer if item[0] <= missed]
+            self._buffer = [item for item in self._buffer if item[0] > missed]
+            self.step = missed + 1
+        lost = f"; {len(dropped)} queued submission(s) for it were dropped" if dropped else ""
+        warnings.warn(
+            f"rlmetrics: client {self.client_id}: step(s) {_steps_text(skipped)} ended at "
+            f"wait_final_res() without this rank's close, though the others had closed them: a "
+            f"wait_submit() was skipped (after a caught exception?){lost}. This rank goes on at step "
+            f"{self.step}, where the others are. Close every step with wait_submit() (in a finally: "
+            "block), or pass the trainer's step: wait_submit(step=...)",
+            StepWarning,
+            stacklevel=caller_level(),
+        )
+
+    def _warn_late(self, late: list[int], missed: int) -> None:
+        """Say why this client's data for the ``late`` steps was dropped, and what to do."""
+        if late[0] <= missed:  # the seed's read ended it after every rank's step: a close was skipped
+            hint = (
+                "wait_final_res() ended it without this rank's close, though the others had closed it: a "
+                "wait_submit() was skipped (after a caught exception?), and this rank's steps were behind "
+                "the others'. Close every step with wait_submit() (in a finally: block), or pass the "
+                "trainer's step: wait_submit(step=...)"
+            )
+        elif late[0] == 0:  # a new client starts at step 0
+            hint = (
+                "This rank was created after the others closed step 0: create the clients before the "
+                "first step, or pass the trainer's step (wait_submit(step=N)) to join at step N"
+            )
+        else:
+            hint = (
+                "A reader's deadline ended it first (result(step, timeout, finalize=True), or the "
+                "aggregator's step_timeout): give it a longer timeout if this rank is that slow; if it "
+                "skipped a wait_submit() its steps are behind the others': pass the trainer's step "
+                "(wait_submit(step=...))"
+            )
+        warnings.warn(
+            f"rlmetrics: client {self.client_id}: its data for step(s) {_steps_text(late)} came after the "
+            f"step was final and was dropped (counted in meta.late). {hint}",
+            LateDataWarning,
+            stacklevel=caller_level(),
+        )
 
     def flush(self) -> None:
         """Send what is queued and wait until the aggregator has everything this client sent."""
@@ -444,6 +498,8 @@ class ClientCore:
         """
         self._check_running()
         with self._lock:
+            if step is None:
+                self._catch_up()
             current = self.step if step is None else _step_arg(step)
             ahead = {item[0] for item in self._buffer} - {current}
             if ahead and min(ahead) > current and not any(item[0] == current for item in self._buffer):
@@ -581,6 +637,15 @@ def _missing(res: StepResult) -> str:
     if any(name in meta.conflicts for name in missing):
         text += " (ranks gave them different world_size: meta.conflicts)"
     return text
+
+
+def _steps_text(steps: list[int]) -> str:
+    """Steps in a message: a list, or its bounds when long.
+
+    >>> _steps_text([1, 2]), _steps_text(list(range(3, 40)))
+    ('[1, 2]', '3..39 (37 steps)')
+    """
+    return str(steps) if len(steps) <= 5 else f"{steps[0]}..{steps[-1]} ({len(steps)} steps)"
 
 
 def world_size_arg(world_size: Any) -> int:

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rlmetrics.client import SyncTransport, identity
+from rlmetrics.client import ClientCore, SyncTransport, identity
 from rlmetrics.engine.server import Server
 from rlmetrics.messages import Close, Message, Reply, StepResult, Submission, SubmissionError
 
@@ -41,6 +42,7 @@ class LocalMetricWorker(SyncTransport):
         self.engine = self.server.engine
         self._cond = threading.Condition()
         self.running = True
+        self._clients: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # by client id
 
     # ----------------------------------------------------------------- the seed's worker API
     def start(self) -> None:
@@ -62,7 +64,9 @@ class LocalMetricWorker(SyncTransport):
         with self._cond:
             target = self.server.final_target()
             self._wait(lambda: self.server.final_ready(target), self._deadline(timeout))
-            return self.server.final(target)
+            out = self.server.final(target)
+            self._tell()
+            return out
 
     # ----------------------------------------------------------------- transport for clients
     def send(self, who: str, items: list[Submission], close: list[Close], resync: bool = False) -> Reply:
@@ -87,6 +91,18 @@ class LocalMetricWorker(SyncTransport):
 
     def final(self, timeout: float | None = None) -> StepResult:
         return self.wait_final_res(timeout)
+
+    def watch(self, client: ClientCore) -> None:
+        """Tell ``client`` of the steps a read ends without its close, before the read returns."""
+        self._clients[client.client_id] = client
+
+    def _tell(self) -> None:
+        """Hand the server's notices to the clients they are about (with the lock held)."""
+        for client_id, step in self.server.notices:
+            client = self._clients.get(client_id)
+            if client is not None:
+                client.notify_missed(step)
+        self.server.notices.clear()
 
     def register(self, who: str) -> None:
         with self._cond:

@@ -140,6 +140,8 @@ class Server:
         self._sessions_checked = 0.0  # when the open sessions were last asked whether they ended
         self._direct = itertools.count()
         self._late = 0  # the engine's late count when the previous step was finalized
+        self.missed: dict[str, int] = {}  # client -> newest step a final() read ended without its close
+        self.notices: list[tuple[str, int]] = []  # (client, step) of :attr:`missed`, for a backend to push
 
     @property
     def finalizes(self) -> bool:
@@ -254,6 +256,7 @@ class Server:
         errors or late data share one reply object (Ray pickles it once)."""
         steps: set[int] = set()
         outcomes = []
+        messages = list(messages)
         for message in messages:
             late: set[int] = set()
             errors = self.merge(*message, steps=steps, late=late)
@@ -261,7 +264,12 @@ class Server:
         self.finalize_complete(steps)
         self.persist()
         plain = self.reply({})
-        return [self.reply(errors, late) if errors or late else plain for errors, late in outcomes]
+        return [
+            self.reply(errors, late, self.missed.get(message[0], -1))
+            if errors or late or message[0] in self.missed
+            else plain
+            for message, (errors, late) in zip(messages, outcomes)
+        ]
 
     def merge(
         self,
@@ -398,10 +406,11 @@ class Server:
             if engine.has_closed_data(step) and engine.is_complete(step):
                 self.finalize(step)
 
-    def reply(self, errors: dict[str, str], late: Iterable[int] = ()) -> Reply:
+    def reply(self, errors: dict[str, str], late: Iterable[int] = (), missed: int = -1) -> Reply:
         """The reply to a message: its ``errors``, the steps whose data it sent was dropped as
-        ``late``, and the steps its client may stop keeping (:meth:`durable`)."""
-        return Reply(errors, self.incarnation, *self.durable(), late=sorted(late))
+        ``late``, the steps its client may stop keeping (:meth:`durable`) and the newest step a
+        ``final()`` read ended without its close (``missed``, :meth:`final`)."""
+        return Reply(errors, self.incarnation, *self.durable(), late=sorted(late), missed=missed)
 
     def submit_direct(self, metrics: Mapping[str, Any], world_size: int, step: int | None = None) -> None:
         """A submission without a client (the seed's ``MetricWorker.submit_metric``): into ``step``,
@@ -507,10 +516,22 @@ class Server:
         return self.result_ready(target)
 
     def final(self, target: int | None) -> StepResult:
-        """The :meth:`final_target` read: ``target`` finalized (saved)."""
+        """The :meth:`final_target` read: ``target`` finalized (saved).
+
+        Its contract is the seed's loop: it reads once every rank's step returned. A registered
+        client that had not closed ``target`` skipped a ``wait_submit()`` (its counter is behind),
+        unless it is gone: it is told (:attr:`missed`, in its replies and through
+        :attr:`notices`), and its client moves its counter past ``target``
+        (:meth:`~rlmetrics.client.ClientCore.notify_missed`)."""
         if target is None:
             return StepResult({}, -1)
+        engine = self.engine
+        absent = [] if engine.is_finalized(target) else sorted(engine.clients - engine.closers(target))
         result = self.finalize(target)
+        for client in absent:
+            if target > self.missed.get(client, -1):
+                self.missed[client] = target
+                self.notices.append((client, target))
         self.persist()
         return result
 
