@@ -102,6 +102,7 @@ class SyncTransport:
 
 
 _HASHED = re.compile(r"@.*:([0-9a-f]{16})$")  # an id new_identity made: it ends with its secret's hash
+_PROCESS = re.compile(r"@(.*):[0-9a-f]{16}$")
 
 
 def new_identity(label: str | None = None) -> tuple[str, str]:
@@ -114,6 +115,17 @@ def new_identity(label: str | None = None) -> tuple[str, str]:
     """
     secret = secrets.token_hex(16)
     return f"{label or 'client'}@{socket.gethostname()}:{os.getpid()}:{_digest(secret)}", secret
+
+
+def process_of(client_id: str) -> str | None:
+    """``"host:pid"`` of the process that made ``client_id`` with :func:`new_identity` (else None):
+    where a backend's push about that client goes.
+
+    >>> process_of("rank3@vm:42:0123456789abcdef"), process_of("rank3")
+    ('vm:42', None)
+    """
+    found = _PROCESS.search(client_id)
+    return found.group(1) if found else None
 
 
 def _digest(secret: str) -> str:

@@ -137,6 +137,7 @@ class _MetricWorker(Shell):
             await self._drain(target)
         out = self.server.final(target)
         self.changed()
+        await self.tell()
         return out
 
     # ------------------------------------------------------------------------ membership
