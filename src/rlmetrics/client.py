@@ -229,6 +229,8 @@ class ClientCore:
         self._conflict_warned: set[str] = set()
         self._provisional_warned = False
         self._missed = -1  # newest step the aggregator ended without this client's close (notify_missed)
+        self._notice: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())  # its ahead and behind
+        self._told = -1  # the newest of those this client acted on and told
         self.stopped = False  # stop() left for good: no more submissions
         self.finalized_state: tuple[int, list[int]] = (0, [])  # as the aggregator last reported it
         self._lock = threading.RLock()  # a watcher thread may resend while the owner submits
@@ -419,43 +421,67 @@ class ClientCore:
             del self._kept[step]
         for step in [s for s in self._closed if reply.is_final(s)]:
             del self._closed[step]
-        if reply.missed >= 0:
+        if reply.missed > self._missed:
             self.notify_missed(reply.missed)
         if reply.late:
             self._warn_late(reply.late, reply.missed)
+            if self.step > reply.missed >= reply.late[0]:  # that warning told it: the counter is past
+                self._told = max(self._told, reply.missed)
         if reply.errors:
             raise MetricValueError("; ".join(reply.errors.values()))
 
-    def notify_missed(self, step: int) -> None:
-        """The aggregator ended ``step`` at a ``wait_final_res()`` read without this client's close
-        (:meth:`~rlmetrics.engine.server.Server.final`): if this client's counter is at or before
-        ``step`` it skipped a ``wait_submit()``, and its next implicit step is ``step + 1``
-        (:meth:`_catch_up`). Any thread may call it (a backend's push: it takes no lock)."""
+    def notify_missed(self, step: int, ahead: Iterable[str] = (), behind: Iterable[str] = ()) -> None:
+        """The aggregator ended ``step`` at a ``wait_final_res()`` read (after every rank's step)
+        without this client's close (:meth:`~rlmetrics.engine.server.Server.final`), while the
+        clients ``ahead`` had closed it (none: this client skipped a ``wait_submit()``); or, with
+        ``behind``, this client closed ``step`` one step before those did. At its next call
+        (:meth:`_catch_up`) a client at or before ``step`` goes on at ``step + 1``, and it says so
+        once. Any thread may call it (a backend's push): it only notes it."""
         if step > self._missed:
+            self._notice = (tuple(ahead), tuple(behind))
             self._missed = step
 
     def _catch_up(self) -> None:
         """Move the step counter past the newest step the aggregator ended without this client's
         close (:meth:`notify_missed`), dropping what is queued for the steps it skips, and tell once:
         data queued after that is its next iteration's, and goes to the step the others are at."""
-        missed = self._missed
-        if missed < self.step:
+        if self._missed <= self._told:
             return
         with self._lock:
+            missed, (ahead, behind) = self._missed, self._notice
+            self._told = missed
             skipped = list(range(self.step, missed + 1))
             dropped = [item for item in self._buffer if item[0] <= missed]
             self._buffer = [item for item in self._buffer if item[0] > missed]
-            self.step = missed + 1
+            self.step = max(self.step, missed + 1)
         lost = f"; {len(dropped)} queued submission(s) for it were dropped" if dropped else ""
-        warnings.warn(
-            f"rlmetrics: client {self.client_id}: step(s) {_steps_text(skipped)} ended at "
-            f"wait_final_res() without this rank's close, though the others had closed them: a "
-            f"wait_submit() was skipped (after a caught exception?){lost}. This rank goes on at step "
-            f"{self.step}, where the others are. Close every step with wait_submit() (in a finally: "
-            "block), or pass the trainer's step: wait_submit(step=...)",
-            StepWarning,
-            stacklevel=caller_level(),
-        )
+        me = f"rlmetrics: client {self.client_id}"
+        if behind:
+            text = (
+                f"{me}: closed step {missed} before rank(s) {_names(behind)} did (they were at step "
+                f"{missed - 1}): it closed one step more than they did (wait_submit() twice in one "
+                f"iteration?); they go on at step {missed + 1}, as it does. Close each step once, or "
+                "pass the trainer's step: wait_submit(step=...)"
+            )
+        elif not skipped:
+            return
+        elif ahead:
+            text = (
+                f"{me}: step(s) {_steps_text(skipped)} ended at wait_final_res() without this rank's "
+                f"close: rank(s) {_names(ahead)} had closed step {missed} already, one step more than this "
+                f"rank (wait_submit() twice in one iteration?){lost}. This rank goes on at step "
+                f"{self.step}, where they are. Close each step once, or pass the trainer's step: "
+                "wait_submit(step=...)"
+            )
+        else:
+            text = (
+                f"{me}: step(s) {_steps_text(skipped)} ended at wait_final_res() without this rank's "
+                f"close, though the others had closed them: a wait_submit() was skipped (after a caught "
+                f"exception?){lost}. This rank goes on at step {self.step}, where the others are. Close "
+                "every step with wait_submit() (in a finally: block), or pass the trainer's step: "
+                "wait_submit(step=...)"
+            )
+        warnings.warn(text, StepWarning, stacklevel=caller_level())
 
     def _warn_late(self, late: list[int], missed: int) -> None:
         """Say why this client's data for the ``late`` steps was dropped, and what to do."""
@@ -649,6 +675,12 @@ def _missing(res: StepResult) -> str:
     if any(name in meta.conflicts for name in missing):
         text += " (ranks gave them different world_size: meta.conflicts)"
     return text
+
+
+def _names(clients: Iterable[str]) -> str:
+    """Clients in a message: their labels (``rank3``), their ids when they have none."""
+    names = [c.split("@", 1)[0] if "@" in c and not c.startswith("client@") else c for c in clients]
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def _steps_text(steps: list[int]) -> str:

@@ -98,10 +98,10 @@ class LocalMetricWorker(SyncTransport):
 
     def _tell(self) -> None:
         """Hand the server's notices to the clients they are about (with the lock held)."""
-        for client_id, step in self.server.notices:
-            client = self._clients.get(client_id)
+        for notice in self.server.notices:
+            client = self._clients.get(notice.client)
             if client is not None:
-                client.notify_missed(step)
+                client.notify_missed(*notice[1:])
         self.server.notices.clear()
 
     def register(self, who: str) -> None:

@@ -64,7 +64,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from rlmetrics.engine.aggregator import Aggregator
 from rlmetrics.engine.store import RefusedState, Store
@@ -79,6 +79,17 @@ FINAL_TIMEOUT = 60.0
 partial (with ``meta`` naming what is missing, and a warning)."""
 SAVED_RESULTS = 2
 """Newest results a saved state keeps: a read retried across a restart finds its step."""
+
+
+class Notice(NamedTuple):
+    """What a ``final()`` read tells a client (:meth:`Server.final`): it ended ``step`` without the
+    client's close, while the clients ``ahead`` had closed it (none: the client skipped a close);
+    or, with ``behind``, that the client closed ``step`` before those, one step more than they."""
+
+    client: str
+    step: int
+    ahead: tuple[str, ...] = ()
+    behind: tuple[str, ...] = ()
 
 
 class Server:
@@ -141,7 +152,7 @@ class Server:
         self._direct = itertools.count()
         self._late = 0  # the engine's late count when the previous step was finalized
         self.missed: dict[str, int] = {}  # client -> newest step a final() read ended without its close
-        self.notices: list[tuple[str, int]] = []  # (client, step) of :attr:`missed`, for a backend to push
+        self.notices: list[Notice] = []  # what :meth:`final` tells clients, for a backend to push
 
     @property
     def finalizes(self) -> bool:
@@ -518,20 +529,28 @@ class Server:
     def final(self, target: int | None) -> StepResult:
         """The :meth:`final_target` read: ``target`` finalized (saved).
 
-        Its contract is the seed's loop: it reads once every rank's step returned. A registered
-        client that had not closed ``target`` skipped a ``wait_submit()`` (its counter is behind),
-        unless it is gone: it is told (:attr:`missed`, in its replies and through
-        :attr:`notices`), and its client moves its counter past ``target``
-        (:meth:`~rlmetrics.client.ClientCore.notify_missed`)."""
+        Its contract is the seed's loop: it reads once every rank's step returned, so a registered
+        client that had not closed ``target`` is one step off (unless it is gone): it skipped a
+        ``wait_submit()`` (it closed no pending step before ``target``: its counter is behind), or
+        the clients that closed ``target`` closed one step more than it did (``wait_submit()``
+        twice in an iteration: theirs is ahead). Each is told (:attr:`notices`; the one behind
+        also in its replies, :attr:`missed`), and moves its counter past ``target``
+        (:meth:`~rlmetrics.client.ClientCore.notify_missed`): every rank goes on at the same step.
+        The clients ahead are told too."""
         if target is None:
             return StepResult({}, -1)
         engine = self.engine
-        absent = [] if engine.is_finalized(target) else sorted(engine.clients - engine.closers(target))
+        absent = set() if engine.is_finalized(target) else engine.clients - engine.closers(target)
+        earlier = [engine.closers(s) for s in engine.pending_steps() if s < target]
+        on_time = sorted(c for c in absent if any(c in closers for closers in earlier))
+        ahead = sorted(engine.closers(target)) if on_time else []
         result = self.finalize(target)
-        for client in absent:
+        for client in sorted(absent):
             if target > self.missed.get(client, -1):
                 self.missed[client] = target
-                self.notices.append((client, target))
+                others = tuple(ahead) if client in on_time else ()
+                self.notices.append(Notice(client, target, ahead=others))
+        self.notices += [Notice(client, target, behind=tuple(on_time)) for client in ahead]
         self.persist()
         return result
 

@@ -18,7 +18,7 @@ from rlmetrics.backends.ray import compat
 from rlmetrics.backends.ray.compat import ray
 from rlmetrics.backends.ray.store import KVStore
 from rlmetrics.client import identity, process_of, public_id
-from rlmetrics.engine.server import Server
+from rlmetrics.engine.server import Notice, Server
 from rlmetrics.messages import Message, Reply, SubmissionError
 from rlmetrics.wire import SchemaTable, decode
 
@@ -43,7 +43,7 @@ class Shell:
         self.calls: Counter[str] = Counter()
         self._changed = asyncio.Event()
         self._told = 0  # notices pushed so far (:meth:`tell`)
-        self._notices: list[tuple[int, str, int]] = []  # the newest: (number, client, step)
+        self._notices: list[tuple[int, Notice]] = []  # the newest, numbered
         self._acked: dict[str, int] = {}  # process -> the newest notice number its watcher has
         self._telling = asyncio.Event()  # set when notices are added
 
@@ -162,16 +162,16 @@ class Shell:
 
     async def watch(self, process: str | None = None, seen: int = -1) -> tuple[int, list[tuple[str, int]]]:
         """A process's watcher (:mod:`~rlmetrics.backends.ray.transport`): fails when this
-        incarnation dies; returns ``(number, [(client, step), ...])`` once there are notices after
-        ``seen`` for clients of ``process`` (``"host:pid"``): steps a read ended without their
-        close. The next call's ``seen`` acknowledges them (:meth:`tell`). Without ``process`` it
-        never returns."""
+        incarnation dies; returns ``(number, [notice, ...])`` once there are notices
+        (:class:`~rlmetrics.engine.server.Notice`) after ``seen`` for clients of ``process``
+        (``"host:pid"``). The next call's ``seen`` acknowledges them (:meth:`tell`). Without
+        ``process`` it never returns."""
         if process is None:
             await asyncio.Event().wait()
         self._acked[process] = max(seen, self._acked.get(process, -1))
         self.changed()  # a read may be waiting for this acknowledgement
         while True:
-            news = [(c, s) for n, c, s in self._notices if n > seen and process_of(c) == process]
+            news = [notice for n, notice in self._notices if n > seen and process_of(notice.client) == process]
             if news:
                 return self._told, news
             await self._telling.wait()
@@ -184,12 +184,12 @@ class Shell:
         new, self.server.notices = self.server.notices, []
         if not new:
             return
-        for client, step in new:
+        for notice in new:
             self._told += 1
-            self._notices.append((self._told, client, step))
+            self._notices.append((self._told, notice))
         del self._notices[:-NOTICES]
         told = self._told
-        processes = {process_of(c) for c, _ in new} & set(self._acked)
+        processes = {process_of(notice.client) for notice in new} & set(self._acked)
         self._telling.set()
         self._telling = asyncio.Event()
         await self._wait(lambda: all(self._acked[p] >= told for p in processes), TELL_TIMEOUT)

@@ -279,11 +279,11 @@ class _Watcher:
         elif isinstance(error, compat.UNAVAILABLE) and ray.is_initialized():
             threading.Thread(target=self._recover, name="rlmetrics-watch", daemon=True).start()
 
-    def _tell(self, seen: int, notices: list[tuple[str, int]]) -> None:
+    def _tell(self, seen: int, notices: list[tuple]) -> None:
         for client in list(self.clients):
-            for client_id, step in notices:
-                if client.client_id == client_id:
-                    client.notify_missed(step)
+            for notice in notices:
+                if client.client_id == notice[0]:
+                    client.notify_missed(*notice[1:])
         self.seen = seen
         self._arm()  # acknowledges them
 
