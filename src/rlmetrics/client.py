@@ -488,9 +488,8 @@ class ClientCore:
         if late[0] <= missed:  # the seed's read ended it after every rank's step: a close was skipped
             hint = (
                 "wait_final_res() ended it without this rank's close, though the others had closed it: a "
-                "wait_submit() was skipped (after a caught exception?), and this rank's steps were behind "
-                "the others'. Close every step with wait_submit() (in a finally: block), or pass the "
-                "trainer's step: wait_submit(step=...)"
+                "wait_submit() was skipped (after a caught exception?). Close every step with "
+                "wait_submit() (in a finally: block), or pass the trainer's step: wait_submit(step=...)"
             )
         elif late[0] == 0:  # a new client starts at step 0
             hint = (
