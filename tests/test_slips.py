@@ -63,7 +63,9 @@ def check_run(results: list, rank_warnings: list[list[str]], slipped: int) -> No
         ranks = list(range(WORLD))
         if step == SLIP:
             ranks = [r for r in ranks if r != slipped]
-            assert res.meta.missing_ranks and all(f"rank{slipped}" in m for m in res.meta.missing_ranks), res.meta
+            assert res.meta.missing_ranks and all(f"rank{slipped}" in m for m in res.meta.missing_ranks), (
+                res.meta
+            )
         else:
             assert res.meta.complete and not res.meta.missing_ranks, (step, res.meta)
         got = {k: res[k] for k in ("x/mean", "x/max", "x/min")}
@@ -174,7 +176,9 @@ def test_a_rank_slower_than_a_finalizing_reader_is_never_moved_to_another_step()
     while rank 1 has not even submitted it. Rank 1's step-1 data is dropped as late, with the
     advice for a slow rank; its step 2 is step 2's data (nothing re-targeted: a wrong number)."""
     name = f"slips-{uuid.uuid4().hex[:8]}"
-    clients = [rlmetrics.connect("local", world_size=WORLD, name=name, label=f"rank{r}") for r in range(WORLD)]
+    clients = [
+        rlmetrics.connect("local", world_size=WORLD, name=name, label=f"rank{r}") for r in range(WORLD)
+    ]
     reader = rlmetrics.connect("local", name=name)
     try:
         for step in range(3):

@@ -171,7 +171,9 @@ class Shell:
         self._acked[process] = max(seen, self._acked.get(process, -1))
         self.changed()  # a read may be waiting for this acknowledgement
         while True:
-            news = [notice for n, notice in self._notices if n > seen and process_of(notice.client) == process]
+            news = [
+                notice for n, notice in self._notices if n > seen and process_of(notice.client) == process
+            ]
             if news:
                 return self._told, news
             await self._telling.wait()

@@ -275,7 +275,9 @@ class _Watcher:
     def _fired(self, future: Future) -> None:
         error = future.exception()
         if error is None:
-            threading.Thread(target=self._tell, args=future.result(), name="rlmetrics-watch", daemon=True).start()
+            threading.Thread(
+                target=self._tell, args=future.result(), name="rlmetrics-watch", daemon=True
+            ).start()
         elif isinstance(error, compat.UNAVAILABLE) and ray.is_initialized():
             threading.Thread(target=self._recover, name="rlmetrics-watch", daemon=True).start()
 
