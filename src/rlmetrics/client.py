@@ -494,7 +494,7 @@ class ClientCore:
         elif late[0] == 0:  # a new client starts at step 0
             hint = (
                 "This rank was created after the others closed step 0: create the clients before the "
-                "first step, or pass the trainer's step (wait_submit(step=N)) to join at step N"
+                "first step, or set client.step = N (or pass wait_submit(step=N)) to join at step N"
             )
         else:
             hint = (
