@@ -275,12 +275,13 @@ class Server:
         self.finalize_complete(steps)
         self.persist()
         plain = self.reply({})
-        return [
-            self.reply(errors, late, self.missed.get(message[0], -1))
-            if errors or late or message[0] in self.missed
-            else plain
-            for message, (errors, late) in zip(messages, outcomes)
-        ]
+        replies = []
+        for message, (errors, late) in zip(messages, outcomes):
+            missed = self.missed.get(message.client, -1)
+            replies.append(self.reply(errors, late, missed) if errors or late or missed >= 0 else plain)
+            if missed >= 0 and any(type(step) is int and step > missed for step in message.close):
+                del self.missed[message.client]  # it closed a later step: it caught up
+        return replies
 
     def merge(
         self,
