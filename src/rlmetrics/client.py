@@ -458,39 +458,28 @@ class ClientCore:
         me = f"rlmetrics: client {self.client_id}"
         if behind:
             text = (
-                f"{me}: closed step {missed} before rank(s) {_names(behind)} did (they were at step "
-                f"{missed - 1}): it closed one step more than they did (wait_submit() twice in one "
-                f"iteration?); they go on at step {missed + 1}, as it does. Close each step once, or "
-                "pass the trainer's step: wait_submit(step=...)"
+                f"{me}: closed step {missed} before rank(s) {_names(behind)} did, one step more than they "
+                f"({_TWICE}); they go on at step {missed + 1}, as it does. {_CLOSE_ONCE}"
             )
         elif not skipped:
             return
-        elif ahead:
-            text = (
-                f"{me}: step(s) {_steps_text(skipped)} ended at wait_final_res() without this rank's "
-                f"close: rank(s) {_names(ahead)} had closed step {missed} already, one step more than this "
-                f"rank (wait_submit() twice in one iteration?){lost}. This rank goes on at step "
-                f"{self.step}, where they are. Close each step once, or pass the trainer's step: "
-                "wait_submit(step=...)"
-            )
         else:
+            why = (
+                f"rank(s) {_names(ahead)} had closed step {missed}, one step more ({_TWICE})"
+                if ahead
+                else (f"the others had closed them: {_SKIPPED}")
+            )
             text = (
-                f"{me}: step(s) {_steps_text(skipped)} ended at wait_final_res() without this rank's "
-                f"close, though the others had closed them: a wait_submit() was skipped (after a caught "
-                f"exception?){lost}. This rank goes on at step {self.step}, where the others are. Close "
-                "every step with wait_submit() (in a finally: block), or pass the trainer's step: "
-                "wait_submit(step=...)"
+                f"{me}: step(s) {_steps_text(skipped)} ended at wait_final_res() without this rank's close; "
+                f"{why}{lost}. This rank goes on at step {self.step}, where the others are. "
+                f"{_CLOSE_ONCE if ahead else _CLOSE_EVERY}"
             )
         warnings.warn(text, StepWarning, stacklevel=caller_level())
 
     def _warn_late(self, late: list[int], missed: int) -> None:
         """Say why this client's data for the ``late`` steps was dropped, and what to do."""
         if late[0] <= missed:  # the seed's read ended it after every rank's step: a close was skipped
-            hint = (
-                "wait_final_res() ended it without this rank's close, though the others had closed it: a "
-                "wait_submit() was skipped (after a caught exception?). Close every step with "
-                "wait_submit() (in a finally: block), or pass the trainer's step: wait_submit(step=...)"
-            )
+            hint = f"wait_final_res() ended it without this rank's close: {_SKIPPED}. {_CLOSE_EVERY}"
         elif late[0] == 0:  # a new client starts at step 0
             hint = (
                 "This rank was created after the others closed step 0: create the clients before the "
@@ -499,9 +488,8 @@ class ClientCore:
         else:
             hint = (
                 "A reader's deadline ended it first (result(step, timeout, finalize=True), or the "
-                "aggregator's step_timeout): give it a longer timeout if this rank is that slow; if it "
-                "skipped a wait_submit() its steps are behind the others': pass the trainer's step "
-                "(wait_submit(step=...))"
+                "aggregator's step_timeout): give it a longer timeout if this rank is that slow; if "
+                f"{_SKIPPED[2:]}, pass the trainer's step: wait_submit(step=...)"
             )
         warnings.warn(
             f"rlmetrics: client {self.client_id}: its data for step(s) {_steps_text(late)} came after the "
@@ -674,6 +662,15 @@ def _missing(res: StepResult) -> str:
     if any(name in meta.conflicts for name in missing):
         text += " (ranks gave them different world_size: meta.conflicts)"
     return text
+
+
+_SKIPPED = "a wait_submit() was skipped (after a caught exception?)"
+_TWICE = "wait_submit() twice in one iteration?"
+_CLOSE_EVERY = (
+    "Close every step with wait_submit() (in a finally: block), or pass the trainer's step: "
+    "wait_submit(step=...)"
+)
+_CLOSE_ONCE = "Close each step once, or pass the trainer's step: wait_submit(step=...)"
 
 
 def _names(clients: Iterable[str]) -> str:
