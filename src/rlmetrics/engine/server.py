@@ -541,10 +541,11 @@ class Server:
         if target is None:
             return StepResult({}, -1)
         engine = self.engine
-        absent = set() if engine.is_finalized(target) else engine.clients - engine.closers(target)
-        earlier = [engine.closers(s) for s in engine.pending_steps() if s < target]
-        on_time = sorted(c for c in absent if any(c in closers for closers in earlier))
-        ahead = sorted(engine.closers(target)) if on_time else []
+        closers = set() if engine.is_finalized(target) else engine.closers(target)
+        absent = engine.clients - closers if closers else set()  # none: a direct round, no client's step
+        earlier = set().union(*(engine.closers(s) for s in engine.pending_steps() if s < target))
+        on_time = sorted(absent & earlier)  # at an earlier pending step: not behind, the closers are ahead
+        ahead = sorted(closers) if on_time else []
         result = self.finalize(target)
         for client in sorted(absent):
             if target > self.missed.get(client, -1):
