@@ -106,6 +106,7 @@ class SyncTransport:
 
 
 _HASHED = re.compile(r"@.*:([0-9a-f]{16})$")  # an id new_identity made: it ends with its secret's hash
+_PROCESS = re.compile(r"@(.*):[0-9a-f]{16}$")
 
 
 def new_identity(label: str | None = None) -> tuple[str, str]:
@@ -118,6 +119,17 @@ def new_identity(label: str | None = None) -> tuple[str, str]:
     """
     secret = secrets.token_hex(16)
     return f"{label or 'client'}@{socket.gethostname()}:{os.getpid()}:{_digest(secret)}", secret
+
+
+def process_of(client_id: str) -> str | None:
+    """``"host:pid"`` of the process that made ``client_id`` with :func:`new_identity` (else None):
+    where a backend's push about that client goes.
+
+    >>> process_of("rank3@vm:42:0123456789abcdef"), process_of("rank3")
+    ('vm:42', None)
+    """
+    found = _PROCESS.search(client_id)
+    return found.group(1) if found else None
 
 
 def _digest(secret: str) -> str:
@@ -224,6 +236,9 @@ class ClientCore:
         self._conflict_warned: set[str] = set()
         self._approximate_warned: set[str] = set()
         self._provisional_warned = False
+        self._missed = -1  # newest step the aggregator ended without this client's close (notify_missed)
+        self._notice: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())  # its ahead and behind
+        self._told = -1  # the newest of those this client acted on and told
         self.stopped = False  # stop() left for good: no more submissions
         self.finalized_state: tuple[int, list[int]] = (0, [])  # as the aggregator last reported it
         self._lock = threading.RLock()  # a watcher thread may resend while the owner submits
@@ -288,7 +303,11 @@ class ClientCore:
         ws = self.world_size if world_size is None else world_size_arg(world_size)
         if ws is None:
             raise ValueError("submit_metric needs world_size (or a client created with world_size=...)")
-        step = self.step if step is None else _step_arg(step)  # refused here, before anything is sent
+        if step is None:
+            self._catch_up()
+            step = self.step
+        else:
+            step = _step_arg(step)  # refused here, before anything is sent
         if not isinstance(metrics, Mapping):
             raise MetricValueError(
                 f"metrics must be a mapping of name to value, got {type(metrics).__name__}"
@@ -410,22 +429,82 @@ class ClientCore:
             del self._kept[step]
         for step in [s for s in self._closed if reply.is_final(s)]:
             del self._closed[step]
+        if reply.missed > self._missed:
+            self.notify_missed(reply.missed)
         if reply.late:
-            hint = "This rank was slower than the reader's timeout (give the reader a longer one)"
-            if 0 in reply.late:  # or it joined late: a new client starts at step 0
-                hint += (
-                    ", or it was created after the others closed step 0: create the clients before the "
-                    "first step, or set client.step = N (or wait_submit(step=N)) to join at step N"
-                )
-            warnings.warn(
-                f"rlmetrics: client {self.client_id}: its data for step(s) {reply.late[:10]} came after the "
-                "step was final (ended by a reader's deadline, wait_final_res or step_timeout) and was "
-                f"dropped, counted in meta.late. {hint}",
-                LateDataWarning,
-                stacklevel=caller_level(),
-            )
+            self._warn_late(reply.late, reply.missed)
+            if self.step > reply.missed >= reply.late[0]:  # that warning told it: the counter is past
+                self._told = max(self._told, reply.missed)
         if reply.errors:
             raise MetricValueError("; ".join(reply.errors.values()))
+
+    def notify_missed(self, step: int, ahead: Iterable[str] = (), behind: Iterable[str] = ()) -> None:
+        """The aggregator ended ``step`` at a ``wait_final_res()`` read (after every rank's step)
+        without this client's close (:meth:`~rlmetrics.engine.server.Server.final`), while the
+        clients ``ahead`` had closed it (none: this client skipped a ``wait_submit()``); or, with
+        ``behind``, this client closed ``step`` one step before those did. At its next call
+        (:meth:`_catch_up`) a client at or before ``step`` goes on at ``step + 1``, and it says so
+        once. Any thread may call it (a backend's push): it only notes it."""
+        if step > self._missed:
+            self._notice = (tuple(ahead), tuple(behind))
+            self._missed = step
+
+    def _catch_up(self) -> None:
+        """Move the step counter past the newest step the aggregator ended without this client's
+        close (:meth:`notify_missed`), dropping what is queued for the steps it skips, and tell once:
+        data queued after that is its next iteration's, and goes to the step the others are at."""
+        if self._missed <= self._told:
+            return
+        with self._lock:
+            missed, (ahead, behind) = self._missed, self._notice
+            self._told = missed
+            skipped = list(range(self.step, missed + 1))
+            dropped = [item for item in self._buffer if item[0] <= missed]
+            self._buffer = [item for item in self._buffer if item[0] > missed]
+            self.step = max(self.step, missed + 1)
+        lost = f"; {len(dropped)} queued submission(s) for it were dropped" if dropped else ""
+        me = f"rlmetrics: client {self.client_id}"
+        if behind:
+            text = (
+                f"{me}: closed step {missed} before rank(s) {_names(behind)} did, one step more than they "
+                f"({_TWICE}); they go on at step {missed + 1}, as it does. {_CLOSE_ONCE}"
+            )
+        elif not skipped:
+            return
+        else:
+            why = (
+                f"rank(s) {_names(ahead)} had closed step {missed}, one step more ({_TWICE})"
+                if ahead
+                else (f"the others had closed them: {_SKIPPED}")
+            )
+            text = (
+                f"{me}: step(s) {_steps_text(skipped)} ended at wait_final_res() without this rank's close; "
+                f"{why}{lost}. This rank goes on at step {self.step}, where the others are. "
+                f"{_CLOSE_ONCE if ahead else _CLOSE_EVERY}"
+            )
+        warnings.warn(text, StepWarning, stacklevel=caller_level())
+
+    def _warn_late(self, late: list[int], missed: int) -> None:
+        """Say why this client's data for the ``late`` steps was dropped, and what to do."""
+        if late[0] <= missed:  # the seed's read ended it after every rank's step: a close was skipped
+            hint = f"wait_final_res() ended it without this rank's close: {_SKIPPED}. {_CLOSE_EVERY}"
+        elif late[0] == 0:  # a new client starts at step 0
+            hint = (
+                "This rank was created after the others closed step 0: create the clients before the "
+                "first step, or set client.step = N (or pass wait_submit(step=N)) to join at step N"
+            )
+        else:
+            hint = (
+                "A reader's deadline ended it first (result(step, timeout, finalize=True), or the "
+                "aggregator's step_timeout): give it a longer timeout if this rank is that slow; if "
+                f"{_SKIPPED[2:]}, pass the trainer's step: wait_submit(step=...)"
+            )
+        warnings.warn(
+            f"rlmetrics: client {self.client_id}: its data for step(s) {_steps_text(late)} came after the "
+            f"step was final and was dropped (counted in meta.late). {hint}",
+            LateDataWarning,
+            stacklevel=caller_level(),
+        )
 
     def flush(self) -> None:
         """Send what is queued and wait until the aggregator has everything this client sent."""
@@ -452,6 +531,8 @@ class ClientCore:
         """
         self._check_running()
         with self._lock:
+            if step is None:
+                self._catch_up()
             current = self.step if step is None else _step_arg(step)
             ahead = {item[0] for item in self._buffer} - {current}
             if ahead and min(ahead) > current and not any(item[0] == current for item in self._buffer):
@@ -642,6 +723,30 @@ def _nothing_for(res: StepResult) -> str:
         f"no rank has submitted anything for step {res.step} ({where}): nothing was finalized, data that "
         f"comes for it still counts; you read step {res.step}: {advice}"
     )
+
+
+_SKIPPED = "a wait_submit() was skipped (after a caught exception?)"
+_TWICE = "wait_submit() twice in one iteration?"
+_CLOSE_EVERY = (
+    "Close every step with wait_submit() (in a finally: block), or pass the trainer's step: "
+    "wait_submit(step=...)"
+)
+_CLOSE_ONCE = "Close each step once, or pass the trainer's step: wait_submit(step=...)"
+
+
+def _names(clients: Iterable[str]) -> str:
+    """Clients in a message: their labels (``rank3``), their ids when they have none."""
+    names = [c.split("@", 1)[0] if "@" in c and not c.startswith("client@") else c for c in clients]
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def _steps_text(steps: list[int]) -> str:
+    """Steps in a message: a list, or its bounds when long.
+
+    >>> _steps_text([1, 2]), _steps_text(list(range(3, 40)))
+    ('[1, 2]', '3..39 (37 steps)')
+    """
+    return str(steps) if len(steps) <= 5 else f"{steps[0]}..{steps[-1]} ({len(steps)} steps)"
 
 
 def world_size_arg(world_size: Any) -> int:

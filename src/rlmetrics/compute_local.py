@@ -275,6 +275,8 @@ class ComputeLocal:
             raise ValueError(f"{name}: needs world_size (or a client created with world_size=...)")
         packed = pack({name: float(len(state.records)) if value is None else value})
         packed.states[0] = state
+        if step is None:
+            self._catch_up()
         with self._lock:
             self.submit_packed(packed, ws, self.step if step is None else int(step), self._next_seq())
 

@@ -286,9 +286,10 @@ class Reply:
     - nothing of it was merged: a Ray actor lacks the schema ids in ``unknown`` (it restarted, or
       forgot them), and the client sends the message again with names.
 
-    Either way: the aggregator's ``incarnation`` (a new one: the client resends what it keeps), and
+    Either way: the aggregator's ``incarnation`` (a new one: the client resends what it keeps),
     which steps are final, so the client stops keeping them (:meth:`is_final`: every step below
-    ``done_below`` and those in ``finalized``).
+    ``done_below`` and those in ``finalized``), and ``missed``: the newest step a
+    ``wait_final_res()`` read ended without this client's close (-1: none; its counter slipped).
 
     >>> reply = Reply({}, "incarnation-1", done_below=3, finalized=[5])
     >>> reply.merged, [s for s in range(7) if reply.is_final(s)]
@@ -301,6 +302,7 @@ class Reply:
     finalized: list[int] = field(default_factory=list)
     unknown: list[bytes] = field(default_factory=list)
     late: list[int] = field(default_factory=list)
+    missed: int = -1
 
     @property
     def merged(self) -> bool:

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from rlmetrics.backends.options import check_options
-from rlmetrics.client import SyncTransport, identity
+from rlmetrics.client import ClientCore, SyncTransport, identity
 from rlmetrics.engine.server import Server
 from rlmetrics.messages import Close, Message, Reply, StepResult, Submission, SubmissionError
 
@@ -43,6 +44,7 @@ class LocalMetricWorker(SyncTransport):
         self.engine = self.server.engine
         self._cond = threading.Condition()
         self.running = True
+        self._clients: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # by client id
 
     # ----------------------------------------------------------------- the seed's worker API
     def start(self) -> None:
@@ -69,6 +71,7 @@ class LocalMetricWorker(SyncTransport):
             server.note_reader(reader, session, False)
             self._wait(lambda: server.final_ready(server.final_target(reader)), self._deadline(timeout))
             out = server.final(server.final_target(reader), reader, session)
+            self._tell()
             self._cond.notify_all()
             return out
 
@@ -100,6 +103,18 @@ class LocalMetricWorker(SyncTransport):
 
     def final(self, timeout: float | None = None, who: str | None = None) -> StepResult:
         return self.wait_final_res(timeout, who)
+
+    def watch(self, client: ClientCore) -> None:
+        """Tell ``client`` of the steps a read ends without its close, before the read returns."""
+        self._clients[client.client_id] = client
+
+    def _tell(self) -> None:
+        """Hand the server's notices to the clients they are about (with the lock held)."""
+        for notice in self.server.notices:
+            client = self._clients.get(notice.client)
+            if client is not None:
+                client.notify_missed(*notice[1:])
+        self.server.notices.clear()
 
     def register(self, who: str) -> None:
         with self._cond:

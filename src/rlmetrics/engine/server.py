@@ -69,7 +69,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from rlmetrics.engine.aggregator import Aggregator
 from rlmetrics.engine.store import RefusedState, Store
@@ -93,6 +93,17 @@ FINAL_TIMEOUT = 60.0
 partial (with ``meta`` naming what is missing, and a warning)."""
 SAVED_RESULTS = 2
 """Newest results a saved state keeps: a read retried across a restart finds its step."""
+
+
+class Notice(NamedTuple):
+    """What a ``final()`` read tells a client (:meth:`Server.final`): it ended ``step`` without the
+    client's close, while the clients ``ahead`` had closed it (none: the client skipped a close);
+    or, with ``behind``, that the client closed ``step`` before those, one step more than they."""
+
+    client: str
+    step: int
+    ahead: tuple[str, ...] = ()
+    behind: tuple[str, ...] = ()
 
 
 class Server:
@@ -158,6 +169,8 @@ class Server:
         self._late = 0  # the engine's late count when the previous step was finalized
         self.logging_reader: tuple[str, str | None] | None = None  # (reader, session) ending steps
         self._returned: dict[str, int] = {}  # reader -> the step final() gave it last
+        self.missed: dict[str, int] = {}  # client -> newest step a final() read ended without its close
+        self.notices: list[Notice] = []  # what :meth:`final` tells clients, for a backend to push
 
     @property
     def finalizes(self) -> bool:
@@ -274,6 +287,7 @@ class Server:
         errors or late data share one reply object (Ray pickles it once)."""
         steps: set[int] = set()
         outcomes = []
+        messages = list(messages)
         for message in messages:
             late: set[int] = set()
             errors = self.merge(*message, steps=steps, late=late)
@@ -281,7 +295,13 @@ class Server:
         self.finalize_complete(steps)
         self.persist()
         plain = self.reply({})
-        return [self.reply(errors, late) if errors or late else plain for errors, late in outcomes]
+        replies = []
+        for message, (errors, late) in zip(messages, outcomes):
+            missed = self.missed.get(message.client, -1)
+            replies.append(self.reply(errors, late, missed) if errors or late or missed >= 0 else plain)
+            if missed >= 0 and any(type(step) is int and step > missed for step in message.close):
+                del self.missed[message.client]  # it closed a later step: it caught up
+        return replies
 
     def merge(
         self,
@@ -422,10 +442,11 @@ class Server:
             if engine.has_closed_data(step) and engine.is_settled(step):
                 self.finalize(step)
 
-    def reply(self, errors: dict[str, str], late: Iterable[int] = ()) -> Reply:
+    def reply(self, errors: dict[str, str], late: Iterable[int] = (), missed: int = -1) -> Reply:
         """The reply to a message: its ``errors``, the steps whose data it sent was dropped as
-        ``late``, and the steps its client may stop keeping (:meth:`durable`)."""
-        return Reply(errors, self.incarnation, *self.durable(), late=sorted(late))
+        ``late``, the steps its client may stop keeping (:meth:`durable`) and the newest step a
+        ``final()`` read ended without its close (``missed``, :meth:`final`)."""
+        return Reply(errors, self.incarnation, *self.durable(), late=sorted(late), missed=missed)
 
     def submit_direct(self, metrics: Mapping[str, Any], world_size: int, step: int | None = None) -> None:
         """A submission without a client (the seed's ``MetricWorker.submit_metric``): into ``step``,
@@ -593,7 +614,8 @@ class Server:
         """The :meth:`final_target` read of ``reader`` (of run ``session``): ``target`` final
         (saved) when complete or when ``reader`` :meth:`logs`, else provisional; each step once
         per reader. No ``target``: an empty result (step -1) whose ``meta.ranks_at`` says where
-        the ranks are."""
+        the ranks are. A step it ends without some registered rank's close tells that rank
+        (:meth:`_tell_missed`)."""
         engine = self.engine
         if target is None:
             if engine.newest_closed is None:
@@ -603,10 +625,33 @@ class Server:
             self._returned.clear()  # readers come and go (a client each): the old ones are forgotten
         self._returned[reader] = target
         if self.result_ready(target) or self.logs(reader, session):
+            self._tell_missed(target)
             result = self.finalize(target)
             self.persist()
             return result
         return engine.peek(target, contributions=engine.contributions(target))
+
+    def _tell_missed(self, target: int) -> None:
+        """Before a ``final`` read ends ``target``. Its contract is the seed's loop: it reads once
+        every rank's step returned, so a registered client that had not closed ``target`` is one
+        step off (unless it is gone): it skipped a ``wait_submit()`` (it closed no pending step
+        before ``target``: its counter is behind), or the clients that closed ``target`` closed one
+        step more than it did (``wait_submit()`` twice in an iteration: theirs is ahead). Each is
+        told (:attr:`notices`; the one behind also in its replies, :attr:`missed`), and moves its
+        counter past ``target`` (:meth:`~rlmetrics.client.ClientCore.notify_missed`): every rank
+        goes on at the same step. The clients ahead are told too."""
+        engine = self.engine
+        closers = set() if engine.is_finalized(target) else engine.closers(target)
+        absent = engine.clients - closers - set(engine.lost) if closers else set()  # none: a direct round
+        earlier = set().union(*(engine.closers(s) for s in engine.pending_steps() if s < target))
+        on_time = sorted(absent & earlier)  # at an earlier pending step: not behind, the closers are ahead
+        ahead = sorted(closers) if on_time else []
+        for client in sorted(absent):
+            if target > self.missed.get(client, -1):
+                self.missed[client] = target
+                others = tuple(ahead) if client in on_time else ()
+                self.notices.append(Notice(client, target, ahead=others))
+        self.notices += [Notice(client, target, behind=tuple(on_time)) for client in ahead]
 
     def finalize_due(self) -> list[int]:
         """Finalize the steps whose own deadline passed (:meth:`due_steps`) and save; those steps."""

@@ -182,6 +182,7 @@ class _MetricWorker(Shell):
             target = server.final_target(reader)
         out = server.final(target, reader, session)
         self.changed()
+        await self.tell()
         return out
 
     def _reader(self, who: str | None) -> tuple[str, str | None]:

@@ -18,8 +18,8 @@ from rlmetrics.backends.options import check_options
 from rlmetrics.backends.ray import compat
 from rlmetrics.backends.ray.compat import ray
 from rlmetrics.backends.ray.store import KVStore
-from rlmetrics.client import identity, public_id
-from rlmetrics.engine.server import Server
+from rlmetrics.client import identity, process_of, public_id
+from rlmetrics.engine.server import Notice, Server
 from rlmetrics.messages import Message, Reply, SubmissionError
 from rlmetrics.wire import SchemaTable, decode
 
@@ -43,6 +43,10 @@ class Shell:
         self.table = SchemaTable()
         self.calls: Counter[str] = Counter()
         self._changed = asyncio.Event()
+        self._told = 0  # notices pushed so far (:meth:`tell`)
+        self._notices: list[tuple[int, Notice]] = []  # the newest, numbered
+        self._acked: dict[str, int] = {}  # process -> the newest notice number its watcher has
+        self._telling = asyncio.Event()  # set when notices are added
 
     @property
     def incarnation(self) -> str:
@@ -168,9 +172,41 @@ class Shell:
         self.server.runs_in(client[0], process)
         self.changed()
 
-    async def watch(self) -> None:
-        """Never returns: a client's watcher learns of this incarnation's death when it fails."""
-        await asyncio.Event().wait()
+    async def watch(self, process: str | None = None, seen: int = -1) -> tuple[int, list[tuple[str, int]]]:
+        """A process's watcher (:mod:`~rlmetrics.backends.ray.transport`): fails when this
+        incarnation dies; returns ``(number, [notice, ...])`` once there are notices
+        (:class:`~rlmetrics.engine.server.Notice`) after ``seen`` for clients of ``process``
+        (``"host:pid"``). The next call's ``seen`` acknowledges them (:meth:`tell`). Without
+        ``process`` it never returns."""
+        if process is None:
+            await asyncio.Event().wait()
+        self._acked[process] = max(seen, self._acked.get(process, -1))
+        self.changed()  # a read may be waiting for this acknowledgement
+        while True:
+            news = [
+                notice for n, notice in self._notices if n > seen and process_of(notice.client) == process
+            ]
+            if news:
+                return self._told, news
+            await self._telling.wait()
+
+    async def tell(self) -> None:
+        """Push the server's notices (:attr:`~rlmetrics.engine.server.Server.notices`) to the
+        watchers of their clients' processes, and wait (at most ``TELL_TIMEOUT`` seconds, for the
+        processes that have a watcher) until they acknowledged them: the read returns once a rank
+        that skipped a close knows, before the driver starts its next step."""
+        new, self.server.notices = self.server.notices, []
+        if not new:
+            return
+        for notice in new:
+            self._told += 1
+            self._notices.append((self._told, notice))
+        del self._notices[:-NOTICES]
+        told = self._told
+        processes = {process_of(notice.client) for notice in new} & set(self._acked)
+        self._telling.set()
+        self._telling = asyncio.Event()
+        await self._wait(lambda: all(self._acked[p] >= told for p in processes), TELL_TIMEOUT)
 
     async def ping(self) -> str:
         return self.incarnation
@@ -180,6 +216,11 @@ class Shell:
         (for tests and monitoring), and why a saved state was refused (if one was)."""
         return {"calls": dict(self.calls), **self.server.stats()}
 
+
+TELL_TIMEOUT = 5.0
+"""Seconds a read waits for the watchers of the ranks it ended a step without (:meth:`Shell.tell`)."""
+NOTICES = 1024
+"""Notices an aggregator keeps for its watchers."""
 
 ACTOR_OPTIONS = {"num_cpus": 0, "max_restarts": -1, "max_concurrency": 100_000}
 """How aggregator actors are made: no training slot, restarted whenever they die, every waiting call

@@ -4,6 +4,8 @@ when the actor restarts."""
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 import time
 import weakref
@@ -249,7 +251,9 @@ class _Sender:
 
 class _Watcher:
     """One outstanding ``watch`` call per process and actor; when it fails (the actor died), every
-    client of this process resends what it keeps to the next incarnation.
+    client of this process resends what it keeps to the next incarnation; when it returns, the
+    aggregator ended steps without some clients' close: they are told
+    (:meth:`~rlmetrics.client.ClientCore.notify_missed`), and the next call acknowledges it.
 
     No thread waits on the call: Ray resolves it, and only then a short-lived thread does the work.
     """
@@ -261,6 +265,8 @@ class _Watcher:
         self.handle = transport.handle
         self.reconnect_timeout = transport.reconnect_timeout
         self.clients: weakref.WeakSet = weakref.WeakSet()
+        self.process = f"{socket.gethostname()}:{os.getpid()}"  # as in the ids of its clients
+        self.seen = -1  # the newest notice number received
         self._arm()
 
     @classmethod
@@ -269,19 +275,33 @@ class _Watcher:
 
     def _arm(self) -> None:
         try:
-            compat.remote(self.handle.watch).future().add_done_callback(self._fired)
+            compat.remote(self.handle.watch, self.process, self.seen).future().add_done_callback(self._fired)
         except ConnectionError:  # Ray is shut down: nothing to watch
             pass
 
     def _fired(self, future: Future) -> None:
-        if isinstance(future.exception(), compat.UNAVAILABLE) and ray.is_initialized():
+        error = future.exception()
+        if error is None:
+            threading.Thread(
+                target=self._tell, args=future.result(), name="rlmetrics-watch", daemon=True
+            ).start()
+        elif isinstance(error, compat.UNAVAILABLE) and ray.is_initialized():
             threading.Thread(target=self._recover, name="rlmetrics-watch", daemon=True).start()
+
+    def _tell(self, seen: int, notices: list[tuple]) -> None:
+        for client in list(self.clients):
+            for notice in notices:
+                if client.client_id == notice[0]:
+                    client.notify_missed(*notice[1:])
+        self.seen = seen
+        self._arm()  # acknowledges them
 
     def _recover(self) -> None:
         try:
             _wait_alive(self.handle, self.reconnect_timeout)
         except ConnectionError:
             return
+        self.seen = -1  # a new incarnation numbers its notices afresh
         self._arm()
         for client in list(self.clients):
             try:
