@@ -94,11 +94,11 @@ DTYPE_REL = (1e-9, 1e-5)  # relative tolerance: float64 data, float32 data
 
 # ------------------------------------------------------------------------------------------- scenarios
 @st.composite
-def scenarios(draw, world=None):
+def scenarios(draw, world=None, n_steps=STEPS):
     """A JSON-able description; the tensors are built from it (:func:`rank_step`)."""
     w = world or draw(st.integers(1, 4))
     steps = []
-    for _ in range(STEPS):
+    for _ in range(n_steps):
         steps.append(
             {
                 "sizes": draw(st.lists(st.integers(0, 5), min_size=w, max_size=w)),
@@ -119,13 +119,13 @@ def scenarios(draw, world=None):
     }
 
 
-def draw_scenarios(n: int, world: int | None = None) -> list[dict]:
+def draw_scenarios(n: int, world: int | None = None, n_steps: int = STEPS) -> list[dict]:
     """``n`` scenarios drawn by hypothesis (for the backends that run them all in one go): the last
     of ``5 n`` draws, past the simplest ones hypothesis starts with."""
     out: list[dict] = []
 
     @settings(max_examples=5 * n, database=None, derandomize=True, phases=[Phase.generate])
-    @given(scenarios(world))
+    @given(scenarios(world, n_steps))
     def collect(sc):
         out.append(sc)
 
@@ -368,15 +368,17 @@ def shard(metric: Metric, sc: dict, rank: int, step: int, common: dict | None = 
     return metric.inputs(np.random.default_rng([sc["seed"], step, rank, zlib.crc32(metric.name.encode())]))
 
 
-def run_rank(client, sc: dict, rank: int, step: int) -> None:
-    """The calls of one rank for one step: every family of :data:`METRICS` that runs in it, then
-    ``wait_submit()``."""
+def run_rank(client, sc: dict, rank: int, step: int, base: int | None = 0) -> None:
+    """The calls of one rank for scenario step ``step``: every family of :data:`METRICS` that runs
+    in it, then ``wait_submit()``. ``base``: the trainer's step of scenario step 0, passed to every
+    call (verl's ``global_steps``: 1); None: no step is passed, the client counts (the seed's loop)."""
     common = rank_step(sc, rank, step)
     spec = sc["steps"][step]
+    at = None if base is None else base + step
     for metric in METRICS:
         if metric.when(spec):
-            metric.submit(client, shard(metric, sc, rank, step, common), sc["world"], step)
-    client.wait_submit(step=step)
+            metric.submit(client, shard(metric, sc, rank, step, common), sc["world"], at)
+    client.wait_submit(step=at)
 
 
 SLOW_RANK_S = 0.5  # slow_last_rank's delay at every step
@@ -417,11 +419,22 @@ def expected(
     return {k: v for want in expected_by_metric(sc, step, ranks, metrics).values() for k, v in want.items()}
 
 
-def check(sc: dict, step: int, got, ranks: list[int] | None = None) -> None:
-    """``got`` is ``step`` of ``sc``: complete and equal to the reference, or with ``ranks`` final,
-    partial and equal to the reference over those ranks alone."""
-    assert got.step == step, (got.step, step)
-    assert got.meta.complete == (ranks is None) and not got.meta.provisional, got.meta
+def check(
+    sc: dict,
+    step: int,
+    got,
+    ranks: list[int] | None = None,
+    *,
+    at: int | None = None,
+    whole: bool | None = None,
+) -> None:
+    """``got`` is ``step`` of ``sc`` (read as trainer step ``at``, default ``step``): complete and
+    equal to the reference, or with ``ranks`` final, partial and equal to the reference over those
+    ranks alone. ``whole``: whether it is complete, when that is not ``ranks is None`` (a step after
+    a rank was lost: over the survivors, complete)."""
+    assert got.step == (step if at is None else at), (got.step, step, at)
+    whole = ranks is None if whole is None else whole
+    assert got.meta.complete == whole and not got.meta.provisional, got.meta
     by_metric = expected_by_metric(sc, step, ranks)
     want = {k: v for w in by_metric.values() for k, v in w.items()}
     names = set(got) - UNCHECKABLE - {"meta/coverage", "meta/late"}
@@ -512,6 +525,10 @@ def ray_ranks(ray, n: int) -> list:
 
         def step(self, name, sc, step, blocking=True, slow=False):
             (slow_last_rank if slow else run_rank)(self.clients[name], sc, self.rank, step)
+
+        def run(self, name, fn, *args):
+            """``fn(client, *args)`` with this rank's client of aggregator ``name`` (a test's own loop)."""
+            return fn(self.clients[name], *args)
 
     return [Rank.remote(r) for r in range(n)]
 
