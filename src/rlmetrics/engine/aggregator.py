@@ -129,6 +129,7 @@ class Aggregator:
         self._finalized: set[int] = set()  # finalized steps >= _done_below
         self._done_below = 0  # every step below it is finalized
         self._lowest: int | None = None  # the lowest step a client used (this incarnation)
+        self._unused: tuple[int, int] | None = None  # steps counted finalized though no client used them
         self._nan_warned: set[str] = set()
         self._layouts: dict[tuple[bytes, ...], Layout] = {}
         self._sent: dict[str, dict[bytes, int]] = {}  # client -> the world_size it gave each schema
@@ -235,6 +236,7 @@ class Aggregator:
                 raise SubmissionError(f"column {col}: {type(state).__name__} is not a state")
         if type(packed.contributions) is not int or not 1 <= packed.contributions <= MAX_WORLD_SIZE:
             raise SubmissionError(f"contributions must be a positive int, got {packed.contributions!r}")
+        self._use(step)
         if self.is_finalized(step):
             if count_late:
                 self.late += 1
@@ -320,6 +322,7 @@ class Aggregator:
     def close(self, client_id: str, step: int) -> None:
         """``client_id`` will send nothing more for ``step`` (a client's ``wait_submit``)."""
         self.note_closed(step, client_id)
+        self._use(step)
         if self.is_finalized(step):
             return
         self._step(step).closed.add(client_id)
@@ -431,9 +434,10 @@ class Aggregator:
         return step < self._done_below or step in self._finalized
 
     def is_closed(self, step: int) -> bool:
-        """Every registered client closed ``step`` (what a node aggregator waits for)."""
+        """Every registered client closed ``step`` (what a node aggregator waits for); a step nothing
+        reached is not (the clients of a run that ended were discarded from it)."""
         st = self._steps.get(step)
-        return st is not None and self.clients <= st.closed
+        return st is not None and self.clients <= st.closed and bool(st.closed or st.groups or st.states)
 
     def has_closed_data(self, step: int) -> bool:
         """``step`` is pending, holds data and some client closed it."""
@@ -648,7 +652,9 @@ class Aggregator:
         self._finalized.add(step)
         if self._lowest is not None and self._done_below < self._lowest <= step:
             # no client used a step below the first one it used (a trainer's step from 1, or from N
-            # after a resume): those count as finalized, so that no reply lists every step since
+            # after a resume): those count as finalized, so that no reply lists every step since;
+            # a client that uses one later reopens them (:meth:`_use`)
+            self._unused = (self._done_below, self._lowest)
             self._done_below = self._lowest
             self._finalized = {s for s in self._finalized if s >= self._lowest}
         while self._done_below in self._finalized:
@@ -658,6 +664,16 @@ class Aggregator:
             floor = min(self._steps) if self._steps else max(self._finalized) + 1
             self._finalized = {s for s in self._finalized if s >= floor}
             self._done_below = max(self._done_below, floor)
+
+    def _use(self, step: int) -> None:
+        """A client submits to or closes ``step``: if it is one of the steps counted finalized because
+        nobody had used them (:meth:`_mark_finalized`; a rank that sends its steps out of order),
+        those count as not finalized again."""
+        if self._unused is None or not self._unused[0] <= step < self._unused[1]:
+            return
+        low, high = self._unused
+        self._finalized |= set(range(high, self._done_below))
+        self._done_below, self._unused, self._lowest = low, None, step
 
     @property
     def newest_final(self) -> int:
@@ -688,6 +704,7 @@ class Aggregator:
             "clients": sorted(self.clients),
             "done_below": self._done_below,
             "finalized": sorted(self._finalized),
+            "unused": self._unused,
             "newest_closed": self.newest_closed,
             "newest_final": self._newest_final,
             "results": [saved_result(step, res) for step, res in newest],
@@ -698,6 +715,7 @@ class Aggregator:
         self.clients = set(state["clients"])
         self._done_below = int(state["done_below"])
         self._finalized = set(state["finalized"])
+        self._unused = tuple(state["unused"]) if state.get("unused") else None
         self.newest_closed = state.get("newest_closed")
         self._newest_final = int(state.get("newest_final", self._done_below - 1))
         for entry in state.get("results", ()):

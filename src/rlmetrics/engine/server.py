@@ -168,7 +168,7 @@ class Server:
         self._direct = itertools.count()
         self._late = 0  # the engine's late count when the previous step was finalized
         self.logging_reader: tuple[str, str | None] | None = None  # (reader, session) ending steps
-        self._returned: dict[str, int] = {}  # reader -> the step final() gave it last
+        self._returned: dict[str, int] = {}  # reader -> the newest step given to it final (_give)
         self.missed: dict[str, int] = {}  # client -> newest step a final() read ended without its close
         self.notices: list[Notice] = []  # what :meth:`final` tells clients, for a backend to push
 
@@ -490,6 +490,9 @@ class Server:
         (:meth:`~rlmetrics.engine.aggregator.Aggregator.lose`)."""
         if client_id not in self.engine.clients:
             return
+        if self.session_ended is not None and self._ended(self.sessions.get(client_id)):
+            self._end_sessions("")  # its whole run ended (a killed driver): closed, none of its steps ends
+            return
         latest = self._latest_session
         if latest is not None and self.sessions.get(client_id, latest) != latest:
             self.engine.depart(client_id)  # a newer run started: its steps are not this rank's
@@ -548,6 +551,8 @@ class Server:
         if self.result_ready(step) or (finalize and not self._ended(session)):
             result = self.finalize(step)
             self.persist()
+            if reader:
+                self._give(reader, step)
             return result
         return engine.peek(step, contributions=engine.contributions(step))
 
@@ -588,7 +593,7 @@ class Server:
 
     def final_target(self, reader: str = "") -> int | None:
         """The step :meth:`final` is about for ``reader``: the newest step every registered rank
-        closed, if ``reader`` was not given it yet; else the oldest step after the one it was given
+        (not lost) closed, if ``reader`` was not given it yet; else the oldest step after the one it was given
         that some rank closed (a rank that closed a far step, e.g. a token count passed as step=,
         does not take the read over). Without clients: the newest pending step (the seed's direct
         round). None when there is nothing new for ``reader``."""
@@ -597,8 +602,8 @@ class Server:
         if engine.newest_closed is None:
             pending = [s for s in engine.pending_steps() if s > after]
             return pending[-1] if pending else None
-        at = engine.ranks_closed_up_to()
-        agreed = min(at.values()) if at else -1
+        at = [s for c, s in engine.ranks_closed_up_to().items() if c not in engine.lost]
+        agreed = min(at) if at else -1
         if agreed > after:
             return agreed
         later = [s for s in engine.pending_steps() if s > after and engine.closers(s)]
@@ -621,17 +626,23 @@ class Server:
             if engine.newest_closed is None:
                 return StepResult({}, -1)
             return StepResult({}, -1, StepMeta.of(provisional=True, ranks_at=engine.ranks_closed_up_to()))
-        if len(self._returned) >= 1024 and reader not in self._returned:
-            self._returned.clear()  # readers come and go (a client each): the old ones are forgotten
-        self._returned[reader] = target
-        if self.result_ready(target) or self.logs(reader, session):
-            self._tell_missed(target)
+        self._give(reader, target)
+        ready = self.result_ready(target)
+        if ready or self.logs(reader, session):
+            self._tell_missed(target, at_deadline=not ready)
             result = self.finalize(target)
             self.persist()
             return result
         return engine.peek(target, contributions=engine.contributions(target))
 
-    def _tell_missed(self, target: int) -> None:
+    def _give(self, reader: str, step: int) -> None:
+        """``reader`` was given ``step`` (by :meth:`final`, or final by :meth:`result`): its next
+        :meth:`final` read is about a later step."""
+        if len(self._returned) >= 1024 and reader not in self._returned:
+            self._returned.clear()  # readers come and go (a client each): the old ones are forgotten
+        self._returned[reader] = max(step, self._returned.get(reader, -1))
+
+    def _tell_missed(self, target: int, at_deadline: bool) -> None:
         """Before a ``final`` read ends ``target``. Its contract is the seed's loop: it reads once
         every rank's step returned, so a registered client that had not closed ``target`` is one
         step off (unless it is gone): it skipped a ``wait_submit()`` (it closed no pending step
@@ -639,10 +650,22 @@ class Server:
         step more than it did (``wait_submit()`` twice in an iteration: theirs is ahead). Each is
         told (:attr:`notices`; the one behind also in its replies, :attr:`missed`), and moves its
         counter past ``target`` (:meth:`~rlmetrics.client.ClientCore.notify_missed`): every rank
-        goes on at the same step. The clients ahead are told too."""
+        goes on at the same step. The clients ahead are told too. A client ahead may also have
+        closed ``target`` empty on its way (``target`` is the newest step every rank closed): when
+        the read ends it at its deadline, the clients that closed one step more are ahead."""
         engine = self.engine
         closers = set() if engine.is_finalized(target) else engine.closers(target)
         absent = engine.clients - closers - set(engine.lost) if closers else set()  # none: a direct round
+        newest = engine.ranks_closed_up_to()
+        ahead = sorted(c for c in closers if newest.get(c, target) == target + 1)
+        on_time = sorted(c for c in closers if newest.get(c, target) == target and c not in engine.lost)
+        if at_deadline and not absent and ahead and on_time:
+            for client in on_time:
+                if target + 1 > self.missed.get(client, -1):
+                    self.missed[client] = target + 1
+                    self.notices.append(Notice(client, target + 1, ahead=tuple(ahead)))
+            self.notices += [Notice(client, target + 1, behind=tuple(on_time)) for client in ahead]
+            return
         earlier = set().union(*(engine.closers(s) for s in engine.pending_steps() if s < target))
         on_time = sorted(absent & earlier)  # at an earlier pending step: not behind, the closers are ahead
         ahead = sorted(closers) if on_time else []
