@@ -152,3 +152,54 @@ def test_a_new_session_ends_only_the_sessions_that_are_over():
     res = server.result(0)
     assert res.meta.complete and res.meta.contributors == ["b", "c"], res.meta
     assert dict(res) == {"x/mean": 2.0}  # rank a's 100.0 is gone
+
+
+def test_a_step_below_the_first_one_used_reopens_only_near_the_steps_in_use():
+    """A trainer's steps from 1: step 0 counts as final (no reply lists every step since). A rank
+    that sends step 0 a few steps later (out of order) reopens it and its data is merged; one that
+    counts from 0 while the trainer is 300 steps on is late, and the engine tracks no reopened
+    steps for it (before: 300 finalized steps listed in every reply, millions for token counts)."""
+    for newest, merged in ((5, True), (300, False)):
+        engine = Aggregator()
+        for step in range(1, newest + 1):
+            engine.submit("t", step, step, 1, pack({"x/mean": 1.0}))
+            engine.close("t", step)
+            engine.finalize(step)
+        assert engine.finalized_state() == (newest + 1, [])
+        assert engine.submit("late", 0, 0, 1, pack({"x/mean": 2.0})) is merged
+        if merged:
+            assert engine.finalized_state() == (0, list(range(1, newest + 1)))
+            assert engine.finalize(0)["x/mean"] == 2.0 and engine.finalized_state() == (newest + 1, [])
+        else:
+            assert engine.late == 1 and engine.finalized_state() == (newest + 1, [])
+
+
+def test_a_rank_ahead_by_one_step_of_data_is_not_taken_for_one_that_closed_twice():
+    """Both ranks give step 1 (world_size 3: it cannot complete), rank a also step 2; the logging
+    reader ends step 1 at its deadline. Rank a gave step 1 its data: it is not one step off, and
+    rank b is told nothing (before: b was told it missed step 2, and its step-2 data was dropped)."""
+    server = Server()
+    for client in ("a", "b"):
+        assert server.merge(client, [(1, 0, 3, pack({"x/mean": 1.0}))], [1]) == {}
+    assert server.merge("a", [(2, 1, 2, pack({"x/mean": 2.0}))], [2]) == {}
+    assert server.final_target("reader") == 1
+    res = server.final(1, "reader")
+    assert res.step == 1 and not res.meta.complete
+    assert server.notices == [] and server.missed == {}
+
+
+def test_a_lost_client_of_an_ended_run_closes_its_run_and_leaves_no_step(caplog):
+    """Rank a of run "old" gave step 0, rank b closed it; the run's driver is killed, then rank a's
+    process is found gone: the run is closed (no step waits for its ranks), step 0 (only the ended
+    run's) is gone rather than pending forever, and the log names the run once."""
+    over: set[str] = set()
+    server = Server(session_ended=lambda session: session in over)
+    assert server.merge("a", [(0, 0, 2, pack({"x/mean": 1.0}))], [], session="old") == {}
+    assert server.merge("b", [], [0], session="old") == {}
+    server.processes["a"] = "pid 1"
+    over.add("old")
+    server.lose("a", "its process exited")
+    assert server.engine.clients == set() and server.engine.pending_steps() == []
+    assert "a" not in server.processes and server.engine.newest_closed is None
+    said = [r.getMessage() for r in caplog.records if "ended" in r.getMessage()]
+    assert len(said) == 1 and "run old ended:" in said[0], said

@@ -338,12 +338,15 @@ class Aggregator:
             self._sent.pop(client, None)
             self.lost.pop(client, None)
         changed = []
-        for step, st in self._steps.items():
+        for step, st in list(self._steps.items()):
             if not (st.contributors & clients or st.closed & clients):
                 continue
             changed.append(step)
-            if st.contributors and st.contributors <= clients:
-                self._steps[step] = Step(closed=st.closed - clients)
+            if st.contributors <= clients:  # nothing of another client: afresh, or gone if none closed it
+                if st.closed - clients:
+                    self._steps[step] = Step(closed=st.closed - clients)
+                else:
+                    del self._steps[step]
                 continue
             st.closed.difference_update(clients)
             mixed = sorted(st.contributors & clients)
@@ -600,6 +603,11 @@ class Aggregator:
         st = self._steps.get(step)
         return st is not None and bool(st.closed) and st.contributors <= st.closed
 
+    def contributors(self, step: int) -> set[str]:
+        """The clients that submitted to pending ``step``."""
+        st = self._steps.get(step)
+        return set(st.contributors) if st is not None else set()
+
     def closers(self, step: int) -> set[str]:
         """The clients that closed pending ``step``."""
         st = self._steps.get(step)
@@ -672,6 +680,8 @@ class Aggregator:
         if self._unused is None or not self._unused[0] <= step < self._unused[1]:
             return
         low, high = self._unused
+        if self._done_below - high > self.max_pending:  # far behind (a client counting from 0 joins
+            return  # a trainer's step 1000): its data is late, as for any finalized step
         self._finalized |= set(range(high, self._done_below))
         self._done_below, self._unused, self._lowest = low, None, step
 

@@ -168,7 +168,7 @@ class Server:
         self._direct = itertools.count()
         self._late = 0  # the engine's late count when the previous step was finalized
         self.logging_reader: tuple[str, str | None] | None = None  # (reader, session) ending steps
-        self._returned: dict[str, int] = {}  # reader -> the newest step given to it final (_give)
+        self._returned: dict[str, tuple[int, int]] = {}  # reader -> newest step final(), result() gave it
         self.missed: dict[str, int] = {}  # client -> newest step a final() read ended without its close
         self.notices: list[Notice] = []  # what :meth:`final` tells clients, for a backend to push
 
@@ -369,7 +369,8 @@ class Server:
                 self._end_sessions(session)
         return None
 
-    def _end_sessions(self, new: str) -> None:
+    def _end_sessions(self, new: str | None) -> None:
+        """Close the runs seen that ended (``new``: the run that just started, None: none)."""
         ended = self.session_ended
         assert ended is not None  # join() tracks sessions only with it
         self._sessions_checked = time.monotonic()
@@ -397,9 +398,9 @@ class Server:
             final = [engine.newest_final] if engine.newest_final >= 0 else []
             engine.newest_closed = max([*closed, *final], default=None)
             logger.warning(
-                "run %s ended (run %s started): %d of its clients are no longer waited for, their open "
+                "run %s ended%s: %d of its clients are no longer waited for, their open "
                 "contributions to steps %s are dropped",
-                old, new, len(gone), changed[:10],
+                old, f" (run {new} started)" if new else "", len(gone), changed[:10],
             )  # fmt: skip
             self.finalize_complete(self.engine.pending_steps())
 
@@ -491,7 +492,9 @@ class Server:
         if client_id not in self.engine.clients:
             return
         if self.session_ended is not None and self._ended(self.sessions.get(client_id)):
-            self._end_sessions("")  # its whole run ended (a killed driver): closed, none of its steps ends
+            self.processes.pop(client_id, None)
+            self._end_sessions(None)  # its whole run ended (a killed driver): closed, none of its steps ends
+            self.persist()
             return
         latest = self._latest_session
         if latest is not None and self.sessions.get(client_id, latest) != latest:
@@ -552,7 +555,7 @@ class Server:
             result = self.finalize(step)
             self.persist()
             if reader:
-                self._give(reader, step)
+                self._give(reader, step, by_result=True)
             return result
         return engine.peek(step, contributions=engine.contributions(step))
 
@@ -593,21 +596,25 @@ class Server:
 
     def final_target(self, reader: str = "") -> int | None:
         """The step :meth:`final` is about for ``reader``: the newest step every registered rank
-        (not lost) closed, if ``reader`` was not given it yet; else the oldest step after the one it was given
-        that some rank closed (a rank that closed a far step, e.g. a token count passed as step=,
-        does not take the read over). Without clients: the newest pending step (the seed's direct
-        round). None when there is nothing new for ``reader``."""
+        (not lost) closed, if ``reader`` was not given it yet; else the oldest step after the one it
+        was given that some rank closed (a rank that closed a far step, e.g. a token count passed as
+        step=, does not take the read over). A step ``reader`` read final with :meth:`result` counts
+        as given, unless no rank closed a later one: then it is the target once (verl's driver reads
+        ``result(global_steps)`` and then the seed's ``wait_final_res``). Without clients: the newest
+        pending step (the seed's direct round). None when there is nothing new for ``reader``."""
         engine = self.engine
-        after = self._returned.get(reader, -1)
+        after, read = self._returned.get(reader, (-1, -1))
         if engine.newest_closed is None:
             pending = [s for s in engine.pending_steps() if s > after]
             return pending[-1] if pending else None
         at = [s for c, s in engine.ranks_closed_up_to().items() if c not in engine.lost]
         agreed = min(at) if at else -1
-        if agreed > after:
+        seen = max(after, read)
+        if agreed > seen:
             return agreed
-        later = [s for s in engine.pending_steps() if s > after and engine.closers(s)]
-        return min([*later, *(s for s in self._announced if s > after)], default=None)
+        closed = [s for s in engine.pending_steps() if s > seen and engine.closers(s)]
+        later = min([*closed, *(s for s in self._announced if s > seen)], default=None)
+        return agreed if later is None and agreed > after else later
 
     def final_ready(self, target: int | None) -> bool:
         """A ``final`` read of ``target`` may return: complete, or a direct round (never waited for)."""
@@ -635,12 +642,13 @@ class Server:
             return result
         return engine.peek(target, contributions=engine.contributions(target))
 
-    def _give(self, reader: str, step: int) -> None:
-        """``reader`` was given ``step`` (by :meth:`final`, or final by :meth:`result`): its next
-        :meth:`final` read is about a later step."""
+    def _give(self, reader: str, step: int, by_result: bool = False) -> None:
+        """``reader`` was given ``step`` final by :meth:`final` (or by :meth:`result`): see
+        :meth:`final_target`."""
         if len(self._returned) >= 1024 and reader not in self._returned:
             self._returned.clear()  # readers come and go (a client each): the old ones are forgotten
-        self._returned[reader] = max(step, self._returned.get(reader, -1))
+        after, read = self._returned.get(reader, (-1, -1))
+        self._returned[reader] = (after, max(step, read)) if by_result else (max(step, after), read)
 
     def _tell_missed(self, target: int, at_deadline: bool) -> None:
         """Before a ``final`` read ends ``target``. Its contract is the seed's loop: it reads once
@@ -657,9 +665,10 @@ class Server:
         closers = set() if engine.is_finalized(target) else engine.closers(target)
         absent = engine.clients - closers - set(engine.lost) if closers else set()  # none: a direct round
         newest = engine.ranks_closed_up_to()
-        ahead = sorted(c for c in closers if newest.get(c, target) == target + 1)
+        gave = engine.contributors(target)  # a client that closed target empty on its way gave nothing
+        ahead = sorted(c for c in closers - gave if newest.get(c, target) == target + 1)
         on_time = sorted(c for c in closers if newest.get(c, target) == target and c not in engine.lost)
-        if at_deadline and not absent and ahead and on_time:
+        if at_deadline and not absent and ahead and gave.intersection(on_time):
             for client in on_time:
                 if target + 1 > self.missed.get(client, -1):
                     self.missed[client] = target + 1
