@@ -7,6 +7,7 @@ a collective reads the counters (:class:`Beats`), and one whose counter did not 
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 from typing import Any
@@ -41,7 +42,20 @@ def _beat(store: Any, key: str) -> None:
             store.add(key, 1)
         except Exception:  # the process group was destroyed: nothing to tell
             return
-        time.sleep(BEAT)
+        if _stop.wait(BEAT):
+            return
+
+
+def _stop_beating() -> None:
+    """At exit, before the interpreter tears down: the heartbeat threads stop and are joined (a
+    thread still inside the store's C++ call while the process exits aborts it: SIGABRT)."""
+    _stop.set()
+    for beat in _beating.values():
+        beat.join(timeout=5 * BEAT)
+
+
+_stop = threading.Event()
+atexit.register(_stop_beating)
 
 
 class Beats:

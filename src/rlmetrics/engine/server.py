@@ -532,13 +532,16 @@ class Server:
 
     # ---------------------------------------------------------------------------------- reads
     def result_ready(self, step: int) -> bool:
-        """A reader of ``step`` may stop waiting (no recovery is under way): the step is final,
-        complete, or every registered rank went past it without anything for it."""
+        """A reader of ``step`` may stop waiting: the step is final (nothing a recovery brings
+        changes it), or, no recovery under way, complete, or every registered rank went past it
+        without anything for it."""
         engine = self.engine
-        return not self.recovering() and (
-            engine.is_finalized(step)
-            or engine.is_settled(step)
-            or (engine.passed(step) and step not in self._announced)  # (a node's forward follows)
+        return engine.is_finalized(step) or (
+            not self.recovering()
+            and (
+                engine.is_settled(step)
+                or (engine.passed(step) and step not in self._announced)  # (a node's forward follows)
+            )
         )
 
     def result(
