@@ -31,7 +31,7 @@ it took 30 s and 44 s (``ray.init`` alone 29 s).
 from __future__ import annotations
 
 import argparse
-import socket
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -106,13 +106,11 @@ class TrainingRank:
     """One data-parallel rank of the actor and the critic (OpenRLHF puts them in separate Ray actor
     groups; one actor holding both keeps the sketch small)."""
 
-    def __init__(self, rank: int, world_size: int, port: int) -> None:
-        self.rank, self.world_size, self.port = rank, world_size, port
+    def __init__(self, rank: int, world_size: int, address: str) -> None:
+        self.rank, self.world_size, self.address = rank, world_size, address
 
     def setup(self) -> None:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{self.port}", rank=self.rank, world_size=self.world_size
-        )
+        dist.init_process_group("gloo", init_method=self.address, rank=self.rank, world_size=self.world_size)
         self.policy, self.critic = make_models()
         self.policy_optim = torch.optim.SGD(self.policy.parameters(), lr=LR)
         self.critic_optim = torch.optim.SGD(self.critic.parameters(), lr=LR)
@@ -221,12 +219,6 @@ def exact(raw: dict) -> dict:
     }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3)
@@ -237,11 +229,11 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"{args.out} holds a run: pass --overwrite to replace it, or another --out")
     out = Path(args.out or tempfile.mkdtemp(prefix="openrlhf_style-"))
     generator = torch.Generator().manual_seed(0)
+    store = tempfile.mkdtemp(prefix="openrlhf_style-store-")  # the ranks meet in a file: no port to race for
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
         reader = rlmetrics.connect("ray", name=NAME)  # before the ranks: it owns the aggregator
-        port = free_port()
-        ranks = [TrainingRank.remote(r, RANKS, port) for r in range(RANKS)]
+        ranks = [TrainingRank.remote(r, RANKS, f"file://{store}/store") for r in range(RANKS)]
         ray.get([rank.setup.remote() for rank in ranks])
         policy, critic = make_models()
         worst, differs = 0.0, 0.0
@@ -271,6 +263,7 @@ def main(argv: list[str] | None = None) -> dict:
         return dict(result)
     finally:
         ray.shutdown()
+        shutil.rmtree(store, ignore_errors=True)
 
 
 if __name__ == "__main__":

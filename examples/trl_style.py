@@ -31,7 +31,7 @@ both processes; a step takes about 0.1 s.
 from __future__ import annotations
 
 import argparse
-import socket
+import shutil
 import tempfile
 from collections import defaultdict
 from datetime import timedelta
@@ -125,10 +125,11 @@ def submitting(client, tokens: float):
     return lambda name, value: client.submit_metric({name: (value, tokens)})
 
 
-def worker(rank: int, port: int, steps: int, out: str, overwrite: bool) -> None:
+def worker(rank: int, address: str, steps: int, out: str, overwrite: bool) -> None:
     # a rank that dies makes the other one's collectives fail within a minute
-    address, timeout = f"tcp://127.0.0.1:{port}", timedelta(minutes=1)
-    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=WORLD, timeout=timeout)
+    dist.init_process_group(
+        "gloo", init_method=address, rank=rank, world_size=WORLD, timeout=timedelta(minutes=1)
+    )
     policy = make_policy()
     optimizer = torch.optim.SGD(policy.parameters(), lr=LR)
     client = rlmetrics.connect("torch")  # every process gets the merged step; rank 0 logs it
@@ -221,12 +222,6 @@ def worker(rank: int, port: int, steps: int, out: str, overwrite: bool) -> None:
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3)
@@ -237,7 +232,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"{args.out} holds a run: pass --overwrite to replace it, or another --out")
     out = args.out or tempfile.mkdtemp(prefix="trl_style-")
     Path(out).mkdir(parents=True, exist_ok=True)
-    work = (free_port(), args.steps, out, args.overwrite)
+    store = tempfile.mkdtemp(prefix="trl_style-store-")  # the ranks meet in a file: no port to race for
+    work = (f"file://{store}/store", args.steps, out, args.overwrite)
     others = [mp.get_context("spawn").Process(target=worker, args=(r, *work)) for r in range(1, WORLD)]
     for p in others:
         p.start()
@@ -246,6 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         for p in others:
             p.join()
+        shutil.rmtree(store, ignore_errors=True)
     if any(p.exitcode for p in others):
         raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in others]}")
 

@@ -155,23 +155,30 @@ def test_a_new_session_ends_only_the_sessions_that_are_over():
 
 
 def test_a_step_below_the_first_one_used_reopens_only_near_the_steps_in_use():
-    """A trainer's steps from 1: step 0 counts as final (no reply lists every step since). A rank
-    that sends step 0 a few steps later (out of order) reopens it and its data is merged; one that
-    counts from 0 while the trainer is 300 steps on is late, and the engine tracks no reopened
-    steps for it (before: 300 finalized steps listed in every reply, millions for token counts)."""
-    for newest, merged in ((5, True), (300, False)):
+    """A trainer's steps from 1 (or 5): the steps below count as final (no reply lists every step
+    since). A rank that sends step 0 (or 3) a few steps later (out of order) reopens it and its data
+    is merged; one that counts from 0 while the trainer is 300 steps on, or resumed at step 1000, is
+    late. Either way no step is left that nothing can end (before: 300 finalized steps listed in
+    every reply, millions for token counts; a reopened 3 left step 4 open for good)."""
+    for first, newest, late, merged in (
+        (1, 5, 0, True),
+        (5, 7, 3, True),
+        (1, 300, 0, False),
+        (1000, 1003, 0, False),
+    ):
         engine = Aggregator()
-        for step in range(1, newest + 1):
+        for step in range(first, newest + 1):
             engine.submit("t", step, step, 1, pack({"x/mean": 1.0}))
             engine.close("t", step)
             engine.finalize(step)
         assert engine.finalized_state() == (newest + 1, [])
-        assert engine.submit("late", 0, 0, 1, pack({"x/mean": 2.0})) is merged
+        assert engine.submit("late", late, 0, 1, pack({"x/mean": 2.0})) is merged
         if merged:
-            assert engine.finalized_state() == (0, list(range(1, newest + 1)))
-            assert engine.finalize(0)["x/mean"] == 2.0 and engine.finalized_state() == (newest + 1, [])
+            assert engine.finalized_state() == (0, list(range(late + 1, newest + 1)))
+            assert engine.finalize(late)["x/mean"] == 2.0
         else:
-            assert engine.late == 1 and engine.finalized_state() == (newest + 1, [])
+            assert engine.late == 1
+        assert engine.finalized_state() == (newest + 1, [])  # nothing left that no step can end
 
 
 def test_a_rank_ahead_by_one_step_of_data_is_not_taken_for_one_that_closed_twice():

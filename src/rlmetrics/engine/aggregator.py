@@ -680,9 +680,9 @@ class Aggregator:
         if self._unused is None or not self._unused[0] <= step < self._unused[1]:
             return
         low, high = self._unused
-        if self._done_below - high > self.max_pending:  # far behind (a client counting from 0 joins
-            return  # a trainer's step 1000): its data is late, as for any finalized step
-        self._finalized |= set(range(high, self._done_below))
+        if high - step > self.max_pending or self._done_below - high > self.max_pending:
+            return  # far behind (a client counting from 0 joins a trainer's step 1000): late, as ever
+        self._finalized |= set(range(step + 1, self._done_below))  # nobody used step + 1 .. high - 1
         self._done_below, self._unused, self._lowest = low, None, step
 
     @property
