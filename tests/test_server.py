@@ -174,7 +174,7 @@ def test_a_step_below_the_first_one_used_reopens_only_near_the_steps_in_use():
         assert engine.finalized_state() == (newest + 1, [])
         assert engine.submit("late", late, 0, 1, pack({"x/mean": 2.0})) is merged
         if merged:
-            assert engine.finalized_state() == (0, list(range(late + 1, newest + 1)))
+            assert engine.finalized_state() == (late, list(range(late + 1, newest + 1)))
             assert engine.finalize(late)["x/mean"] == 2.0
         else:
             assert engine.late == 1

@@ -130,6 +130,8 @@ class Aggregator:
         self._done_below = 0  # every step below it is finalized
         self._lowest: int | None = None  # the lowest step a client used (this incarnation)
         self._unused: tuple[int, int] | None = None  # steps counted finalized though no client used them
+        self._reused: set[int] = set()  # of those, the ones a client used since (_use)
+        self._reopened: set[int] = set()  # of those, the ones not finalized yet
         self._nan_warned: set[str] = set()
         self._layouts: dict[tuple[bytes, ...], Layout] = {}
         self._sent: dict[str, dict[bytes, int]] = {}  # client -> the world_size it gave each schema
@@ -434,7 +436,7 @@ class Aggregator:
         return sorted(self._steps)
 
     def is_finalized(self, step: int) -> bool:
-        return step < self._done_below or step in self._finalized
+        return (step < self._done_below and step not in self._reopened) or step in self._finalized
 
     def is_closed(self, step: int) -> bool:
         """Every registered client closed ``step`` (what a node aggregator waits for); a step nothing
@@ -657,12 +659,15 @@ class Aggregator:
         """Steps finalized below the lowest one that is not count as ``done_below``; a step nobody
         used stops that, so beyond ``_FINALIZED_CAP`` tracked steps every unused step below the
         oldest pending one counts as finalized too."""
+        if step in self._reopened:
+            self._reopened.discard(step)
+            return
         self._finalized.add(step)
         if self._lowest is not None and self._done_below < self._lowest <= step:
             # no client used a step below the first one it used (a trainer's step from 1, or from N
             # after a resume): those count as finalized, so that no reply lists every step since;
-            # a client that uses one later reopens them (:meth:`_use`)
-            self._unused = (self._done_below, self._lowest)
+            # a client that uses one of them soon after reopens it (:meth:`_use`)
+            self._unused, self._reused = (self._done_below, self._lowest), set(self._reopened)
             self._done_below = self._lowest
             self._finalized = {s for s in self._finalized if s >= self._lowest}
         while self._done_below in self._finalized:
@@ -676,14 +681,16 @@ class Aggregator:
     def _use(self, step: int) -> None:
         """A client submits to or closes ``step``: if it is one of the steps counted finalized because
         nobody had used them (:meth:`_mark_finalized`; a rank that sends its steps out of order),
-        those count as not finalized again."""
-        if self._unused is None or not self._unused[0] <= step < self._unused[1]:
+        and near the first one used, it counts as not finalized again (alone: at most
+        ``max_pending`` such steps; :meth:`finalized_state` lists them)."""
+        if self._unused is None or not self._unused[0] <= step < self._unused[1] or step in self._reused:
             return
-        low, high = self._unused
+        high = self._unused[1]
         if high - step > self.max_pending or self._done_below - high > self.max_pending:
             return  # far behind (a client counting from 0 joins a trainer's step 1000): late, as ever
-        self._finalized |= set(range(step + 1, self._done_below))  # nobody used step + 1 .. high - 1
-        self._done_below, self._unused, self._lowest = low, None, step
+        if len(self._reused) < self.max_pending:
+            self._reused.add(step)  # that step alone, once: the others nobody used stay final
+            self._reopened.add(step)
 
     @property
     def newest_final(self) -> int:
@@ -692,7 +699,10 @@ class Aggregator:
 
     def finalized_state(self) -> tuple[int, list[int]]:
         """``(done_below, finalized)``: every step below ``done_below`` and those listed are finalized."""
-        return self._done_below, sorted(self._finalized)
+        if not self._reopened:
+            return self._done_below, sorted(self._finalized)
+        low = min(self._reopened)  # at most 2 * max_pending steps listed
+        return low, sorted(set(range(low, self._done_below)) - self._reopened | self._finalized)
 
     def export_state(self, results: int = 2) -> dict:
         """What a restarted aggregator needs to resume (JSON-serializable): registered clients,
@@ -715,6 +725,8 @@ class Aggregator:
             "done_below": self._done_below,
             "finalized": sorted(self._finalized),
             "unused": self._unused,
+            "reused": sorted(self._reused),
+            "reopened": sorted(self._reopened),
             "newest_closed": self.newest_closed,
             "newest_final": self._newest_final,
             "results": [saved_result(step, res) for step, res in newest],
@@ -726,6 +738,8 @@ class Aggregator:
         self._done_below = int(state["done_below"])
         self._finalized = set(state["finalized"])
         self._unused = tuple(state["unused"]) if state.get("unused") else None
+        self._reused = set(state.get("reused", ()))
+        self._reopened = set(state.get("reopened", ()))
         self.newest_closed = state.get("newest_closed")
         self._newest_final = int(state.get("newest_final", self._done_below - 1))
         for entry in state.get("results", ()):
