@@ -15,6 +15,13 @@ def _restore_reduction_registry():
     reduce._resolve_by_rules.cache_clear()
 
 
+@pytest.fixture(autouse=True)
+def _no_tracking_server(monkeypatch):
+    """A developer's ``MLFLOW_TRACKING_URI`` would send the tests' runs to their server: unset
+    (a test that wants one sets it)."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+
 @pytest.fixture(scope="module")
 def ray_session():
     """A local Ray instance for the tests of one module (4 logical CPUs, quiet), shut down after."""

@@ -241,3 +241,57 @@ def test_a_step_logged_twice_is_skipped_by_every_sink(tmp_path, monkeypatch, loc
     ] == want
     tables = capsys.readouterr().out
     assert [tables.count(f"step {s}") for s in range(4)] == [1, 1, 1, 1] and "101" not in tables
+
+
+def mlflow_server(folder: Path):
+    """A real ``mlflow server`` on loopback over a sqlite store in ``folder``: ``(process, uri)``
+    once it answers (a port taken between the probe and the server's bind: another port)."""
+    import subprocess
+    import sys
+    import time
+
+    mlflow = Path(sys.executable).parent / "mlflow"
+    for _ in range(3):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc = subprocess.Popen(
+            [str(mlflow), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+             "--backend-store-uri", f"sqlite:///{folder / 'server.db'}",
+             "--default-artifact-root", str(folder / "artifacts")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).read()
+                return proc, f"http://127.0.0.1:{port}"
+            except (urllib.error.URLError, OSError):
+                time.sleep(0.25)
+        proc.kill()
+        proc.wait()
+    raise RuntimeError("mlflow server did not start")
+
+
+@pytest.mark.slow
+def test_mlflow_tracking_uri_sends_a_folders_run_to_the_teams_server(tmp_path, monkeypatch):
+    """``MLFLOW_TRACKING_URI`` names a real MLflow server: ``make_sinks`` logs the run there (no
+    ``mlflow.db`` in the run folder), and a resume of the folder continues that run on the server.
+    Before, the variable was ignored and the run went to the folder's sqlite file."""
+    from mlflow.tracking import MlflowClient
+
+    proc, uri = mlflow_server(tmp_path)
+    try:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        out = tmp_path / "run"
+        for steps, resume in ((range(3), False), (range(3, 5), True)):
+            with make_sinks(["jsonl", "mlflow"], out, resume=resume, health=False) as tracking:
+                for step in steps:
+                    tracking.log(StepResult({"x/mean": float(step)}, step), step)
+        assert not (out / "mlflow.db").exists()
+        run_id = json.loads((out / "run_ids.json").read_text())["mlflow"]
+        history = MlflowClient(uri).get_metric_history(run_id, "x/mean")
+        assert sorted((m.step, m.value) for m in history) == [(s, float(s)) for s in range(5)]
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -202,12 +202,16 @@ def test_trackers_same_as_verl(verl_env, monkeypatch):
         assert mine == pytest.approx({k: v for k, v in wb_theirs[step].items() if not k.startswith("_")})
         assert sorted(mine) == sorted(names)
 
-    uri_theirs = f"sqlite:///{theirs / 'mlflow.db'}"
-    (run_theirs,) = MlflowClient(uri_theirs).search_runs(
-        [MlflowClient(uri_theirs).get_experiment_by_name("proj").experiment_id]
-    )
+    uri_theirs = uri_mine = f"sqlite:///{theirs / 'mlflow.db'}"  # MLFLOW_TRACKING_URI: both runs there
     run_mine = json.loads((ours / "run_ids.json").read_text())["mlflow"]
-    uri_mine = f"sqlite:///{ours / 'mlflow.db'}"
+    assert not (ours / "mlflow.db").exists()
+    (run_theirs,) = [
+        run
+        for run in MlflowClient(uri_theirs).search_runs(
+            [MlflowClient(uri_theirs).get_experiment_by_name("proj").experiment_id]
+        )
+        if run.info.run_id != run_mine
+    ]
     keys_theirs = sorted(run_theirs.data.metrics)
     keys_mine = sorted(MlflowClient(uri_mine).get_run(run_mine).data.metrics)
     assert keys_mine == keys_theirs and "val-core/gsm8k/acc/mean_at_4" in keys_mine

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -295,7 +296,9 @@ def run(args: argparse.Namespace) -> Path:
     if "wandb" in sinks:
         print(f"wandb: {out / 'wandb'}   (offline; wandb sync {out / 'wandb'}/offline-run-*)")
     if "mlflow" in sinks:
-        print(f"mlflow: {out / 'mlflow.db'}   (mlflow ui --backend-store-uri sqlite:///{out / 'mlflow.db'})")
+        server = os.environ.get("MLFLOW_TRACKING_URI")  # make_sinks sends the run there when set
+        local = f"{out / 'mlflow.db'}   (mlflow ui --backend-store-uri sqlite:///{out / 'mlflow.db'})"
+        print(f"mlflow: {server or local}")
     if "swanlab" in sinks:
         print(f"swanlab: {out / 'swanlab'}   (offline; swanlab sync {out / 'swanlab'}/run-*)")
     print("plots: " + "  ".join(str(p) for p in written if p is not None))
@@ -343,8 +346,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--sinks",
         default="jsonl,tensorboard",
-        help="comma-separated: jsonl,console,tensorboard,wandb,mlflow,swanlab (offline; "
-        "JSONL is always written)",
+        help="comma-separated: jsonl,console,tensorboard,wandb,mlflow,swanlab (offline, but mlflow "
+        "to $MLFLOW_TRACKING_URI when set; JSONL is always written)",
     )
     p.add_argument(
         "--keys",

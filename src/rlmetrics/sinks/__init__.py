@@ -340,7 +340,8 @@ def make_sinks(
 
     Files go to ``out_dir`` (created): each sink's :attr:`~Sink.folder_files` (``metrics.jsonl``,
     ``tensorboard/``, ``wandb/``, ``mlflow.db``, ``swanlab/``, ``trackio/``, ``clearml/``) and
-    :data:`RUN_IDS` (the W&B, MLflow, SwanLab, trackio and ClearML run ids); trackers run offline.
+    :data:`RUN_IDS` (the W&B, MLflow, SwanLab, trackio and ClearML run ids); trackers run offline,
+    but for MLflow when ``MLFLOW_TRACKING_URI`` is set (the run goes to that tracking server).
     ``prometheus`` writes no file: it serves the newest step over HTTP (:data:`PROMETHEUS_PORT`) and
     resumes nothing; a resumed folder's ClearML session raises (offline sessions are not
     continued). A folder holds one run: a folder that holds one (:func:`run_files`, whatever sinks

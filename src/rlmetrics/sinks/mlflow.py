@@ -8,7 +8,9 @@ request of 1 MB (``MAX_METRICS_PER_BATCH`` and ``MAX_BATCH_LOG_REQUEST_SIZE``, 1
 :data:`METRIC_BYTES` for the rest of its entry (the longest value, timestamp and step). ASCII keys
 of MLflow's 250 characters stay under 1 MB at 1000 metrics; long non-ASCII keys (``验证/...``: 6 bytes
 a character) do not, and such a step is sent in more requests. ``close()`` marks the run FINISHED.
-``tracking_uri=None`` uses MLflow's default (``MLFLOW_TRACKING_URI`` or its local store). MLflow's
+``tracking_uri=None`` uses MLflow's default (``MLFLOW_TRACKING_URI`` or its local store); in a run
+folder (:func:`~rlmetrics.sinks.make_sinks`) the run goes to ``MLFLOW_TRACKING_URI`` when it is set
+(a team's tracking server), else to the folder's ``mlflow.db``. MLflow's
 usage telemetry is switched off (``MLFLOW_DISABLE_TELEMETRY=true``) unless that variable is already
 set. Names are adapted by :meth:`MLflowSink.map_name` (MLflow refuses ``@``). View with
 ``mlflow ui --backend-store-uri sqlite:///path/mlflow.db``. Histograms
@@ -171,7 +173,10 @@ class MLflowSink(Sink):
     def in_folder(
         cls, out_dir: Path, project: str, run_name: str | None, resume: bool | str, **options: Any
     ) -> MLflowSink:
-        uri = f"sqlite:///{(out_dir / 'mlflow.db').resolve().as_posix()}"
+        uri = (
+            os.environ.get("MLFLOW_TRACKING_URI")
+            or f"sqlite:///{(out_dir / 'mlflow.db').resolve().as_posix()}"
+        )
         return cls(uri, project, run_name, resume=resume_id(resume), **options)
 
     def __init__(

@@ -15,9 +15,10 @@ deprecated alias, too), ``mlflow``, ``swanlab``; the trackers run offline. verl'
 
 Files go to one folder: ``out_dir``, or ``<root>/<project_name>/<experiment_name>`` with ``root`` verl's
 ``VERL_FILE_LOGGER_ROOT`` (default ``.``), next to where verl's file backend writes
-``<experiment_name>.jsonl``. verl's variables that send one backend elsewhere (``TENSORBOARD_DIR``,
-``VERL_FILE_LOGGER_PATH``, ``SWANLAB_LOG_DIR``, ``MLFLOW_TRACKING_URI``) are not used: a warning names
-them and the folder the run is in.
+``<experiment_name>.jsonl``. ``MLFLOW_TRACKING_URI`` sends the MLflow run to that tracking server, as
+in verl; verl's other variables that send one backend elsewhere (``TENSORBOARD_DIR``,
+``VERL_FILE_LOGGER_PATH``, ``SWANLAB_LOG_DIR``) are not used: a warning names them and the folder the
+run is in.
 
 verl logs one step in several calls in places (the fully-async trainer logs timings, aggregated
 metrics and validation at one ``step``): a later call at the step just logged adds its metrics to the
@@ -54,7 +55,7 @@ BACKENDS = {
 VERL_ONLY = ("clearml", "trackio", "vemlp_wandb", "rl_insight")
 """verl 0.9.1's backends rlmetrics has no sink for."""
 
-IGNORED_ENV = ("TENSORBOARD_DIR", "VERL_FILE_LOGGER_PATH", "SWANLAB_LOG_DIR", "MLFLOW_TRACKING_URI")
+IGNORED_ENV = ("TENSORBOARD_DIR", "VERL_FILE_LOGGER_PATH", "SWANLAB_LOG_DIR")
 
 
 def run_folder(project_name: str, experiment_name: str) -> Path:
