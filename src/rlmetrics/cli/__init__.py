@@ -12,7 +12,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from collections.abc import Sequence
+
+from rlmetrics.extras import EXTRA_OF, MissingExtra
+
+NEEDS = {"demo": "ray,torch,console,tensorboard,plot", "report": "console", "plot": "console,plot"}
+"""The extras each command uses (``compare`` is ``plot``'s); what a core-only install is told to add."""
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -46,4 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    return int(args.handler(args) or 0)
+    try:
+        return int(args.handler(args) or 0)
+    except ImportError as exc:  # a core-only install: the extras to add, not a traceback
+        module = (getattr(exc, "name", None) or "").split(".")[0]
+        if not isinstance(exc, MissingExtra) and module not in EXTRA_OF:
+            raise
+        needs = NEEDS.get(args.command, NEEDS["plot"])
+        print(f"rlmetrics {args.command} needs {module!r}, which is not installed: pip install "
+              f"'rlmetrics[{needs}]'", file=sys.stderr)  # fmt: skip
+        return 2
