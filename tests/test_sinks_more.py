@@ -4,7 +4,12 @@ trackio's SQLite store through trackio's ``SQLiteStorage``, ClearML's offline se
 ``metrics.jsonl`` event file (ClearML's own offline import needs a server)."""
 
 import json
+import logging
+import os
+import signal
 import socket
+import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -14,6 +19,7 @@ import pytest
 from rlmetrics.health import Alert
 from rlmetrics.messages import StepResult
 from rlmetrics.sinks import PROMETHEUS_PORT, TRACKERS, adapt_name, make_sinks, read_jsonl
+from tests.trackers import mlflow_server
 
 pytestmark = pytest.mark.slow
 
@@ -48,9 +54,14 @@ def test_prometheus_serves_the_newest_step_and_frees_its_port():
             "rlmetrics_step", "rlmetrics_critic_score_mean", "rlmetrics_val_core_math_acc_mean_at_4",
             "rlmetrics_loss", "rlmetrics_alerts",
         }  # fmt: skip
-    sink.log({"critic/score/mean": 9.0}, 7)  # a metric missing from the newest step is not served
+    sink.log({"critic/score/mean": 9.0}, 7)  # a metric missing from the newest step holds its value
     got = scrape(sink.url)
-    assert "rlmetrics_loss" not in got and got["rlmetrics_critic_score_mean"][0][1] == 9.0
+    assert (
+        got["rlmetrics_loss"] == [({"run": "demo"}, -3.0)] and got["rlmetrics_critic_score_mean"][0][1] == 9.0
+    )
+    sink.log({"critic/score/mean": 8.0}, 1004)  # not logged in the last 1000 steps: not served
+    got = scrape(sink.url)
+    assert "rlmetrics_loss" not in got and got["rlmetrics_critic_score_mean"][0][1] == 8.0
     sink.alert(Alert(step=7, rule="reward_collapse", message="x"))
     sink.alert(Alert(step=8, rule="reward_collapse", message="y"))
     assert scrape(sink.url)["rlmetrics_alerts"] == [({"run": "demo", "rule": "reward_collapse"}, 2.0)]
@@ -243,55 +254,112 @@ def test_a_step_logged_twice_is_skipped_by_every_sink(tmp_path, monkeypatch, loc
     assert [tables.count(f"step {s}") for s in range(4)] == [1, 1, 1, 1] and "101" not in tables
 
 
-def mlflow_server(folder: Path):
-    """A real ``mlflow server`` on loopback over a sqlite store in ``folder``: ``(process, uri)``
-    once it answers (a port taken between the probe and the server's bind: another port)."""
-    import subprocess
-    import sys
-    import time
-
-    mlflow = Path(sys.executable).parent / "mlflow"
-    for _ in range(3):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        proc = subprocess.Popen(
-            [str(mlflow), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-             "--backend-store-uri", f"sqlite:///{folder / 'server.db'}",
-             "--default-artifact-root", str(folder / "artifacts")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        deadline = time.monotonic() + 120
-        while proc.poll() is None and time.monotonic() < deadline:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).read()
-                return proc, f"http://127.0.0.1:{port}"
-            except (urllib.error.URLError, OSError):
-                time.sleep(0.25)
-        proc.kill()
-        proc.wait()
-    raise RuntimeError("mlflow server did not start")
-
-
 @pytest.mark.slow
-def test_mlflow_tracking_uri_sends_a_folders_run_to_the_teams_server(tmp_path, monkeypatch):
+def test_a_teams_mlflow_server_gets_every_step_through_a_freeze_a_kill_and_a_resume(
+    tmp_path, monkeypatch, caplog
+):
     """``MLFLOW_TRACKING_URI`` names a real MLflow server: ``make_sinks`` logs the run there (no
-    ``mlflow.db`` in the run folder), and a resume of the folder continues that run on the server.
-    Before, the variable was ignored and the run went to the folder's sqlite file."""
+    ``mlflow.db`` in the run folder; before, the variable was ignored), and a resume of the folder
+    continues that run on the server. Mid-run the server is frozen (SIGSTOP) and let go, then killed
+    (SIGKILL) and restarted on its port (issue 46, "never stall training"): the training loop goes on
+    through both (while the server is stopped or dead, every ``log()`` of the loop returned), one
+    warning says MLflow failed, one that it is back, and MLflow holds every step once. Before, the
+    first ``log()`` after the kill waited in MLflow's retries (246.7 s), and MLflow logging was then
+    disabled for the rest of the run."""
     from mlflow.tracking import MlflowClient
 
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # our retries, not MLflow's 4 minutes
     proc, uri = mlflow_server(tmp_path)
+    port = int(uri.rsplit(":", 1)[1])
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    out, step = tmp_path / "run", 0
+
+    def train(steps):
+        nonlocal step
+        for _ in range(steps):
+            tracking.log(StepResult({"x/mean": float(step), "y": -float(step)}, step), step)
+            step += 1
+
+    def train_in_thread(steps):
+        loop = threading.Thread(target=train, args=(steps,))
+        loop.start()
+        loop.join(60)  # a loop held by the server would still be inside log()
+        assert not loop.is_alive(), "log() waited for the MLflow server"
+
     try:
-        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-        out = tmp_path / "run"
-        for steps, resume in ((range(3), False), (range(3, 5), True)):
-            with make_sinks(["jsonl", "mlflow"], out, resume=resume, health=False) as tracking:
-                for step in steps:
-                    tracking.log(StepResult({"x/mean": float(step)}, step), step)
+        with caplog.at_level(logging.WARNING, logger="rlmetrics.sinks"):
+            tracking = make_sinks(["jsonl", "mlflow"], out, health=False)
+            train(5)
+            os.killpg(proc.pid, signal.SIGSTOP)  # the server and its worker
+            train_in_thread(10)
+            os.killpg(proc.pid, signal.SIGCONT)
+            train(5)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            train_in_thread(10)
+            proc, _ = mlflow_server(tmp_path, port)
+            tracking.close()  # tries at once, whatever the retry's backoff
+            with make_sinks(["jsonl", "mlflow"], out, resume=True, health=False) as tracking:
+                train(5)
         assert not (out / "mlflow.db").exists()
         run_id = json.loads((out / "run_ids.json").read_text())["mlflow"]
         history = MlflowClient(uri).get_metric_history(run_id, "x/mean")
-        assert sorted((m.step, m.value) for m in history) == [(s, float(s)) for s in range(5)]
+        assert sorted((m.step, m.value) for m in history) == [(s, float(s)) for s in range(35)]
+        assert MlflowClient(uri).get_run(run_id).info.status == "FINISHED"
+        text = [r.getMessage() for r in caplog.records]
+        assert sum("tracker mlflow failed" in t for t in text) == 1
+        assert sum("tracker mlflow is back" in t for t in text) == 1
+        assert not [t for t in text if "not delivered" in t or "lost" in t]
     finally:
-        proc.terminate()
+        os.killpg(proc.pid, signal.SIGCONT)
+        os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
+
+
+def test_prometheus_as_a_scraper_sees_its_last_step_counters_from_0_and_held_gauges(tmp_path, monkeypatch):
+    """A scraper parsing the exposition format while steps are logged (issue 46): every scrape is
+    one step's values; the alert counters start at 0 (``increase()`` sees a rule's first alert); a
+    validation gauge holds its value between rounds; and ``close()`` serves the last step until the
+    endpoint is scraped once more (before, the endpoint closed with the last step never scraped)."""
+    monkeypatch.delenv(PROMETHEUS_PORT, raising=False)
+    scrapes, stop, first, last = [], threading.Event(), threading.Event(), []
+
+    def scraper():
+        while not stop.is_set():
+            scrapes.append(scrape(url))
+            first.set()
+
+    def late_scraper():  # Prometheus' next scrape, after the run's last step and close()
+        time.sleep(0.5)
+        try:
+            last.append(scrape(url))
+        except OSError as exc:
+            last.append(exc)
+
+    with make_sinks(["jsonl", "prometheus"], tmp_path / "run", run_name="r") as tracking:
+        url = next(s for s in tracking.sinks if s.tracker == "prometheus").url
+        threads = [threading.Thread(target=scraper), threading.Thread(target=late_scraper)]
+        threads[0].start()
+        assert first.wait(60)
+        for step in range(40):
+            values = {"x": float(step), "y": 2.0 * step}
+            if step in (5, 30):
+                values["val-core/acc/mean@4"] = step / 100
+            if step == 20:
+                values["x"] = float("nan")  # the non_finite rule's alert
+            if step == 39:
+                stop.set()
+                threads[0].join(60)
+                threads[1].start()
+            tracking.log(values, step)
+    threads[1].join(60)
+    counters = [dict((s[0]["rule"], s[1]) for s in got["rlmetrics_alerts"]) for got in scrapes]
+    assert counters[0]["non_finite"] == 0 and counters[-1]["non_finite"] == 1
+    served = [(got["rlmetrics_step"][0][1], got) for got in scrapes if "rlmetrics_y" in got]
+    for step, got in served:  # one step's values in every scrape
+        assert got["rlmetrics_y"][0][1] == 2 * step
+        if 5 <= step < 30:
+            assert got["rlmetrics_val_core_acc_mean_at_4"][0][1] == 0.05
+    (final,) = last
+    assert isinstance(final, dict), final
+    assert final["rlmetrics_step"][0][1] == 39 and final["rlmetrics_val_core_acc_mean_at_4"][0][1] == 0.3

@@ -5,8 +5,16 @@ MLflow's client. Lists keep file order and duplicates (a step written twice show
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import socket
 import struct
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 
@@ -187,3 +195,47 @@ def mlflow_history(uri, run_id, key) -> list[tuple[int, float]]:
 
 def read_mlflow(uri, run_id, key) -> dict[int, float]:
     return dict(mlflow_history(uri, run_id, key))
+
+
+# ---------------------------------------------------------------------------------- MLflow server
+def mlflow_server(folder: Path, port: int | None = None):
+    """A real ``mlflow server`` on loopback over a sqlite store in ``folder``: ``(process, uri)``
+    once it answers (a port taken between the probe and the server's bind: another port, unless
+    ``port`` is given: a server restarted where its clients look)."""
+    mlflow = Path(sys.executable).parent / "mlflow"
+    given = port
+    for _ in range(3):
+        if port is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        proc = subprocess.Popen(
+            [
+                str(mlflow),
+                "server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--workers",
+                "1",
+                "--backend-store-uri",
+                f"sqlite:///{folder / 'server.db'}",
+                "--default-artifact-root",
+                str(folder / "artifacts"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # a group of its own: a signal must reach the server's worker too
+        )
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).read()
+                return proc, f"http://127.0.0.1:{port}"
+            except (urllib.error.URLError, OSError):
+                time.sleep(0.25)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        port = None if given is None else port
+    raise RuntimeError("mlflow server did not start")

@@ -32,18 +32,21 @@ array([0. , 0.5, 1. ])
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import shutil
 import tempfile
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from rlmetrics.globs import did_you_mean
-from rlmetrics.health import Alert, Monitor, coverage_metrics
+from rlmetrics.health import Alert, Monitor, coverage_metrics, rule_name
 from rlmetrics.messages import DEFAULT_AXIS, StepResult
 from rlmetrics.sinks.base import Sink
 from rlmetrics.sinks.clearml import ClearMLSink
@@ -57,6 +60,7 @@ from rlmetrics.sinks.swanlab import SwanLabSink
 from rlmetrics.sinks.tensorboard import TensorBoardSink
 from rlmetrics.sinks.trackio import TrackioSink
 from rlmetrics.sinks.wandb import WandbSink
+from rlmetrics.sinks.writer import Task, Writer
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +90,14 @@ def adapt_name(name: str, tracker: str) -> str:
 
 
 class Tracking(Sink):
-    """Fan-out to ``sinks`` (:class:`Sink` s): a sink that raises is reported once
-    (``logging.error``) and disabled; every other sink still gets every step.
-    ``close()`` closes every sink, errors isolated too.
+    """Fan-out to ``sinks`` (:class:`Sink` s). The JSONL journal is written first, in :meth:`log`;
+    each ``background`` sink (the trackers) gets the step in a queue of its own, written by its thread
+    (:mod:`rlmetrics.sinks.writer`: retried until it passes, at most ``queue`` steps queued, the rest
+    read back from the journal), so a tracker down or frozen never holds the caller. Any other sink
+    that raises is reported once (``logging.error``) and disabled, but the journal, reported once and
+    written again at the next step; every other sink still gets every step. ``close()`` waits up to
+    ``close_timeout`` s in all for the trackers' queues (naming what one could not deliver), then
+    closes every sink, errors isolated too (docs/trackers.md, "A tracker that is down").
 
     Metric values are checked once, before any sink sees the step: a value that is not a real number
     raises TypeError to the caller (a caller's bug, not a sink failure). A step is logged once (per
@@ -120,10 +129,39 @@ class Tracking(Sink):
         core: Sequence[str] = CORE_KEYS,
         overview: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
+        close_timeout: float = 60.0,
+        queue: int = 1000,
+        retry: tuple[float, float] = (1.0, 60.0),
     ) -> None:
         self.sinks = list(sinks)
         self.failed: dict[int, BaseException] = {}  # index in ``sinks`` → the exception that disabled it
+        self.journal = next((s for s in self.sinks if isinstance(s, JsonlSink)), None)
+        self.close_timeout = close_timeout
+        options = {"bound": queue, "retry": retry[0], "most": retry[1]}
+        self.writers = {
+            i: Writer(
+                s.tracker,
+                partial(self._refill, i),
+                transient=s.transient,
+                fatal=partial(self._fatal, i),
+                **options,
+            )  # fmt: skip
+            for i, s in enumerate(self.sinks)
+            if s.background
+        }
+        # the journal first: a tracker behind reads back steps the journal holds
+        self._order = sorted(range(len(self.sinks)), key=lambda i: self.sinks[i] is not self.journal)
+        self._left: dict[int, list[tuple[str, int]]] | None = None  # what the queues could not deliver
+        if self.writers:  # a process that ends without close() still delivers the queues; registered
+            # after the sinks, so it runs before their trackers' own exit hooks (W&B's)
+            self._exit_hook = partial(_at_exit, weakref.ref(self))
+            atexit.register(self._exit_hook)
+        self._caught_up: dict[int, int] = {}  # sink → the journal's last step, queued to it (catch_up)
+        self._journal_down = False
         self.health = Monitor() if health is True else (health or None)
+        if self.health is not None:
+            for sink in self.sinks:
+                sink.expect_alerts([rule_name(rule) for rule in self.health.rules])
         if overview is None:
             overview = not isinstance(keys, str)
         self.view = KeyView(keys, core, overview=overview)
@@ -145,8 +183,10 @@ class Tracking(Sink):
     def resumed_at(self) -> int | None:
         """The last step every resumed sink holds (None: nothing resumed): a restarted driver logs
         from the step after it."""
-        steps = [s.resumed_at for s in self.active if s.resumed_at is not None]
-        return min(steps, default=None)
+        steps = [
+            self._caught_up.get(i, s.resumed_at) for i, s in enumerate(self.sinks) if i not in self.failed
+        ]
+        return min((s for s in steps if s is not None), default=None)
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         if self._closed:
@@ -156,15 +196,11 @@ class Tracking(Sink):
         if self._repeated(DEFAULT_AXIS, step):
             return
         meta = getattr(metrics, "meta", None)
-        extra = coverage_metrics(meta)
-        if extra:
-            values.update(extra)
-            metrics = StepResult(
-                values, step, meta, getattr(metrics, "histograms", None), getattr(metrics, "lists", None)
-            )
+        values.update(coverage_metrics(meta))
+        metrics = self._frozen(metrics, values, step)
         observed = StepResult(values, step, meta, lists=getattr(metrics, "lists", None))  # rules read lists
         alerts = self.health.observe(step, observed) if self.health is not None else []
-        writing = [i for i in range(len(self.sinks)) if self._writes(i, step)]
+        writing = [i for i in self._order if self._writes(i, step)]
         if not writing:
             return
         for alert in alerts:
@@ -190,14 +226,12 @@ class Tracking(Sink):
         meta = getattr(metrics, "meta", None)
         values.update(coverage_metrics(meta))
         result = StepResult(values, step, meta)
-        for i, sink in enumerate(self.sinks):
-            if i in self.failed:
-                continue
-            try:
-                sink.log_axis(self._viewed(i, result, copies=False), step, axis)
-            except Exception as exc:
-                self.failed[i] = exc
-                logger.error("sink %r failed at %s %d, disabled: %r", sink, axis, step, exc, exc_info=exc)
+        for i in self._order:
+            sink = self.sinks[i]
+            if i not in self.failed:
+                self._send(
+                    i, axis, step, partial(sink.log_axis, self._viewed(i, result, copies=False), step, axis)
+                )
 
     def _repeated(self, axis: str, step: int) -> bool:
         """``step`` of ``axis`` was logged already: warned about, to be skipped; else recorded."""
@@ -222,35 +256,97 @@ class Tracking(Sink):
         step in several calls uses for the later ones (verl's Tracking)."""
         i = self.sinks.index(sink)
         if self._writes(i, step):
-            self._write(i, metrics, step, alerts)
+            self._write(i, self._frozen(metrics, as_floats(metrics), step), step, alerts)
 
     def _writes(self, i: int, step: int) -> bool:
         """Sink ``i`` is active and did not hold ``step`` before a resume."""
-        return i not in self.failed and not self.sinks[i].skips(step)
+        return (
+            i not in self.failed and not self.sinks[i].skips(step) and step > self._caught_up.get(i, step - 1)
+        )
+
+    @staticmethod
+    def _frozen(metrics: Mapping[str, float], values: dict[str, float], step: int) -> StepResult:
+        """``metrics`` with ``values`` (a copy of its floats): what the sinks get, which a caller
+        changing its mapping after the call does not change (a tracker may write it later)."""
+        get = partial(getattr, metrics)
+        return StepResult(values, step, get("meta", None), get("histograms", None), get("lists", None))
 
     def _write(self, i: int, metrics: Mapping[str, float], step: int, alerts: Sequence[Alert]) -> None:
         """The step's alerts, then the step, to sink ``i``; one that raises is disabled. Alerts go
         first: a crash between the two leaves the step unwritten, so it is written again on resume
         (a JSONL file does not repeat an alert it holds), and its alerts are never lost."""
-        sink = self.sinks[i]
         metrics = self._viewed(i, metrics)
-        try:
-            for alert in alerts:
-                sink.alert(alert)
-            sink.log(metrics, step)
-            if i in self.limits:
-                self.limits[i].observe(metrics)
-        except Exception as exc:
-            self.failed[i] = exc
-            logger.error("sink %r failed at step %d and is disabled: %r", sink, step, exc, exc_info=exc)
+        if i in self.limits:  # the rate the run logs at, whenever the tracker gets the steps
+            self.limits[i].observe(metrics)
+        self._send(i, DEFAULT_AXIS, step, partial(_deliver, self.sinks[i], metrics, step, alerts))
 
-    def _viewed(self, i: int, metrics: Mapping[str, float], copies: bool = True) -> Mapping[str, float]:
+    def _fatal(self, i: int, exc: BaseException, task: Task) -> None:
+        """Sink ``i``'s writer met an error that is not transient: the sink is disabled."""
+        self.failed[i] = exc
+        where = f" (they are in {self.journal.path})" if self.journal is not None else ""
+        logger.error("sink %r failed at %s %d and is disabled: %r; the steps of its queue are not written%s",
+                     self.sinks[i], task.axis, task.step, exc, where, exc_info=exc)  # fmt: skip
+
+    def _send(self, i: int, axis: str, step: int, call: Callable[[], object]) -> None:
+        """Make ``call`` (sink ``i``'s calls of a step): in its :class:`~rlmetrics.sinks.writer.Writer`
+        (a background sink), else now; a sink that raises now is reported and disabled, but the
+        journal, which is reported once and tried again at the next step."""
+        if i in self.writers:
+            return self.writers[i].put(axis, step, call)
+        sink = self.sinks[i]
+        where = f"step {step}" if axis == DEFAULT_AXIS else f"{axis} {step}"
+        try:
+            call()
+        except Exception as exc:
+            if sink is not self.journal:
+                self.failed[i] = exc
+                logger.error("sink %r failed at %s and is disabled: %r", sink, where, exc, exc_info=exc)
+            elif not self._journal_down:
+                self._journal_down = True
+                logger.error(
+                    "the journal %r failed at %s: %r; it is tried again at each step", sink, where, exc
+                )
+            return
+        if sink is self.journal and self._journal_down:
+            self._journal_down = False
+            logger.warning("the journal %r writes again from %s", sink, where)
+
+    def _refill(self, i: int, steps: list[tuple[str, int]]) -> list[Task]:
+        """The tasks of sink ``i`` for ``steps`` (``(axis, step)``), read back from the journal with
+        their alerts (a step it lacks left out)."""
+        if self.journal is None:
+            return []
+        run = read_jsonl(self.journal.path)
+        records = {(r.get("axis", DEFAULT_AXIS), r["step"]): r for r in run.records + run.axis_records}
+        alerts: dict[int, list[Alert]] = {}
+        for e in run.events:
+            alerts.setdefault(e["step"], []).append(Alert(step=e["step"], **e["event"]))
+        sink, tasks = self.sinks[i], []
+        for axis, step in steps:
+            if (axis, step) not in records:
+                continue
+            result = record_result(records[axis, step])
+            if axis == DEFAULT_AXIS:
+                call = partial(
+                    _deliver, sink, self._viewed(i, result, cache=False), step, alerts.get(step, [])
+                )
+            else:
+                call = partial(sink.log_axis, self._viewed(i, result, copies=False, cache=False), step, axis)
+            tasks.append(Task(axis, step, call))
+        return tasks
+
+    def _viewed(
+        self, i: int, metrics: Mapping[str, float], copies: bool = True, cache: bool = True
+    ) -> Mapping[str, float]:
         """What sink ``i`` gets of ``metrics``: :attr:`view`, or all of it (:attr:`Sink.all_keys`),
-        the ``overview/`` copies if it takes them (:attr:`Sink.overview_copies`)."""
+        the ``overview/`` copies if it takes them (:attr:`Sink.overview_copies`); ``cache``: the
+        caller's thread (a writer's thread reading the journal back makes its own)."""
         sink = self.sinks[i]
         if sink.all_keys:
             return metrics
         copies = copies and sink.overview_copies
+        if not cache:
+            return self.view(metrics, copies=copies)
         if self._views[0] is not metrics:  # one view per step and kind, whatever the number of sinks
             self._views = (metrics, {})
         made = self._views[1]
@@ -276,7 +372,12 @@ class Tracking(Sink):
         for sink in sinks:
             for step, record in last.items():
                 self.write(sink, record_result(record), step, alerts.get(step, []))
-            sink.resumed_at = max(journal.resumed_at, -1 if sink.resumed_at is None else sink.resumed_at)
+            i = self.sinks.index(sink)
+            held = max(journal.resumed_at, -1 if sink.resumed_at is None else sink.resumed_at)
+            self._caught_up[i] = (
+                held  # the sink's own skip follows the steps caught up (its writer makes them first)
+            )
+            self._send(i, DEFAULT_AXIS, held, partial(setattr, sink, "resumed_at", held))
 
     def close(self) -> None:
         if self._closed:
@@ -285,14 +386,61 @@ class Tracking(Sink):
         for glob in self.view.unmatched():
             hint = did_you_mean(self.view.seen, [glob]) or " (a typo?)"
             logger.warning("keys: the glob %r matched no key of this run%s", glob, hint)
-        for sink in self.sinks:
+        left = self._deliver_queues("close()")
+        for i, sink in enumerate(self.sinks):
+            if i in left:  # not closed: its close would wait on what holds the steps
+                continue
             try:
-                sink.close()
+                sink.close()  # on the caller's thread (SwanLab's finish sets a signal handler)
             except Exception as exc:
                 logger.error("sink %r failed to close: %r", sink, exc, exc_info=exc)
 
+    def _deliver_queues(self, when: str) -> dict[int, list[tuple[str, int]]]:
+        """Let each tracker's thread deliver its queue, ``close_timeout`` s in all (once: at
+        ``close()`` or at the process's exit); what each one that could not holds (reported)."""
+        if self._left is None:
+            if self.writers:
+                atexit.unregister(self._exit_hook)
+            deadline = time.monotonic() + self.close_timeout
+            for writer in self.writers.values():
+                writer.finish()
+            left = {i: w.join(deadline - time.monotonic()) for i, w in self.writers.items()}
+            self._left = {i: steps for i, steps in left.items() if steps}
+            for i, steps in self._left.items():
+                self._report_undelivered(self.sinks[i], steps, when)
+        return self._left
+
+    def _report_undelivered(self, sink: Sink, left: list[tuple[str, int]], when: str) -> None:
+        steps = [s for _, s in left]
+        where = (
+            f"; they are in {self.journal.path}: make_sinks(..., resume=True) on that folder catches it up"
+            if self.journal is not None
+            else ""
+        )
+        logger.error(
+            "tracker %s: %d steps (%d to %d) not delivered %g s after %s (down or slow), and it is "
+            "not closed%s",
+            sink.tracker, len(steps), steps[0], steps[-1], self.close_timeout, when, where,
+        )  # fmt: skip
+
     def __repr__(self) -> str:
         return f"Tracking({self.sinks!r})"
+
+
+def _deliver(sink: Sink, metrics: Mapping[str, float], step: int, alerts: Sequence[Alert]) -> None:
+    """A step's alerts, then the step, to ``sink``."""
+    for alert in alerts:
+        sink.alert(alert)
+    sink.log(metrics, step)
+
+
+def _at_exit(ref: weakref.ref) -> None:
+    """A process that ends without ``close()`` (a script's last line, an exception) delivers what
+    its trackers' queues hold before their threads die with it (as each step was written in
+    ``log()`` before the queues); the sinks are left as they are."""
+    tracking = ref()
+    if tracking is not None:
+        tracking._deliver_queues("the process's exit")
 
 
 SINKS: dict[str, Callable[..., Sink]] = {name: sink.in_folder for name, sink in TRACKERS.items()}

@@ -36,12 +36,16 @@ closed
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
 
 from rlmetrics.health import Alert
 from rlmetrics.sinks.names import NameMap, as_floats, as_step, axis_names, fit, histograms_of, texts_of
+
+_AXIS_CALL = threading.local()  # .sink: the sink whose base log_axis runs on this thread
 
 
 class Sink:
@@ -71,6 +75,9 @@ class Sink:
     all_keys: ClassVar[bool] = False
     """It gets every key of a step, whatever :class:`~rlmetrics.sinks.Tracking`'s ``keys=`` (the
     JSONL file: the record a resumed run catches up from)."""
+    background: ClassVar[bool] = False
+    """:class:`~rlmetrics.sinks.Tracking` makes its calls from a thread of its own, through a bounded
+    queue (:mod:`rlmetrics.sinks.writer`): a tracker down, frozen or slow never holds a training step."""
     overview_copies: ClassVar[bool] = True
     """It gets the ``overview/`` copies of the core keys when ``Tracking`` makes them (the console
     shows each key once)."""
@@ -105,11 +112,15 @@ class Sink:
         :func:`~rlmetrics.sinks.names.axis_names` at ``step`` (a series per name, its steps the
         axis's values: TensorBoard, MLflow, SwanLab, the console); the skip of a resumed run is about
         ``train_step`` only."""
-        resumed, self.resumed_at = self.resumed_at, None
+        _AXIS_CALL.sink = self  # this thread's skips() lets the axis's steps through
         try:
             self.log(axis_names(metrics, axis), step)
         finally:
-            self.resumed_at = resumed
+            _AXIS_CALL.sink = None
+
+    def expect_alerts(self, rules: Sequence[str]) -> None:
+        """The names of the health rules whose alerts may come (the base class ignores them; a
+        counter per rule starts at 0 from them)."""
 
     def alert(self, alert: Alert) -> None:
         """Write a health alert of a step this sink logged (the base class ignores it)."""
@@ -119,17 +130,31 @@ class Sink:
 
     def skips(self, step: int) -> bool:
         """``step`` was logged before this sink resumed the run."""
-        return self.resumed_at is not None and step <= self.resumed_at
+        return self.resumed_at is not None and step <= self.resumed_at and not self.in_axis_call()
 
-    def new_alert(self, key: Any) -> bool:
-        """The alert ``key`` (what identifies an alert in this sink's files) was not written yet
-        (in this session, or before a resume when the sink read its files); it is now recorded."""
+    def in_axis_call(self) -> bool:
+        """This thread is in the base :meth:`log_axis` of this sink (whose steps are not skipped)."""
+        return getattr(_AXIS_CALL, "sink", None) is self
+
+    @contextmanager
+    def alert_once(self, key: Any) -> Iterator[bool]:
+        """Whether the alert ``key`` (what identifies an alert in this sink's files) was not written
+        yet (in this session, or before a resume when the sink read its files); it is recorded as
+        written once the ``with`` block ends without an error (a write that failed is retried)."""
         if self._alerted is None:
             self._alerted = set()
-        if key in self._alerted:
-            return False
-        self._alerted.add(key)
-        return True
+        new = key not in self._alerted
+        yield new
+        if new:
+            self._alerted.add(key)
+
+    @staticmethod
+    def transient(exc: Exception) -> bool:
+        """Whether the error a call of this sink raised may pass when made again (a server down):
+        :class:`~rlmetrics.sinks.Tracking` retries a background sink's call then, and disables the
+        sink otherwise. The base: any error but a caller's or a sink's bug (ValueError, TypeError,
+        LookupError, AttributeError, NotImplementedError)."""
+        return not isinstance(exc, (ValueError, TypeError, LookupError, AttributeError, NotImplementedError))
 
     def __enter__(self):
         return self

@@ -48,6 +48,7 @@ class ClearMLSink(Sink):
     ``close()`` closes the task (and zips the offline session)."""
 
     tracker = "clearml"
+    background = True  # written from its own thread (Tracking)
     map_name = staticmethod(clearml_name)
 
     folder_files = ("clearml",)
@@ -121,8 +122,11 @@ class ClearMLSink(Sink):
     def alert(self, alert: Alert) -> None:
         if not self._open:
             raise ValueError(f"{self!r} is closed")
-        if self.new_alert((alert.step, alert.rule)):
-            self.logger.report_text(f"alert/{alert.rule}: {alert}", iteration=alert.step, print_console=False)
+        with self.alert_once((alert.step, alert.rule)) as new:
+            if new:
+                self.logger.report_text(
+                    f"alert/{alert.rule}: {alert}", iteration=alert.step, print_console=False
+                )
 
     @property
     def run_id(self) -> str:

@@ -365,8 +365,11 @@ class JsonlSink(Sink):
         if self._file is None:
             raise ValueError(f"{self!r} is closed")
         event = {k: v for k, v in alert.as_dict().items() if k != "step"}
-        if self.new_alert(_alert_key(alert.step, event)):  # not when a replayed step raises it again
-            self._write({"step": alert.step, "time": time.time(), "event": json_safe(event)})
+        with self.alert_once(
+            _alert_key(alert.step, event)
+        ) as new:  # not when a replayed step raises it again
+            if new:
+                self._write({"step": alert.step, "time": time.time(), "event": json_safe(event)})
 
     def _write(self, record: dict) -> None:
         self._file.write(_dumps(record))

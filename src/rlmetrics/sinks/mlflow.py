@@ -150,6 +150,7 @@ class MLflowSink(Sink):
     """Log each step as a batch of metrics of one MLflow run."""
 
     tracker = "mlflow"
+    background = True  # written from its own thread (Tracking)
     name_limit = 250
 
     @staticmethod
@@ -261,9 +262,18 @@ class MLflowSink(Sink):
         if not self._open:
             raise ValueError(f"{self!r} is closed")
         key = self.names(f"alert/{alert.rule}")
-        new = self.new_alert((alert.step, key))  # one point per rule and step
-        metrics = [self._Metric(key, 1.0, int(time.time() * 1000), alert.step)] if new else []
-        self.client.log_batch(self.run_id, metrics=metrics, tags=[self._RunTag(key, str(alert))])
+        with self.alert_once((alert.step, key)) as new:  # one point per rule and step
+            metrics = [self._Metric(key, 1.0, int(time.time() * 1000), alert.step)] if new else []
+            self.client.log_batch(self.run_id, metrics=metrics, tags=[self._RunTag(key, str(alert))])
+
+    @staticmethod
+    def transient(exc: Exception) -> bool:
+        """A request MLflow refused as bad (HTTP 4xx but 429) is not made again; a server down or
+        failing (5xx, no answer) is."""
+        status = getattr(exc, "get_http_status_code", None)
+        if status is not None and 400 <= status() < 500 and status() != 429:
+            return False
+        return Sink.transient(exc)
 
     def close(self) -> None:
         if self._open:

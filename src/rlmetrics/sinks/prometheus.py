@@ -17,10 +17,15 @@ Names: ``<prefix>_`` and the metric name with every character outside ``[a-zA-Z0
 (:class:`~rlmetrics.sinks.names.NameMap`, one warning each). Every sample has a ``run`` label (the
 run's name). ``<prefix>_step{axis="train_step"}`` is the step served; a step of another axis
 (:meth:`log_axis`) serves its values as ``<prefix>_<axis>_<name>`` and its step under its own
-``axis`` label. A metric missing from the newest step is not served (its series goes stale, as
-Prometheus does with a target that stops exporting one). Health alerts count in
-``<prefix>_alerts_total{rule=...}``. Histograms and lists of names are not served (the JSONL file,
-TensorBoard and W&B have them).
+``axis`` label. A gauge holds its metric's last value (a validation metric between two rounds):
+a metric not logged in the last ``stale`` steps of its axis (1000) is no longer served. Health
+alerts count in ``<prefix>_alerts_total{rule=...}``, every rule of the run's health monitor served
+from 0 (so ``increase()`` sees its first alert). Histograms and lists of names are not served (the
+JSONL file, TensorBoard and W&B have them).
+
+The URL is printed (stderr) when the endpoint starts. ``close()`` serves the last step until the
+endpoint is scraped once more, at most ``linger`` seconds (60), when it was scraped during the run
+(an endpoint nobody scraped closes at once), so Prometheus sees the run's last step.
 
 Collection is a custom collector over the newest step (one ``collect()`` call per scrape, on the
 server's thread, reading one snapshot the logging thread swaps in whole), not a ``Gauge`` object per
@@ -32,8 +37,9 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +66,7 @@ def prometheus_name(name: str) -> str:
 
 PROMETHEUS_PORT = "RLMETRICS_PROMETHEUS_PORT"
 """The environment variable with the port :func:`~rlmetrics.sinks.make_sinks`'s Prometheus endpoint
-listens on (unset: a free port, logged), and ``RLMETRICS_PROMETHEUS_ADDR`` its address (unset:
+listens on (unset: a free port, printed), and ``RLMETRICS_PROMETHEUS_ADDR`` its address (unset:
 ``127.0.0.1``)."""
 
 
@@ -83,7 +89,14 @@ class PrometheusSink(Sink):
         )
 
     def __init__(
-        self, port: int = 0, addr: str = "127.0.0.1", *, prefix: str = "rlmetrics", run: str = "rlmetrics"
+        self,
+        port: int = 0,
+        addr: str = "127.0.0.1",
+        *,
+        prefix: str = "rlmetrics",
+        run: str = "rlmetrics",
+        stale: int = 1000,
+        linger: float = 60.0,
     ) -> None:
         client = require("prometheus_client", "trackers")
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -91,19 +104,21 @@ class PrometheusSink(Sink):
         if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", prefix):
             raise ValueError(f"prefix {prefix!r} is no Prometheus metric name")
         self._gauge, self._counter = GaugeMetricFamily, CounterMetricFamily
-        self.prefix, self.run = prefix, run
+        self.prefix, self.run, self.stale, self.linger = prefix, run, stale, linger
         self.names = NameMap(type(self))
         self.names.reserve("step", "alerts")
-        self._lock = threading.Lock()
-        # axis → (step, {gauge name: (rlmetrics name, value)}): replaced whole by log, read by collect
-        self._steps: dict[str, tuple[int, dict[str, tuple[str, float]]]] = {}
+        self._lock = threading.Condition()
+        # axis → (step, {gauge name: (rlmetrics name, value, step)}): replaced whole by log, read by collect
+        self._steps: dict[str, tuple[int, dict[str, tuple[str, float, int]]]] = {}
+        self._logs = 0  # steps logged
         self._alerts: dict[str, int] = {}
         self.registry = client.CollectorRegistry(auto_describe=False)
         self.registry.register(self)
         self._server, self._thread = client.start_http_server(port, addr=addr, registry=self.registry)
         self.addr, self.port = addr, self._server.server_port
         self._open = True
-        logger.info("prometheus: serving the newest step at %s", self.url)
+        self._scraped_at = -1  # self._logs at the last scrape (-1: never scraped)
+        print(f"prometheus: serving the newest step at {self.url}", file=sys.stderr, flush=True)
 
     @property
     def url(self) -> str:
@@ -124,9 +139,17 @@ class PrometheusSink(Sink):
         if not self._open:
             raise ValueError(f"{self!r} is closed")
         step = as_step(step)
-        values = {f"{self.prefix}_{self.names(k)}": (k, v) for k, v in as_floats(metrics).items()}
+        new = {f"{self.prefix}_{self.names(k)}": (k, v, step) for k, v in as_floats(metrics).items()}
+        _, held = self._steps.get(axis, (step, {}))  # less the metrics not logged in the last `stale` steps:
+        held = {g: kept for g, kept in held.items() if kept[2] > step - self.stale}
         with self._lock:
-            self._steps = {**self._steps, axis: (step, values)}
+            self._steps = {**self._steps, axis: (step, {**held, **new})}
+            self._logs += 1
+
+    def expect_alerts(self, rules: Sequence[str]) -> None:
+        """Serve each rule's alert counter from 0."""
+        with self._lock:
+            self._alerts = {**dict.fromkeys(rules, 0), **self._alerts}
 
     def alert(self, alert: Alert) -> None:
         if not self._open:
@@ -138,13 +161,15 @@ class PrometheusSink(Sink):
         """The prometheus_client collector protocol: the families of the newest steps."""
         with self._lock:
             steps, alerts = self._steps, self._alerts
+            self._scraped_at = self._logs
+            self._lock.notify_all()
         run = [self.run]
         served = self._gauge(f"{self.prefix}_step", "The step served, per step axis", labels=["run", "axis"])
         for axis, (step, _) in steps.items():
             served.add_metric([self.run, axis], step)
         yield served
         for _, values in steps.values():
-            for gauge, (name, value) in values.items():
+            for gauge, (name, value, _) in values.items():
                 family = self._gauge(gauge, name, labels=["run"])
                 family.add_metric(run, value)
                 yield family
@@ -156,6 +181,9 @@ class PrometheusSink(Sink):
     def close(self) -> None:
         if self._open:
             self._open = False
+            with self._lock:  # scraped during the run: serve the last step to one more scrape
+                if self._scraped_at >= 0:
+                    self._lock.wait_for(lambda: self._scraped_at == self._logs, self.linger)
             self._server.shutdown()
             self._server.server_close()
             self._thread.join()

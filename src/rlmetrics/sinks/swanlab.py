@@ -42,6 +42,7 @@ class SwanLabSink(RunSink):
     """Log each step with ``run.log(metrics, step=step)``; ``close()`` finishes the run."""
 
     tracker = "swanlab"
+    background = True  # written from its own thread (Tracking)
     name_limit = 512
     map_name = staticmethod(path_safe)
 
@@ -112,7 +113,7 @@ class SwanLabSink(RunSink):
         return super().skips(step) and step != self._cut
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        if self._cut is None or self.resumed_at is None:  # nothing cut, or a step axis's (log_axis)
+        if self._cut is None or self.in_axis_call():  # nothing cut, or a step axis's (log_axis)
             return super().log(metrics, step)
         if step != self._cut:
             super().log(metrics, step)
@@ -131,8 +132,9 @@ class SwanLabSink(RunSink):
         if not self._open:
             raise ValueError(f"{self!r} is closed")
         text = str(alert)
-        if self.new_alert((alert.step, hashlib.sha256(text.encode()).hexdigest())):
-            self.run.log({self.names(f"alert/{alert.rule}"): self._swanlab.Text(text)}, step=alert.step)
+        with self.alert_once((alert.step, hashlib.sha256(text.encode()).hexdigest())) as new:
+            if new:
+                self.run.log({self.names(f"alert/{alert.rule}"): self._swanlab.Text(text)}, step=alert.step)
 
     def __repr__(self) -> str:
         return f"SwanLabSink(project={self.project!r}, logdir={str(self.logdir)!r})"

@@ -48,6 +48,7 @@ class TensorBoardSink(Sink):
     """Write scalars to an event file in ``log_dir`` (created)."""
 
     tracker = "tensorboard"
+    background = True  # written from its own thread (Tracking)
     map_name = staticmethod(path_safe)
 
     folder_files = ("tensorboard",)
@@ -112,8 +113,9 @@ class TensorBoardSink(Sink):
     def alert(self, alert: Alert) -> None:
         if self._writer is None:
             raise ValueError(f"{self!r} is closed")
-        if self.new_alert((alert.step, str(alert))):
-            self._write(alert.step, self._text_pb(self.names(f"alert/{alert.rule}"), str(alert)).value)
+        with self.alert_once((alert.step, str(alert))) as new:
+            if new:
+                self._write(alert.step, self._text_pb(self.names(f"alert/{alert.rule}"), str(alert)).value)
 
     def _write(self, step: int, values: list) -> None:
         summary = self._summary_pb2.Summary(value=values)

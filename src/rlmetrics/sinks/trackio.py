@@ -53,6 +53,7 @@ class TrackioSink(RunSink):
     """Log each step with ``run.log(metrics, step=step)``; ``close()`` finishes the run."""
 
     tracker = "trackio"
+    background = True  # written from its own thread (Tracking)
 
     folder_files = ("trackio",)
     takes_config = catches_up = True
@@ -103,8 +104,9 @@ class TrackioSink(RunSink):
     def alert(self, alert: Alert) -> None:
         if not self._open:
             raise ValueError(f"{self!r} is closed")
-        if self.new_alert((alert.step, alert.rule)):
-            self.run.alert(title=f"alert/{alert.rule}", text=str(alert), step=alert.step)
+        with self.alert_once((alert.step, alert.rule)) as new:
+            if new:
+                self.run.alert(title=f"alert/{alert.rule}", text=str(alert), step=alert.step)
 
     def __repr__(self) -> str:
         return f"TrackioSink(project={self.project!r}, logdir={str(self.logdir)!r})"

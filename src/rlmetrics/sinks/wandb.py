@@ -149,6 +149,7 @@ class WandbSink(RunSink):
     """Log each step with ``run.log(metrics, step=step)``; ``close()`` finishes the run."""
 
     tracker = "wandb"
+    background = True  # written from its own thread (Tracking)
     case_insensitive_names = True  # W&B's metric names are
 
     @staticmethod
@@ -296,15 +297,16 @@ class WandbSink(RunSink):
     def alert(self, alert: Alert) -> None:
         if not self._open:
             raise ValueError(f"{self!r} is closed")
-        if not self.new_alert(str(alert)):
-            return
-        level = "ERROR" if alert.level == "error" else "WARN"
-        title = f"{alert.rule}: {alert.metric}" if alert.metric else alert.rule
-        self.run.alert(title=title[:63], text=str(alert), level=level)
-        if self.axes:
-            self._write_row({self.names(f"alert/{alert.rule}"): 1.0}, _TRAIN_STEP, alert.step)
-        else:
-            self.run.log({self.names(f"alert/{alert.rule}"): 1.0}, step=alert.step)
+        with self.alert_once(str(alert)) as new:
+            if not new:
+                return
+            level = "ERROR" if alert.level == "error" else "WARN"
+            title = f"{alert.rule}: {alert.metric}" if alert.metric else alert.rule
+            self.run.alert(title=title[:63], text=str(alert), level=level)
+            if self.axes:
+                self._write_row({self.names(f"alert/{alert.rule}"): 1.0}, _TRAIN_STEP, alert.step)
+            else:
+                self.run.log({self.names(f"alert/{alert.rule}"): 1.0}, step=alert.step)
 
     def finish(self) -> None:
         run_file = Path(self.run.settings.sync_file)
