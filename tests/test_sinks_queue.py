@@ -133,6 +133,7 @@ def test_without_a_journal_a_full_queue_drops_steps_and_says_which(caplog):
         remote.up.set()
         tracking.close()
     assert [s for s, _ in remote.steps] == [0, 1]
+    assert len(messages(caplog, "never (no journal: dropped)")) == 1
     assert len(messages(caplog, "not in the journal and are lost")) == 1
     assert "[('train_step', 2), ('train_step', 3)" in messages(caplog, "lost")[0]
 
@@ -140,11 +141,16 @@ def test_without_a_journal_a_full_queue_drops_steps_and_says_which(caplog):
 def test_close_waits_a_bounded_time_and_names_what_it_could_not_deliver(caplog, tmp_path):
     remote = Remote()
     remote.up.clear()
-    with caplog.at_level(logging.ERROR, logger="rlmetrics.sinks"):
+    with caplog.at_level(logging.WARNING, logger="rlmetrics.sinks"):
         tracking = Tracking([JsonlSink(tmp_path / "m.jsonl"), remote], health=False, close_timeout=0.2)
         for step in range(5):
             tracking.log({"a": float(step)}, step)
+        assert remote.refused.wait(60)
         tracking.close()  # the tracker never comes back
+    assert (
+        len(messages(caplog, "tracker remote is down with 5 steps to deliver: close() waits up to 0.2 s"))
+        == 1
+    )
     (error,) = messages(caplog, "not delivered")
     assert "tracker remote: 5 steps (0 to 4) not delivered 0.2 s after close()" in error
     assert "m.jsonl: make_sinks(..., resume=True)" in error and not remote.closed
@@ -221,6 +227,7 @@ def test_a_script_that_ends_without_close_still_delivers_every_step(tmp_path):
     queues at exit, before W&B's own exit hook ends its service (before, with the queues and
     without the exit hook, MLflow held 0 of 50 steps; with the hook registered at import, W&B 0)."""
     import json
+    import os
     import subprocess
     import sys
 
@@ -235,11 +242,19 @@ def test_a_script_that_ends_without_close_still_delivers_every_step(tmp_path):
         "for step in range(50):\n"
         "    tracking.log({'x': float(step)}, step)\n"
     )
-    subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path)], check=True, timeout=300, capture_output=True
-    )
+    argv = [sys.executable, "-c", script, str(tmp_path)]
+    # a W&B run earlier in this process left WANDB_SERVICE set: the script would log to that service
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
+    out = subprocess.run(argv, timeout=300, capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
     run_id = json.loads((tmp_path / "run_ids.json").read_text())["mlflow"]
     history = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(run_id, "x")
     assert sorted(m.step for m in history) == list(range(50))
     (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
-    assert sorted(read_wandb(run_file)) == list(range(50))
+    assert sorted(read_wandb(run_file)) == list(range(50)), out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("timeout", ["5", -1, None])
+def test_a_close_timeout_that_is_no_number_of_seconds_is_refused_at_once(timeout):
+    with pytest.raises(ValueError, match=f"close_timeout={timeout!r}: the seconds close"):
+        Tracking([Remote()], health=False, close_timeout=timeout)

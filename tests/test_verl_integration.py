@@ -404,3 +404,31 @@ def test_imports_and_works_without_verl_torch_or_ray():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_verl_tracking_keeps_a_partial_steps_coverage_and_takes_trackio_and_clearml(tmp_path, monkeypatch):
+    """A driver's partial step (a :class:`~rlmetrics.StepResult` with its meta) logged through verl's
+    ``Tracking`` carries ``meta/coverage`` (before, the meta was dropped); verl's ``trackio`` and
+    ``clearml`` backends are the sinks of those names (before, refused). verl's own file is written at
+    ``$VERL_FILE_LOGGER_ROOT/<project>/<experiment>.jsonl``, beside the run folder."""
+    from rlmetrics import StepMeta, StepResult
+    from rlmetrics.sinks import read_jsonl
+
+    monkeypatch.setenv("VERL_FILE_LOGGER_ROOT", str(tmp_path))
+    for var in ("TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL", "VERL_FILE_LOGGER_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    pytest.importorskip("trackio")
+    pytest.importorskip("clearml")
+    tracking = verl.Tracking("proj", "exp", default_backend=["file", "trackio", "clearml"])
+    partial = StepResult({"critic/score/mean": 0.5}, 1, StepMeta(complete=False, contributions=[3, 4]))
+    tracking.log(partial, step=1)
+    tracking.log({"val-core/x/acc/mean@1": 0.25}, step=1)
+    tracking.finish()
+    run = read_jsonl(tmp_path / "proj" / "exp" / "metrics.jsonl")
+    assert run.series("meta/coverage")[1].tolist() == [0.75]
+    verl_file = read_jsonl(tmp_path / "proj" / "exp.jsonl")  # verl's format, read back
+    assert verl_file.steps == [1] and verl_file.series("val-core/x/acc/mean@1")[1].tolist() == [0.25]
+    assert (tmp_path / "proj" / "exp" / "trackio").is_dir() and (
+        tmp_path / "proj" / "exp" / "clearml"
+    ).is_dir()

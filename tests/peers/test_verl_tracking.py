@@ -1,7 +1,8 @@
 """``rlmetrics.integrations.verl.Tracking`` against verl 0.9.1's ``verl.utils.tracking.Tracking``: the same
-calls into temporary folders, read back with each tracker's own reader (tests/trackers.py), the same
-keys and values per step; and a trainer restarted from a checkpoint, where verl's file backend truncates
-and its TensorBoard run doubles the replayed steps, and ours holds every step once."""
+calls with verl's variables set (each its own folders), read back with verl's format and each tracker's
+own reader (tests/trackers.py), the same lines and values per step; and a trainer restarted from a
+checkpoint, where verl's file backend truncates and its TensorBoard run doubles the replayed steps, and
+ours holds every step once."""
 
 import numpy as np
 import pytest
@@ -33,13 +34,16 @@ def step_data(step, session=0):
 
 @pytest.fixture
 def verl_env(tmp_path, monkeypatch):
-    """verl's files under tmp_path/verl (its file backend at a path, TensorBoard in a folder); the
-    working directory tmp_path (verl's defaults are relative to it)."""
+    """The working directory tmp_path (verl's defaults are relative to it); ``env(who)`` sets verl's
+    variables to send the file backend and TensorBoard under ``tmp_path/<who>``."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / "verl" / "tb"))
-    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(tmp_path / "verl" / "run.jsonl"))
-    (tmp_path / "verl").mkdir()
-    return tmp_path
+
+    def env(who):
+        (tmp_path / who).mkdir(exist_ok=True)
+        monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / who / "tb"))
+        monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(tmp_path / who / "run.jsonl"))
+
+    return tmp_path, env
 
 
 def run(cls, steps, session=0, **kw):
@@ -56,23 +60,28 @@ def verl_file(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_same_keys_and_values_as_verl(verl_env, capsys):
-    ours_dir = verl_env / "ours"
+def test_same_files_and_values_as_verl_with_its_variables_set(verl_env, capsys):
+    """verl's variables honoured (before, ours warned that it ignored them): the file backend writes
+    verl's format at ``VERL_FILE_LOGGER_PATH`` (the same lines as verl's), TensorBoard writes in
+    ``TENSORBOARD_DIR`` (the same values), and ``read_jsonl`` (``rlmetrics report``) reads verl's file."""
+    root, env = verl_env
+    env("verl")
     run(VerlTracking, range(1, 4))
-    run(Tracking, range(1, 4), out_dir=ours_dir)
+    env("ours")
+    run(Tracking, range(1, 4), out_dir=root / "ours" / "folder")
     printed = capsys.readouterr().out
     assert "critic/score/mean" in printed  # both consoles printed the steps
 
-    theirs = {r["step"]: r["data"] for r in verl_file(verl_env / "verl" / "run.jsonl")}
-    run_ = read_jsonl(ours_dir / "metrics.jsonl")
-    mine = {r["step"]: r["metrics"] for r in run_.records}
-    assert sorted(mine) == sorted(theirs) == [1, 2, 3]
-    for step in theirs:
-        assert mine[step].keys() == theirs[step].keys()
-        assert mine[step] == pytest.approx(theirs[step], rel=1e-7)
+    theirs, mine = verl_file(root / "verl" / "run.jsonl"), verl_file(root / "ours" / "run.jsonl")
+    assert [r["step"] for r in mine] == [r["step"] for r in theirs] == [1, 2, 3]
+    for a, b in zip(mine, theirs):
+        assert a.keys() == b.keys() == {"step", "data"} and a["data"] == pytest.approx(b["data"], rel=1e-7)
+    journal = read_jsonl(root / "ours" / "folder" / "metrics.jsonl")
+    read_back = read_jsonl(root / "verl" / "run.jsonl")  # verl's own file, as rlmetrics report reads it
+    for name in step_data(0):
+        assert read_back.series(name)[1] == pytest.approx(journal.series(name)[1], rel=1e-7)
 
-    tb_theirs = read_tensorboard(verl_env / "verl" / "tb")
-    tb_mine = read_tensorboard(ours_dir / "tensorboard")
+    tb_theirs, tb_mine = read_tensorboard(root / "verl" / "tb"), read_tensorboard(root / "ours" / "tb")
     assert tb_mine.keys() == tb_theirs.keys() == step_data(0).keys()
     for tag in tb_theirs:
         assert tb_mine[tag] == pytest.approx(tb_theirs[tag], rel=1e-6)
@@ -80,24 +89,30 @@ def test_same_keys_and_values_as_verl(verl_env, capsys):
 
 def test_restart_from_checkpoint_logs_each_step_once(verl_env):
     """Session 0 logs steps 1-5 and dies; the trainer resumes from its step-3 checkpoint and logs 4-7."""
-    ours_dir = verl_env / "ours"
+    root, env = verl_env
+    ours_dir = root / "ours" / "folder"
     for session, steps in enumerate([range(1, 6), range(4, 8)]):
+        env("verl")
         run(VerlTracking, steps, session)
+        env("ours")
         run(Tracking, steps, session, out_dir=ours_dir)
 
     # verl: the file backend reopened its file with "wb": steps 1-3 are gone
-    assert [r["step"] for r in verl_file(verl_env / "verl" / "run.jsonl")] == [4, 5, 6, 7]
+    assert [r["step"] for r in verl_file(root / "verl" / "run.jsonl")] == [4, 5, 6, 7]
     # verl: a second event file in the same folder, steps 4 and 5 twice in the run
-    steps = tensorboard_steps(verl_env / "verl" / "tb")["critic/score/mean"]  # files read in name order
+    steps = tensorboard_steps(root / "verl" / "tb")["critic/score/mean"]  # files read in name order
     assert sorted(steps) == [1, 2, 3, 4, 4, 5, 5, 6, 7]
 
-    # ours: every step once; the replayed 4 and 5 are skipped (the first session's values stay)
+    # ours: every step once; the replayed 4 and 5 are skipped (the first session's values stay), in
+    # verl's file too (appended after the steps the run held)
+    assert [r["step"] for r in verl_file(root / "ours" / "run.jsonl")] == [1, 2, 3, 4, 5, 6, 7]
     run_ = read_jsonl(ours_dir / "metrics.jsonl")
     assert run_.steps == [1, 2, 3, 4, 5, 6, 7]
     steps, values = run_.series("critic/score/mean")
     assert values.tolist() == [0.25, 0.5, 0.75, 1.0, 1.25, 101.5, 101.75]
-    assert sorted(tensorboard_steps(ours_dir / "tensorboard")["critic/score/mean"]) == [1, 2, 3, 4, 5, 6, 7]
-    assert read_tensorboard(ours_dir / "tensorboard")["critic/score/mean"] == pytest.approx(
+    assert read_jsonl(root / "ours" / "run.jsonl").series("critic/score/mean")[1].tolist() == values.tolist()
+    assert sorted(tensorboard_steps(root / "ours" / "tb")["critic/score/mean"]) == [1, 2, 3, 4, 5, 6, 7]
+    assert read_tensorboard(root / "ours" / "tb")["critic/score/mean"] == pytest.approx(
         dict(zip(steps.tolist(), values.tolist()))
     )
 
@@ -131,8 +146,9 @@ def test_backends_as_verl_takes_them(tmp_path, monkeypatch):
     (verl: AssertionError ``... is not supported`` for an unknown one)."""
     assert sink_names("tensorboard") == {"tensorboard": "tensorboard"}
     assert sink_names(["file", "wandb"]) == {"file": "jsonl", "wandb": "wandb"}
-    for name in ("clearml", "trackio", "vemlp_wandb", "rl_insight"):
-        with pytest.raises(ValueError, match=f"'{name}' has no rlmetrics sink; supported: console, file"):
+    assert sink_names(["trackio", "clearml"]) == {"trackio": "trackio", "clearml": "clearml"}
+    for name in ("vemlp_wandb", "rl_insight"):
+        with pytest.raises(ValueError, match=f"'{name}' has no rlmetrics sink; supported: console, "):
             Tracking("p", "e", name, out_dir=tmp_path / name)
     with pytest.raises(ValueError, match="unknown verl backend 'nope'"):
         Tracking("p", "e", ["file", "nope"], out_dir=tmp_path / "nope")
@@ -172,24 +188,24 @@ def test_trackers_same_as_verl(verl_env, monkeypatch):
 
     from tests.trackers import one, read_mlflow, read_swanlab, read_wandb, swanlab_config, wandb_config
 
-    theirs = verl_env / "verl"
+    root, _ = verl_env
+    theirs, ours = root / "verl", root / "ours"
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(theirs))
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{theirs / 'mlflow.db'}")
     monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
     monkeypatch.setenv("SWANLAB_MODE", "offline")
-    monkeypatch.setenv("SWANLAB_LOG_DIR", str(theirs / "swanlog"))
     import wandb
 
     wandb.teardown()  # W&B reads WANDB_MODE once per process: an earlier test's setup would stay
     backends = ["wandb", "mlflow", "swanlab"]
-    for cls, kw in ((VerlTracking, {}), (Tracking, {"out_dir": verl_env / "ours"})):
+    for cls, kw, where in ((VerlTracking, {}, theirs), (Tracking, {"out_dir": ours}, ours)):
+        monkeypatch.setenv("SWANLAB_LOG_DIR", str(where / "swanlog"))  # honoured by both
         tracking = cls("proj", "exp", default_backend=backends, config=CONFIG, **kw)
         for step in range(1, 4):
             tracking.log(data=step_data(step), step=step)
         tracking.finish()
-    ours = verl_env / "ours"
     names = list(step_data(0))
 
     wb_theirs = read_wandb(one(theirs, "wandb/offline-run-*/run-*.wandb"))
@@ -224,8 +240,8 @@ def test_trackers_same_as_verl(verl_env, monkeypatch):
         assert read_mlflow(uri_mine, run_mine, key) == pytest.approx(expected)
 
     sw_theirs = read_swanlab(one(theirs, "swanlog/run-*/run-*.swanlab"))
-    sw_mine = read_swanlab(one(ours, "swanlab/run-*/run-*.swanlab"))
-    assert swanlab_config(one(ours, "swanlab/run-*/run-*.swanlab")) == CONFIG
+    sw_mine = read_swanlab(one(ours, "swanlog/run-*/run-*.swanlab"))
+    assert swanlab_config(one(ours, "swanlog/run-*/run-*.swanlab")) == CONFIG
     assert swanlab_config(one(theirs, "swanlog/run-*/run-*.swanlab")) == {"FRAMEWORK": "verl", **CONFIG}
     assert sorted(sw_mine) == sorted(sw_theirs) == sorted(names)
     for key in sw_theirs:

@@ -136,11 +136,15 @@ class Tracking(Sink):
         self.sinks = list(sinks)
         self.failed: dict[int, BaseException] = {}  # index in ``sinks`` → the exception that disabled it
         self.journal = next((s for s in self.sinks if isinstance(s, JsonlSink)), None)
+        if not (isinstance(close_timeout, (int, float)) and close_timeout >= 0):
+            raise ValueError(
+                f"close_timeout={close_timeout!r}: the seconds close() waits for the trackers, >= 0"
+            )
         self.close_timeout = close_timeout
-        options = {"bound": queue, "retry": retry[0], "most": retry[1]}
+        options = {"bound": queue, "retry": retry[0], "most": retry[1], "journal": self.journal is not None}
         self.writers = {
             i: Writer(
-                s.tracker,
+                _name(s),
                 partial(self._refill, i),
                 transient=s.transient,
                 fatal=partial(self._fatal, i),
@@ -402,8 +406,13 @@ class Tracking(Sink):
             if self.writers:
                 atexit.unregister(self._exit_hook)
             deadline = time.monotonic() + self.close_timeout
-            for writer in self.writers.values():
+            for i, writer in self.writers.items():
                 writer.finish()
+                if writer.down:
+                    logger.warning(
+                        "tracker %s is down with %d steps to deliver: %s waits up to %g s for it",
+                        _name(self.sinks[i]), len(writer.pending()), when, self.close_timeout,
+                    )  # fmt: skip
             left = {i: w.join(deadline - time.monotonic()) for i, w in self.writers.items()}
             self._left = {i: steps for i, steps in left.items() if steps}
             for i, steps in self._left.items():
@@ -420,11 +429,16 @@ class Tracking(Sink):
         logger.error(
             "tracker %s: %d steps (%d to %d) not delivered %g s after %s (down or slow), and it is "
             "not closed%s",
-            sink.tracker, len(steps), steps[0], steps[-1], self.close_timeout, when, where,
+            _name(sink), len(steps), steps[0], steps[-1], self.close_timeout, when, where,
         )  # fmt: skip
 
     def __repr__(self) -> str:
         return f"Tracking({self.sinks!r})"
+
+
+def _name(sink: Sink) -> str:
+    """The sink's tracker name (a sink of one's own may have none: its class name)."""
+    return getattr(sink, "tracker", type(sink).__name__)
 
 
 def _deliver(sink: Sink, metrics: Mapping[str, float], step: int, alerts: Sequence[Alert]) -> None:
@@ -482,6 +496,7 @@ def make_sinks(
     keys: str | Sequence[str] = "all",
     core: Sequence[str] = CORE_KEYS,
     overview: bool | None = None,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Tracking:
     """A :class:`Tracking` over the sinks named in ``names`` (a list, or one comma-separated str;
     blank names skipped, repeats once), running the ``health`` rules (see :class:`Tracking`).
@@ -489,7 +504,10 @@ def make_sinks(
     Files go to ``out_dir`` (created): each sink's :attr:`~Sink.folder_files` (``metrics.jsonl``,
     ``tensorboard/``, ``wandb/``, ``mlflow.db``, ``swanlab/``, ``trackio/``, ``clearml/``) and
     :data:`RUN_IDS` (the W&B, MLflow, SwanLab, trackio and ClearML run ids); trackers run offline,
-    but for MLflow when ``MLFLOW_TRACKING_URI`` is set (the run goes to that tracking server).
+    but for MLflow when ``MLFLOW_TRACKING_URI`` is set (the run goes to that tracking server) and
+    SwanLab when ``SWANLAB_LOG_DIR`` is (its run goes to that folder). ``options``: keyword arguments
+    of a sink's :meth:`~Sink.in_folder` by sink name (``{"tensorboard": {"log_dir": path}}``: the
+    event files in ``path``, as verl's ``TENSORBOARD_DIR`` has them).
     ``prometheus`` writes no file: it serves the newest step over HTTP (:data:`PROMETHEUS_PORT`) and
     resumes nothing; a resumed folder's ClearML session raises (offline sessions are not
     continued). A folder holds one run: a folder that holds one (:func:`run_files`, whatever sinks
@@ -554,6 +572,7 @@ def make_sinks(
     try:
         for name in wanted:
             extra = {"axes": True} if axes and name == "wandb" else {}
+            extra.update((options or {}).get(name, {}))
             if config is not None and name in CONFIG_SINKS:
                 extra["config"] = config
             run_id = ids.get(name, True) if resume else False

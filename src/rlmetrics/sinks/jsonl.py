@@ -28,6 +28,8 @@ of names (``perf/straggler/<stage>/slowest``, :mod:`rlmetrics.metrics.stragglers
   ``"axis": "policy_version"`` and that axis's step; :func:`read_jsonl` keeps those apart from the
   ``train_step`` records (:meth:`JsonlRun.on_axis`), each axis a step space of its own (a step is
   logged once per axis, and a resumed file skips each axis's steps up to its last one).
+- verl's own file (its ``file`` backend: ``{"step": 3, "data": {...}}``, a line per call, NaN as
+  ``null``) reads as the same run: the lines of a step merged, ``null`` as NaN.
 - A crash mid-write leaves an incomplete last line: :func:`read_jsonl` ignores it with a warning and
   reports it in :attr:`JsonlRun.truncated`; ``JsonlSink(path, append=True)`` cuts it off before
   appending. A corrupt line anywhere else is an error naming the line.
@@ -138,6 +140,10 @@ def _dumps(record: dict) -> bytes:
 
 def _parse(line: bytes) -> dict:
     record = json.loads(line.decode("utf-8"))
+    if isinstance(record, dict) and "metrics" not in record and isinstance(record.get("data"), dict):
+        data = record.pop("data")  # verl's file: {"step", "data"}, NaN written as null
+        record["metrics"] = {k: float("nan") if v is None else v for k, v in data.items()}
+        record["verl"] = True
     if not (
         isinstance(record, dict)
         and isinstance(record.get("step"), int)
@@ -272,6 +278,11 @@ def read_jsonl(path: str | os.PathLike) -> JsonlRun:
     """Parse a metrics JSONL file (``json.loads`` only); see the module doc for truncated files."""
     path = Path(path)
     records, truncated, _ = _scan(path)
+    if any(r.get("verl") for r in records):  # verl's file: a line per call, the calls of a step merged
+        steps: dict[int, dict] = {}
+        for r in records:
+            steps.setdefault(r["step"], {"step": r["step"], "metrics": {}})["metrics"].update(r["metrics"])
+        records = list(steps.values())
     metrics = [r for r in records if "metrics" in r and "axis" not in r]
     events = [r for r in records if "metrics" not in r]
     return JsonlRun(path, metrics, truncated, events, [r for r in records if "metrics" in r and "axis" in r])

@@ -79,13 +79,15 @@ class PrometheusSink(Sink):
 
     @classmethod
     def in_folder(
-        cls, out_dir: Path, project: str, run_name: str | None, resume: bool | str
+        cls, out_dir: Path, project: str, run_name: str | None, resume: bool | str, **options: Any
     ) -> PrometheusSink:
-        """No files, nothing to resume: a restarted run serves again from its next step."""
+        """No files, nothing to resume: a restarted run serves again from its next step; ``options``
+        (``make_sinks(options={"prometheus": {...}})``): ``stale``, ``linger``, ``prefix``."""
         return cls(
             int(os.environ.get(PROMETHEUS_PORT) or 0),
             os.environ.get("RLMETRICS_PROMETHEUS_ADDR") or "127.0.0.1",
             run=run_name or Path(out_dir).resolve().name,
+            **options,
         )
 
     def __init__(
@@ -182,7 +184,9 @@ class PrometheusSink(Sink):
         if self._open:
             self._open = False
             with self._lock:  # scraped during the run: serve the last step to one more scrape
-                if self._scraped_at >= 0:
+                if 0 <= self._scraped_at < self._logs:
+                    print(f"prometheus: serving the last step at {self.url} until it is scraped, at most "
+                          f"{self.linger:g} s", file=sys.stderr, flush=True)  # fmt: skip
                     self._lock.wait_for(lambda: self._scraped_at == self._logs, self.linger)
             self._server.shutdown()
             self._server.server_close()

@@ -55,7 +55,8 @@ class SwanLabSink(RunSink):
     ) -> SwanLabSink:
         if run_name:
             options["name"] = run_name
-        return cls(project, logdir=out_dir / "swanlab", mode="offline", resume=resume_id(resume), **options)
+        logdir = os.environ.get("SWANLAB_LOG_DIR") or out_dir / "swanlab"  # SwanLab's (and verl's) variable
+        return cls(project, logdir=logdir, mode="offline", resume=resume_id(resume), **options)
 
     def __init__(
         self,

@@ -37,6 +37,7 @@ import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
@@ -56,9 +57,10 @@ class TensorBoardSink(Sink):
 
     @classmethod
     def in_folder(
-        cls, out_dir: Path, project: str, run_name: str | None, resume: bool | str
+        cls, out_dir: Path, project: str, run_name: str | None, resume: bool | str, log_dir: Any = None
     ) -> TensorBoardSink:
-        return cls(out_dir / "tensorboard", resume=bool(resume))
+        """In ``log_dir`` when given (verl's ``TENSORBOARD_DIR``), else ``out_dir/tensorboard``."""
+        return cls(log_dir or out_dir / "tensorboard", resume=bool(resume))
 
     def __init__(self, log_dir: str | os.PathLike, *, resume: bool = False) -> None:
         writer = require("tensorboard.summary.writer.event_file_writer", "tensorboard")

@@ -55,8 +55,10 @@ class Writer:
         bound: int = 1000,
         retry: float = 1.0,
         most: float = 60.0,
+        journal: bool = True,
     ) -> None:
         self.name, self.refill, self.transient, self.fatal = name, refill, transient, fatal
+        self.journal = journal  # refill reads the steps behind back (else they are dropped)
         self.bound, self.retry, self.most = bound, retry, most
         self.failed: BaseException | None = None  # the error that ended the writer
         self._tasks: deque[Task] = deque()
@@ -76,13 +78,13 @@ class Writer:
                 self._wake.notify()
                 return
             if not self._behind:
-                logger.warning(
-                    "tracker %s is %d steps behind: it gets step %d and later from the journal once it "
-                    "caught up (training goes on)",
-                    self.name,
-                    len(self._tasks),
-                    step,
+                later = (
+                    "from the journal once it caught up" if self.journal else "never (no journal: dropped)"
                 )
+                logger.warning(
+                    "tracker %s is %d steps behind: it gets step %d and later %s (training goes on)",
+                    self.name, len(self._tasks), step, later,
+                )  # fmt: skip
             if len(self._behind) == self._reading or self._behind[-1] != (axis, step):
                 self._behind.append((axis, step))  # a step logged in several calls is read back once
 
@@ -97,6 +99,11 @@ class Writer:
         with self._wake:
             self._closing = True
             self._wake.notify()
+
+    @property
+    def down(self) -> bool:
+        """The tracker's last call failed (it is being retried)."""
+        return self._down is not None
 
     def join(self, timeout: float) -> list[tuple[str, int]]:
         """Wait up to ``timeout`` s for the thread to end (after :meth:`finish`) and return the steps
@@ -164,7 +171,7 @@ class Writer:
                     self._down = time.monotonic()
                     logger.warning(
                         "tracker %s failed at %s %d (%r): its steps wait in a queue and it is tried again "
-                        "every %g s up to %g s; training goes on",
+                        "after %g s, the wait doubling up to %g s; training goes on",
                         self.name, task.axis, task.step, exc, self.retry, self.most,
                     )  # fmt: skip
                 with self._wake:
@@ -177,7 +184,9 @@ class Writer:
                 delay = self.retry if self._closing else min(delay * 2, self.most)
                 continue
             if self._down is not None:
+                with self._wake:
+                    behind = len(self._tasks) + (len(self._behind) if self.journal else 0)
                 logger.warning("tracker %s is back after %.1f s; it catches up %d steps", self.name,
-                               time.monotonic() - self._down, len(self.pending()))  # fmt: skip
+                               time.monotonic() - self._down, behind)  # fmt: skip
                 self._down = None
             return True

@@ -8,17 +8,19 @@ checkpoint that logs steps again writes each step once (verl's ``file`` backend 
 replayed steps); health alerts (:mod:`rlmetrics.health`) go to every tracker; a tracker that fails is
 reported and disabled instead of stopping the run.
 
-Backends: verl's names, each mapped to a sink of :func:`rlmetrics.sinks.make_sinks`: ``console`` →
-``console``, ``file`` → ``jsonl`` (``metrics.jsonl``), ``tensorboard``, ``wandb`` (``tracking``, verl's
-deprecated alias, too), ``mlflow``, ``swanlab``; the trackers run offline. verl's other backends
-(``clearml``, ``trackio``, ``vemlp_wandb``, ``rl_insight``) raise ``ValueError`` naming the supported ones.
+Backends: verl's names, each the sink of :data:`rlmetrics.sinks.TRACKERS` of that name (``tracking``,
+verl's deprecated alias, is ``wandb``); the trackers run offline. ``file`` writes verl's own file
+(below) and the run's ``metrics.jsonl``. verl's ``vemlp_wandb`` and ``rl_insight`` raise
+``ValueError`` naming the supported backends.
 
 Files go to one folder: ``out_dir``, or ``<root>/<project_name>/<experiment_name>`` with ``root`` verl's
-``VERL_FILE_LOGGER_ROOT`` (default ``.``), next to where verl's file backend writes
-``<experiment_name>.jsonl``. ``MLFLOW_TRACKING_URI`` sends the MLflow run to that tracking server, as
-in verl; verl's other variables that send one backend elsewhere (``TENSORBOARD_DIR``,
-``VERL_FILE_LOGGER_PATH``, ``SWANLAB_LOG_DIR``) are not used: a warning names them and the folder the
-run is in.
+``VERL_FILE_LOGGER_ROOT`` (default ``.``). verl's variables that send a backend elsewhere are honoured:
+``MLFLOW_TRACKING_URI`` (that tracking server), ``TENSORBOARD_DIR`` and ``SWANLAB_LOG_DIR`` (those
+folders, :func:`~rlmetrics.sinks.make_sinks`), and ``VERL_FILE_LOGGER_PATH``: the ``file`` backend
+writes verl's format (``{"step": ..., "data": {...}}``, a line per call) there, or where verl does
+(``<root>/<project_name>/<experiment_name>.jsonl``, beside the run folder); ``rlmetrics report`` and
+``plot`` read it. A resumed run appends to it after the steps the run holds (verl starts it anew: its
+first session's lines were lost), and says so in one line.
 
 verl logs one step in several calls in places (the fully-async trainer logs timings, aggregated
 metrics and validation at one ``step``): a later call at the step just logged adds its metrics to the
@@ -29,33 +31,41 @@ session is dropped with a warning (TensorBoard's reader drops a step that goes b
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from rlmetrics.health import coverage_metrics
+from rlmetrics.messages import StepResult
+from rlmetrics.sinks import TRACKERS, make_sinks
 from rlmetrics.sinks import Tracking as Fanout
-from rlmetrics.sinks import make_sinks
 from rlmetrics.sinks.names import as_floats, as_step
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = {
-    "console": "console",
+    **{name: name for name in TRACKERS if name not in ("jsonl", "prometheus")},
     "file": "jsonl",
-    "tensorboard": "tensorboard",
-    "wandb": "wandb",
     "tracking": "wandb",
-    "mlflow": "mlflow",
-    "swanlab": "swanlab",
 }
-"""verl backend name → rlmetrics sink name (:data:`rlmetrics.sinks.SINKS`)."""
+"""verl backend name → rlmetrics sink name (:data:`rlmetrics.sinks.TRACKERS`, but the JSONL journal,
+which is ``file``, and Prometheus, which verl has not)."""
 
-VERL_ONLY = ("clearml", "trackio", "vemlp_wandb", "rl_insight")
+VERL_ONLY = ("vemlp_wandb", "rl_insight")
 """verl 0.9.1's backends rlmetrics has no sink for."""
 
-IGNORED_ENV = ("TENSORBOARD_DIR", "VERL_FILE_LOGGER_PATH", "SWANLAB_LOG_DIR")
+
+def verl_file(project_name: str, experiment_name: str) -> Path:
+    """Where verl 0.9.1's ``file`` backend writes: ``$VERL_FILE_LOGGER_PATH``, else
+    ``$VERL_FILE_LOGGER_ROOT/<project_name>/<experiment_name>.jsonl``."""
+    path = os.environ.get("VERL_FILE_LOGGER_PATH")
+    if path:
+        return Path(path)
+    return run_folder(project_name, experiment_name).with_name(f"{experiment_name}.jsonl")
 
 
 def run_folder(project_name: str, experiment_name: str) -> Path:
@@ -74,10 +84,10 @@ def sink_names(default_backend: str | Iterable[str]) -> dict[str, str]:
 
     >>> sink_names("file")
     {'file': 'jsonl'}
-    >>> sink_names(["console", "clearml"])  # doctest: +ELLIPSIS
+    >>> sink_names(["console", "vemlp_wandb"])  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: verl backend 'clearml' has no rlmetrics sink; supported: console, file, tensorboard, ...
+    ValueError: verl backend 'vemlp_wandb' has no rlmetrics sink; supported: console, tensorboard, ...
     """
     names = [default_backend] if isinstance(default_backend, str) else list(default_backend)
     supported = ", ".join(n for n in BACKENDS if n != "tracking")
@@ -144,9 +154,6 @@ class Tracking:
         if "tracking" in self.backends:
             logger.warning("verl's `tracking` backend is deprecated; it is W&B here (use `wandb`)")
         self.out_dir = Path(out_dir) if out_dir is not None else run_folder(project_name, experiment_name)
-        set_env = [name for name in IGNORED_ENV if os.environ.get(name)]
-        if set_env:
-            logger.warning("%s not used: the run's files go to %s", ", ".join(set_env), self.out_dir)
         if resume is None:
             resume = _resume_mode(config) != "disable"
         wanted = list(dict.fromkeys(self.backends.values()))
@@ -159,6 +166,7 @@ class Tracking:
             overwrite=overwrite,
             health=health,
             config=config,
+            options={"tensorboard": {"log_dir": os.environ.get("TENSORBOARD_DIR")}},
         )
         self._sink_of = dict(zip(wanted, self.tracking.sinks))
         jsonl = self._sink_of.get("jsonl")
@@ -173,7 +181,25 @@ class Tracking:
                 self.out_dir,
                 self.resumed_at,
             )
+        self._file = None  # verl's own file (the file backend)
+        if "file" in self.backends:
+            self._file = self._open_verl_file(verl_file(project_name, experiment_name))
         logger.info("rlmetrics Tracking: %s in %s", ", ".join(wanted), self.out_dir)
+
+    def _open_verl_file(self, path: Path) -> Any:
+        """verl's file at ``path``: new for a new run, appended to for a resumed one (one line says so)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if self.resumed_at is not None and path.exists():
+            logger.warning("verl's file %s: appending after step %d (the run resumed)", path, self.resumed_at)
+            return open(path, "ab", buffering=0)
+        return open(path, "wb", buffering=0)
+
+    def _write_verl(self, data: Mapping[str, Any], step: int) -> None:
+        """A line of verl's file: ``{"step", "data"}``, this call's values (JSON numbers, NaN as verl's
+        orjson writes it: ``null``)."""
+        if self._file is not None and (self.resumed_at is None or step > self.resumed_at):
+            values = {k: (v if math.isfinite(v) else None) for k, v in data.items()}
+            self._file.write(json.dumps({"step": step, "data": values}).encode() + b"\n")
 
     @property
     def resumed_at(self) -> int | None:
@@ -194,11 +220,19 @@ class Tracking:
         if self._step is not None and step < self._step:
             logger.warning("step %d after step %d dropped: trackers keep steps in order", step, self._step)
             return
+        if only is None or "jsonl" in only:
+            self._write_verl(values, step)
         if step != self._step:
             self._step, self._data = step, {}
             if only is None:
                 self._data.update(values)
-                self.tracking.log(values, step)
+                self._data.update(
+                    coverage_metrics(getattr(data, "meta", None))
+                )  # a later call's record keeps it
+                # a StepResult keeps its meta: a partial step gets its meta/coverage
+                self.tracking.log(
+                    StepResult(values, step, data.meta) if hasattr(data, "meta") else values, step
+                )
                 return
         # a second call at the step (or one for some backends): no health rules (they saw the step),
         # each chosen sink gets ``values``, the JSONL file the step's metrics so far
@@ -212,6 +246,8 @@ class Tracking:
         if getattr(self, "_finished", True):
             return
         self._finished = True
+        if self._file is not None:
+            self._file.close()
         self.tracking.close()
 
     def __del__(self) -> None:
