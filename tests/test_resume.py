@@ -572,3 +572,26 @@ def test_a_wandb_session_started_in_the_same_second_as_the_last_is_read_back(tmp
         for step in range(8):
             second.log({"x": float(step)}, step)
     assert [s for s, row in wandb_rows(wandb_run_files(tmp_path, run_id)) if "x" in row] == list(range(8))
+
+
+def test_an_mlflow_store_moved_away_as_the_refusal_advises_resumes_in_a_new_run(tmp_path, caplog):
+    """Our refusal of a damaged ``mlflow.db`` says "move it away to start a new store": the resumed
+    folder then gets a new MLflow run, caught up from ``metrics.jsonl`` (before, the id in
+    ``run_ids.json`` was not in the new store and the resume raised)."""
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    with make_sinks(["jsonl", "mlflow"], tmp_path, health=False) as tracking:
+        for step in range(3):
+            tracking.log({"a": float(step)}, step)
+    old = json.loads((tmp_path / "run_ids.json").read_text())["mlflow"]
+    (tmp_path / "mlflow.db").rename(tmp_path / "mlflow.db.damaged")
+    with caplog.at_level("WARNING", logger="rlmetrics.sinks"):
+        with make_sinks(["jsonl", "mlflow"], tmp_path, resume=True, health=False) as tracking:
+            for step in range(3, 5):
+                tracking.log({"a": float(step)}, step)
+    new = json.loads((tmp_path / "run_ids.json").read_text())["mlflow"]
+    assert new != old and f"MLflow run {old} is not in" in caplog.text
+    history = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(new, "a")
+    assert sorted((m.step, m.value) for m in history) == [(s, float(s)) for s in range(5)]

@@ -157,16 +157,30 @@ def test_last_record_without_newline_is_kept_and_append_adds_one(tmp_path):
 
 @pytest.mark.parametrize(
     "bad",
-    ["not json", '{"step": "1", "metrics": {}}', '{"step": 1}', "[1, 2]", '{"step": true, "metrics": {}}'],
-)
-def test_corrupt_middle_line_is_an_error_naming_it(tmp_path, bad):
+    [
+        "not json", '{"step": "1", "metrics": {}}', '{"step": 1}', "[1, 2]", '{"step": true, "metrics": {}}',
+        '{"step": 1000000000000000000, "metrics": {"a": 1.0}}', '{"step": -1, "metrics": {"a": 1.0}}',
+        '{"step": 1, "metrics": {"a": "oops"}}', '{"step": 1, "metrics": {"a": true}}',
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("last", [False, True])
+def test_a_line_that_is_no_record_is_refused_naming_it_and_the_rest_kept(tmp_path, caplog, bad, last):
+    """Run files read back are checked like wire messages (issue 46): a line no run writes (a step
+    planted at 10**18 silenced every later step of a resumed run; a string value disabled TensorBoard
+    when a resume caught it up) is refused with one warning naming the file and line, the rest kept."""
     path = tmp_path / "m.jsonl"
     good = '{"step": %d, "time": 0.0, "metrics": {"a": 1.0}}\n'
-    path.write_text(good % 0 + bad + "\n" + good % 2)
-    with pytest.raises(ValueError, match=r"line 2\b"):
-        read_jsonl(path)
-    with pytest.raises(ValueError, match=r"line 2\b"):
-        JsonlSink(path, append=True)
+    path.write_text(good % 0 + good % 2 + bad + "\n" if last else good % 0 + bad + "\n" + good % 2)
+    with caplog.at_level(logging.WARNING, logger="rlmetrics.sinks"):
+        assert read_jsonl(path).steps == [0, 2]
+        with JsonlSink(path, append=True, resume=True) as sink:
+            assert sink.resumed_at == 2
+            sink.log({"a": 3.0}, 3)
+    assert read_jsonl(path).steps == [0, 2, 3]
+    line = 3 if last else 2
+    refused = [r.getMessage() for r in caplog.records if "no record of a run" in r.getMessage()]
+    if bad.endswith("}") or not last:
+        assert refused and all(f"m.jsonl: line {line} is no record" in m for m in refused)
 
 
 def test_reader_treats_code_as_data(tmp_path):

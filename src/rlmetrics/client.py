@@ -36,6 +36,7 @@ from rlmetrics.core.groups import Labels, grouped_values, split_grouped
 from rlmetrics.core.stat import NAN_STRATEGIES, MetricValueError
 from rlmetrics.engine.derived import without_reserved
 from rlmetrics.messages import (
+    MAX_STEP,
     ApproximateWarning,
     Close,
     LateDataWarning,
@@ -51,7 +52,7 @@ from rlmetrics.messages import (
     caller_level,
     rank_name,
 )
-from rlmetrics.packing import MAX_STEP, MAX_WORLD_SIZE, Packed, pack, pack_known
+from rlmetrics.packing import MAX_WORLD_SIZE, Packed, pack, pack_known
 
 T = TypeVar("T")
 _SCHEMA_CACHE = 512  # schemas a client remembers; beyond, it forgets them all (names that change)

@@ -20,6 +20,9 @@ from dataclasses import dataclass, field, fields
 from types import FrameType
 from typing import Any, NamedTuple
 
+MAX_STEP = 1 << 53
+"""Largest step: exact as a float64, as trackers and JSON hold it (a step beyond is refused, naming it)."""
+
 DEFAULT_AXIS = "train_step"
 """The axis of a client's own ``step`` (:mod:`rlmetrics.axes`), the one trackers plot against."""
 

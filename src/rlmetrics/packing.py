@@ -28,8 +28,6 @@ from rlmetrics.messages import ValueWarning, caller_level
 
 MAX_WORLD_SIZE = 1 << 32
 """Largest ``world_size`` (and node contribution count): the engine counts contributions in int64."""
-MAX_STEP = 1 << 53
-"""Largest step: exact as a float64, as trackers and JSON hold it (a step beyond is refused, naming it)."""
 
 
 @dataclass(frozen=True)

@@ -50,8 +50,8 @@ import numpy as np
 from rlmetrics.core.reduce import parse_reduction
 from rlmetrics.core.stat import invalid_column
 from rlmetrics.core.states import State, column_kind, decode_state, encode_state, is_bound
-from rlmetrics.messages import SubmissionError
-from rlmetrics.packing import MAX_STEP, Packed, Schema
+from rlmetrics.messages import MAX_STEP, SubmissionError
+from rlmetrics.packing import Packed, Schema
 
 VERSION = 4
 # (step, seq or a merged item's (client_id, seq) keys, world_size, packed)

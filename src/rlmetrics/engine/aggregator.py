@@ -59,8 +59,8 @@ from rlmetrics.core.states import State
 from rlmetrics.engine.columns import ColumnIndex
 from rlmetrics.engine.derived import DERIVED, Derived
 from rlmetrics.engine.steps import Group, Layout, Step, layout_of, reduce_step
-from rlmetrics.messages import RefusedNamesError, StepMeta, StepResult, SubmissionError, rank_name
-from rlmetrics.packing import MAX_STEP, MAX_WORLD_SIZE, Packed
+from rlmetrics.messages import MAX_STEP, RefusedNamesError, StepMeta, StepResult, SubmissionError, rank_name
+from rlmetrics.packing import MAX_WORLD_SIZE, Packed
 from rlmetrics.wire import check_contribution
 
 logger = logging.getLogger(__name__)

@@ -49,7 +49,8 @@ deadlines and persistence each change what the others decide), read and tested i
   (:class:`~rlmetrics.engine.store.RefusedState`) or this version cannot read is logged, named in
   ``stats`` and left: the server starts empty, and the clients resend what they keep.
 
->>> from rlmetrics.packing import MAX_STEP, pack
+>>> from rlmetrics.messages import MAX_STEP
+>>> from rlmetrics.packing import pack
 >>> from rlmetrics.engine.store import MemoryStore
 >>> server = Server(store=MemoryStore())
 >>> for rank in ("rank0", "rank1"):
@@ -74,6 +75,7 @@ from typing import Any, NamedTuple
 from rlmetrics.engine.aggregator import Aggregator
 from rlmetrics.engine.store import RefusedState, Store
 from rlmetrics.messages import (
+    MAX_STEP,
     Close,
     Message,
     Reply,
@@ -83,7 +85,7 @@ from rlmetrics.messages import (
     SubmissionError,
     rank_name,
 )
-from rlmetrics.packing import MAX_STEP, pack
+from rlmetrics.packing import pack
 from rlmetrics.wire import close_entry
 
 logger = logging.getLogger(__name__)

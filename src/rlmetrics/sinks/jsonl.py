@@ -32,7 +32,9 @@ of names (``perf/straggler/<stage>/slowest``, :mod:`rlmetrics.metrics.stragglers
   ``null``) reads as the same run: the lines of a step merged, ``null`` as NaN.
 - A crash mid-write leaves an incomplete last line: :func:`read_jsonl` ignores it with a warning and
   reports it in :attr:`JsonlRun.truncated`; ``JsonlSink(path, append=True)`` cuts it off before
-  appending. A corrupt line anywhere else is an error naming the line.
+  appending. A line anywhere else that is no record rlmetrics (or verl) writes (not JSON, a step
+  outside ``[0, 2**53]``, a metric's value that is no number) is refused with one warning naming the
+  file and the line; the other records are kept.
 
 >>> import os, tempfile
 >>> path = os.path.join(tempfile.mkdtemp(), "run", "metrics.jsonl")
@@ -71,7 +73,7 @@ import numpy as np
 
 from rlmetrics.core.histogram import Histogram
 from rlmetrics.health import Alert
-from rlmetrics.messages import StepResult
+from rlmetrics.messages import MAX_STEP, StepResult
 from rlmetrics.sinks.base import Sink
 from rlmetrics.sinks.names import as_floats, as_step, histograms_of, lists_of
 
@@ -139,6 +141,8 @@ def _dumps(record: dict) -> bytes:
 
 
 def _parse(line: bytes) -> dict:
+    """A record of the file (ValueError: none rlmetrics or verl writes: its step is no int in
+    ``[0, MAX_STEP]``, a metric's value no number, no ``metrics`` nor ``event``)."""
     record = json.loads(line.decode("utf-8"))
     if isinstance(record, dict) and "metrics" not in record and isinstance(record.get("data"), dict):
         data = record.pop("data")  # verl's file: {"step", "data"}, NaN written as null
@@ -152,6 +156,11 @@ def _parse(line: bytes) -> dict:
         and isinstance(record.get("axis", ""), str)
     ):
         raise ValueError("not an object with an integer 'step' and a 'metrics' or 'event' object")
+    if not 0 <= record["step"] <= MAX_STEP:
+        raise ValueError(f"step {record['step']} is outside [0, {MAX_STEP}]")
+    for name, value in record.get("metrics", {}).items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"metric {name!r} is {value!r}, not a number")
     return record
 
 
@@ -170,8 +179,12 @@ def _scan(path: Path) -> tuple[list[dict], str | None, int]:
             try:
                 records.append(_parse(line))
             except ValueError as exc:
-                if i != last:
-                    raise ValueError(f"{path}: line {i + 1} is not a metrics record: {exc}") from None
+                if i != last or line.rstrip().endswith(b"}"):  # a whole line: not ours, refused
+                    logger.warning("%s: line %d is no record of a run, refused (the others are kept): %s",
+                                   path, i + 1, exc)  # fmt: skip
+                    good_end = end
+                    pos = end
+                    continue
                 truncated = f"{path}: line {i + 1} (the last, {len(line)} bytes) is incomplete: {exc}"
                 logger.warning("%s; ignored", truncated)
                 break

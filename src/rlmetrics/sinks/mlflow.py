@@ -27,8 +27,9 @@ of 100 (MLflow's limit) and of at most 1 MB (100 non-ASCII values of 6000 charac
 MLflow params cannot change: a resumed run gets the keys it lacks, and a key whose value changed
 keeps its first value, with one warning naming the key and both values.
 
-``resume=<run id>`` continues that run (marked RUNNING again) and skips every step up to the last one
-it holds (the largest step of its latest metrics but the ``alert/`` ones, written in the same
+``resume=<run id>`` continues that run (marked RUNNING again; a store that does not hold it, one
+moved away as the refusal below advises, gets a new run, with a warning) and skips every step up to
+the last one it holds (the largest step of its latest metrics but the ``alert/`` ones, written in the same
 transaction as the metrics).
 A step of more than 1000 metrics is several batches: a crash between two keeps the batches written,
 and that step is not written again. A health alert is the metric ``alert/<rule> = 1`` at its step
@@ -203,6 +204,8 @@ class MLflowSink(Sink):
             _finish_store(tracking, uri, store)
             self.client = _open_store(tracking, uri, store)
         self.names = NameMap(type(self))
+        if resume and not self._holds(resume, tracking_uri or uri):
+            resume = None
         if resume:
             run = self.client.get_run(resume)
             self.run_id = run.info.run_id
@@ -222,6 +225,23 @@ class MLflowSink(Sink):
         if config:
             self._log_params(config, entities.Param, resume)
         self._open = True
+
+    def _holds(self, run_id: str, uri: str) -> bool:
+        """The store holds the run ``run_id``; when not (a store moved away, as a refusal advises),
+        one warning: a new run continues it (:func:`~rlmetrics.sinks.make_sinks` catches it up)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_run(run_id)
+        except MlflowException as exc:
+            if getattr(exc, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            logger.warning(
+                "MLflow run %s is not in %s (a new store?): a new run continues it, caught up from the "
+                "run folder's metrics.jsonl", run_id, uri,
+            )  # fmt: skip
+            return False
+        return True
 
     def _log_params(self, config: dict[str, Any], Param: type, resume: str | None) -> None:
         """``config``'s params the run lacks; a warning for each one it holds with another value."""

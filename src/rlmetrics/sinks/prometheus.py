@@ -108,7 +108,7 @@ class PrometheusSink(Sink):
         self._gauge, self._counter = GaugeMetricFamily, CounterMetricFamily
         self.prefix, self.run, self.stale, self.linger = prefix, run, stale, linger
         self.names = NameMap(type(self))
-        self.names.reserve("step", "alerts")
+        self.names.reserve("step", "alerts", "alerts_total", "alerts_created")  # the families served
         self._lock = threading.Condition()
         # axis → (step, {gauge name: (rlmetrics name, value, step)}): replaced whole by log, read by collect
         self._steps: dict[str, tuple[int, dict[str, tuple[str, float, int]]]] = {}
