@@ -34,6 +34,7 @@ from typing import Any
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
 from rlmetrics.sinks.base import Sink, resume_id
+from rlmetrics.sinks.compat import clearml_no_reporter
 from rlmetrics.sinks.jsonl import run_config
 from rlmetrics.sinks.names import NameMap, as_floats, as_step, texts_of
 
@@ -82,8 +83,7 @@ class ClearMLSink(Sink):
         self.project, self.logdir = project, Path(logdir)
         self.logdir.mkdir(parents=True, exist_ok=True)
         Task.set_offline(True)
-        if hasattr(Task, "_report_subprocess_enabled"):
-            Task._report_subprocess_enabled = False
+        clearml_no_reporter(Task)
         cache = os.environ.get("CLEARML_CACHE_DIR")
         os.environ["CLEARML_CACHE_DIR"] = str(self.logdir.resolve())
         try:

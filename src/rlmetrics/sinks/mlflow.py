@@ -66,6 +66,7 @@ from typing import Any
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
 from rlmetrics.sinks.base import Sink, resume_id
+from rlmetrics.sinks.compat import mlflow_dispose
 from rlmetrics.sinks.jsonl import run_config
 from rlmetrics.sinks.names import NameMap, as_floats, as_step, path_safe, texts_of
 
@@ -334,18 +335,7 @@ def _finish_store(tracking, uri: str, path: Path) -> None:
         pass
     for leftover in path.parent.glob(f"{escape(path.name)}.*.init*"):  # ours, and those of killed starts
         leftover.unlink(missing_ok=True)
-    _reconnect(uri)
-
-
-def _reconnect(uri: str) -> None:
-    """Close this process's connections to the store that ``uri`` named before: MLflow keeps one
-    SQLAlchemy engine per URI, whose pooled connections would go on writing to a removed file
-    (``make_sinks(overwrite=True)`` after a run in the same process)."""
-    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
-
-    engine = getattr(SqlAlchemyStore, "_engine_map", {}).get(uri)
-    if engine is not None:
-        engine.dispose()
+    mlflow_dispose(uri)  # MLflow's connections to the store ``uri`` named before (overwrite=True)
 
 
 def _holds_experiment(path: Path) -> bool:

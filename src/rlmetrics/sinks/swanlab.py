@@ -34,6 +34,7 @@ from typing import Any
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
 from rlmetrics.sinks.base import RunSink, resume_id
+from rlmetrics.sinks.compat import swanlab_records
 from rlmetrics.sinks.jsonl import run_config
 from rlmetrics.sinks.names import path_safe
 
@@ -84,26 +85,17 @@ class SwanLabSink(RunSink):
     def _read_back(self) -> None:
         """The last scalar step (and the metrics it holds) and the alerts of this run in the run files
         of its earlier sessions."""
-        store = require("swanlab.sdk.internal.core_python.store", "trackers")
-        Record = require("swanlab.proto.swanlab.record.v1.record_pb2", "trackers").Record
         here = Path(self.run.dir)
         scalars = []
         self._alerted = set()
         for path in here.parent.glob(f"*-{self.run.id}/run-{self.run.id}.swanlab"):
             if path.parent == here or path.stat().st_size < 8:  # a killed session may leave it empty
                 continue
-            reader = store.DataStoreReader()
-            reader.open(str(path))
-            try:
-                for raw in reader:
-                    record = Record()
-                    record.ParseFromString(raw)
-                    if record.HasField("scalar"):
-                        scalars.append((record.scalar.step, record.scalar.key))
-                    elif record.HasField("media"):  # an alert: its text is known by its sha256
-                        self._alerted.update((record.media.step, i.sha256) for i in record.media.value.items)
-            finally:
-                reader.close()
+            for record in swanlab_records(path):
+                if record.HasField("scalar"):
+                    scalars.append((record.scalar.step, record.scalar.key))
+                elif record.HasField("media"):  # an alert: its text is known by its sha256
+                    self._alerted.update((record.media.step, i.sha256) for i in record.media.value.items)
         self.resumed_at = self._cut = max((step for step, _ in scalars), default=None)
         self._held = {key for step, key in scalars if step == self._cut}
 

@@ -29,6 +29,7 @@ from typing import Any
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
 from rlmetrics.sinks.base import RunSink, resume_id
+from rlmetrics.sinks.compat import trackio_folders
 from rlmetrics.sinks.jsonl import run_config
 
 _REMOTE = ("TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL")
@@ -40,12 +41,9 @@ def _use_dir(logdir: Path) -> Any:
     if "trackio" not in sys.modules:
         os.environ["TRACKIO_DIR"] = str(logdir)
     trackio = require("trackio", "trackers")
-    folders = {"TRACKIO_DIR": logdir, "MEDIA_DIR": logdir / "media", "ARTIFACTS_DIR": logdir / "artifacts"}
-    for name, module in list(sys.modules.items()):
-        if module is not None and (name == "trackio" or name.startswith("trackio.")):
-            for attr, path in folders.items():
-                if isinstance(getattr(module, attr, None), Path):
-                    setattr(module, attr, path)
+    trackio_folders(
+        {"TRACKIO_DIR": logdir, "MEDIA_DIR": logdir / "media", "ARTIFACTS_DIR": logdir / "artifacts"}
+    )
     return trackio
 
 

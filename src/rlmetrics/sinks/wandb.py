@@ -48,9 +48,7 @@ import logging
 import os
 import re
 import shutil
-import struct
 import time
-import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -61,6 +59,7 @@ from rlmetrics.extras import require
 from rlmetrics.health import Alert
 from rlmetrics.messages import DEFAULT_AXIS as _TRAIN_STEP
 from rlmetrics.sinks.base import RunSink, resume_id
+from rlmetrics.sinks.compat import wandb_records
 from rlmetrics.sinks.jsonl import run_config
 from rlmetrics.sinks.names import as_floats, as_step, axis_names, path_safe
 
@@ -68,9 +67,6 @@ logger = logging.getLogger(__name__)
 
 WANDB_MAX_BINS = 512
 """The most bins a ``wandb.Histogram`` takes (its ``MAX_LENGTH``; 64 is W&B's default)."""
-
-_HEADER, _BLOCK = 7, 32768  # leveldb log format: 7-byte file and record headers, 32 KiB blocks
-_FILE_HEADER = b":W&B" + struct.pack("<HB", 0xBEE1, 0)  # magic, W&B's magic number, format version 0
 
 
 def merge_bins(counts: Any, edges: Any, limit: int = WANDB_MAX_BINS) -> tuple[np.ndarray, np.ndarray]:
@@ -91,47 +87,6 @@ def merge_bins(counts: Any, edges: Any, limit: int = WANDB_MAX_BINS) -> tuple[np
     group = -(-counts.size // limit)
     starts = np.arange(0, counts.size, group)
     return np.add.reduceat(counts, starts), np.append(edges[starts], edges[-1])
-
-
-def _run_records(path: Path) -> tuple[list[bytes], int | None]:
-    """The payloads of the complete records of a W&B run file, in order (none if it is missing or
-    W&B has not written its header yet), up to the first damaged record (its checksum or its header
-    wrong), and the byte offset of that record (None: none is damaged). The format is W&B's own,
-    undocumented: a file header of another format (a W&B release that changed it) raises
-    ValueError, as guessing which steps the file holds could drop or repeat steps."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return [], None
-    if len(data) < _HEADER:
-        return [], None
-    if data[:_HEADER] != _FILE_HEADER:
-        raise ValueError(
-            f"W&B run file {path} is not of the format this rlmetrics reads (it starts with "
-            f"{data[:_HEADER]!r}, not {_FILE_HEADER!r}), so which steps it holds is not known. "
-            "To continue that W&B run, resume with the wandb release that wrote it; to continue the "
-            'training in a new W&B run, remove "wandb" from the folder\'s run_ids.json (make_sinks) '
-            "or create WandbSink without resume="
-        )
-    pos, chunks, payloads = _HEADER, [], []
-    while pos + _HEADER <= len(data):
-        if _BLOCK - pos % _BLOCK < _HEADER:  # block trailer
-            pos += _BLOCK - pos % _BLOCK
-            continue
-        checksum, length, kind = struct.unpack_from("<IHB", data, pos)
-        if kind not in (1, 2, 3, 4) or length > _BLOCK - pos % _BLOCK - _HEADER:  # a damaged header
-            return payloads, pos
-        chunk = data[pos + _HEADER : pos + _HEADER + length]
-        if len(chunk) < length:  # the file ends inside this record: cut by a crash
-            break
-        if zlib.crc32(chunk, zlib.crc32(bytes([kind]))) != checksum:
-            return payloads, pos
-        chunks.append(chunk)
-        pos += _HEADER + length
-        if kind in (1, 4):  # FULL or LAST
-            payloads.append(b"".join(chunks))
-            chunks = []
-    return payloads, None
 
 
 def _logged(key: str) -> bool:
@@ -186,7 +141,6 @@ class WandbSink(RunSink):
     ) -> None:
         config = run_config(config)
         wandb = require("wandb", "trackers")
-        self._Record = require("wandb.proto.wandb_internal_pb2", "trackers").Record
         if dir is not None:
             Path(dir).mkdir(parents=True, exist_ok=True)
             dir = str(dir)
@@ -238,12 +192,10 @@ class WandbSink(RunSink):
         rows = list(steps)
         self._alerted = set()
         for path in files:
-            payloads, bad = _run_records(path)
+            records, bad = wandb_records(path)
             if bad is not None:
                 logger.warning("W&B run file %s: the record at byte %d is damaged; read up to it", path, bad)
-            for payload in payloads:
-                record = self._Record()
-                record.ParseFromString(payload)
+            for record in records:
                 kind = record.WhichOneof("record_type")
                 if kind == "history":
                     keys = {i.key or "/".join(i.nested_key): i.value_json for i in record.history.item}
@@ -318,15 +270,12 @@ class WandbSink(RunSink):
         deadline = time.monotonic() + self.close_timeout
         while True:
             try:
-                payloads = _run_records(run_file)[0]
+                records = wandb_records(run_file)[0]
             except ValueError:
                 logger.warning("W&B run file %s: a format rlmetrics does not read; not waited for", run_file)
                 return
-            if payloads:
-                record = self._Record()
-                record.ParseFromString(payloads[-1])
-                if record.WhichOneof("record_type") == "exit":
-                    return
+            if records and records[-1].WhichOneof("record_type") == "exit":
+                return
             if time.monotonic() > deadline:
                 logger.warning("W&B run file %s incomplete %.0f s after finish", run_file, self.close_timeout)
                 return

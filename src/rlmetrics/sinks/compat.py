@@ -1,0 +1,151 @@
+"""Every tracker API outside the trackers' public surface that the sinks use, in one place.
+
+- ``wandb_records``: the records of an offline W&B run file (``run-<id>.wandb``: W&B's own,
+  undocumented format, a leveldb log of ``wandb.proto.wandb_internal_pb2.Record`` protobufs), which
+  a resumed :class:`~rlmetrics.sinks.WandbSink` reads back (W&B's API reads no offline run) and its
+  ``close()`` watches for the ``exit`` record.
+- ``swanlab_records``: the records of a SwanLab run file (``swanlab.sdk.internal``'s
+  ``DataStoreReader`` and ``Record`` protobufs), read back on resume.
+- ``mlflow_dispose``: close the SQLAlchemy engine MLflow keeps per store URI
+  (``SqlAlchemyStore._engine_map``), when a store is replaced under a running process.
+- ``clearml_no_reporter``: ClearML offline without its reporter subprocess
+  (``Task._report_subprocess_enabled``).
+- ``trackio_folders``: trackio's module-level folders (``TRACKIO_DIR``, ``MEDIA_DIR``,
+  ``ARTIFACTS_DIR``) pointed at a run folder after trackio was imported.
+
+:func:`check` says which of them the installed trackers lack; ``tests/test_sinks_compat.py`` fails
+loudly when a tracker upgrade removes one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import struct
+import sys
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from rlmetrics.extras import require
+
+_HEADER, _BLOCK = 7, 32768  # leveldb log format: 7-byte file and record headers, 32 KiB blocks
+_FILE_HEADER = b":W&B" + struct.pack("<HB", 0xBEE1, 0)  # magic, W&B's magic number, format version 0
+
+
+def wandb_records(path: Path) -> tuple[list[Any], int | None]:
+    """The complete records of a W&B run file, in order (none if it is missing or W&B has not
+    written its header yet), up to the first damaged record (its checksum or its header wrong), and
+    the byte offset of that record (None: none is damaged). A file header of another format (a W&B
+    release that changed it) raises ValueError, as guessing which steps the file holds could drop or
+    repeat steps."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return [], None
+    if len(data) < _HEADER:
+        return [], None
+    if data[:_HEADER] != _FILE_HEADER:
+        raise ValueError(
+            f"W&B run file {path} is not of the format this rlmetrics reads (it starts with "
+            f"{data[:_HEADER]!r}, not {_FILE_HEADER!r}), so which steps it holds is not known. "
+            "To continue that W&B run, resume with the wandb release that wrote it; to continue the "
+            'training in a new W&B run, remove "wandb" from the folder\'s run_ids.json (make_sinks) '
+            "or create WandbSink without resume="
+        )
+    Record = require("wandb.proto.wandb_internal_pb2", "trackers").Record
+    pos, chunks, records = _HEADER, [], []
+    while pos + _HEADER <= len(data):
+        if _BLOCK - pos % _BLOCK < _HEADER:  # block trailer
+            pos += _BLOCK - pos % _BLOCK
+            continue
+        checksum, length, kind = struct.unpack_from("<IHB", data, pos)
+        if kind not in (1, 2, 3, 4) or length > _BLOCK - pos % _BLOCK - _HEADER:  # a damaged header
+            return records, pos
+        chunk = data[pos + _HEADER : pos + _HEADER + length]
+        if len(chunk) < length:  # the file ends inside this record: cut by a crash
+            break
+        if zlib.crc32(chunk, zlib.crc32(bytes([kind]))) != checksum:
+            return records, pos
+        chunks.append(chunk)
+        pos += _HEADER + length
+        if kind in (1, 4):  # FULL or LAST
+            record = Record()
+            record.ParseFromString(b"".join(chunks))
+            records.append(record)
+            chunks = []
+    return records, None
+
+
+def swanlab_records(path: Path) -> Iterator[Any]:
+    """The ``Record`` protobufs of a SwanLab run file, in order."""
+    store = require("swanlab.sdk.internal.core_python.store", "trackers")
+    Record = require("swanlab.proto.swanlab.record.v1.record_pb2", "trackers").Record
+    reader = store.DataStoreReader()
+    reader.open(str(path))
+    try:
+        for raw in reader:
+            record = Record()
+            record.ParseFromString(raw)
+            yield record
+    finally:
+        reader.close()
+
+
+def mlflow_dispose(uri: str) -> None:
+    """Close this process's connections to the store MLflow opened for ``uri``."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    engine = getattr(SqlAlchemyStore, "_engine_map", {}).get(uri)
+    if engine is not None:
+        engine.dispose()
+
+
+def clearml_no_reporter(Task: Any) -> None:
+    """ClearML reports from a thread of this process, not a subprocess (offline: no server)."""
+    if hasattr(Task, "_report_subprocess_enabled"):
+        Task._report_subprocess_enabled = False
+
+
+def trackio_folders(folders: dict[str, Path]) -> None:
+    """Point the module-level folders of every imported trackio module at ``folders``."""
+    for name, module in list(sys.modules.items()):
+        if module is not None and (name == "trackio" or name.startswith("trackio.")):
+            for attr, path in folders.items():
+                if isinstance(getattr(module, attr, None), Path):
+                    setattr(module, attr, path)
+
+
+_NEEDED = {
+    "wandb.proto.wandb_internal_pb2": ("Record",),
+    "swanlab.sdk.internal.core_python.store": ("DataStoreReader",),
+    "swanlab.proto.swanlab.record.v1.record_pb2": ("Record",),
+    "mlflow.store.tracking.sqlalchemy_store": ("SqlAlchemyStore._engine_map",),
+    "clearml": ("Task._report_subprocess_enabled",),
+    "trackio": ("TRACKIO_DIR",),
+}
+
+
+def check() -> list[str]:
+    """The private APIs above that the installed trackers lack (a tracker not installed: none).
+
+    >>> isinstance(check(), list)
+    True
+    """
+    missing = []
+    for module, attrs in _NEEDED.items():
+        top = module.split(".")[0]
+        if importlib.util.find_spec(top) is None:
+            continue
+        try:
+            found: Any = importlib.import_module(module)
+        except ImportError:
+            missing.append(module)
+            continue
+        for attr in attrs:
+            obj = found
+            for part in attr.split("."):
+                obj = getattr(obj, part, None)
+            if obj is None:
+                missing.append(f"{module}.{attr}")
+    return missing
