@@ -213,3 +213,23 @@ def test_bad_values_and_steps_are_refused(tmp_path):
     assert read_jsonl(tmp_path / "m.jsonl").records[0]["metrics"] == {"a": 0.25, "b": 3.0}
     with pytest.raises(ValueError, match="closed"):
         sink.log({"a": 1.0}, 3)
+
+
+def test_verls_file_and_ours_mixed_and_a_cut_last_line(tmp_path):
+    """A verl line among rlmetrics records merges only with verl lines (an alert and an axis record
+    stay as they are), a verl line's non-numbers are left out (the numbers kept), and a last line
+    cut inside its JSON is a crash's cut (``truncated``), not a refused record."""
+    path = tmp_path / "m.jsonl"
+    lines = [
+        '{"step": 1, "data": {"a": 1, "note": "x", "b": null}}',
+        '{"step": 1, "data": {"c": 2}}',
+        '{"step": 1, "time": 0, "event": {"rule": "r", "message": "m"}}',
+        '{"step": 3, "time": 0, "axis": "policy_version", "metrics": {"v": 1.0}}',
+        '{"step": 2, "time": 0, "metrics": {"a": 2.0}',
+    ]
+    path.write_text("\n".join(lines))
+    run = read_jsonl(path)
+    assert [(r["step"], r["metrics"]) for r in run.records][0][1]["c"] == 2
+    assert run.series("a")[1][0] == 1 and math.isnan(run.series("b")[1][0]) and "note" not in run.names()
+    assert [e["event"]["rule"] for e in run.events] == ["r"] and run.on_axis("policy_version").steps == [3]
+    assert run.truncated is not None and "line 5" in run.truncated

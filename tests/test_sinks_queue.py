@@ -254,7 +254,7 @@ def test_a_script_that_ends_without_close_still_delivers_every_step(tmp_path):
     assert sorted(read_wandb(run_file)) == list(range(50)), out.stderr[-3000:]
 
 
-@pytest.mark.parametrize("timeout", ["5", -1, None])
+@pytest.mark.parametrize("timeout", ["5", -1, None, float("inf")])
 def test_a_close_timeout_that_is_no_number_of_seconds_is_refused_at_once(timeout):
     with pytest.raises(ValueError, match=f"close_timeout={timeout!r}: the seconds close"):
         Tracking([Remote()], health=False, close_timeout=timeout)

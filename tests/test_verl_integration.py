@@ -432,3 +432,23 @@ def test_verl_tracking_keeps_a_partial_steps_coverage_and_takes_trackio_and_clea
     assert (tmp_path / "proj" / "exp" / "trackio").is_dir() and (
         tmp_path / "proj" / "exp" / "clearml"
     ).is_dir()
+
+
+def test_verl_tracking_with_an_out_dir_writes_verls_file_there_and_a_shared_tensorboard_dir_is_refused(
+    tmp_path, monkeypatch
+):
+    """With ``out_dir`` (and no ``VERL_FILE_LOGGER_PATH``) verl's file is ``<out_dir>/<experiment>.jsonl``,
+    not in the working directory (two runs with the same names overwrote each other's file there);
+    a new run whose ``TENSORBOARD_DIR`` holds another run's event files is refused, not resumed (its
+    first steps were skipped as if logged)."""
+    from rlmetrics.sinks import read_jsonl
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("VERL_FILE_LOGGER_PATH", raising=False)
+    monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / "tb"))
+    tracking = verl.Tracking("proj", "exp", ["file", "tensorboard"], out_dir=tmp_path / "a")
+    tracking.log({"x": 1.0}, step=1)
+    tracking.finish()
+    assert read_jsonl(tmp_path / "a" / "exp.jsonl").steps == [1] and not (tmp_path / "proj").exists()
+    with pytest.raises(FileExistsError, match="holds TensorBoard event files"):
+        verl.Tracking("proj", "exp2", ["file", "tensorboard"], out_dir=tmp_path / "b")

@@ -35,6 +35,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -136,7 +137,7 @@ class Tracking(Sink):
         self.sinks = list(sinks)
         self.failed: dict[int, BaseException] = {}  # index in ``sinks`` → the exception that disabled it
         self.journal = next((s for s in self.sinks if isinstance(s, JsonlSink)), None)
-        if not (isinstance(close_timeout, (int, float)) and close_timeout >= 0):
+        if not (isinstance(close_timeout, (int, float)) and 0 <= close_timeout < math.inf):
             raise ValueError(
                 f"close_timeout={close_timeout!r}: the seconds close() waits for the trackers, >= 0"
             )
@@ -558,6 +559,7 @@ def make_sinks(
     if resume and overwrite:
         raise ValueError("resume=True continues the run in out_dir, overwrite=True replaces it: pass one")
     out = Path(out_dir)
+    held_before = bool(run_files(out))
     held = [] if resume else run_files(out)
     if held and not overwrite:
         raise FileExistsError(
@@ -575,7 +577,7 @@ def make_sinks(
             extra.update((options or {}).get(name, {}))
             if config is not None and name in CONFIG_SINKS:
                 extra["config"] = config
-            run_id = ids.get(name, True) if resume else False
+            run_id = ids.get(name, True) if resume and held_before else False  # a first start: new runs
             sinks.append(SINKS[name](out, project, run_name, run_id, **extra))
     except BaseException:
         Tracking(sinks, health=None).close()

@@ -142,11 +142,17 @@ def _dumps(record: dict) -> bytes:
 
 def _parse(line: bytes) -> dict:
     """A record of the file (ValueError: none rlmetrics or verl writes: its step is no int in
-    ``[0, MAX_STEP]``, a metric's value no number, no ``metrics`` nor ``event``)."""
-    record = json.loads(line.decode("utf-8"))
+    ``[0, MAX_STEP]``, a metric's value no finite-sized number, an event without its rule and
+    message, no ``metrics`` nor ``event``). A line of verl's file keeps its numbers (null: NaN)."""
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except RecursionError:
+        raise ValueError("nested too deep") from None
     if isinstance(record, dict) and "metrics" not in record and isinstance(record.get("data"), dict):
-        data = record.pop("data")  # verl's file: {"step", "data"}, NaN written as null
-        record["metrics"] = {k: float("nan") if v is None else v for k, v in data.items()}
+        data = record.pop(
+            "data"
+        )  # verl's file: {"step", "data"}, NaN written as null, other values as they were
+        record["metrics"] = {k: float("nan") if v is None else v for k, v in data.items() if _number(v, None)}
         record["verl"] = True
     if not (
         isinstance(record, dict)
@@ -159,9 +165,28 @@ def _parse(line: bytes) -> dict:
     if not 0 <= record["step"] <= MAX_STEP:
         raise ValueError(f"step {record['step']} is outside [0, {MAX_STEP}]")
     for name, value in record.get("metrics", {}).items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"metric {name!r} is {value!r}, not a number")
+        if not _number(value):
+            raise ValueError(f"metric {name!r} is {str(value)[:40]!r}, not a number")
+    event = record.get("event")
+    if event is not None and not (
+        isinstance(event.get("rule"), str) and isinstance(event.get("message"), str)
+    ):
+        raise ValueError("an event without its rule and message")
     return record
+
+
+def _number(value: Any, *allowed: Any) -> bool:
+    """``value`` is a number a float holds (a bool is not; an int of 400 digits is not), or one of
+    ``allowed``."""
+    if value in allowed and not isinstance(value, (int, float)):
+        return True
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
 
 
 def _scan(path: Path) -> tuple[list[dict], str | None, int]:
@@ -179,7 +204,7 @@ def _scan(path: Path) -> tuple[list[dict], str | None, int]:
             try:
                 records.append(_parse(line))
             except ValueError as exc:
-                if i != last or line.rstrip().endswith(b"}"):  # a whole line: not ours, refused
+                if i != last or not isinstance(exc, json.JSONDecodeError):  # a whole line: not ours, refused
                     logger.warning("%s: line %d is no record of a run, refused (the others are kept): %s",
                                    path, i + 1, exc)  # fmt: skip
                     good_end = end
@@ -294,8 +319,11 @@ def read_jsonl(path: str | os.PathLike) -> JsonlRun:
     if any(r.get("verl") for r in records):  # verl's file: a line per call, the calls of a step merged
         steps: dict[int, dict] = {}
         for r in records:
-            steps.setdefault(r["step"], {"step": r["step"], "metrics": {}})["metrics"].update(r["metrics"])
-        records = list(steps.values())
+            if r.get("verl"):
+                steps.setdefault(r["step"], {"step": r["step"], "metrics": {}})["metrics"].update(
+                    r["metrics"]
+                )
+        records = [r for r in records if not r.get("verl")] + list(steps.values())
     metrics = [r for r in records if "metrics" in r and "axis" not in r]
     events = [r for r in records if "metrics" not in r]
     return JsonlRun(path, metrics, truncated, events, [r for r in records if "metrics" in r and "axis" in r])

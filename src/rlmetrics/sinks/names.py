@@ -68,18 +68,41 @@ def fit(name: str, limit: int | None) -> str:
 
 class NameMap:
     """Adapted names for one sink: stable per name, never two names on one series (see above).
-    ``rules``: the sink class whose name rules apply (:class:`~rlmetrics.sinks.base.Sink`)."""
+    ``rules``: the sink class whose name rules apply (:class:`~rlmetrics.sinks.base.Sink`).
 
-    def __init__(self, rules: type[Sink]) -> None:
-        self.rules = rules
+    It holds at most ``limit`` names (about 300 bytes each): past them a name is adapted without
+    the collision check (one warning), so a run that makes new names every step (600,001 names kept
+    +104 MiB) stays bounded.
+
+    >>> class Rules:
+    ...     tracker, name_limit, case_insensitive_names = "demo", None, False
+    ...     adapt_name = staticmethod(lambda name: name.replace("@", "_at_"))
+    >>> names = NameMap(Rules, limit=2)
+    >>> names("acc@4"), names("acc_at_4"), names("c"), len(names._names)
+    ('acc_at_4', 'acc_at_4__2', 'c', 2)
+    """
+
+    def __init__(self, rules: type[Sink], limit: int = 100_000) -> None:
+        self.rules, self.limit = rules, limit
         self._fold = str.lower if rules.case_insensitive_names else str
         self._names: dict[str, str] = {}
         self._taken: set[str] = set()
+        self._full = False  # said once: the names past the limit are not checked
 
     def __call__(self, name: str) -> str:
         adapted = self._names.get(name)
         if adapted is not None:
             return adapted
+        if len(self._names) >= self.limit:
+            if not self._full:
+                self._full = True
+                logger.warning(
+                    "%s: more than %d metric names in this run; later new names are not checked for "
+                    "collisions (two names that adapt alike may share one series)",
+                    self.rules.tracker,
+                    self.limit,
+                )
+            return self.rules.adapt_name(name)
         adapted = candidate = self.rules.adapt_name(name)
         k = 1
         while self._fold(candidate) in self._taken:

@@ -18,9 +18,10 @@ Files go to one folder: ``out_dir``, or ``<root>/<project_name>/<experiment_name
 ``MLFLOW_TRACKING_URI`` (that tracking server), ``TENSORBOARD_DIR`` and ``SWANLAB_LOG_DIR`` (those
 folders, :func:`~rlmetrics.sinks.make_sinks`), and ``VERL_FILE_LOGGER_PATH``: the ``file`` backend
 writes verl's format (``{"step": ..., "data": {...}}``, a line per call) there, or where verl does
-(``<root>/<project_name>/<experiment_name>.jsonl``, beside the run folder); ``rlmetrics report`` and
-``plot`` read it. A resumed run appends to it after the steps the run holds (verl starts it anew: its
-first session's lines were lost), and says so in one line.
+(``<root>/<project_name>/<experiment_name>.jsonl``, beside the run folder; with ``out_dir``,
+``<out_dir>/<experiment_name>.jsonl``); ``rlmetrics report`` and ``plot`` read it. A resumed run
+appends to it after the steps the run holds (verl starts it anew: its first session's lines were
+lost), and says so in one line.
 
 verl logs one step in several calls in places (the fully-async trainer logs timings, aggregated
 metrics and validation at one ``step``): a later call at the step just logged adds its metrics to the
@@ -59,12 +60,15 @@ VERL_ONLY = ("vemlp_wandb", "rl_insight")
 """verl 0.9.1's backends rlmetrics has no sink for."""
 
 
-def verl_file(project_name: str, experiment_name: str) -> Path:
+def verl_file(project_name: str, experiment_name: str, out_dir: str | os.PathLike | None = None) -> Path:
     """Where verl 0.9.1's ``file`` backend writes: ``$VERL_FILE_LOGGER_PATH``, else
-    ``$VERL_FILE_LOGGER_ROOT/<project_name>/<experiment_name>.jsonl``."""
+    ``$VERL_FILE_LOGGER_ROOT/<project_name>/<experiment_name>.jsonl``; with an ``out_dir`` of one's
+    own (no variable set), ``<out_dir>/<experiment_name>.jsonl``."""
     path = os.environ.get("VERL_FILE_LOGGER_PATH")
     if path:
         return Path(path)
+    if out_dir is not None:
+        return Path(out_dir) / f"{experiment_name}.jsonl"
     return run_folder(project_name, experiment_name).with_name(f"{experiment_name}.jsonl")
 
 
@@ -183,15 +187,23 @@ class Tracking:
             )
         self._file = None  # verl's own file (the file backend)
         if "file" in self.backends:
-            self._file = self._open_verl_file(verl_file(project_name, experiment_name))
+            self._file = self._open_verl_file(verl_file(project_name, experiment_name, out_dir))
         logger.info("rlmetrics Tracking: %s in %s", ", ".join(wanted), self.out_dir)
 
     def _open_verl_file(self, path: Path) -> Any:
         """verl's file at ``path``: new for a new run, appended to for a resumed one (one line says so)."""
         path.parent.mkdir(parents=True, exist_ok=True)
+        if path.resolve() == (self.out_dir / "metrics.jsonl").resolve():
+            raise ValueError(
+                f"verl's file {path} is the run's own metrics.jsonl: set VERL_FILE_LOGGER_PATH elsewhere"
+            )
         if self.resumed_at is not None and path.exists():
             logger.warning("verl's file %s: appending after step %d (the run resumed)", path, self.resumed_at)
-            return open(path, "ab", buffering=0)
+            data = path.read_bytes()
+            file = open(path, "r+b", buffering=0)
+            file.truncate(data.rfind(b"\n") + 1)  # a line cut by a crash goes
+            file.seek(0, os.SEEK_END)
+            return file
         return open(path, "wb", buffering=0)
 
     def _write_verl(self, data: Mapping[str, Any], step: int) -> None:
@@ -229,10 +241,8 @@ class Tracking:
                 self._data.update(
                     coverage_metrics(getattr(data, "meta", None))
                 )  # a later call's record keeps it
-                # a StepResult keeps its meta: a partial step gets its meta/coverage
-                self.tracking.log(
-                    StepResult(values, step, data.meta) if hasattr(data, "meta") else values, step
-                )
+                # a StepResult keeps its meta (a partial step gets its meta/coverage), histograms, lists
+                self.tracking.log(data if isinstance(data, StepResult) else values, step)
                 return
         # a second call at the step (or one for some backends): no health rules (they saw the step),
         # each chosen sink gets ``values``, the JSONL file the step's metrics so far
