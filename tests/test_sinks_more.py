@@ -357,13 +357,13 @@ def test_prometheus_as_a_scraper_sees_its_last_step_counters_from_0_and_held_gau
                 threads[1].start()
             tracking.log(values, step)
     threads[1].join(60)
-    counters = [dict((s[0]["rule"], s[1]) for s in got["rlmetrics_alerts"]) for got in scrapes]
-    assert counters[0]["non_finite"] == 0 and counters[-1]["non_finite"] == 1
+    (final,) = last
+    assert isinstance(final, dict), final  # before, the endpoint was closed: the last step never scraped
+    counters = [dict((s[0]["rule"], s[1]) for s in got["rlmetrics_alerts"]) for got in [*scrapes, final]]
+    assert counters[0]["non_finite"] == 0 and counters[-1]["non_finite"] == 1  # the first, the late one
     served = [(got["rlmetrics_step"][0][1], got) for got in scrapes if "rlmetrics_y" in got]
     for step, got in served:  # one step's values in every scrape
         assert got["rlmetrics_y"][0][1] == 2 * step
         if 5 <= step < 30:
             assert got["rlmetrics_val_core_acc_mean_at_4"][0][1] == 0.05
-    (final,) = last
-    assert isinstance(final, dict), final
     assert final["rlmetrics_step"][0][1] == 39 and final["rlmetrics_val_core_acc_mean_at_4"][0][1] == 0.3
