@@ -203,8 +203,7 @@ class Tracking(Sink):
         meta = getattr(metrics, "meta", None)
         values.update(coverage_metrics(meta))
         metrics = self._frozen(metrics, values, step)
-        observed = StepResult(values, step, meta, lists=getattr(metrics, "lists", None))  # rules read lists
-        alerts = self.health.observe(step, observed) if self.health is not None else []
+        alerts = self.health.observe(step, metrics) if self.health is not None else []
         writing = [i for i in self._order if self._writes(i, step)]
         if not writing:
             return
@@ -321,11 +320,7 @@ class Tracking(Sink):
         their alerts (a step it lacks left out)."""
         if self.journal is None:
             return []
-        run = read_jsonl(self.journal.path)
-        records = {(r.get("axis", DEFAULT_AXIS), r["step"]): r for r in run.records + run.axis_records}
-        alerts: dict[int, list[Alert]] = {}
-        for e in run.events:
-            alerts.setdefault(e["step"], []).append(Alert(step=e["step"], **e["event"]))
+        records, alerts = _journal(self.journal.path)
         sink, tasks = self.sinks[i], []
         for axis, step in steps:
             if (axis, step) not in records:
@@ -369,20 +364,15 @@ class Tracking(Sink):
         15 s or 32 KiB, SwanLab every 8 KB)."""
         if journal.resumed_at is None:
             return
-        run = read_jsonl(journal.path)
-        alerts: dict[int, list[Alert]] = {}
-        for e in run.events:
-            alerts.setdefault(e["step"], []).append(Alert(step=e["step"], **e["event"]))
-        last = {record["step"]: record for record in run.records}  # a later record of a step wins
+        records, alerts = _journal(journal.path)
         for sink in sinks:
-            for step, record in last.items():
-                self.write(sink, record_result(record), step, alerts.get(step, []))
+            for (axis, step), record in records.items():
+                if axis == DEFAULT_AXIS:
+                    self.write(sink, record_result(record), step, alerts.get(step, []))
             i = self.sinks.index(sink)
-            held = max(journal.resumed_at, -1 if sink.resumed_at is None else sink.resumed_at)
-            self._caught_up[i] = (
-                held  # the sink's own skip follows the steps caught up (its writer makes them first)
-            )
-            self._send(i, DEFAULT_AXIS, held, partial(setattr, sink, "resumed_at", held))
+            # the later steps it is given are those after the journal's (a writer may still be
+            # delivering the steps caught up: the sink's own resumed_at stays as its files say)
+            self._caught_up[i] = max(journal.resumed_at, -1 if sink.resumed_at is None else sink.resumed_at)
 
     def close(self) -> None:
         if self._closed:
@@ -435,6 +425,17 @@ class Tracking(Sink):
 
     def __repr__(self) -> str:
         return f"Tracking({self.sinks!r})"
+
+
+def _journal(path: Path) -> tuple[dict[tuple[str, int], dict], dict[int, list[Alert]]]:
+    """A JSONL file's last record of each ``(axis, step)`` (a later record of a step wins) and its
+    alerts by step."""
+    run = read_jsonl(path)
+    records = {(r.get("axis", DEFAULT_AXIS), r["step"]): r for r in run.records + run.axis_records}
+    alerts: dict[int, list[Alert]] = {}
+    for e in run.events:
+        alerts.setdefault(e["step"], []).append(Alert(step=e["step"], **e["event"]))
+    return records, alerts
 
 
 def _name(sink: Sink) -> str:

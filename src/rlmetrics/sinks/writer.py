@@ -60,7 +60,6 @@ class Writer:
         self.name, self.refill, self.transient, self.fatal = name, refill, transient, fatal
         self.journal = journal  # refill reads the steps behind back (else they are dropped)
         self.bound, self.retry, self.most = bound, retry, most
-        self.failed: BaseException | None = None  # the error that ended the writer
         self._tasks: deque[Task] = deque()
         self._behind: list[tuple[str, int]] = []  # steps not queued (a full queue), in order
         self._reading = 0  # the first steps of _behind, being read back from the journal
@@ -164,7 +163,6 @@ class Writer:
                 task.call()
             except BaseException as exc:
                 if not isinstance(exc, Exception) or not self.transient(exc):
-                    self.failed = exc
                     self.fatal(exc, task)
                     return False
                 if self._down is None:
