@@ -1,60 +1,62 @@
-"""The ``Sink`` base: every method :class:`~rlmetrics.sinks.Tracking` calls, and the sink's name rules.
+"""The ``Sink`` base: every method :class:`~rlmetrics.sinks.Tracking` calls, with defaults.
 
-A sink declares ``tracker`` (its name) and implements ``log(metrics, step)`` and ``close()``; the
-base gives the rest a default that a sink may override: ``log_axis`` (the axis's names at its step),
-``alert`` (ignored), ``skips`` and ``resumed_at`` (the steps a resumed run holds), ``run_id`` (None:
-no tracker run to continue). So ``Tracking`` calls these methods on every sink and never asks which
-ones it has.
-
-A tracker that :func:`~rlmetrics.sinks.make_sinks` builds by name also declares how it lives in a
-run folder: :meth:`Sink.in_folder` (the sink in ``out_dir``; resumed, it reads its own files and
-sets ``resumed_at``), ``folder_files`` (what it writes there, which a rerun refuses and
-``overwrite=True`` removes), ``takes_config`` and ``catches_up``, and which keys of a step it gets
-(``all_keys``, ``overview_copies``); it is listed in :data:`~rlmetrics.sinks.TRACKERS`
-(docs/architecture.md, "Where a change goes").
-
-Name rules: a tracker restricts metric names, and each sink class declares what its tracker takes:
-``map_name`` (how a name is rewritten; the base keeps it), ``name_limit`` (the longest name,
-:func:`~rlmetrics.sinks.names.fit` cuts a longer one) and ``case_insensitive_names`` (two names equal
-but for case are one series). :meth:`Sink.adapt_name` applies them;
-:class:`~rlmetrics.sinks.names.NameMap` adds collision handling.
+A tracker is a translator: it declares ``tracker`` (its name) and its name rules as data
+(``map_name``, ``name_limit``, ``case_insensitive_names``), and writes a step's :class:`Row` (its
+scalars, histograms and texts, under the tracker's names) in :meth:`Sink.write`; the base's
+:meth:`Sink.log` checks the step, skips what a resumed run holds and builds the row. Alerts go
+through :meth:`Sink.write_alert`, once each (:meth:`Sink.alert_once`). A sink of one's own may
+implement ``log(metrics, step)`` and ``close()`` instead. How a tracker lives in a run folder
+(``in_folder``, ``folder_files``, ``takes_config``, ``catches_up``) and which keys it gets
+(``all_keys``, ``overview_copies``): docs/architecture.md, "Where a change goes".
 
 >>> class Printer(Sink):
 ...     tracker = "printer"
 ...     map_name = staticmethod(str.upper)
-...     def log(self, metrics, step):
-...         print(step, {self.adapt_name(k): v for k, v in metrics.items()})
-...     def close(self):
-...         print("closed")
+...     def write(self, row):
+...         print(row.step, row.scalars)
 >>> with Printer() as sink:
 ...     sink.log({"critic/score/mean": 0.5}, 3)
 ...     sink.log_axis({"reward": 0.25}, 7, "policy_version")
 3 {'CRITIC/SCORE/MEAN': 0.5}
 7 {'POLICY_VERSION/REWARD': 0.25}
-closed
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, ClassVar
 
 from rlmetrics.health import Alert
 from rlmetrics.sinks.names import NameMap, as_floats, as_step, axis_names, fit, histograms_of, texts_of
 
-_AXIS_CALL = threading.local()  # .sink: the sink whose base log_axis runs on this thread
+
+@dataclass(frozen=True)
+class Row:
+    """A step as a tracker writes it: ``scalars``, ``histograms``
+    (:class:`~rlmetrics.core.histogram.Histogram`) and ``texts`` (a list of names joined by ``", "``:
+    the slowest ranks), each under the tracker's names; ``axis``: the step's axis (``train_step``:
+    None), whose names the row already carries under ``<axis>/``; ``meta``: the step's
+    :class:`~rlmetrics.StepMeta` if it has one."""
+
+    step: int
+    scalars: dict[str, float]
+    histograms: dict[str, Any]
+    texts: dict[str, str]
+    axis: str | None = None
+    meta: Any = None
 
 
 class Sink:
-    """Base of the sinks: ``log(metrics, step)``, ``alert(alert)``, ``close()`` and a context manager.
+    """Base of the sinks: ``log(metrics, step)``, ``log_axis``, ``alert(alert)``, ``close()`` and a
+    context manager.
 
     ``resumed_at``: the last step the tracker held when this sink was opened to continue a run (None:
-    nothing to skip), which the sink reads from its own files; its ``log`` skips every step up to it
-    (:meth:`skips`; :class:`~rlmetrics.sinks.Tracking` skips them too), so a driver restarted from an
-    older training checkpoint never writes a step twice, nor a lower step after a higher one.
+    nothing to skip); :meth:`log` skips every step up to it (:meth:`skips`), so a driver restarted
+    from an older checkpoint never writes a step twice, nor a lower step after a higher one.
     """
 
     tracker: ClassVar[str]
@@ -73,18 +75,17 @@ class Sink:
     """A resumed :func:`~rlmetrics.sinks.make_sinks` first logs to it the steps of the JSONL file
     that its own files lack (:meth:`~rlmetrics.sinks.Tracking.catch_up`)."""
     all_keys: ClassVar[bool] = False
-    """It gets every key of a step, whatever :class:`~rlmetrics.sinks.Tracking`'s ``keys=`` (the
-    JSONL file: the record a resumed run catches up from)."""
+    """It gets every key of a step, whatever :class:`~rlmetrics.sinks.Tracking`'s ``keys=``."""
     background: ClassVar[bool] = False
     """:class:`~rlmetrics.sinks.Tracking` makes its calls from a thread of its own, through a bounded
     queue (:mod:`rlmetrics.sinks.writer`): a tracker down, frozen or slow never holds a training step."""
     overview_copies: ClassVar[bool] = True
-    """It gets the ``overview/`` copies of the core keys when ``Tracking`` makes them (the console
-    shows each key once)."""
+    """It gets the ``overview/`` copies of the core keys when ``Tracking`` makes them."""
 
     resumed_at: int | None = None
     run_id: str | None = None
     """The tracker's id of the run, what ``resume=`` takes to continue it (None: the sink has none)."""
+    closed: bool = False
     _alerted: set | None = None
 
     @classmethod
@@ -104,43 +105,85 @@ class Sink:
         """``name`` as the tracker gets it: :meth:`map_name`, cut to :attr:`name_limit`."""
         return fit(cls.map_name(name), cls.name_limit)
 
-    def log(self, metrics: Mapping[str, float], step: int) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
+    @cached_property
+    def names(self) -> NameMap:
+        """The sink's adapted names, never two on one series (:class:`~rlmetrics.sinks.names.NameMap`)."""
+        return NameMap(type(self))
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        """Write ``step`` (:meth:`write`) unless the resumed run holds it (:meth:`skips`)."""
+        self.check_open()
+        step = as_step(step)
+        if not self.skips(step):
+            self.write(self.row(metrics, step))
 
     def log_axis(self, metrics: Mapping[str, float], step: int, axis: str) -> None:
-        """Log ``step`` of the step axis ``axis`` (:mod:`rlmetrics.axes`). The base class logs
-        :func:`~rlmetrics.sinks.names.axis_names` at ``step`` (a series per name, its steps the
-        axis's values: TensorBoard, MLflow, SwanLab, the console); the skip of a resumed run is about
-        ``train_step`` only."""
-        _AXIS_CALL.sink = self  # this thread's skips() lets the axis's steps through
-        try:
-            self.log(axis_names(metrics, axis), step)
-        finally:
-            _AXIS_CALL.sink = None
+        """Write ``step`` of the step axis ``axis`` (:mod:`rlmetrics.axes`): the base writes each
+        name under ``<axis>/`` at ``step`` (a series per name, its steps the axis's values); the skip
+        of a resumed run is about ``train_step`` only (a sink with a ``log`` of its own gets them there)."""
+        if type(self).write is Sink.write:
+            return self.log(axis_names(metrics, axis), step)
+        self.check_open()
+        row = self.row(axis_names(metrics, axis), as_step(step))
+        self.write(Row(row.step, row.scalars, {}, {}, axis))
+
+    def row(self, metrics: Mapping[str, Any], step: int) -> Row:
+        """``metrics`` (a mapping, a :class:`~rlmetrics.StepResult`) as the tracker's :class:`Row`."""
+        names = self.names
+        return Row(
+            step,
+            names.adapt(as_floats(metrics)),
+            {names(n): h for n, h in histograms_of(metrics).items()},
+            {names(n): t for n, t in texts_of(metrics).items()},
+            meta=getattr(metrics, "meta", None),
+        )
+
+    def write(self, row: Row) -> None:  # pragma: no cover - interface
+        """Write a step to the tracker (what a tracker implements, or :meth:`log`)."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither write(row) nor log()")
 
     def expect_alerts(self, rules: Sequence[str]) -> None:
         """The names of the health rules whose alerts may come (the base class ignores them; a
         counter per rule starts at 0 from them)."""
 
     def alert(self, alert: Alert) -> None:
-        """Write a health alert of a step this sink logged (the base class ignores it)."""
+        """Write a health alert of a step this sink logged: :meth:`write_alert`, once per
+        :meth:`alert_key` (a resumed sink reads the keys its files hold)."""
+        self.check_open()
+        with self.alert_once(self.alert_key(alert)) as new:
+            if new:
+                self.write_alert(alert)
 
-    def close(self) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
+    def alert_key(self, alert: Alert) -> Any:
+        """What identifies ``alert`` in the tracker's files."""
+        return alert.step, alert.rule
+
+    def write_alert(self, alert: Alert) -> None:
+        """Write ``alert`` to the tracker (the base class ignores it)."""
+
+    def check_open(self) -> None:
+        """ValueError if the sink is closed."""
+        if self.closed:
+            raise ValueError(f"{self!r} is closed")
+
+    def close(self) -> None:
+        """Close the sink once (:meth:`finish`)."""
+        if not self.closed:
+            self.closed = True
+            self.finish()
+
+    def finish(self) -> None:
+        """End the tracker's run (the base: nothing to end)."""
 
     def skips(self, step: int) -> bool:
         """``step`` was logged before this sink resumed the run."""
-        return self.resumed_at is not None and step <= self.resumed_at and not self.in_axis_call()
-
-    def in_axis_call(self) -> bool:
-        """This thread is in the base :meth:`log_axis` of this sink (whose steps are not skipped)."""
-        return getattr(_AXIS_CALL, "sink", None) is self
+        return self.resumed_at is not None and step <= self.resumed_at
 
     @contextmanager
     def alert_once(self, key: Any) -> Iterator[bool]:
-        """Whether the alert ``key`` (what identifies an alert in this sink's files) was not written
-        yet (in this session, or before a resume when the sink read its files); it is recorded as
-        written once the ``with`` block ends without an error (a write that failed is retried)."""
+        """Whether the alert ``key`` was not written yet (in this session, or before a resume when
+        the sink read its files); recorded as written once the ``with`` block ends without an error
+        (a write that failed is retried)."""
         if self._alerted is None:
             self._alerted = set()
         new = key not in self._alerted
@@ -164,55 +207,35 @@ class Sink:
 
 
 class RunSink(Sink):
-    """A sink around a tracker's run object with ``run.log(dict, step=...)`` (W&B, SwanLab): names
-    adapted by the sink's rules; ``close()`` runs :meth:`finish` once. A step's histograms go in the
-    same ``run.log`` call, as :meth:`media` makes them (the base: none, the tracker has no histogram),
-    and its lists of names (:attr:`StepResult.lists <rlmetrics.StepResult>`) as :meth:`text` makes them."""
+    """A sink around a tracker's run object with ``run.log(dict, step=...)`` (W&B, SwanLab, trackio):
+    a step is one ``run.log`` call, its histograms as :meth:`media` makes them (the base: none) and
+    its texts as :meth:`text` makes them; ``close()`` runs ``run.finish()`` once."""
 
     def __init__(self, run: Any) -> None:
-        self.names = NameMap(type(self))
         self.run = run
-        self._open = True
 
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        if not self._open:
-            raise ValueError(f"{self!r} is closed")
-        step = as_step(step)
-        if not self.skips(step):
-            self.run.log(self.row(metrics), step=step)
+    def write(self, row: Row) -> None:
+        self.run.log(self.values(row), step=row.step)
 
-    def row(self, metrics: Mapping[str, float]) -> dict[str, Any]:
-        """What ``run.log`` gets of a step: its floats, histograms (:meth:`media`) and lists of
-        names (:meth:`text`), under the tracker's names."""
-        values: dict[str, Any] = self.names.adapt(as_floats(metrics))
-        for name, histogram in histograms_of(metrics).items():
-            media = self.media(histogram)
-            if media is not None:
-                values[self.names(name)] = media
-        for name, text in texts_of(metrics).items():
-            values[self.names(name)] = self.text(text)
-        return values
+    def values(self, row: Row) -> dict[str, Any]:
+        """What ``run.log`` gets of a row: its floats, histograms and texts."""
+        media = {n: self.media(h) for n, h in row.histograms.items()}
+        texts = {n: self.text(t) for n, t in row.texts.items()}
+        return {**row.scalars, **{n: m for n, m in media.items() if m is not None}, **texts}
 
     def media(self, histogram: Any) -> Any:
         """The tracker's object for a :class:`~rlmetrics.core.histogram.Histogram` (None: not logged)."""
         return None
 
     def text(self, text: str) -> Any:
-        """The tracker's object for a list of names (the straggler report's slowest ranks) as
-        :func:`~rlmetrics.sinks.names.texts_of` joins them; the base: the string itself (W&B,
-        trackio: a column of the run's table, no media file, where a ``wandb.Table`` would be a file
-        per step and list)."""
+        """The tracker's object for a text (the base: the string: a column of W&B's and trackio's
+        run table, no media file per step)."""
         return text
 
     @property
     def run_id(self) -> str:
         """The tracker's id of the run (what ``resume=`` takes to continue it)."""
         return self.run.id
-
-    def close(self) -> None:
-        if self._open:
-            self._open = False
-            self.finish()
 
     def finish(self) -> None:
         self.run.finish()

@@ -27,16 +27,14 @@ process.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
-from rlmetrics.sinks.base import Sink, resume_id
+from rlmetrics.sinks.base import Row, Sink, resume_id
 from rlmetrics.sinks.compat import clearml_no_reporter
 from rlmetrics.sinks.jsonl import run_config
-from rlmetrics.sinks.names import NameMap, as_floats, as_step, texts_of
 
 
 def clearml_name(name: str) -> str:
@@ -106,37 +104,24 @@ class ClearMLSink(Sink):
         if config is not None:
             self.task.connect_configuration(config, name="config")
         self.logger = self.task.get_logger()
-        self.names = NameMap(type(self))
-        self._open = True
 
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        if not self._open:
-            raise ValueError(f"{self!r} is closed")
-        step = as_step(step)
-        for name, value in as_floats(metrics).items():
-            title, _, series = self.names(name).rpartition("/")
-            self.logger.report_scalar(title, series, value, iteration=step)
-        for name, text in texts_of(metrics).items():
-            self.logger.report_text(f"{name}: {text}", iteration=step, print_console=False)
+    def write(self, row: Row) -> None:
+        for name, value in row.scalars.items():
+            title, _, series = name.rpartition("/")
+            self.logger.report_scalar(title, series, value, iteration=row.step)
+        for name, text in row.texts.items():
+            self.logger.report_text(f"{name}: {text}", iteration=row.step, print_console=False)
 
-    def alert(self, alert: Alert) -> None:
-        if not self._open:
-            raise ValueError(f"{self!r} is closed")
-        with self.alert_once((alert.step, alert.rule)) as new:
-            if new:
-                self.logger.report_text(
-                    f"alert/{alert.rule}: {alert}", iteration=alert.step, print_console=False
-                )
+    def write_alert(self, alert: Alert) -> None:
+        self.logger.report_text(f"alert/{alert.rule}: {alert}", iteration=alert.step, print_console=False)
 
     @property
     def run_id(self) -> str:
         """The offline task's id (``offline-<hex>``, the session folder's name)."""
         return self.task.id
 
-    def close(self) -> None:
-        if self._open:
-            self._open = False
-            self.task.close()
+    def finish(self) -> None:
+        self.task.close()
 
     def __repr__(self) -> str:
         return f"ClearMLSink(project={self.project!r}, logdir={str(self.logdir)!r})"

@@ -28,8 +28,8 @@ from typing import IO, Any
 
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
-from rlmetrics.sinks.base import Sink
-from rlmetrics.sinks.names import as_floats, as_step, texts_of
+from rlmetrics.sinks.base import Row, Sink
+from rlmetrics.sinks.names import as_floats
 
 
 def format_value(value: float) -> str:
@@ -103,20 +103,15 @@ class ConsoleSink(Sink):
         self._text = require("rich.text", "console")
         self._alerts: list = []  # lines of the alerts of the step being logged
 
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        step = as_step(step)
+    def write(self, row: Row) -> None:
         alerts, self._alerts = self._alerts, []
-        if step % self.every or self.skips(step):
-            for line in alerts:
-                self.console.print(line, soft_wrap=True)
-            return
-        table = render_table(metrics, f"step {step}", self.max_rows)
-        meta = getattr(metrics, "meta", None)
-        if meta is not None and not meta.complete:
-            table.caption = f"partial step: missing ranks {meta.missing_ranks}"
-        self.console.print(table)
-        for name, text in texts_of(metrics).items():  # the slowest ranks of a stage: one line each
-            self.console.print(self._text.Text(f"{name}: {text}"), soft_wrap=True)
+        if row.step % self.every == 0:
+            table = render_table(row.scalars, f"step {row.step}", self.max_rows)
+            if row.meta is not None and not row.meta.complete:
+                table.caption = f"partial step: missing ranks {row.meta.missing_ranks}"
+            self.console.print(table)
+            for name, text in row.texts.items():  # the slowest ranks of a stage: one line each
+                self.console.print(self._text.Text(f"{name}: {text}"), soft_wrap=True)
         for line in alerts:
             self.console.print(line, soft_wrap=True)
 
@@ -126,7 +121,7 @@ class ConsoleSink(Sink):
         style = "bold red" if alert.level == "error" else "yellow"
         self._alerts.append(self._text.Text(str(alert), style=style))
 
-    def close(self) -> None:
+    def finish(self) -> None:
         self.console.file.flush()
 
     def __repr__(self) -> str:

@@ -386,8 +386,7 @@ class JsonlSink(Sink):
         self._log(metrics, step, axis)
 
     def _log(self, metrics: Mapping[str, float], step: int, axis: str | None) -> None:
-        if self._file is None:
-            raise ValueError(f"{self!r} is closed")
+        self.check_open()
         step = as_step(step)
         values = as_floats(metrics)
         if self.skips(step) if axis is None else step <= self._resumed.get(axis, -1):
@@ -413,15 +412,12 @@ class JsonlSink(Sink):
         self._write(record)
         self._steps.add((axis, step))
 
-    def alert(self, alert: Alert) -> None:
-        if self._file is None:
-            raise ValueError(f"{self!r} is closed")
+    def alert_key(self, alert: Alert) -> Any:
+        return _alert_key(alert.step, alert.as_dict())
+
+    def write_alert(self, alert: Alert) -> None:
         event = {k: v for k, v in alert.as_dict().items() if k != "step"}
-        with self.alert_once(
-            _alert_key(alert.step, event)
-        ) as new:  # not when a replayed step raises it again
-            if new:
-                self._write({"step": alert.step, "time": time.time(), "event": json_safe(event)})
+        self._write({"step": alert.step, "time": time.time(), "event": json_safe(event)})
 
     def _write(self, record: dict) -> None:
         self._file.write(_dumps(record))
@@ -429,10 +425,8 @@ class JsonlSink(Sink):
         if self.fsync:
             os.fsync(self._file.fileno())
 
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+    def finish(self) -> None:
+        self._file.close()
 
     def __repr__(self) -> str:
         return f"JsonlSink({str(self.path)!r})"

@@ -65,10 +65,10 @@ from typing import Any
 
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
-from rlmetrics.sinks.base import Sink, resume_id
+from rlmetrics.sinks.base import Row, Sink, resume_id
 from rlmetrics.sinks.compat import mlflow_dispose
 from rlmetrics.sinks.jsonl import run_config
-from rlmetrics.sinks.names import NameMap, as_floats, as_step, path_safe, texts_of
+from rlmetrics.sinks.names import NameMap, path_safe
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +204,6 @@ class MLflowSink(Sink):
         else:
             _finish_store(tracking, uri, store)
             self.client = _open_store(tracking, uri, store)
-        self.names = NameMap(type(self))
         if resume and not self._holds(resume, tracking_uri or uri):
             resume = None
         if resume:
@@ -225,7 +224,6 @@ class MLflowSink(Sink):
             self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
         if config:
             self._log_params(config, entities.Param, resume)
-        self._open = True
 
     def _holds(self, run_id: str, uri: str) -> bool:
         """The store holds the run ``run_id``; when not (a store moved away, as a refusal advises),
@@ -264,28 +262,21 @@ class MLflowSink(Sink):
         for batch in batches(params, _param_size, _PARAM_BATCH, self._request_bytes):
             self.client.log_batch(self.run_id, params=batch)
 
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        if not self._open:
-            raise ValueError(f"{self!r} is closed")
-        step = as_step(step)
-        values = self.names.adapt(as_floats(metrics))
-        if self.skips(step):
-            return
+    def write(self, row: Row) -> None:
         now = int(time.time() * 1000)
-        batch = [self._Metric(k, v, now, step) for k, v in values.items()]
+        batch = [self._Metric(k, v, now, row.step) for k, v in row.scalars.items()]
         for request in batches(batch, _metric_size, _BATCH, self._request_bytes):
             self.client.log_batch(self.run_id, metrics=request)
-        tags = [self._RunTag(self.names(k), text) for k, text in texts_of(metrics).items()]
-        if tags:  # a tag holds its latest value: the slowest ranks of the newest step
-            self.client.log_batch(self.run_id, tags=tags)
+        if row.texts:  # a tag holds its latest value: the slowest ranks of the newest step
+            self.client.log_batch(self.run_id, tags=[self._RunTag(k, t) for k, t in row.texts.items()])
 
-    def alert(self, alert: Alert) -> None:
-        if not self._open:
-            raise ValueError(f"{self!r} is closed")
-        key = self.names(f"alert/{alert.rule}")
-        with self.alert_once((alert.step, key)) as new:  # one point per rule and step
-            metrics = [self._Metric(key, 1.0, int(time.time() * 1000), alert.step)] if new else []
-            self.client.log_batch(self.run_id, metrics=metrics, tags=[self._RunTag(key, str(alert))])
+    def alert_key(self, alert: Alert) -> Any:
+        return alert.step, self.names(f"alert/{alert.rule}")  # one point per rule and step
+
+    def write_alert(self, alert: Alert) -> None:
+        step, key = self.alert_key(alert)
+        metric = self._Metric(key, 1.0, int(time.time() * 1000), step)
+        self.client.log_batch(self.run_id, metrics=[metric], tags=[self._RunTag(key, str(alert))])
 
     @staticmethod
     def transient(exc: Exception) -> bool:
@@ -296,10 +287,8 @@ class MLflowSink(Sink):
             return False
         return Sink.transient(exc)
 
-    def close(self) -> None:
-        if self._open:
-            self._open = False
-            self.client.set_terminated(self.run_id)
+    def finish(self) -> None:
+        self.client.set_terminated(self.run_id)
 
     def __repr__(self) -> str:
         return f"MLflowSink(run_id={self.run_id!r})"

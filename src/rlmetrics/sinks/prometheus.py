@@ -46,8 +46,7 @@ from typing import Any
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
 from rlmetrics.messages import DEFAULT_AXIS
-from rlmetrics.sinks.base import Sink
-from rlmetrics.sinks.names import NameMap, as_floats, as_step, axis_names
+from rlmetrics.sinks.base import Row, Sink
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +106,6 @@ class PrometheusSink(Sink):
             raise ValueError(f"prefix {prefix!r} is no Prometheus metric name")
         self._gauge, self._counter = GaugeMetricFamily, CounterMetricFamily
         self.prefix, self.run, self.stale, self.linger = prefix, run, stale, linger
-        self.names = NameMap(type(self))
         self.names.reserve("step", "alerts", "alerts_total", "alerts_created")  # the families served
         self._lock = threading.Condition()
         # axis → (step, {gauge name: (rlmetrics name, value, step)}): replaced whole by log, read by collect
@@ -118,7 +116,6 @@ class PrometheusSink(Sink):
         self.registry.register(self)
         self._server, self._thread = client.start_http_server(port, addr=addr, registry=self.registry)
         self.addr, self.port = addr, self._server.server_port
-        self._open = True
         self._scraped_at = -1  # self._logs at the last scrape (-1: never scraped)
         print(f"prometheus: serving the newest step at {self.url}", file=sys.stderr, flush=True)
 
@@ -127,25 +124,18 @@ class PrometheusSink(Sink):
         """Where the metrics are scraped."""
         return f"http://{self.addr}:{self.port}/metrics"
 
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        self._serve(DEFAULT_AXIS, metrics, step)
+    def row(self, metrics: Mapping[str, float], step: int) -> Row:
+        row = super().row(metrics, step)
+        self._help = dict(zip(row.scalars, metrics))  # each gauge's HELP: its rlmetrics name
+        return row
 
-    def log_axis(self, metrics: Mapping[str, float], step: int, axis: str) -> None:
-        """Serve a step of ``axis`` next to the newest train step: its values as ``<axis>/<name>``,
-        its step as ``<prefix>_step{axis=...}``."""
-        if axis == DEFAULT_AXIS:
-            return self.log(metrics, step)
-        self._serve(axis, axis_names(metrics, axis), step)
-
-    def _serve(self, axis: str, metrics: Mapping[str, float], step: int) -> None:
-        if not self._open:
-            raise ValueError(f"{self!r} is closed")
-        step = as_step(step)
-        new = {f"{self.prefix}_{self.names(k)}": (k, v, step) for k, v in as_floats(metrics).items()}
-        _, held = self._steps.get(axis, (step, {}))  # less the metrics not logged in the last `stale` steps:
-        held = {g: kept for g, kept in held.items() if kept[2] > step - self.stale}
+    def write(self, row: Row) -> None:
+        axis = row.axis or DEFAULT_AXIS  # another axis's names are <axis>/<name>, its step its own
+        new = {f"{self.prefix}_{k}": (self._help[k], v, row.step) for k, v in row.scalars.items()}
+        _, held = self._steps.get(axis, (row.step, {}))  # less the metrics not logged in `stale` steps:
+        held = {g: kept for g, kept in held.items() if kept[2] > row.step - self.stale}
         with self._lock:
-            self._steps = {**self._steps, axis: (step, {**held, **new})}
+            self._steps = {**self._steps, axis: (row.step, {**held, **new})}
             self._logs += 1
 
     def expect_alerts(self, rules: Sequence[str]) -> None:
@@ -154,8 +144,7 @@ class PrometheusSink(Sink):
             self._alerts = {**dict.fromkeys(rules, 0), **self._alerts}
 
     def alert(self, alert: Alert) -> None:
-        if not self._open:
-            raise ValueError(f"{self!r} is closed")
+        self.check_open()
         with self._lock:
             self._alerts = {**self._alerts, alert.rule: self._alerts.get(alert.rule, 0) + 1}
 
@@ -180,17 +169,15 @@ class PrometheusSink(Sink):
             counter.add_metric([self.run, rule], count)
         yield counter
 
-    def close(self) -> None:
-        if self._open:
-            self._open = False
-            with self._lock:  # scraped during the run: serve the last step to one more scrape
-                if 0 <= self._scraped_at < self._logs:
-                    print(f"prometheus: serving the last step at {self.url} until it is scraped, at most "
-                          f"{self.linger:g} s", file=sys.stderr, flush=True)  # fmt: skip
-                    self._lock.wait_for(lambda: self._scraped_at == self._logs, self.linger)
-            self._server.shutdown()
-            self._server.server_close()
-            self._thread.join()
+    def finish(self) -> None:
+        with self._lock:  # scraped during the run: serve the last step to one more scrape
+            if 0 <= self._scraped_at < self._logs:
+                print(f"prometheus: serving the last step at {self.url} until it is scraped, at most "
+                      f"{self.linger:g} s", file=sys.stderr, flush=True)  # fmt: skip
+                self._lock.wait_for(lambda: self._scraped_at == self._logs, self.linger)
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
 
     def __repr__(self) -> str:
         return f"PrometheusSink(url={self.url!r})"

@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
-from rlmetrics.sinks.base import RunSink, resume_id
+from rlmetrics.sinks.base import Row, RunSink, resume_id
 from rlmetrics.sinks.compat import swanlab_records
 from rlmetrics.sinks.jsonl import run_config
 from rlmetrics.sinks.names import path_safe
@@ -105,29 +104,24 @@ class SwanLabSink(RunSink):
         its metrics; it gets those it lacks."""
         return super().skips(step) and step != self._cut
 
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        if self._cut is None or self.in_axis_call():  # nothing cut, or a step axis's (log_axis)
-            return super().log(metrics, step)
-        if step != self._cut:
-            super().log(metrics, step)
-            if step > self._cut:  # gone past it: never lower again
-                self._cut = None
-            return
-        lacking = {name: value for name, value in metrics.items() if self.names(name) not in self._held}
-        if lacking:
-            super().log(lacking, step)
-        self._cut = None
+    def write(self, row: Row) -> None:
+        if row.axis is None and self._cut is not None and row.step >= self._cut:
+            if row.step == self._cut:  # the last step held: what it lacks, once
+                lacks = {k: v for k, v in row.scalars.items() if k not in self._held}
+                row = Row(row.step, lacks, {}, {k: t for k, t in row.texts.items() if k not in self._held})
+            self._cut = None  # gone past it: never lower again
+            if not (row.scalars or row.texts):
+                return
+        super().write(row)
 
     def text(self, text: str) -> Any:
         return self._swanlab.Text(text)
 
-    def alert(self, alert: Alert) -> None:
-        if not self._open:
-            raise ValueError(f"{self!r} is closed")
-        text = str(alert)
-        with self.alert_once((alert.step, hashlib.sha256(text.encode()).hexdigest())) as new:
-            if new:
-                self.run.log({self.names(f"alert/{alert.rule}"): self._swanlab.Text(text)}, step=alert.step)
+    def alert_key(self, alert: Alert) -> Any:
+        return alert.step, hashlib.sha256(str(alert).encode()).hexdigest()
+
+    def write_alert(self, alert: Alert) -> None:
+        self.run.log({self.names(f"alert/{alert.rule}"): self._swanlab.Text(str(alert))}, step=alert.step)
 
     def __repr__(self) -> str:
         return f"SwanLabSink(project={self.project!r}, logdir={str(self.logdir)!r})"

@@ -35,14 +35,13 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
-from rlmetrics.sinks.base import Sink
-from rlmetrics.sinks.names import NameMap, as_floats, as_step, histograms_of, path_safe, texts_of
+from rlmetrics.sinks.base import Row, Sink
+from rlmetrics.sinks.names import path_safe
 
 
 class TensorBoardSink(Sink):
@@ -69,7 +68,6 @@ class TensorBoardSink(Sink):
         self._text_pb = require("tensorboard.plugins.text.summary_v2", "tensorboard").text_pb
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.names = NameMap(type(self))
         if not resume and any(self.log_dir.glob("*tfevents*")):
             raise FileExistsError(
                 f"{self.log_dir} holds TensorBoard event files: pass resume=True to continue that run, "
@@ -93,41 +91,32 @@ class TensorBoardSink(Sink):
                         self._alerted.add((event.step, v.tensor.string_val[0].decode()))
         self.resumed_at = max(steps, default=None)
 
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        if self._writer is None:
-            raise ValueError(f"{self!r} is closed")
-        step = as_step(step)
-        values = self.names.adapt(as_floats(metrics))
-        if self.skips(step):
-            return
+    def write(self, row: Row) -> None:
         Value = self._summary_pb2.Summary.Value
-        out = [Value(tag=tag, simple_value=value) for tag, value in values.items()]
-        for name, h in histograms_of(metrics).items():
+        out = [Value(tag=tag, simple_value=value) for tag, value in row.scalars.items()]
+        for tag, h in row.histograms.items():
             histo = self._summary_pb2.HistogramProto(
                 min=h.edges[0], max=h.edges[-1], num=h.count, sum=h.sum, sum_squares=h.sum_squares,
                 bucket_limit=h.edges[1:].tolist(), bucket=h.counts.tolist(),
             )  # fmt: skip
-            out.append(Value(tag=self.names(name), histo=histo))
-        for name, text in texts_of(metrics).items():
-            out.extend(self._text_pb(self.names(name), text).value)
-        self._write(step, out)
+            out.append(Value(tag=tag, histo=histo))
+        for tag, text in row.texts.items():
+            out.extend(self._text_pb(tag, text).value)
+        self._write(row.step, out)
 
-    def alert(self, alert: Alert) -> None:
-        if self._writer is None:
-            raise ValueError(f"{self!r} is closed")
-        with self.alert_once((alert.step, str(alert))) as new:
-            if new:
-                self._write(alert.step, self._text_pb(self.names(f"alert/{alert.rule}"), str(alert)).value)
+    def alert_key(self, alert: Alert) -> Any:
+        return alert.step, str(alert)
+
+    def write_alert(self, alert: Alert) -> None:
+        self._write(alert.step, self._text_pb(self.names(f"alert/{alert.rule}"), str(alert)).value)
 
     def _write(self, step: int, values: list) -> None:
         summary = self._summary_pb2.Summary(value=values)
         self._writer.add_event(self._event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
         self._writer.flush()
 
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+    def finish(self) -> None:
+        self._writer.close()
 
     def __repr__(self) -> str:
         return f"TensorBoardSink({str(self.log_dir)!r})"

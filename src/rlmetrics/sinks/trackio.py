@@ -99,12 +99,8 @@ class TrackioSink(RunSink):
         """The run's name: what ``resume=`` takes (trackio resumes a run by name)."""
         return self.run.name
 
-    def alert(self, alert: Alert) -> None:
-        if not self._open:
-            raise ValueError(f"{self!r} is closed")
-        with self.alert_once((alert.step, alert.rule)) as new:
-            if new:
-                self.run.alert(title=f"alert/{alert.rule}", text=str(alert), step=alert.step)
+    def write_alert(self, alert: Alert) -> None:
+        self.run.alert(title=f"alert/{alert.rule}", text=str(alert), step=alert.step)
 
     def __repr__(self) -> str:
         return f"TrackioSink(project={self.project!r}, logdir={str(self.logdir)!r})"

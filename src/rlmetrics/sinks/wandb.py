@@ -58,7 +58,7 @@ import numpy as np
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
 from rlmetrics.messages import DEFAULT_AXIS as _TRAIN_STEP
-from rlmetrics.sinks.base import RunSink, resume_id
+from rlmetrics.sinks.base import Row, RunSink, resume_id
 from rlmetrics.sinks.compat import wandb_records
 from rlmetrics.sinks.jsonl import run_config
 from rlmetrics.sinks.names import as_floats, as_step, axis_names, path_safe
@@ -211,24 +211,19 @@ class WandbSink(RunSink):
             self._row = max(rows, default=-1) + 1
             self.resumed_at = int(self._marks[_TRAIN_STEP]) if _TRAIN_STEP in self._marks else None
 
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        if not self.axes:
-            return super().log(metrics, step)
-        if not self._open:
-            raise ValueError(f"{self!r} is closed")
-        step = as_step(step)
-        if not self.skips(step):
-            self._write_row(self.row(metrics), _TRAIN_STEP, step)
+    def write(self, row: Row) -> None:
+        if self.axes:
+            self._write_row(self.values(row), _TRAIN_STEP, row.step)
+        else:
+            super().write(row)
 
     def log_axis(self, metrics: Mapping[str, float], step: int, axis: str) -> None:
         if not self.axes:
             raise ValueError(f"{self!r} logs steps of axes when created with axes=True")
-        if not self._open:
-            raise ValueError(f"{self!r} is closed")
+        self.check_open()
         step = as_step(step)
-        values = self.names.adapt(axis_names(as_floats(metrics), axis))
         if step > self._marks.get(axis, -1):
-            self._write_row(values, axis, step)
+            self._write_row(self.names.adapt(axis_names(as_floats(metrics), axis)), axis, step)
 
     def _write_row(self, values: dict[str, Any], axis: str, step: int) -> None:
         """One W&B step: ``values`` and ``axis = step``, each name declared with ``axis`` as its
@@ -246,19 +241,18 @@ class WandbSink(RunSink):
     def media(self, histogram: Any) -> Any:
         return self._Histogram(np_histogram=merge_bins(histogram.counts, histogram.edges))
 
-    def alert(self, alert: Alert) -> None:
-        if not self._open:
-            raise ValueError(f"{self!r} is closed")
-        with self.alert_once(str(alert)) as new:
-            if not new:
-                return
-            level = "ERROR" if alert.level == "error" else "WARN"
-            title = f"{alert.rule}: {alert.metric}" if alert.metric else alert.rule
-            self.run.alert(title=title[:63], text=str(alert), level=level)
-            if self.axes:
-                self._write_row({self.names(f"alert/{alert.rule}"): 1.0}, _TRAIN_STEP, alert.step)
-            else:
-                self.run.log({self.names(f"alert/{alert.rule}"): 1.0}, step=alert.step)
+    def alert_key(self, alert: Alert) -> Any:
+        return str(alert)
+
+    def write_alert(self, alert: Alert) -> None:
+        level = "ERROR" if alert.level == "error" else "WARN"
+        title = f"{alert.rule}: {alert.metric}" if alert.metric else alert.rule
+        self.run.alert(title=title[:63], text=str(alert), level=level)
+        mark = {self.names(f"alert/{alert.rule}"): 1.0}
+        if self.axes:
+            self._write_row(mark, _TRAIN_STEP, alert.step)
+        else:
+            self.run.log(mark, step=alert.step)
 
     def finish(self) -> None:
         run_file = Path(self.run.settings.sync_file)
