@@ -1,25 +1,10 @@
-"""Sinks: where step results go — JSONL, the console, TensorBoard, W&B, MLflow, SwanLab, trackio,
-ClearML and a live Prometheus endpoint.
+"""Sinks of step results: JSONL, console, TensorBoard, W&B, MLflow, SwanLab, trackio, ClearML, Prometheus.
 
-Over 400 lines on purpose: ``Tracking`` (fan-out, health, catching a resumed tracker up) and
-``make_sinks`` (a run folder's files and run ids) decide together what a resumed or rerun folder
-holds.
-
-Every sink is a :class:`Sink` (:mod:`rlmetrics.sinks.base`): ``log(metrics, step)`` (``metrics``:
-``{name: float}``, e.g. a :class:`~rlmetrics.StepResult`), ``alert(alert)`` and ``close()``, a context
-manager, and the rules of its tracker's metric names (:func:`adapt_name`, :data:`TRACKERS`).
-:class:`Tracking` fans a step out to several sinks and keeps the run going when one of them fails;
-it adds ``meta/coverage`` and ``meta/late`` to a step that has a ``meta``
-(:func:`~rlmetrics.health.coverage_metrics`) and runs the health rules
-(:class:`~rlmetrics.health.Monitor`) on each step, and gives each tracker the keys its ``keys=``
-view selects (:mod:`rlmetrics.sinks.keys`: every key, the core set, globs; an ``overview/`` copy of
-the core set; warnings near W&B's limits; the JSONL file keeps every key). :func:`make_sinks`
-builds the usual set in one output directory by name (see :data:`SINKS`): a folder holds one run,
-which ``resume=True`` continues and ``overwrite=True`` replaces; a folder holding a run is refused
-otherwise (:func:`run_files`, :func:`new_run_folder`).
-
-Importing this package imports no tracker, torch or rich: each sink imports its library when it is
-created, and a missing one raises an ImportError naming the pip extra.
+Over 400 lines on purpose: ``Tracking`` and ``make_sinks`` decide together what a resumed or rerun
+folder holds. Every :class:`Sink` has ``log(metrics, step)``, ``alert(alert)`` and ``close()``;
+:class:`Tracking` fans a step out to several sinks (health rules, ``meta/coverage``, each tracker's
+``keys=`` view; a sink that fails never stops the run); :func:`make_sinks` builds the usual set in one
+run folder. Importing this package imports no tracker, torch or rich. docs/trackers.md.
 
 >>> import tempfile
 >>> out = tempfile.mkdtemp()

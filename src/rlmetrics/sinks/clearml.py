@@ -1,27 +1,10 @@
 """ClearML in offline mode: the session is a folder (and its zip) under the sink's folder.
 
-Needs the ``trackers`` extra. :class:`ClearMLSink` calls ``Task.set_offline(True)`` before
-``Task.init``, so no server is contacted and no ``clearml.conf`` is needed; the session is
-``<logdir>/offline/<task id>/`` (``metrics.jsonl``: a JSON list of events a line, ``task.json``), zipped
-to ``<task id>.zip`` when the sink closes; upload it later with
-``Task.import_offline_session("<zip>")`` on a machine that reaches the server. ClearML puts the
-session under its cache folder, ``CLEARML_CACHE_DIR`` (default ``~/.clearml/cache``): the sink sets
-the variable to ``logdir`` while the task is made and puts back what it was. ClearML still writes
-``~/.clearml/.session.json`` (its session cache, a few bytes). Its reporter thread is used instead
-of its reporter subprocess (``Task._report_subprocess_enabled``, the
-``sdk.development.report_use_subprocess`` setting): offline, the subprocess makes ``close()`` wait
-10 s (clearml 2.1.12). No framework hooks, argument parser, console capture nor resource monitor.
-
-Names: a metric is a scalar plot: ClearML's ``title`` is the name up to its last ``/``, ``series``
-what follows (``critic/score/mean`` → ``critic/score``, ``mean``); a name without ``/`` is both
-(``loss`` → ``loss/loss``, :meth:`map_name`), so two names never meet on one series
-(:class:`~rlmetrics.sinks.names.NameMap`). ``config`` is the task's configuration
-(``task.connect_configuration``, name ``config``). A health alert is a text line of the task's log
-(``report_text``), a step's lists of names too. Histograms are not written. An offline session cannot
-be continued: ``resume=`` raises ValueError (a folder's earlier sessions stay; import them, then start
-a new folder). ClearML has one task per process: a second sink while one is open raises RuntimeError
-(``Task.init`` would hand back the open task), and ``Task.set_offline(True)`` stays set for the
-process.
+Needs the ``trackers`` extra; no server, no ``clearml.conf``. The session is
+``<logdir>/offline/<task id>/``, zipped when the sink closes; upload it with
+``Task.import_offline_session("<zip>")``. A name is ``<title>/<series>`` (:func:`clearml_name`);
+alerts and lists of names are text lines of the task's log; no histograms. ``resume=`` raises
+ValueError. docs/trackers.md, "Live Prometheus, trackio and ClearML" and "Each tracker".
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """Every tracker API outside the trackers' public surface that the sinks use, in one place.
 
-- ``wandb_records``: the records of an offline W&B run file (``run-<id>.wandb``: W&B's own,
-  undocumented format, a leveldb log of ``wandb.proto.wandb_internal_pb2.Record`` protobufs), which
-  a resumed :class:`~rlmetrics.sinks.WandbSink` reads back (W&B's API reads no offline run) and its
-  ``close()`` watches for the ``exit`` record.
-- ``swanlab_records``: the records of a SwanLab run file (``swanlab.sdk.internal``'s
-  ``DataStoreReader`` and ``Record`` protobufs), read back on resume.
-- ``mlflow_dispose``: close the SQLAlchemy engine MLflow keeps per store URI
-  (``SqlAlchemyStore._engine_map``), when a store is replaced under a running process.
-- ``clearml_no_reporter``: ClearML offline without its reporter subprocess
-  (``Task._report_subprocess_enabled``).
-- ``trackio_folders``: trackio's module-level folders (``TRACKIO_DIR``, ``MEDIA_DIR``,
-  ``ARTIFACTS_DIR``) pointed at a run folder after trackio was imported.
-
-:func:`check` says which of them the installed trackers lack; ``tests/test_sinks_compat.py`` fails
-loudly when a tracker upgrade removes one.
+W&B's and SwanLab's run files (read back on resume), MLflow's engine map, ClearML's reporter
+subprocess and trackio's module-level folders. :func:`check` says which of them the installed
+trackers lack; ``tests/test_sinks_compat.py`` fails loudly when a tracker upgrade removes one
+(docs/trackers.md, "Each tracker").
 """
 
 from __future__ import annotations

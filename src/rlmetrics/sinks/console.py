@@ -1,7 +1,7 @@
 r"""Rich tables on the terminal: one per logged step, rows grouped by the first path segment.
 
 Needs the ``console`` extra (rich). Names are shown as plain text (``[x]`` is not rich markup) and
-values with 4 significant digits.
+values with 4 significant digits (docs/trackers.md, "Each tracker").
 
 >>> import io
 >>> out = io.StringIO()

@@ -1,40 +1,10 @@
 """JSON Lines: one object per step, the format every other rlmetrics tool reads back.
 
-Each line is ``{"step": 3, "time": <unix seconds>, "metrics": {name: value, ...}}``, plus ``"meta"``
-when the logged mapping has a ``meta`` of a step that is not complete (a partial
-:class:`~rlmetrics.StepResult`: missing ranks and metrics, contributors) or has approximate quantiles
-(``meta.approximate``), made JSON-safe (tuples
-and sets → lists, other objects → ``str``), and ``"histograms": {name: {"edges": [...], "counts":
-[...], "sum": s, "sum_squares": s2}}`` when it has histograms (:mod:`rlmetrics.core.histogram`;
-:meth:`JsonlRun.histograms` reads them back), and ``"lists": {name: [str, ...]}`` when it has lists
-of names (``perf/straggler/<stage>/slowest``, :mod:`rlmetrics.metrics.stragglers`).
-
-- Non-finite values are written as Python's ``NaN``, ``Infinity``, ``-Infinity``: ``json.loads``
-  (and pandas, and :func:`read_jsonl`) read them back as floats, so a diverging run stays visible as
-  numbers. Strict JSON parsers (``jq``) reject them.
-- Every step is written with one ``write`` and flushed, so a process that dies (OOM kill, preemption)
-  loses nothing it logged. ``fsync=True`` also survives a machine crash, at the cost of a disk
-  round-trip per step (slow on network file systems); it is off by default.
-- A step is logged once: a second ``log`` of the same step (in this session or, with
-  ``append=True``, already in the file) raises ``ValueError`` unless ``overwrite=True``; then both
-  records stay in the file and the later one wins when read (:meth:`JsonlRun.series`).
-- ``resume=True`` continues the file after a crash: every step up to the last one in it is skipped
-  (a driver restarted from an older training checkpoint logs those steps again; they are not
-  written twice).
-- A health alert (:class:`~rlmetrics.health.Alert`) is one line ``{"step": 3, "time": ..., "event":
-  {"rule": ..., "level": ..., "message": ..., "metric": ..., "value": ...}}``; :func:`read_jsonl`
-  returns them in :attr:`JsonlRun.events`, apart from the metric records.
-- A step of another step axis (:mod:`rlmetrics.axes`, :meth:`JsonlSink.log_axis`) is a line with
-  ``"axis": "policy_version"`` and that axis's step; :func:`read_jsonl` keeps those apart from the
-  ``train_step`` records (:meth:`JsonlRun.on_axis`), each axis a step space of its own (a step is
-  logged once per axis, and a resumed file skips each axis's steps up to its last one).
-- verl's own file (its ``file`` backend: ``{"step": 3, "data": {...}}``, a line per call, NaN as
-  ``null``) reads as the same run: the lines of a step merged, ``null`` as NaN.
-- A crash mid-write leaves an incomplete last line: :func:`read_jsonl` ignores it with a warning and
-  reports it in :attr:`JsonlRun.truncated`; ``JsonlSink(path, append=True)`` cuts it off before
-  appending. A line anywhere else that is no record rlmetrics (or verl) writes (not JSON, a step
-  outside ``[0, 2**53]``, a metric's value that is no number) is refused with one warning naming the
-  file and the line; the other records are kept.
+No extra needed. A line is ``{"step": 3, "time": <unix seconds>, "metrics": {...}}``, plus ``"meta"``,
+``"histograms"``, ``"lists"`` or ``"axis"`` when the step has them; a health alert is a line with
+``"event"``. Each line is flushed when written; a step is logged once (ValueError unless
+``overwrite=True``); :func:`read_jsonl` (verl's own file too) skips a last line cut by a crash.
+docs/trackers.md, "Sinks" and "Each tracker" (resuming: docs/resume.md).
 
 >>> import os, tempfile
 >>> path = os.path.join(tempfile.mkdtemp(), "run", "metrics.jsonl")

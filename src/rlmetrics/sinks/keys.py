@@ -1,13 +1,10 @@
 """A key budget and a core view: what each tracker gets of a step, and warnings near W&B's limits.
 
-A run logs hundreds to thousands of keys and the few that say whether training works get buried.
-:data:`CORE_KEYS` declares those few as globs over the metric names (:mod:`rlmetrics.globs`, the
-dialect of the CLI and the health rules too: ``*`` any characters, ``/`` included). :class:`KeyView`
-is what one tracker gets of a step: every key (``keys="all"``), the core ones only (``"core"``, the
-budget) or those matching a list of globs, and with ``overview=True`` a copy of each core key under
-``overview/`` (the same value: W&B makes a section of it, TensorBoard groups its tags, MLflow sorts
-it together). :class:`KeyLimits` warns once as the keys a tracker gets approach its documented
-limits (:data:`LIMITS`).
+:data:`CORE_KEYS` declares the few keys that say whether training works, as globs
+(:mod:`rlmetrics.globs`); :class:`KeyView` is what one tracker gets of a step (every key, the core
+ones or those matching a list of globs, and with ``overview=True`` a copy of the core keys under
+``overview/``); :class:`KeyLimits` warns once near W&B's limits (:data:`LIMITS`). docs/trackers.md,
+"A key budget and a core view".
 
 >>> view = KeyView(["critic/*/mean"], overview=True)
 >>> dict(view({"critic/score/mean": 0.5, "critic/vf_explained_var": 0.7, "actor/grad_norm": 2.0}))

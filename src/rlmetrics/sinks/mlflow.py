@@ -1,51 +1,10 @@
 """MLflow, through ``MlflowClient`` on any tracking URI (``sqlite:///path/mlflow.db`` for local runs).
 
-Needs the ``trackers`` extra. A run is created in ``experiment`` (created if missing); each step is
-one ``log_batch`` call, split to keep within both of MLflow's LogBatch limits: 1000 metrics and a
-request of 1 MB (``MAX_METRICS_PER_BATCH`` and ``MAX_BATCH_LOG_REQUEST_SIZE``, 10^6 bytes, in
-``mlflow.utils.validation``). The size of a request is estimated as the REST client writes it
-(indented JSON, non-ASCII characters escaped as ``\\uXXXX``): per metric, its key as a JSON string plus
-:data:`METRIC_BYTES` for the rest of its entry (the longest value, timestamp and step). ASCII keys
-of MLflow's 250 characters stay under 1 MB at 1000 metrics; long non-ASCII keys (``验证/...``: 6 bytes
-a character) do not, and such a step is sent in more requests. ``close()`` marks the run FINISHED.
-``tracking_uri=None`` uses MLflow's default (``MLFLOW_TRACKING_URI`` or its local store); in a run
-folder (:func:`~rlmetrics.sinks.make_sinks`) the run goes to ``MLFLOW_TRACKING_URI`` when it is set
-(a team's tracking server), else to the folder's ``mlflow.db``. MLflow's
-usage telemetry is switched off (``MLFLOW_DISABLE_TELEMETRY=true``) unless that variable is already
-set. Names are adapted by :meth:`MLflowSink.map_name` (MLflow refuses ``@``). View with
-``mlflow ui --backend-store-uri sqlite:///path/mlflow.db``. Histograms
-(:mod:`rlmetrics.core.histogram`) are not written: MLflow has no histogram metric (the JSONL file,
-TensorBoard and W&B have them). A step's lists of names (:attr:`StepResult.lists
-<rlmetrics.StepResult>`: the slowest ranks) are run tags, each holding the newest step's names
-joined by ``", "``.
-
-``config`` (the run's config: a mapping, a dataclass or an OmegaConf config,
-:func:`~rlmetrics.sinks.jsonl.run_config`) is logged as the run's params, flattened as verl does
-(:func:`flat_params`: nested keys joined with ``/``, a list as ``list_len`` and its indices), each
-value as its ``str`` cut to MLflow's limit (``MAX_PARAM_VAL_LENGTH``, 6000 in MLflow 3.x), in batches
-of 100 (MLflow's limit) and of at most 1 MB (100 non-ASCII values of 6000 characters are 3.6 MB).
-MLflow params cannot change: a resumed run gets the keys it lacks, and a key whose value changed
-keeps its first value, with one warning naming the key and both values.
-
-``resume=<run id>`` continues that run (marked RUNNING again; a store that does not hold it, one
-moved away as the refusal below advises, gets a new run, with a warning) and skips every step up to
-the last one it holds (the largest step of its latest metrics but the ``alert/`` ones, written in the same
-transaction as the metrics).
-A step of more than 1000 metrics is several batches: a crash between two keeps the batches written,
-and that step is not written again. A health alert is the metric ``alert/<rule> = 1`` at its step
-(one point per rule and step) and the tag ``alert/<rule>`` holding the rule's latest message. A
-resumed sink does not write again an alert its run holds.
-
-An SQLite store (``sqlite:///path``) survives a process killed at any moment of its creation. MLflow
-creates a store in some 70 migrations, and SQLite commits each new table before the migration's
-version stamp, so a kill in between leaves a store that every later start fails to open ("table ...
-already exists"). The sink has MLflow create a missing store under a temporary name
-(``path.<hex>.init``) and links it into place once finished; an existing store without any experiment
-(MLflow creates its Default experiment last: such a store is unfinished and holds no run) is replaced
-the same way. A store MLflow cannot open that holds experiments is left as it is, and the sink raises
-RuntimeError with one line naming the file and what to do. A store created in place of one this
-process had open (``make_sinks(overwrite=True)``) is opened anew: MLflow's connections to the removed
-file are closed.
+Needs the ``trackers`` extra. A step is sent in ``log_batch`` requests within MLflow's LogBatch limits
+(1000 metrics and 1 MB each: :func:`batches`, :data:`METRIC_BYTES`); ``config`` is the run's params
+(:func:`flat_params`); an alert is the metric and tag ``alert/<rule>``; lists of names are run tags;
+no histograms. An SQLite store is created whole, so a kill never leaves one MLflow cannot open.
+docs/trackers.md, "Sinks" and "Each tracker" (resuming: docs/resume.md).
 """
 
 from __future__ import annotations

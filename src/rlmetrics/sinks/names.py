@@ -1,15 +1,9 @@
 """What every sink shares: the mechanics of metric-name adaptation, float values, steps.
 
-Trackers restrict metric names; rlmetrics names (``val-core/gsm8k/acc/mean@4``, ``pass@k``) must
-reach each of them readable, never as a path outside the run directory, and never two names onto
-one series. Each sink declares its tracker's rules (:meth:`Sink.adapt_name
-<rlmetrics.sinks.base.Sink.adapt_name>`, the table in docs/trackers.md); this module holds what they
-share: :func:`path_safe`, :func:`fit` (a name longer than the tracker's limit keeps its head and ends
-with ``-`` and 8 hex digits of a hash of the full name, so long names stay distinct) and
-:class:`NameMap`, which adds collision handling and is what the sinks use: two different names that
-adapt to the same string do not share a series, the first one seen keeps the adapted name, later
-ones get ``__2``, ``__3`` … and one warning each; a :class:`NameMap` keeps its mapping for the life
-of the sink, so every name maps to the same series at every step.
+Each sink declares its tracker's name rules (:meth:`Sink.adapt_name
+<rlmetrics.sinks.base.Sink.adapt_name>`); this module holds what they share: :func:`path_safe`,
+:func:`fit` (a long name's head and a hash) and :class:`NameMap` (never two names on one series: later
+ones get ``__2``, ``__3`` …). docs/trackers.md, "Metric names per tracker".
 
 >>> path_safe("../../escape"), path_safe("/abs//x"), path_safe(".hidden.")
 ('__/__/escape', 'abs/x', '_hidden_')

@@ -1,35 +1,10 @@
 """A live Prometheus endpoint: the newest merged step as gauges, scraped over HTTP.
 
-Needs the ``trackers`` extra (``prometheus_client``). :class:`PrometheusSink` starts
-``prometheus_client.start_http_server`` on ``addr:port`` (``127.0.0.1`` and a free port by default;
-``port=`` for the one a Prometheus scrape config names) with a registry of its own, so the process's
-default registry (and whatever else registers there) is left alone; ``close()`` shuts the server
-down and frees the port. It holds no files: nothing to resume, a restarted driver serves again from
-its next step (the time series in Prometheus carry on, with a gap).
-
-One gauge per metric, not one family with a ``name`` label: a Grafana user types
-``rlmetrics_critic_score_mean`` as they type Ray's ``ray_node_cpu_utilization``, gets it
-autocompleted, and each gauge keeps its own unit and HELP text (the rlmetrics name); a ``name``
-label would put rewards, seconds and bytes in one family, which ``sum``/``avg`` over it would mix.
-Names: ``<prefix>_`` and the metric name with every character outside ``[a-zA-Z0-9_]`` made ``_``
-(``@`` is ``_at_``; ``:`` too, Prometheus keeps it for recording rules), so ``critic/score/mean`` is
-``rlmetrics_critic_score_mean``; two names that meet get ``__2``, ``__3`` …
-(:class:`~rlmetrics.sinks.names.NameMap`, one warning each). Every sample has a ``run`` label (the
-run's name). ``<prefix>_step{axis="train_step"}`` is the step served; a step of another axis
-(:meth:`log_axis`) serves its values as ``<prefix>_<axis>_<name>`` and its step under its own
-``axis`` label. A gauge holds its metric's last value (a validation metric between two rounds):
-a metric not logged in the last ``stale`` steps of its axis (1000) is no longer served. Health
-alerts count in ``<prefix>_alerts_total{rule=...}``, every rule of the run's health monitor served
-from 0 (so ``increase()`` sees its first alert). Histograms and lists of names are not served (the
-JSONL file, TensorBoard and W&B have them).
-
-The URL is printed (stderr) when the endpoint starts. ``close()`` serves the last step until the
-endpoint is scraped once more, at most ``linger`` seconds (60), when it was scraped during the run
-(an endpoint nobody scraped closes at once), so Prometheus sees the run's last step.
-
-Collection is a custom collector over the newest step (one ``collect()`` call per scrape, on the
-server's thread, reading one snapshot the logging thread swaps in whole), not a ``Gauge`` object per
-metric.
+Needs the ``trackers`` extra (``prometheus_client``). Serves ``http://<addr>:<port>/metrics`` (a free
+port by default) from a registry of its own, and writes no file: a gauge per metric,
+``<prefix>_<name>`` (``rlmetrics_critic_score_mean``) with a ``run`` label, ``<prefix>_step`` and
+``<prefix>_alerts_total``. ``close()`` serves the last step to one more scrape (at most ``linger`` s)
+and frees the port. docs/trackers.md, "Live Prometheus, trackio and ClearML" and "Each tracker".
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
-"""SwanLab, offline by default: the run is one ``run-<id>.swanlab`` file under ``logdir``.
+"""SwanLab, offline by default: the run is ``<logdir>/run-<time>-<id>/run-<id>.swanlab``.
 
-Needs the ``trackers`` extra. Upload later with ``swanlab sync <logdir>/run-*``. SwanLab allows one
-active run per process: creating a second SwanLabSink while one is open raises SwanLab's
-RuntimeError. Names are made path-safe (:func:`~rlmetrics.sinks.names.path_safe`) and cut to 512
-characters before SwanLab sees them, so SwanLab's own silent trimming of leading/trailing ``.`` and
-``/`` never merges two metrics.
-
-``resume=<run id>`` continues that run (``swanlab.init(id=..., resume="allow")``): offline, each
-session writes its own ``run-<time>-<id>`` directory (upload each with ``swanlab sync <dir> --id
-<id>``, oldest first). The sink reads the run files of the earlier sessions with SwanLab's own
-``DataStoreReader`` and skips every step up to the last one they hold. SwanLab writes a record per
-metric and flushes its file when its 8 KB buffer fills and when the run finishes: a killed process
-loses the steps after the last flush (:func:`~rlmetrics.sinks.make_sinks` logs them again from the
-JSONL file), and the last step held may lack some of its metrics: it is not skipped but gets the
-metrics it lacks, once. ``config``
-(a mapping, a dataclass or an OmegaConf config, made JSON-safe by
-:func:`~rlmetrics.sinks.jsonl.run_config`) is the run's config (``swanlab.init(config=...)``, in the
-session's ``files/config.yaml``); a resumed session's file holds the config it was given. A health
-alert is a text ``alert/<rule>`` at its step. Histograms (:mod:`rlmetrics.core.histogram`) are not
-written: SwanLab 0.10.3 (the version tested) has no histogram type (its newer documentation describes
-a ``swanlab.Histogram``); the JSONL file, TensorBoard and W&B have them. A step's lists of names
-(:attr:`StepResult.lists <rlmetrics.StepResult>`: the slowest ranks) are texts at the step.
+Needs the ``trackers`` extra. Upload later with ``swanlab sync <logdir>/run-*``. One open run per
+process (a second sink raises SwanLab's RuntimeError); names are path-safe, at most 512 characters.
+``resume=<run id>`` reads the earlier sessions' files back and skips the steps they hold (the last
+one gets the metrics it lacks); alerts and lists of names are texts; no histograms.
+docs/trackers.md, "Sinks" and "Each tracker" (resuming: docs/resume.md).
 """
 
 from __future__ import annotations

@@ -1,34 +1,10 @@
 """TensorBoard event files, written with the ``tensorboard`` package alone (no torch, no TensorFlow).
 
-Needs the ``tensorboard`` extra. Each step is one event holding every metric as a scalar summary
-(``simple_value``: float32, what TensorBoard's scalar dashboard and ``EventAccumulator.Scalars``
-read) and is flushed at once. Names are made path-safe (:func:`~rlmetrics.sinks.names.path_safe`;
-``@`` and everything else stay: tags are free strings inside the event file, the file name never
-contains a metric name). View with
-``tensorboard --logdir <log_dir>``.
-
-Each session writes a new event file in ``log_dir``, and TensorBoard reads all the event files of a
-folder as one run, so a ``log_dir`` that holds event files is refused (FileExistsError: a second run
-there would double every series) unless ``resume=True``, which first reads the event files
-already there (tensorboard's own ``LegacyEventFileLoader``, which stops at a record cut by a crash) and
-skips every step up to the last one they hold: TensorBoard's reader drops the events after a step
-that goes back ("orphaned" data), so a resumed run must only go forward. A health alert is a text
-summary ``alert/<rule>`` at its step (TensorBoard's Text tab). A step's histograms
-(:attr:`StepResult.histograms <rlmetrics.StepResult>`) are histogram summaries in the same event
-(``HistogramProto``: ``bucket_limit`` the right edges, ``bucket`` the counts; TensorBoard's Histograms
-and Distributions tabs, ``EventAccumulator.Histograms``). A step's lists of names
-(:attr:`StepResult.lists <rlmetrics.StepResult>`: the slowest ranks) are text summaries at the step,
-the names joined by ``", "``.
-
-Every step is in the event file, but TensorBoard samples what it shows: by default its UI keeps
-1,000 scalars per tag (500 histograms, 10 images), a random sample of a longer run's points
-(reservoir sampling), so a run of more than 1,000 steps shows some of them. To see every step::
-
-    tensorboard --logdir runs/demo/tensorboard --samples_per_plugin scalars=0,histograms=0
-
-(``0`` keeps all, ``scalars=100000`` up to that many). Reading the files with tensorboard's
-``EventAccumulator`` samples too (10,000 scalars and 1 histogram per tag by default):
-``EventAccumulator(log_dir, size_guidance={"scalars": 0, "histograms": 0})`` keeps all.
+Needs the ``tensorboard`` extra. A step is one event (float32 scalars, histograms, texts), flushed at
+once; view with ``tensorboard --logdir <log_dir>``. A ``log_dir`` holding event files is refused
+(FileExistsError) unless ``resume=True``, which skips the steps they hold. The UI shows a sample of a
+long run: ``--samples_per_plugin scalars=0,histograms=0`` shows every step. docs/trackers.md,
+"Sinks" and "Each tracker".
 """
 
 from __future__ import annotations

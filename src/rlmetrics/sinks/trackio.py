@@ -1,22 +1,10 @@
 """trackio (Hugging Face's local tracker): the run in a SQLite file under the sink's folder.
 
-Needs the ``trackers`` extra. trackio keeps a project's runs in ``<TRACKIO_DIR>/<project>.db``;
-TRACKIO_DIR is read once, when trackio is imported (``~/.cache/huggingface/trackio`` unless the
-environment variable is set). :class:`TrackioSink` puts it in ``logdir``: it sets the variable
-before the first import and, when trackio was imported already with another folder, points trackio's
-module-level folders (``TRACKIO_DIR``, ``MEDIA_DIR``, ``ARTIFACTS_DIR``) at ``logdir`` — so tests and
-users' runs never write to ``$HOME``; the last sink created decides the folder of the process. The
-run is local: ``space_id``, ``server_url`` and ``bucket_id`` are never passed and the
-``TRACKIO_SPACE_ID`` / ``TRACKIO_SERVER_URL`` environment variables are refused (they send the run
-over the network); no dashboard is started (``trackio show --project <project>`` with
-``TRACKIO_DIR=<logdir>`` opens one later), nor trackio's CPU/GPU sampling threads.
-
-``resume=<run name>`` continues that run (``trackio.init(name=..., resume="allow")``): the sink
-reads its logs back with trackio's ``SQLiteStorage.get_logs`` and skips every step up to the last one
-they hold; :attr:`run_id` is the run's name (what trackio resumes by). ``config`` is the run's config.
-Names are kept (trackio takes any string). A health alert is a trackio alert (``run.alert``: title
-the rule, text the alert, at its step). Histograms are not written; a step's lists of names are
-texts joined by ``", "``: trackio logs strings as they are.
+Needs the ``trackers`` extra. The run is in ``<logdir>/<project>.db``: the sink points trackio's
+``TRACKIO_DIR`` there, so nothing goes to ``$HOME``. It stays local (``TRACKIO_SPACE_ID`` or
+``TRACKIO_SERVER_URL`` set raises RuntimeError) and starts no dashboard nor CPU/GPU sampling.
+``resume=<run name>`` skips the steps the run's logs hold. docs/trackers.md, "Live Prometheus,
+trackio and ClearML" and "Each tracker".
 """
 
 from __future__ import annotations

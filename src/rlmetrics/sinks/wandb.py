@@ -1,45 +1,10 @@
 """Weights & Biases, offline by default: the run is written under ``<dir>/wandb/offline-run-*``.
 
-Needs the ``trackers`` extra. Upload later with ``wandb sync <dir>/wandb/offline-run-*``. The run is
-started with ``reinit="create_new"`` and logged through its own handle, so a W&B run the user has open
-is left alone. Unless ``settings`` is given, console capture, system metrics, git and code saving are
-off (the sink logs metrics, nothing else). W&B only appends: a step lower than one already logged
-is dropped by W&B with a warning. Names are adapted by :meth:`WandbSink.map_name`.
-
-``resume=<run id>`` continues that run (``wandb.init(id=..., resume="allow")``): offline, each session
-writes its own ``offline-run-<time>-<id>`` directory (``-<id>-1`` for one started in the same second
-as the one before), and ``wandb sync <dir>/wandb/offline-run-*-<id>*`` uploads them as one run, in
-order. The sink first reads the run files of the earlier sessions (and,
-online, the run's step) and skips every step up to the last one they hold, so no step is written
-twice and none below a committed one (W&B would drop it). Only the files know what W&B kept: its
-service buffers the file and dies with a killed process, losing what it had not flushed (every 15 s
-or 32 KiB; docs/resume.md), and W&B's API reads no offline run. The files are read in W&B's own,
-undocumented format (a leveldb log of ``Record`` protobufs): the header is checked, so a W&B release
-that changed the format stops the resume with a ValueError saying what to do, and the reading ends
-at a damaged record (its checksum or its header wrong), with a warning. A step's histograms
-(:attr:`StepResult.histograms <rlmetrics.StepResult>`) are logged as
-``wandb.Histogram(np_histogram=(counts, edges))`` in the step's row; one of more than 512 bins (W&B's
-limit, ``wandb.Histogram.MAX_LENGTH``; W&B refuses more) is logged with its adjacent bins merged
-(:func:`merge_bins`: every count kept, no resampling). A health alert is a W&B alert
-(``run.alert``, titled with the rule and the metric; W&B sends an online run's alerts by e-mail or
-Slack) and ``alert/<rule> = 1`` in the step's history.
-
-``config`` (a mapping, a dataclass or an OmegaConf config, made JSON-safe by
-:func:`~rlmetrics.sinks.jsonl.run_config`) is the run's config (``wandb.init(config=...)``), in the
-``run`` record of the run file. Resumed offline, each session's run file holds the config that
-session was given (W&B does not read the earlier one back).
-
-``axes=True`` (for :mod:`rlmetrics.axes`): every ``log``, ``log_axis`` and alert is a W&B step of
-its own (W&B's ``_step`` only counts rows, so it never goes back and no row is dropped), and each
-metric is plotted against its axis: a ``train_step`` metric holds ``train_step`` in its row and is
-declared ``run.define_metric(name, step_metric="train_step")`` (its histograms and lists of names
-too), a metric of axis ``a`` is logged as ``a/<name>`` beside ``a`` with ``step_metric=a``. A
-resumed run skips each axis's steps up to the last one its earlier sessions hold.
-
-``run.finish()`` can return before W&B's service has written the run file (``run-<id>.wandb``, a
-leveldb-log framed stream of wandb ``Record`` protobufs): ``close()`` then waits, up to
-``close_timeout`` seconds, until the file ends with W&B's ``exit`` record, so the run is complete on
-disk (ready for ``wandb sync``) when ``close()`` returns.
+Needs the ``trackers`` extra. Upload later with ``wandb sync <dir>/wandb/offline-run-*``. A step is
+one ``run.log`` (a histogram of more than 512 bins merged by :func:`merge_bins`); an alert is
+``run.alert`` and ``alert/<rule> = 1``; ``axes=True`` plots each metric against its step axis.
+``resume=<run id>`` reads the earlier sessions' run files back and skips the steps they hold;
+``close()`` returns once the run file is complete. docs/trackers.md, "Sinks" and "Each tracker".
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """A tracker's bounded queue and the thread that writes it, so a tracker never holds a training step.
 
-:class:`~rlmetrics.sinks.Tracking` gives each sink whose ``background`` is True (the trackers: W&B,
-MLflow, SwanLab, trackio, ClearML, TensorBoard) a :class:`Writer` and puts the sink's calls of a step
-in it; ``log()`` returns at once whatever the tracker does. The writer's thread makes the calls in
-order. A call that raises a transient error (``transient(exc)``: a tracking server down, frozen,
-refusing) is made again after ``retry`` seconds, doubling up to ``most``, until it passes: one
-warning when the tracker fails, one when it is back, the steps in order and none lost; any other
-error ends the writer (``fatal(exc, task)``: the sink is disabled). A queue of ``bound`` steps
-takes no more: the later steps are read back from the run's journal (its JSONL file, ``refill``)
-once the queue is written, or, without a journal, are dropped with one warning. :meth:`Writer.join`
-waits a bounded time and returns what it could not deliver (docs/trackers.md, "A tracker that is
-down").
+:class:`~rlmetrics.sinks.Tracking` gives each ``background`` sink a :class:`Writer`: its calls are made
+in order on the writer's thread, a transient error retried with a doubling wait, the steps past a full
+queue read back from the journal (``refill``); :meth:`Writer.join` waits a bounded time and returns
+what it could not deliver (docs/trackers.md, "A tracker that is down").
 
 >>> calls = []
 >>> writer = Writer("printer", lambda steps: [])
