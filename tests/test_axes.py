@@ -383,8 +383,8 @@ def test_jsonl_and_wandb_each_axis_on_its_own_step(local_run, tmp_path, monkeypa
 
 
 def test_resumed_run_logs_each_step_of_each_axis_once(tmp_path, monkeypatch):
-    """A driver restarted from an older checkpoint logs steps 2..5 again on both axes: JSONL and W&B
-    skip, per axis, the steps the earlier session holds."""
+    """A driver restarted from an older checkpoint logs steps 2..5 again on both axes: JSONL skips,
+    per axis, the steps it holds; the W&B run, rebuilt from it, gets each step of each axis once."""
     monkeypatch.setenv("WANDB_SILENT", "true")
     for steps, resume in ((range(4), False), (range(2, 6), True)):
         with make_sinks(["jsonl", "wandb"], tmp_path, axes=True, health=None, resume=resume) as tracking:

@@ -13,7 +13,6 @@ import os
 import re
 import signal
 import sqlite3
-import struct
 import subprocess
 import sys
 import time
@@ -123,7 +122,8 @@ def test_driver_killed_and_restarted_logs_every_step_once_in_every_tracker(tmp_p
     }
 
     wandb_files = wandb_run_files(out, ids["wandb"])
-    assert len(wandb_files) == 2
+    assert len(wandb_files) == 1  # rebuilt from the journal: what wandb sync uploads
+    assert len(list(out.glob(f"wandb/replaced/offline-run-*-{ids['wandb']}"))) == 1  # the killed session
     rows = wandb_rows(wandb_files)
     assert [s for s, _ in rows] == steps  # each once, never a lower step after a higher one
     for s, row in rows:
@@ -498,63 +498,34 @@ def wandb_run(out, steps, **kw):
     return run_id, wandb_run_files(out, run_id)[-1]
 
 
-def record_at(data, at):
-    """The offset of the header of the record of a W&B run file that holds byte ``at``."""
-    pos = 7
-    while True:
-        pos += 32768 - pos % 32768 if 32768 - pos % 32768 < 7 else 0  # a block trailer
-        end = pos + 7 + struct.unpack_from("<H", data, pos + 4)[0]
-        if at < end:
-            return pos
-        pos = end
-
-
-@pytest.mark.parametrize("damage", ["value", "length"])
-def test_a_damaged_wandb_record_ends_what_the_resume_reads(tmp_path, caplog, damage):
-    """The first session's step 6 is damaged on disk (one byte of its value, which its checksum
-    catches, or its record's length): the resumed W&B run holds steps 0..5 of it and gets steps
-    6..9 again from the JSONL file, with a warning naming the file."""
+@pytest.mark.parametrize("damage", ["value", "format"])
+def test_a_resumed_offline_wandb_run_is_rebuilt_from_the_journal(tmp_path, damage):
+    """Resume never reads W&B's own run files (an undocumented format): the earlier session is set
+    aside, whatever its file holds (a byte of a value damaged, or a format version this rlmetrics
+    never saw), and the new session gets every step of the journal, then the steps after it."""
     out = tmp_path / "run"
     run_id, run_file = wandb_run(out, range(10))
     data = bytearray(run_file.read_bytes())
-    at = data.index(b"123406")
-    if damage == "value":
-        data[at] = ord("9")
-    else:
-        struct.pack_into("<H", data, record_at(data, at) + 4, 0xFFFF)
+    data[data.index(b"123406") if damage == "value" else 6] ^= 1
     run_file.write_bytes(bytes(data))
-    with caplog.at_level("WARNING", logger="rlmetrics.sinks.wandb"):
-        with make_sinks(["jsonl", "wandb"], out, health=None, resume=True) as tracking:
-            wandb = tracking.sinks[1]
-    assert any(str(run_file) in r.getMessage() and "is damaged" in r.getMessage() for r in caplog.records)
-    resumed = [f for f in wandb_run_files(out, run_id) if f != run_file]
-    assert wandb.run_id == run_id and len(resumed) == 1
-    assert [(s, row["x"]) for s, row in wandb_rows(resumed) if "x" in row] == [
-        (s, 123400 + s) for s in range(6, 10)
+    with make_sinks(["jsonl", "wandb"], out, health=None, resume=True) as tracking:
+        assert tracking.resumed_at == 9
+        for step in range(8, 12):
+            tracking.log({"x": 123400.0 + step}, step)
+    (rebuilt,) = wandb_run_files(out, run_id)
+    assert rebuilt != run_file and tracking.sinks[1].run_id == run_id
+    assert [(s, row["x"]) for s, row in wandb_rows([rebuilt]) if "x" in row] == [
+        (s, 123400 + s) for s in range(12)
     ]
+    assert (out / "wandb" / "replaced" / run_file.parent.name / run_file.name).read_bytes() == bytes(data)
+    assert all(path.exists() for path in (out / "wandb").iterdir())  # no W&B link into a moved folder
 
 
-def test_a_wandb_run_file_of_another_format_is_refused_with_what_to_do(tmp_path):
-    """W&B's run file format is its own: a header this version does not know (a W&B release that
-    changed it) stops the resume with one line, as guessing the steps it holds could drop or repeat
-    steps; nothing of the run is removed."""
-    out = tmp_path / "run"
-    run_id, run_file = wandb_run(out, range(3))
-    data = bytearray(run_file.read_bytes())
-    data[6] = 1  # the format version
-    run_file.write_bytes(bytes(data))
-    with pytest.raises(ValueError, match=r"run-\w+\.wandb is not of the format .*remove \"wandb\" from"):
-        make_sinks(["jsonl", "wandb"], out, health=None, resume=True)
-    assert read_jsonl(out / "metrics.jsonl").steps == [0, 1, 2] and run_file.read_bytes() == bytes(data)
-    assert wandb_run_files(out, run_id) == [run_file]  # the refused session left no folder behind
-    assert all(path.exists() for path in (out / "wandb").iterdir())  # nor W&B's links into it
-
-
-def test_a_wandb_session_started_in_the_same_second_as_the_last_is_read_back(tmp_path, monkeypatch):
+def test_a_wandb_session_started_in_the_same_second_as_the_last_is_set_aside(tmp_path, monkeypatch):
     """W&B names a session's folder ``offline-run-<time>-<id>`` to the second and adds ``-1`` when
     that folder exists (a restart within the second). Empty folders of the next seconds stand in
-    for such a start here: the first session's steps land in a ``-1`` folder, and the resumed run
-    reads them back and skips them."""
+    for such a start here: the first session lands in a ``-1`` folder, and a rebuilt run sets it
+    aside with the others, leaving its own session alone for ``wandb sync``."""
     monkeypatch.setenv("WANDB_SILENT", "true")
     from rlmetrics.sinks import WandbSink
 
@@ -564,14 +535,26 @@ def test_a_wandb_session_started_in_the_same_second_as_the_last_is_read_back(tmp
         stamp = time.strftime("%Y%m%d_%H%M%S", time.localtime(now + t))
         (wandb_dir / f"offline-run-{stamp}-{run_id}").mkdir(parents=True, exist_ok=True)
     with WandbSink(dir=tmp_path, resume=run_id) as first:
-        for step in range(5):
-            first.log({"x": float(step)}, step)
+        first.log({"x": 1.0}, 1)
     assert Path(first.run.settings.sync_dir).name.endswith(f"-{run_id}-1")
-    with WandbSink(dir=tmp_path, resume=run_id) as second:
-        assert second.resumed_at == 4
-        for step in range(8):
-            second.log({"x": float(step)}, step)
-    assert [s for s, row in wandb_rows(wandb_run_files(tmp_path, run_id)) if "x" in row] == list(range(8))
+    with WandbSink.in_folder(tmp_path, "rlmetrics", None, run_id, rebuild=True) as second:
+        assert second.resumed_at is None  # offline: W&B knows nothing of the earlier sessions
+        second.log({"x": 2.0}, 2)
+    assert [f.parent for f in wandb_run_files(tmp_path, run_id)] == [Path(second.run.settings.sync_dir)]
+    assert (wandb_dir / "replaced" / Path(first.run.settings.sync_dir).name).is_dir()
+
+
+def test_a_wandb_run_resumed_without_the_journal_says_what_to_do(tmp_path, caplog):
+    """Without metrics.jsonl nothing says which steps the earlier offline sessions hold: one warning
+    names the run and the sink to add; the earlier session stays where wandb sync finds it."""
+    for resume in (False, True):
+        with caplog.at_level("WARNING", logger="rlmetrics.sinks.wandb"):
+            with make_sinks(["wandb"], tmp_path, health=None, resume=resume) as tracking:
+                tracking.log({"x": 1.0}, 1)
+    run_id = json.loads((tmp_path / "run_ids.json").read_text())["wandb"]
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "rlmetrics.sinks.wandb"]
+    assert run_id in warning and 'add "jsonl" to the sinks' in warning
+    assert len(wandb_run_files(tmp_path, run_id)) == 2
 
 
 def test_an_mlflow_store_moved_away_as_the_refusal_advises_resumes_in_a_new_run(tmp_path, caplog):

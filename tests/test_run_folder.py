@@ -42,7 +42,8 @@ def points(sink: str, out: Path) -> list[tuple[int, float]]:
 
 
 def log(sink: str, out: Path, steps: range, offset: float, **kw) -> None:
-    with make_sinks([sink], out, health=None, **kw) as tracking:
+    names = ["jsonl", sink] if sink == "wandb" else [sink]  # an offline W&B run resumes from the journal
+    with make_sinks(names, out, health=None, **kw) as tracking:
         for step in steps:
             tracking.log({"x": offset + step}, step)
 

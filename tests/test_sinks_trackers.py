@@ -254,7 +254,8 @@ def test_run_config_of_a_dataclass():
 
 def test_resumed_run_with_a_changed_config(tmp_path, caplog):
     """MLflow keeps a param's first value (params cannot change): one warning naming the key and both
-    values, the new keys logged, the run goes on; W&B's and SwanLab's new session holds the new config."""
+    values, the new keys logged, the run goes on; W&B's and SwanLab's new session holds the new config
+    (W&B's earlier session set aside: the run is rebuilt from the journal)."""
     from mlflow.tracking import MlflowClient
 
     from tests.trackers import swanlab_config, wandb_config
@@ -273,7 +274,10 @@ def test_resumed_run_with_a_changed_config(tmp_path, caplog):
     run = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(run_id)
     assert run.data.params == {"optim/lr": "0.1", "seed": "1", "epochs": "3"}
     assert read_mlflow(f"sqlite:///{tmp_path / 'mlflow.db'}", run_id, "a") == {0: 1.0, 1: 2.0}
-    wandb_files = sorted(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    wandb_files = [
+        *tmp_path.glob("wandb/replaced/offline-run-*/run-*.wandb"),
+        *tmp_path.glob("wandb/offline-*/*.wandb"),
+    ]
     swanlab_files = sorted(tmp_path.glob("swanlab/run-*/run-*.swanlab"))
     assert [wandb_config(f) for f in wandb_files] == [{"optim": {"lr": 0.1}, "seed": 1}, new]
     assert [swanlab_config(f) for f in swanlab_files] == [{"optim": {"lr": 0.1}, "seed": 1}, new]

@@ -146,7 +146,9 @@ class Tracking(Sink):
             # after the sinks, so it runs before their trackers' own exit hooks (W&B's)
             self._exit_hook = partial(_at_exit, weakref.ref(self))
             atexit.register(self._exit_hook)
-        self._caught_up: dict[int, int] = {}  # sink → the journal's last step, queued to it (catch_up)
+        self._caught_up: dict[
+            tuple[int, str], int
+        ] = {}  # (sink, axis) → the journal's last step queued to it
         self._journal_down = False
         self.health = Monitor() if health is True else (health or None)
         if self.health is not None:
@@ -174,7 +176,9 @@ class Tracking(Sink):
         """The last step every resumed sink holds (None: nothing resumed): a restarted driver logs
         from the step after it."""
         steps = [
-            self._caught_up.get(i, s.resumed_at) for i, s in enumerate(self.sinks) if i not in self.failed
+            self._caught_up.get((i, DEFAULT_AXIS), s.resumed_at)
+            for i, s in enumerate(self.sinks)
+            if i not in self.failed
         ]
         return min((s for s in steps if s is not None), default=None)
 
@@ -217,7 +221,7 @@ class Tracking(Sink):
         result = StepResult(values, step, meta)
         for i in self._order:
             sink = self.sinks[i]
-            if i not in self.failed:
+            if i not in self.failed and step > self._caught_up.get((i, axis), -1):
                 self._send(
                     i, axis, step, partial(sink.log_axis, self._viewed(i, result, copies=False), step, axis)
                 )
@@ -250,7 +254,9 @@ class Tracking(Sink):
     def _writes(self, i: int, step: int) -> bool:
         """Sink ``i`` is active and did not hold ``step`` before a resume."""
         return (
-            i not in self.failed and not self.sinks[i].skips(step) and step > self._caught_up.get(i, step - 1)
+            i not in self.failed
+            and not self.sinks[i].skips(step)
+            and step > self._caught_up.get((i, DEFAULT_AXIS), step - 1)
         )
 
     @staticmethod
@@ -341,7 +347,8 @@ class Tracking(Sink):
 
     def catch_up(self, journal: JsonlSink, sinks: Iterable[Sink]) -> None:
         """Log to each of ``sinks`` the steps (and their alerts) of the resumed JSONL file after the
-        last step its own files hold, then let every one of them resume after the file's last step.
+        last step its own files hold (one that holds none: every record, each axis's, in the file's
+        order), then let every one of them resume after the file's last step of each axis.
 
         The JSONL file has every step it was given (one flushed write per step; a later call at a
         step, as verl's trainer makes, adds a record with all the step's metrics so far), while a
@@ -351,13 +358,18 @@ class Tracking(Sink):
             return
         records, alerts = _journal(journal.path)
         for sink in sinks:
+            i, whole = self.sinks.index(sink), sink.resumed_at is None
             for (axis, step), record in records.items():
                 if axis == DEFAULT_AXIS:
                     self.write(sink, record_result(record), step, alerts.get(step, []))
-            i = self.sinks.index(sink)
+                elif whole and i not in self.failed:
+                    viewed = self._viewed(i, record_result(record), copies=False, cache=False)
+                    self._send(i, axis, step, partial(sink.log_axis, viewed, step, axis))
+                    self._caught_up[i, axis] = max(step, self._caught_up.get((i, axis), -1))
             # the later steps it is given are those after the journal's (a writer may still be
             # delivering the steps caught up: the sink's own resumed_at stays as its files say)
-            self._caught_up[i] = max(journal.resumed_at, -1 if sink.resumed_at is None else sink.resumed_at)
+            held = -1 if sink.resumed_at is None else sink.resumed_at
+            self._caught_up[i, DEFAULT_AXIS] = max(journal.resumed_at, held)
 
     def close(self) -> None:
         if self._closed:
@@ -559,7 +571,9 @@ def make_sinks(
     sinks: list[Sink] = []
     try:
         for name in wanted:
-            extra = {"axes": True} if axes and name == "wandb" else {}
+            extra: dict[str, Any] = {"axes": True} if axes and name == "wandb" else {}
+            if name == "wandb" and resume and "jsonl" in wanted:
+                extra["rebuild"] = True  # an offline run rebuilt from the journal (catch_up)
             extra.update((options or {}).get(name, {}))
             if config is not None and name in CONFIG_SINKS:
                 extra["config"] = config

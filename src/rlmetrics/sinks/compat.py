@@ -1,8 +1,9 @@
 """Every tracker API outside the trackers' public surface that the sinks use, in one place.
 
-W&B's and SwanLab's run files (read back on resume), MLflow's engine map, ClearML's reporter
-subprocess and trackio's module-level folders. :func:`check` says which of them the installed
-trackers lack; ``tests/test_sinks_compat.py`` fails loudly when a tracker upgrade removes one
+W&B's run file (``close()`` waits for its ``exit`` record), SwanLab's (read back on resume),
+MLflow's engine map, ClearML's reporter subprocess and trackio's module-level folders.
+:func:`check` says which of them the installed trackers lack; ``tests/test_sinks_compat.py`` fails
+loudly when a tracker upgrade removes one
 (docs/trackers.md, "Each tracker").
 """
 
@@ -22,48 +23,37 @@ _HEADER, _BLOCK = 7, 32768  # leveldb log format: 7-byte file and record headers
 _FILE_HEADER = b":W&B" + struct.pack("<HB", 0xBEE1, 0)  # magic, W&B's magic number, format version 0
 
 
-def wandb_records(path: Path) -> tuple[list[Any], int | None]:
-    """The complete records of a W&B run file, in order (none if it is missing or W&B has not
-    written its header yet), up to the first damaged record (its checksum or its header wrong), and
-    the byte offset of that record (None: none is damaged). A file header of another format (a W&B
-    release that changed it) raises ValueError, as guessing which steps the file holds could drop or
-    repeat steps."""
+def wandb_last_record(path: Path) -> str | None:
+    """The kind of the last complete record of a W&B run file (``"exit"`` once W&B finished the
+    run; None: no record yet, or the file is missing). Read up to a damaged record (its checksum or
+    header wrong); a file header of another format (a W&B release that changed it) raises ValueError."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        return [], None
-    if len(data) < _HEADER:
-        return [], None
-    if data[:_HEADER] != _FILE_HEADER:
-        raise ValueError(
-            f"W&B run file {path} is not of the format this rlmetrics reads (it starts with "
-            f"{data[:_HEADER]!r}, not {_FILE_HEADER!r}), so which steps it holds is not known. "
-            "To continue that W&B run, resume with the wandb release that wrote it; to continue the "
-            'training in a new W&B run, remove "wandb" from the folder\'s run_ids.json (make_sinks) '
-            "or create WandbSink without resume="
-        )
+        return None
+    if len(data) >= _HEADER and data[:_HEADER] != _FILE_HEADER:
+        raise ValueError(f"W&B run file {path} is not of the format this rlmetrics reads")
     Record = require("wandb.proto.wandb_internal_pb2", "trackers").Record
-    pos, chunks, records = _HEADER, [], []
+    pos, chunks, last = _HEADER, [], None
     while pos + _HEADER <= len(data):
         if _BLOCK - pos % _BLOCK < _HEADER:  # block trailer
             pos += _BLOCK - pos % _BLOCK
             continue
         checksum, length, kind = struct.unpack_from("<IHB", data, pos)
-        if kind not in (1, 2, 3, 4) or length > _BLOCK - pos % _BLOCK - _HEADER:  # a damaged header
-            return records, pos
         chunk = data[pos + _HEADER : pos + _HEADER + length]
-        if len(chunk) < length:  # the file ends inside this record: cut by a crash
-            break
-        if zlib.crc32(chunk, zlib.crc32(bytes([kind]))) != checksum:
-            return records, pos
+        if (
+            kind not in (1, 2, 3, 4)
+            or len(chunk) < length
+            or zlib.crc32(chunk, zlib.crc32(bytes([kind]))) != checksum
+        ):
+            break  # damaged, or cut: the file ends inside this record
         chunks.append(chunk)
         pos += _HEADER + length
         if kind in (1, 4):  # FULL or LAST
             record = Record()
             record.ParseFromString(b"".join(chunks))
-            records.append(record)
-            chunks = []
-    return records, None
+            last, chunks = record.WhichOneof("record_type"), []
+    return last
 
 
 def swanlab_records(path: Path) -> Iterator[Any]:

@@ -3,8 +3,9 @@
 Needs the ``trackers`` extra. Upload later with ``wandb sync <dir>/wandb/offline-run-*``. A step is
 one ``run.log`` (a histogram of more than 512 bins merged by :func:`merge_bins`); an alert is
 ``run.alert`` and ``alert/<rule> = 1``; ``axes=True`` plots each metric against its step axis.
-``resume=<run id>`` reads the earlier sessions' run files back and skips the steps they hold;
-``close()`` returns once the run file is complete. docs/trackers.md, "Sinks" and "Each tracker".
+``resume=<run id>`` continues a run: online after the step W&B holds it at; offline in a run
+folder, rebuilt from the journal (:meth:`WandbSink.in_folder`). ``close()`` returns once the run
+file is complete. docs/trackers.md, "Sinks" and "Each tracker".
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from rlmetrics.extras import require
 from rlmetrics.health import Alert
 from rlmetrics.messages import DEFAULT_AXIS as _TRAIN_STEP
 from rlmetrics.sinks.base import Row, RunSink, resume_id
-from rlmetrics.sinks.compat import wandb_records
+from rlmetrics.sinks.compat import wandb_last_record
 from rlmetrics.sinks.jsonl import run_config
 from rlmetrics.sinks.names import as_floats, as_step, axis_names, path_safe
 
@@ -54,17 +54,6 @@ def merge_bins(counts: Any, edges: Any, limit: int = WANDB_MAX_BINS) -> tuple[np
     return np.add.reduceat(counts, starts), np.append(edges[starts], edges[-1])
 
 
-def _logged(key: str) -> bool:
-    """``key`` of a history row is a metric this sink logged (not W&B's own, not an alert's)."""
-    return not key.startswith(("_", "alert/"))
-
-
-def _step_metrics(keys: Iterable[str]) -> set[str]:
-    """The step metrics a row of an ``axes=True`` run may hold: ``train_step`` and the ``a`` of its
-    ``a/...`` names."""
-    return {_TRAIN_STEP} | {k.split("/", 1)[0] for k in keys if "/" in k}
-
-
 class WandbSink(RunSink):
     """Log each step with ``run.log(metrics, step=step)``; ``close()`` finishes the run."""
 
@@ -88,9 +77,29 @@ class WandbSink(RunSink):
 
     @classmethod
     def in_folder(
-        cls, out_dir: Path, project: str, run_name: str | None, resume: bool | str, **options: Any
+        cls,
+        out_dir: Path,
+        project: str,
+        run_name: str | None,
+        resume: bool | str,
+        *,
+        rebuild: bool = False,
+        **options: Any,
     ) -> WandbSink:
-        return cls(project, run_name, dir=out_dir, mode="offline", resume=resume_id(resume), **options)
+        """``rebuild``: a resumed offline run is rebuilt from the folder's journal, which
+        :meth:`~rlmetrics.sinks.Tracking.catch_up` replays to it: its earlier sessions are moved to
+        ``wandb/replaced/`` so that ``wandb sync`` uploads the rebuilt one alone."""
+        sink = cls(project, run_name, dir=out_dir, mode="offline", resume=resume_id(resume), **options)
+        if rebuild and resume_id(resume):
+            sink.set_aside_earlier()
+        elif resume_id(resume):
+            logger.warning(
+                "W&B offline run %s continued without the run's metrics.jsonl: which steps its earlier "
+                "sessions hold is not known (W&B reads no offline run), so the steps logged again are in "
+                'two sessions; add "jsonl" to the sinks to have the run rebuilt from it',
+                sink.run.id,
+            )
+        return sink
 
     def __init__(
         self,
@@ -121,60 +130,36 @@ class WandbSink(RunSink):
         self._Histogram = wandb.Histogram
         self.project, self.mode, self.close_timeout = project, mode, close_timeout
         self.axes = axes
-        self._row = 0  # axes: the next W&B step
-        self._marks: dict[str, float] = {}  # axes: the last value of each step metric, when resumed
         self._defined: set[str] = set()  # axes: names declared with their step metric
         init_kwargs.update(project=project, name=name, dir=dir, mode=mode, config=config)
         super().__init__(wandb.init(**init_kwargs))
-        if resume:
-            try:
-                self._read_back()
-            except Exception:  # a run file it cannot read: the session just begun is taken back
-                self._take_back()
-                raise
+        # W&B's public view of a resumed run: online, the step it holds the run at and its summary
+        # (the last value of each key); offline nothing (W&B's API reads no offline run)
+        self._row = self.run.step if resume else 0  # axes: the next W&B step
+        if resume and self.run.step:
+            last = self.run.summary.get(_TRAIN_STEP) if axes else self.run.step - 1
+            self.resumed_at = None if last is None else int(last)
 
-    def _take_back(self) -> None:
-        """Finish this session and remove its folder, and W&B's links into it (``latest-run``, the
-        debug logs), so nothing of it is left for ``wandb sync``."""
-        session = Path(self.run.settings.sync_dir)
-        self.finish()
-        shutil.rmtree(session, ignore_errors=True)
-        for link in session.parent.iterdir():
+    def set_aside_earlier(self) -> list[Path]:
+        """Move the folders of this run's earlier offline sessions to ``wandb/replaced/`` (what
+        ``wandb sync <dir>/wandb/offline-run-*`` no longer sees); the folders moved."""
+        here = Path(self.run.settings.sync_dir)
+        session = re.compile(rf"offline-run-.*-{re.escape(self.run.id)}(-\d+)?")  # -<n>: the same second
+        earlier = [d for d in here.parent.iterdir() if session.fullmatch(d.name) and d != here]
+        replaced = here.parent / "replaced"
+        for folder in earlier:
+            replaced.mkdir(exist_ok=True)
+            os.replace(folder, replaced / folder.name)
+        for link in here.parent.iterdir():  # W&B's links into them (its debug logs)
             if link.is_symlink() and not link.exists():
                 link.unlink()
-
-    def _read_back(self) -> None:
-        """The last step and the alerts of this run in the run files of its earlier sessions (online,
-        the step W&B resumed it at)."""
-        run_file = Path(self.run.settings.sync_file)
-        session = re.compile(rf".*-{re.escape(self.run.id)}(-\d+)?")  # -<n>: a start in the same second
-        files = [
-            f
-            for f in run_file.parent.parent.glob(f"*-{self.run.id}*/{run_file.name}")
-            if session.fullmatch(f.parent.name) and f != run_file
-        ]
-        steps = [self.run.step - 1] if self.run.step else []
-        rows = list(steps)
-        self._alerted = set()
-        for path in files:
-            records, bad = wandb_records(path)
-            if bad is not None:
-                logger.warning("W&B run file %s: the record at byte %d is damaged; read up to it", path, bad)
-            for record in records:
-                kind = record.WhichOneof("record_type")
-                if kind == "history":
-                    keys = {i.key or "/".join(i.nested_key): i.value_json for i in record.history.item}
-                    rows.append(record.history.step.num)
-                    for key in set(keys) & _step_metrics(keys) if self.axes else ():
-                        self._marks[key] = max(float(keys[key]), self._marks.get(key, -1.0))
-                    if any(_logged(k) for k in keys):
-                        steps.append(record.history.step.num)
-                elif kind == "alert":
-                    self._alerted.add(record.alert.text)
-        self.resumed_at = max(steps, default=None)
-        if self.axes:
-            self._row = max(rows, default=-1) + 1
-            self.resumed_at = int(self._marks[_TRAIN_STEP]) if _TRAIN_STEP in self._marks else None
+        if earlier:
+            logger.info(
+                "W&B run %s is rebuilt from the journal; its earlier sessions are in %s",
+                self.run.id,
+                replaced,
+            )
+        return earlier
 
     def write(self, row: Row) -> None:
         if self.axes:
@@ -186,9 +171,7 @@ class WandbSink(RunSink):
         if not self.axes:
             raise ValueError(f"{self!r} logs steps of axes when created with axes=True")
         self.check_open()
-        step = as_step(step)
-        if step > self._marks.get(axis, -1):
-            self._write_row(self.names.adapt(axis_names(as_floats(metrics), axis)), axis, step)
+        self._write_row(self.names.adapt(axis_names(as_floats(metrics), axis)), axis, as_step(step))
 
     def _write_row(self, values: dict[str, Any], axis: str, step: int) -> None:
         """One W&B step: ``values`` and ``axis = step``, each name declared with ``axis`` as its
@@ -229,11 +212,10 @@ class WandbSink(RunSink):
         deadline = time.monotonic() + self.close_timeout
         while True:
             try:
-                records = wandb_records(run_file)[0]
+                if wandb_last_record(run_file) == "exit":
+                    return
             except ValueError:
                 logger.warning("W&B run file %s: a format rlmetrics does not read; not waited for", run_file)
-                return
-            if records and records[-1].WhichOneof("record_type") == "exit":
                 return
             if time.monotonic() > deadline:
                 logger.warning("W&B run file %s incomplete %.0f s after finish", run_file, self.close_timeout)
