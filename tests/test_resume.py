@@ -557,6 +557,23 @@ def test_a_wandb_run_resumed_without_the_journal_says_what_to_do(tmp_path, caplo
     assert len(wandb_run_files(tmp_path, run_id)) == 2
 
 
+def test_two_names_that_collide_in_a_tracker_keep_their_series_after_a_resume(tmp_path):
+    """MLflow takes no ``@``: ``pass@k`` and ``pass_at_k`` both adapt to ``pass_at_k``, and the one
+    met second gets ``pass_at_k__2``. The resumed session meets them in the other order first; its
+    name map, rebuilt from the journal's order, keeps each on its series."""
+    with make_sinks(["jsonl", "mlflow"], tmp_path, health=None) as tracking:
+        tracking.log({"pass_at_k": 1.0}, 0)
+        tracking.log({"pass@k": 2.0, "pass_at_k": 1.0}, 1)
+    with make_sinks(["jsonl", "mlflow"], tmp_path, health=None, resume=True) as tracking:
+        tracking.log({"pass@k": 3.0, "pass_at_k": 1.5}, 2)
+    uri, run_id = (
+        f"sqlite:///{tmp_path / 'mlflow.db'}",
+        json.loads((tmp_path / "run_ids.json").read_text())["mlflow"],
+    )
+    assert sorted(mlflow_history(uri, run_id, "pass_at_k")) == [(0, 1.0), (1, 1.0), (2, 1.5)]
+    assert sorted(mlflow_history(uri, run_id, "pass_at_k__2")) == [(1, 2.0), (2, 3.0)]
+
+
 def test_an_mlflow_store_moved_away_as_the_refusal_advises_resumes_in_a_new_run(tmp_path, caplog):
     """Our refusal of a damaged ``mlflow.db`` says "move it away to start a new store": the resumed
     folder then gets a new MLflow run, caught up from ``metrics.jsonl`` (before, the id in

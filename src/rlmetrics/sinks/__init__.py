@@ -40,7 +40,7 @@ from rlmetrics.sinks.console import ConsoleSink, format_value, render_table, sum
 from rlmetrics.sinks.jsonl import JsonlRun, JsonlSink, read_jsonl, record_result, run_config
 from rlmetrics.sinks.keys import CORE_KEYS, LIMITS, OVERVIEW, KeyLimits, KeyView
 from rlmetrics.sinks.mlflow import MLflowSink
-from rlmetrics.sinks.names import NameMap, as_floats, as_step
+from rlmetrics.sinks.names import NameMap, as_floats, as_step, axis_names
 from rlmetrics.sinks.prometheus import PROMETHEUS_PORT, PrometheusSink
 from rlmetrics.sinks.swanlab import SwanLabSink
 from rlmetrics.sinks.tensorboard import TensorBoardSink
@@ -359,6 +359,8 @@ class Tracking(Sink):
         records, alerts = _journal(journal.path)
         for sink in sinks:
             i, whole = self.sinks.index(sink), sink.resumed_at is None
+            if not whole:  # its names as its earlier sessions adapted them, before any step is queued
+                sink.row(self._viewed(i, _first_seen(records), cache=False), 0)
             for (axis, step), record in records.items():
                 if axis == DEFAULT_AXIS:
                     self.write(sink, record_result(record), step, alerts.get(step, []))
@@ -433,6 +435,19 @@ def _journal(path: Path) -> tuple[dict[tuple[str, int], dict], dict[int, list[Al
     for e in run.events:
         alerts.setdefault(e["step"], []).append(Alert(step=e["step"], **e["event"]))
     return records, alerts
+
+
+def _first_seen(records: Mapping[tuple[str, int], dict]) -> StepResult:
+    """Every name of the journal's ``records`` (a step axis's under ``<axis>/``, as sinks log it),
+    in the order they first came: a sink adapting them in that order gives each name the series its
+    earlier sessions gave it (two names that collide in a tracker keep theirs after a resume)."""
+    merged: dict[str, dict] = {"metrics": {}, "histograms": {}, "lists": {}}
+    for (axis, _), record in records.items():
+        for part, names in merged.items():
+            got = record.get(part) or {}
+            for name, value in (got if axis == DEFAULT_AXIS else axis_names(got, axis)).items():
+                names.setdefault(name, 0.0 if part == "metrics" else value)
+    return record_result({"step": 0, **merged})
 
 
 def _name(sink: Sink) -> str:
