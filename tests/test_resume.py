@@ -144,7 +144,8 @@ def test_driver_killed_and_restarted_logs_every_step_once_in_every_tracker(tmp_p
     assert MlflowClient(uri).get_run(ids["mlflow"]).info.status == "FINISHED"
 
     swanlab_files = sorted(out.glob(f"swanlab/run-*-{ids['swanlab']}/run-{ids['swanlab']}.swanlab"))
-    assert len(swanlab_files) == 2
+    assert len(swanlab_files) == 1  # rebuilt from the journal
+    assert len(list(out.glob(f"swanlab/replaced/run-*-{ids['swanlab']}"))) == 1  # the killed session
     scalars = swanlab_scalars(swanlab_files)
     for name in want[0]:
         assert sorted(s for s, _ in scalars[name]) == steps
@@ -426,38 +427,26 @@ def test_alerts_written_before_a_crash_are_not_repeated_by_any_tracker(tmp_path)
     assert {k: [s for s, _ in v] for k, v in swanlab_texts(swanlab_files).items()} == {"alert/grad_norm": [3]}
 
 
-def test_swanlab_resume_writes_what_a_cut_step_lacks(tmp_path):
+def test_swanlab_resume_is_rebuilt_from_the_journal(tmp_path):
     """SwanLab writes a record per metric and flushes every 8 KB: a killed session can leave its last
-    step with part of its metrics (100 steps of 40 metrics, SIGKILL: step 8 held 39). The resumed run
-    writes the metrics that step lacks, once."""
-    with make_sinks(["swanlab"], tmp_path, health=None) as tracking:
+    step with part of its metrics (100 steps of 40 metrics, SIGKILL: step 8 held 39). Its files are
+    not read: the earlier session is set aside, and the new one gets every step of the journal, each
+    axis too, then the steps after it."""
+    with make_sinks(["jsonl", "swanlab"], tmp_path, health=None) as tracking:
         for step in range(5):
             tracking.log({"a": float(step), "b": float(step)}, step)
-        tracking.log({"a": 5.0}, 5)  # what a file cut inside step 5 holds
-    with make_sinks(["swanlab"], tmp_path, resume=True, health=None) as tracking:
-        assert tracking.resumed_at == 5
-        for step in range(3, 8):
-            tracking.log({"a": float(step), "b": 10.0 + step}, step)
-    scalars = swanlab_scalars(sorted(tmp_path.glob("swanlab/run-*/run-*.swanlab")))
-    assert sorted(scalars["a"]) == [(s, float(s)) for s in range(8)]
-    assert sorted(scalars["b"]) == [(s, float(s)) for s in range(5)] + [(5, 15.0), (6, 16.0), (7, 17.0)]
-
-
-def test_swanlab_resume_completes_a_cut_step_after_a_step_axis_logged_past_it(tmp_path):
-    """A step axis's values are not train steps: ``policy_version`` 5 and 6 logged first must neither
-    take the place of the cut train step 5 nor end its completion."""
-    with make_sinks(["swanlab"], tmp_path, health=None) as tracking:
-        for step in range(5):
-            tracking.log({"a": float(step), "b": float(step)}, step)
-        tracking.log({"a": 5.0}, 5)  # what a file cut inside step 5 holds
-    with make_sinks(["swanlab"], tmp_path, resume=True, health=None) as tracking:
-        for version in (5, 6):
+        tracking.log_axis({"r": 4.0}, 4, "policy_version")
+    with make_sinks(["jsonl", "swanlab"], tmp_path, resume=True, health=None) as tracking:
+        assert tracking.resumed_at == 4
+        for version in (4, 5):
             tracking.log_axis({"r": float(version)}, version, "policy_version")
         for step in range(3, 8):
             tracking.log({"a": float(step), "b": 10.0 + step}, step)
-    scalars = swanlab_scalars(sorted(tmp_path.glob("swanlab/run-*/run-*.swanlab")))
+    (session,) = tmp_path.glob("swanlab/run-*/run-*.swanlab")
+    assert len(list(tmp_path.glob("swanlab/replaced/run-*/run-*.swanlab"))) == 1
+    scalars = swanlab_scalars([session])
     assert sorted(scalars["b"]) == [(s, float(s)) for s in range(5)] + [(5, 15.0), (6, 16.0), (7, 17.0)]
-    assert sorted(scalars["policy_version/r"]) == [(5, 5.0), (6, 6.0)]
+    assert sorted(scalars["policy_version/r"]) == [(4, 4.0), (5, 5.0)]
 
 
 if __name__ == "__main__":
@@ -524,8 +513,8 @@ def test_a_resumed_offline_wandb_run_is_rebuilt_from_the_journal(tmp_path, damag
 def test_a_wandb_session_started_in_the_same_second_as_the_last_is_set_aside(tmp_path, monkeypatch):
     """W&B names a session's folder ``offline-run-<time>-<id>`` to the second and adds ``-1`` when
     that folder exists (a restart within the second). Empty folders of the next seconds stand in
-    for such a start here: the first session lands in a ``-1`` folder, and a rebuilt run sets it
-    aside with the others, leaving its own session alone for ``wandb sync``."""
+    for such a start here: the first session lands in a ``-1`` folder, which the next session names
+    among its earlier ones (what a rebuilt run sets aside), its own folder not."""
     monkeypatch.setenv("WANDB_SILENT", "true")
     from rlmetrics.sinks import WandbSink
 
@@ -537,22 +526,22 @@ def test_a_wandb_session_started_in_the_same_second_as_the_last_is_set_aside(tmp
     with WandbSink(dir=tmp_path, resume=run_id) as first:
         first.log({"x": 1.0}, 1)
     assert Path(first.run.settings.sync_dir).name.endswith(f"-{run_id}-1")
-    with WandbSink.in_folder(tmp_path, "rlmetrics", None, run_id, rebuild=True) as second:
+    with WandbSink(dir=tmp_path, resume=run_id) as second:
         assert second.resumed_at is None  # offline: W&B knows nothing of the earlier sessions
-        second.log({"x": 2.0}, 2)
-    assert [f.parent for f in wandb_run_files(tmp_path, run_id)] == [Path(second.run.settings.sync_dir)]
-    assert (wandb_dir / "replaced" / Path(first.run.settings.sync_dir).name).is_dir()
+        earlier = second.earlier_sessions()
+    assert Path(first.run.settings.sync_dir) in earlier and Path(second.run.settings.sync_dir) not in earlier
+    assert all(d.name.startswith("offline-run-") and run_id in d.name for d in earlier)
 
 
 def test_a_wandb_run_resumed_without_the_journal_says_what_to_do(tmp_path, caplog):
     """Without metrics.jsonl nothing says which steps the earlier offline sessions hold: one warning
     names the run and the sink to add; the earlier session stays where wandb sync finds it."""
     for resume in (False, True):
-        with caplog.at_level("WARNING", logger="rlmetrics.sinks.wandb"):
+        with caplog.at_level("WARNING", logger="rlmetrics.sinks"):
             with make_sinks(["wandb"], tmp_path, health=None, resume=resume) as tracking:
                 tracking.log({"x": 1.0}, 1)
     run_id = json.loads((tmp_path / "run_ids.json").read_text())["wandb"]
-    (warning,) = [r.getMessage() for r in caplog.records if r.name == "rlmetrics.sinks.wandb"]
+    (warning,) = [r.getMessage() for r in caplog.records if "metrics.jsonl" in r.getMessage()]
     assert run_id in warning and 'add "jsonl" to the sinks' in warning
     assert len(wandb_run_files(tmp_path, run_id)) == 2
 

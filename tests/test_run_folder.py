@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rlmetrics.sinks import make_sinks, new_run_folder, read_jsonl, run_files
+from rlmetrics.sinks import TRACKERS, make_sinks, new_run_folder, read_jsonl, run_files
 from tests.trackers import mlflow_history, swanlab_scalars, tensorboard_steps, wandb_rows
 
 SLOW = pytest.mark.slow
@@ -42,7 +42,7 @@ def points(sink: str, out: Path) -> list[tuple[int, float]]:
 
 
 def log(sink: str, out: Path, steps: range, offset: float, **kw) -> None:
-    names = ["jsonl", sink] if sink == "wandb" else [sink]  # an offline W&B run resumes from the journal
+    names = ["jsonl", sink] if TRACKERS[sink].rebuilds else [sink]  # rebuilt from the journal on resume
     with make_sinks(names, out, health=None, **kw) as tracking:
         for step in steps:
             tracking.log({"x": offset + step}, step)

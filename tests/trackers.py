@@ -183,7 +183,10 @@ def swanlab_config(run_file) -> dict:
         for r in swanlab_records(run_file)
         if r.HasField("save") and r.save.type == SAVE_TYPE_CONFIG
     }
-    return {key: item["value"] for key, item in yaml.safe_load(Path(path).read_text()).items()}
+    path = Path(path)
+    if not path.exists():  # a session moved since (set aside by a rebuilt run): its own files/
+        path = Path(run_file).parent / "files" / path.name
+    return {key: item["value"] for key, item in yaml.safe_load(path.read_text()).items()}
 
 
 # --------------------------------------------------------------------------------------- MLflow

@@ -34,7 +34,7 @@ from typing import Any
 from rlmetrics.globs import did_you_mean
 from rlmetrics.health import Alert, Monitor, coverage_metrics, rule_name
 from rlmetrics.messages import DEFAULT_AXIS, StepResult
-from rlmetrics.sinks.base import Sink
+from rlmetrics.sinks.base import Sink, resume_id
 from rlmetrics.sinks.clearml import ClearMLSink
 from rlmetrics.sinks.console import ConsoleSink, format_value, render_table, summary_table
 from rlmetrics.sinks.jsonl import JsonlRun, JsonlSink, read_jsonl, record_result, run_config
@@ -584,15 +584,16 @@ def make_sinks(
     ids_file = out / RUN_IDS
     ids = json.loads(ids_file.read_text()) if resume and ids_file.exists() else {}
     sinks: list[Sink] = []
+    continued: list[str] = []  # the sinks continuing a tracker run of the folder
     try:
         for name in wanted:
             extra: dict[str, Any] = {"axes": True} if axes and name == "wandb" else {}
-            if name == "wandb" and resume and "jsonl" in wanted:
-                extra["rebuild"] = True  # an offline run rebuilt from the journal (catch_up)
             extra.update((options or {}).get(name, {}))
             if config is not None and name in CONFIG_SINKS:
                 extra["config"] = config
             run_id = ids.get(name, True) if resume and held_before else False  # a first start: new runs
+            if resume_id(run_id):
+                continued.append(name)
             sinks.append(SINKS[name](out, project, run_name, run_id, **extra))
     except BaseException:
         Tracking(sinks, health=None).close()
@@ -610,10 +611,34 @@ def make_sinks(
         tmp = ids_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(ids, indent=1))
         os.replace(tmp, ids_file)
+    for name, sink in zip(wanted, sinks):
+        if sink.rebuilds and name in continued:
+            _rebuild(name, sink, "jsonl" in wanted)
     tracking = Tracking(sinks, health=health, keys=keys, core=core, overview=overview)
     if resume and "jsonl" in wanted:
         tracking.catch_up(sinks[wanted.index("jsonl")], [s for n, s in zip(wanted, sinks) if n in CATCH_UP])
     return tracking
+
+
+def _rebuild(name: str, sink: Sink, journal: bool) -> None:
+    """Set the earlier sessions of ``sink``'s resumed offline run aside in ``replaced/`` beside them,
+    where its uploader (``wandb sync``, ``swanlab sync``) does not look: the journal rebuilds the run
+    (:meth:`Tracking.catch_up`). Without one, they stay, with one warning."""
+    earlier = sink.earlier_sessions()
+    if not journal:
+        logger.warning(
+            "%s: offline run %s continued without the run's metrics.jsonl: which steps its earlier "
+            "sessions hold is not known, so the steps logged again are in two sessions; add \"jsonl\" "
+            "to the sinks to have the run rebuilt from it",
+            name, sink.run_id,
+        )  # fmt: skip
+        return
+    for folder in earlier:
+        (folder.parent / "replaced").mkdir(exist_ok=True)
+        os.replace(folder, folder.parent / "replaced" / folder.name)
+    for link in earlier[0].parent.iterdir() if earlier else ():  # the tracker's links into them (logs)
+        if link.is_symlink() and not link.exists():
+            link.unlink()
 
 
 def _set_aside(out: Path, paths: list[Path]) -> Path | None:

@@ -74,6 +74,9 @@ class Sink:
     catches_up: ClassVar[bool] = False
     """A resumed :func:`~rlmetrics.sinks.make_sinks` first logs to it the steps of the JSONL file
     that its own files lack (:meth:`~rlmetrics.sinks.Tracking.catch_up`)."""
+    rebuilds: ClassVar[bool] = False
+    """Resumed offline, it reads none of its earlier sessions: :func:`~rlmetrics.sinks.make_sinks`
+    (with ``jsonl``) sets them aside (:meth:`earlier_sessions`) and replays the whole journal to it."""
     all_keys: ClassVar[bool] = False
     """It gets every key of a step, whatever :class:`~rlmetrics.sinks.Tracking`'s ``keys=``."""
     background: ClassVar[bool] = False
@@ -94,6 +97,10 @@ class Sink:
         ``resume``: False (a new run), True (continue what is in ``out_dir``) or the id of the
         tracker's run to continue (:func:`resume_id`)."""
         raise NotImplementedError(f"{cls.__name__} has no in_folder(), which make_sinks needs to make it")
+
+    def earlier_sessions(self) -> list[Path]:
+        """The folders of this tracker run's earlier offline sessions (:attr:`rebuilds`)."""
+        return []
 
     @staticmethod
     def map_name(name: str) -> str:

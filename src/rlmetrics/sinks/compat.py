@@ -1,9 +1,8 @@
 """Every tracker API outside the trackers' public surface that the sinks use, in one place.
 
-W&B's run file (``close()`` waits for its ``exit`` record), SwanLab's (read back on resume),
-MLflow's engine map, ClearML's reporter subprocess and trackio's module-level folders.
-:func:`check` says which of them the installed trackers lack; ``tests/test_sinks_compat.py`` fails
-loudly when a tracker upgrade removes one
+W&B's run file (``close()`` waits for its ``exit`` record), MLflow's engine map, ClearML's reporter
+subprocess and trackio's module-level folders. :func:`check` says which of them the installed
+trackers lack; ``tests/test_sinks_compat.py`` fails loudly when a tracker upgrade removes one
 (docs/trackers.md, "Each tracker").
 """
 
@@ -13,7 +12,6 @@ import importlib
 import struct
 import sys
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,21 +54,6 @@ def wandb_last_record(path: Path) -> str | None:
     return last
 
 
-def swanlab_records(path: Path) -> Iterator[Any]:
-    """The ``Record`` protobufs of a SwanLab run file, in order."""
-    store = require("swanlab.sdk.internal.core_python.store", "trackers")
-    Record = require("swanlab.proto.swanlab.record.v1.record_pb2", "trackers").Record
-    reader = store.DataStoreReader()
-    reader.open(str(path))
-    try:
-        for raw in reader:
-            record = Record()
-            record.ParseFromString(raw)
-            yield record
-    finally:
-        reader.close()
-
-
 def mlflow_dispose(uri: str) -> None:
     """Close this process's connections to the store MLflow opened for ``uri``."""
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
@@ -97,8 +80,6 @@ def trackio_folders(folders: dict[str, Path]) -> None:
 
 _NEEDED = {
     "wandb.proto.wandb_internal_pb2": ("Record",),
-    "swanlab.sdk.internal.core_python.store": ("DataStoreReader",),
-    "swanlab.proto.swanlab.record.v1.record_pb2": ("Record",),
     "mlflow.store.tracking.sqlalchemy_store": ("SqlAlchemyStore._engine_map",),
     "clearml": ("Task._report_subprocess_enabled",),
     "trackio": ("TRACKIO_DIR",),

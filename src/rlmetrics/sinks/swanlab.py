@@ -2,8 +2,8 @@
 
 Needs the ``trackers`` extra. Upload later with ``swanlab sync <logdir>/run-*``. One open run per
 process (a second sink raises SwanLab's RuntimeError); names are path-safe, at most 512 characters.
-``resume=<run id>`` reads the earlier sessions' files back and skips the steps they hold (the last
-one gets the metrics it lacks); alerts and lists of names are texts; no histograms.
+``resume=<run id>`` continues the run; in a run folder it is rebuilt from the journal
+(:attr:`~rlmetrics.sinks.Sink.rebuilds`); alerts and lists of names are texts; no histograms.
 docs/trackers.md, "Sinks" and "Each tracker" (resuming: docs/resume.md).
 """
 
@@ -16,8 +16,7 @@ from typing import Any
 
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
-from rlmetrics.sinks.base import Row, RunSink, resume_id
-from rlmetrics.sinks.compat import swanlab_records
+from rlmetrics.sinks.base import RunSink, resume_id
 from rlmetrics.sinks.jsonl import run_config
 from rlmetrics.sinks.names import path_safe
 
@@ -31,7 +30,7 @@ class SwanLabSink(RunSink):
     map_name = staticmethod(path_safe)
 
     folder_files = ("swanlab",)
-    takes_config = catches_up = True
+    takes_config = catches_up = rebuilds = True
 
     @classmethod
     def in_folder(
@@ -59,44 +58,11 @@ class SwanLabSink(RunSink):
         if resume:
             kw.update(id=resume, resume="allow")
         self.project, self.logdir = project, logdir
-        self._cut: int | None = None  # the last step of a resumed run, which may hold part of its metrics
-        self._held: set[str] = set()  # the metrics it holds
         super().__init__(swanlab.init(project=project, mode=mode, **kw))
-        if resume:
-            self._read_back()
 
-    def _read_back(self) -> None:
-        """The last scalar step (and the metrics it holds) and the alerts of this run in the run files
-        of its earlier sessions."""
+    def earlier_sessions(self) -> list[Path]:
         here = Path(self.run.dir)
-        scalars = []
-        self._alerted = set()
-        for path in here.parent.glob(f"*-{self.run.id}/run-{self.run.id}.swanlab"):
-            if path.parent == here or path.stat().st_size < 8:  # a killed session may leave it empty
-                continue
-            for record in swanlab_records(path):
-                if record.HasField("scalar"):
-                    scalars.append((record.scalar.step, record.scalar.key))
-                elif record.HasField("media"):  # an alert: its text is known by its sha256
-                    self._alerted.update((record.media.step, i.sha256) for i in record.media.value.items)
-        self.resumed_at = self._cut = max((step for step, _ in scalars), default=None)
-        self._held = {key for step, key in scalars if step == self._cut}
-
-    def skips(self, step: int) -> bool:
-        """A step up to the last one the run holds, but that one until it is logged again: SwanLab
-        writes a record per metric and flushes every 8 KB, so a killed session may have left part of
-        its metrics; it gets those it lacks."""
-        return super().skips(step) and step != self._cut
-
-    def write(self, row: Row) -> None:
-        if row.axis is None and self._cut is not None and row.step >= self._cut:
-            if row.step == self._cut:  # the last step held: what it lacks, once
-                lacks = {k: v for k, v in row.scalars.items() if k not in self._held}
-                row = Row(row.step, lacks, {}, {k: t for k, t in row.texts.items() if k not in self._held})
-            self._cut = None  # gone past it: never lower again
-            if not (row.scalars or row.texts):
-                return
-        super().write(row)
+        return [d for d in here.parent.glob(f"run-*-{self.run.id}") if d != here and d.is_dir()]
 
     def text(self, text: str) -> Any:
         return self._swanlab.Text(text)

@@ -4,7 +4,7 @@ Needs the ``trackers`` extra. Upload later with ``wandb sync <dir>/wandb/offline
 one ``run.log`` (a histogram of more than 512 bins merged by :func:`merge_bins`); an alert is
 ``run.alert`` and ``alert/<rule> = 1``; ``axes=True`` plots each metric against its step axis.
 ``resume=<run id>`` continues a run: online after the step W&B holds it at; offline in a run
-folder, rebuilt from the journal (:meth:`WandbSink.in_folder`). ``close()`` returns once the run
+folder, rebuilt from the journal (:attr:`~rlmetrics.sinks.Sink.rebuilds`). ``close()`` returns once the run
 file is complete. docs/trackers.md, "Sinks" and "Each tracker".
 """
 
@@ -73,33 +73,13 @@ class WandbSink(RunSink):
         return "metric" + name if name.startswith("_") else name
 
     folder_files = ("wandb",)
-    takes_config = catches_up = True
+    takes_config = catches_up = rebuilds = True
 
     @classmethod
     def in_folder(
-        cls,
-        out_dir: Path,
-        project: str,
-        run_name: str | None,
-        resume: bool | str,
-        *,
-        rebuild: bool = False,
-        **options: Any,
+        cls, out_dir: Path, project: str, run_name: str | None, resume: bool | str, **options: Any
     ) -> WandbSink:
-        """``rebuild``: a resumed offline run is rebuilt from the folder's journal, which
-        :meth:`~rlmetrics.sinks.Tracking.catch_up` replays to it: its earlier sessions are moved to
-        ``wandb/replaced/`` so that ``wandb sync`` uploads the rebuilt one alone."""
-        sink = cls(project, run_name, dir=out_dir, mode="offline", resume=resume_id(resume), **options)
-        if rebuild and resume_id(resume):
-            sink.set_aside_earlier()
-        elif resume_id(resume):
-            logger.warning(
-                "W&B offline run %s continued without the run's metrics.jsonl: which steps its earlier "
-                "sessions hold is not known (W&B reads no offline run), so the steps logged again are in "
-                'two sessions; add "jsonl" to the sinks to have the run rebuilt from it',
-                sink.run.id,
-            )
-        return sink
+        return cls(project, run_name, dir=out_dir, mode="offline", resume=resume_id(resume), **options)
 
     def __init__(
         self,
@@ -140,26 +120,10 @@ class WandbSink(RunSink):
             last = self.run.summary.get(_TRAIN_STEP) if axes else self.run.step - 1
             self.resumed_at = None if last is None else int(last)
 
-    def set_aside_earlier(self) -> list[Path]:
-        """Move the folders of this run's earlier offline sessions to ``wandb/replaced/`` (what
-        ``wandb sync <dir>/wandb/offline-run-*`` no longer sees); the folders moved."""
+    def earlier_sessions(self) -> list[Path]:
         here = Path(self.run.settings.sync_dir)
         session = re.compile(rf"offline-run-.*-{re.escape(self.run.id)}(-\d+)?")  # -<n>: the same second
-        earlier = [d for d in here.parent.iterdir() if session.fullmatch(d.name) and d != here]
-        replaced = here.parent / "replaced"
-        for folder in earlier:
-            replaced.mkdir(exist_ok=True)
-            os.replace(folder, replaced / folder.name)
-        for link in here.parent.iterdir():  # W&B's links into them (its debug logs)
-            if link.is_symlink() and not link.exists():
-                link.unlink()
-        if earlier:
-            logger.info(
-                "W&B run %s is rebuilt from the journal; its earlier sessions are in %s",
-                self.run.id,
-                replaced,
-            )
-        return earlier
+        return [d for d in here.parent.iterdir() if session.fullmatch(d.name) and d != here]
 
     def write(self, row: Row) -> None:
         if self.axes:
