@@ -533,17 +533,54 @@ def test_a_wandb_session_started_in_the_same_second_as_the_last_is_set_aside(tmp
     assert all(d.name.startswith("offline-run-") and run_id in d.name for d in earlier)
 
 
-def test_a_wandb_run_resumed_without_the_journal_says_what_to_do(tmp_path, caplog):
-    """Without metrics.jsonl nothing says which steps the earlier offline sessions hold: one warning
-    names the run and the sink to add; the earlier session stays where wandb sync finds it."""
-    for resume in (False, True):
-        with caplog.at_level("WARNING", logger="rlmetrics.sinks"):
-            with make_sinks(["wandb"], tmp_path, health=None, resume=resume) as tracking:
-                tracking.log({"x": 1.0}, 1)
+@pytest.mark.parametrize("first", [["wandb"], ["jsonl", "wandb"]])
+def test_a_wandb_run_the_journal_does_not_hold_whole_continues_in_a_new_run(tmp_path, caplog, first):
+    """The journal missing at a start (no ``jsonl`` then, or now) holds part of the run: the W&B run
+    is not rebuilt from it (setting the earlier sessions aside would lose their steps) but continued
+    in a new W&B run, with one warning naming the run and what to do; the earlier sessions stay."""
+    second = ["jsonl", "wandb"] if first == ["wandb"] else ["wandb"]
+    with make_sinks(first, tmp_path, health=None) as tracking:
+        for step in range(5):
+            tracking.log({"x": float(step)}, step)
+    old = json.loads((tmp_path / "run_ids.json").read_text())["wandb"]
+    with caplog.at_level("WARNING", logger="rlmetrics.sinks"):
+        with make_sinks(second, tmp_path, health=None, resume=True) as tracking:
+            tracking.log({"x": 5.0}, 5)
+    new = json.loads((tmp_path / "run_ids.json").read_text())["wandb"]
+    (warning,) = [r.getMessage() for r in caplog.records if "does not hold the whole run" in r.getMessage()]
+    assert old in warning and 'keep "jsonl" among the sinks' in warning and new != old
+    assert [s for s, row in wandb_rows(wandb_run_files(tmp_path, old)) if "x" in row] == list(range(5))
+    assert not (tmp_path / "wandb" / "replaced").exists()
+
+
+def test_a_rebuilt_wandb_run_without_axes_is_not_given_the_journals_axis_steps(tmp_path):
+    """The journal holds steps of a step axis; a ``WandbSink`` made without ``axes=True`` refuses
+    them, so the rebuild gives it the train steps only (it was disabled by the first axis step)."""
+    with make_sinks(["jsonl", "wandb"], tmp_path, health=None, axes=True) as tracking:
+        tracking.log({"x": 0.0}, 0)
+        tracking.log_axis({"r": 1.0}, 0, "policy_version")
+    with make_sinks(["jsonl", "wandb"], tmp_path, health=None, resume=True) as tracking:
+        tracking.log({"x": 1.0}, 1)
+        assert not tracking.failed
     run_id = json.loads((tmp_path / "run_ids.json").read_text())["wandb"]
-    (warning,) = [r.getMessage() for r in caplog.records if "metrics.jsonl" in r.getMessage()]
-    assert run_id in warning and 'add "jsonl" to the sinks' in warning
-    assert len(wandb_run_files(tmp_path, run_id)) == 2
+    assert [s for s, row in wandb_rows(wandb_run_files(tmp_path, run_id)) if "x" in row] == [0, 1]
+
+
+def test_mlflow_alert_tag_holds_the_rules_latest_message(tmp_path):
+    """A rule's second alert at a step (another metric) adds no point to ``alert/<rule>`` (one per
+    rule and step) but its tag holds the latest message."""
+    from rlmetrics.sinks import MLflowSink
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with MLflowSink(uri) as sink:
+        sink.log({"critic/a": 1.0, "critic/b": 1.0}, 3)
+        for metric in ("critic/a", "critic/b"):
+            sink.alert(Alert("nan", 3, f"{metric} is NaN", "error", metric, float("nan")))
+        run_id = sink.run_id
+    from mlflow.tracking import MlflowClient
+
+    assert mlflow_history(uri, run_id, "alert/nan") == [(3, 1.0)]
+    assert "critic/b is NaN" in MlflowClient(uri).get_run(run_id).data.tags["alert/nan"]
 
 
 def test_two_names_that_collide_in_a_tracker_keep_their_series_after_a_resume(tmp_path):

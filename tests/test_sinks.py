@@ -20,6 +20,7 @@ from rlmetrics.sinks import (
     JsonlSink,
     NameMap,
     Sink,
+    TensorBoardSink,
     Tracking,
     WandbSink,
     adapt_name,
@@ -28,6 +29,7 @@ from rlmetrics.sinks import (
     render_table,
     summary_table,
 )
+from tests.trackers import read_tensorboard
 
 # ------------------------------------------------------------------------------------------ names
 TABLE = [
@@ -191,6 +193,31 @@ class Broken(Collect):
 
     def close(self):
         raise RuntimeError("cannot close")
+
+
+def test_a_sink_with_a_log_of_its_own_gets_a_step_axis_through_it_unskipped(tmp_path):
+    """A sink of one's own (and a tracker's subclass) that implements ``log()`` gets a step axis's
+    steps through it, under ``<axis>/``; its ``skips()`` is about train steps only, so a resumed
+    sink still writes the axis's low steps (they are not train steps it held)."""
+
+    class Resumed(Collect):
+        resumed_at = 10
+
+        def log(self, metrics, step):
+            if not self.skips(step):
+                super().log(metrics, step)
+
+    class NoDebug(TensorBoardSink):
+        def log(self, metrics, step):
+            super().log({k: v for k, v in metrics.items() if "debug" not in k}, step)
+
+    sink = Resumed()
+    sink.log({"a": 1.0}, 3)
+    sink.log_axis({"reward": 0.5}, 3, "policy_version")
+    assert sink.steps == [(3, {"policy_version/reward": 0.5})]
+    with NoDebug(tmp_path / "tb") as tb:
+        tb.log_axis({"debug/x": 1.0, "r": 2.0}, 1, "pv")
+    assert set(read_tensorboard(tmp_path / "tb")) == {"pv/r"}
 
 
 def test_tracking_isolates_a_failing_sink(tmp_path, caplog):

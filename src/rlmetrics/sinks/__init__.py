@@ -364,7 +364,7 @@ class Tracking(Sink):
             for (axis, step), record in records.items():
                 if axis == DEFAULT_AXIS:
                     self.write(sink, record_result(record), step, alerts.get(step, []))
-                elif whole and i not in self.failed:
+                elif whole and sink.takes_axes and i not in self.failed:
                     viewed = self._viewed(i, record_result(record), copies=False, cache=False)
                     self._send(i, axis, step, partial(sink.log_axis, viewed, step, axis))
                     self._caught_up[i, axis] = max(step, self._caught_up.get((i, axis), -1))
@@ -478,7 +478,13 @@ SINKS: dict[str, Callable[..., Sink]] = {name: sink.in_folder for name, sink in 
 :data:`CONFIG_SINKS` take ``config=``, W&B's ``axes=``."""
 
 RUN_IDS = "run_ids.json"
-"""The file in ``out_dir`` where :func:`make_sinks` keeps the id of each tracker's run."""
+"""The file in ``out_dir`` where :func:`make_sinks` keeps the id of each tracker's run (and
+:data:`WHOLE_JOURNAL`)."""
+
+WHOLE_JOURNAL = "journal"
+"""The key of :data:`RUN_IDS` saying the folder's ``metrics.jsonl`` holds the whole run (``jsonl``
+was among the sinks at every start): a resumed offline run of a tracker that :attr:`~Sink.rebuilds`
+is rebuilt from it; else a new run of that tracker continues."""
 
 RUN_FILES = (
     *(pattern for sink in TRACKERS.values() for pattern in sink.folder_files),
@@ -584,16 +590,28 @@ def make_sinks(
     ids_file = out / RUN_IDS
     ids = json.loads(ids_file.read_text()) if resume and ids_file.exists() else {}
     sinks: list[Sink] = []
-    continued: list[str] = []  # the sinks continuing a tracker run of the folder
+    continuing = resume and held_before  # a first start: new runs
+    whole = "jsonl" in wanted and (not continuing or ids.get(WHOLE_JOURNAL) is True)
+    rebuilt: list[str] = []  # the sinks whose run the journal rebuilds
     try:
         for name in wanted:
             extra: dict[str, Any] = {"axes": True} if axes and name == "wandb" else {}
             extra.update((options or {}).get(name, {}))
             if config is not None and name in CONFIG_SINKS:
                 extra["config"] = config
-            run_id = ids.get(name, True) if resume and held_before else False  # a first start: new runs
-            if resume_id(run_id):
-                continued.append(name)
+            run_id = ids.get(name, True) if continuing else False
+            if TRACKERS[name].rebuilds and resume_id(run_id):
+                if whole:
+                    rebuilt.append(name)
+                else:
+                    logger.warning(
+                        "%s: the folder's metrics.jsonl does not hold the whole run (\"jsonl\" was not "
+                        "among the sinks at every start), so the offline run %s cannot be rebuilt from "
+                        "it: a new run continues (%s's folders stay as they are); keep \"jsonl\" among "
+                        "the sinks for a resumed run to continue its %s run",
+                        name, run_id, run_id, name,
+                    )  # fmt: skip
+                    run_id = True
             sinks.append(SINKS[name](out, project, run_name, run_id, **extra))
     except BaseException:
         Tracking(sinks, health=None).close()
@@ -608,34 +626,28 @@ def make_sinks(
         shutil.rmtree(aside)
     ids.update({name: sink.run_id for name, sink in zip(wanted, sinks) if sink.run_id is not None})
     if ids:
+        ids[WHOLE_JOURNAL] = whole
         tmp = ids_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(ids, indent=1))
         os.replace(tmp, ids_file)
     for name, sink in zip(wanted, sinks):
-        if sink.rebuilds and name in continued:
-            _rebuild(name, sink, "jsonl" in wanted)
+        if name in rebuilt:
+            _rebuild(name, sink)
     tracking = Tracking(sinks, health=health, keys=keys, core=core, overview=overview)
     if resume and "jsonl" in wanted:
         tracking.catch_up(sinks[wanted.index("jsonl")], [s for n, s in zip(wanted, sinks) if n in CATCH_UP])
     return tracking
 
 
-def _rebuild(name: str, sink: Sink, journal: bool) -> None:
+def _rebuild(name: str, sink: Sink) -> None:
     """Set the earlier sessions of ``sink``'s resumed offline run aside in ``replaced/`` beside them,
     where its uploader (``wandb sync``, ``swanlab sync``) does not look: the journal rebuilds the run
-    (:meth:`Tracking.catch_up`). Without one, they stay, with one warning."""
+    (:meth:`Tracking.catch_up`)."""
     earlier = sink.earlier_sessions()
-    if not journal:
-        logger.warning(
-            "%s: offline run %s continued without the run's metrics.jsonl: which steps its earlier "
-            "sessions hold is not known, so the steps logged again are in two sessions; add \"jsonl\" "
-            "to the sinks to have the run rebuilt from it",
-            name, sink.run_id,
-        )  # fmt: skip
-        return
     for folder in earlier:
         (folder.parent / "replaced").mkdir(exist_ok=True)
         os.replace(folder, folder.parent / "replaced" / folder.name)
+        logger.info("%s: %s set aside in replaced/: the run is rebuilt from metrics.jsonl", name, folder)
     for link in earlier[0].parent.iterdir() if earlier else ():  # the tracker's links into them (logs)
         if link.is_symlink() and not link.exists():
             link.unlink()

@@ -23,6 +23,7 @@ implement ``log(metrics, step)`` and ``close()`` instead. How a tracker lives in
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ from typing import Any, ClassVar
 
 from rlmetrics.health import Alert
 from rlmetrics.sinks.names import NameMap, as_floats, as_step, axis_names, fit, histograms_of, texts_of
+
+_AXIS_CALL = threading.local()  # .sink: the sink whose log_axis calls its own log() on this thread
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,11 @@ class Sink:
         tracker's run to continue (:func:`resume_id`)."""
         raise NotImplementedError(f"{cls.__name__} has no in_folder(), which make_sinks needs to make it")
 
+    @property
+    def takes_axes(self) -> bool:
+        """It takes steps of other step axes (:meth:`log_axis`)."""
+        return True
+
     def earlier_sessions(self) -> list[Path]:
         """The folders of this tracker run's earlier offline sessions (:attr:`rebuilds`)."""
         return []
@@ -128,8 +136,12 @@ class Sink:
         """Write ``step`` of the step axis ``axis`` (:mod:`rlmetrics.axes`): the base writes each
         name under ``<axis>/`` at ``step`` (a series per name, its steps the axis's values); the skip
         of a resumed run is about ``train_step`` only (a sink with a ``log`` of its own gets them there)."""
-        if type(self).write is Sink.write:
-            return self.log(axis_names(metrics, axis), step)
+        if type(self).write is Sink.write or type(self).log is not Sink.log:  # a log() of its own
+            _AXIS_CALL.sink = self  # this thread's skips() lets the axis's steps through
+            try:
+                return self.log(axis_names(metrics, axis), step)
+            finally:
+                _AXIS_CALL.sink = None
         self.check_open()
         row = self.row(axis_names(metrics, axis), as_step(step))
         self.write(Row(row.step, row.scalars, {}, {}, axis))
@@ -183,8 +195,12 @@ class Sink:
         """End the tracker's run (the base: nothing to end)."""
 
     def skips(self, step: int) -> bool:
-        """``step`` was logged before this sink resumed the run."""
-        return self.resumed_at is not None and step <= self.resumed_at
+        """``step`` was logged before this sink resumed the run (a step axis's steps are not)."""
+        return self.resumed_at is not None and step <= self.resumed_at and not self.in_axis_call()
+
+    def in_axis_call(self) -> bool:
+        """This thread is in :meth:`log_axis` of this sink, calling its own ``log()``."""
+        return getattr(_AXIS_CALL, "sink", None) is self
 
     @contextmanager
     def alert_once(self, key: Any) -> Iterator[bool]:

@@ -232,10 +232,14 @@ class MLflowSink(Sink):
     def alert_key(self, alert: Alert) -> Any:
         return alert.step, self.names(f"alert/{alert.rule}")  # one point per rule and step
 
-    def write_alert(self, alert: Alert) -> None:
+    def alert(self, alert: Alert) -> None:
+        """The point ``alert/<rule> = 1`` once per rule and step; the tag ``alert/<rule>`` holds the
+        rule's latest message, a second alert of the rule at the step too."""
+        self.check_open()
         step, key = self.alert_key(alert)
-        metric = self._Metric(key, 1.0, int(time.time() * 1000), step)
-        self.client.log_batch(self.run_id, metrics=[metric], tags=[self._RunTag(key, str(alert))])
+        with self.alert_once((step, key)) as new:
+            metrics = [self._Metric(key, 1.0, int(time.time() * 1000), step)] if new else []
+            self.client.log_batch(self.run_id, metrics=metrics, tags=[self._RunTag(key, str(alert))])
 
     @staticmethod
     def transient(exc: Exception) -> bool:

@@ -120,6 +120,10 @@ class WandbSink(RunSink):
             last = self.run.summary.get(_TRAIN_STEP) if axes else self.run.step - 1
             self.resumed_at = None if last is None else int(last)
 
+    @property
+    def takes_axes(self) -> bool:
+        return self.axes
+
     def earlier_sessions(self) -> list[Path]:
         here = Path(self.run.settings.sync_dir)
         session = re.compile(rf"offline-run-.*-{re.escape(self.run.id)}(-\d+)?")  # -<n>: the same second
