@@ -646,7 +646,11 @@ def _rebuild(name: str, sink: Sink) -> None:
     earlier = sink.earlier_sessions()
     for folder in earlier:
         (folder.parent / "replaced").mkdir(exist_ok=True)
-        os.replace(folder, folder.parent / "replaced" / folder.name)
+        target, n = folder.parent / "replaced" / folder.name, 1
+        while target.exists():  # a name the tracker gave again (a restart within the second)
+            n += 1
+            target = target.with_name(f"{folder.name}.{n}")
+        os.replace(folder, target)
         logger.info("%s: %s set aside in replaced/: the run is rebuilt from metrics.jsonl", name, folder)
     for link in earlier[0].parent.iterdir() if earlier else ():  # the tracker's links into them (logs)
         if link.is_symlink() and not link.exists():
