@@ -91,6 +91,10 @@ def test_prometheus_names_never_meet_and_the_step_gauge_is_kept():
     assert got["rlmetrics_a_b"][0][1] == 1.0 and got["rlmetrics_a_b__2"][0][1] == 2.0
     assert got["rlmetrics_step__2"][0][1] == 3.0 and got["rlmetrics_step"][0][1] == 0.0
     assert got["rlmetrics_x_y"][0][1] == 4.0
+    with PrometheusSink() as sink:  # HELP is each gauge's rlmetrics name
+        sink.log({"a/b": 1.0, "a-b": 2.0}, 0)
+        page = urllib.request.urlopen(sink.url).read().decode()
+    assert "# HELP rlmetrics_a_b a/b" in page and "# HELP rlmetrics_a_b__2 a-b" in page
     with PrometheusSink() as sink:  # a metric named as the alert counter's sample (issue 46): before, the
         sink.log({"alerts/total": 5.0}, 0)  # whole exposition was unparseable
         got = scrape(sink.url)
