@@ -547,10 +547,19 @@ def test_a_wandb_run_the_journal_does_not_hold_whole_continues_in_a_new_run(tmp_
         with make_sinks(second, tmp_path, health=None, resume=True) as tracking:
             tracking.log({"x": 5.0}, 5)
     new = json.loads((tmp_path / "run_ids.json").read_text())["wandb"]
-    (warning,) = [r.getMessage() for r in caplog.records if "does not hold the whole run" in r.getMessage()]
-    assert old in warning and 'keep "jsonl" among the sinks' in warning and new != old
+    (warning,) = [r.getMessage() for r in caplog.records if "does not hold the whole" in r.getMessage()]
+    assert old in warning and "a new run continues" in warning and new != old
     assert [s for s, row in wandb_rows(wandb_run_files(tmp_path, old)) if "x" in row] == list(range(5))
     assert not (tmp_path / "wandb" / "replaced").exists()
+    caplog.clear()
+    with make_sinks(["jsonl", "wandb"], tmp_path, health=None, resume=True) as tracking:  # jsonl from now on
+        tracking.log({"x": 6.0}, 6)
+    ids = json.loads((tmp_path / "run_ids.json").read_text())
+    if first == ["wandb"]:  # the new run had the journal from its start: it is rebuilt and continued
+        assert ids["wandb"] == new and not [r for r in caplog.records if "does not hold" in r.getMessage()]
+        assert [s for s, row in wandb_rows(wandb_run_files(tmp_path, new)) if "x" in row] == [5, 6]
+    else:  # the new run has steps the journal lacks: another new run
+        assert ids["wandb"] not in (old, new)
 
 
 def test_a_rebuilt_wandb_run_without_axes_is_not_given_the_journals_axis_steps(tmp_path):

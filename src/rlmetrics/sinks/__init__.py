@@ -482,9 +482,9 @@ RUN_IDS = "run_ids.json"
 :data:`WHOLE_JOURNAL`)."""
 
 WHOLE_JOURNAL = "journal"
-"""The key of :data:`RUN_IDS` saying the folder's ``metrics.jsonl`` holds the whole run (``jsonl``
-was among the sinks at every start): a resumed offline run of a tracker that :attr:`~Sink.rebuilds`
-is rebuilt from it; else a new run of that tracker continues."""
+"""The key of :data:`RUN_IDS` listing the trackers whose run the folder's ``metrics.jsonl`` holds
+whole (``jsonl`` was among the sinks at every start of that run): a resumed offline run of a
+tracker that :attr:`~Sink.rebuilds` is rebuilt from it; else a new run of that tracker continues."""
 
 RUN_FILES = (
     *(pattern for sink in TRACKERS.values() for pattern in sink.folder_files),
@@ -591,7 +591,9 @@ def make_sinks(
     ids = json.loads(ids_file.read_text()) if resume and ids_file.exists() else {}
     sinks: list[Sink] = []
     continuing = resume and held_before  # a first start: new runs
-    whole = "jsonl" in wanted and (not continuing or ids.get(WHOLE_JOURNAL) is True)
+    journal = "jsonl" in wanted
+    covered = ids.get(WHOLE_JOURNAL) if continuing else None  # the tracker runs the journal holds whole
+    covered = set(covered) if isinstance(covered, list) else set()
     rebuilt: list[str] = []  # the sinks whose run the journal rebuilds
     try:
         for name in wanted:
@@ -601,15 +603,16 @@ def make_sinks(
                 extra["config"] = config
             run_id = ids.get(name, True) if continuing else False
             if TRACKERS[name].rebuilds and resume_id(run_id):
-                if whole:
+                if journal and name in covered:
                     rebuilt.append(name)
                 else:
                     logger.warning(
-                        "%s: the folder's metrics.jsonl does not hold the whole run (\"jsonl\" was not "
-                        "among the sinks at every start), so the offline run %s cannot be rebuilt from "
-                        "it: a new run continues (%s's folders stay as they are); keep \"jsonl\" among "
-                        "the sinks for a resumed run to continue its %s run",
-                        name, run_id, run_id, name,
+                        "%s: the folder's metrics.jsonl does not hold the whole offline run %s (\"jsonl\" "
+                        "was not among the sinks at each of its starts), so it cannot be rebuilt from it: "
+                        "a new run continues from the steps logged now, and %s's folders stay as they are "
+                        "(docs/resume.md: uploading it); with \"jsonl\" among the sinks, the next restart "
+                        "continues the new run",
+                        name, run_id, run_id,
                     )  # fmt: skip
                     run_id = True
             sinks.append(SINKS[name](out, project, run_name, run_id, **extra))
@@ -626,7 +629,8 @@ def make_sinks(
         shutil.rmtree(aside)
     ids.update({name: sink.run_id for name, sink in zip(wanted, sinks) if sink.run_id is not None})
     if ids:
-        ids[WHOLE_JOURNAL] = whole
+        rebuilds = {n for n in wanted if TRACKERS[n].rebuilds}  # with jsonl: rebuilt, or new + caught up
+        ids[WHOLE_JOURNAL] = sorted(covered | rebuilds if journal else covered - rebuilds)
         tmp = ids_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(ids, indent=1))
         os.replace(tmp, ids_file)
