@@ -73,6 +73,21 @@ def test_tensorboard(tmp_path):
             assert same(series[step], float(np.float32(metrics[name])))
 
 
+def test_make_sinks_honours_wandb_mode(tmp_path, monkeypatch):
+    """``WANDB_MODE`` is where W&B users say how a run goes (online on a team's machines): the run
+    folder's W&B run takes it. ``disabled``: no W&B files, the run goes on, and it resumes."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    for resume in (False, True):
+        with make_sinks(["jsonl", "wandb"], tmp_path, health=None, resume=resume) as tracking:
+            tracking.log({"x": 1.0}, int(resume))
+            assert tracking.sinks[1].mode == "disabled" and not tracking.failed
+    assert not (tmp_path / "wandb").exists() and read_jsonl(tmp_path / "metrics.jsonl").steps == [0, 1]
+    import wandb
+
+    wandb.teardown()  # W&B reads WANDB_MODE once per process: the next test's runs must not inherit it
+
+
 def test_wandb_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     steps = random_steps(11)

@@ -524,8 +524,9 @@ def make_sinks(
     Files go to ``out_dir`` (created): each sink's :attr:`~Sink.folder_files` (``metrics.jsonl``,
     ``tensorboard/``, ``wandb/``, ``mlflow.db``, ``swanlab/``, ``trackio/``, ``clearml/``) and
     :data:`RUN_IDS` (the W&B, MLflow, SwanLab, trackio and ClearML run ids); trackers run offline,
-    but for MLflow when ``MLFLOW_TRACKING_URI`` is set (the run goes to that tracking server) and
-    SwanLab when ``SWANLAB_LOG_DIR`` is (its run goes to that folder). ``options``: keyword arguments
+    but for MLflow when ``MLFLOW_TRACKING_URI`` is set (the run goes to that tracking server),
+    SwanLab when ``SWANLAB_LOG_DIR`` is (its run goes to that folder) and W&B when ``WANDB_MODE``
+    is (``online``, ``disabled``, ...). ``options``: keyword arguments
     of a sink's :meth:`~Sink.in_folder` by sink name (``{"tensorboard": {"log_dir": path}}``: the
     event files in ``path``, as verl's ``TENSORBOARD_DIR`` has them).
     ``prometheus`` writes no file: it serves the newest step over HTTP (:data:`PROMETHEUS_PORT`) and

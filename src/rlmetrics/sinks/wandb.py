@@ -79,7 +79,8 @@ class WandbSink(RunSink):
     def in_folder(
         cls, out_dir: Path, project: str, run_name: str | None, resume: bool | str, **options: Any
     ) -> WandbSink:
-        return cls(project, run_name, dir=out_dir, mode="offline", resume=resume_id(resume), **options)
+        mode = os.environ.get("WANDB_MODE") or "offline"  # W&B's own variable: online where users set it
+        return cls(project, run_name, dir=out_dir, mode=mode, resume=resume_id(resume), **options)
 
     def __init__(
         self,
@@ -125,6 +126,8 @@ class WandbSink(RunSink):
         return self.axes
 
     def earlier_sessions(self) -> list[Path]:
+        if self.mode != "offline":  # online, W&B holds the run
+            return []
         here = Path(self.run.settings.sync_dir)
         session = re.compile(rf"offline-run-.*-{re.escape(self.run.id)}(-\d+)?")  # -<n>: the same second
         return [d for d in here.parent.iterdir() if session.fullmatch(d.name) and d != here]
