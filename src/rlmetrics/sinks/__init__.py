@@ -146,9 +146,8 @@ class Tracking(Sink):
             # after the sinks, so it runs before their trackers' own exit hooks (W&B's)
             self._exit_hook = partial(_at_exit, weakref.ref(self))
             atexit.register(self._exit_hook)
-        self._caught_up: dict[
-            tuple[int, str], int
-        ] = {}  # (sink, axis) → the journal's last step queued to it
+        # (sink, axis) → the journal's last step queued to it (catch_up)
+        self._caught_up: dict[tuple[int, str], int] = {}
         self._journal_down = False
         self.health = Monitor() if health is True else (health or None)
         if self.health is not None:

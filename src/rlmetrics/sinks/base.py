@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any, ClassVar
@@ -143,8 +143,7 @@ class Sink:
             finally:
                 _AXIS_CALL.sink = None
         self.check_open()
-        row = self.row(axis_names(metrics, axis), as_step(step))
-        self.write(Row(row.step, row.scalars, {}, {}, axis))
+        self.write(replace(self.row(axis_names(metrics, axis), as_step(step)), axis=axis))
 
     def row(self, metrics: Mapping[str, Any], step: int) -> Row:
         """``metrics`` (a mapping, a :class:`~rlmetrics.StepResult`) as the tracker's :class:`Row`."""

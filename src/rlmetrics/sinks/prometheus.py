@@ -22,7 +22,6 @@ from rlmetrics.extras import require
 from rlmetrics.health import Alert
 from rlmetrics.messages import DEFAULT_AXIS
 from rlmetrics.sinks.base import Row, Sink
-from rlmetrics.sinks.names import as_floats
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +101,7 @@ class PrometheusSink(Sink):
 
     def row(self, metrics: Mapping[str, float], step: int) -> Row:
         row = super().row(metrics, step)
-        self._help = {self.names(n): n for n in as_floats(metrics)}  # each gauge's HELP: its rlmetrics name
+        self._help = {self.names(n): n for n in metrics}  # each gauge's HELP: its rlmetrics name
         return row
 
     def write(self, row: Row) -> None:

@@ -14,7 +14,6 @@ import logging
 import os
 import re
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ from rlmetrics.messages import DEFAULT_AXIS as _TRAIN_STEP
 from rlmetrics.sinks.base import Row, RunSink, resume_id
 from rlmetrics.sinks.compat import wandb_last_record
 from rlmetrics.sinks.jsonl import run_config
-from rlmetrics.sinks.names import as_floats, as_step, axis_names, path_safe
+from rlmetrics.sinks.names import path_safe
 
 logger = logging.getLogger(__name__)
 
@@ -133,16 +132,12 @@ class WandbSink(RunSink):
         return [d for d in here.parent.iterdir() if session.fullmatch(d.name) and d != here]
 
     def write(self, row: Row) -> None:
+        if row.axis is not None and not self.axes:
+            raise ValueError(f"{self!r} logs steps of axes when created with axes=True")
         if self.axes:
-            self._write_row(self.values(row), _TRAIN_STEP, row.step)
+            self._write_row(self.values(row), row.axis or _TRAIN_STEP, row.step)
         else:
             super().write(row)
-
-    def log_axis(self, metrics: Mapping[str, float], step: int, axis: str) -> None:
-        if not self.axes:
-            raise ValueError(f"{self!r} logs steps of axes when created with axes=True")
-        self.check_open()
-        self._write_row(self.names.adapt(axis_names(as_floats(metrics), axis)), axis, as_step(step))
 
     def _write_row(self, values: dict[str, Any], axis: str, step: int) -> None:
         """One W&B step: ``values`` and ``axis = step``, each name declared with ``axis`` as its
