@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 import os
 import re
@@ -29,6 +30,7 @@ from tests.trackers import (
     mlflow_history,
     swanlab_scalars,
     swanlab_texts,
+    read_tensorboard,
     tensorboard_steps,
     tensorboard_texts,
     wandb_alerts,
@@ -347,17 +349,38 @@ def test_jsonl_resume_skips_the_steps_in_the_file(tmp_path):
         sink.log({"x": 1.0}, 0)
 
 
-def test_tensorboard_resume_goes_forward_only(tmp_path):
+def test_tensorboard_resume_replaces_the_steps_it_is_given_again(tmp_path):
+    """Resumed, TensorBoard reads nothing: its session starts with TensorBoard's START event at the
+    first step written, and TensorBoard's readers drop what earlier sessions hold from there (a
+    driver restarted from an older checkpoint shows the new values, never two points a step)."""
     with TensorBoardSink(tmp_path / "tb") as sink:
         for step in range(5):
             sink.log({"x": float(step)}, step)
+            sink.alert(Alert("grad_norm", step, f"bad {step}", "error", "x", 0.0))
     with TensorBoardSink(tmp_path / "tb", resume=True) as sink:
-        assert sink.resumed_at == 4
+        assert sink.resumed_at is None
         for step in range(3, 8):
             sink.log({"x": 10.0 + step}, step)
-    assert tensorboard_steps(tmp_path / "tb") == {"x": list(range(8))}
-    with TensorBoardSink(tmp_path / "tb2", resume=True) as sink:
-        assert sink.resumed_at is None
+    assert read_tensorboard(tmp_path / "tb") == {"x": {0: 0.0, 1: 1.0, 2: 2.0, **{s: 10.0 + s for s in range(3, 8)}}}
+    assert [s for s, _ in tensorboard_texts(tmp_path / "tb")["alert/grad_norm"]] == [0, 1, 2]
+
+
+def test_tensorboard_kept_when_the_journal_lacks_a_start(tmp_path, caplog):
+    """A TensorBoard run the journal does not hold whole (one start without jsonl) is not rebuilt
+    from it: the steps logged now replace those it held from the first of them on, one warning."""
+    def run(names, steps, value):
+        with make_sinks(names, tmp_path, resume=True, health=None) as tracking:
+            for step in steps:
+                tracking.log({"x": value}, step)
+
+    run(["jsonl", "tensorboard"], range(0, 4), 1.0)
+    run(["tensorboard"], range(4, 8), 2.0)
+    with caplog.at_level(logging.WARNING):
+        run(["jsonl", "tensorboard"], range(6, 10), 3.0)
+    assert sum("does not hold the whole run" in r.message for r in caplog.records) == 1
+    assert read_tensorboard(tmp_path / "tensorboard")["x"] == {
+        **dict.fromkeys(range(4), 1.0), 4: 2.0, 5: 2.0, **dict.fromkeys(range(6, 10), 3.0)
+    }
 
 
 def test_jsonl_alert_written_before_a_crash_is_not_repeated(tmp_path):

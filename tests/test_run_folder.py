@@ -108,7 +108,7 @@ def test_a_start_whose_tracker_is_not_installed_leaves_the_folder_free(tmp_path,
     assert points("tensorboard", tmp_path) == [(0, 1.0)]
     with pytest.raises(ImportError, match="wandb"):  # replacing that run fails the same way: it stays
         make_sinks(["jsonl", "tensorboard", "wandb"], tmp_path, overwrite=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "tensorboard"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "run_ids.json", "tensorboard"]
     assert points("tensorboard", tmp_path) == [(0, 1.0)] == points("jsonl", tmp_path)
 
 
@@ -175,7 +175,7 @@ def test_demo_refuses_an_out_holding_a_run_in_one_line_and_overwrites_it(tmp_pat
     refused = demo(tmp_path, "--out", str(out))
     assert refused.returncode != 0 and refused.stdout == ""
     (line,) = refused.stderr.splitlines()
-    assert line.startswith(f"rlmetrics demo: {out} holds a run (metrics.jsonl, tensorboard)")
+    assert line.startswith(f"rlmetrics demo: {out} holds a run (metrics.jsonl, run_ids.json, tensorboard)")
     assert "--overwrite" in line and "another --out" in line and "--resume" not in line
     assert tensorboard_score_steps(out) == [0, 1, 2]
     done = demo(tmp_path, "--out", str(out), "--overwrite")

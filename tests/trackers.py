@@ -45,11 +45,15 @@ def tensorboard_steps(log_dir) -> dict[str, list[int]]:
 
 
 def tensorboard_texts(log_dir) -> dict[str, list[tuple[int, str]]]:
-    """Every text summary (TensorBoard's text plugin): ``(step, text)`` by tag."""
-    acc = tensorboard_accumulator(log_dir)
+    """Every text summary (TensorBoard's text plugin): ``(step, text)`` by tag, as TensorBoard's
+    plugin reader keeps them (the legacy reader keeps those a restart's START drops)."""
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"tensors": 0})
+    acc.Reload()
     return {
         tag: [(e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors(tag)]
-        for tag in acc.Tags()["tensors"]
+        for tag in acc.PluginTagToContent("text")
     }
 
 

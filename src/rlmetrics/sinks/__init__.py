@@ -358,7 +358,9 @@ class Tracking(Sink):
         records, alerts = _journal(journal.path)
         for sink in sinks:
             i, whole = self.sinks.index(sink), sink.resumed_at is None
-            if not whole:  # its names as its earlier sessions adapted them, before any step is queued
+            if whole:
+                sink.replay_from(min((step for _, step in records), default=0))
+            else:  # its names as its earlier sessions adapted them, before any step is queued
                 sink.row(self._viewed(i, _first_seen(records), cache=False), 0)
             for (axis, step), record in records.items():
                 if axis == DEFAULT_AXIS:
@@ -595,6 +597,7 @@ def make_sinks(
     covered = ids.get(WHOLE_JOURNAL) if continuing else None  # the tracker runs the journal holds whole
     covered = set(covered) if isinstance(covered, list) else set()
     rebuilt: list[str] = []  # the sinks whose run the journal rebuilds
+    kept: list[str] = []  # resumed in their folder as it is: not caught up
     try:
         for name in wanted:
             extra: dict[str, Any] = {"axes": True} if axes and name == "wandb" else {}
@@ -602,9 +605,19 @@ def make_sinks(
             if config is not None and name in CONFIG_SINKS:
                 extra["config"] = config
             run_id = ids.get(name, True) if continuing else False
-            if TRACKERS[name].rebuilds and resume_id(run_id):
+            kind = TRACKERS[name]
+            if kind.rebuilds and resume_id(run_id):
                 if journal and name in covered:
                     rebuilt.append(name)
+                elif kind.folder_run:
+                    kept.append(name)
+                    if journal:
+                        logger.warning(
+                            "%s: the folder's metrics.jsonl does not hold the whole run (\"jsonl\" was "
+                            "not among the sinks at each of its starts), so it cannot be rebuilt from it: "
+                            "the steps logged now replace what it held from the first of them on",
+                            name,
+                        )  # fmt: skip
                 else:
                     logger.warning(
                         "%s: the folder's metrics.jsonl does not hold the whole offline run %s (\"jsonl\" "
@@ -628,9 +641,9 @@ def make_sinks(
     if aside is not None:
         shutil.rmtree(aside)
     ids.update({name: sink.run_id for name, sink in zip(wanted, sinks) if sink.run_id is not None})
-    if ids:
-        rebuilds = {n for n in wanted if TRACKERS[n].rebuilds}  # with jsonl: rebuilt, or new + caught up
-        ids[WHOLE_JOURNAL] = sorted(covered | rebuilds if journal else covered - rebuilds)
+    rebuilds = {n for n in wanted if TRACKERS[n].rebuilds}  # with jsonl: rebuilt, or new + caught up
+    if ids or rebuilds:
+        ids[WHOLE_JOURNAL] = sorted((covered | rebuilds) - set(kept) if journal else covered - rebuilds)
         tmp = ids_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(ids, indent=1))
         os.replace(tmp, ids_file)
@@ -639,7 +652,8 @@ def make_sinks(
             _rebuild(name, sink)
     tracking = Tracking(sinks, health=health, keys=keys, core=core, overview=overview)
     if resume and "jsonl" in wanted:
-        tracking.catch_up(sinks[wanted.index("jsonl")], [s for n, s in zip(wanted, sinks) if n in CATCH_UP])
+        catching = [s for n, s in zip(wanted, sinks) if n in CATCH_UP and n not in kept]
+        tracking.catch_up(sinks[wanted.index("jsonl")], catching)
     return tracking
 
 

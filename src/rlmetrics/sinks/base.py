@@ -79,7 +79,11 @@ class Sink:
     that its own files lack (:meth:`~rlmetrics.sinks.Tracking.catch_up`)."""
     rebuilds: ClassVar[bool] = False
     """Resumed offline, it reads none of its earlier sessions: :func:`~rlmetrics.sinks.make_sinks`
-    (with ``jsonl``) sets them aside (:meth:`earlier_sessions`) and replays the whole journal to it."""
+    (with ``jsonl``) sets them aside (:meth:`earlier_sessions`) or drops them (:meth:`replay_from`)
+    and replays the whole journal to it."""
+    folder_run: ClassVar[bool] = False
+    """Its run is its folder (TensorBoard's; the folder is its run id): resumed, it continues there,
+    rebuilt from the journal when it holds the run whole (:meth:`replay_from`), else as it is."""
     all_keys: ClassVar[bool] = False
     """It gets every key of a step, whatever :class:`~rlmetrics.sinks.Tracking`'s ``keys=``."""
     background: ClassVar[bool] = False
@@ -109,6 +113,10 @@ class Sink:
     def earlier_sessions(self) -> list[Path]:
         """The folders of this tracker run's earlier offline sessions (:attr:`rebuilds`)."""
         return []
+
+    def replay_from(self, step: int) -> None:
+        """The journal is about to give this resumed sink, which holds none of the run's steps
+        (``resumed_at`` None), every record from ``step`` on (the base: nothing to do)."""
 
     @staticmethod
     def map_name(name: str) -> str:

@@ -2,7 +2,8 @@
 
 Needs the ``tensorboard`` extra. A step is one event (float32 scalars, histograms, texts), flushed at
 once; view with ``tensorboard --logdir <log_dir>``. A ``log_dir`` holding event files is refused
-(FileExistsError) unless ``resume=True``, which skips the steps they hold. The UI shows a sample of a
+(FileExistsError) unless ``resume=True``: none is read, and what they hold from the first step
+written on is dropped (TensorBoard's purge on a restart). The UI shows a sample of a
 long run: ``--samples_per_plugin scalars=0,histograms=0`` shows every step. docs/trackers.md,
 "Sinks" and "Each tracker".
 """
@@ -28,7 +29,7 @@ class TensorBoardSink(Sink):
     map_name = staticmethod(path_safe)
 
     folder_files = ("tensorboard",)
-    catches_up = True
+    catches_up = rebuilds = folder_run = True
 
     @classmethod
     def in_folder(
@@ -43,29 +44,19 @@ class TensorBoardSink(Sink):
         self._summary_pb2 = require("tensorboard.compat.proto.summary_pb2", "tensorboard")
         self._text_pb = require("tensorboard.plugins.text.summary_v2", "tensorboard").text_pb
         self.log_dir = Path(log_dir)
+        self.run_id = str(self.log_dir)  # its run is its folder
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if not resume and any(self.log_dir.glob("*tfevents*")):
             raise FileExistsError(
                 f"{self.log_dir} holds TensorBoard event files: pass resume=True to continue that run, "
                 "or use another log_dir"
             )
-        if resume:
-            self._read_back()
+        self._start: int | bool | None = None  # the session's start (replay_from), else its first step
         self._writer = writer.EventFileWriter(str(self.log_dir))
 
-    def _read_back(self) -> None:
-        """The last scalar step and the alerts of the event files already in ``log_dir``."""
-        loader = require("tensorboard.backend.event_processing.event_file_loader", "tensorboard")
-        steps = []
-        self._alerted = set()
-        for path in sorted(self.log_dir.glob("*tfevents*")):
-            for event in loader.LegacyEventFileLoader(str(path)).Load():
-                for v in event.summary.value:
-                    if v.HasField("simple_value"):
-                        steps.append(event.step)
-                    elif v.metadata.plugin_data.plugin_name == "text":
-                        self._alerted.add((event.step, v.tensor.string_val[0].decode()))
-        self.resumed_at = max(steps, default=None)
+    def replay_from(self, step: int) -> None:
+        """The earlier sessions' events from ``step`` on are dropped: the journal gives them again."""
+        self._start = step
 
     def write(self, row: Row) -> None:
         Value = self._summary_pb2.Summary.Value
@@ -87,6 +78,11 @@ class TensorBoardSink(Sink):
         self._write(alert.step, self._text_pb(self.names(f"alert/{alert.rule}"), str(alert)).value)
 
     def _write(self, step: int, values: list) -> None:
+        if self._start is not False:  # TensorBoard drops what earlier sessions hold from a START on
+            start = self._event_pb2.SessionLog(status=self._event_pb2.SessionLog.START)
+            at = step if self._start is None else self._start
+            self._writer.add_event(self._event_pb2.Event(wall_time=time.time(), step=at, session_log=start))
+            self._start = False
         summary = self._summary_pb2.Summary(value=values)
         self._writer.add_event(self._event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
         self._writer.flush()

@@ -78,8 +78,7 @@ class TrackioSink(RunSink):
         )
         super().__init__(run)
         if resume:
-            storage = require("trackio.sqlite_storage", "trackers").SQLiteStorage
-            logs = storage.get_logs(project, run.name)
+            logs = trackio.SQLiteStorage.get_logs(project, run.name)  # trackio's reader of its runs
             self.resumed_at = max((int(r["step"]) for r in logs), default=None)
 
     @property
