@@ -28,9 +28,9 @@ from rlmetrics.health import Alert
 from rlmetrics.sinks import JsonlSink, MLflowSink, TensorBoardSink, Tracking, make_sinks, read_jsonl
 from tests.trackers import (
     mlflow_history,
+    read_tensorboard,
     swanlab_scalars,
     swanlab_texts,
-    read_tensorboard,
     tensorboard_steps,
     tensorboard_texts,
     wandb_alerts,
@@ -350,26 +350,30 @@ def test_jsonl_resume_skips_the_steps_in_the_file(tmp_path):
 
 
 def test_tensorboard_resume_replaces_the_steps_it_is_given_again(tmp_path):
-    """Resumed, TensorBoard reads nothing: its session starts with TensorBoard's START event at the
-    first step written, and TensorBoard's readers drop what earlier sessions hold from there (a
-    driver restarted from an older checkpoint shows the new values, never two points a step)."""
+    """Resumed, TensorBoard reads nothing: a driver restarted from an older checkpoint logs steps
+    again, and TensorBoard's reader replaces each metric's points from there (a step that goes back),
+    never two points a step; a metric not logged again keeps its points."""
     with TensorBoardSink(tmp_path / "tb") as sink:
         for step in range(5):
-            sink.log({"x": float(step)}, step)
-            sink.alert(Alert("grad_norm", step, f"bad {step}", "error", "x", 0.0))
+            sink.log({"x": float(step), "y": float(step)}, step)
     with TensorBoardSink(tmp_path / "tb", resume=True) as sink:
         assert sink.resumed_at is None
         for step in range(3, 8):
             sink.log({"x": 10.0 + step}, step)
-    assert read_tensorboard(tmp_path / "tb") == {"x": {0: 0.0, 1: 1.0, 2: 2.0, **{s: 10.0 + s for s in range(3, 8)}}}
-    assert [s for s, _ in tensorboard_texts(tmp_path / "tb")["alert/grad_norm"]] == [0, 1, 2]
+    got = read_tensorboard(tmp_path / "tb")
+    assert got["x"] == {0: 0.0, 1: 1.0, 2: 2.0, **{s: 10.0 + s for s in range(3, 8)}}
+    assert got["y"] == {s: float(s) for s in range(5)}
 
 
 def test_tensorboard_kept_when_the_journal_lacks_a_start(tmp_path, caplog):
-    """A TensorBoard run the journal does not hold whole (one start without jsonl) is not rebuilt
-    from it: the steps logged now replace those it held from the first of them on, one warning."""
+    """A TensorBoard run the journal does not hold whole (one start without jsonl, or a folder
+    without run_ids.json) is neither rebuilt nor caught up from it: it goes on as it is, the steps
+    logged again replacing their points, one warning; a step of another axis logged first hides
+    nothing (a session START at its step would have dropped every train step from there)."""
+
     def run(names, steps, value):
         with make_sinks(names, tmp_path, resume=True, health=None) as tracking:
+            tracking.log_axis({"r": value}, 0, "policy_version")
             for step in steps:
                 tracking.log({"x": value}, step)
 
@@ -378,9 +382,11 @@ def test_tensorboard_kept_when_the_journal_lacks_a_start(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         run(["jsonl", "tensorboard"], range(6, 10), 3.0)
     assert sum("does not hold the whole run" in r.message for r in caplog.records) == 1
-    assert read_tensorboard(tmp_path / "tensorboard")["x"] == {
-        **dict.fromkeys(range(4), 1.0), 4: 2.0, 5: 2.0, **dict.fromkeys(range(6, 10), 3.0)
-    }
+    want = {**dict.fromkeys(range(4), 1.0), 4: 2.0, 5: 2.0, **dict.fromkeys(range(6, 10), 3.0)}
+    assert read_tensorboard(tmp_path / "tensorboard")["x"] == want
+    (tmp_path / "run_ids.json").unlink()  # a folder an earlier rlmetrics wrote
+    run(["jsonl", "tensorboard"], range(10, 12), 4.0)
+    assert read_tensorboard(tmp_path / "tensorboard")["x"] == {**want, 10: 4.0, 11: 4.0}
 
 
 def test_jsonl_alert_written_before_a_crash_is_not_repeated(tmp_path):

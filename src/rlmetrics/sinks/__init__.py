@@ -485,7 +485,8 @@ RUN_IDS = "run_ids.json"
 WHOLE_JOURNAL = "journal"
 """The key of :data:`RUN_IDS` listing the trackers whose run the folder's ``metrics.jsonl`` holds
 whole (``jsonl`` was among the sinks at every start of that run): a resumed offline run of a
-tracker that :attr:`~Sink.rebuilds` is rebuilt from it; else a new run of that tracker continues."""
+tracker that :attr:`~Sink.rebuilds` is rebuilt from it; else a new run of that tracker continues
+(TensorBoard's, a :attr:`~Sink.folder_run`, goes on as it is)."""
 
 RUN_FILES = (
     *(pattern for sink in TRACKERS.values() for pattern in sink.folder_files),
@@ -539,9 +540,10 @@ def make_sinks(
     ``resume=True``, which continues the runs found there (a driver restarted after a crash; a first
     start finds none and starts new runs): each sink's files (:meth:`Sink.in_folder` with
     ``resume``) and the tracker runs named in :data:`RUN_IDS` (a tracker without a saved id starts a
-    new run); every sink skips the steps up to the last one it holds, and with ``jsonl`` among the
-    sinks the trackers of :data:`CATCH_UP` first get the steps of the JSONL file they lack
-    (:meth:`Tracking.catch_up`). ``axes=True``: the run logs
+    new run); with ``jsonl`` among the sinks the trackers of :data:`CATCH_UP` first get the steps
+    of the JSONL file they lack (:meth:`Tracking.catch_up`; W&B, SwanLab and TensorBoard every step:
+    they are rebuilt from it), then every sink skips the steps up to the last one the run holds
+    (docs/resume.md, per tracker). ``axes=True``: the run logs
     steps of other axes too (:meth:`Tracking.log_axis`): the W&B run is made with
     ``WandbSink(axes=True)``. ``config``: the run's config (a mapping, a dataclass or an OmegaConf
     config, made JSON-safe by :func:`~rlmetrics.sinks.jsonl.run_config`; anything else raises
@@ -609,15 +611,6 @@ def make_sinks(
             if kind.rebuilds and resume_id(run_id):
                 if journal and name in covered:
                     rebuilt.append(name)
-                elif kind.folder_run:
-                    kept.append(name)
-                    if journal:
-                        logger.warning(
-                            "%s: the folder's metrics.jsonl does not hold the whole run (\"jsonl\" was "
-                            "not among the sinks at each of its starts), so it cannot be rebuilt from it: "
-                            "the steps logged now replace what it held from the first of them on",
-                            name,
-                        )  # fmt: skip
                 else:
                     logger.warning(
                         "%s: the folder's metrics.jsonl does not hold the whole offline run %s (\"jsonl\" "
@@ -629,6 +622,16 @@ def make_sinks(
                     )  # fmt: skip
                     run_id = True
             sinks.append(SINKS[name](out, project, run_name, run_id, **extra))
+            if kind.folder_run and continuing and sinks[-1].held and not (journal and name in covered):
+                kept.append(name)  # the journal lacks some of what it holds: it goes on as it is
+                if journal:
+                    logger.warning(
+                        "%s: the folder's metrics.jsonl does not hold the whole run (\"jsonl\" was not "
+                        "among the sinks at each of its starts), so it is not rebuilt nor caught up from "
+                        "it: it goes on as it is, and a step logged again replaces each metric's points "
+                        "from there",
+                        name,
+                    )  # fmt: skip
     except BaseException:
         Tracking(sinks, health=None).close()
         if not resume:  # a run that never started leaves no run behind, and a replaced one comes back
@@ -644,9 +647,9 @@ def make_sinks(
     rebuilds = {n for n in wanted if TRACKERS[n].rebuilds}  # with jsonl: rebuilt, or new + caught up
     if ids or rebuilds:
         ids[WHOLE_JOURNAL] = sorted((covered | rebuilds) - set(kept) if journal else covered - rebuilds)
-        tmp = ids_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(ids, indent=1))
-        os.replace(tmp, ids_file)
+        _save_ids(ids_file, ids)
+    for name, sink in zip(wanted, sinks):  # a run a tracker creates later (MLflow's server was down)
+        sink.on_run_id = partial(_save_run_id, ids_file, name)
     for name, sink in zip(wanted, sinks):
         if name in rebuilt:
             _rebuild(name, sink)
@@ -655,6 +658,18 @@ def make_sinks(
         catching = [s for n, s in zip(wanted, sinks) if n in CATCH_UP and n not in kept]
         tracking.catch_up(sinks[wanted.index("jsonl")], catching)
     return tracking
+
+
+def _save_ids(ids_file: Path, ids: Mapping[str, Any]) -> None:
+    tmp = ids_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps(ids, indent=1))
+    os.replace(tmp, ids_file)
+
+
+def _save_run_id(ids_file: Path, name: str, run_id: str) -> None:
+    """Add the id of ``name``'s run, created after :func:`make_sinks` returned, to :data:`RUN_IDS`."""
+    ids = json.loads(ids_file.read_text()) if ids_file.exists() else {}
+    _save_ids(ids_file, {**ids, name: run_id})
 
 
 def _rebuild(name: str, sink: Sink) -> None:

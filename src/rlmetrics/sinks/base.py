@@ -59,7 +59,8 @@ class Sink:
 
     ``resumed_at``: the last step the tracker held when this sink was opened to continue a run (None:
     nothing to skip); :meth:`log` skips every step up to it (:meth:`skips`), so a driver restarted
-    from an older checkpoint never writes a step twice, nor a lower step after a higher one.
+    from an older checkpoint never writes a step twice, nor a lower step after a higher one (a
+    tracker that replaces a step logged again, TensorBoard, has none).
     """
 
     tracker: ClassVar[str]
@@ -82,8 +83,8 @@ class Sink:
     (with ``jsonl``) sets them aside (:meth:`earlier_sessions`) or drops them (:meth:`replay_from`)
     and replays the whole journal to it."""
     folder_run: ClassVar[bool] = False
-    """Its run is its folder (TensorBoard's; the folder is its run id): resumed, it continues there,
-    rebuilt from the journal when it holds the run whole (:meth:`replay_from`), else as it is."""
+    """Its run is its folder (TensorBoard's), with no run id: resumed, it continues there, rebuilt
+    from the journal when it holds the run whole (:meth:`replay_from`), else as it is."""
     all_keys: ClassVar[bool] = False
     """It gets every key of a step, whatever :class:`~rlmetrics.sinks.Tracking`'s ``keys=``."""
     background: ClassVar[bool] = False
@@ -95,6 +96,9 @@ class Sink:
     resumed_at: int | None = None
     run_id: str | None = None
     """The tracker's id of the run, what ``resume=`` takes to continue it (None: the sink has none)."""
+    on_run_id: Any = None
+    """Called with :attr:`run_id` when the tracker creates its run after the sink was made (MLflow on
+    a tracking server, at its first write): :func:`~rlmetrics.sinks.make_sinks` saves the id then."""
     closed: bool = False
     _alerted: set | None = None
 

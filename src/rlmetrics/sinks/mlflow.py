@@ -163,7 +163,18 @@ class MLflowSink(Sink):
         else:
             _finish_store(tracking, uri, store)
             self.client = _open_store(tracking, uri, store)
-        if resume and not self._holds(resume, tracking_uri or uri):
+        self._start = (experiment, run_name, resume, config, entities.Param, uri)
+        if store is not None or resume:  # what a resumed run holds is needed now (its skipped steps)
+            self._started()
+
+    def _started(self) -> str:
+        """The run's id, the run created (or opened to resume) first: a new run on a tracking server
+        is created by the first call that needs it, on the tracker's thread, so a server down when
+        the run starts holds nothing (the call fails and is retried as a step's would be)."""
+        if self._start is None:
+            return self.run_id
+        experiment, run_name, resume, config, Param, uri = self._start
+        if resume and not self._holds(resume, uri):
             resume = None
         if resume:
             run = self.client.get_run(resume)
@@ -181,8 +192,16 @@ class MLflowSink(Sink):
             found = self.client.get_experiment_by_name(experiment)
             experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
             self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+            self._start = (experiment, run_name, self.run_id, config, Param, uri)  # a retry opens it
         if config:
-            self._log_params(config, entities.Param, resume)
+            self._log_params(config, Param, resume)
+        self._start = None
+        if self.on_run_id is not None:
+            try:
+                self.on_run_id(self.run_id)
+            except Exception as exc:  # the run goes on; a restart would start another run
+                logger.error("MLflow run %s could not be saved for a restart: %r", self.run_id, exc)
+        return self.run_id
 
     def _holds(self, run_id: str, uri: str) -> bool:
         """The store holds the run ``run_id``; when not (a store moved away, as a refusal advises),
@@ -222,12 +241,12 @@ class MLflowSink(Sink):
             self.client.log_batch(self.run_id, params=batch)
 
     def write(self, row: Row) -> None:
-        now = int(time.time() * 1000)
+        run_id, now = self._started(), int(time.time() * 1000)
         batch = [self._Metric(k, v, now, row.step) for k, v in row.scalars.items()]
         for request in batches(batch, _metric_size, _BATCH, self._request_bytes):
-            self.client.log_batch(self.run_id, metrics=request)
+            self.client.log_batch(run_id, metrics=request)
         if row.texts:  # a tag holds its latest value: the slowest ranks of the newest step
-            self.client.log_batch(self.run_id, tags=[self._RunTag(k, t) for k, t in row.texts.items()])
+            self.client.log_batch(run_id, tags=[self._RunTag(k, t) for k, t in row.texts.items()])
 
     def alert_key(self, alert: Alert) -> Any:
         return alert.step, self.names(f"alert/{alert.rule}")  # one point per rule and step
@@ -239,7 +258,7 @@ class MLflowSink(Sink):
         step, key = self.alert_key(alert)
         with self.alert_once((step, key)) as new:
             metrics = [self._Metric(key, 1.0, int(time.time() * 1000), step)] if new else []
-            self.client.log_batch(self.run_id, metrics=metrics, tags=[self._RunTag(key, str(alert))])
+            self.client.log_batch(self._started(), metrics=metrics, tags=[self._RunTag(key, str(alert))])
 
     @staticmethod
     def transient(exc: Exception) -> bool:
@@ -251,7 +270,8 @@ class MLflowSink(Sink):
         return Sink.transient(exc)
 
     def finish(self) -> None:
-        self.client.set_terminated(self.run_id)
+        if self.run_id is not None:  # a run never created has nothing to end
+            self.client.set_terminated(self.run_id)
 
     def __repr__(self) -> str:
         return f"MLflowSink(run_id={self.run_id!r})"

@@ -2,8 +2,8 @@
 
 Needs the ``tensorboard`` extra. A step is one event (float32 scalars, histograms, texts), flushed at
 once; view with ``tensorboard --logdir <log_dir>``. A ``log_dir`` holding event files is refused
-(FileExistsError) unless ``resume=True``: none is read, and what they hold from the first step
-written on is dropped (TensorBoard's purge on a restart). The UI shows a sample of a
+(FileExistsError) unless ``resume=True``: none is read, and a step logged again replaces each
+metric's points from there (TensorBoard's readers on a step that goes back). The UI shows a sample of a
 long run: ``--samples_per_plugin scalars=0,histograms=0`` shows every step. docs/trackers.md,
 "Sinks" and "Each tracker".
 """
@@ -44,19 +44,22 @@ class TensorBoardSink(Sink):
         self._summary_pb2 = require("tensorboard.compat.proto.summary_pb2", "tensorboard")
         self._text_pb = require("tensorboard.plugins.text.summary_v2", "tensorboard").text_pb
         self.log_dir = Path(log_dir)
-        self.run_id = str(self.log_dir)  # its run is its folder
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        if not resume and any(self.log_dir.glob("*tfevents*")):
+        self.held = any(self.log_dir.glob("*tfevents*"))  # from earlier sessions (none is read)
+        if self.held and not resume:
             raise FileExistsError(
                 f"{self.log_dir} holds TensorBoard event files: pass resume=True to continue that run, "
                 "or use another log_dir"
             )
-        self._start: int | bool | None = None  # the session's start (replay_from), else its first step
         self._writer = writer.EventFileWriter(str(self.log_dir))
+        if not self.held:  # the run's first START, which TensorBoard's readers take for no restart
+            self.replay_from(0)
 
     def replay_from(self, step: int) -> None:
-        """The earlier sessions' events from ``step`` on are dropped: the journal gives them again."""
-        self._start = step
+        """TensorBoard's session START event at ``step``: its readers drop what the earlier event
+        files hold from there on (the journal gives it again)."""
+        start = self._event_pb2.SessionLog(status=self._event_pb2.SessionLog.START)
+        self._writer.add_event(self._event_pb2.Event(wall_time=time.time(), step=step, session_log=start))
 
     def write(self, row: Row) -> None:
         Value = self._summary_pb2.Summary.Value
@@ -78,11 +81,6 @@ class TensorBoardSink(Sink):
         self._write(alert.step, self._text_pb(self.names(f"alert/{alert.rule}"), str(alert)).value)
 
     def _write(self, step: int, values: list) -> None:
-        if self._start is not False:  # TensorBoard drops what earlier sessions hold from a START on
-            start = self._event_pb2.SessionLog(status=self._event_pb2.SessionLog.START)
-            at = step if self._start is None else self._start
-            self._writer.add_event(self._event_pb2.Event(wall_time=time.time(), step=at, session_log=start))
-            self._start = False
         summary = self._summary_pb2.Summary(value=values)
         self._writer.add_event(self._event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
         self._writer.flush()
