@@ -614,6 +614,10 @@ def test_a_signed_state_this_version_cannot_read_is_refused_and_the_run_goes_on(
     ray.get([a.step.remote(0) for a in ranks])
     check_step(reader.result(0, timeout=60), 0, range(world))
     key = f"rlmetrics/state/{worker._actor_id.hex()}".encode()
+    deadline = time.monotonic() + 60
+    while not finalized_saved(key, 0):  # the save of the step's end landed: no save to come after ours
+        assert time.monotonic() < deadline, "the aggregator never saved step 0 finalized"
+        time.sleep(0.05)
     body = UNREADABLE[form]
     mac = hmac.new(secret.encode(), key + b"\n" + body.encode(), hashlib.sha256).hexdigest().encode()
     compat.kv_put(key, mac + b"\n" + body.encode())
@@ -627,6 +631,13 @@ def test_a_signed_state_this_version_cannot_read_is_refused_and_the_run_goes_on(
     for s in range(1, 3):
         ray.get([a.step.remote(s) for a in ranks])
         check_step(reader.result(s, timeout=60), s, range(world))
+
+
+def finalized_saved(key, step):
+    """The aggregator's saved state under ``key`` records ``step`` finalized."""
+    saved = compat.kv_get(key)
+    state = json.loads(saved.partition(b"\n")[2]) if saved else {}
+    return state.get("done_below", 0) > step or step in state.get("finalized", [])
 
 
 def incarnation(worker):
@@ -679,7 +690,11 @@ def test_a_step_finalized_but_not_yet_saved_comes_back_whole_after_a_restart(nam
     reader = rlmetrics.connect("ray", name=name)
     ray.get([a.step.remote(0) for a in ranks])
     check_step(reader.result(0, timeout=30), 0, range(2))
-    time.sleep(2.5)  # every save so far landed
+    key = f"rlmetrics/state/{worker._actor_id.hex()}".encode()
+    deadline = time.monotonic() + 60
+    while not finalized_saved(key, 0):  # every save so far landed
+        assert time.monotonic() < deadline, "the aggregator never saved step 0 finalized"
+        time.sleep(0.05)
     ray.get([a.step.remote(1) for a in ranks])  # step 1 finalized; its save lands 1 s later
     kill_and_wait_for_the_next_incarnation(worker)
     check_whole_step(reader, 1, range(2))
