@@ -1,17 +1,19 @@
 """Every tracker API outside the trackers' public surface that the sinks use, in one place.
 
-W&B's run file (``close()`` waits for its ``exit`` record), MLflow's engine map, ClearML's reporter
-subprocess and trackio's module-level folders. :func:`check` says which of them the installed
-trackers lack; ``tests/test_sinks_compat.py`` fails loudly when a tracker upgrade removes one
-(docs/trackers.md, "Each tracker").
+W&B's run file (``close()`` waits for its ``exit`` record), MLflow's engine map and store schema,
+ClearML's reporter subprocess and trackio's module-level folders. :func:`check` says which of them
+the installed trackers lack; ``tests/test_sinks_compat.py`` fails loudly when a tracker upgrade
+removes one (docs/trackers.md, "Each tracker").
 """
 
 from __future__ import annotations
 
 import importlib
+import sqlite3
 import struct
 import sys
 import zlib
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +63,15 @@ def mlflow_dispose(uri: str) -> None:
     engine = getattr(SqlAlchemyStore, "_engine_map", {}).get(uri)
     if engine is not None:
         engine.dispose()
+
+
+def mlflow_store_has_experiment(path: Path) -> bool:
+    """Whether the SQLite store ``path`` holds an MLflow experiment (MLflow's ``experiments`` table;
+    sqlite3.DatabaseError if the file is no database)."""
+    with closing(sqlite3.connect(path)) as db:
+        if not db.execute("SELECT 1 FROM sqlite_master WHERE name = 'experiments'").fetchone():
+            return False
+        return db.execute("SELECT 1 FROM experiments LIMIT 1").fetchone() is not None
 
 
 def clearml_no_reporter(Task: Any) -> None:

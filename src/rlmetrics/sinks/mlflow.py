@@ -17,7 +17,6 @@ import sqlite3
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import closing
 from glob import escape
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from typing import Any
 from rlmetrics.extras import require
 from rlmetrics.health import Alert
 from rlmetrics.sinks.base import Row, Sink, resume_id
-from rlmetrics.sinks.compat import mlflow_dispose
+from rlmetrics.sinks.compat import mlflow_dispose, mlflow_store_has_experiment
 from rlmetrics.sinks.jsonl import run_config
 from rlmetrics.sinks.names import NameMap, path_safe
 
@@ -313,10 +312,7 @@ def _finish_store(tracking, uri: str, path: Path) -> None:
 def _holds_experiment(path: Path) -> bool:
     """Whether the SQLite file ``path`` holds an MLflow experiment; RuntimeError if it is no database."""
     try:
-        with closing(sqlite3.connect(path)) as db:
-            if not db.execute("SELECT 1 FROM sqlite_master WHERE name = 'experiments'").fetchone():
-                return False
-            return db.execute("SELECT 1 FROM experiments LIMIT 1").fetchone() is not None
+        return mlflow_store_has_experiment(path)
     except sqlite3.DatabaseError as exc:
         raise RuntimeError(_refusal(path, exc)) from None
 
