@@ -164,3 +164,14 @@ def test_no_import_circle():
 
     for module in sorted(graph):
         visit(module)
+
+
+def test_dir_of_the_package_is_what_a_user_needs():
+    """``dir(rlmetrics)`` is its ``__all__`` (issue 47): no submodule nor the package itself
+    (``rlmetrics.rlmetrics`` was the package, bound by its own ``import rlmetrics.metrics``); the
+    subpackages the docs name stay importable by attribute."""
+    import rlmetrics
+
+    assert dir(rlmetrics) == sorted(rlmetrics.__all__)
+    assert "rlmetrics" not in vars(rlmetrics)
+    assert rlmetrics.sinks.make_sinks and rlmetrics.health.Monitor

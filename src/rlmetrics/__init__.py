@@ -6,7 +6,9 @@
 (2.0, 'max')
 """
 
-import rlmetrics.metrics  # noqa: F401  the built-in families plug their derived metrics and states in
+from importlib import import_module as _import_module
+
+from rlmetrics import metrics as _metrics  # noqa: F401  the built-in families plug their metrics in
 from rlmetrics.backends import MetricClient, connect
 from rlmetrics.backends.local import LocalMetricWorker
 from rlmetrics.core.reduce import (
@@ -66,10 +68,13 @@ def __getattr__(name: str):
 
         return getattr(ray_backend, name)
     if name in _SUBPACKAGES:
-        import importlib
-
-        return importlib.import_module(f"rlmetrics.{name}")
+        return _import_module(f"rlmetrics.{name}")
     raise AttributeError(f"module 'rlmetrics' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """What a user of ``rlmetrics`` needs (:data:`__all__`); the submodules are importable by name."""
+    return sorted(__all__)
 
 
 __all__ = [
