@@ -520,48 +520,35 @@ def make_sinks(
     overview: bool | None = None,
     options: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Tracking:
-    """A :class:`Tracking` over the sinks named in ``names`` (a list, or one comma-separated str;
-    blank names skipped, repeats once), running the ``health`` rules (see :class:`Tracking`).
+    """A :class:`Tracking` over the sinks ``names`` in the run folder ``out_dir`` (docs/trackers.md,
+    "Sinks"; resuming: docs/resume.md). Trackers run offline unless their own variable says otherwise
+    (``MLFLOW_TRACKING_URI``, ``WANDB_MODE``, ``SWANLAB_LOG_DIR``); their run ids go to :data:`RUN_IDS`.
 
-    Files go to ``out_dir`` (created): each sink's :attr:`~Sink.folder_files` (``metrics.jsonl``,
-    ``tensorboard/``, ``wandb/``, ``mlflow.db``, ``swanlab/``, ``trackio/``, ``clearml/``) and
-    :data:`RUN_IDS` (the W&B, MLflow, SwanLab, trackio and ClearML run ids); trackers run offline,
-    but for MLflow when ``MLFLOW_TRACKING_URI`` is set (the run goes to that tracking server),
-    SwanLab when ``SWANLAB_LOG_DIR`` is (its run goes to that folder) and W&B when ``WANDB_MODE``
-    is (``online``, ``disabled``, ...). ``options``: keyword arguments
-    of a sink's :meth:`~Sink.in_folder` by sink name (``{"tensorboard": {"log_dir": path}}``: the
-    event files in ``path``, as verl's ``TENSORBOARD_DIR`` has them).
-    ``prometheus`` writes no file: it serves the newest step over HTTP (:data:`PROMETHEUS_PORT`) and
-    resumes nothing; a resumed folder's ClearML session raises (offline sessions are not
-    continued). A folder holds one run: a folder that holds one (:func:`run_files`, whatever sinks
-    wrote it) is refused with a one-line FileExistsError naming what it holds, unless
-    ``overwrite=True``, which removes those files (other files stay; a start that fails puts them
-    back) and starts a new run, or
-    ``resume=True``, which continues the runs found there (a driver restarted after a crash; a first
-    start finds none and starts new runs): each sink's files (:meth:`Sink.in_folder` with
-    ``resume``) and the tracker runs named in :data:`RUN_IDS` (a tracker without a saved id starts a
-    new run); with ``jsonl`` among the sinks the trackers of :data:`CATCH_UP` first get the steps
-    of the JSONL file they lack (:meth:`Tracking.catch_up`; W&B, SwanLab and TensorBoard every step:
-    they are rebuilt from it), then every sink skips the steps up to the last one the run holds
-    (docs/resume.md, per tracker). ``axes=True``: the run logs
-    steps of other axes too (:meth:`Tracking.log_axis`): the W&B run is made with
-    ``WandbSink(axes=True)``. ``config``: the run's config (a mapping, a dataclass or an OmegaConf
-    config, made JSON-safe by :func:`~rlmetrics.sinks.jsonl.run_config`; anything else raises
-    TypeError before any file is made), given to the sinks of :data:`CONFIG_SINKS`: W&B's and
-    SwanLab's run config, MLflow's params (see :class:`MLflowSink`; a resumed run keeps the params
-    it holds). The JSONL file, TensorBoard and the console do not store it: their records are steps
-    and alerts, with no place for a run's config. If one sink cannot be created, the ones already
-    created are closed and the error is raised.
+    Args:
+        names: sink names (:data:`SINKS`), a list or one comma-separated str.
+        out_dir: the run folder (created); it holds one run (:func:`run_files`).
+        project, run_name: the trackers' project and run name.
+        resume: continue the run the folder holds (its trackers' runs; with ``jsonl`` the trackers
+            of :data:`CATCH_UP` first get the journal's steps they lack, W&B, SwanLab and
+            TensorBoard all of it: they are rebuilt from it); every sink then skips the steps the
+            run holds. A folder holding no run starts one.
+        overwrite: replace the run the folder holds (only its :data:`RUN_FILES`; a start that fails
+            puts them back).
+        health, keys, core, overview: as :class:`Tracking` takes them.
+        axes: the run logs other step axes too (W&B made with ``axes=True``).
+        config: the run's config (a mapping, a dataclass, an OmegaConf config), given to the
+            sinks of :data:`CONFIG_SINKS`.
+        options: keyword arguments of a sink's :meth:`~Sink.in_folder` by sink name
+            (``{"tensorboard": {"log_dir": path}}``, verl's ``TENSORBOARD_DIR``).
 
-    ``keys``: what the trackers get of each step (docs/trackers.md, "A key budget and a core view"):
-    ``"all"`` (the default: every key, as before), ``"core"`` (the ``core`` globs only,
-    :data:`~rlmetrics.sinks.keys.CORE_KEYS` by default) or a list of globs (:mod:`rlmetrics.globs`:
-    ``*`` any characters, ``/`` included, so ``critic/*`` is every key under ``critic/``). ``overview``
-    (None: on for a list of globs, off otherwise): a copy of each core key under ``overview/``, the same
-    values, a section of its own in W&B, TensorBoard, MLflow and SwanLab. ``metrics.jsonl`` keeps every
-    key whatever ``keys`` is, so a resumed run catches its trackers up with what they kept. A bad
-    ``keys`` raises ValueError before any file is made.
+    Raises:
+        FileExistsError: ``out_dir`` holds a run and neither ``resume`` nor ``overwrite`` is given
+            (one line naming what it holds).
+        ValueError, TypeError: an unknown sink, ``resume`` with ``overwrite``, a bad ``keys`` or
+            ``config``: before any file is made. A sink that cannot be created: the others are
+            closed and its error raised.
 
+    Example:
     >>> import tempfile
     >>> out = Path(tempfile.mkdtemp())
     >>> make_sinks(["jsonl"], out).close()
