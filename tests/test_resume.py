@@ -350,9 +350,10 @@ def test_jsonl_resume_skips_the_steps_in_the_file(tmp_path):
 
 
 def test_tensorboard_resume_replaces_the_steps_it_is_given_again(tmp_path):
-    """Resumed, TensorBoard reads nothing: a driver restarted from an older checkpoint logs steps
-    again, and TensorBoard's reader replaces each metric's points from there (a step that goes back),
-    never two points a step; a metric not logged again keeps its points."""
+    """Resumed, TensorBoard reads nothing: the session starts with TensorBoard's START event at the
+    first train step it writes (torch's ``purge_step``), and TensorBoard's reader drops every point
+    the earlier file holds from there: a driver restarted from an older checkpoint shows the new
+    values, never two points a step (before, the steps it held were skipped: the old values stayed)."""
     with TensorBoardSink(tmp_path / "tb") as sink:
         for step in range(5):
             sink.log({"x": float(step), "y": float(step)}, step)
@@ -360,16 +361,20 @@ def test_tensorboard_resume_replaces_the_steps_it_is_given_again(tmp_path):
         assert sink.resumed_at is None
         for step in range(3, 8):
             sink.log({"x": 10.0 + step}, step)
-    got = read_tensorboard(tmp_path / "tb")
-    assert got["x"] == {0: 0.0, 1: 1.0, 2: 2.0, **{s: 10.0 + s for s in range(3, 8)}}
-    assert got["y"] == {s: float(s) for s in range(5)}
+    assert tensorboard_steps(tmp_path / "tb") == {"x": list(range(8)), "y": [0, 1, 2]}
+    assert read_tensorboard(tmp_path / "tb")["x"] == {
+        0: 0.0,
+        1: 1.0,
+        2: 2.0,
+        **{s: 10.0 + s for s in range(3, 8)},
+    }
 
 
 def test_tensorboard_kept_when_the_journal_lacks_a_start(tmp_path, caplog):
     """A TensorBoard run the journal does not hold whole (one start without jsonl, or a folder
-    without run_ids.json) is neither rebuilt nor caught up from it: it goes on as it is, the steps
-    logged again replacing their points, one warning; a step of another axis logged first hides
-    nothing (a session START at its step would have dropped every train step from there)."""
+    without run_ids.json) is neither rebuilt nor caught up from it: it goes on as it is, one warning
+    each start, TensorBoard dropping its points from the first train step logged on; a step of
+    another axis logged first does not move that START (at its step 0, it dropped every train step)."""
 
     def run(names, steps, value):
         with make_sinks(names, tmp_path, resume=True, health=None) as tracking:
@@ -379,14 +384,17 @@ def test_tensorboard_kept_when_the_journal_lacks_a_start(tmp_path, caplog):
 
     run(["jsonl", "tensorboard"], range(0, 4), 1.0)
     run(["tensorboard"], range(4, 8), 2.0)
+    caplog.clear()
     with caplog.at_level(logging.WARNING):
         run(["jsonl", "tensorboard"], range(6, 10), 3.0)
     assert sum("does not hold the whole run" in r.message for r in caplog.records) == 1
     want = {**dict.fromkeys(range(4), 1.0), 4: 2.0, 5: 2.0, **dict.fromkeys(range(6, 10), 3.0)}
     assert read_tensorboard(tmp_path / "tensorboard")["x"] == want
+    assert tensorboard_steps(tmp_path / "tensorboard")["x"] == list(range(10))
     (tmp_path / "run_ids.json").unlink()  # a folder an earlier rlmetrics wrote
     run(["jsonl", "tensorboard"], range(10, 12), 4.0)
     assert read_tensorboard(tmp_path / "tensorboard")["x"] == {**want, 10: 4.0, 11: 4.0}
+    assert tensorboard_steps(tmp_path / "tensorboard")["x"] == list(range(12))
 
 
 def test_jsonl_alert_written_before_a_crash_is_not_repeated(tmp_path):

@@ -277,7 +277,12 @@ class Tracking(Sink):
     def _fatal(self, i: int, exc: BaseException, task: Task) -> None:
         """Sink ``i``'s writer met an error that is not transient: the sink is disabled."""
         self.failed[i] = exc
-        where = f" (they are in {self.journal.path})" if self.journal is not None else ""
+        where = (
+            f" (they are in {self.journal.path}: once it is fixed, make_sinks(..., resume=True) on that "
+            "folder catches it up)"
+            if self.journal is not None
+            else ""
+        )
         logger.error("sink %r failed at %s %d and is disabled: %r; the steps of its queue are not written%s",
                      self.sinks[i], task.axis, task.step, exc, where, exc_info=exc)  # fmt: skip
 
@@ -550,13 +555,19 @@ def make_sinks(
 
     Example:
     >>> import tempfile
+    >>> from pathlib import Path
+    >>> from rlmetrics.sinks import make_sinks
     >>> out = Path(tempfile.mkdtemp())
     >>> make_sinks(["jsonl"], out).close()
     >>> make_sinks(["jsonl"], out)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
     FileExistsError: ... holds a run (metrics.jsonl): pass resume=True to continue it, overwrite=True ...
-    >>> make_sinks(["jsonl"], out, overwrite=True).close()
+    >>> with make_sinks(["jsonl"], out, overwrite=True) as tracking:
+    ...     tracking.log({"critic/score/mean": 0.5}, step=0)
+    >>> with make_sinks(["jsonl"], out, resume=True) as tracking:  # a restarted driver
+    ...     tracking.resumed_at
+    0
     """
     config = run_config(config)
     keys = KeyView(keys, core).keys  # a bad keys= or core= raises here, before any file
@@ -611,14 +622,13 @@ def make_sinks(
             sinks.append(SINKS[name](out, project, run_name, run_id, **extra))
             if kind.folder_run and continuing and sinks[-1].held and not (journal and name in covered):
                 kept.append(name)  # the journal lacks some of what it holds: it goes on as it is
-                if journal:
-                    logger.warning(
-                        "%s: the folder's metrics.jsonl does not hold the whole run (\"jsonl\" was not "
-                        "among the sinks at each of its starts), so it is not rebuilt nor caught up from "
-                        "it: it goes on as it is, and a step logged again replaces each metric's points "
-                        "from there",
-                        name,
-                    )  # fmt: skip
+                logger.warning(
+                    "%s: the folder's metrics.jsonl does not hold the whole run (\"jsonl\" was not "
+                    "among the sinks at each of its starts), so it is not rebuilt nor caught up from it: "
+                    "it goes on as it is, and TensorBoard drops the points it holds from the first "
+                    "train step logged now on (its restart semantics)",
+                    name,
+                )  # fmt: skip
     except BaseException:
         Tracking(sinks, health=None).close()
         if not resume:  # a run that never started leaves no run behind, and a replaced one comes back

@@ -2,10 +2,10 @@
 
 Needs the ``tensorboard`` extra. A step is one event (float32 scalars, histograms, texts), flushed at
 once; view with ``tensorboard --logdir <log_dir>``. A ``log_dir`` holding event files is refused
-(FileExistsError) unless ``resume=True``: none is read, and a step logged again replaces each
-metric's points from there (TensorBoard's readers on a step that goes back). The UI shows a sample of a
-long run: ``--samples_per_plugin scalars=0,histograms=0`` shows every step. docs/trackers.md,
-"Sinks" and "Each tracker".
+(FileExistsError) unless ``resume=True``: none is read, and the session starts with TensorBoard's
+START event at the first train step it writes, so TensorBoard drops what they hold from there.
+The UI shows a sample of a long run: ``--samples_per_plugin scalars=0,histograms=0`` shows every
+step. docs/trackers.md, "Sinks" and "Each tracker".
 """
 
 from __future__ import annotations
@@ -52,12 +52,14 @@ class TensorBoardSink(Sink):
                 "or use another log_dir"
             )
         self._writer = writer.EventFileWriter(str(self.log_dir))
+        self._restart = self.held  # a START at the first train step written (torch's purge_step)
         if not self.held:  # the run's first START, which TensorBoard's readers take for no restart
             self.replay_from(0)
 
     def replay_from(self, step: int) -> None:
         """TensorBoard's session START event at ``step``: its readers drop what the earlier event
         files hold from there on (the journal gives it again)."""
+        self._restart = False
         start = self._event_pb2.SessionLog(status=self._event_pb2.SessionLog.START)
         self._writer.add_event(self._event_pb2.Event(wall_time=time.time(), step=step, session_log=start))
 
@@ -72,12 +74,16 @@ class TensorBoardSink(Sink):
             out.append(Value(tag=tag, histo=histo))
         for tag, text in row.texts.items():
             out.extend(self._text_pb(tag, text).value)
+        if self._restart and row.axis is None:
+            self.replay_from(row.step)
         self._write(row.step, out)
 
     def alert_key(self, alert: Alert) -> Any:
         return alert.step, str(alert)
 
     def write_alert(self, alert: Alert) -> None:
+        if self._restart:
+            self.replay_from(alert.step)
         self._write(alert.step, self._text_pb(self.names(f"alert/{alert.rule}"), str(alert)).value)
 
     def _write(self, step: int, values: list) -> None:
