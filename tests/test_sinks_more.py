@@ -378,6 +378,50 @@ def test_an_mlflow_server_down_when_the_run_starts_holds_nothing_and_gets_every_
             proc.wait(30)
 
 
+@pytest.mark.slow
+def test_a_run_resumed_while_the_mlflow_server_is_down_goes_on_and_logs_each_step_once(tmp_path, monkeypatch):
+    """A driver restarted from an older checkpoint while the tracking server is down (a node lost,
+    the server with it): ``make_sinks(resume=True)`` returns, the loop's ``log()`` calls return,
+    and once the server is back the run learns the steps it holds: the steps logged again are not
+    sent twice, the journal's steps the server lacked are. Before, the resume raised."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    proc, uri = mlflow_server(tmp_path)
+    port = int(uri.rsplit(":", 1)[1])
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    out = tmp_path / "run"
+    try:
+        with make_sinks(["jsonl", "mlflow"], out, health=False) as tracking:
+            for step in range(10):
+                tracking.log({"x": float(step)}, step)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        resumed = []
+        starter = threading.Thread(
+            target=lambda: resumed.append(make_sinks(["jsonl", "mlflow"], out, resume=True, health=False))
+        )
+        starter.start()
+        starter.join(60)
+        assert resumed, "make_sinks(resume=True) waited for the MLflow server"
+        tracking = resumed[0]
+        assert tracking.resumed_at == 9
+        loop = threading.Thread(target=lambda: [tracking.log({"x": 100.0 + s}, s) for s in range(5, 15)])
+        loop.start()
+        loop.join(60)
+        assert not loop.is_alive(), "log() waited for the MLflow server"
+        proc, _ = mlflow_server(tmp_path, port)
+        tracking.close()
+        run_id = json.loads((out / "run_ids.json").read_text())["mlflow"]
+        history = MlflowClient(uri).get_metric_history(run_id, "x")
+        assert sorted((m.step, m.value) for m in history) == [
+            (s, float(s if s < 10 else 100 + s)) for s in range(15)
+        ]
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+
+
 def test_prometheus_as_a_scraper_sees_its_last_step_counters_from_0_and_held_gauges(tmp_path, monkeypatch):
     """A scraper parsing the exposition format while steps are logged (issue 46): every scrape is
     one step's values; the alert counters start at 0 (``increase()`` sees a rule's first alert); a

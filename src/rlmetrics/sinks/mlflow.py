@@ -163,13 +163,14 @@ class MLflowSink(Sink):
             _finish_store(tracking, uri, store)
             self.client = _open_store(tracking, uri, store)
         self._start = (experiment, run_name, resume, config, entities.Param, uri)
-        if store is not None or resume:  # what a resumed run holds is needed now (its skipped steps)
+        if store is not None:  # a file: nothing to wait for
             self._started()
 
     def _started(self) -> str:
-        """The run's id, the run created (or opened to resume) first: a new run on a tracking server
-        is created by the first call that needs it, on the tracker's thread, so a server down when
-        the run starts holds nothing (the call fails and is retried as a step's would be)."""
+        """The run's id, the run created (or opened to resume, learning the steps it holds) first:
+        on a tracking server, by the first call that needs it, on the tracker's thread, so a server
+        down when the run starts or resumes holds nothing (the call fails and is retried as a
+        step's would be)."""
         if self._start is None:
             return self.run_id
         experiment, run_name, resume, config, Param, uri = self._start
@@ -241,6 +242,8 @@ class MLflowSink(Sink):
 
     def write(self, row: Row) -> None:
         run_id, now = self._started(), int(time.time() * 1000)
+        if row.axis is None and self.skips(row.step):  # held by the run resumed just now
+            return
         batch = [self._Metric(k, v, now, row.step) for k, v in row.scalars.items()]
         for request in batches(batch, _metric_size, _BATCH, self._request_bytes):
             self.client.log_batch(run_id, metrics=request)
@@ -254,10 +257,10 @@ class MLflowSink(Sink):
         """The point ``alert/<rule> = 1`` once per rule and step; the tag ``alert/<rule>`` holds the
         rule's latest message, a second alert of the rule at the step too."""
         self.check_open()
-        step, key = self.alert_key(alert)
+        run_id, (step, key) = self._started(), self.alert_key(alert)  # started: the alerts it holds
         with self.alert_once((step, key)) as new:
             metrics = [self._Metric(key, 1.0, int(time.time() * 1000), step)] if new else []
-            self.client.log_batch(self._started(), metrics=metrics, tags=[self._RunTag(key, str(alert))])
+            self.client.log_batch(run_id, metrics=metrics, tags=[self._RunTag(key, str(alert))])
 
     @staticmethod
     def transient(exc: Exception) -> bool:
