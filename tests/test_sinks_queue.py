@@ -154,6 +154,7 @@ def test_close_waits_a_bounded_time_and_names_what_it_could_not_deliver(caplog, 
     (error,) = messages(caplog, "not delivered")
     assert "tracker remote: 5 steps (0 to 4) not delivered 0.2 s after close()" in error
     assert "m.jsonl: make_sinks(..., resume=True)" in error and not remote.closed
+    assert tracking.undelivered == {"remote": [0, 1, 2, 3, 4]}  # what a driver can check in code
 
 
 @pytest.mark.parametrize("journal_first", [True, False])

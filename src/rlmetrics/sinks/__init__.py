@@ -181,6 +181,15 @@ class Tracking(Sink):
         ]
         return min((s for s in steps if s is not None), default=None)
 
+    @property
+    def undelivered(self) -> dict[str, list[int]]:
+        """The train steps each tracker's queue could not deliver by :meth:`close` (reported once in
+        the log too), by tracker name; empty before ``close()`` and when every step was delivered."""
+        return {
+            _name(self.sinks[i]): [s for axis, s in left if axis == DEFAULT_AXIS]
+            for i, left in (self._left or {}).items()
+        }
+
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         if self._closed:
             raise ValueError("Tracking is closed")
