@@ -70,7 +70,8 @@ def siirl_actors(ray_session):
     """Two siiRL actors started together (each start imports siiRL and torch in a new process):
     one shared by the tests, one for the test that poisons it."""
     actors = [siirl_mw.MetricWorker.remote() for _ in range(2)]
-    ray.get([a.start.remote() for a in actors], timeout=60)
+    # a bound against a hang, not a speed claim: on a loaded 2-core machine the two imports took over 60 s
+    ray.get([a.start.remote() for a in actors], timeout=600)
     yield actors
     for actor in actors:
         ray.kill(actor)
