@@ -370,10 +370,11 @@ class Tracking(Sink):
         if journal.resumed_at is None:
             return
         records, alerts = _journal(journal.path)
+        first = min((step for _, step in records), default=0)
         for sink in sinks:
             i, whole = self.sinks.index(sink), sink.resumed_at is None
             if whole:
-                sink.replay_from(min((step for _, step in records), default=0))
+                sink.replay_from(first)
             else:  # its names as its earlier sessions adapted them, before any step is queued
                 sink.row(self._viewed(i, _first_seen(records), cache=False), 0)
             for (axis, step), record in records.items():
@@ -654,9 +655,8 @@ def make_sinks(
     if ids or rebuilds:
         ids[WHOLE_JOURNAL] = sorted((covered | rebuilds) - set(kept) if journal else covered - rebuilds)
         _save_ids(ids_file, ids)
-    for name, sink in zip(wanted, sinks):  # a run a tracker creates later (MLflow's server was down)
-        sink.on_run_id = partial(_save_run_id, ids_file, name)
     for name, sink in zip(wanted, sinks):
+        sink.on_run_id = partial(_save_run_id, ids_file, name)  # a run made later (a server was down)
         if name in rebuilt:
             _rebuild(name, sink)
     tracking = Tracking(sinks, health=health, keys=keys, core=core, overview=overview)
