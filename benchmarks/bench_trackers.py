@@ -46,8 +46,8 @@ def tracking(kind: type[MLflowSink], uri: str, folder: Path) -> Tracking:
     return Tracking([JsonlSink(folder / "metrics.jsonl"), kind(uri, "bench")], health=None)
 
 
-def logger(track: Tracking):
-    step = iter(range(10**9))
+def logger(track: Tracking, start: int = 0):
+    step = iter(range(start, 10**9))
 
     def log_next() -> None:
         s = next(step)
@@ -70,9 +70,7 @@ def measure(case: str, uri: str, folder: Path, n: int, freeze: int | None = None
     inlog, queued = report.interleaved([logger(t) for t in sides], n)
     frozen_ms = None
     if freeze is not None:
-        log_queued = logger(sides[1])
-        for _ in range(n + 1):
-            log_queued()  # the same step numbers are logged again below: skip them
+        log_queued = logger(sides[1], start=n + 1)  # the steps after the rounds' (warm-up included)
         os.killpg(freeze, signal.SIGSTOP)
         try:
             frozen, _ = report.timed(log_queued, n)
