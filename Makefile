@@ -73,8 +73,9 @@ install: $(VENV)/.installed-demo
 install-test: $(VENV)/.installed-test
 install-peers: $(VENV)/.installed-peers
 
+# The GRPO demo of examples/grpo (docs/demo.md); its options through ARGS: make demo ARGS="--steps 20"
 demo: install
-	$(BIN)/rlmetrics demo
+	$(BIN)/python -m examples.grpo $(ARGS)
 
 # Two pytest workers, one test file each at a time (a file's Ray instance and fixtures stay in one
 # process): most tests wait on Ray, subprocesses or sockets, so two run in about 55% of the time.
@@ -87,8 +88,8 @@ test-core: install-test
 
 # mypy types the modules listed in pyproject.toml's [tool.mypy] files.
 lint: install-test
-	$(BIN)/ruff check src tests benchmarks conftest.py
-	$(BIN)/ruff format --check src tests benchmarks conftest.py
+	$(BIN)/ruff check src tests benchmarks examples conftest.py
+	$(BIN)/ruff format --check src tests benchmarks examples conftest.py
 	$(BIN)/mypy
 
 # install-peers: benchmarks/bench_peers.py is one of benchmarks/bench_*.py

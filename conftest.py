@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent
 OPTIONAL = ("ray", "torch")
 MARKS = ("ray", "torch", "slow")
-_OURS = {"rlmetrics": ROOT / "src", "tests": ROOT}
+_OURS = {"rlmetrics": ROOT / "src", "tests": ROOT, "examples": ROOT}
 
 
 @functools.cache
@@ -67,7 +67,7 @@ def _files(module: str) -> list[Path]:
             out.append(stem / "__init__.py")
         elif stem.with_suffix(".py").exists():
             out.append(stem.with_suffix(".py"))
-        else:  # an attribute of the module before
+        elif not stem.is_dir():  # an attribute of the module before (a directory: a namespace package)
             break
     return out
 

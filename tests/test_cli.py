@@ -1,4 +1,5 @@
-"""The command line, run as a user would: a real demo run, then report / plot / compare / bench on it."""
+"""The command line, run as a user would: a real demo run (examples/grpo), then report / plot / compare /
+bench on it."""
 
 import os
 import subprocess
@@ -8,12 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rlmetrics.cli import main
-from rlmetrics.cli.demo import PLOTS, SOURCES, simulate_batch, simulate_validation
+from examples.grpo.demo import PLOTS, SOURCES, simulate_batch, simulate_validation
+from examples.grpo.demo import main as demo_main
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 STEPS, WORKERS, VAL_EVERY = 6, 3, 3
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = [sys.executable, "-m", "examples.grpo"]  # run from ROOT, as make demo runs it
 
 
 def rlmetrics_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -24,11 +27,10 @@ def rlmetrics_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedPr
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
-    """A simulated local-backend demo run (threads as ranks), as ``rlmetrics demo --simulate
+    """A simulated local-backend demo run (threads as ranks), as ``python -m examples.grpo --simulate
     --backend local`` makes it."""
     out = tmp_path_factory.mktemp("demo")
     args = [
-        "demo",
         "--simulate",
         "--backend",
         "local",
@@ -45,7 +47,7 @@ def run_dir(tmp_path_factory) -> Path:
         "--pace",
         "0",
     ]
-    assert main(args) == 0
+    assert demo_main(args) == 0
     return out
 
 
@@ -244,21 +246,20 @@ def test_plot_without_a_match_fails_clearly(run_dir, tmp_path):
 
 @pytest.mark.parametrize("keys", ["core,critic/**", ","])
 def test_demo_refuses_keys_that_mix_words_and_globs_before_any_file(tmp_path, keys):
-    args = ["demo", "--backend", "local", "--simulate", "--keys", keys, "--out", str(tmp_path / "run")]
-    out = subprocess.run([sys.executable, "-m", "rlmetrics", *args], capture_output=True, text=True)
+    args = ["--backend", "local", "--simulate", "--keys", keys, "--out", str(tmp_path / "run")]
+    out = subprocess.run([*DEMO, *args], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode != 0 and f"--keys {keys!r}: 'all', 'core' or comma-separated globs" in out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "run").exists()
 
 
 @pytest.mark.ray
 def test_demo_as_make_demo_runs_it(tmp_path):
-    """``rlmetrics demo`` with its defaults (tests/test_demo_grpo.py checks its numbers): it announces
+    """``make demo``'s run with its defaults (tests/test_demo_grpo.py checks its numbers): it announces
     every phase, raises no alert, and its reward curve lies where README.md and docs/demo.md say
     (the ranges of seeds 0-4; the exact values depend on the machine's CPU kernels)."""
     from rlmetrics.sinks import read_jsonl
 
-    out = subprocess.run([sys.executable, "-m", "rlmetrics", "demo", "--out", str(tmp_path)],
-                         capture_output=True, text=True)  # fmt: skip
+    out = subprocess.run([*DEMO, "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     phases = ("starting Ray...", "starting the aggregator and 4 ranks", "4 ranks ready in ",
               "closing the sinks and stopping Ray...", "writing the plots...", "metrics: ", "tensorboard: ",
@@ -281,8 +282,10 @@ def test_demo_joins_an_existing_cluster(tmp_path):
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     try:
-        rlmetrics_cli("demo", "--simulate", "--address", cluster.address, "--steps", "3", "--workers", "2",
-                      "--val-every", "0", "--sinks", "jsonl", "--out", str(tmp_path))  # fmt: skip
+        args = ["--simulate", "--address", cluster.address, "--steps", "3", "--workers", "2",
+                "--val-every", "0", "--sinks", "jsonl", "--out", str(tmp_path)]  # fmt: skip
+        done = subprocess.run([*DEMO, *args], capture_output=True, text=True, cwd=ROOT)
+        assert done.returncode == 0, done.stderr
     finally:
         cluster.shutdown()
     from rlmetrics.sinks import read_jsonl

@@ -1,4 +1,4 @@
-"""The real GRPO run of ``rlmetrics demo``: every logged metric equals an independent recomputation
+"""The real GRPO run of ``make demo`` (examples/grpo): every logged metric equals an independent recomputation
 from the ranks' dumped tensors, the reward rises, a seed fixes the run, a diverging run goes on.
 
 One local Ray instance for the module; the demo reuses it (as it would join ``--address``)."""
@@ -8,9 +8,8 @@ from math import comb
 import numpy as np
 import pytest
 
-from rlmetrics.cli import build_parser
-from rlmetrics.cli.demo import log_run
-from rlmetrics.cli.grpo import EOS, PAD, PROMPT_LEN, RESPONSE_LEN, GRPOConfig
+from examples.grpo.demo import build_parser, log_run
+from examples.grpo.grpo import EOS, PAD, PROMPT_LEN, RESPONSE_LEN, GRPOConfig
 from rlmetrics.metrics.validation import process_validation_metrics
 from rlmetrics.sinks import read_jsonl
 
@@ -35,8 +34,8 @@ def _ray():
 
 
 def demo(out, *args):
-    """The run of ``rlmetrics demo --out OUT ARGS``, without its table and plots."""
-    log_run(build_parser().parse_args(["demo", "--out", str(out), *args]))
+    """The run of ``python -m examples.grpo --out OUT ARGS``, without its table and plots."""
+    log_run(build_parser().parse_args(["--out", str(out), *args]))
     return read_jsonl(out / "metrics.jsonl")
 
 

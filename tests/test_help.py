@@ -1,6 +1,7 @@
-"""``rlmetrics [COMMAND] --help`` as a user reads it in a terminal: plain text (no Sphinx markup),
-every option's default shown, each command described in its own words; and a ``-m`` glob that
-matches nothing says which names of the run were near."""
+"""``rlmetrics [COMMAND] --help`` and the demo's ``python -m examples.grpo --help`` as a user reads
+them in a terminal: plain text (no Sphinx markup), every option's default shown, each command
+described in its own words; and a ``-m`` glob that matches nothing says which names of the run were
+near."""
 
 import argparse
 import os
@@ -17,21 +18,28 @@ from rlmetrics.cli import build_parser
 pytestmark = pytest.mark.slow  # subprocesses
 
 SRC = Path(rlmetrics.__file__).resolve().parents[1]  # the command runs the package these tests import
-COMMANDS = ("demo", "report", "plot", "compare")
+ROOT = Path(__file__).resolve().parents[1]
+COMMANDS = ("report", "plot", "compare")
+DEMO = "demo"  # python -m examples.grpo, the demo's own command line
 MARKUP = re.compile(r"``|:(?:class|mod|func|meth|attr|data|exc):`")
 
 
-def rlmetrics_cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(SRC), "COLUMNS": "200"}  # one line per option
-    return subprocess.run([sys.executable, "-m", "rlmetrics", *args], capture_output=True, text=True, env=env)
+def rlmetrics_cli(*args: str, module: str = "rlmetrics") -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(ROOT)])}
+    env["COLUMNS"] = "200"  # one line per option
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, env=env)
 
 
 @pytest.fixture(scope="module")
 def helps() -> dict[str, str]:
     """Each command's --help ("" for rlmetrics --help), as printed."""
     out = {}
-    for command in ("", *COMMANDS):
-        run = rlmetrics_cli(*filter(None, [command, "--help"]))
+    for command in ("", *COMMANDS, DEMO):
+        run = (
+            rlmetrics_cli("--help", module="examples.grpo")
+            if command == DEMO
+            else rlmetrics_cli(*filter(None, [command, "--help"]))
+        )
         assert run.returncode == 0, run.stderr
         out[command] = run.stdout
     return out
@@ -54,18 +62,23 @@ def option_entries(help_text: str) -> dict[str, str]:
     return entries
 
 
-@pytest.mark.parametrize("command", ("", *COMMANDS))
+@pytest.mark.parametrize("command", ("", *COMMANDS, DEMO))
 def test_help_is_plain_text(helps, command):
     assert MARKUP.findall(helps[command]) == []
 
 
 def test_help_says_the_demo_trains(helps):
-    assert "simulated" not in helps[""] and "GRPO" in helps[""]
+    assert "simulated" not in helps[DEMO] and "GRPO" in helps[DEMO]
 
 
-@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("command", (*COMMANDS, DEMO))
 def test_every_option_shows_its_default(helps, command):
-    parser = build_parser()._subparsers._group_actions[0].choices[command]
+    if command == DEMO:
+        from examples.grpo.demo import build_parser as demo_parser
+
+        parser = demo_parser()
+    else:
+        parser = build_parser()._subparsers._group_actions[0].choices[command]
     entries = option_entries(helps[command])
     for action in parser._actions:
         default = action.default

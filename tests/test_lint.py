@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("args", [["check"], ["format", "--check"]], ids=["check", "format"])
 def test_ruff(args):
     out = subprocess.run(
-        [sys.executable, "-m", "ruff", *args, "src", "tests", "benchmarks"],
+        [sys.executable, "-m", "ruff", *args, "src", "tests", "benchmarks", "examples", "conftest.py"],
         cwd=ROOT,
         capture_output=True,
         text=True,

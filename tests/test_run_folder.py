@@ -1,10 +1,11 @@
 """A folder holds one run (issue 29): ``make_sinks`` refuses a folder that holds a run, unless
 ``resume=True`` (continue it) or ``overwrite=True`` (replace it: only the run's files go), whatever the
-sink — each read back with the tracker's own reader (tests/trackers.py); ``rlmetrics demo`` puts a
+sink — each read back with the tracker's own reader (tests/trackers.py); ``make demo`` puts a
 rerun into ``runs/demo-2`` and refuses an ``--out`` that holds a run, in one line."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -14,6 +15,8 @@ import pytest
 
 from rlmetrics.sinks import TRACKERS, make_sinks, new_run_folder, read_jsonl, run_files
 from tests.trackers import mlflow_history, swanlab_scalars, tensorboard_steps, wandb_rows
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SLOW = pytest.mark.slow
 SINKS = ["jsonl", "tensorboard", pytest.param("wandb", marks=SLOW), pytest.param("mlflow", marks=SLOW)]
@@ -124,11 +127,16 @@ def test_a_tensorboard_sink_refuses_a_folder_holding_event_files(tmp_path):
     assert tensorboard_steps(tmp_path) == {"x": [0]}
 
 
-# ------------------------------------------------------------------------------------ rlmetrics demo
+# ------------------------------------------------------------------------------------- the demo
 def demo(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "rlmetrics", "demo", "--simulate", "--backend", "local", "--steps", "3"]
+    """``python -m examples.grpo ARGS`` (simulated, 3 steps) run in ``cwd``: the checkout on its path."""
+    cmd = [sys.executable, "-m", "examples.grpo", "--simulate", "--backend", "local", "--steps", "3"]
     cmd += ["--workers", "2", "--val-every", "0", "--pace", "0", *args]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
 
 
 def tensorboard_score_steps(out: Path) -> list[int]:
@@ -175,7 +183,9 @@ def test_demo_refuses_an_out_holding_a_run_in_one_line_and_overwrites_it(tmp_pat
     refused = demo(tmp_path, "--out", str(out))
     assert refused.returncode != 0 and refused.stdout == ""
     (line,) = refused.stderr.splitlines()
-    assert line.startswith(f"rlmetrics demo: {out} holds a run (metrics.jsonl, run_ids.json, tensorboard)")
+    assert line.startswith(
+        f"python -m examples.grpo: {out} holds a run (metrics.jsonl, run_ids.json, tensorboard)"
+    )
     assert "--overwrite" in line and "another --out" in line and "--resume" not in line
     assert tensorboard_score_steps(out) == [0, 1, 2]
     done = demo(tmp_path, "--out", str(out), "--overwrite")

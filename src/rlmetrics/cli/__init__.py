@@ -1,6 +1,5 @@
-"""The rlmetrics command line: demo, report, plot, compare.
+"""The rlmetrics command line: report, plot, compare.
 
-    rlmetrics demo                     # train a tiny policy with GRPO on 4 Ray ranks (CPU, a minute)
     rlmetrics report runs/demo         # last/min/max/mean per metric
     rlmetrics plot runs/demo -m 'critic/score/*' -o runs/demo/score.png
 
@@ -17,7 +16,7 @@ from collections.abc import Sequence
 
 from rlmetrics.extras import EXTRA_OF, MissingExtra
 
-NEEDS = {"demo": "ray,torch,console,tensorboard,plot", "report": "console", "plot": "console,plot"}
+NEEDS = {"report": "console", "plot": "console,plot"}
 """The extras each command uses (``compare`` is ``plot``'s); what a core-only install is told to add."""
 
 
@@ -39,11 +38,10 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from rlmetrics.cli import demo, plot, report
+    from rlmetrics.cli import plot, report
 
     parser = Parser(prog="rlmetrics", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo.add_parser(sub)
     report.add_parser(sub)
     plot.add_parsers(sub)
     return parser

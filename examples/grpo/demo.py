@@ -1,20 +1,22 @@
-"""rlmetrics demo: a multi-worker GRPO run on CPU, its metrics aggregated every step.
+"""The GRPO demo: a multi-worker GRPO run on CPU, its metrics aggregated every step.
 
 By default W ranks (Ray actors) train a tiny causal transformer with GRPO on a toy task
-(rlmetrics.cli.grpo, rlmetrics.cli.trainer): each rolls out --group-size responses to --prompts
-prompts, scores them, computes group-normalised advantages and updates its replica (gradients
-summed over the ranks with torch.distributed gloo), then submits the data, timing, throughput and
-update metrics of its batch through its own rlmetrics client; every --val-every steps it also
-answers held-out prompts (--val-samples samples each; best/worst/maj@k and pass@k). --simulate
-draws made-up batches instead (fast; threads with --backend local). The driver reads each step as
-soon as every rank closed it — no barrier — logs it to the sinks (JSONL and TensorBoard by default)
-with a progress bar, and at the end prints a summary table and writes PNG plots (reward, response
-length, advantages, update, timing, validation, and the heat maps over steps of the response-length
-and score histograms of all ranks' data, histograms.png) into --out.
+(examples/grpo/grpo.py, trainer.py): each rolls out --group-size responses to --prompts prompts,
+scores them, computes group-normalised advantages and updates its replica (gradients summed over the
+ranks with torch.distributed gloo), then submits the data, timing, throughput and update metrics of
+its batch through its own rlmetrics client; every --val-every steps it also answers held-out prompts
+(--val-samples samples each; best/worst/maj@k and pass@k). --simulate draws made-up batches instead
+(fast; threads with --backend local). The driver reads each step as soon as every rank closed it
+(no barrier), logs it to the sinks (JSONL and TensorBoard by default) with a progress bar, and at the
+end prints a summary table and writes PNG plots (reward, response length, advantages, update,
+timing, validation, and the heat maps over steps of the response-length and score histograms of all
+ranks' data, histograms.png) into --out.
 
-    rlmetrics demo --steps 20 --workers 2 --out runs/w2   # a shorter run on 2 ranks
-    rlmetrics demo --seed 1 --lr 0.1          # another run; a learning rate that collapses the policy
-    rlmetrics demo --simulate --backend local --sinks jsonl,console
+Run it from the repository's root (make demo runs it with its defaults):
+
+    python -m examples.grpo --steps 20 --workers 2 --out runs/w2   # a shorter run on 2 ranks
+    python -m examples.grpo --seed 1 --lr 0.1      # another run; a learning rate that collapses the policy
+    python -m examples.grpo --simulate --backend local --sinks jsonl,console
 """
 # Over 400 lines on purpose: the driver of one run end to end (ranks, steps, validation, sinks,
 # plots, the summary it prints), read top to bottom as the example the README points to; this is a
@@ -35,6 +37,7 @@ import numpy as np
 from rlmetrics.backends import connect
 from rlmetrics.sinks.keys import KEYS
 
+PROG = "python -m examples.grpo"
 DEFAULT_OUT = "runs/demo"
 SOURCES = ("gsm8k", "math500")
 PROMPTS_PER_RANK = 8
@@ -190,8 +193,8 @@ def start_ranks(args: argparse.Namespace, name: str) -> tuple[Any, Any]:
     else:
         import ray
 
-        from rlmetrics.cli.grpo import GRPOConfig
-        from rlmetrics.cli.trainer import GRPORank
+        from examples.grpo.grpo import GRPOConfig
+        from examples.grpo.trainer import GRPORank
 
         cfg = GRPOConfig(seed=args.seed, prompts=args.prompts, group_size=args.group_size, lr=args.lr)
         dump = str((Path(args.out) / "dump").resolve()) if args.dump else None
@@ -224,12 +227,15 @@ def log_run(args: argparse.Namespace) -> tuple[float, float]:
 
         if not ray.is_initialized():
             print("starting Ray...", flush=True)
+            # a cluster's other nodes get this example's code from Ray (it is in no installed package)
+            code = {"py_modules": [str(Path(__file__).resolve().parents[1])]} if args.address else None
             ray.init(
                 address=args.address or "local",  # a new instance, whatever else runs here
                 include_dashboard=False,
                 logging_level="ERROR",
                 log_to_driver=False,
                 namespace="rlmetrics-demo",
+                runtime_env=code,
             )
             started_ray = True
     sinks = [s for s in args.sinks.split(",") if s]
@@ -324,12 +330,10 @@ def _log_steps(driver: Any, tracking: Any, steps: int, poll: Any) -> None:
             bar.set_postfix({k.split("/")[1]: f"{res[k]:.3g}" for k in PROGRESS if k in res})
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "demo",
-        help="train a tiny policy with GRPO on W ranks (or --simulate); log, summarize and plot its metrics",
-        description=__doc__,
-    )
+def build_parser() -> argparse.ArgumentParser:
+    from rlmetrics.cli import Parser
+
+    p = Parser(prog=PROG, description=__doc__)
     p.add_argument("--steps", type=int, default=50, help="training steps")
     p.add_argument("--workers", type=int, default=4, help="worker ranks")
     p.add_argument(
@@ -386,7 +390,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="made-up batches instead of training (fast; the only mode of --backend local)",
     )
     p.add_argument("--pace", type=float, default=0.02, help="with --simulate: seconds of work per stage unit")
-    p.set_defaults(handler=_run)
+    return p
 
 
 def out_folder(out: str | None, overwrite: bool) -> Path:
@@ -403,25 +407,24 @@ def out_folder(out: str | None, overwrite: bool) -> Path:
     held = run_files(folder)
     if held and not overwrite:
         raise SystemExit(
-            f"rlmetrics demo: {folder} holds a run ({', '.join(p.name for p in held)}): pass --overwrite to "
+            f"{PROG}: {folder} holds a run ({', '.join(p.name for p in held)}): pass --overwrite to "
             "replace it, or another --out"
         )
     return folder
 
 
-def _run(args: argparse.Namespace) -> int:
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.steps < 1 or args.workers < 1:
-        raise SystemExit("rlmetrics demo: --steps and --workers must be >= 1")
+        raise SystemExit(f"{PROG}: --steps and --workers must be >= 1")
     if args.prompts < 1 or args.group_size < 2 or args.val_samples < 1 or args.val_prompts < 1:
-        raise SystemExit(
-            "rlmetrics demo: --prompts, --val-prompts, --val-samples must be >= 1, --group-size >= 2"
-        )
+        raise SystemExit(f"{PROG}: --prompts, --val-prompts, --val-samples must be >= 1, --group-size >= 2")
     if args.backend == "local" and not args.simulate:
-        raise SystemExit("rlmetrics demo: the real run needs Ray (--backend local needs --simulate)")
+        raise SystemExit(f"{PROG}: the real run needs Ray (--backend local needs --simulate)")
     globs = [g for g in args.keys.split(",") if g]
     if args.keys not in KEYS and (not globs or set(globs) & set(KEYS)):
         raise SystemExit(
-            f"rlmetrics demo: --keys {args.keys!r}: 'all', 'core' or comma-separated globs such as "
+            f"{PROG}: --keys {args.keys!r}: 'all', 'core' or comma-separated globs such as "
             "'critic/**,actor/grad_norm' (not both)"
         )
     args.out = out_folder(args.out, args.overwrite)

@@ -1,4 +1,4 @@
-"""One data-parallel rank of ``rlmetrics demo``'s real GRPO run, and the metrics it reports.
+"""One data-parallel rank of the GRPO demo's real run, and the metrics it reports.
 
 Every rank holds a replica of the policy (the same random init on every rank) and a frozen copy of
 it (the reference of the KL term). Each step it samples its share of the step's prompts, rolls out
@@ -39,9 +39,9 @@ from typing import Any
 
 import numpy as np
 
+from examples.grpo import grpo
+from examples.grpo.grpo import torch
 from rlmetrics.backends import connect
-from rlmetrics.cli import grpo
-from rlmetrics.cli.grpo import torch
 
 UPDATE_TERMS = ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl_loss")
 """Per-token quantities of the update, submitted as ``actor/{name}`` weighted by token counts."""

@@ -50,7 +50,7 @@ Prompt = tuple[str, tuple[int, ...]]
 @dataclass
 class GRPOConfig:
     """The run's seed, batch shape (``prompts`` per rank and step, ``group_size`` responses per
-    prompt), learning rate (those four are ``rlmetrics demo``'s options), model size and the other
+    prompt), learning rate (those four are the demo's options), model size and the other
     hyper-parameters of the update."""
 
     seed: int
