@@ -242,56 +242,15 @@ def _m2_read(rules: int) -> bool:
     return any(FIELDS.index("m2") in resolve(n).fields for n in names)
 
 
-_STATM: dict[int, tuple[int, int, int]] = {}  # pid -> (fd, st_dev, st_ino) of its open /proc/<pid>/statm
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_PROCESS: dict[int, psutil.Process] = {}  # one per pid: a forked child reads its own memory
 
 
 def _rss_bytes() -> int:
-    """This process's resident set size, as psutil's ``memory_info().rss``: on Linux one read of
-    ``/proc/<pid>/statm`` kept open per pid (a fork opens its own), elsewhere, or when that read
-    fails, through psutil. The kept file is checked to be the one opened (device and inode) before
-    each read: a descriptor closed or reused by the application is never read nor closed."""
+    """This process's resident set size, psutil's ``memory_info().rss``, through a kept ``Process``
+    (about 20 µs a reading on the development machine, a new one about 60 µs)."""
     pid = os.getpid()
-    entry = _STATM.get(pid)
-    if entry is None or not _is_ours(entry):
-        entry = _open_statm(pid)
-    if entry is not None:
-        try:
-            return int(os.pread(entry[0], 128, 0).split()[1]) * _PAGE
-        except (OSError, ValueError, IndexError):
-            _STATM.pop(pid, None)
-    return psutil.Process(pid).memory_info().rss
-
-
-def _is_ours(entry: tuple[int, int, int]) -> bool:
-    try:
-        st = os.fstat(entry[0])
-    except OSError:
-        return False
-    return (st.st_dev, st.st_ino) == entry[1:]
-
-
-def _open_statm(pid: int) -> tuple[int, int, int] | None:
-    """Open ``/proc/<pid>/statm`` and keep it (None without /proc); close the kept files of other
-    pids (a parent's, inherited by a fork) that are still ours. Safe for threads: the first entry
-    added wins, the others close their own file."""
-    for other in [p for p in list(_STATM) if p != pid]:
-        stale = _STATM.pop(other, None)
-        if stale is not None and _is_ours(stale):
-            os.close(stale[0])
-    stale = _STATM.get(pid)
-    if stale is not None and not _is_ours(stale):
-        _STATM.pop(pid, None)  # closed or reused by someone else: not ours to close
-    try:
-        fd = os.open(f"/proc/{pid}/statm", os.O_RDONLY)
-    except OSError:
-        return None
-    st = os.fstat(fd)
-    entry = (fd, st.st_dev, st.st_ino)
-    kept = _STATM.setdefault(pid, entry)
-    if kept is not entry:
-        os.close(fd)  # another thread's came first
-    return kept
+    process = _PROCESS.get(pid) or _PROCESS.setdefault(pid, psutil.Process(pid))
+    return process.memory_info().rss
 
 
 def _data_arrays(
