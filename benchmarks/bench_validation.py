@@ -30,6 +30,12 @@ its own), the seed's bootstrap ``best@k/mean`` and ``maj@k/mean`` (1000 draws), 
 expectation (``exact_mean``: with replacement) and the unbiased value over k-subsets (``unbiased``),
 and the bias of the bootstrap.
 
+One large prompt: ``n`` samples of one prompt (1,024; 512 with ``--quick``), through the chunked
+bootstrap rows (what runs: ``bootstrap.SHARED_MAX``) and through the vectorised path forced (its
+indices and tie words kept per ``(n, k)``, the path before): seconds of a call once the first call
+filled the caches (best of 2), and the peak of numpy's allocations during that first call
+(``tracemalloc``); results asserted equal (1e-12).
+
 Run: ``PYTHONPATH=src python benchmarks/bench_validation.py [--quick] [--markdown PATH]``.
 """
 
@@ -54,7 +60,7 @@ import numpy as np
 import psutil
 import report
 
-from rlmetrics.metrics.validation import process_validation_metrics
+from rlmetrics.metrics.validation import bootstrap, process_validation_metrics
 
 CELLS = ((128, 16), (512, 16))
 QUICK_CELLS = ((32, 8), (128, 16))
@@ -65,6 +71,7 @@ EXACT_CELL = (4096, 16)
 QUICK_EXACT_CELL = (512, 16)
 EXACT_TARGET_SECONDS = 1.0
 BIAS_CASES = ((4, 1, 4), (4, 2, 4), (8, 1, 8), (8, 2, 4), (8, 4, 8), (16, 2, 16), (16, 4, 8), (16, 8, 16))
+LARGE_PROMPT, QUICK_LARGE_PROMPT = 1024, 512
 MEMORY_CELL = (10_000, 64)
 QUICK_MEMORY_CELL = (1_000, 64)
 MEMORY_LIMIT = 2 << 30
@@ -237,6 +244,36 @@ def bias_rows() -> list[list[str]]:
     return rows
 
 
+def measure_large_prompt(n: int) -> list[list[str]]:
+    """One prompt of ``n`` samples, chunked rows against the vectorised path forced (module docstring)."""
+    import tracemalloc
+
+    batch = make_batch(1, n, seed=5)
+    out = {}
+    for path, limit in (("chunked rows", bootstrap.SHARED_MAX), ("vectorised, kept", float("inf"))):
+        bootstrap.SHARED_MAX, saved = limit, bootstrap.SHARED_MAX
+        bootstrap._indices.cache_clear(), bootstrap._words.cache_clear()
+        try:
+            tracemalloc.start()
+            first = process_validation_metrics(*batch)
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            seconds = min(_timed(lambda: process_validation_metrics(*batch), 1)[0] for _ in range(2))
+        finally:
+            bootstrap.SHARED_MAX = saved
+            bootstrap._indices.cache_clear(), bootstrap._words.cache_clear()
+        out[path] = (seconds, peak, first)
+    rows_metrics, vec_metrics = out["chunked rows"][2], out["vectorised, kept"][2]
+    assert rows_metrics.keys() == vec_metrics.keys()
+    for name, value in vec_metrics.items():
+        assert math.isclose(rows_metrics[name], value, rel_tol=1e-12, abs_tol=1e-12), name
+    base = out["vectorised, kept"][0]
+    return [
+        [f"1 x {n}", path, f"{s:.3f}", f"{base / s:.2f}x", f"{peak / 2**20:.0f} MiB"]
+        for path, (s, peak, _) in out.items()
+    ]
+
+
 def memory_child(prompts: int, samples: int) -> None:
     """Runs in a fresh interpreter: build the batch, run once, print peak RSS and time as JSON."""
     batch = make_batch(prompts, samples)
@@ -349,7 +386,14 @@ def main(argv: list[str] | None = None) -> list[Row]:
         ],
         bias_rows(),
     )
-    body = f"{render(rows, mem)}\n\nexact estimators:\n\n{exact_table}\n\nbias, one prompt:\n\n{bias_table}"
+    large_table = report.table(
+        ["prompts x samples", "path", "s", "speed-up vs vectorised", "peak allocations (first call)"],
+        measure_large_prompt(QUICK_LARGE_PROMPT if args.quick else LARGE_PROMPT),
+    )
+    body = (
+        f"{render(rows, mem)}\n\nexact estimators:\n\n{exact_table}\n\nbias, one prompt:\n\n{bias_table}"
+        f"\n\none large prompt:\n\n{large_table}"
+    )
     notes = [
         f"rlmetrics: median of {reps} calls on the raw lists; naive: one run on the first prompts, "
         "scaled linearly to all prompts",

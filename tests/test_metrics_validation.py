@@ -550,3 +550,64 @@ def test_majority_tie_words_beyond_32_positions():
     first_pos = np.array([list(row).index(j) for row, j in zip(idx.tolist(), expected)])
     assert (first_pos >= 32).sum() >= 5  # the case is really exercised
     assert np.array_equal(vals[winners], vals[expected])
+
+
+# ------------------------------------------------------------------ large prompts: bounded memory
+def one_large_prompt(n, seed=0, answers=6):
+    rng = np.random.default_rng(seed)
+    preds = rng.integers(0, answers, size=n)
+    infos = {"acc": (preds == 0).astype(float).tolist(), "reward": rng.normal(size=n).round(2).tolist()}
+    infos["pred"] = [f"ans{p}" for p in preds]
+    return ["math"] * n, ["the one prompt"] * n, infos
+
+
+@pytest.mark.slow
+def test_a_prompt_too_large_to_keep_its_bootstrap_rows_equals_the_loop_reference():
+    """300 samples of one prompt: its k = 256 and 300 draw their bootstrap rows a chunk at a time
+    (their indices and tie words would pass SHARED_MAX), and still equal the seed's loop."""
+    assert bootstrap._shared_bytes(300, 256, 1000) > bootstrap.SHARED_MAX
+    ds, prompts, infos = one_large_prompt(300)
+    assert_same(process_validation_metrics(ds, prompts, infos), reference(ds, prompts, infos))
+
+
+@pytest.mark.parametrize("tie", ["first", "none"])
+def test_bootstrap_rows_give_the_vectorised_numbers(monkeypatch, tie):
+    """Every prompt and k forced through the chunked rows (SHARED_MAX below every shape): the
+    vectorised path's numbers (bit for bit but for best/worst of prompts of at most TABLE_MAX_N
+    samples, which it counts from tables), NaN, ties and one-class prompts included."""
+    rng = np.random.default_rng(3)
+    ds, prompts, infos, turns = random_batch(rng, n_prompts=20, max_n=40, nan_rate=0.05)
+    whole = process_validation_metrics(ds, prompts, infos, turns, tie=tie)
+    monkeypatch.setattr(bootstrap, "SHARED_MAX", -1)
+    monkeypatch.setattr(bootstrap, "CHUNK_BYTES", 8 * 1024)  # several chunks of rows per k
+    rows = process_validation_metrics(ds, prompts, infos, turns, tie=tie)
+    assert_same(rows, whole)
+
+
+def test_one_prompt_of_many_samples_costs_bounded_memory():
+    """A record of 2,000 samples of one prompt with preds: the aggregator's computation peaks below
+    256 MiB (the tie words of every k kept: 3 GB), and keeps at most 16 small shapes cached."""
+    import tracemalloc
+
+    ds, prompts, infos = one_large_prompt(2000)
+    tracemalloc.start()
+    try:
+        metrics = process_validation_metrics(ds, prompts, infos)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 256 * 2**20 and "val-core/math/acc/maj@2000/mean" in metrics
+    kept = [bootstrap._indices.cache_info().currsize, bootstrap._words.cache_info().currsize]
+    assert max(kept) <= 16
+
+
+def test_exact_majority_stops_at_its_largest_k():
+    """exact=True on one prompt of 600 samples: maj@k's exact keys up to MAJ_MAX_K (256), the others
+    (pass@k, best/worst exact and unbiased) for every k, and the bootstrap maj@600 as always."""
+    from rlmetrics.metrics.validation.exact import MAJ_MAX_K
+
+    ds, prompts, infos = one_large_prompt(600, answers=3)
+    m = process_validation_metrics(ds, prompts, infos, exact=True)
+    base = "val-aux/math/acc"
+    assert f"{base}/maj@{MAJ_MAX_K}/exact_mean" in m and f"{base}/maj@512/exact_mean" not in m
+    assert {f"{base}/pass@600", f"{base}/best@600/unbiased", "val-core/math/acc/maj@600/mean"} <= set(m)

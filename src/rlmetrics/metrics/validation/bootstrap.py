@@ -16,6 +16,11 @@ CHUNK_BYTES = 16 << 20
 CACHE_BYTES = 2 << 20
 """Rough size of the vote counts of one chunk of the majority vote (small enough to stay in cache)."""
 
+SHARED_MAX = 4 << 20
+"""Bytes a ``(n, k)``'s bootstrap indices and tie-break words may take to be drawn once and kept (16
+shapes at most: :func:`_indices`, :func:`_words`); a larger one goes through :func:`_bootstrap_rows`,
+whose memory is :data:`CHUNK_BYTES` whatever ``n``."""
+
 TABLE_MAX_N = 16
 """Prompts with at most this many samples get best@k / worst@k from subset-count tables
 (:func:`_miss_table`, ``2**n`` entries per ``(n, k)``) rather than by gathering every bootstrap row."""
@@ -84,6 +89,9 @@ def bootstrap_group(
         return out
     ranked = {v: _ranked(mat) for v, mat in mats.items()} if n <= TABLE_MAX_N else {}
     for k in bootstrap_sizes(n):
+        if _shared_bytes(n, k, n_bootstrap) > SHARED_MAX:
+            out.update(_bootstrap_rows(mats, dense, n, k, n_bootstrap, seed, tie))
+            continue
         idx = _indices(n, k, n_bootstrap, seed)
         for v, mat in mats.items():
             if v in ranked:
@@ -104,6 +112,65 @@ def bootstrap_group(
             for v, mat in mats.items():
                 x = np.concatenate([mat, np.zeros((len(mat), 1))], axis=1) if tie == "none" else mat
                 out[(v, f"maj@{k}/mean")], out[(v, f"maj@{k}/std")] = _row_stats(x, winners, n_bootstrap)
+    return out
+
+
+def _shared_bytes(n: int, k: int, n_bootstrap: int) -> int:
+    """Bytes of the bootstrap indices and the tie-break words (at most 8 bytes an entry) of ``(n, k)``."""
+    words = -(-k // (k if k <= _SHORT_K else _WORD))
+    return n_bootstrap * 8 * (k + n * words)
+
+
+def _bootstrap_rows(
+    mats: dict[str, np.ndarray],
+    dense: np.ndarray | None,
+    n: int,
+    k: int,
+    n_bootstrap: int,
+    seed: int,
+    tie: str,
+) -> dict[tuple[str, str], np.ndarray]:
+    """:func:`bootstrap_group`'s keys of one ``k``, the bootstrap rows drawn (the seed's draws) and used
+    a chunk at a time, prompt by prompt, nothing kept: memory about :data:`CHUNK_BYTES` for any ``n``
+    and ``k``, time linear in ``n_bootstrap * k``. The same numbers as the vectorised path."""
+    prompts = len(next(iter(mats.values())))
+    d = 0 if dense is None else int(dense.max()) + 1
+    step = max(1, CHUNK_BYTES // (8 * (k + d)))
+    best = {v: np.empty((n_bootstrap, prompts)) for v in mats}
+    worst = {v: np.empty((n_bootstrap, prompts)) for v in mats}
+    wins, tied = np.zeros((prompts, n)), np.zeros((prompts, n + 1))
+    draws = np.random.RandomState(seed)  # bootstrap_indices' stream, a chunk of rows at a time
+    for lo in range(0, n_bootstrap, step):
+        idx = draws.choice(n, size=(min(step, n_bootstrap - lo), k), replace=True)
+        hi, rows = lo + len(idx), np.arange(len(idx))
+        for p in range(prompts):
+            for v, mat in mats.items():
+                x = mat[p][idx]
+                best[v][lo:hi, p], worst[v][lo:hi, p] = x.max(axis=1), x.min(axis=1)
+            if dense is None:
+                continue
+            codes = dense[p][idx]
+            counts = np.bincount((rows[:, None] * d + codes).ravel(), minlength=len(idx) * d).reshape(-1, d)
+            top = counts.max(axis=1)
+            first = (np.take_along_axis(counts, codes, axis=1) == top[:, None]).argmax(axis=1)
+            sample = idx[rows, first]  # the first draw of the most voted pred: the seed's tie-break
+            wins[p] += np.bincount(sample, minlength=n)
+            if tie == "none":
+                is_tied = (counts == top[:, None]).sum(axis=1) > 1
+                tied[p, :n] += np.bincount(sample[is_tied], minlength=n)
+                tied[p, n] += is_tied.sum()
+    out: dict[tuple[str, str], np.ndarray] = {}
+    for v, mat in mats.items():
+        stats = (best[v].mean(axis=0), best[v].std(axis=0), worst[v].mean(axis=0), worst[v].std(axis=0))
+        out.update({(v, f"{name}@{k}/{stat}"): val for (name, stat), val in zip(_EXTREMES, stats)})
+        if dense is not None:
+            x, w = mat, wins
+            if tie == "none":  # the tied rows move to an extra column of value 0, as in bootstrap_group
+                x, w = (
+                    np.concatenate([mat, np.zeros((len(mat), 1))], axis=1),
+                    np.concatenate([wins - tied[:, :n], tied[:, n:]], axis=1),
+                )
+            out[(v, f"maj@{k}/mean")], out[(v, f"maj@{k}/std")] = _row_stats(x, w, n_bootstrap)
     return out
 
 
@@ -164,7 +231,7 @@ def _extremes_by_rows(mat: np.ndarray, idx: np.ndarray) -> list[np.ndarray]:
     return out
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)
 def _indices(n: int, k: int, n_bootstrap: int, seed: int) -> np.ndarray:
     """:func:`bootstrap_indices`, drawn once per shape (read-only)."""
     idx = bootstrap_indices(n, k, n_bootstrap, seed)
@@ -236,7 +303,7 @@ def _tied_counts(dense: np.ndarray, idx: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)
 def _words(n: int, k: int, n_bootstrap: int, seed: int) -> list[np.ndarray]:
     """:func:`_tie_words` of the bootstrap indices, once per shape."""
     return _tie_words(_indices(n, k, n_bootstrap, seed), n)

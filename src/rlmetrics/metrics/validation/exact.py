@@ -72,6 +72,11 @@ def subset_weights(n: int, k: int) -> np.ndarray:
     return out
 
 
+MAJ_MAX_K = 256
+"""The largest ``k`` of the exact maj@k keys: their dynamic program grows as about ``k**3`` (one prompt of
+1,024 samples: 30 s on the development machine for every ``k`` up to 1,024, about 1.5 s up to 256)."""
+
+
 def exact_group(
     mats: dict[str, np.ndarray],
     dense: np.ndarray | None,
@@ -101,10 +106,11 @@ def exact_group(
             w_subset = subset_weights(n, k)
             out[(v, f"best@{k}/unbiased")] = srt @ w_subset
             out[(v, f"worst@{k}/unbiased")] = srt @ w_subset[::-1]
-    if dense is not None and n_classes is not None and ks and mats:
+    maj_ks = [k for k in ks if k <= MAJ_MAX_K]
+    if dense is not None and n_classes is not None and maj_ks and mats:
         names = list(mats)
-        majority = _exact_majority(mats, names, dense, n_classes, n, ks, tie == "none")
-        for k in ks:
+        majority = _exact_majority(mats, names, dense, n_classes, n, maj_ks, tie == "none")
+        for k in maj_ks:
             first, second = majority[(k, False)]
             unbiased, _ = majority[(k, True)]
             for j, v in enumerate(names):
@@ -200,7 +206,8 @@ def _binom_pmf(
     with np.errstate(divide="ignore", invalid="ignore"):
         log_p = log_fact[r] - log_fact[np.where(valid, j, 0)] - log_fact[np.where(valid, r - j, 0)]
         log_p = log_p + np.where(j > 0, j * np.log(q), 0.0) + np.where(r > j, (r - j) * np.log1p(-q), 0.0)
-    return np.where(valid, np.exp(log_p), 0.0)
+    with np.errstate(over="ignore"):  # entries where j > r hold any number: set to 0 below
+        return np.where(valid, np.exp(log_p), 0.0)
 
 
 def _hypergeom_pmf(
@@ -217,7 +224,8 @@ def _hypergeom_pmf(
         return log_fact[a] - log_fact[b] - log_fact[a - b]
 
     log_p = log_comb(size, j) + log_comb(pool - size, r - j) - log_comb(pool, r)
-    return np.where(valid, np.exp(log_p), 0.0)
+    with np.errstate(over="ignore"):
+        return np.where(valid, np.exp(log_p), 0.0)
 
 
 def _majority_dp(
@@ -282,4 +290,4 @@ def _majority_dp(
     return result
 
 
-__all__ = ["exact_group", "pass_at_k", "pass_hat_k", "subset_weights"]
+__all__ = ["MAJ_MAX_K", "exact_group", "pass_at_k", "pass_hat_k", "subset_weights"]
