@@ -73,7 +73,7 @@ class Layout:
             return np.array([i for i, r in enumerate(kinds) if pred(r)], dtype=np.int64)
 
         def whole(r) -> bool:  # M2 merges with every rank's count and sum; a histogram reads all fields
-            return 2 in r.fields and r.kind != "quantile"
+            return 2 in r.fields and not r.quantile
 
         def extreme(field: int):  # a min or max field read, reduced with MIN or MAX (a sketch has its own)
             return lambda r: field in r.fields and not whole(r) and not r.needs_sketch

@@ -67,6 +67,15 @@ class Reduction:
     def needs_sketch(self) -> bool:
         return self.kind in ("quantile", "hist")
 
+    @property
+    def histogram(self) -> bool:
+        """Whether :meth:`apply` gives a histogram, not a number."""
+        return self.kind == "hist"
+
+    @property
+    def quantile(self) -> bool:
+        return self.kind == "quantile"
+
     def apply(self, stat: Stat) -> Any:
         """The reported value for one merged Stat (``nan`` when it holds no observation; a
         :class:`~rlmetrics.core.histogram.Histogram` or None for ``hist``)."""

@@ -191,7 +191,7 @@ def layout_of(st: Step, columns: ColumnIndex) -> Layout:
         out_names=[columns.out_names[c] for c in cols.tolist()],
         plain=[(r, idx) for r, idx in reductions if not r.needs_sketch],
         quantiles=[i for r, idx in reductions if r.needs_sketch for i in idx.tolist()],
-        hists=[columns.out_names[cols[i]] for r, idx in reductions if r.kind == "hist" for i in idx.tolist()],
+        hists=[columns.out_names[cols[i]] for r, idx in reductions if r.histogram for i in idx.tolist()],
         derived=any(is_aux(columns.names[c]) for c in cols.tolist()),
     )
 

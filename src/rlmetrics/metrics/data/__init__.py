@@ -226,7 +226,7 @@ def data_metrics_from_stats(stats: Mapping[str, Stat]) -> dict[str, float]:
     >>> data_metrics_from_stats(merged)["critic/advantages/mean"]
     3.0
     """
-    stats = {name: s for name, s in stats.items() if resolve(name).kind != "hist"}
+    stats = {name: s for name, s in stats.items() if not resolve(name).histogram}
     names = list(stats)
     arrays = np.array([[s.count, s.sum, s.m2, s.min, s.max] for s in stats.values()]).T
     return metrics_of_arrays(names, arrays.reshape(5, len(names)), stats)
