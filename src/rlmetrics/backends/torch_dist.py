@@ -2,13 +2,14 @@
 
 Over 600 lines on purpose: the client and its transport over collectives are one protocol (every
 rank calls the same collectives in the same order); the forms of the exchange live in
-torch_exchange.py.
+torch_exchange.py, whether the ranks are alive in torch_alive.py.
 
 Every rank of a process group holds a :class:`TorchMetricClient` (``rlmetrics.connect("torch")``).
 ``submit_metric`` summarizes at once, as with every backend; ``wait_submit()`` is the collective
 point: every rank of the group calls it once per step (like the ``dist.barrier`` of the seed) and
 gets the merged step back from ``result(step)`` / ``wait_final_res()``, on every rank (default) or on
-``result_on`` only.
+``result_on`` only. A steady step is one round trip. The protocol, the slips and a rank that is
+gone: docs/torch-distributed.md.
 
 .. code-block:: python
 
@@ -21,70 +22,6 @@ gets the merged step back from ``result(step)`` / ``wait_final_res()``, on every
         client.submit_metric({"critic/score/mean": scores, "critic/score/max": scores}, step=step)
         client.wait_submit(step=step)  # collective: every rank, every step
         res = client.result(step)  # the same {name: value} on every rank
-
-**Protocol of one step** (``wait_submit``). The ranks share a *layout*: the sorted names (with their
-reductions) of recent steps, identical on every rank, identified by a blake2b fingerprint. Each rank
-merges its own submissions of the step into one ``(5, L)`` stat array in layout order (count, sum,
-M2, min, max per name), then:
-
-1. **One exchange of every rank's state**, in one of two forms. Both carry a header (fingerprint,
-   step, whether the rank has a name outside the layout, how many other states it holds) and, per
-   quantile name, what the sketches of step 2 need (exact size, bucket spans, parameters). The form
-   depends only on the layout and the group size, so every rank picks the same one (``exchange=``
-   forces one):
-
-   * ``"gather"`` (while ``W x (F + header)`` is at most :data:`GATHER_LIMIT` floats): one
-     ``all_gather`` of the vector, whose ``F`` stat fields are those the names' reductions read
-     (count and sum of a mean, count and max of a max, count, sum and M2 of a std, all five of a
-     quantile or histogram: about two per name rather than five); every rank merges the ``W``
-     stat arrays itself with :func:`~rlmetrics.core.stat.reduce_parts`, as the in-process aggregator
-     does (exact pooled M2, no sum of squares that cancels; a NaN reaches min and max).
-   * ``"reduce"`` (beyond): three collectives issued together (async) and awaited together: ``SUM``
-     of count and sum of the ``L`` names, ``MAX`` of ``max`` for max names and ``-min`` for min
-     names, and an ``all_gather`` of the whole ``(5, S)`` stat array of the ``S`` std and histogram
-     names only, for their exact pooled M2 (and a histogram's min and max: its edges). ``MAX`` is not
-     NaN-safe in every backend: a NaN extreme is flagged in the ``SUM`` and fixed by one extra
-     ``MAX`` of a 0/1 mask (rare).
-
-   Ranks with different layouts, or a rank with a name outside the layout, make every rank do one
-   ``all_gather_object`` of name lists, build the sorted union and exchange again (the rare
-   re-layout path; names seen in the last ``memory`` steps stay, so alternating key sets do not
-   re-layout every time). Ranks at different steps (the header's step, MAX of ``step`` and
-   ``-step``) gather each rank's step: one step apart (a skipped ``wait_submit``), the lower step is
-   collected first and the ranks ahead collect theirs with the others' next call; further apart,
-   every rank raises :class:`RuntimeError` naming where each rank is (:meth:`TorchDistTransport._realign`).
-2. Only when the layout has quantile names: one ``SUM`` of the sketches. While every rank holds an
-   exact sketch and the total fits the smallest ``exact_limit`` (1,000,000 values by default), the
-   raw values are summed into disjoint slots, each rank's at its offset from the sizes of step 1
-   (a gather by ``SUM``: ``1 + total`` floats), so quantiles equal the in-process aggregator's exact ones
-   (``torch.quantile`` / ``torch.median``). Otherwise every rank folds its sketch onto the
-   :class:`~rlmetrics.core.sketch.BucketWindow` that covers every rank's buckets
-   (:meth:`~rlmetrics.core.sketch.Sketch.fold`) and the sum is read back with
-   :meth:`~rlmetrics.core.sketch.Sketch.from_folded`: the same counts as
-   :meth:`~rlmetrics.core.sketch.Sketch.merge`, so the same relative error.
-
-So a steady step costs one round trip: one collective in the ``"gather"`` form, two or three
-issued together in the ``"reduce"`` form; plus the ``SUM`` of step 2 with quantile names. Layouts
-change only in the collective re-layout, so every rank's vectors have the same length (ranks whose
-collectives are not paired, a misuse, make the backend raise on a size mismatch). A rank without a
-name sends count 0 and
-neutral extremes, so the name is not reported as zero; a name no rank has in a step is left out of
-that step's values (listed in ``meta.empty``). NaN follows ``nan_strategy``; with
-``"propagate"`` a NaN reaches mean, std, min, max and quantiles. States other than sketches
-(validation samples, :mod:`rlmetrics.core.states`) are gathered in their travelling form with one
-``all_gather_object`` in the steps that have them, and merged.
-
-The exchange itself (the layout, both forms, the sketch plans) is
-:mod:`rlmetrics.backends.torch_exchange`; whether the ranks are alive is
-:mod:`rlmetrics.backends.torch_alive`; this module holds the transport and the client (~650 lines,
-a third of them docstrings).
-
-``world_size`` and partial results: in a collective every rank of the group is present by
-construction, so a step is complete; ``world_size`` given to ``submit_metric`` is accepted for
-API compatibility and not used. A rank whose process is gone (its heartbeat in the default group's
-store stopped for :data:`GONE_AFTER` seconds) makes the survivors form a new group of themselves:
-the step is collected partial (``meta.missing_ranks``), later steps complete on the survivors; or,
-when they cannot, :class:`RankGoneError`. docs/torch-distributed.md tells the slips and the failures.
 """
 
 from __future__ import annotations

@@ -1,85 +1,11 @@
 """Validation metrics (the seed's ``process_validation_metrics``), vectorised over prompts, numpy only.
 
 Validation generates ``n`` responses per prompt; every numeric variable of ``infos_dict`` (``acc``,
-``reward``, ...) is summarised per prompt and then averaged over the prompts of each data source.
-
-**Reference semantics** (siiRL's ``process_validation_metrics``, reproduced to float rounding):
-
-- Samples are grouped by ``(data_source, prompt)``; within a prompt they keep their input order.
-  A variable is used for a prompt when the prompt's first value is not a string (nor any other
-  non-number: siiRL would crash on ``None``, we skip it); a non-number further in such a prompt
-  counts as NaN, with a warning (siiRL would crash).
-- Per prompt with ``n`` samples: ``mean@n``; if ``n > 1``: ``std@n`` (population) and, for ``k`` in
-  :func:`bootstrap_sizes` (2, 4, 8, ... below ``n``, then ``n``), with the indices
-  :func:`bootstrap_indices` (``np.random.seed(seed)`` then ``np.random.choice(n, (1000, k))``, reseeded
-  for every call, so they depend on ``(n, k, seed)`` only): ``best@k/mean|std`` and ``worst@k/mean|std``
-  (mean and population std of the row maxima / minima) and, when a ``pred`` variable exists,
-  ``maj@k/mean|std`` of the value at the first position of the row's most frequent ``pred`` (ties:
-  the pred that appears first in the row), as :func:`calc_maj_val`.
-- Each metric is averaged over the prompts of its data source that have it. Keys are
-  ``{section}/{data_source}/{var}/{metric}``, section ``val-core`` for the core variable (``acc`` if
-  present, else ``reward``) on metrics starting with ``mean``, ``maj`` or ``best`` at the largest
-  ``@N`` of that variable, ``val-aux`` otherwise. Plus ``val/test_score/{data_source}`` (mean
-  ``reward`` over the data source's samples; skipped without a ``reward`` variable, where siiRL
-  raises ``KeyError``) and ``val-aux/num_turns/min|max|mean`` (``sample_turns`` may be a flat list of
-  ints as well as the list of arrays that siiRL's ``np.concatenate`` needs).
-
-**verl's semantics** (``style="verl"`` of :func:`encode_samples`, verl 0.9.1's
-``process_validation_metrics``): per prompt and variable, ``None`` values are dropped (so ``n`` is the
-number of values left, and may differ between variables of one prompt); a prompt votes (``maj@k``)
-for a variable only when none of its preds is None and the variable kept all its values. verl's
-``expected_acc_counts`` (``expected_counts``: ``{(data_source, prompt): count}``, for data sources
-where some ``acc`` is not None) pads a prompt's ``acc`` with zeros up to the count (a prompt without
-samples gets one) and adds ``acc_success_only``, the ``acc`` values it had. verl's trainer reports
-no ``val/test_score/*``; :func:`samples_by_source` gives verl's nested return.
-
-**How it is fast.** Prompts are grouped by ``n``; only ``(n, k)`` decides the bootstrap indices, so
-everything that depends on them alone is computed once per ``(n, k)`` and kept
-(:mod:`~rlmetrics.metrics.validation.bootstrap`). Every statistic is the mean and std over rows of a value
-each row takes from the prompt, so it follows from how many rows take each value
-(:func:`_row_stats`). best/worst@k: the rows whose maximum is at least a prompt's i-th smallest value
-are those that draw a position holding one of its largest ``n - i`` values, counted for all
-prompts at once by a lookup in a table of how many rows miss each set of positions (``2**n``
-entries, built by a sum over subsets; up to :data:`TABLE_MAX_N` samples, beyond which every row is
-gathered). maj@k: the preds of each prompt become dense codes; the vote count of every class in
-every bootstrap row is a matrix product ``(counts per sample) @ (one-hot classes)``, and the tie-break
-(earliest first position) rides in the same product as a sum of distinct powers of two (exact in
-float32 up to 19 draws, in float64 words beyond); the winners' positions are counted per prompt (and
-with ``k == 2`` the first draw always wins). Prompts are processed in chunks of about
-:data:`CHUNK_BYTES`, so memory stays bounded.
-
-**NaN and order.** NaN values propagate exactly as numpy's would in the seed: a NaN in a bootstrap
-row makes its best/worst NaN; maj is NaN when the chosen value is NaN; ``mean@n``/``std@n`` of a
-prompt with a NaN are NaN, and so is the data source's average; its exact keys are NaN and it has
-no ``pass@k`` (NaN is not 0/1). Averages over prompts do not depend
-on the order of prompts (up to float rounding), but best/worst/maj do depend on the order of the
-samples *within* a prompt (the bootstrap indices pick positions), so distributed use must
-concatenate the ranks in a fixed order; see :func:`merge_samples`. siiRL reseeds the global numpy
-generator; we draw the same numbers from a private ``RandomState`` and leave the global one alone.
-
-**Beyond the seed** (``exact=True``; extra keys, always ``val-aux``, the seed's keys unchanged):
-``pass@k`` for variables whose values in the data source are all 0/1 (the unbiased estimator of
-Chen et al. 2021, ``1 - C(n-c, k) / C(n, k)``, for ``k`` in 1 and :func:`bootstrap_sizes`); the
-exact expectation and std of the bootstrap distribution (``k`` draws with replacement), without
-sampling noise: ``best@k/exact_mean|exact_std``, ``worst@k/...`` and ``maj@k/...``; the unbiased
-estimators over all ``k``-subsets of distinct samples, ``best@k/unbiased``, ``worst@k/unbiased`` and
-``maj@k/unbiased`` (:mod:`~rlmetrics.metrics.validation.exact` says why the bootstrap is biased);
-and a 95 % confidence interval across prompts, ``<name>/ci_low|ci_high``, for each ``pass@k``,
-``exact_mean`` and ``unbiased`` (:mod:`~rlmetrics.metrics.validation.compute`). maj@k is computed
-by a dynamic program over the vote counts, exact up to float rounding, once per distinct multiset
-of class sizes (``docs/validation.md`` has the cost). Like every key here, they are final values
-over all samples (computed once, after merging the records), not inputs to a per-name reduction.
-Also ``pass^k`` (all ``k`` correct, ``C(c, k) / C(n, k)``, next to each ``pass@k``); ``tie="none"``
-(a tied maj@k vote is no majority and reports 0, keys ``maj_strict@k/...``) and ``missing=`` (what a
-None or NaN score counts as, named in the keys ``<var>:<choice>``) of :func:`encode_samples`; the
-defaults keep the seed's numbers and keys (``docs/validation.md``).
-
-**Distributed.** :func:`encode_samples` turns one rank's samples into a compact
-:class:`SampleRecord` (codes plus tables, float64 columns); :func:`merge_samples` concatenates
-records in the given (rank) order; and :func:`process_samples` computes the metrics of a record.
-``process_samples(merge_samples(records))`` equals ``process_validation_metrics`` on the
-concatenated inputs exactly; averaging per-rank results instead is wrong whenever a prompt's samples
-sit on several ranks.
+``reward``, ...) is summarised per prompt (``mean@n``, ``std@n``, the bootstrap's ``best@k``,
+``worst@k`` and ``maj@k``) and averaged over the prompts of each data source, as siiRL does (or as
+verl 0.9.1 does: ``style="verl"``); ``exact=True`` adds ``pass@k`` and estimators without bootstrap
+noise. Records of several ranks merge exactly (:func:`encode_samples`, :func:`merge_samples`,
+:func:`process_samples`). The semantics, how it is computed and what it costs: docs/validation.md.
 
 >>> m = process_validation_metrics(["gsm8k"] * 4, ["q1", "q1", "q2", "q2"],
 ...                                {"acc": [1.0, 0.0, 1.0, 1.0], "pred": ["4", "5", "7", "7"]})
@@ -89,11 +15,9 @@ sit on several ranks.
 ['val-core/gsm8k/acc/best@2/mean', 'val-core/gsm8k/acc/best@2/std', 'val-core/gsm8k/acc/maj@2/mean', \
 'val-core/gsm8k/acc/maj@2/std', 'val-core/gsm8k/acc/mean@2']
 
-**Where it lives.** This module: the public functions. :mod:`~rlmetrics.metrics.validation.records`:
-records (encode, merge, digest); :mod:`~rlmetrics.metrics.validation.views`: how samples are grouped
-(the seed's and verl's styles); :mod:`~rlmetrics.metrics.validation.compute`: the per-prompt metrics
-and their averages; :mod:`~rlmetrics.metrics.validation.bootstrap`: the vectorised bootstrap;
-:mod:`~rlmetrics.metrics.validation.exact`: the ``exact=True`` extras.
+Submodules: ``records`` (encode, merge, digest), ``views`` (the seed's and verl's grouping),
+``compute`` (per-prompt metrics and their averages), ``bootstrap`` (the vectorised bootstrap),
+``exact`` (the ``exact=True`` extras).
 """
 
 from __future__ import annotations

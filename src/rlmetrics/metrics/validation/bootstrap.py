@@ -1,6 +1,6 @@
 """The vectorised bootstrap of best@k / worst@k / maj@k: per prompt, the mean and std over the seed's
 bootstrap rows of the best, worst and majority-vote values, for all prompts with ``n`` samples at
-once (how: :mod:`rlmetrics.metrics.validation`, "How it is fast").
+once (how: docs/validation.md, "How it is fast").
 """
 
 from __future__ import annotations
