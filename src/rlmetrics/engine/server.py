@@ -4,50 +4,8 @@ Over 400 lines on purpose: the call protocol is one set of rules (sessions, rela
 deadlines and persistence each change what the others decide), read and tested in one place
 (where the state is saved: :mod:`rlmetrics.engine.store`).
 
-- ``receive``: a client's items and step closings are merged; every step this completes is
-  finalized at once, read or not (its result is kept, up to ``keep_results``), so memory follows
-  the steps in flight, not the steps nobody reads.
-- ``result(step)`` may return once the step is complete or finalized; at the reader's deadline it
-  gives the step as it stands, *provisional* (``meta.provisional``: the step stays open), unless
-  the reader asks to finalize it (``finalize=True``: the logging reader). A step nothing arrived
-  for is never finalized: its result says where the ranks are (``meta.ranks_at``), at once when
-  every registered rank closed a later step. With ``step_timeout``, a
-  step also has a deadline of its own: that many seconds after a client first closed it, it is
-  finalized as it stands (:meth:`Server.due_steps`), read or not.
-- A step finalized here says how whole it is: ``meta.contributions`` is ``[received, expected]``
-  contributions summed over its names, ``meta.late`` counts the contributions that arrived for
-  steps already final since the previous step was finalized (they were dropped).
-- ``final()`` (the seed's ``wait_final_res``) is about the newest step every registered client
-  closed, each step once per reader, in order (:meth:`Server.final_target`): it may return once
-  that step is complete, at ``final_timeout`` as it stands. With no client at all (the seed's bare
-  ``MetricWorker.submit_metric`` rounds) it finalizes what arrived since the last read, and the
-  next submission starts a new round.
-- One logging reader ends steps at its deadline (:meth:`Server.logs`): the reader that last read
-  with ``finalize=True``, else the first reader of ``final()``; another reader's deadline gives the
-  step provisional, and a reader whose session ended ends nothing.
-- A restarted incarnation (Ray) knows the registered clients from its saved state and waits, at most
-  ``recovery_timeout`` seconds, until each of them resent what it keeps.
-- Sessions (Ray: a client's job, i.e. the driver run it belongs to): when a client of a session not
-  seen before contributes, every session that ``session_ended`` reports over is closed: its clients
-  are no longer waited for, their open contributions are dropped, and later messages of that session
-  are refused. A restarted run never merges the killed run's half-submitted steps.
-- Reports: what a client can be told goes into its reply (errors, ``late``: steps whose data came
-  after they were final, dropped) or into a result's ``meta``, and that client warns its user
-  (:class:`~rlmetrics.messages.RLMetricsWarning`, once per event); the server side logs those at
-  INFO or DEBUG only (the in-process backend runs it in the user's process). What no client can be
-  told (a run found ended, a node that did not forward) is logged at WARNING.
-- A node sub-aggregator speaks for the ranks it relayed (:meth:`Server.relay`): it forwards their
-  merged submissions keyed by each rank's ``(client_id, seq)`` and closes steps on their behalf, so
-  the steps, their completion and their ``meta`` are the flat layout's, by rank. Its own server has
-  an ``upstream`` (the client to the root): it finalizes nothing, the root does.
-- Persistence (:meth:`Server.handle`: merge, finalize, save, reply): with a store
-  (:class:`~rlmetrics.engine.store.Store`), every change of what a next incarnation resumes from
-  (registered clients, finalized steps, the newest results, sessions, relays) is saved, and a reply
-  lets a client forget only the steps finalized in the state saved last (:meth:`Server.durable`): a
-  restart resumes from that state, and a step it does not know finalized is merged again from the
-  clients' resends. A stored state the store refuses
-  (:class:`~rlmetrics.engine.store.RefusedState`) or this version cannot read is logged, named in
-  ``stats`` and left: the server starts empty, and the clients resend what they keep.
+The rules of every call (receive, result, final, the logging reader, recovery, sessions, reports,
+node relays, persistence): docs/architecture.md, "The aggregator's rules".
 
 >>> from rlmetrics.messages import MAX_STEP
 >>> from rlmetrics.packing import pack
