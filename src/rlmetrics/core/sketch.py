@@ -1,46 +1,15 @@
 """Mergeable quantile sketch: exact while small, relative-error log buckets beyond.
 
-A :class:`Sketch` has two modes.
-
-* **Exact mode** -- while at most ``exact_limit`` (non-NaN) values are held and every weight is 1, the
-  raw values are kept (float64: 8 bytes a value). ``exact_limit`` defaults to :func:`default_exact_limit`
-  (1,000,000, or the environment variable ``RLMETRICS_EXACT_QUANTILES``). :meth:`Sketch.quantile`
-  then equals ``torch.quantile`` (linear interpolation with the same arithmetic, including the fused
-  multiply-add of torch's vectorised CPU kernel, so ``numpy.quantile(method="linear")`` may differ
-  in the last bit) and :meth:`Sketch.median` equals ``torch.median`` (the *lower* middle value for
-  even counts).
-* **Bucket mode** -- beyond ``exact_limit`` values (of a merge: the smaller of the two sketches' limits,
-  so a merge is exact exactly when all its inputs are and their values together fit every input's
-  limit), or as soon as any weight is not 1, values go to
-  logarithmic buckets with ``gamma = (1 + rel_err) / (1 - rel_err)``. A value ``x > 0`` lands in bucket
-  ``k = ceil(log(x) / log(gamma))``, represented by ``2 * gamma**k / (gamma + 1)``; negative values use
-  a mirrored store keyed by ``|x|``; ``|x| < 1e-300`` (including ``-0.0``) counts as zero. The bucket
-  index is a *global* function of the value, so sketches built on different processes line up index by
-  index and merge by adding counts. ``quantile(q)`` returns the representative of the bucket that holds
-  rank ``q * (count - 1)`` of the cumulative weight, which is within relative error ``rel_err`` of the
-  data value at that rank (the lower neighbour when the rank is fractional).
-
-Size is bounded: each signed store keeps at most ``max_buckets`` buckets (so :meth:`Sketch.to_array`
-has at most ``15 + 2 * max_buckets`` elements in bucket mode). When a store would grow
-beyond that, its lowest-magnitude buckets are folded into one, so large magnitudes (the tails that
-matter for p99 and friends) keep the error bound while quantiles that fall into the folded bucket
-overstate their magnitude. Folding depends only on the largest index, so merging stays exactly
-associative and commutative for the counts (for integer weights; fractional weights are summed in
-floating point).
-
-Merging by adding vectors: sketches of one parameter set held by different processes merge with a
-sum (an all-reduce) once they agree on a :class:`BucketWindow`: :meth:`Sketch.bucket_span` tells
-where a sketch's buckets lie, :meth:`BucketWindow.covering` turns the spans of all sketches into
-the window :meth:`Sketch.merge` would keep, :meth:`Sketch.fold` writes a sketch on that window as a
-float64 vector, and :meth:`Sketch.from_folded` reads the sum of those vectors back -- the same
-sketch as merging them one by one.
+A :class:`Sketch` keeps the raw values while at most ``exact_limit`` (1,000,000 by default,
+``RLMETRICS_EXACT_QUANTILES``) unit-weight values are held, so its quantiles equal
+``torch.quantile`` / ``torch.median``; beyond, or with any other weight, logarithmic buckets within
+``rel_err`` (0.5%) whose index is a global function of the value, so sketches of different
+processes merge by adding counts, or by summing vectors on an agreed :class:`BucketWindow`. How
+both modes, the size bound and the merge by sums work: docs/reductions.md, "The sketch".
 
 **Why one module of ~860 lines** (about 500 of code, the rest docstrings and doctests): the sketch's
 representation (stores, offsets, the array layout) is read nowhere else; split, its private helpers
 would become an API.
-
-NaN and infinities are counted apart: any NaN weight makes :meth:`Sketch.quantile` return NaN;
-``-inf`` / ``+inf`` sit below / above every finite value and are returned when the rank falls on them.
 
 >>> s = Sketch.of([1.0, 2.0, 3.0, 4.0])
 >>> s.median(), s.quantile(0.5)

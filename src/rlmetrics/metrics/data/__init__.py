@@ -1,53 +1,15 @@
 """Data metrics of a PPO / GRPO batch: the seed's ``compute_data_metric``, exact under merging.
 
 :func:`compute_data_stats` summarizes a batch into one :class:`~rlmetrics.core.stat.Stat` per metric name,
-so that merging the Stats of all ranks gives the statistics of the concatenated batch:
-
-- ``critic/advantages|returns|values/*`` summarize the response tokens (``response_mask != 0``):
-  a global mean is token-weighted;
-- ``critic/score|rewards/*`` (sums of the token-level tensors over each sequence), the response and
-  prompt lengths, the ratios (clip, aborted), ``num_turns/*`` and ``tool_call_counts/*`` summarize
-  sequences: a global mean is sequence-weighted;
-- the histograms ``response/length/hist``, ``prompt/length/hist``, ``critic/score/hist``
-  (:data:`DEFAULT_HISTOGRAMS`, sequences: cheap) and on request ``critic/advantages/hist`` (response
-  tokens: a sketch of every token costs about as much as all the other data metrics) carry a
-  quantile sketch of their observations and are reported as histograms of all ranks' data
-  (:mod:`rlmetrics.core.histogram`), not as numbers (``compute_data_stats(..., histograms=...)``);
-- ``critic/vf_explained_var`` is ``1 - Var(returns - values) / (Var(returns) + 1e-5)`` over the
-  response tokens (unbiased variances, as siiRL). A ratio of variances does not merge by itself, so
-  its ingredients also travel under auxiliary names (pooled stds and the token count, see
-  :mod:`rlmetrics.metrics`) and :func:`rlmetrics.metrics.derive_metrics` computes the exact global
-  value from the merged result. The Stat under ``critic/vf_explained_var`` itself is the rank's
-  value weighted by its token count: what a merge without that step reports.
-
-:func:`compute_data_metric` is ``data_metrics_from_stats(compute_data_stats(batch))``, the seed's
-``{name: float}``; a metric whose Stat holds no observation (no correct response in the batch, say)
-is left out, as the aggregator leaves out names without data. Which names a batch yields depends
-only on its keys, never on its values (a batch of 0 sequences yields every name, with empty Stats),
-so all ranks submit the same names. Non-finite observations follow ``nan_strategy``
-(:func:`compute_data_stats`).
-
-Conventions (siiRL's, and verl's for the keys siiRL lacks): the response width is
-``responses.shape[-1]`` (else ``response_mask``'s), the response mask is ``response_mask`` (else the
-last columns of ``attention_mask``), the prompt mask the other columns of ``attention_mask``; a
-response is correct when its summed ``token_level_rewards`` exceed :data:`CORRECT_THRESHOLD`;
-``response/aborted_ratio`` is the share of responses without tokens (verl's definition; there is no
-abort flag in siiRL 0.2.0), so it comes with the response lengths; ``tool_call_counts/*`` read the
-``tool_call_counts`` key (verl's) and ``num_turns/*`` the ``__num_turns__`` key, any numeric dtype.
+so that merging the Stats of all ranks gives the statistics of the concatenated batch;
+:func:`compute_data_metric` is the seed's ``{name: float}`` of them. What each name summarizes, the
+batch's keys and conventions: docs/metrics.md, "What the data metrics summarize".
 
 **Where it lives.** This module: the seed's functions. :mod:`~rlmetrics.metrics.data.sequences`:
 the per-sequence metrics and the assembly of names and stat arrays;
 :mod:`~rlmetrics.metrics.data.tokens`: the response-token summaries (the specialised summary kernel);
 :mod:`~rlmetrics.metrics.data.verl_style`: verl's names (:func:`compute_verl_data_stats`, behind
 :func:`rlmetrics.integrations.verl.compute_data_metrics`) and :func:`compute_variance_proxy_stats`.
-The token summaries and the per-sequence sums (scores, rewards, lengths) are computed on the
-batch's device with fixed shapes (no masked_select, no ``.item()``) and reach the host in one
-transfer. Missing keys skip the metrics that need them; a key of the wrong shape or dtype raises
-:class:`~rlmetrics.core.stat.MetricValueError` naming it (:class:`~rlmetrics.metrics.tensors.BatchTensors`).
-Batch keys: ``responses``, ``attention_mask``, ``response_mask``, ``token_level_scores``,
-``token_level_rewards``, ``advantages``, ``returns``, ``values``, ``__num_turns__``,
-``tool_call_counts`` (tensors, numpy arrays or lists), in a plain dict, a TensorDict or a verl
-``DataProto`` (:mod:`rlmetrics.metrics.batch`).
 """
 
 from __future__ import annotations
