@@ -5,30 +5,11 @@ reported once per value of the tag, under
 
     ``group/<tag>/<value>/<metric>``
 
-e.g. ``group/data_source/gsm8k/critic/score/mean``. The name keeps the metric's own name whole at its
-end, so its reduction is the metric's (:func:`rlmetrics.core.reduce.resolve` resolves a grouped name by
-its metric, registry included) and derived metrics are derived per group
-(:func:`rlmetrics.metrics.derive_metrics`). Names starting with ``group/`` are reserved for them.
-
-The tag and the value are *segments*: only letters, digits, ``_``, ``-`` and ``.``, not starting or
-ending with ``.``, so a grouped name reaches every tracker unchanged when its metric does (MLflow
-accepts only letters, digits, ``_ - . space : /``; TensorBoard, W&B and SwanLab change only empty or
-dotted path segments, see :mod:`rlmetrics.sinks.names`). :func:`segment` names a label so that the
-same label gives the same group on every rank and different labels different groups, readable where
-the label is already a segment:
-
-- a label that is a segment without ``--`` is its own name (``gsm8k``, ``math-v2``, ``3``);
-- any other label: its characters outside the segment set (and a leading or trailing ``.``) as
-  ``_``, then ``--`` and 8 hex digits of a hash of the label (``openai/gsm8k`` →
-  ``openai_gsm8k--…``), so ``"a b"`` and ``"a_b"`` stay two groups, also on two ranks;
-- a missing label (``None``, NaN) is :data:`MISSING` (``--missing``), the empty string
-  :data:`EMPTY` (``--empty``): names containing ``--`` come from these rules only, so no real label
-  (``"None"``, ``"missing"``) is named like them.
-
-A label is named by its text: a string, bytes as UTF-8, a number in decimal (an integral one without
-``.0``, so ``3``, ``3.0`` and ``"3"`` are one group), a bool as ``True`` / ``False``; labels of mixed
-types in one batch are fine. Two labels of one call whose names would still coincide (a collision
-of the 32-bit hash between labels that read alike) are refused, naming both.
+e.g. ``group/data_source/gsm8k/critic/score/mean``: the metric's own name whole at its end, so its
+reduction and its derived metrics are the metric's. Names starting with ``group/`` are reserved for
+them. :func:`segment` names a label so that every rank names it alike and every tracker takes it
+unchanged (a label that is not a segment gets ``--`` and 8 hex digits of its hash; a missing one is
+``--missing``). The rules and why: docs/groups.md.
 
 >>> group_name("data_source", "gsm8k", "critic/score/mean")
 'group/data_source/gsm8k/critic/score/mean'

@@ -1,42 +1,10 @@
 """Model FLOPs utilization, ``perf/mfu/{stage}``, exact when merged over ranks.
 
-**Formula.** For a dense decoder-only transformer with ``N`` parameters, ``L`` layers and hidden
-size ``H``, a token of a sequence of ``S`` tokens costs, in training (forward and backward)::
-
-    flops_per_token = 6 * N + 12 * L * H * S
-
-``6 N``: two FLOPs per parameter per token forward (a multiply and an add), four backward; ``12 L H
-S``: the attention scores and their weighted sum, ``Q K^T`` and ``A V``, forward and backward,
-with no saving counted for the causal mask. This is the count of Chowdhery et al., "PaLM: Scaling
-Language Modeling with Pathways" (2022), Appendix B (``6N + 12LHQT``, with ``H Q`` the hidden size
-and ``T`` the sequence length), after Kaplan et al., "Scaling Laws for Neural Language Models"
-(2020), section 2.1. A forward pass alone (``training=False``: verl's ``actor_infer``, the
-reference model) is a third: ``2 N + 4 L H S``. A batch of sequences of lengths ``s_i`` costs
-``sum_i s_i * (6 N + 12 L H s_i)`` (each sequence with its own length); a number of tokens without
-lengths needs ``seq_len``. Mixture-of-experts models, embeddings counted or not, recomputation
-(activation checkpointing adds a forward): give your own ``flops_per_token``.
-
-verl's ``flops_counter`` counts the attention term as half of this (``6 * sum(s_i^2) * head_dim *
-heads * layers``: the causal mask's saving) and the parameters from the model config; so its MFU is
-a little lower than this one for long sequences. Either way MFU is a ratio against a *dense* peak.
-
-**Peak.** ``peak_flops``: the peak FLOP/s of one GPU, a number or a device name of
-:data:`PEAK_FLOPS` (dense bf16 tensor-core peaks from the vendors' data sheets, without the 2x of
-structured sparsity: the data sheets print the sparse figure first).
-
-**Merged over ranks.** Each rank sends its own FLOPs (its tokens times FLOPs per token), the stage's
-seconds and its GPUs' peak (``n_gpu * peak_flops``); the aggregator sums the FLOPs and the peaks,
-averages the seconds (every rank times the same step) and derives::
-
-    perf/mfu/{stage} = sum over ranks of FLOPs / (seconds * sum over ranks of n_gpu * peak)
-
-which, for one FLOPs-per-token number and one kind of GPU, is ``(sum of tokens) * flops_per_token /
-(seconds * total GPUs * peak per GPU)``. Counting each rank's FLOPs from the *global* token count
-and then summing (or averaging per-rank MFUs computed so) gives W times the true value:
-open-instruct's PR #1808 reported 44.3 % against a true 11.1 %.
-
-The stage's seconds: ``timing_raw[timer]``; ``timer=None`` takes :data:`DEFAULT_TIMERS`' entry of
-the stage when ``timing_raw`` has it, else ``"step"``.
+A training token of a sequence of ``S`` tokens costs ``6 N + 12 L H S`` FLOPs (``N`` parameters, ``L``
+layers, hidden size ``H``; a forward pass alone a third), after PaLM's Appendix B; each rank sends its
+own FLOPs, the stage's seconds and its GPUs' peak (:data:`PEAK_FLOPS`), and the aggregator derives
+``sum FLOPs / (seconds * sum of n_gpu * peak)``. The formula, the peaks and why per-rank MFUs must
+not be averaged: docs/mfu.md.
 
 >>> model = ModelFlops(n_params=7e9, n_layers=32, hidden_size=4096)
 >>> model.per_token(4096) / 1e9   # 6 * 7e9 + 12 * 32 * 4096 * 4096
