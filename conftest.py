@@ -67,7 +67,7 @@ def _files(module: str) -> list[Path]:
             out.append(stem / "__init__.py")
         elif stem.with_suffix(".py").exists():
             out.append(stem.with_suffix(".py"))
-        elif not stem.is_dir():  # an attribute of the module before (a directory: a namespace package)
+        else:  # an attribute of the module before
             break
     return out
 

@@ -252,6 +252,45 @@ def test_demo_refuses_keys_that_mix_words_and_globs_before_any_file(tmp_path, ke
     assert "Traceback" not in out.stderr and not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--steps", "0"], "--steps 0: must be >= 1"),
+        (["--pace", "-1"], "--pace -1.0: must be >= 0"),
+        (["--val-every", "-1"], "--val-every -1: must be >= 0"),
+        (["--sinks", "jsonl,foo"], "--sinks foo: not a tracker; choose from jsonl, console"),
+        (["--address", "auto"], "--address is for --backend ray"),
+    ],
+)
+def test_the_demo_refuses_a_bad_option_in_one_line_before_it_starts(tmp_path, args, says):
+    cmd = [*DEMO, "--simulate", "--backend", "local", "--out", str(tmp_path / "run"), *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 1 and out.stderr.startswith(f"python -m examples.grpo: {says}")
+    assert len(out.stderr.splitlines()) == 1 and out.stdout == "" and not (tmp_path / "run").exists()
+
+
+@pytest.mark.timeout(90)  # the read's deadline is 120 s: the error comes within a second of the rank's
+def test_a_rank_that_fails_stops_the_demo_with_its_error(tmp_path, monkeypatch):
+    from examples.grpo import demo
+
+    run = demo.DemoRank.run
+
+    def fails_on_rank_1(self, *args):
+        if self.rank == 1:
+            raise RuntimeError("rank 1 broke")
+        return run(self, *args)
+
+    monkeypatch.setattr(demo.DemoRank, "run", fails_on_rank_1)
+    args = ["--simulate", "--backend", "local", "--steps", "3", "--workers", "2", "--pace", "0"]
+    with pytest.raises(RuntimeError, match="rank 1 broke"):
+        demo_main([*args, "--sinks", "jsonl", "--out", str(tmp_path)])
+
+
+def test_rlmetrics_demo_says_where_the_demo_went():
+    out = subprocess.run([sys.executable, "-m", "rlmetrics", "demo"], capture_output=True, text=True)
+    assert out.returncode == 2 and "make demo" in out.stderr and "python -m examples.grpo" in out.stderr
+
+
 @pytest.mark.ray
 def test_demo_as_make_demo_runs_it(tmp_path):
     """``make demo``'s run with its defaults (tests/test_demo_grpo.py checks its numbers): it announces

@@ -181,10 +181,24 @@ def start_ranks(args: argparse.Namespace, name: str) -> tuple[Any, Any]:
         run_args = (args.steps, args.val_every, args.val_prompts, args.val_samples, args.pace)
         if args.backend == "local":
             ranks = [DemoRank(r, args.workers, "local", name) for r in range(args.workers)]
-            threads = [threading.Thread(target=r.run, args=run_args, daemon=True) for r in ranks]
+            failed: list[BaseException] = []
+
+            def run_rank(rank: DemoRank) -> None:
+                try:
+                    rank.run(*run_args)
+                except BaseException as exc:  # the driver raises it at its next poll
+                    failed.append(exc)
+                    rank.client.stop()  # its steps wait for it no more
+
+            threads = [threading.Thread(target=run_rank, args=(r,), daemon=True) for r in ranks]
             for t in threads:
                 t.start()
-            return lambda: [t.join() for t in threads], lambda: None
+
+            def raise_failed() -> None:
+                if failed:
+                    raise failed[0]
+
+            return lambda: [t.join() for t in threads], raise_failed
         import ray
 
         actor = ray.remote(num_cpus=0)(DemoRank)
@@ -324,8 +338,13 @@ def _log_steps(driver: Any, tracking: Any, steps: int, poll: Any) -> None:
 
     with logging_redirect_tqdm(), tqdm(range(steps), desc="steps", unit="step") as bar:
         for step in bar:
-            res = driver.result(step, timeout=120, finalize=True)
-            poll()  # a rank that died: its error now, not a partial result every step
+            end = time.monotonic() + 120
+            while True:  # a second at a time, so that a rank's error is raised within a second
+                poll()
+                left = end - time.monotonic()
+                res = driver.result(step, timeout=min(1.0, max(left, 0.0)), finalize=left <= 1.0)
+                if not res.meta.provisional:
+                    break
             tracking.log(res, step)
             bar.set_postfix({k.split("/")[1]: f"{res[k]:.3g}" for k in PROGRESS if k in res})
 
@@ -414,13 +433,25 @@ def out_folder(out: str | None, overwrite: bool) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rlmetrics.sinks import TRACKERS
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    if args.steps < 1 or args.workers < 1:
-        raise SystemExit(f"{PROG}: --steps and --workers must be >= 1")
-    if args.prompts < 1 or args.group_size < 2 or args.val_samples < 1 or args.val_prompts < 1:
-        raise SystemExit(f"{PROG}: --prompts, --val-prompts, --val-samples must be >= 1, --group-size >= 2")
+    least = {"--steps": 1, "--workers": 1, "--prompts": 1, "--group-size": 2, "--val-prompts": 1,
+             "--val-samples": 1, "--val-every": 0, "--pace": 0}  # fmt: skip
+    for option, low in least.items():
+        value = getattr(args, option[2:].replace("-", "_"))
+        if value < low:
+            raise SystemExit(f"{PROG}: {option} {value}: must be >= {low}")
     if args.backend == "local" and not args.simulate:
         raise SystemExit(f"{PROG}: the real run needs Ray (--backend local needs --simulate)")
+    if args.backend == "local" and args.address:
+        raise SystemExit(f"{PROG}: --address is for --backend ray (local runs threads in this process)")
+    unknown = [s for s in args.sinks.split(",") if s and s not in TRACKERS]
+    if unknown:
+        raise SystemExit(
+            f"{PROG}: --sinks {','.join(unknown)}: not a tracker; choose from {', '.join(TRACKERS)}"
+        )
     globs = [g for g in args.keys.split(",") if g]
     if args.keys not in KEYS and (not globs or set(globs) & set(KEYS)):
         raise SystemExit(

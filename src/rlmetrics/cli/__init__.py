@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if list(argv if argv is not None else sys.argv[1:])[:1] == ["demo"]:
+        print("rlmetrics demo: the demo left the package in 0.2.0; from a checkout's root run "
+              "`make demo` or `python -m examples.grpo` (docs/demo.md)", file=sys.stderr)  # fmt: skip
+        return 2
     args = build_parser().parse_args(argv)
     try:
         return int(args.handler(args) or 0)

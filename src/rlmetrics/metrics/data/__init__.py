@@ -209,7 +209,7 @@ _PROCESS: dict[int, psutil.Process] = {}  # one per pid: a forked child reads it
 
 def _rss_bytes() -> int:
     """This process's resident set size, psutil's ``memory_info().rss``, through a kept ``Process``
-    (about 20 µs a reading on the development machine, a new one about 60 µs)."""
+    (20-30 µs a reading on the development machine, a new one about 60 µs)."""
     pid = os.getpid()
     process = _PROCESS.get(pid) or _PROCESS.setdefault(pid, psutil.Process(pid))
     return process.memory_info().rss

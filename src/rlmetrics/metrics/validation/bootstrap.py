@@ -16,10 +16,11 @@ CHUNK_BYTES = 16 << 20
 CACHE_BYTES = 2 << 20
 """Rough size of the vote counts of one chunk of the majority vote (small enough to stay in cache)."""
 
-SHARED_MAX = 4 << 20
+SHARED_MAX = 16 << 20
 """Bytes a ``(n, k)``'s bootstrap indices and tie-break words may take to be drawn once and kept (16
 shapes at most: :func:`_indices`, :func:`_words`); a larger one goes through :func:`_bootstrap_rows`,
-whose memory is :data:`CHUNK_BYTES` whatever ``n``."""
+whose memory is a few times :data:`CHUNK_BYTES` whatever ``n`` (faster from about 512 samples a
+prompt: bench_validation's "one large prompt")."""
 
 TABLE_MAX_N = 16
 """Prompts with at most this many samples get best@k / worst@k from subset-count tables
@@ -89,7 +90,7 @@ def bootstrap_group(
         return out
     ranked = {v: _ranked(mat) for v, mat in mats.items()} if n <= TABLE_MAX_N else {}
     for k in bootstrap_sizes(n):
-        if _shared_bytes(n, k, n_bootstrap) > SHARED_MAX:
+        if _shared_bytes(n, k, n_bootstrap, dense is not None and k > 2) > SHARED_MAX:
             out.update(_bootstrap_rows(mats, dense, n, k, n_bootstrap, seed, tie))
             continue
         idx = _indices(n, k, n_bootstrap, seed)
@@ -115,9 +116,10 @@ def bootstrap_group(
     return out
 
 
-def _shared_bytes(n: int, k: int, n_bootstrap: int) -> int:
-    """Bytes of the bootstrap indices and the tie-break words (at most 8 bytes an entry) of ``(n, k)``."""
-    words = -(-k // (k if k <= _SHORT_K else _WORD))
+def _shared_bytes(n: int, k: int, n_bootstrap: int, votes: bool = True) -> int:
+    """Bytes of the bootstrap indices of ``(n, k)`` and, with ``votes`` (a ``pred`` to vote on, ``k > 2``),
+    its tie-break words (at most 8 bytes an entry)."""
+    words = -(-k // (k if k <= _SHORT_K else _WORD)) if votes else 0
     return n_bootstrap * 8 * (k + n * words)
 
 
@@ -131,34 +133,55 @@ def _bootstrap_rows(
     tie: str,
 ) -> dict[tuple[str, str], np.ndarray]:
     """:func:`bootstrap_group`'s keys of one ``k``, the bootstrap rows drawn (the seed's draws) and used
-    a chunk at a time, prompt by prompt, nothing kept: memory about :data:`CHUNK_BYTES` for any ``n``
-    and ``k``, time linear in ``n_bootstrap * k``. The same numbers as the vectorised path."""
+    a chunk of rows at a time for a block of prompts, nothing kept: memory a few times
+    :data:`CHUNK_BYTES` for any ``n``, ``k`` and number of prompts (the rows are drawn again for each
+    block), time linear in ``n_bootstrap * k`` per prompt. The vectorised path's numbers (to float
+    rounding: a block's means and stds may sum in another order)."""
     prompts = len(next(iter(mats.values())))
     d = 0 if dense is None else int(dense.max()) + 1
-    step = max(1, CHUNK_BYTES // (8 * (k + d)))
+    width = 8 * (k + d) * (len(mats) + 1)  # bytes of one bootstrap row of one prompt in flight
+    block = max(1, min(CHUNK_BYTES // (16 * n_bootstrap * len(mats)), CHUNK_BYTES // width))
+    if prompts > block:
+        parts = [
+            _bootstrap_rows(
+                {v: m[lo : lo + block] for v, m in mats.items()},
+                None if dense is None else dense[lo : lo + block],
+                n,
+                k,
+                n_bootstrap,
+                seed,
+                tie,
+            )  # fmt: skip
+            for lo in range(0, prompts, block)
+        ]
+        return {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
+    step = max(1, CHUNK_BYTES // (width * prompts))  # bootstrap rows per chunk
     best = {v: np.empty((n_bootstrap, prompts)) for v in mats}
     worst = {v: np.empty((n_bootstrap, prompts)) for v in mats}
     wins, tied = np.zeros((prompts, n)), np.zeros((prompts, n + 1))
+    offsets = (np.arange(prompts) * n)[:, None]
     draws = np.random.RandomState(seed)  # bootstrap_indices' stream, a chunk of rows at a time
     for lo in range(0, n_bootstrap, step):
         idx = draws.choice(n, size=(min(step, n_bootstrap - lo), k), replace=True)
-        hi, rows = lo + len(idx), np.arange(len(idx))
-        for p in range(prompts):
-            for v, mat in mats.items():
-                x = mat[p][idx]
-                best[v][lo:hi, p], worst[v][lo:hi, p] = x.max(axis=1), x.min(axis=1)
-            if dense is None:
-                continue
-            codes = dense[p][idx]
-            counts = np.bincount((rows[:, None] * d + codes).ravel(), minlength=len(idx) * d).reshape(-1, d)
-            top = counts.max(axis=1)
-            first = (np.take_along_axis(counts, codes, axis=1) == top[:, None]).argmax(axis=1)
-            sample = idx[rows, first]  # the first draw of the most voted pred: the seed's tie-break
-            wins[p] += np.bincount(sample, minlength=n)
-            if tie == "none":
-                is_tied = (counts == top[:, None]).sum(axis=1) > 1
-                tied[p, :n] += np.bincount(sample[is_tied], minlength=n)
-                tied[p, n] += is_tied.sum()
+        hi, r = lo + len(idx), len(idx)
+        for v, mat in mats.items():
+            x = mat[:, idx]  # (prompts, r, k)
+            best[v][lo:hi], worst[v][lo:hi] = x.max(axis=2).T, x.min(axis=2).T
+        if dense is None:
+            continue
+        codes = dense[:, idx].reshape(prompts * r, k)  # one row per (prompt, bootstrap row)
+        counts = np.bincount((np.arange(prompts * r)[:, None] * d + codes).ravel(), minlength=prompts * r * d)
+        counts = counts.reshape(-1, d)
+        top = counts.max(axis=1)
+        first = (np.take_along_axis(counts, codes, axis=1) == top[:, None]).argmax(axis=1)
+        # the first draw of the most voted pred (the seed's tie-break), per prompt and row
+        sample = idx[np.tile(np.arange(r), prompts), first].reshape(prompts, r)
+        wins += np.bincount((offsets + sample).ravel(), minlength=prompts * n).reshape(prompts, n)
+        if tie == "none":
+            is_tied = ((counts == top[:, None]).sum(axis=1) > 1).reshape(prompts, r)
+            at = np.bincount((offsets + sample)[is_tied], minlength=prompts * n).reshape(prompts, n)
+            tied[:, :n] += at
+            tied[:, n] += is_tied.sum(axis=1)
     out: dict[tuple[str, str], np.ndarray] = {}
     for v, mat in mats.items():
         stats = (best[v].mean(axis=0), best[v].std(axis=0), worst[v].mean(axis=0), worst[v].std(axis=0))
