@@ -292,6 +292,7 @@ def test_rlmetrics_demo_says_where_the_demo_went():
 
 
 @pytest.mark.ray
+@pytest.mark.timeout(900)  # 50 real steps: over 300 s on a 2-core machine under heavy load
 def test_demo_as_make_demo_runs_it(tmp_path):
     """``make demo``'s run with its defaults (tests/test_demo_grpo.py checks its numbers): it announces
     every phase, raises no alert, and its reward curve lies where README.md and docs/demo.md say
