@@ -29,12 +29,14 @@ import logging
 import os
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from rlmetrics.backends import connect
+from rlmetrics.messages import ProvisionalWarning
 from rlmetrics.sinks.keys import KEYS
 
 PROG = "python -m examples.grpo"
@@ -342,7 +344,9 @@ def _log_steps(driver: Any, tracking: Any, steps: int, poll: Any) -> None:
             while True:  # a second at a time, so that a rank's error is raised within a second
                 poll()
                 left = end - time.monotonic()
-                res = driver.result(step, timeout=min(1.0, max(left, 0.0)), finalize=left <= 1.0)
+                with warnings.catch_warnings():  # a provisional read here is this loop's, not news
+                    warnings.simplefilter("ignore", ProvisionalWarning)
+                    res = driver.result(step, timeout=min(1.0, max(left, 0.0)), finalize=left <= 1.0)
                 if not res.meta.provisional:
                     break
             tracking.log(res, step)

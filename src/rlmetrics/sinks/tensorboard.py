@@ -51,6 +51,10 @@ class TensorBoardSink(Sink):
                 f"{self.log_dir} holds TensorBoard event files: pass resume=True to continue that run, "
                 "or use another log_dir"
             )
+        if self.held:  # TensorBoard reads files by name: a new one of the same second could sort first
+            stamps = [f.name.split(".")[3] for f in self.log_dir.glob("events.out.tfevents.*")]
+            newest = max((int(t) for t in stamps if t.isdigit()), default=0)
+            time.sleep(max(0.0, newest + 1 - time.time()))
         self._writer = writer.EventFileWriter(str(self.log_dir))
         self._restart = self.held  # a START at the first train step written (torch's purge_step)
         if not self.held:  # the run's first START, which TensorBoard's readers take for no restart
