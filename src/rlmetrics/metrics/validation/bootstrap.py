@@ -169,18 +169,12 @@ def _bootstrap_rows(
             best[v][lo:hi], worst[v][lo:hi] = x.max(axis=2).T, x.min(axis=2).T
         if dense is None:
             continue
-        codes = dense[:, idx].reshape(prompts * r, k)  # one row per (prompt, bootstrap row)
-        counts = np.bincount((np.arange(prompts * r)[:, None] * d + codes).ravel(), minlength=prompts * r * d)
-        counts = counts.reshape(-1, d)
-        top = counts.max(axis=1)
-        first = (np.take_along_axis(counts, codes, axis=1) == top[:, None]).argmax(axis=1)
-        # the first draw of the most voted pred (the seed's tie-break), per prompt and row
-        sample = idx[np.tile(np.arange(r), prompts), first].reshape(prompts, r)
-        wins += np.bincount((offsets + sample).ravel(), minlength=prompts * n).reshape(prompts, n)
+        first, is_tied = _votes(dense[:, idx].reshape(prompts * r, k), d)  # a row per (prompt, row)
+        sample = offsets + idx[np.tile(np.arange(r), prompts), first].reshape(prompts, r)
+        wins += np.bincount(sample.ravel(), minlength=prompts * n).reshape(prompts, n)
         if tie == "none":
-            is_tied = ((counts == top[:, None]).sum(axis=1) > 1).reshape(prompts, r)
-            at = np.bincount((offsets + sample)[is_tied], minlength=prompts * n).reshape(prompts, n)
-            tied[:, :n] += at
+            is_tied = is_tied.reshape(prompts, r)
+            tied[:, :n] += np.bincount(sample[is_tied], minlength=prompts * n).reshape(prompts, n)
             tied[:, n] += is_tied.sum(axis=1)
     out: dict[tuple[str, str], np.ndarray] = {}
     for v, mat in mats.items():
@@ -301,29 +295,29 @@ def _winner_histogram(
 def _tied_counts(dense: np.ndarray, idx: np.ndarray, n: int) -> np.ndarray:
     """``(P, n + 1)``: per prompt, how many bootstrap rows tie (two or more preds share the top vote
     count), by the position the seed's tie-break reports (columns ``:n``), and in all (column ``n``).
-    Plain counting, in chunks of prompts (``tie="none"`` only)."""
+    Plain counting (:func:`_votes`), in chunks of prompts (``tie="none"`` only)."""
     n_boot, k = idx.shape
+    d = int(dense.max()) + 1
     out = np.zeros((len(dense), n + 1))
-    chunk = max(1, CHUNK_BYTES // (8 * n_boot * k))
+    chunk = max(1, CHUNK_BYTES // (8 * n_boot * (k + d)))
+    rows = np.tile(np.arange(n_boot), chunk)
     for lo in range(0, len(dense), chunk):
-        codes = dense[lo : lo + chunk][:, idx]  # (m, n_bootstrap, k)
-        top = np.zeros(codes.shape[:2])
-        at_top = np.zeros(codes.shape[:2])
-        first = np.full(codes.shape[:2], k)
-        for c in range(int(codes.max()) + 1):
-            hit = codes == c
-            count = hit.sum(axis=2)
-            pos = np.where(hit.any(axis=2), hit.argmax(axis=2), k)
-            more, same = count > top, (count == top) & (count > 0)
-            first = np.where(more, pos, np.where(same, np.minimum(first, pos), first))
-            at_top = np.where(more, 1, at_top + same)
-            top = np.maximum(top, count)
-        tied = at_top > 1
-        rows, cols = np.nonzero(tied)
-        where = idx[cols, first[rows, cols]]  # the sample the seed's tie-break reports
-        np.add.at(out, (lo + rows, where), 1.0)
-        out[lo : lo + len(codes), n] = tied.sum(axis=1)
+        m = len(dense[lo : lo + chunk])
+        first, tied = _votes(dense[lo : lo + m][:, idx].reshape(m * n_boot, k), d)
+        sample = (idx[rows[: m * n_boot], first] + n * np.repeat(np.arange(m), n_boot))[tied]
+        out[lo : lo + m, :n] = np.bincount(sample, minlength=m * n).reshape(m, n)
+        out[lo : lo + m, n] = tied.reshape(m, n_boot).sum(axis=1)
     return out
+
+
+def _votes(codes: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per bootstrap row of dense pred codes ``(R, k)`` (codes below ``d``): the position maj@k reports
+    (the first draw of the most voted pred: the seed's tie-break) and whether the top vote is tied."""
+    counts = np.bincount((np.arange(len(codes))[:, None] * d + codes).ravel(), minlength=len(codes) * d)
+    counts = counts.reshape(-1, d)
+    top = counts.max(axis=1)
+    first = (np.take_along_axis(counts, codes, axis=1) == top[:, None]).argmax(axis=1)
+    return first, (counts == top[:, None]).sum(axis=1) > 1
 
 
 @functools.lru_cache(maxsize=16)
