@@ -609,3 +609,28 @@ def test_exact_majority_stops_at_its_largest_k():
     base = "val-aux/math/acc"
     assert f"{base}/maj@{MAJ_MAX_K}/exact_mean" in m and f"{base}/maj@512/exact_mean" not in m
     assert {f"{base}/pass@600", f"{base}/best@600/unbiased", "val-core/math/acc/maj@600/mean"} <= set(m)
+
+
+def test_a_large_prompt_split_over_three_ranks_equals_one_process():
+    """The seed's loop on 3 local ranks (process_local_validation_metrics, wait_submit, the reader's
+    result): a 600-sample prompt split unevenly over them takes the rows path at the aggregator and
+    equals process_validation_metrics on the concatenated samples."""
+    import rlmetrics
+    from rlmetrics.backends import local
+
+    ds, prompts, infos = one_large_prompt(600, seed=4)
+    cuts = [0, 150, 420, 600]
+    ranks = [rlmetrics.connect("local", world_size=3, name="big-val", rank=r) for r in range(3)]
+    reader = rlmetrics.connect("local", name="big-val")
+    try:
+        for r, client in reversed(list(enumerate(ranks))):  # arrival order does not matter
+            lo, hi = cuts[r], cuts[r + 1]
+            client.process_local_validation_metrics(
+                ds[lo:hi], prompts[lo:hi], {k: v[lo:hi] for k, v in infos.items()}
+            )
+            client.wait_submit()
+        merged = dict(reader.result(0, timeout=60, finalize=True))
+    finally:
+        local.drop_worker("big-val")
+    assert bootstrap._shared_bytes(600, 512, 1000) > bootstrap.SHARED_MAX
+    assert_same(merged, process_validation_metrics(ds, prompts, infos))
