@@ -297,3 +297,43 @@ def test_a_node_sub_aggregator_killed_mid_run_loses_nothing_and_counts_no_resend
         assert res["x/mean"] == pytest.approx(allv.mean(), rel=1e-12) and res["n/total"] == 3
     for a in ranks:
         ray.kill(a)
+
+
+def test_a_node_and_one_of_its_ranks_dying_together_cost_the_next_step_at_most_the_recovery_timeout(
+    cluster,
+):
+    """A node sub-aggregator and one of its three ranks are killed together between two steps (Ray
+    restarts the node). The restarted node waits for its ranks to resend what they keep, as long as
+    the aggregator's ``recovery_timeout`` given to ``get_metric_worker`` (3 s here): the next step
+    ends partial over the survivors within seconds, not after the 30 s default, and the step after
+    it is complete on them. Before, the node ignored ``recovery_timeout`` (it waited 30 s), and
+    nothing forwarded the step when its recovery ended: the read took its whole 60 s deadline."""
+    import time
+
+    name = f"dd-{uuid.uuid4().hex[:8]}"
+    rlmetrics.get_metric_worker(name=name, hierarchy="node", recovery_timeout=3.0, final_timeout=60)
+    on_node0 = NodeAffinitySchedulingStrategy(cluster[0], soft=False)
+    ranks = [Rank.options(scheduling_strategy=on_node0).remote(r, name, "node") for r in range(3)]
+    ray.get([a.set_world_size.remote(3) for a in ranks])
+    ids = ray.get([a.client_id.remote() for a in ranks])
+    node = rlmetrics.backends.ray.node_worker(name, None, cluster[0])
+    reader = rlmetrics.connect("ray", name=name)
+    for s in range(2):
+        ray.get([a.step.remote(s) for a in ranks])
+        assert reader.result(s, timeout=60, finalize=True).meta.complete
+    ray.kill(ranks[2])
+    ray.kill(node, no_restart=False)
+    start = time.monotonic()
+    ray.get([a.step.remote(2) for a in ranks[:2]])
+    with pytest.warns(RuntimeWarning, match="step 2 is partial"):
+        res = reader.result(2, timeout=60, finalize=True)
+    took = time.monotonic() - start
+    assert took < 25, f"step 2 took {took:.1f} s: the restarted node waited 30 s, or the reader 60"
+    check_partial(res, 2, range(2))
+    assert res.meta.missing_ranks == [ids[2]], res.meta
+    ray.get([a.step.remote(3) for a in ranks[:2]])
+    res = reader.result(3, timeout=60, finalize=True)
+    allv = np.concatenate([rank_data(r, 3) for r in range(2)])
+    assert res.meta.complete and res["x/mean"] == pytest.approx(allv.mean(), rel=1e-12), res.meta
+    for a in ranks[:2]:
+        ray.kill(a)

@@ -124,7 +124,7 @@ def _connect_ray(name: str, world_size: int | None, client_opts: dict, options: 
         return MetricClient(root, world_size=world_size, **client_opts)
     if hierarchy != "node":
         raise ValueError(f"hierarchy must be None or 'node', got {hierarchy!r}")
-    node = ray_backend.node_worker(name, options.get("namespace"))
+    node = ray_backend.node_worker(name, **options)
     return MetricClient(ray_backend.RayTransport(node, root=root), world_size=world_size, **client_opts)
 
 

@@ -256,7 +256,8 @@ def get_metric_worker(
         from rlmetrics.backends.ray.node import node_worker
 
         ray.get(root.ping.remote())
-        nodes = [node_worker(name, namespace, n["NodeID"], **actor_opts) for n in ray.nodes() if n["Alive"]]
+        alive = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+        nodes = [node_worker(name, namespace, node, **actor_opts, **options) for node in alive]
         ray.get([n.ping.remote() for n in nodes])
     elif hierarchy is not None:
         raise ValueError(f"hierarchy must be None or 'node', got {hierarchy!r}")

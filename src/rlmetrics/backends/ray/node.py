@@ -9,6 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from rlmetrics.backends.options import OPTIONS
 from rlmetrics.backends.ray import compat
 from rlmetrics.backends.ray.compat import ray
 from rlmetrics.backends.ray.shell import AggregatorClass, Shell, keep
@@ -61,6 +62,7 @@ class _NodeWorker(Shell):
         # steps forwarded and not yet final upstream: the (client_id, seq) keys their forwards carried
         self._forwarded: dict[int, set] = {}
         self._forwarder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlmetrics-forward")
+        self._recovery_end: asyncio.TimerHandle | None = None
 
     def _waits(self, message: Message) -> bool:
         return message.client not in self._relayed or _newest_close(message) > self._announced
@@ -129,7 +131,10 @@ class _NodeWorker(Shell):
     def _forward_ready(self) -> None:
         """Forward each step once every local rank closed it; data of a rank that joins after that
         (its first submission) follows in another message, which the root merges too."""
-        if self.server.recovering():
+        if self.server.recovering():  # forwarded once its ranks resent, or at the recovery's end
+            if self._recovery_end is None:
+                wait = self.server.recovery_deadline - time.monotonic()
+                self._recovery_end = asyncio.get_running_loop().call_later(max(wait, 0.0), self.changed)
             return
         done_below = self.upstream.finalized_state[0]
         self._forwarded = {s: keys for s, keys in self._forwarded.items() if s >= done_below}
@@ -173,6 +178,7 @@ class _NodeWorker(Shell):
         """The root found the process of this node's rank ``client_id`` gone: this node waits for
         it no more, and forwards the steps it held back for it."""
         self.engine.lose(client_id, "gone")
+        self.server.awaiting.discard(client_id)  # nor does a restarted node's recovery
         self.changed()
 
     async def relay(self, *args: Any) -> dict[str, str]:
@@ -204,9 +210,11 @@ def node_actor_name(root: str, node_id: str) -> str:
     return f"{root}/node/{node_id}"
 
 
-def node_worker(name: str, namespace: str | None, node_id: str | None = None, **options: Any) -> Any:
+def node_worker(name: str, namespace: str | None = None, node_id: str | None = None, **options: Any) -> Any:
     """Get or create the sub-aggregator of aggregator ``name`` on node ``node_id`` (default: this
-    process's node), pinned there with hard node affinity."""
+    process's node), pinned there with hard node affinity. ``options``: the root's
+    (:func:`~rlmetrics.backends.ray.get_metric_worker`'s); a new node takes its ``lifetime`` and its
+    aggregator options (``recovery_timeout``, ...) but ``secret`` (each actor has its own)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     node_id = node_id or ray.get_runtime_context().get_node_id()
@@ -216,6 +224,7 @@ def node_worker(name: str, namespace: str | None, node_id: str | None = None, **
     except ValueError:
         pass
     actor_opts = {k: options.pop(k) for k in ("lifetime",) if k in options}
+    options = {k: v for k, v in options.items() if k in OPTIONS["ray"]["aggregator"] and k != "secret"}
     for _ in range(50):  # processes of one node may race to create it: one wins, the others look it up
         try:
             return keep(
