@@ -345,3 +345,15 @@ def test_a_timing_value_or_gpu_count_that_is_no_number_is_refused_at_the_call(ba
         want = {**want, "perf/throughput": tokens0 / (good_timing["step"] * good_gpus)}
     assert got.meta.complete and dict(got) == pytest.approx(dict(want))
     assert {"perf/throughput", "perf/delta_time/gen", "timing_per_token_ms/gen"} <= set(got)
+
+
+def test_connect_names_the_client_options_in_its_signature():
+    """``help(connect)`` and an editor show the client options by name; the backend's options go
+    through ``**options`` (checked against the backend's table)."""
+    import inspect
+
+    from rlmetrics.backends.options import CLIENT
+
+    params = inspect.signature(rlmetrics.connect).parameters
+    assert set(CLIENT) <= set(params), sorted(params)
+    assert all(params[o].kind is inspect.Parameter.KEYWORD_ONLY for o in CLIENT)

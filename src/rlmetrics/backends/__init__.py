@@ -59,28 +59,40 @@ def connect(
     world_size: int | None = None,
     name: str = "default",
     axes: Iterable[str] | None = None,
+    nan_strategy: str = "propagate",
+    label: str | None = None,
+    rank: int | None = None,
+    blocking: bool = True,
+    naming: Any = None,
     **options: Any,
 ):
-    """A client of the named aggregator of ``backend``; with ``axes`` (e.g. ``("policy_version",)``)
-    an :class:`~rlmetrics.axes.AxesClient` on ``train_step`` and on each
-    (:func:`rlmetrics.axes.connect_axes`).
+    """A client of the named aggregator of ``backend`` (docs/backends.md).
 
-    ``"local"``: every ``connect("local", name=...)`` in the process shares one in-process
-    aggregator; each call returns a new client (one per rank/thread). ``"ray"``: every
-    ``connect("ray", name=..., namespace=...)`` in the cluster shares one named ``MetricWorker``
-    actor; with ``hierarchy="node"`` a client sends to its node's sub-aggregator, which forwards
-    one message per step to the root. ``"torch"``: a
-    :class:`~rlmetrics.backends.torch_dist.TorchMetricClient` on ``group=`` (default: the default
-    process group); ``wait_submit()`` is a collective of all its ranks, the result is on every rank
-    (or on ``result_on=`` only), ``name`` is not used. With ``world_size`` the client is a rank and
-    registers at once: no step completes before it closed it. Client options: ``nan_strategy``,
-    ``label``, ``rank`` (the order of its validation samples; torch: the group rank), ``blocking``,
-    ``naming`` (a naming profile, e.g. :data:`rlmetrics.integrations.verl.NAMING`: its ``renames``
-    are the aggregator's default); aggregator options on first use: ``final_timeout``,
-    ``step_timeout``, ``renames``, ``keep_results``, ``forget_after``, ``max_pending`` (and for Ray
-    ``namespace``, ``num_cpus``, ``recovery_timeout``). Any other option is refused (TypeError)
-    naming its close match and the layer that owns it (:mod:`rlmetrics.backends.options`).
+    Args:
+        backend: ``"local"`` (one in-process aggregator per ``name``, a client per rank or thread),
+            ``"ray"`` (one named ``MetricWorker`` actor per ``name`` and ``namespace`` in the
+            cluster) or ``"torch"`` (a :class:`~rlmetrics.backends.torch_dist.TorchMetricClient`
+            on ``group=``: ``wait_submit()`` is a collective of its ranks; ``name`` is not used).
+        world_size: the client is a rank, registered at once: no step completes before it closed it.
+        name: the aggregator's name.
+        axes: other step axes (``("policy_version",)``): an :class:`~rlmetrics.axes.AxesClient`.
+        nan_strategy, label, rank, blocking, naming: the client's (:class:`~rlmetrics.client.ClientCore`;
+            ``rank``: the order of its validation samples, torch: the group rank; ``naming``'s
+            ``renames`` are the aggregator's default; ``blocking`` is not a torch option).
+        options: the backend's, used by the call that creates its aggregator
+            (:data:`~rlmetrics.backends.options.OPTIONS`): ``final_timeout``, ``step_timeout``,
+            ``renames``, ``keep_results``, ``forget_after``, ``max_pending``; Ray also ``namespace``,
+            ``num_cpus``, ``lifetime``, ``recovery_timeout``, ``secret``, ``hierarchy="node"`` (a
+            client sends to its node's sub-aggregator, which forwards one message per step).
 
+    Returns:
+        A new client (:class:`MetricClient`; torch: ``TorchMetricClient``).
+
+    Raises:
+        ValueError: an unknown backend, a bad ``world_size``, ``nan_strategy`` or ``rank``.
+        TypeError: an option no layer of ``backend`` takes, naming its owner or close match.
+
+    Example:
     >>> client = connect("local", world_size=1, name="connect-doc")
     >>> client.submit_metric({"timing_s/gen": 0.5})
     >>> client.wait_submit()
@@ -88,16 +100,25 @@ def connect(
     {'perf/delta_time/gen': 0.5}
     >>> local.drop_worker("connect-doc")
     """
+    mine = {
+        "nan_strategy": nan_strategy,
+        "label": label,
+        "rank": rank,
+        "blocking": blocking,
+        "naming": naming,
+    }
     if axes is not None:
-        return connect_axes(connect, backend, axes, name, world_size=world_size, **options)
+        return connect_axes(connect, backend, axes, name, world_size=world_size, **mine, **options)
     if world_size is not None:  # before any aggregator is made for it
         world_size_arg(world_size)
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: choose one of {tuple(BACKENDS)}")
-    check_options(f"connect({backend!r})", backend, options)
-    client_opts = {k: options.pop(k) for k in OPTIONS[backend]["client"] if k in options}
-    if client_opts.get("naming") is not None:
-        options.setdefault("renames", dict(client_opts["naming"].renames))
+    check_options(
+        f"connect({backend!r})", backend, [*options, *(["blocking"] if blocking is not True else [])]
+    )
+    client_opts = {k: v for k, v in mine.items() if k in OPTIONS[backend]["client"]}
+    if naming is not None:
+        options.setdefault("renames", dict(naming.renames))
     client = BACKENDS[backend](name, world_size, client_opts, options)
     if world_size is not None:  # a rank: waited for from its first step on
         client.register()
