@@ -1,23 +1,9 @@
 """Step axes for asynchronous RL: one submission, several clocks.
 
-In fully asynchronous training the trainer's step, the policy version that generated a batch and the
-rollout id differ: rollout workers run ahead of the trainer with weights one or two versions old,
-and their data can reach the aggregator after its train step is final. An *axis* is a step space of
-its own. The default axis, ``train_step``, is the client's ``step``, merged exactly as without
-axes. Each other axis (``policy_version``, ``rollout_id``, or any name) is merged by an aggregator of
-its own, named ``<name>@<axis>``, whose steps are that axis's values. A submission carries its value
-on each of the client's axes (``axes={"policy_version": 3}``) and lands on its own step of every
-axis: data late for a train step already final (dropped there and counted in ``meta.late``) still
-lands on its policy version and rollout id.
-
-An axis step completes when every rank moved past it. A client's values on an axis only go up (a
-worker's policy version, the trainer's version, a rollout id): ``wait_submit()`` closes, on each
-axis, every step below the newest value the client submitted on it; ``advance(axis, value)`` closes
-below ``value`` without data (a worker that loaded new weights); ``stop()`` closes everything. An
-axis step is complete, hence final, once every client registered on that axis (``connect(...,
-world_size=W)`` registers at once) closed it. A value below one the client already closed is
-refused: it could only be dropped. Values on an axis are consecutive ints; every value in between
-two is a step of its own (an empty one when nobody submitted there).
+In asynchronous RL the trainer's step, the policy version that generated a batch and the rollout
+id differ. An *axis* is a step space of its own, merged by an aggregator of its own
+(``<name>@<axis>``); a submission lands on its step of every axis, and an axis step is final once
+every rank moved past it (docs/axes.md, "When an axis step is final").
 
 >>> from rlmetrics.backends.local import drop_worker
 >>> trainer = connect("local", axes=("policy_version",), world_size=2, name="axes-doc", label="trainer")

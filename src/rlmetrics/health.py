@@ -3,22 +3,10 @@
 Over 400 lines on purpose: the built-in rules, the Monitor that runs them and the Alert they raise,
 each rule a few lines beside its documentation.
 
-A rule is any callable ``rule(step, metrics)`` (``metrics``: ``{name: float}`` of one step, steps in
-the order they are logged) that returns what is wrong *now*: ``None`` (nothing), a message (one
-condition), or ``{metric: message}`` (one condition per metric). Its ``name`` attribute (else its
-``__name__``) names it; a ``level`` attribute (``"warning"``, the default, or ``"error"``) grades it.
-:class:`Monitor` runs its rules in order on each step and alerts once per ``(rule, metric)`` when the
-condition starts to hold; it alerts again only after a step where it did not hold. A rule that raises
-is reported (``logging.error``) and disabled; the others go on. The built-in rules and the Monitor
-cost O(names of the step) per step and hold bounded memory, however many names a run has seen.
-
-The default rules (:func:`default_rules`), each a class whose attributes are its defaults and whose
-keyword arguments override them (docs/health.md lists them with their thresholds): ``non_finite``
-(:class:`NonFinite`), ``zero_std_groups`` (:class:`ZeroStdGroups`), ``grad_norm``
-(:class:`GradNorm`), ``entropy_collapse`` (:class:`EntropyCollapse`), ``clip_ratio_spike``
-(:class:`ClipRatioSpike`), ``response_clip_spike`` (:class:`ResponseClipSpike`), ``kl_blowup``
-(:class:`KLBlowup`), ``silent`` (:class:`Silent`), ``straggler`` (:class:`Straggler`) and
-``lost_rank`` (:class:`LostRank`).
+A rule is a callable ``rule(step, metrics)`` returning what is wrong now (``None``, a message, or
+``{metric: message}``); :class:`Monitor` alerts once per ``(rule, metric)`` when it starts to hold.
+The default rules (:func:`default_rules`) are classes whose attributes are their thresholds
+(docs/health.md, "The rules and their defaults", "Your own rules").
 
 >>> monitor = Monitor()
 >>> [a.rule for a in monitor.observe(0, {"actor/grad_norm": 1.5, "critic/score/mean": 0.2})]

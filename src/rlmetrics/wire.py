@@ -11,22 +11,10 @@ quantile sketches, validation samples), each as :func:`~rlmetrics.core.states.en
 ``seq`` is a client's sequence number, or, in an item that merges several clients' submissions (a
 node sub-aggregator's forward), the tuple of their ``(client_id, seq)`` keys.
 
-``stats`` holds float64s as raw little-endian bytes: either ``M`` values (one observation per
-metric) or a ``(5, M)`` stat array. (Versions 2 and 3 packed them by byte plane with zlib, half the
-bytes for values from float32 tensors; for those it cost the rank 69 µs and the aggregator 29 µs
-per message at M = 1000, 730 and 180 µs at M = 10000, and the aggregator's CPU per message is what
-limits a step, while the bytes it saved take a 10 Gbit/s link 3 and 33 µs: docs/benchmarks.md,
-"What the wire's packing cost".)
-
-The receiver keeps a :class:`SchemaTable`; an item whose schema it lacks (say, after a restart) is
-reported back by id, and the sender repeats it with the names.
-
-What comes off the wire is checked twice, and nothing else can fail on it later. :func:`decode`
-checks the form (a malformed message is refused whole, with :class:`SubmissionError`): schemas
-of non-empty str names and known reductions, steps, closes, sequence numbers, state columns and
-states that can be built, buffers of bounded size. :func:`check_contribution` checks the values (a bad
-contribution is refused alone): the engine calls it on every contribution, whatever its backend,
-and checks all values but those :func:`~rlmetrics.packing.pack` made from data in this process.
+``stats`` holds float64s as raw little-endian bytes: ``M`` values (one observation per metric) or
+a ``(5, M)`` stat array. A receiver lacking a schema (after a restart) reports its id back and the
+sender repeats the names. :func:`decode` checks a message's form (refused whole,
+:class:`SubmissionError`); :func:`check_contribution` its values (a bad contribution refused alone).
 
 >>> from rlmetrics.packing import pack
 >>> p = pack({"a/mean": 1.0, "b/max": 2.0})

@@ -1,30 +1,11 @@
 """The step-keyed merge engine: pure Python + numpy, no Ray, no torch.
 
 Over 400 lines on purpose: contributions, completion, finalization, eviction and the saved state are
-one step-keyed state; every rule reads the same per-step bookkeeping.
-
-Workers hand the engine *contributions*: ``(client_id, step, seq, world_size, packed)`` where
-``packed`` holds a schema (metric names and their reductions) and one ``(5, M)`` float64 stat array
-(:data:`rlmetrics.core.stat.FIELDS`), plus other states by column (:mod:`rlmetrics.core.states`: quantile
-sketches for the names that need them, validation samples). The engine
-merges them per ``(step, name)``:
-
-- a name is complete when ``world_size`` contributions arrived for it in that step; ranks that
-  give one name different ``world_size`` in a step are told at once (the contribution is merged,
-  the name expects the largest ``world_size`` given, ``meta.conflicts`` names it);
-- a step is complete when every name is complete and every registered client (one that has
-  submitted at least once and not departed) has closed the step;
-- :meth:`Aggregator.finalize` turns a step into a :class:`StepResult` — complete or partial, with
-  ``meta`` naming the missing clients and metrics — and frees its state.
-
-Contributions with the same schema are stacked and merged as matrices (names are resolved once per
-schema, never per value). ``(client_id, step, seq)`` is merged once, so retries are harmless. The
-engine is not thread-safe and never waits; backends add locking and waiting around it.
-
-Where it lives: this module keeps the bookkeeping of steps (contributions, closes, completion,
-finalization, export and restore: ~440 lines, a third of them docstrings, one class whose methods
-share one state); the name registry is :mod:`rlmetrics.engine.columns`, a step's merge and reduction
-:mod:`rlmetrics.engine.steps`.
+one step-keyed state that every rule reads. A contribution is ``(client_id, step, seq, world_size,
+packed)``, merged once per ``(client_id, step, seq)``, stacked by schema; a step is complete when
+each name has ``world_size`` contributions and every registered client closed it (docs/steps.md).
+Not thread-safe and never waits: backends lock and wait around it. The name registry is
+:mod:`~rlmetrics.engine.columns`, a step's merge :mod:`~rlmetrics.engine.steps`.
 
 >>> from rlmetrics.packing import pack
 >>> agg = Aggregator()

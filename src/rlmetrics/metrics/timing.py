@@ -7,31 +7,10 @@
   ``compute_throughout_metrics``): ``perf/total_num_tokens`` (the batch's tokens), ``perf/time_per_step``
   (``timing_raw["step"]``) and ``perf/throughput`` (tokens per second per GPU).
 
-**Merged over ranks** (the ``*_stats`` functions give what a rank submits): ``timing_s/*`` and
-``perf/time_per_step`` are averaged, ``perf/total_num_tokens`` is summed, and the ratios are derived
-after the merge from merged sums (:data:`rlmetrics.metrics.DERIVED_METRICS`), so they equal the
-value of the whole batch instead of an average of per-rank ratios:
-
-- ``timing_per_token_ms/{stage}`` = ``1000 * mean over ranks of the stage's seconds / sum of the
-  ranks' tokens`` (siiRL averages each rank's ``seconds / own tokens``: about W times too high);
-- ``perf/throughput`` = ``sum of tokens / (mean step seconds * sum of n_gpus)``; ``n_gpus`` is the
-  number of GPUs the call's batch ran on (on a rank: that rank's GPUs, as siiRL passes
-  ``pp * tp``; on a whole batch: all of them, as verl passes).
-
-Tokens: ``global_token_num`` (per-sequence counts; in the batch, or in a ``DataProto``'s
-``meta_info``), else the sum of ``attention_mask``. verl copies the whole batch's ``global_token_num``
-list into the ``meta_info`` of every shard; summed on every rank it would count each token W times,
-so a list whose length is not the batch's number of sequences is not this rank's: its tokens come
-from ``attention_mask`` instead (the same counts, for this rank's sequences), and without an
-``attention_mask`` the list is refused with :class:`~rlmetrics.core.stat.MetricValueError`.
-
-Names depend on the keys present (``timing_raw``'s stages, the masks, ``global_token_num``), never on
-the values: a batch without tokens or a zero step time still yields every name, with an empty
-summary. A ``timing_raw`` value that is not a number (``"1.0"``, None, a list), a step time that is
-not one, or an ``n_gpus`` that is not a positive number is refused with
-:class:`~rlmetrics.core.stat.MetricValueError` naming the stage or argument and the value (through a
-client's ``compute_local_*``, after the call's other names were submitted); batch keys of the wrong
-shape or dtype raise, naming the key.
+Merged over ranks (the ``*_stats`` functions give what a rank submits), the ratios are derived from
+merged sums, so they equal the whole batch's (docs/reductions.md, "Derived metrics: ratios are
+computed from merged sums"; siiRL's per-token times are about W times too high). Names depend on the
+keys present, never on the values; a value that is not a number is refused naming it.
 """
 
 from __future__ import annotations

@@ -6,29 +6,10 @@ A drop-in for ``verl.trainer.ppo.metric_utils`` and ``verl.utils.metric`` (verl 
         AggregationType, Metric, compute_data_metrics, compute_throughout_metrics, compute_timing_metrics,
         compute_variance_proxy_metrics, process_validation_metrics, reduce_metrics)
 
-On one process every function returns verl's keys and numbers (float rounding aside: verl sums in
-float32, we in float64). Batches are recognised by shape: a ``DataProto`` (an object with ``.batch``,
-a TensorDict, ``.non_tensor_batch``, a dict of numpy arrays, and ``.meta_info``), its TensorDict, or a
-plain dict of tensors and arrays.
-
-**Across ranks.** The batch functions return :class:`Value` floats: verl's number, carrying the
-mergeable summary behind it. Each data-parallel rank calls the same function on its own shard and
-submits the result through a client with verl's naming (:func:`connect`, or any backend's
-``connect(..., naming=NAMING)``); merged, the result is verl's number for the full batch under verl's
-name: token- and sequence-weighted means, global min/max, ``critic/vf_explained_var``,
-``timing_per_token_ms/*``, ``perf/throughput`` and ``variance_proxy/proxy3_pure_noise`` derived from
-merged sums. ``timing_s/*`` keeps its name. Validation samples go with
-:func:`submit_validation_metrics`; the merged keys are those verl's trainer logs
-(``val-core/{source}/{var}/{metric}``, ``val-aux/...``).
-
-Worker metrics submitted with verl's naming: a verl :class:`Metric` (ours or verl's own, recognised by
-shape) merges as verl's ``Metric.aggregate_dp`` does (mean over ranks and micro-batches; ``SUM``:
-the mean over ranks of each rank's sum; min/max over all values); a list of per-micro-batch values
-merges as ``reduce_metrics`` of the concatenated lists, a list under a ``.../std`` name included
-(the mean of the stds); a ``(value, tokens)`` pair per micro-batch merges to the value over all
-tokens of all ranks (``actor/pg_loss``, ``actor/entropy``, ...). Reductions are resolved from whole
-tokens of the name (``actor/minibatch_loss`` is a mean), with verl's exceptions in
-:data:`VERL_REDUCTIONS`.
+On one process every function returns verl's keys and numbers (verl sums in float32, we in float64).
+Across data-parallel ranks, each rank submits its shard's result through a client with verl's naming
+(:func:`connect`, or ``connect(..., naming=NAMING)``) and the merged number is verl's on the full
+batch (docs/verl.md, "Across ranks").
 
 >>> import torch
 >>> batch = {"prompts": torch.zeros(2, 2), "responses": torch.zeros(2, 2),
@@ -43,10 +24,8 @@ tokens of the name (``actor/minibatch_loss`` is a mean), with verl's exceptions 
 >>> m["critic/advantages/mean"].stat.count  # what a rank submits: 3 response tokens
 3.0
 
-The code: :mod:`~rlmetrics.integrations.verl.batch` (the batch functions and :class:`Value`),
-:mod:`~rlmetrics.integrations.verl.worker` (:class:`Metric`, ``reduce_metrics``),
-:mod:`~rlmetrics.integrations.verl.naming` (submitting with verl's naming),
-:mod:`~rlmetrics.integrations.verl.tracking` (:class:`Tracking`, verl's logger over rlmetrics' sinks).
+Modules: ``batch`` (batch functions, :class:`Value`), ``worker`` (:class:`Metric`,
+``reduce_metrics``), ``naming``, ``tracking`` (verl's :class:`Tracking` over rlmetrics' sinks).
 """
 
 from __future__ import annotations

@@ -2,32 +2,11 @@
 
 A verl trainer swaps one import (``from rlmetrics.integrations.verl import Tracking``) and keeps its
 calls: ``Tracking(project_name, experiment_name, default_backend, config)``, ``log(data, step,
-backend=None)``, ``finish()``. What it gains: the run folder is resumed, so a trainer restarted from a
-checkpoint that logs steps again writes each step once (verl's ``file`` backend reopens its file with
-``"wb"`` and loses the first session; its TensorBoard writer adds a second event file that doubles the
-replayed steps); health alerts (:mod:`rlmetrics.health`) go to every tracker; a tracker that fails is
-reported and disabled instead of stopping the run.
-
-Backends: verl's names, each the sink of :data:`rlmetrics.sinks.TRACKERS` of that name (``tracking``,
-verl's deprecated alias, is ``wandb``); the trackers run offline. ``file`` writes verl's own file
-(below) and the run's ``metrics.jsonl``. verl's ``vemlp_wandb`` and ``rl_insight`` raise
-``ValueError`` naming the supported backends.
-
-Files go to one folder: ``out_dir``, or ``<root>/<project_name>/<experiment_name>`` with ``root`` verl's
-``VERL_FILE_LOGGER_ROOT`` (default ``.``). verl's variables that send a backend elsewhere are honoured:
-``MLFLOW_TRACKING_URI`` (that tracking server), ``TENSORBOARD_DIR`` and ``SWANLAB_LOG_DIR`` (those
-folders, :func:`~rlmetrics.sinks.make_sinks`), and ``VERL_FILE_LOGGER_PATH``: the ``file`` backend
-writes verl's format (``{"step": ..., "data": {...}}``, a line per call) there, or where verl does
-(``<root>/<project_name>/<experiment_name>.jsonl``, beside the run folder; with ``out_dir``,
-``<out_dir>/<experiment_name>.jsonl``); ``rlmetrics report`` and ``plot`` read it. A resumed run
-appends to it after the steps the run holds (verl starts it anew: its first session's lines were
-lost), and says so in one line.
-
-verl logs one step in several calls in places (the fully-async trainer logs timings, aggregated
-metrics and validation at one ``step``): a later call at the step just logged adds its metrics to the
-step: the trackers get the new values at that step, ``metrics.jsonl`` a record of the whole step so far
-(the later record of a step wins when read). A call at a lower step than one already logged this
-session is dropped with a warning (TensorBoard's reader drops a step that goes back, W&B refuses it).
+backend=None)``, ``finish()``. Backends are verl's names, each the sink of that name
+(:data:`rlmetrics.sinks.TRACKERS`); verl's variables are honoured (``VERL_FILE_LOGGER_ROOT``,
+``VERL_FILE_LOGGER_PATH``, ``MLFLOW_TRACKING_URI``, ``TENSORBOARD_DIR``, ``SWANLAB_LOG_DIR``); the
+folder is resumed, so a restarted trainer writes each step once. docs/verl.md, "Logging: verl's
+Tracking", says what each backend writes, where, and what a rerun and a second call at a step do.
 """
 
 from __future__ import annotations
