@@ -58,11 +58,10 @@ class RestartingTransport:
         return reply
 
     def result(self, step, timeout, finalize=False, who=None) -> StepResult:
-        return self._live().result(step, finalize)
+        return self._live().read(step, finalize=finalize).end()
 
     def final(self, timeout=None, who=None) -> StepResult:
-        server = self._live()
-        return server.final(server.final_target())
+        return self._live().read().end()
 
     def register(self, who) -> None:
         self._live().register(identity(who)[0])

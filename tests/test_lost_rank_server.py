@@ -28,22 +28,22 @@ def test_the_step_a_lost_rank_did_not_close_ends_partial_naming_it_and_later_ste
     for rank in RANKS[:2]:
         send(server, rank, 1)
     if lost_when == "while it is pending":
-        assert not server.result_ready(1)
+        assert not server.read(1).ready()
         server.lose("rank2", "its Ray actor is dead")
-    assert server.result_ready(1)  # no deadline: it ends as soon as the others closed it
-    res = server.result(1)
+    assert server.read(1).ready()  # no deadline: it ends as soon as the others closed it
+    res = server.read(1).end()
     assert not res.meta.complete and res.meta.missing_ranks == ["rank2"], res.meta
     assert res.meta.lost == {"rank2": "its Ray actor is dead"}, res.meta
     assert res.meta.missing_metrics["x/mean"] == [2, 3], res.meta
     assert res["x/mean"] == pytest.approx(10.5) and res["n/total"] == 2
     for rank in RANKS[:2]:  # no set_world_size: the names rank2 sent expect 2
         send(server, rank, 2)
-    res = server.result(2)
+    res = server.read(2).end()
     assert res.meta.complete and res.meta.contributions == [4, 4] and not res.meta.lost, res.meta
     for rank in RANKS[:2]:  # set_world_size(2) after the loss: not counted twice
         send(server, rank, 3, world_size=2)
-    assert not server.result_ready(4)
-    res = server.result(3)
+    assert not server.read(4).ready()
+    res = server.read(3).end()
     assert res.meta.complete and res.meta.contributions == [4, 4], res.meta
 
 
@@ -55,7 +55,7 @@ def test_a_lost_ranks_late_message_does_not_make_it_waited_for_again():
         send(server, rank, 1)
     server.lose("rank2", "its node was lost")
     send(server, "rank2", 1, close=False)  # its last message, in flight when it died
-    assert server.result(1).meta.missing_ranks == ["rank2"]
+    assert server.read(1).end().meta.missing_ranks == ["rank2"]
     for rank in RANKS[:2]:
         send(server, rank, 2)
-    assert server.result_ready(2) and server.result(2).meta.complete
+    assert server.read(2).ready() and server.read(2).end().meta.complete

@@ -126,7 +126,7 @@ def test_a_sender_speaks_only_for_the_clients_relayed_to_it():
         assert server.relay("node", rank, "node-actor") is None
     assert server.merge("node", [item], [(0, ("rank0", "rank1"))]) == {}
     server.finalize_complete([0])
-    res = server.result(0)
+    res = server.read(0).end()
     assert res.meta.complete and res.meta.contributors == ["rank0", "rank1"] and dict(res) == {"x/mean": 1.0}
     assert server.nodes_of(0) == []
 
@@ -144,12 +144,12 @@ def test_a_new_session_ends_only_the_sessions_that_are_over():
     assert server.register("c", "new") is None  # a restarted run's first client ends "old"
     assert server.engine.clients == {"b", "c"}
     # nothing of the ended run's steps is left: no deadline, and no step for wait_final_res to target
-    assert server.next_due() is None and server.engine.newest_closed is None
+    assert server.tick()[1] is None and server.engine.newest_closed is None
     assert "ended" in server.merge("a", [(1, 1, 2, pack({"x/mean": 7.0}))], [1], session="old")["a"]
     for client, value, session in (("b", 1.0, "live"), ("c", 3.0, "new")):
         assert server.merge(client, [(0, 0, 2, pack({"x/mean": value}))], [0], session=session) == {}
     server.finalize_complete([0])
-    res = server.result(0)
+    res = server.read(0).end()
     assert res.meta.complete and res.meta.contributors == ["b", "c"], res.meta
     assert dict(res) == {"x/mean": 2.0}  # rank a's 100.0 is gone
 
@@ -189,8 +189,9 @@ def test_a_rank_ahead_by_one_step_of_data_is_not_taken_for_one_that_closed_twice
     for client in ("a", "b"):
         assert server.merge(client, [(1, 0, 3, pack({"x/mean": 1.0}))], [1]) == {}
     assert server.merge("a", [(2, 1, 2, pack({"x/mean": 2.0}))], [2]) == {}
-    assert server.final_target("reader") == 1
-    res = server.final(1, "reader")
+    read = server.read(reader="reader")
+    assert read.target == 1
+    res = read.end()
     assert res.step == 1 and not res.meta.complete
     assert server.notices == [] and server.missed == {}
 

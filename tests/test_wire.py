@@ -101,7 +101,7 @@ def run_step(msg, hostile_first):
     if hostile_first:
         assert send(server, table, "good", honest) == {}
     assert send(server, table, "good", encode([], [STEP], send_names=False)) == {}
-    return errors, server, server.result(STEP)
+    return errors, server, server.read(STEP).end()
 
 
 def check_honest_step(res):
@@ -269,7 +269,7 @@ def test_a_bad_value_is_refused_alone_named_and_the_honest_step_equals_numpy(cas
     assert re.search(problem, errors["evil/2/0"]), errors
     check_honest_step(res)
     assert list(res.meta.refused) == ["evil/2/0"] and res.meta.refused["evil/2/0"] == errors["evil/2/0"][8:]
-    assert server.result(STEP + 1) == {"y/mean": 5.5}
+    assert server.read(STEP + 1).end() == {"y/mean": 5.5}
 
 
 NOT_MERGING = {  # valid alone, but not with the honest rank's state of that column
@@ -295,7 +295,7 @@ def test_a_state_that_does_not_merge_with_the_steps_is_refused_before_anything_o
     errors, server, res = run_step(msg, hostile_first=False)
     assert list(errors) == ["evil/2/0"] and re.match(f"step 2: {problem}", errors["evil/2/0"]), errors
     check_honest_step(res)
-    assert server.result(STEP + 1) == {"y/mean": 5.5}
+    assert server.read(STEP + 1).end() == {"y/mean": 5.5}
 
 
 def test_a_refused_merged_contribution_is_listed_under_each_of_its_senders():
@@ -422,7 +422,7 @@ def test_a_malformed_message_is_refused_whole_with_a_submission_error_and_the_ho
     errors, server, res = run_step(message(change), hostile_first=True)
     assert list(errors) == ["evil"] and re.search(problem, errors["evil"]), errors
     check_honest_step(res)
-    assert server.result(STEP + 1) == {}  # nothing of the message merged
+    assert server.read(STEP + 1).end() == {}  # nothing of the message merged
 
 
 # ------------------------------------------------------------------------------------ the fuzz
@@ -677,7 +677,7 @@ def test_no_message_loses_the_honest_step_raises_but_a_refusal_or_allocates_beyo
     if hostile_first:
         assert send(server, table, "good", honest) == {}
     assert send(server, table, "good", encode([], [STEP], send_names=False)) == {}
-    check_honest_step(server.result(STEP))
+    check_honest_step(server.read(STEP).end())
 
 
 def test_a_nodes_closes_on_behalf_of_its_ranks_travel_as_sent():

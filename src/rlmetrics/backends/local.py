@@ -64,13 +64,12 @@ class LocalMetricWorker(SyncTransport):
         """The newest step every rank closed, once complete (at most ``timeout`` seconds, default
         the server's ``final_timeout``; then partial), each step once per reader ``who`` (a
         client's credential; None: the seed's bare read); without clients, this round's metrics
-        (:meth:`~rlmetrics.engine.server.Server.final_target`)."""
+        (:meth:`~rlmetrics.engine.server.Server.read`)."""
         reader, session = _reader(who)
         with self._cond:
-            server = self.server
-            server.note_reader(reader, session, False)
-            self._wait(lambda: server.final_ready(server.final_target(reader)), self._deadline(timeout))
-            out = server.final(server.final_target(reader), reader, session)
+            read = self.server.read(None, reader, session)
+            self._wait(read.ready, self._deadline(timeout))
+            out = read.end()
             self._tell()
             self._cond.notify_all()
             return out
@@ -82,7 +81,7 @@ class LocalMetricWorker(SyncTransport):
         except SubmissionError as exc:
             return Reply({str(who)[:80]: str(exc)}, self.server.incarnation)
         with self._cond:
-            self._finalize_due()  # first: data after its step's deadline is late, as on Ray
+            self._tick()  # first: data after its step's deadline is late, as on Ray
             [reply] = self.server.handle([Message(client_id, items, close, resync, session)])
             self._cond.notify_all()
         return reply
@@ -91,13 +90,12 @@ class LocalMetricWorker(SyncTransport):
         self, step: int, timeout: float | None = None, finalize: bool = False, who: str | None = None
     ) -> StepResult:
         """``step`` once complete; at ``timeout`` final when ``finalize``, else provisional
-        (:meth:`~rlmetrics.engine.server.Server.result`); ``who``: the reader's credential."""
+        (:meth:`~rlmetrics.engine.server.Server.read`); ``who``: the reader's credential."""
         reader, session = _reader(who)
         with self._cond:
-            if finalize:
-                self.server.note_reader(reader, session, True)
-            self._wait(lambda: self.server.result_ready(step), timeout)
-            out = self.server.result(step, finalize, reader, session)
+            read = self.server.read(step, reader, session, finalize)
+            self._wait(read.ready, timeout)
+            out = read.end()
             self._cond.notify_all()  # finalized at this reader's deadline: other readers of it return
             return out
 
@@ -133,17 +131,19 @@ class LocalMetricWorker(SyncTransport):
         steps whose own deadline passes meanwhile are finalized (a waiting reader sees to it)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            self._finalize_due()
+            due = self._tick()
             now = time.monotonic()
             if ready() or (deadline is not None and deadline <= now):
                 return
-            ends = [t for t in (deadline, self.server.next_due()) if t is not None]
+            ends = [t for t in (deadline, due) if t is not None]
             self._cond.wait(max(min(ends) - now, 0.0) if ends else None)
 
-    def _finalize_due(self) -> None:
-        """Finalize the steps whose own deadline passed (with the lock held)."""
-        if self.server.finalize_due():
+    def _tick(self) -> float | None:
+        """Finalize the steps whose own deadline passed (with the lock held); when the next passes."""
+        finalized, due = self.server.tick()
+        if finalized:
             self._cond.notify_all()
+        return due
 
 
 def _reader(who: str | None) -> tuple[str, str | None]:

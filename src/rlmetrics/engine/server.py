@@ -14,10 +14,10 @@ node relays, persistence): docs/architecture.md, "The aggregator's rules".
 >>> for rank in ("rank0", "rank1"):
 ...     items = [(0, 0, 2, pack({"loss": 1.0 if rank == "rank0" else 3.0}))]
 ...     [reply] = server.handle([Message(rank, items, close=[0])])
->>> reply.done_below, dict(server.final(server.final_target()))  # complete: finalized, saved
+>>> reply.done_below, dict(server.read().end())  # the seed's wait_final_res: complete, saved
 (1, {'loss': 2.0})
 >>> again = Server(store=server.store)  # a next incarnation resumes from the saved state
->>> again.restored, dict(again.final(0)), again.recovering()  # waits for the clients' resends
+>>> again.restored, dict(again.read(0).end()), again.recovering()  # waits for the clients' resends
 (True, {'loss': 2.0}, True)
 """
 
@@ -28,6 +28,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from rlmetrics.engine.aggregator import Aggregator
@@ -56,7 +57,7 @@ SAVED_RESULTS = 2
 
 
 class Notice(NamedTuple):
-    """What a ``final()`` read tells a client (:meth:`Server.final`): it ended ``step`` without the
+    """What a ``wait_final_res`` read tells a client (:meth:`Server.read`): it ended ``step`` without the
     client's close, while the clients ``ahead`` had closed it (none: the client skipped a close);
     or, with ``behind``, that the client closed ``step`` before those, one step more than they."""
 
@@ -69,7 +70,7 @@ class Notice(NamedTuple):
 class Server:
     """The engine and the rules of every call on it (see the module docstring).
 
-    ``final_timeout``: default deadline of :meth:`final` reads; ``step_timeout``: every step's own
+    ``final_timeout``: default deadline of ``wait_final_res`` reads; ``step_timeout``: every step's own
     deadline after its first close (None: none); ``incarnation``: this server's id (a restarted Ray
     actor gets a new one); ``store``: where the state a next incarnation resumes from is saved
     (None: nowhere, replies follow the engine), and resumed from now, waiting at most
@@ -130,7 +131,7 @@ class Server:
         self.logging_reader: tuple[str, str | None] | None = None  # (reader, session) ending steps
         self._returned: dict[str, tuple[int, int]] = {}  # reader -> newest step final(), result() gave it
         self.missed: dict[str, int] = {}  # client -> newest step a final() read ended without its close
-        self.notices: list[Notice] = []  # what :meth:`final` tells clients, for a backend to push
+        self.notices: list[Notice] = []  # what wait_final_res reads tell clients, for a backend to push
 
     @property
     def finalizes(self) -> bool:
@@ -406,7 +407,7 @@ class Server:
     def reply(self, errors: dict[str, str], late: Iterable[int] = (), missed: int = -1) -> Reply:
         """The reply to a message: its ``errors``, the steps whose data it sent was dropped as
         ``late``, the steps its client may stop keeping (:meth:`durable`) and the newest step a
-        ``final()`` read ended without its close (``missed``, :meth:`final`)."""
+        ``wait_final_res`` read ended without its close (``missed``)."""
         return Reply(errors, self.incarnation, *self.durable(), late=sorted(late), missed=missed)
 
     def submit_direct(self, metrics: Mapping[str, Any], world_size: int, step: int | None = None) -> None:
@@ -472,18 +473,27 @@ class Server:
         self.persist()
 
     # ------------------------------------------------------------------------------ deadlines
-    def due_steps(self, now: float | None = None) -> list[int]:
-        """Pending steps whose own deadline (``step_timeout`` after their first close) passed."""
+    def tick(self, finalize: bool = True) -> tuple[list[int], float | None]:
+        """The clock's call: the pending steps whose own deadline (``step_timeout`` after their first
+        close) passed, finalized and saved when ``finalize``, and when the next one passes
+        (``time.monotonic()``; None: no step has one). A backend with node sub-aggregators drains
+        the steps of ``tick(finalize=False)`` first, then calls :meth:`finalize` on each."""
+        due = self._due()
+        if finalize:
+            for step in due:
+                self.finalize(step)
+            self.persist()
+        return due, self._next_due()
+
+    def _due(self) -> list[int]:
         if self.step_timeout is None or not self.finalizes or self.recovering():
             return []
-        now = time.monotonic() if now is None else now
-        engine = self.engine
+        now, engine = time.monotonic(), self.engine
         for step in [s for s in self._closed_at if engine.is_finalized(s)]:
             del self._closed_at[step]
         return sorted(s for s, t in self._closed_at.items() if t + self.step_timeout <= now)
 
-    def next_due(self) -> float | None:
-        """When the next step's own deadline passes (``time.monotonic()``), None without one."""
+    def _next_due(self) -> float | None:
         if self.step_timeout is None or not self.finalizes or not self._closed_at:
             return None
         if self.recovering():
@@ -491,7 +501,17 @@ class Server:
         return min(self._closed_at.values()) + self.step_timeout
 
     # ---------------------------------------------------------------------------------- reads
-    def result_ready(self, step: int) -> bool:
+    def read(self, step: int | None = None, reader: str = "", session: str | None = None,
+             finalize: bool = False) -> Read:  # fmt: skip
+        """A reader's read: of ``step``, or (None) the seed's ``wait_final_res``, about the step
+        :meth:`_final_target` picks for ``reader`` (of run ``session``). A backend waits until
+        ``read.ready()`` or its deadline, drains ``read.drain()`` (node sub-aggregators), then takes
+        ``read.end()`` (docs/architecture.md, "The aggregator's rules")."""
+        if finalize or step is None:
+            self._note_reader(reader, session, finalize)
+        return Read(self, step, reader, session, finalize)
+
+    def _result_ready(self, step: int) -> bool:
         """A reader of ``step`` may stop waiting: the step is final (nothing a recovery brings
         changes it), or, no recovery under way, complete, or every registered rank went past it
         without anything for it."""
@@ -504,9 +524,7 @@ class Server:
             )
         )
 
-    def result(
-        self, step: int, finalize: bool = False, reader: str = "", session: str | None = None
-    ) -> StepResult:
+    def _result(self, step: int, finalize: bool, reader: str, session: str | None) -> StepResult:
         """``step``'s result now: kept or complete; else, at a reader's deadline, partial and final
         when ``finalize`` (and the reader's run did not end), otherwise what arrived so far,
         provisional (the step stays open). A step nothing arrived for is never finalized: its
@@ -514,7 +532,7 @@ class Server:
         engine = self.engine
         if not engine.knows(step) and step not in self._announced:
             return engine.peek(step, contributions=(0, 0), ranks_at=engine.ranks_closed_up_to())
-        if self.result_ready(step) or (finalize and not self._ended(session)):
+        if self._result_ready(step) or (finalize and not self._ended(session)):
             result = self.finalize(step)
             self.persist()
             if reader:
@@ -522,15 +540,15 @@ class Server:
             return result
         return engine.peek(step, contributions=engine.contributions(step))
 
-    def note_reader(self, reader: str, session: str | None, finalize: bool) -> None:
+    def _note_reader(self, reader: str, session: str | None, finalize: bool) -> None:
         """A read starts: one with ``finalize=True`` makes ``reader`` (of run ``session``) the
-        logging reader; a :meth:`final` read (``finalize=False``) does when there is none yet."""
+        logging reader; a ``wait_final_res`` read (``finalize=False``) does when there is none yet."""
         if finalize or self.logging_reader is None:
             self.logging_reader = (reader, session)
 
-    def logs(self, reader: str, session: str | None) -> bool:
-        """Whether a :meth:`final` read of ``reader`` finalizes at its deadline: it is the logging
-        reader (:meth:`note_reader`), or that one's run ended and this one's did not (it takes over)."""
+    def _logs(self, reader: str, session: str | None) -> bool:
+        """Whether a ``wait_final_res`` read of ``reader`` finalizes at its deadline: it is the logging
+        reader (:meth:`_note_reader`), or that one's run ended and this one's did not (it takes over)."""
         me = (reader, session)
         if self._ended(session):
             return False
@@ -557,11 +575,11 @@ class Server:
         self._announced.pop(step, None)
         return result
 
-    def final_target(self, reader: str = "") -> int | None:
-        """The step :meth:`final` is about for ``reader``: the newest step every registered rank
+    def _final_target(self, reader: str = "") -> int | None:
+        """The step a ``wait_final_res`` read is about for ``reader``: the newest step every registered rank
         (not lost) closed, if ``reader`` was not given it yet; else the oldest step after the one it
         was given that some rank closed (a rank that closed a far step, e.g. a token count passed as
-        step=, does not take the read over). A step ``reader`` read final with :meth:`result` counts
+        step=, does not take the read over). A step ``reader`` read final by its step counts
         as given, unless no rank closed a later one: then it is the target once (verl's driver reads
         ``result(global_steps)`` and then the seed's ``wait_final_res``). Without clients: the newest
         pending step (the seed's direct round). None when there is nothing new for ``reader``."""
@@ -579,15 +597,16 @@ class Server:
         later = min([*closed, *(s for s in self._announced if s > seen)], default=None)
         return agreed if later is None and agreed > after else later
 
-    def final_ready(self, target: int | None) -> bool:
-        """A ``final`` read of ``target`` may return: complete, or a direct round (never waited for)."""
+    def _final_ready(self, target: int | None) -> bool:
+        """A ``wait_final_res`` read of ``target`` may return: complete, or a direct round (never
+        waited for)."""
         if self.engine.newest_closed is None:
             return not self.recovering()
-        return target is not None and self.result_ready(target)
+        return target is not None and self._result_ready(target)
 
-    def final(self, target: int | None, reader: str = "", session: str | None = None) -> StepResult:
-        """The :meth:`final_target` read of ``reader`` (of run ``session``): ``target`` final
-        (saved) when complete or when ``reader`` :meth:`logs`, else provisional; each step once
+    def _final(self, target: int | None, reader: str, session: str | None) -> StepResult:
+        """The :meth:`_final_target` read of ``reader`` (of run ``session``): ``target`` final
+        (saved) when complete or when ``reader`` :meth:`_logs`, else provisional; each step once
         per reader. No ``target``: an empty result (step -1) whose ``meta.ranks_at`` says where
         the ranks are. A step it ends without some registered rank's close tells that rank
         (:meth:`_tell_missed`)."""
@@ -597,8 +616,8 @@ class Server:
                 return StepResult({}, -1)
             return StepResult({}, -1, StepMeta.of(provisional=True, ranks_at=engine.ranks_closed_up_to()))
         self._give(reader, target)
-        ready = self.result_ready(target)
-        if ready or self.logs(reader, session):
+        ready = self._result_ready(target)
+        if ready or self._logs(reader, session):
             self._tell_missed(target, at_deadline=not ready)
             result = self.finalize(target)
             self.persist()
@@ -606,8 +625,8 @@ class Server:
         return engine.peek(target, contributions=engine.contributions(target))
 
     def _give(self, reader: str, step: int, by_result: bool = False) -> None:
-        """``reader`` was given ``step`` final by :meth:`final` (or by :meth:`result`): see
-        :meth:`final_target`."""
+        """``reader`` was given ``step`` final by a ``wait_final_res`` read (or a step's read): see
+        :meth:`_final_target`."""
         if len(self._returned) >= 1024 and reader not in self._returned:
             self._returned.clear()  # readers come and go (a client each): the old ones are forgotten
         after, read = self._returned.get(reader, (-1, -1))
@@ -648,14 +667,6 @@ class Server:
                 self.notices.append(Notice(client, target, ahead=others))
         self.notices += [Notice(client, target, behind=tuple(on_time)) for client in ahead]
 
-    def finalize_due(self) -> list[int]:
-        """Finalize the steps whose own deadline passed (:meth:`due_steps`) and save; those steps."""
-        due = self.due_steps()
-        for step in due:
-            self.finalize(step)
-        self.persist()
-        return due
-
     def stats(self) -> dict:
         """Registered clients, pending steps and what the engine holds (tests and monitoring)."""
         return {
@@ -665,6 +676,46 @@ class Server:
             "late": self.engine.late,
             "refused_state": self.refused_state,
         }
+
+
+@dataclass
+class Read:
+    """A reader's read (:meth:`Server.read`): a step's, or (``step`` None) the seed's
+    ``wait_final_res``, about :attr:`target`."""
+
+    server: Server
+    step: int | None
+    reader: str = ""
+    session: str | None = None
+    finalize: bool = False
+
+    @property
+    def target(self) -> int | None:
+        """The step read (a ``wait_final_res`` read's may move as ranks close steps)."""
+        return self.step if self.step is not None else self.server._final_target(self.reader)
+
+    def ready(self) -> bool:
+        """The read may return before its deadline."""
+        if self.step is not None:
+            return self.server._result_ready(self.step)
+        return self.server._final_ready(self.target)
+
+    def drain(self) -> tuple[int, bool] | None:
+        """At the deadline: ``(step, finalize)`` whose node sub-aggregators are to forward what they
+        hold before :meth:`end` (None: nothing to drain)."""
+        if self.ready():
+            return None
+        if self.step is not None:
+            return self.step, self.finalize
+        target = self.target
+        return (target, True) if target is not None and self.server._logs(self.reader, self.session) else None
+
+    def end(self) -> StepResult:
+        """The result: final when ready, or at the deadline of a reader that finalizes (module
+        docstring); else provisional."""
+        if self.step is not None:
+            return self.server._result(self.step, self.finalize, self.reader, self.session)
+        return self.server._final(self.target, self.reader, self.session)
 
 
 def merge_items(

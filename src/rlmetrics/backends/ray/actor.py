@@ -93,19 +93,18 @@ class _MetricWorker(Shell):
         A step closed later has a later deadline, so this sleeps until the earliest one, and waits
         for a change only while no step has one."""
         while True:
-            due = self.server.next_due()
-            if due is None:
-                await self._changed.wait()
+            steps, due = self.server.tick(finalize=False)
+            if not steps:
+                await (
+                    self._changed.wait() if due is None else asyncio.sleep(max(0.0, due - time.monotonic()))
+                )
                 continue
-            await asyncio.sleep(max(0.0, due - time.monotonic()))
             try:
-                steps = self.server.due_steps()
                 for step in steps:
                     await self._drain(step)
                     self.server.finalize(step)
-                if steps:
-                    self.server.persist()
-                    self.changed()
+                self.server.persist()
+                self.changed()
             except Exception:  # noqa: BLE001 - the next deadline is still kept
                 logger.exception("finalizing the steps whose deadline passed failed; again in a second")
                 await asyncio.sleep(1.0)
@@ -151,36 +150,32 @@ class _MetricWorker(Shell):
         self, step: int, timeout: float | None = None, finalize: bool = False, who: str | None = None
     ) -> StepResult:
         """``step`` once complete; at ``timeout`` final and partial when ``finalize`` (unless the
-        reader's run ended), else provisional (:meth:`~rlmetrics.engine.server.Server.result`);
+        reader's run ended), else provisional (:meth:`~rlmetrics.engine.server.Server.read`);
         ``who``: the reader's credential."""
         self.calls["result"] += 1
         reader, session = self._reader(who)
-        if finalize:
-            self.server.note_reader(reader, session, True)
-        await self._wait(lambda: self.server.result_ready(step), timeout)
-        if not self.server.result_ready(step):
-            await self._drain(step, finalize)
-        out = self.server.result(step, finalize, reader, session)
+        read = self.server.read(step, reader, session, finalize)
+        await self._wait(read.ready, timeout)
+        if (drain := read.drain()) is not None:
+            await self._drain(*drain)
+        out = read.end()
         self.changed()
         return out
 
     async def final(self, timeout: float | None = None, who: str | None = None) -> StepResult:
-        """The seed's ``wait_final_res`` (:meth:`~rlmetrics.engine.server.Server.final_target`), each
+        """The seed's ``wait_final_res`` (:meth:`~rlmetrics.engine.server.Server.read`), each
         step once per reader ``who`` (None: the seed's bare read): after a recovery, about the
         newest step closed once the clients resent theirs."""
         self.calls["final"] += 1
         reader, session = self._reader(who)
         server = self.server
-        server.note_reader(reader, session, False)
+        read = server.read(None, reader, session)
         deadline = time.monotonic() + (server.final_timeout if timeout is None else timeout)
         await self._wait(lambda: not server.recovering(), None)
-        ready = lambda: server.final_ready(server.final_target(reader))  # noqa: E731
-        await self._wait(ready, max(0.0, deadline - time.monotonic()))
-        target = server.final_target(reader)
-        if target is not None and not server.final_ready(target) and server.logs(reader, session):
-            await self._drain(target)
-            target = server.final_target(reader)
-        out = server.final(target, reader, session)
+        await self._wait(read.ready, max(0.0, deadline - time.monotonic()))
+        if (drain := read.drain()) is not None:
+            await self._drain(*drain)
+        out = read.end()
         self.changed()
         await self.tell()
         return out
