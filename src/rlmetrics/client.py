@@ -1,21 +1,9 @@
 """Backend-neutral client logic: step counter, coalescing, resend buffer, sequence ids.
 
-Over 400 lines on purpose: the step counter, coalescing, the resend buffer and the handling of
-replies are one state machine under one lock; split, each part would need the others' invariants.
-
-A client summarizes each ``submit_metric`` call at once (so a bad value raises in the caller, naming
-the metric), buffers the result, and sends everything of a step in one call to its
-:class:`Transport` when the step is closed by ``wait_submit()``, which by default returns once the
-aggregator holds it (siiRL's ``ray.get`` of its submissions). It keeps what it sent until the
-aggregator reports the step finalized; if the aggregator restarted (a new ``incarnation`` in a
-reply, or :class:`AggregatorRestarted` from the transport) it resends what it keeps, which the
-aggregator merges once thanks to ``(client_id, step, seq)``.
-
-Identity: a client's id (``rank3@host:pid:<16 hex>``, shown in every ``meta``) ends with a hash of a
-secret that only the client holds; it speaks to its transport with its *credential*
-(:func:`credential`: id, secret and session), which the aggregator checks (:func:`identity`). Another
-job that reads the ids in results cannot send under one of them.
-"""
+Over 400 lines on purpose: one state machine under one lock; split, each part would need the others'
+invariants. A client sends a step's data to its :class:`Transport` in one call at ``wait_submit()``
+and keeps it until the step is final, resending it after a restart (docs/steps.md, "Failures"; ids
+and credentials: docs/reliability.md, "Trust model: other jobs on the cluster")."""
 
 from __future__ import annotations
 
@@ -64,14 +52,10 @@ class AggregatorRestarted(ConnectionError):
 
 @runtime_checkable
 class Transport(Protocol):
-    """What a backend provides to a client.
-
-    ``send`` replies a :class:`~rlmetrics.messages.Reply` (its errors, and which steps are final);
-    ``post`` sends without waiting and ``collect(posted, block)`` gives its reply (None while not
-    there and not ``block``); ``watch(client)`` makes the transport call ``client.resync()`` when the
-    aggregator restarts. ``who`` is the client's :func:`credential`. Any call may raise
-    :class:`AggregatorRestarted`.
-    """
+    """What a backend provides to a client: ``post`` sends without waiting, ``collect(posted, block)``
+    gives its reply (None while not there and not ``block``), ``watch(client)`` calls
+    ``client.resync()`` on a restart; ``who`` is a :func:`credential`. Any call may raise
+    :class:`AggregatorRestarted`."""
 
     def send(self, who: str, items: list[Submission], close: list[Close], resync: bool = False) -> Reply: ...
 
@@ -93,8 +77,7 @@ class Transport(Protocol):
 
 
 class SyncTransport:
-    """The :class:`Transport` methods of a transport whose ``send`` returns at once (in-process
-    ones): ``post`` is ``send``, nothing restarts."""
+    """:class:`Transport` methods of an in-process transport: ``post`` is ``send``, nothing restarts."""
 
     def post(self, who: str, items: list[Submission], close: list[Close], block: bool = False) -> Any:
         return self.send(who, items, close)  # type: ignore[attr-defined]
@@ -111,8 +94,7 @@ _PROCESS = re.compile(r"@(.*):[0-9a-f]{16}$")
 
 
 def new_identity(label: str | None = None) -> tuple[str, str]:
-    """``(client_id, secret)``: a unique id that ``label`` (e.g. ``"rank3"``) leads, so that ``meta``
-    stays readable (``"client"`` without one), and that ends with a hash of the secret.
+    """``(client_id, secret)``: a unique id led by ``label`` (default ``"client"``), ending with a hash.
 
     >>> client_id, secret = new_identity("rank3")
     >>> client_id.startswith("rank3@"), identity(credential(client_id, secret, "job1")) == (client_id, "job1")
@@ -123,8 +105,7 @@ def new_identity(label: str | None = None) -> tuple[str, str]:
 
 
 def process_of(client_id: str) -> str | None:
-    """``"host:pid"`` of the process that made ``client_id`` with :func:`new_identity` (else None):
-    where a backend's push about that client goes.
+    """``"host:pid"`` of the process that made ``client_id`` with :func:`new_identity`, else None.
 
     >>> process_of("rank3@vm:42:0123456789abcdef"), process_of("rank3")
     ('vm:42', None)
@@ -150,10 +131,8 @@ def public_id(who: Any) -> str:
 
 @functools.lru_cache(maxsize=4096)
 def identity(who: str) -> tuple[str, str | None]:
-    """``(client_id, session)`` of a :func:`credential`; a bare id is its own ``client_id``.
-    Raises :class:`~rlmetrics.messages.SubmissionError` when the secret does not match an id
-    :func:`new_identity` made (someone else's id). Remembered: a receiver checks a client's
-    credential once, not at every message.
+    """``(client_id, session)`` of a :func:`credential` (a bare id: ``(id, None)``); cached. Raises
+    :class:`~rlmetrics.messages.SubmissionError` when the secret does not match the id.
 
     >>> identity("rank0")
     ('rank0', None)
@@ -177,22 +156,14 @@ def identity(who: str) -> tuple[str, str | None]:
 
 
 class ClientCore:
-    """The client state machine shared by every backend.
-
-    ``world_size``: default number of contributions expected per metric name and step (change it
-    with :meth:`set_world_size`, e.g. after a rank died). ``nan_strategy``: ``"propagate"``
-    (default), ``"drop"`` or ``"error"`` for non-finite values. ``label``: leads the client id
-    (default: ``rank<N>`` with ``rank``);
-    ``client_id``: a fixed id instead (anyone may send under a fixed id: it has no secret).
-    ``blocking``: ``wait_submit()`` returns once the aggregator holds the step (default, the seed's
-    behaviour, needed before a ``wait_final_res()``); ``False`` returns at once and raises an error
-    about the data at this client's next call (for ranks whose driver reads with ``result(step)``).
-    ``naming``: a naming profile (e.g. :data:`rlmetrics.integrations.verl.NAMING`), whose
-    ``prepare(metrics)`` gives the values to submit and the reductions that differ from the names'.
-    ``rank``: this client's rank, the order of its validation samples among all ranks' (else the
-    number of a ``rankN`` label; see
-    :meth:`~rlmetrics.compute_local.ComputeLocal.process_local_validation_metrics`).
-    """
+    """The client state machine shared by every backend (options: docs/backends.md):
+    ``world_size``: contributions expected per name and step (:meth:`set_world_size` changes it);
+    ``nan_strategy``: ``"propagate"``, ``"drop"`` or ``"error"`` for non-finite values; ``label``:
+    leads the client id (default ``rank<N>`` with ``rank``); ``client_id``: a fixed id instead (it has
+    no secret: anyone may send under it); ``blocking``: ``wait_submit()`` waits until the aggregator
+    holds the step (``False``: an error about the data raises at the next call); ``naming``: a
+    naming profile (:data:`rlmetrics.integrations.verl.NAMING`); ``rank``: orders its validation
+    samples (else the number of a ``rankN`` label). Raises ValueError for a bad option."""
 
     max_restarts_per_call = 5
 
@@ -245,15 +216,14 @@ class ClientCore:
         self._lock = threading.RLock()  # a watcher thread may resend while the owner submits
 
     def submit_packed(self, packed: Packed, world_size: int, step: int, seq: Any = None) -> None:
-        """Queue an already summarized contribution (a node aggregator forwarding merged data;
-        ``seq`` fixed so that a re-forward after a restart is merged once)."""
+        """Queue a summarized contribution (a node forwarding merged data; a fixed ``seq`` merges once)."""
         self._check_running()
         with self._lock:
             self._buffer.append((step, self._next_seq() if seq is None else seq, world_size, packed))
 
     def close_step(self, step: int, on_behalf: Iterable[str] | None = None) -> None:
-        """Send what is queued and close ``step`` (``wait_submit`` for an explicit step); with
-        ``on_behalf``, close it for those clients instead (a node sub-aggregator for its ranks)."""
+        """Send what is queued and close ``step``, or with ``on_behalf`` close it for those clients
+        (a node for its ranks)."""
         if on_behalf is None:
             self._flush([step])
             return
@@ -286,21 +256,12 @@ class ClientCore:
         *,
         group_by: Mapping[str, Any] | None = None,
     ) -> None:
-        """Summarize ``metrics`` and queue them for ``step`` (default: the current step).
-
-        Returns at once; nothing is sent before :meth:`wait_submit`. A value that cannot be
-        summarized raises :class:`~rlmetrics.core.stat.MetricValueError` naming it, after the other
-        metrics of the call were queued; so does a name under the reserved prefix ``_aux/`` that is
-        no ingredient of a derived metric (:func:`rlmetrics.engine.derived.without_reserved`).
-
-        ``group_by``: ``{tag: labels}``, one label per sample; each per-sample value (a 1-D list,
-        array or tensor, or a ``(values, weights)`` pair) is also submitted per group, as
-        ``group/<tag>/<label's name>/<name>`` (:func:`rlmetrics.core.groups.segment`: missing labels have
-        a group of their own; :func:`rlmetrics.core.groups.grouped_values`). A rank sends only
-        the groups it has, so grouped names (these, and any name starting with ``group/``) expect
-        one contribution: their step completes when every registered rank closed it and the names
-        without group have all theirs (``docs/groups.md``).
-        """
+        """Summarize ``metrics`` and queue them for ``step`` (default: the current step); nothing is
+        sent before :meth:`wait_submit`. ``group_by``: ``{tag: labels}``, one label per sample: each
+        per-sample value is also submitted as ``group/<tag>/<label>/<name>`` (docs/groups.md). Raises
+        ValueError without a ``world_size`` or for a bad ``step``, and
+        :class:`~rlmetrics.core.stat.MetricValueError` naming each refused value (or ``_aux/`` name
+        that no derived metric uses) after the call's other names were queued."""
         ws = self.world_size if world_size is None else world_size_arg(world_size)
         if ws is None:
             raise ValueError("submit_metric needs world_size (or a client created with world_size=...)")
@@ -341,8 +302,7 @@ class ClientCore:
             )
 
     def _queue(self, metrics: Mapping[str, Any], ws: int, step: int, errors: dict[str, str]) -> int:
-        """Pack ``metrics`` and queue them; messages about refused names go to ``errors``. How many
-        names were queued."""
+        """Pack and queue ``metrics`` (refused names' messages into ``errors``); how many were queued."""
         reductions = None
         if self.naming is not None:
             metrics, reductions = self.naming.prepare(metrics)
@@ -405,9 +365,7 @@ class ClientCore:
             raise ConnectionError(f"aggregator restarted {self.max_restarts_per_call} times during a resend")
 
     def resend(self, items: list[Submission]) -> None:
-        """Send ``items`` now as resends (another aggregator may have merged them: a node forwards
-        its ranks' resends after its own restart; a finalized step does not count them late), and
-        keep them as this client's."""
+        """Send ``items`` now as resends (a node's, after its restart) and keep them as this client's."""
         with self._lock:
             for item in items:
                 self._kept.setdefault(item[0], []).append(item)
@@ -440,20 +398,15 @@ class ClientCore:
             raise MetricValueError("; ".join(reply.errors.values()))
 
     def notify_missed(self, step: int, ahead: Iterable[str] = (), behind: Iterable[str] = ()) -> None:
-        """The aggregator ended ``step`` at a ``wait_final_res()`` read (after every rank's step)
-        without this client's close (:meth:`~rlmetrics.engine.server.Server.final`), while the
-        clients ``ahead`` had closed it (none: this client skipped a ``wait_submit()``); or, with
-        ``behind``, this client closed ``step`` one step before those did. At its next call
-        (:meth:`_catch_up`) a client at or before ``step`` goes on at ``step + 1``, and it says so
-        once. Any thread may call it (a backend's push): it only notes it."""
+        """Note that a read ended ``step`` without this client's close (``ahead`` had closed it), or
+        that it closed ``step`` before ``behind``: its next call goes on at ``step + 1`` and warns once
+        (docs/steps.md, "The step counter"). Any thread may call it."""
         if step > self._missed:
             self._notice = (tuple(ahead), tuple(behind))
             self._missed = step
 
     def _catch_up(self) -> None:
-        """Move the step counter past the newest step the aggregator ended without this client's
-        close (:meth:`notify_missed`), dropping what is queued for the steps it skips, and tell once:
-        data queued after that is its next iteration's, and goes to the step the others are at."""
+        """Move past the step :meth:`notify_missed` noted, dropping what is queued for it; warn once."""
         if self._missed <= self._told:
             return
         with self._lock:
@@ -486,7 +439,6 @@ class ClientCore:
         warnings.warn(text, StepWarning, stacklevel=caller_level())
 
     def _warn_late(self, late: list[int], missed: int) -> None:
-        """Say why this client's data for the ``late`` steps was dropped, and what to do."""
         if late[0] <= missed:  # the seed's read ended it after every rank's step: a close was skipped
             hint = f"wait_final_res() ended it without this rank's close: {_SKIPPED}. {_CLOSE_EVERY}"
         elif late[0] == 0:  # a new client starts at step 0
@@ -522,14 +474,10 @@ class ClientCore:
 
     # ------------------------------------------------------------------------------ the API
     def wait_submit(self, step: int | None = None, block: bool | None = None) -> None:
-        """Send everything queued in one message, close this client's current step (or ``step``)
-        and advance to the step after it.
-
-        Blocking (the default, see ``blocking``) it returns once the aggregator holds the message,
-        and raises :class:`~rlmetrics.core.stat.MetricValueError` if it refused some of the data (the
-        rest is merged). Data queued for a later step (``submit_metric(..., step=)``) travels now
-        and is merged, but that step is closed only by the ``wait_submit`` that reaches it.
-        """
+        """Send everything queued in one message, close the current step (or ``step``) and advance
+        past it. Blocking (``block``, default the client's ``blocking``) it returns once the
+        aggregator holds the message, and raises :class:`~rlmetrics.core.stat.MetricValueError` if it
+        refused part of it (the rest is merged). Data queued for a later step travels, unclosed."""
         self._check_running()
         with self._lock:
             if step is None:
@@ -552,33 +500,24 @@ class ClientCore:
                 self._collect(block=True)
 
     def result(self, step: int, timeout: float | None = None, *, finalize: bool = False) -> StepResult:
-        """The result of ``step`` as soon as it is complete (or final); at ``timeout`` (seconds) what
-        arrived, whose ``meta`` names the missing ranks and metrics: *provisional*
-        (``meta.provisional``: the step stays open, for the rest of its data and for other readers)
-        unless ``finalize=True``, which makes it the step's final, partial result (a
-        :class:`~rlmetrics.messages.PartialStepWarning` says so) and stops waiting for the missing
-        ranks. The reader that logs the run passes ``finalize=True``; a dashboard does not. A step
-        nobody finalizes stays open until it is complete, ``max_pending`` newer steps are pending,
-        or (an aggregator option) ``step_timeout`` seconds after a rank first closed it. The first
-        provisional result a client gets warns once (:class:`~rlmetrics.messages.ProvisionalWarning`)."""
+        """The result of ``step`` once complete (or final); at ``timeout`` seconds (None: no limit)
+        what arrived: provisional (the step stays open) unless ``finalize=True``, which makes it the
+        step's final, partial result, with a :class:`~rlmetrics.messages.PartialStepWarning`
+        (docs/steps.md, "Reading a step")."""
         self.flush()
         read = lambda: self.transport.result(step, timeout, finalize, self.credential)  # noqa: E731
         return self._checked(self._retrying(read))
 
     def wait_final_res(self, timeout: float | None = None) -> StepResult:
-        """The seed's read: the newest step every registered rank closed, once every metric has its
-        contributions — at most ``timeout`` seconds (default: the aggregator's ``final_timeout``,
-        60 s), then partial with ``meta`` and a :class:`~rlmetrics.messages.PartialStepWarning`
-        (provisional unless this is the logging reader: docs/steps.md). Each step at most once per
-        reader, in order. Without clients (bare ``MetricWorker.submit_metric`` calls) this round's
-        metrics."""
+        """The seed's read: the newest step every registered rank closed, once complete; at
+        ``timeout`` seconds (default: the aggregator's ``final_timeout``, 60 s) as it stands, with a
+        :class:`~rlmetrics.messages.PartialStepWarning`. Each step at most once per reader, in order
+        (docs/steps.md, "Reading a step")."""
         self.flush()
         return self._checked(self._retrying(lambda: self.transport.final(timeout, self.credential)))
 
     def _checked(self, res: StepResult) -> StepResult:
-        """Warn once per evicted or partial result, once per client about provisional ones, and once
-        per metric name that turned non-finite or approximate
-        (:class:`~rlmetrics.messages.RLMetricsWarning`)."""
+        """Warn about ``res`` (provisional: once per client; non-finite, approximate: once per name)."""
         meta = res.meta
         if meta.ranks_at and not res and not meta.contributors:
             if res.step >= 0 or not self._provisional_warned:  # nothing new for a reader: once
@@ -642,17 +581,13 @@ class ClientCore:
         return res
 
     def register(self) -> None:
-        """Count this client as a rank from now on: no step completes before it closed it.
-
-        Without this a client registers with its first submission; ``connect(..., world_size=W)``
-        calls it, so that a rank that is slow to send its first step is waited for.
-        """
+        """Count this client as a rank from now on: no step completes before it closed it (else it
+        registers with its first submission; ``connect(..., world_size=W)`` calls this)."""
         self._retrying(lambda: self.transport.register(self.credential))
 
     def stop(self) -> None:
-        """Send what is queued and leave for good: no step waits for this client afterwards, and its
-        submissions raise RuntimeError (a new client rejoins). Its reads (``result``,
-        ``wait_final_res``) still work."""
+        """Send what is queued and leave for good: no step waits for this client, its submissions
+        raise RuntimeError, its reads still work."""
         if self.stopped:
             return
         try:
@@ -670,8 +605,7 @@ class ClientCore:
 
 
 def _missing(res: StepResult) -> str:
-    """What a result misses, in words: the registered ranks that did not close its step (saying so
-    when no data arrived for it at all) and its incomplete metrics."""
+    """What a result misses, in words: the ranks that did not close its step, its incomplete metrics."""
     meta = res.meta
     ranks = meta.missing_ranks
     closing = f"registered ranks that have not closed it: {', '.join(map(rank_name, ranks[:5]))}" + (
@@ -693,7 +627,7 @@ def _missing(res: StepResult) -> str:
 
 
 def _nothing_for(res: StepResult) -> str:
-    """Why a read got nothing (``meta.ranks_at``): where the ranks are, and how to align.
+    """Why a read got nothing: where the ranks are (``meta.ranks_at``), and how to align.
 
     >>> from rlmetrics.messages import StepMeta
     >>> meta = StepMeta.of(provisional=True, ranks_at={"rank0@h:1:ab": 2, "rank1@h:1:cd": 2})
@@ -736,7 +670,6 @@ _CLOSE_ONCE = "Close each step once, or pass the trainer's step: wait_submit(ste
 
 
 def _names(clients: Iterable[str]) -> str:
-    """Clients in a message: their labels (``rank3``), their ids when they have none."""
     names = [c.split("@", 1)[0] if "@" in c and not c.startswith("client@") else c for c in clients]
     return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 

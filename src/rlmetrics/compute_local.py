@@ -1,13 +1,6 @@
-"""The seed's ``compute_local_*`` methods, on every client: compute a family of built-in metrics on this
-rank's batch and submit it as mergeable Stats (or, for validation, as a record of samples).
-
-:class:`ComputeLocal` is a mixin over :class:`~rlmetrics.client.ClientCore`: it submits through
-``submit_metric``, :meth:`~ComputeLocal._submit_state` and :meth:`~ComputeLocal._submit_samples`
-(which call ``submit_packed``) and reads ``nan_strategy``, ``world_size``, ``step``, ``rank`` and
-``client_id``. :class:`~rlmetrics.backends.MetricClient` and
-:class:`~rlmetrics.backends.torch_dist.TorchMetricClient` inherit it, and so does
-:class:`~rlmetrics.axes.AxesClient`, whose three submitting methods land on every axis. The metric
-modules are imported on first use (torch only then).
+"""The seed's ``compute_local_*`` methods, on every client (a mixin over
+:class:`~rlmetrics.client.ClientCore`): compute built-in metrics on this rank's batch and submit them
+as mergeable Stats (docs/metrics.md); metric modules and torch are imported on first use.
 
 >>> from rlmetrics.backends import MetricClient, local
 >>> client = MetricClient(local.LocalMetricWorker(), world_size=1)
@@ -32,11 +25,10 @@ if TYPE_CHECKING:
 
 
 class ComputeLocal:
-    """The seed's ``compute_local_*`` and ``process_local_validation_metrics`` of a client."""
+    """The ``compute_local_*`` and ``process_local_validation_metrics`` methods of a client."""
 
     def _compute_strategy(self) -> str:
-        """The nan_strategy compute functions run with: ``"error"`` is left to :meth:`submit_metric`,
-        which refuses each non-finite name alone and queues the others."""
+        """The nan_strategy compute functions run with (``"error"`` is left to :meth:`submit_metric`)."""
         return "drop" if self.nan_strategy == "drop" else "propagate"
 
     def compute_local_data_metric(
@@ -49,18 +41,11 @@ class ComputeLocal:
         group_by: Any = None,
         difficulty: bool | str = False,
     ) -> None:
-        """Compute the seed's data metrics of this rank's batch (plus every function added with
-        :func:`~rlmetrics.metrics.custom.register_metric`) and submit them as mergeable Stats, so
-        token- and sequence-weighted global values are exact. ``data``: a mapping, a TensorDict or a
-        verl ``DataProto`` (:mod:`rlmetrics.metrics.batch`). ``DEBUG_METRICS=1`` logs them.
-        ``torch_compile``, ``group_by`` (e.g. ``"data_source"``: the data metrics of each data
-        source too): see :func:`~rlmetrics.metrics.data.compute_data_stats`; grouped names expect
-        one contribution (:meth:`submit_metric`). ``difficulty`` (``True``: prompt
-        ids in the ``uid`` key, verl's; or the key): the difficulty groups of GRPO, decided on each
-        prompt's samples of all ranks (this rank sends its per-prompt summaries,
-        :mod:`rlmetrics.metrics.difficulty`). Missing labels (None, NaN) are a group of their own
-        (``docs/groups.md``); labels refused (not one per sample) and values refused raise
-        :class:`~rlmetrics.core.stat.MetricValueError` after the call's other metrics were queued."""
+        """Submit the data metrics of this rank's batch (a mapping, a TensorDict or a ``DataProto``)
+        and every :func:`~rlmetrics.metrics.custom.register_metric` function's. ``torch_compile``,
+        ``group_by``: :func:`~rlmetrics.metrics.data.compute_data_stats`; ``difficulty`` (``True``:
+        prompt ids in ``uid``; or the key): GRPO's difficulty groups (docs/groups.md). Refused values
+        raise :class:`~rlmetrics.core.stat.MetricValueError` after the others were queued."""
         from rlmetrics.metrics.batch import as_batch
         from rlmetrics.metrics.custom import debug_enabled, debug_report, run_custom_metrics
         from rlmetrics.metrics.data import data_stats_and_prompts
@@ -102,12 +87,9 @@ class ComputeLocal:
         *,
         stragglers: bool = False,
     ) -> None:
-        """Submit ``timing_s/{stage}`` and ``timing_per_token_ms/{stage}`` of this rank; the per-token
-        times are derived from all ranks' seconds and tokens (:mod:`rlmetrics.metrics.timing`).
-        ``stragglers=True``: also this rank's own seconds per stage, for the straggler report
-        (:meth:`compute_local_straggler_metrics`). A stage whose time is not a number raises
-        MetricValueError naming it and the value, after the call's names were submitted (that
-        stage's with no value of this rank, so the step does not wait for it)."""
+        """Submit ``timing_s/{stage}`` and ``timing_per_token_ms/{stage}`` (``stragglers=True``: and
+        :meth:`compute_local_straggler_metrics`). A time that is no number raises MetricValueError
+        naming it, after the call's names were submitted."""
         from rlmetrics.metrics.timing import compute_timing_stats
 
         errors: dict[str, str] = {}
@@ -119,9 +101,7 @@ class ComputeLocal:
     def _submit_refusing(
         self, metrics: Mapping[str, Any], world_size: int | None, step: int | None, errors: dict[str, str]
     ) -> None:
-        """Submit ``metrics`` (a name a computation refused in ``errors`` among them, with no
-        observation: the step does not wait for it), then raise one MetricValueError for ``errors``
-        and any name :meth:`submit_metric` refuses."""
+        """Submit ``metrics``, then raise one MetricValueError for ``errors`` and refused names."""
         try:
             self.submit_metric(metrics, world_size, step)
         except MetricValueError as exc:  # it says what of the call was submitted
@@ -140,11 +120,8 @@ class ComputeLocal:
         *,
         name: str | None = None,
     ) -> None:
-        """Send this rank's own seconds per stage under its name (``name``, else ``rank<N>`` for a
-        client with a rank — torch: its group rank —, else its ``client_id``), once per step; the
-        aggregator reports ``perf/straggler/<stage>/{min,p50,max,max_over_p50}`` over ranks and the
-        slowest ranks' names in ``StepResult.lists`` (:mod:`rlmetrics.metrics.stragglers`).
-        Non-finite times are left out."""
+        """Send this rank's finite seconds per stage under ``name`` (default ``rank<N>``, else its
+        ``client_id``), once per step, for ``perf/straggler/<stage>/*`` (docs/stragglers.md)."""
         import math
 
         from rlmetrics.metrics.stragglers import STAGE_TIMES, StageTimes
@@ -163,12 +140,9 @@ class ComputeLocal:
         world_size: int | None = None,
         step: int | None = None,
     ) -> None:
-        """Submit ``perf/total_num_tokens``, ``perf/time_per_step``, ``perf/throughput`` (the seed's
-        spelling; :meth:`compute_local_throughput_metrics` is the same). ``n_gpu``: the GPUs this
-        rank's batch ran on (siiRL passes ``pp * tp``); the throughput is derived from all ranks'
-        tokens, step times and GPUs (:mod:`rlmetrics.metrics.timing`). An ``n_gpu`` that is not a
-        positive number (or a step time that is no number) raises MetricValueError naming it, after
-        the call's names were submitted (``perf/throughput`` with no value of this rank)."""
+        """Submit ``perf/total_num_tokens``, ``perf/time_per_step``, ``perf/throughput``; ``n_gpu``:
+        this rank's GPUs (siiRL passes ``pp * tp``). A bad ``n_gpu`` or step time raises
+        MetricValueError naming it, after the call's names were submitted."""
         from rlmetrics.metrics.timing import compute_throughput_stats
 
         errors: dict[str, str] = {}
@@ -191,15 +165,10 @@ class ComputeLocal:
         model: Any = None,
         **options: Any,
     ) -> None:
-        """Submit ``perf/mfu/{stage}`` (default ``perf/mfu/actor``, verl's name): model FLOPs
-        utilization, derived after the merge from all ranks' FLOPs (their tokens times
-        ``flops_per_token``, or the count of ``model``, a
-        :class:`~rlmetrics.metrics.mfu.ModelFlops`: ``6 N + 12 L H S`` per training token), the
-        stage's seconds and the peak FLOP/s of their GPUs (``n_gpu``: this rank's GPUs, as for
-        :meth:`compute_local_throughout_metrics`; ``peak_flops``: one GPU's dense peak, a number or
-        a device name such as ``"H100"``). ``data``: this rank's batch or its number of tokens;
-        ``options``: ``stage``, ``timer``, ``seq_len``, ``training``
-        (:func:`~rlmetrics.metrics.mfu.compute_mfu_stats`)."""
+        """Submit ``perf/mfu/{stage}`` (default ``actor``; docs/mfu.md) of this rank's batch or token
+        count ``data`` on ``n_gpu`` GPUs of ``peak_flops`` (FLOP/s or ``"H100"``), with
+        ``flops_per_token`` or ``model`` (a :class:`~rlmetrics.metrics.mfu.ModelFlops`); ``options``:
+        :func:`~rlmetrics.metrics.mfu.compute_mfu_stats`'s ``stage``, ``timer``, ``seq_len``, ``training``."""
         from rlmetrics.metrics.mfu import compute_mfu_stats
 
         stats = compute_mfu_stats(
@@ -217,9 +186,8 @@ class ComputeLocal:
         reset_peak: bool = False,
         device: Any = None,
     ) -> None:
-        """Submit this rank's GPU memory: ``perf/max_memory_{allocated,reserved}_gb`` (verl's) and,
-        with ``stage``, ``perf/memory/<stage>/{allocated_gb,reserved_gb,peak_gb}``; the max over
-        ranks is reported. Nothing without a CUDA device (:mod:`rlmetrics.metrics.memory`)."""
+        """Submit this rank's GPU memory, ``perf/max_memory_{allocated,reserved}_gb`` and with ``stage``
+        ``perf/memory/<stage>/*`` (max over ranks; docs/mfu.md). Nothing without a CUDA device."""
         from rlmetrics.metrics.memory import compute_memory_metrics
 
         metrics = compute_memory_metrics(stage, device=device, reset_peak=reset_peak)
@@ -238,17 +206,11 @@ class ComputeLocal:
         exact: bool = False,
         **record_options: Any,
     ) -> None:
-        """Send this rank's validation samples (a compact record); the aggregator computes
-        ``val-core/...``, ``val-aux/...``, ``val/test_score/...`` once over all ranks' samples, so a
-        prompt whose samples sit on several ranks gets exactly the single-process values.
-
-        The samples are concatenated in an order that depends on data, never on arrival: by rank
-        (``rank=`` of the client, else the number of a ``rankN`` label), then by the order of the
-        calls within the rank; clients without a rank follow, ordered by the content of their
-        samples. Non-finite values follow ``nan_strategy`` (``"drop"`` leaves out the samples that
-        have one). ``exact=True`` adds ``pass@k`` and the exact best/worst/maj@k keys;
-        ``record_options`` (``style``, ``seed``, ``expected_counts``, ``tie``, ``missing``) go to
-        :func:`~rlmetrics.metrics.validation.encode_samples`."""
+        """Send this rank's validation samples: ``val-core/...``, ``val-aux/...`` come from all ranks'
+        samples in rank order (docs/reductions.md, "Validation order"); ``nan_strategy="drop"`` drops
+        samples with a non-finite value; ``exact=True`` adds ``pass@k`` and
+        exact best/worst/maj@k; ``record_options`` (``style``, ``seed``, ``expected_counts``, ``tie``,
+        ``missing``) go to :func:`~rlmetrics.metrics.validation.encode_samples`."""
         from rlmetrics.metrics.validation import encode_samples
 
         record = encode_samples(

@@ -1,10 +1,8 @@
 """Globs over metric names: the one dialect of the CLI's ``-m``, ``make_sinks(keys=, core=)``, the
 health rules' ``patterns``/``ignore`` and ``register_reduction`` (docs/trackers.md, docs/health.md).
 
-Python's :func:`fnmatch.fnmatchcase` on the whole name: ``*`` any characters, ``/`` included
-(``critic/*`` is every name under ``critic/``, ``*grad_norm*`` every name holding it), so ``**`` is
-the same as ``*`` (:data:`~rlmetrics.sinks.keys.CORE_KEYS` writes ``val-core/**/mean@*``); ``?``
-one character; ``[seq]`` one of ``seq``; every other character literal (``.``, ``@``).
+:func:`fnmatch.fnmatchcase` on the whole name: ``*`` any characters, ``/`` included (so ``**`` is
+``*``); ``?`` one character; ``[seq]`` one of ``seq``; every other character literal (``.``, ``@``).
 
 >>> names = ["critic/score/mean", "critic/score/max", "actor/entropy", "val-core/math/acc/mean@4"]
 >>> matching(names, ["critic/*", "val-core/**/mean@?"])
@@ -50,8 +48,8 @@ def unmatched(names: Iterable[str], globs: Sequence[str]) -> list[str]:
 
 
 def nearby(names: Sequence[str], glob: str) -> str:
-    """What the user may have meant by a glob that matches none of ``names``: the glob of the names
-    under it or holding it, with their number, else the closest name ('' when nothing is close).
+    """What a glob matching none of ``names`` may have meant: a wider glob that matches (with its
+    count), else the closest name ('' when nothing is close).
 
     >>> names = ["critic/score/mean", "critic/score/max", "actor/entropy"]
     >>> nearby(names, "critic/score"), nearby(names, "entropy"), nearby(names, "actor/entropi")

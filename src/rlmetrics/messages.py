@@ -1,8 +1,5 @@
-"""What clients and the aggregator tell each other, built here and nowhere else: a client's
-:class:`Message` of :data:`Submission` items, a step's :class:`StepResult` with its
-:class:`StepMeta`, the :class:`Reply` to a client's message, the errors of a refused contribution,
-the warnings a client gives its user (:class:`RLMetricsWarning`), and the name of the default step
-axis (what the sinks need of the rest, so that they import only this and the core).
+"""What clients and the aggregator tell each other: messages, results, errors and warnings (sinks
+import only this and the core; docs/steps.md, "`meta`" and "Warnings").
 
 >>> res = StepResult({"loss": 0.5}, 3, StepMeta.of(missing_ranks=["rank2@host:1"]))
 >>> res["loss"], res.step, res.meta.complete, res.meta.missing_ranks
@@ -21,23 +18,21 @@ from types import FrameType
 from typing import Any, NamedTuple
 
 MAX_STEP = 1 << 53
-"""Largest step: exact as a float64, as trackers and JSON hold it (a step beyond is refused, naming it)."""
+"""Largest step: exact as a float64, as trackers and JSON hold it."""
 
 DEFAULT_AXIS = "train_step"
 """The axis of a client's own ``step`` (:mod:`rlmetrics.axes`), the one trackers plot against."""
 
 Submission = tuple[int, Any, int, Any]
-"""``(step, seq, world_size, packed)``: one contribution
-(``packed``: :class:`~rlmetrics.packing.Packed`);
-a node's forward keys it by ``(client_id, seq)`` pairs instead of ``seq``."""
+"""``(step, seq, world_size, packed)``: one contribution (``packed``: :class:`~rlmetrics.packing.Packed`;
+a node's forward has ``(client_id, seq)`` pairs for ``seq``)."""
 Close = Any
 """A step closed by the sender, or ``(step, client ids)``: closed on behalf of those (a node)."""
 
 
 class Message(NamedTuple):
-    """One client's message to the server (:meth:`~rlmetrics.engine.server.Server.handle`): its
-    submissions, the steps it closes, whether it resends what it kept after a restart
-    (``resync``), and the client's ``session`` (its run; None: not tracked)."""
+    """One client's message to the server: its submissions, the steps it closes, whether it resends
+    after a restart (``resync``), and its ``session`` (its run; None: not tracked)."""
 
     client: str
     items: list[Submission]
@@ -48,9 +43,8 @@ class Message(NamedTuple):
 
 @dataclass(frozen=True)
 class TorchFacts:
-    """What a torch.distributed step says besides what every backend says (``meta.torch``):
-    ``ranks`` in the group, ``relayout`` (the ranks agreed on new names), ``exchange`` (the form of
-    the state exchange), ``result_on`` (the rank that has the values, None: every rank)."""
+    """``meta.torch`` of a torch.distributed step: ``ranks`` in the group, ``relayout`` (new names
+    agreed), ``exchange`` (the state exchange's form), ``result_on`` (the rank with the values, None: all)."""
 
     ranks: int | None = None
     relayout: bool = False
@@ -63,39 +57,9 @@ _TORCH_KEYS = tuple(f.name for f in fields(TorchFacts))
 
 @dataclass(frozen=True)
 class StepMeta:
-    """What a result says about its step besides the values, built whole by :meth:`of` and never
-    changed after (frozen: a finalized step's meta is what every reader of it gets).
-
-    - ``complete``: every registered rank closed the step and every name has ``world_size``
-      contributions (else the step was finalized at a reader's deadline, or as ``stale``);
-    - ``missing_ranks``: registered clients that did not close the step;
-    - ``missing_metrics``: ``{name: [received, expected]}`` of the names short of contributions;
-    - ``empty``: names without an observation (left out of the values);
-    - ``approximate``: names whose quantiles (or histogram) came from the sketch's buckets, within
-      0.5% relative error, not exact: more values in the step than the exact bound (1,000,000 per
-      name by default, ``RLMETRICS_EXACT_QUANTILES``), or weighted values (docs/reductions.md);
-    - ``contributors``: clients that submitted to the step;
-    - ``refused``: ``{name: why}`` of names the aggregator refused in the step, and
-      ``{"client_id/step/seq": why}`` of contributions it refused whole for a value no data gives
-      (the key of the error in that client's reply; nothing of them was merged);
-    - ``conflicts``: ``{name: why}`` of names whose ranks gave them different ``world_size`` in
-      the step (merged; the step expects the largest ``world_size`` given);
-    - ``lost``: ``{client: why}`` of the missing ranks whose process is gone (a dead Ray actor, a
-      lost node): this is the step each did not close, later steps do not expect them;
-    - ``contributions``: ``[received, expected]`` contributions summed over the step's names (each
-      name counted up to its ``world_size``), when the step was finalized by a server;
-    - ``late``: contributions that arrived for steps already final (and were dropped) since the
-      previous step was finalized;
-    - ``evicted``: the result is no longer kept (more than ``keep_results`` newer ones), its values
-      are gone; ``stale``: finalized because more than ``max_pending`` newer steps were pending;
-    - ``provisional``: the step is not final: a reader's deadline passed and the reader did not
-      finalize it (``result(step, timeout)`` without ``finalize=True``); what arrived so far, and
-      the step stays open for the rest;
-    - ``ranks_at``: ``{rank: the newest step it closed}`` of the registered ranks, given with a read
-      of a step nothing arrived for (a step base that differs between the reader and the ranks);
-    - ``torch``: the facts of torch.distributed only (:class:`TorchFacts`, None elsewhere), also
-      read as ``ranks``, ``relayout``, ``exchange`` and ``result_on``.
-    """
+    """What a result says about its step besides the values (each field: docs/steps.md, "`meta`");
+    built whole by :meth:`of`, frozen. The facts of ``torch`` (:class:`TorchFacts`, None off
+    torch.distributed) also read as ``ranks``, ``relayout``, ``exchange``, ``result_on``."""
 
     complete: bool = True
     missing_ranks: list[str] = field(default_factory=list)
@@ -135,9 +99,8 @@ class StepMeta:
         ranks_at: Mapping[str, int] | None = None,
         torch: TorchFacts | None = None,
     ) -> StepMeta:
-        """The meta of a step from every fact known of it, in containers of its own (nothing the
-        caller keeps changing is shared). ``complete`` unless given: no rank and no name is
-        missing and the result is kept (not ``evicted``).
+        """The meta of a step, in containers of its own (none of the caller's is shared);
+        ``complete`` unless given: no rank or name missing and not ``evicted``.
 
         >>> meta = StepMeta.of(missing_ranks=("rank1",), contributions=(3, 4), late=1)
         >>> meta.complete, meta.missing_ranks, meta.contributions
@@ -192,9 +155,8 @@ class StepMeta:
         return None if self.torch is None else self.torch.result_on
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields that differ from a complete step's defaults, JSON-ready (JSONL, saved state);
-        the facts of ``torch`` are keys of their own (``ranks``, ``relayout``, ...), as they were
-        before they had a field of their own."""
+        """The fields that differ from a complete step's defaults, JSON-ready; the facts of
+        ``torch`` as keys of their own (``ranks``, ``relayout``, ...)."""
         out: dict[str, Any] = {}
         for f in fields(self):
             v = getattr(self, f.name)
@@ -226,14 +188,8 @@ _DEFAULT_META = {f.name: getattr(StepMeta(), f.name) for f in fields(StepMeta)}
 
 
 class StepResult(dict):
-    """``{name: value}`` of one step, with ``step``, ``meta`` (a :class:`StepMeta`) and
-    ``histograms``: ``{name: Histogram}`` of the step's ``hist`` names (:mod:`rlmetrics.core.histogram`),
-    and ``lists``: ``{name: [str, ...]}`` (the slowest ranks of ``perf/straggler/<stage>/slowest``,
-    :mod:`rlmetrics.metrics.stragglers`), kept apart so that every value stays a float.
-
-    Read-only once built: the aggregator keeps a finalized result and gives the same one to every
-    reader of the step (and to its saved state), so none may change it for the others; ``dict(res)``
-    is a copy to change.
+    """``{name: value}`` of one step, read-only (``dict(res)`` is a copy), with ``step``, ``meta``,
+    ``histograms`` (``{name: Histogram}``) and ``lists`` (``{name: [str, ...]}``, e.g. stragglers).
 
     >>> res = StepResult({"loss": 0.5}, 3)
     >>> res["loss"] = 1.0
@@ -280,19 +236,10 @@ class StepResult(dict):
 
 @dataclass(frozen=True)
 class Reply:
-    """The aggregator's answer to a client's message, in one of two kinds:
-
-    - the message was merged (:attr:`merged`): ``errors`` say what of it was refused (by
-      ``client/step/seq``; the rest was merged), ``late`` the steps whose data in it arrived when
-      they were final already (dropped, counted in a next step's ``meta.late``; the client warns,
-      :class:`LateDataWarning`);
-    - nothing of it was merged: a Ray actor lacks the schema ids in ``unknown`` (it restarted, or
-      forgot them), and the client sends the message again with names.
-
-    Either way: the aggregator's ``incarnation`` (a new one: the client resends what it keeps),
-    which steps are final, so the client stops keeping them (:meth:`is_final`: every step below
-    ``done_below`` and those in ``finalized``), and ``missed``: the newest step a
-    ``wait_final_res()`` read ended without this client's close (-1: none; its counter slipped).
+    """The aggregator's answer to a client's message: ``errors`` (what was refused, by
+    ``client/step/seq``), ``late`` (steps already final: their data dropped), ``unknown`` (schema ids
+    a Ray actor lacks: nothing merged, resend with names), ``incarnation``, the final steps
+    (:meth:`is_final`) and ``missed`` (the newest step a read ended without this client's close).
 
     >>> reply = Reply({}, "incarnation-1", done_below=3, finalized=[5])
     >>> reply.merged, [s for s in range(7) if reply.is_final(s)]
@@ -318,8 +265,7 @@ class Reply:
 
 
 def rank_name(client_id: Any) -> str:
-    """How messages name a client: ``rank<N>`` for a rank's client (``rank=N`` or a ``rankN``
-    label), else its id without the key hash that ends it.
+    """How messages name a client: ``rank<N>`` for a rank's, else its id without the key hash.
 
     >>> rank_name("rank2@vm:19551:cae1b2c3d4e5f601"), rank_name("client@vm:19551:cae1b2c3d4e5f601")
     ('rank2', 'client@vm:19551')
@@ -337,15 +283,13 @@ class SubmissionError(ValueError):
 
 
 class RefusedNamesError(SubmissionError):
-    """Some names of a contribution were refused, or given another ``world_size`` than other ranks
-    gave them in the step (the message says which and why); the rest of it was merged."""
+    """Some names of a contribution were refused, or conflict in ``world_size`` with other ranks';
+    the rest was merged."""
 
 
 class RLMetricsWarning(RuntimeWarning):
-    """Every report rlmetrics makes to its user: one warning per event, in the process of the client
-    it concerns (the aggregator logs at WARNING only what no client can be told). Silence a kind
-    with ``warnings.filterwarnings("ignore", category=rlmetrics.PartialStepWarning)``, or all of
-    them with ``category=rlmetrics.RLMetricsWarning``.
+    """Base of every report rlmetrics makes to its user, once per event, in the process of the client
+    it concerns; filter it, or a kind, as any warning (docs/steps.md, "Warnings").
 
     >>> import warnings
     >>> with warnings.catch_warnings(record=True) as caught:
@@ -359,18 +303,15 @@ class RLMetricsWarning(RuntimeWarning):
 
 
 class ValueWarning(RLMetricsWarning):
-    """A submitted value is taken in a way that may not be what was meant (a number under a std
-    name averaged over ranks, a Stat of non-finite values dropped, a custom metric's odd value)."""
+    """A submitted value is taken in a way that may not be what was meant."""
 
 
 class PartialStepWarning(RLMetricsWarning):
-    """A read returned a step short of ranks or contributions (final at a deadline, or stale), or a
-    step whose result is no longer kept (``meta`` says what is missing)."""
+    """A read returned a step short of ranks or contributions, or no longer kept (see ``meta``)."""
 
 
 class ProvisionalWarning(RLMetricsWarning):
-    """A reader's deadline passed and it did not finalize the step: what arrived so far (once per
-    client: a dashboard reads provisional results all along)."""
+    """A reader's deadline passed and it did not finalize the step (once per client)."""
 
 
 class LateDataWarning(RLMetricsWarning):
@@ -382,13 +323,11 @@ class NonFiniteWarning(RLMetricsWarning):
 
 
 class WorldSizeWarning(RLMetricsWarning):
-    """Ranks gave one name different ``world_size`` in a step (``meta.conflicts``; once per name
-    and client: the ranks that gave it are told by an error at every step)."""
+    """Ranks gave one name different ``world_size`` in a step (``meta.conflicts``; once per name)."""
 
 
 class ApproximateWarning(RLMetricsWarning):
-    """A quantile or histogram came from the sketch's buckets, not exact (``meta.approximate``; once
-    per name and client)."""
+    """A quantile or histogram is approximate (``meta.approximate``; once per name and client)."""
 
 
 class StepWarning(RLMetricsWarning):
@@ -396,16 +335,14 @@ class StepWarning(RLMetricsWarning):
 
 
 class RayStartedWarning(RLMetricsWarning):
-    """``connect("ray")`` / ``get_metric_worker`` found Ray not initialized and started a local
-    instance (not a cluster)."""
+    """``connect("ray")`` / ``get_metric_worker`` started a local Ray instance (not a cluster)."""
 
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def caller_level() -> int:
-    """The ``stacklevel`` of the first frame outside rlmetrics: a warning points at the user's call
-    (a reply, for one, is handled at the user's next call, wherever that is)."""
+    """The ``stacklevel`` of the first frame outside rlmetrics: a warning points at the user's call."""
     frame: FrameType | None = sys._getframe(1)
     level = 1
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):

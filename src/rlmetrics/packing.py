@@ -1,7 +1,5 @@
-"""A client's submission as the engine takes it: a :class:`Schema` (names and reductions) and a
-:class:`Packed` contribution (a ``(5, M)`` float64 stat array, or ``M`` single observations), made by
-:func:`pack` from a ``{name: value}`` dict where the values are summarized (on the client: a bad value
-raises there, naming the metric).
+"""A client's submission as the engine takes it: a :class:`Schema` and a :class:`Packed` contribution,
+made by :func:`pack` from a ``{name: value}`` dict (values: docs/reductions.md, "The value policy").
 
 >>> p = pack({"a/mean": 2.0, "b/max": [1.0, 7.0]})
 >>> p.schema.names, p.schema.reductions, p.stats[4].tolist()
@@ -52,10 +50,8 @@ class Schema:
 
 @dataclass
 class Packed:
-    """One contribution's numbers, in schema order: ``stats`` is a ``(5, M)`` stat array, or a
-    1-D array of ``M`` values when every metric is a single observation (the common case of
-    scalar metrics: one float per metric on the wire); ``states``: the other states
-    (:mod:`rlmetrics.core.states`: sketches, validation samples) by column."""
+    """One contribution's numbers, in schema order: ``stats`` is a ``(5, M)`` stat array, or ``M``
+    values when every metric is a single observation; ``states``: sketches, samples, ... by column."""
 
     schema: Schema
     stats: np.ndarray
@@ -107,13 +103,10 @@ def pack(
     errors: dict[str, str] | None = None,
     overrides: Mapping[str, Reduction] | None = None,
 ) -> Packed:
-    """Summarize a ``{name: value}`` dict into a :class:`Packed` contribution.
-
-    Values: numbers, lists, numpy arrays, torch tensors, :class:`Stat` or ``(value, weight)``.
-    A bad value is left out; its message goes to ``errors`` (by name) when given, else the first
-    one is raised as :class:`MetricValueError`. ``schemas`` caches schemas across calls.
-    ``overrides``: names whose reduction is not the one :func:`~rlmetrics.core.reduce.resolve` gives
-    (a client's naming profile).
+    """Summarize ``{name: value}`` (numbers, lists, arrays, tensors, :class:`Stat`, ``(value, weight)``)
+    into a :class:`Packed`. A bad value is left out, its message put in ``errors`` when given, else
+    raised as :class:`MetricValueError`. ``schemas``: a cache across calls; ``overrides``: reductions
+    other than the names' own (a naming profile).
 
     >>> p = pack({"a/mean": 2.0, "b/max": [1.0, 7.0]})
     >>> p.schema.names, p.schema.reductions, p.stats[4].tolist()
@@ -213,8 +206,7 @@ def pack_known(
     metrics: Mapping[str, Any], nan_strategy: str, schemas: dict, grouped: bool = False
 ) -> Packed | None:
     """The steady-state path: names :func:`pack` saw before (in ``schemas``) with plain numbers
-    become one vector; None otherwise. Unless ``grouped``, None also when a name is grouped (a
-    client splits those off first: they expect one contribution).
+    become one vector; else None (also for grouped names unless ``grouped``).
 
     >>> schemas = {}
     >>> pack_known({"a/mean": 1.0}, "propagate", schemas) is None

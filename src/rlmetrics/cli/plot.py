@@ -4,13 +4,11 @@
     rlmetrics plot runs/demo --hist response/length/hist -o runs/demo/lengths.png
 
 One panel per metric matching a -m glob (* matches any characters, / too; without -m, the core
-metrics: score, reward, response length, KL, entropy, grad norm, throughput, validation); a line
-breaks where its metric skips more steps than its usual stride (validation every k steps is one
-line, a missing step a gap), and a point without a neighbour shows as a marker. A metric with one
-value over the run (a constant learning rate, a rate that stays 0) is named under the panels, not
-plotted. --hist NAME (repeatable) draws a histogram of the run (logged in metrics.jsonl) as a heat
-map over steps instead: one column per step, the counts of its bins (re-binned onto one value axis
-for all steps, one row per integer for integer data) on a log colour scale.
+metrics: score, reward, response length, KL, entropy, grad norm, throughput, validation). A line
+breaks where its metric skips more steps than its usual stride; a point without a neighbour is a
+marker; a metric with one value over the run is named under the panels, not plotted. --hist NAME
+(repeatable) draws a logged histogram as a heat map over steps instead: a column per step, its bin
+counts (one row per integer for integer data) on a log colour scale.
 """
 
 from __future__ import annotations
@@ -57,15 +55,12 @@ def unit(name: str) -> str:
 def plot_runs(
     runs: Sequence[tuple[str, object]], globs: Sequence[str], out: str | Path, title: str = ""
 ) -> Path | None:
-    """Plot the metrics matching ``globs`` of ``(label, JsonlRun)`` pairs into one PNG at ``out``
-    (see :func:`runs_figure`); None when no metric matches (nothing is written)."""
+    """Plot the metrics matching ``globs`` of ``(label, JsonlRun)`` pairs to ``out`` (a PNG); None if none."""
     return _save(runs_figure(runs, globs, title), out)
 
 
 def runs_figure(runs: Sequence[tuple[str, object]], globs: Sequence[str], title: str = "") -> Any:
-    """The matplotlib Figure of :func:`plot_runs`, None when no metric matches: a panel per metric
-    whose values vary (at most :data:`MAX_PANELS`; further ones are left out with a note in the
-    title); the metrics with a single value in every run are named under the panels."""
+    """The matplotlib Figure of :func:`plot_runs` (None when no metric matches)."""
     require("matplotlib", "plot")
     from matplotlib.figure import Figure
 
@@ -113,8 +108,7 @@ def _constant(series: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> float | N
 
 
 def _line(steps: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A series' logged points with a NaN inserted where it skips more steps than its smallest
-    stride (the line breaks there), and which points have no neighbour on the line.
+    """A series' points with a NaN where it skips more than its smallest stride, and which are isolated.
 
     >>> x, y, isolated = _line(np.arange(6), np.array([1.0, 2.0, np.nan, 3.0, np.nan, 4.0]))
     >>> x.tolist(), isolated.tolist()
@@ -135,16 +129,12 @@ HEAT_ROWS = 100
 
 
 def plot_histograms(run: object, names: Sequence[str], out: str | Path, title: str = "") -> Path | None:
-    """Heat maps over steps of the histograms ``names`` of a JsonlRun into one PNG at ``out`` (see
-    :func:`histograms_figure`); None when the run has none of them (nothing is written)."""
+    """Heat maps over steps of the histograms ``names`` of a JsonlRun to ``out`` (a PNG); None if none."""
     return _save(histograms_figure(run, names, title), out)
 
 
 def histograms_figure(run: object, names: Sequence[str], title: str = "") -> Any:
-    """The matplotlib Figure of :func:`plot_histograms` (one panel per name that the run has), None
-    when it has none: each step's bin counts re-binned onto one row per integer when every non-empty
-    bin holds one integer (integer data: no empty rows between the values), else onto at most
-    :data:`HEAT_ROWS` rows, none narrower than the widest bin (no empty rows between bins)."""
+    """The matplotlib Figure of :func:`plot_histograms` (None when the run has none of ``names``)."""
     require("matplotlib", "plot")
     import matplotlib.colors
     from matplotlib.figure import Figure

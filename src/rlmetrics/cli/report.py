@@ -43,8 +43,7 @@ def no_match(names: Sequence[str], globs: Sequence[str], where: str) -> str:
 
 
 def check_globs(names: Sequence[str], globs: Sequence[str], where: str, command: str) -> None:
-    """Refuse (SystemExit) when a glob of ``globs`` matches none of ``names``: each is named, with
-    what it may have meant, whatever the other globs match."""
+    """SystemExit naming each glob that matches none of ``names``, with what it may have meant."""
     missed = unmatched(names, globs)
     if missed:
         raise SystemExit(f"rlmetrics {command}: {no_match(names, missed, where)}")
@@ -74,8 +73,7 @@ def summarize(run, globs: Sequence[str] = ()) -> list[tuple[str, float, float, f
 
 
 def print_table(rows: Sequence[tuple], title: str, columns: Sequence[str] = COLUMNS) -> None:
-    """Print rows as one rich table (floats to 4 significant digits), grouped by the first segment of
-    the metric name; at least 110 columns wide, so that names are not folded in a pipe or a log."""
+    """Print rows as one rich table grouped by the names' first segment, at least 110 columns wide."""
     from rich.console import Console
 
     from rlmetrics.sinks.console import format_value, summary_table

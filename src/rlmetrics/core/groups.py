@@ -1,15 +1,6 @@
-"""Group breakdowns: the names of grouped metrics and the per-sample labels that key them.
+"""Group breakdowns: ``group/<tag>/<value>/<metric>`` names and the per-sample labels that key them.
 
-A metric broken down by a per-sample tag (``data_source``, an environment, a turn index, ...) is
-reported once per value of the tag, under
-
-    ``group/<tag>/<value>/<metric>``
-
-e.g. ``group/data_source/gsm8k/critic/score/mean``: the metric's own name whole at its end, so its
-reduction and its derived metrics are the metric's. Names starting with ``group/`` are reserved for
-them. :func:`segment` names a label so that every rank names it alike and every tracker takes it
-unchanged (a label that is not a segment gets ``--`` and 8 hex digits of its hash; a missing one is
-``--missing``). The rules and why: docs/groups.md.
+The rules: docs/groups.md, "Naming convention" and "Names of labels".
 
 >>> group_name("data_source", "gsm8k", "critic/score/mean")
 'group/data_source/gsm8k/critic/score/mean'
@@ -40,7 +31,7 @@ GROUP_PREFIX = "group/"
 """Grouped metric names start with this (reserved for them)."""
 
 MISSING = "--missing"
-"""The group of missing labels (``None``, NaN): a failed session without a data source, say."""
+"""The group of missing labels (``None``, NaN)."""
 EMPTY = "--empty"
 """The group of the empty string."""
 
@@ -50,10 +41,7 @@ _EDGE_DOTS = re.compile(r"^\.|\.$")
 
 
 def _label_text(label: Any) -> str | None:
-    """The text a label is named by (None: missing): a string as it is, bytes decoded as UTF-8
-    (distinct bytes stay distinct), a bool as ``True`` / ``False``, an integral number without
-    ``.0``, another number in its shortest decimal form, anything else as ``str``.
-
+    """The text a label is named by (None: missing); bytes decode as UTF-8, an integral number drops ``.0``.
     >>> _label_text(np.int64(2)), _label_text(2.0), _label_text(0.5), _label_text(True), _label_text(b"x")
     ('2', '2', '0.5', 'True', 'x')
     >>> _label_text(None), _label_text(np.float32("nan"))
@@ -77,9 +65,7 @@ def _label_text(label: Any) -> str | None:
 
 
 def segment(label: Any) -> str:
-    """The name of ``label``'s group: one path segment every tracker keeps, the same on every rank,
-    and another one for every other label (the module docstring).
-
+    """The name of ``label``'s group: one path segment, the same on every rank, one per label.
     >>> segment("math-v2"), segment(np.int64(2)), segment(True), segment(0.5), segment(".hidden")
     ('math-v2', '2', 'True', '0.5', '_hidden--40f24634')
     """
@@ -117,7 +103,6 @@ def split_group_name(name: str) -> tuple[str, str] | None:
 
 def split_grouped(metrics: Mapping[str, Any]) -> tuple[Mapping[str, Any], dict[str, Any]]:
     """``(ungrouped, grouped)`` entries of a metrics dict (grouped: names starting with ``group/``).
-
     >>> split_grouped({"a": 1, "group/env/x/a": 2})
     ({'a': 1}, {'group/env/x/a': 2})
     """
@@ -128,9 +113,8 @@ def split_grouped(metrics: Mapping[str, Any]) -> tuple[Mapping[str, Any], dict[s
 
 
 class Labels:
-    """One tag's labels of a batch's samples: ``values`` (the groups' names, sorted), ``codes``
-    (each sample's group: an index into ``values``) and ``missing`` (the index of the group of
-    missing labels, None without), made by :meth:`of`."""
+    """One tag's labels: ``values`` (group names, sorted), ``codes`` (each sample's index into
+    ``values``), ``missing`` (the index of the missing labels' group, or None)."""
 
     __slots__ = ("tag", "values", "codes", "missing")
 
@@ -139,12 +123,8 @@ class Labels:
 
     @classmethod
     def of(cls, tag: str, labels: Any, *, segments: bool = True) -> Labels:
-        """The labels of one tag: a 1-D sequence (list, numpy array, host tensor), one per sample,
-        of strings, numbers, bools and missing labels (None, NaN), of one type or mixed. The values
-        are the groups' names (:func:`segment`); ``segments=False``: the labels' texts (prompt ids;
-        the group of the missing ones is then named :data:`MISSING` too, ``missing`` tells it
-        apart). Refuses a tag that is not a segment, and two labels whose names coincide.
-
+        """The labels of ``tag``, one per sample (1-D); ``segments=False`` keeps their texts as ``values``.
+        Raises for a tag that is not a segment, labels not 1-D, and two labels whose names coincide.
         >>> labels = Labels.of("turn", [2, None, 2.0, "2", float("nan"), "a b"])
         >>> labels.values, labels.codes.tolist(), labels.missing
         (['--missing', '2', 'a_b--7faae47c'], [1, 0, 1, 1, 0, 2], 0)
@@ -191,8 +171,7 @@ class Labels:
 
 
 def _unique_texts(arr: np.ndarray) -> tuple[list[str], np.ndarray]:
-    """The distinct texts of a 1-D array of labels (:func:`_label_text`) and each label's index
-    among them (-1: a missing label)."""
+    """The distinct texts of 1-D labels and each label's index among them (-1: missing)."""
     if arr.dtype.kind not in "biufUS":  # objects (verl's non_tensor_batch), of any types: by text
         index: dict[Any, int] = {None: -1}
         texts = (v if type(v) is str else _label_text(v) for v in arr.tolist())
@@ -211,10 +190,7 @@ GroupBy = Any  # a batch key, a function of the batch, or several of them: see t
 
 
 def tag_sources(group_by: GroupBy) -> dict[str, str | Callable[[Any], Any]]:
-    """``{tag: batch key or function}`` of a ``group_by`` argument: a batch key (the tag is the
-    key), a named function of the batch (the tag is its ``__name__``), a mapping ``{tag: key or
-    function}``, or a list of keys and functions.
-
+    """``{tag: batch key or function}`` of a ``group_by`` argument (a function's tag is its ``__name__``).
     >>> def turn(batch): ...
     >>> list(tag_sources(["data_source", turn])), tag_sources({"env": "environment"})
     (['data_source', 'turn'], {'env': 'environment'})
@@ -256,12 +232,7 @@ def _tag_of(source: Any) -> str:
 def grouped_values(
     metrics: Mapping[str, Any], labels: Sequence[Labels], errors: dict[str, str] | None = None
 ) -> dict[str, Any]:
-    """The per-sample values of ``metrics`` broken down by each of ``labels``: ``{grouped name:
-    that group's values}``. A value is per-sample when it is a 1-D list, numpy array or tensor with
-    one value per sample, or a ``(values, weights)`` pair of them; others (numbers, Stats) have no
-    breakdown. A 1-D value of another length is left out, with a message naming it in ``errors``
-    (without ``errors``: raised).
-
+    """``{grouped name: values}`` of the per-sample values; a wrong length goes to ``errors`` (or raises).
     >>> labels = Labels.of("source", ["a", "b", "a"])
     >>> grouped_values({"reward": [1.0, 2.0, 3.0], "loss": 0.5}, [labels])
     {'group/source/a/reward': [1.0, 3.0], 'group/source/b/reward': [2.0]}

@@ -1,20 +1,6 @@
-"""Histograms of all ranks' data: bucket edges and counts read from a merged quantile sketch.
+"""Histograms of all ranks' data: what a ``hist`` reduction reports, read from a merged quantile sketch.
 
-A metric whose reduction is ``hist`` (a name whose last segment is ``hist``, e.g.
-``response/length/hist``, or any name registered with ``register_reduction(name, "hist")``) carries a
-:class:`~rlmetrics.core.sketch.Sketch` like a percentile name, and is reported as a :class:`Histogram` in
-:attr:`StepResult.histograms <rlmetrics.messages.StepResult>` instead of a number.
-
-- **Edges**: :data:`HIST_BINS` equal-width bins from the merged (exact) minimum to the maximum:
-  ``numpy.histogram_bin_edges(data, HIST_BINS)`` of the concatenated data of every rank, which
-  depends on the minimum and the maximum alone.
-- **Counts**: :meth:`Sketch.histogram <rlmetrics.core.sketch.Sketch.histogram>`. While the merged sketch is
-  exact (at most 1,000,000 values by default, unit weights: docs/reductions.md),
-  ``numpy.histogram(data, edges)[0]`` itself; beyond, each bin's count differs from numpy's by at
-  most the number of values within ``rel_err * |x|`` (0.5 %) of the bin's two edges: only values
-  that close to an edge can land in the neighbouring bin.
-- No histogram for a step whose data has no observation or a non-finite value (NaN or infinity:
-  numpy's edges would not be finite either); the scalar metrics show those.
+Edges and counts, and how close they are to numpy's: docs/histograms.md, "Accuracy".
 
 >>> from rlmetrics.core.stat import Stat
 >>> h = Histogram.of(Stat.of([1.0, 2.0, 2.0, 5.0], sketch=True), bins=4)
@@ -41,9 +27,7 @@ HIST_BINS = 64
 
 @dataclass(frozen=True, eq=False)
 class Histogram:
-    """``counts[i]`` observations (total weight) in ``[edges[i], edges[i + 1])`` (the last bin
-    includes its right edge), with the data's ``count``, ``sum`` and ``sum_squares`` (what
-    TensorBoard's histogram summary records besides the buckets)."""
+    """``counts[i]``: weight in ``[edges[i], edges[i + 1])`` (the last bin closed); the data's sums."""
 
     edges: np.ndarray
     counts: np.ndarray
@@ -52,8 +36,7 @@ class Histogram:
 
     @classmethod
     def of(cls, stat: Stat, bins: int = HIST_BINS) -> Histogram | None:
-        """The histogram of a merged Stat with a sketch (None when it has no finite observation or
-        a non-finite one)."""
+        """The histogram of a merged Stat with a sketch; None without observations or with a non-finite."""
         if stat.sketch is None:
             raise ValueError("a histogram needs a quantile sketch (Stat.of(..., sketch=True))")
         if not (stat.count > 0 and math.isfinite(stat.min) and math.isfinite(stat.max)):

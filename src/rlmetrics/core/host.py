@@ -1,8 +1,6 @@
-"""One device-to-host copy per call: :func:`to_host` moves tensors together, :class:`HostPlan` collects
-the device tensors of one computation with what to make of them on the host.
+"""One device-to-host copy per call: :func:`to_host` moves tensors together, :class:`HostPlan` queues them.
 
-A compute function queues every tensor it needs on the host and reads nothing earlier (no
-``.item()``, no data-dependent shape), so on an accelerator the device is synchronized once.
+Why and how: docs/gpu-syncs.md, "How rlmetrics keeps to one".
 
 >>> import torch
 >>> plan = HostPlan()
@@ -22,8 +20,7 @@ import numpy as np
 
 
 class HostPlan:
-    """Device tensors of one computation and their readers; :meth:`run` moves all the tensors to the
-    host in one copy and returns what each reader makes of its arrays, in the order of :meth:`add`."""
+    """Device tensors of one computation and their readers, run after one copy (:meth:`run`)."""
 
     def __init__(self) -> None:
         self._tensors: list[Any] = []
@@ -35,20 +32,13 @@ class HostPlan:
         self._readers.append((len(tensors), read))
 
     def run(self) -> list[Any]:
-        """The readers' results, after one device-to-host copy of every queued tensor."""
+        """The readers' results in the order of :meth:`add`, after one copy of every queued tensor."""
         arrays = iter(to_host(self._tensors) if self._tensors else [])
         return [read(*itertools.islice(arrays, n)) for n, read in self._readers]
 
 
 def to_host(tensors: Sequence[Any]) -> list[np.ndarray]:
-    """``tensors`` as flat float64 host arrays, with one device-to-host copy for all of them.
-
-    Accelerator tensors are concatenated on the first one's device (others join it by a
-    device-to-device copy) and come over at once: on CUDA into pinned memory without blocking, then
-    waiting for the current stream only. Host tensors are concatenated where they are, converted to
-    float64 as they are (one op): moving them to the device first would be a blocking copy, a sync
-    of its own. mps has no float64: its tensors come over one by one.
-
+    """``tensors`` as flat float64 host arrays, in one copy (mps tensors, without float64, one by one).
     >>> import torch
     >>> [a.tolist() for a in to_host([torch.tensor([1, 2]), torch.ones(1, 2)])]
     [[1.0, 2.0], [1.0, 1.0]]
@@ -97,9 +87,7 @@ def _device_to_host(flat: Any) -> np.ndarray:
 
 
 def _pinned_to_host(flat: Any, wait: Callable[[], None]) -> np.ndarray:
-    """Copy into pinned host memory without blocking (torch pins the destination of a non-blocking
-    copy from CUDA: the DMA engine writes it directly, no staging copy), then ``wait()`` for the
-    stream that queued the copy after the kernels making ``flat``: one sync, and only for them."""
+    """Copy into pinned host memory without blocking, then ``wait()`` for the stream that queued it."""
     host = flat.to("cpu", non_blocking=True)
     wait()
     return host.numpy()

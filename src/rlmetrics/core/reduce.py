@@ -1,27 +1,11 @@
-"""Reductions and the rules that pick one from a metric's name.
+"""Reductions (``MEAN``, ``MAX``, :func:`percentile`, ...), the name → reduction rules and their registry.
 
-A :class:`Reduction` turns a merged :class:`~rlmetrics.core.stat.Stat` into the reported number: ``MEAN``
-is the weighted mean, ``STD`` the pooled (population) std, ``MIN``/``MAX``/``SUM``/``COUNT`` what they
-say, ``MEDIAN`` and :func:`percentile` read the quantile sketch (exact while small: the median is the
-lower middle value as ``torch.median``, percentiles interpolate linearly as ``torch.quantile``).
-
-Resolution order for a name (:func:`resolve`): exact name in the registry → glob pattern in the
-registry → tokens of the name → ``MEAN``. Tokens: the last path segment is split on ``_ @ - .``
-(``p99.9`` stays whole); ``mean``/``avg`` → mean, ``min``, ``max``, ``sum``/``total``/``count`` → sum,
-``median``, ``std``, ``pNN``/``pNN.N`` → percentile, ``hist`` → histogram decide (the last such
-token of the segment); a
-segment without one passes to the segment before it. Built in: ``graph_output_handling`` → max (the
-seed's special metric), ``val/test_score/*`` → mean (its last segment is a data source name) and the
-GPU memory, ``perf/memory/*`` and ``perf/max_memory_{allocated,reserved}_gb`` → max (the worst rank).
-A grouped name (``group/<tag>/<value>/<metric>``, :mod:`rlmetrics.core.groups`) not in the registry itself
-resolves as its metric.
+Also the seed's callables (``Metric``, ``MetricFunc``, ``MeanMetric``, ...). The rules:
+docs/reductions.md, "Reductions from names".
 
 >>> [resolve(n).name for n in ("critic/score/max", "actor/minibatch_loss", "perf/total_num_tokens",
 ...                            "custom/latency/p95", "val-core/minerva_math/acc/mean@16")]
 ['max', 'mean', 'sum', 'p95', 'mean']
-
-Reductions are also callables with the seed's signature ``f(list[Metric]) -> float``, so
-``MeanMetric(metrics)`` and ``MetricFunc(name)(metrics)`` work as in siiRL.
 """
 
 from __future__ import annotations
@@ -45,18 +29,13 @@ _FIELDS_READ = {"count": (0,), "mean": (0, 1), "sum": (0, 1), "std": (0, 1, 2), 
 
 @dataclass(frozen=True)
 class Reduction:
-    """How a merged Stat becomes one number.
-
-    ``kind`` is one of ``mean sum min max std count quantile hist``; ``q`` is the quantile in
-    [0, 1] for ``quantile``; ``hist`` gives a :class:`~rlmetrics.core.histogram.Histogram` (or None), not
-    a number. ``name`` is the spec string that :func:`parse_reduction` reads back.
-
+    """How a merged Stat becomes one number: ``kind`` (``mean sum min max std count quantile hist``),
+    ``q`` (a quantile's, in [0, 1]), ``name`` (the spec :func:`parse_reduction` reads).
     >>> MAX.apply(Stat.of([1.0, 5.0, 3.0]))
     5.0
-    >>> percentile(50).apply(Stat.of([1.0, 2.0, 3.0, 4.0], sketch=True))
-    2.5
-    >>> MEDIAN.apply(Stat.of([1.0, 2.0, 3.0, 4.0], sketch=True))
-    2.0
+    >>> s = Stat.of([1.0, 2.0, 3.0, 4.0], sketch=True)
+    >>> percentile(50).apply(s), MEDIAN.apply(s)
+    (2.5, 2.0)
     """
 
     name: str
@@ -77,8 +56,7 @@ class Reduction:
         return self.kind == "quantile"
 
     def apply(self, stat: Stat) -> Any:
-        """The reported value for one merged Stat (``nan`` when it holds no observation; a
-        :class:`~rlmetrics.core.histogram.Histogram` or None for ``hist``)."""
+        """The value of a merged Stat (``nan`` without observations; a Histogram or None for ``hist``)."""
         if self.needs_sketch:
             if stat.sketch is None:
                 raise ValueError(
@@ -93,9 +71,7 @@ class Reduction:
 
     @property
     def fields(self) -> tuple[int, ...]:
-        """The rows of a merged stat array (:data:`~rlmetrics.core.stat.FIELDS`) that :meth:`apply` reads:
-        all five for a quantile or histogram (a Stat's sketch comes with all of them).
-
+        """The rows of a stat array (:data:`~rlmetrics.core.stat.FIELDS`) :meth:`apply` reads (a sketch: all).
         >>> STD.fields, MAX.fields
         ((0, 1, 2), (0, 4))
         """
@@ -119,7 +95,6 @@ class Reduction:
 
     def __call__(self, metrics: Sequence[Any]) -> float:
         """The seed's aggregation signature: ``f(list[Metric]) -> float``.
-
         >>> MEAN([Metric("a", 1.0, 2), Metric("a", [2.0, 3.0], 2)])
         2.0
         """
@@ -141,15 +116,14 @@ HIST = Reduction("hist", "hist")
 
 
 def percentile(p: float) -> Reduction:
-    """The ``p``-th percentile (0..100), linear interpolation while exact.
-
+    """The ``p``-th percentile (0..100).
     >>> percentile(99.9).name, percentile(95).q
     ('p99.9', 0.95)
     """
     p = float(p) + 0.0  # -0.0 -> 0.0
     if not 0.0 <= p <= 100.0:
         raise ValueError(f"percentile must be within [0, 100], got {p}")
-    # shortest positional repr, so parse_reduction(name) gives p back ("{p:g}" gave p99.99999 -> "p100")
+    # shortest positional repr, so parse_reduction(name) gives p back
     return Reduction(f"p{np.format_float_positional(p, trim='-')}", "quantile", p / 100.0)
 
 
@@ -164,7 +138,6 @@ _PERCENTILE_RE = re.compile(r"p(\d+(?:\.\d+)?)")
 
 def parse_reduction(spec: str | Reduction) -> Reduction:
     """A Reduction from its spec: ``"mean"``, ``"max"``, ``"p95"``, ``"median"``, ..., or a Reduction.
-
     >>> parse_reduction("p99.9") == percentile(99.9)
     True
     """
@@ -194,9 +167,8 @@ _BUILTIN_GLOBS: dict[str, Reduction] = {
 }
 
 SPECIAL_METRICS: dict[str, Reduction] = dict(_BUILTIN)
-"""Exact metric names with a fixed reduction (the seed's ``Special_Metric``); a plain dict, read on
-every resolution. Prefer :func:`register_reduction`: the data metrics' caches of resolved names
-see a direct edit only for names they have not reduced yet."""
+"""Exact names with a fixed reduction (the seed's ``Special_Metric``). Prefer :func:`register_reduction`:
+caches miss a direct edit for names already resolved."""
 _GLOBS: dict[str, Reduction] = dict(_BUILTIN_GLOBS)
 
 
@@ -204,17 +176,12 @@ _RULES = [0]  # bumped by every (un)registration: caches of resolved names key o
 
 
 def rules_version() -> int:
-    """A number that changes whenever :func:`register_reduction` or :func:`unregister_reduction`
-    runs (a cache of :func:`resolve` results keys on it)."""
+    """A number that changes with every (un)registration: a cache of :func:`resolve` keys on it."""
     return _RULES[0]
 
 
 def register_reduction(name_or_glob: str, reduction: str | Reduction, *, glob: bool | None = None) -> None:
-    """Fix the reduction for an exact name or a glob pattern (``*``, ``?``, ``[...]``).
-
-    ``glob=None`` treats a pattern with ``* ? [`` as a glob; pass ``glob=False`` for an exact name
-    that contains them. Exact names win over globs; among globs the one registered last wins.
-
+    """Fix the reduction for an exact name or a glob (``glob=None``: a name with ``* ? [`` is one).
     >>> register_reduction("custom/latency/*", "p99")
     >>> resolve("custom/latency/decode").name
     'p99'
@@ -251,8 +218,7 @@ def _from_tokens(segment: str) -> Reduction | None:
 
 
 def resolve(name: str) -> Reduction:
-    """The reduction for a metric name (see the module docstring for the rules).
-
+    """The reduction for a metric name.
     >>> resolve("group/data_source/max_problems/actor/minibatch_loss").name
     'mean'
     """
@@ -287,7 +253,6 @@ class Metric:
 
 def MetricFunc(name: str) -> Reduction:  # noqa: N802 - the seed's name
     """The aggregation function for ``name``; call it with a list of :class:`Metric`.
-
     >>> MetricFunc("actor/minibatch_loss")([Metric("x", 1.0, 2), Metric("x", 3.0, 2)])
     2.0
     """
@@ -312,7 +277,6 @@ DEFAULT_RENAMES: dict[str, str] = {"timing_s/": "perf/delta_time/"}
 
 def rename(name: str, renames: dict[str, str]) -> str:
     """Apply the first matching prefix rename.
-
     >>> rename("timing_s/gen", DEFAULT_RENAMES)
     'perf/delta_time/gen'
     """

@@ -1,15 +1,7 @@
 """Mergeable quantile sketch: exact while small, relative-error log buckets beyond.
 
-A :class:`Sketch` keeps the raw values while at most ``exact_limit`` (1,000,000 by default,
-``RLMETRICS_EXACT_QUANTILES``) unit-weight values are held, so its quantiles equal
-``torch.quantile`` / ``torch.median``; beyond, or with any other weight, logarithmic buckets within
-``rel_err`` (0.5%) whose index is a global function of the value, so sketches of different
-processes merge by adding counts, or by summing vectors on an agreed :class:`BucketWindow`. How
-both modes, the size bound and the merge by sums work: docs/reductions.md, "The sketch".
-
-**Why one module of ~860 lines** (about 500 of code, the rest docstrings and doctests): the sketch's
-representation (stores, offsets, the array layout) is read nowhere else; split, its private helpers
-would become an API.
+:class:`Sketch` and :class:`BucketWindow` (merging by sums): docs/reductions.md, "The sketch". One
+module of 700+ lines: the representation is read nowhere else; split, its helpers would become an API.
 
 >>> s = Sketch.of([1.0, 2.0, 3.0, 4.0])
 >>> s.median(), s.quantile(0.5)
@@ -36,23 +28,18 @@ from numpy.typing import ArrayLike
 __all__ = ["EXACT_QUANTILES_ENV", "BucketWindow", "Sketch", "default_exact_limit"]
 
 EXACT_QUANTILES_ENV = "RLMETRICS_EXACT_QUANTILES"
-"""The environment variable that sets :func:`default_exact_limit` (read in every process, at each use)."""
+"""The environment variable that sets :func:`default_exact_limit` (read at each use)."""
 _DEFAULT_EXACT = 1_000_000
 
-_TINY = 1e-300
-"""Values with smaller magnitude count as zero."""
-
-_MAGIC = 1397444683.0
-"""First element of :meth:`Sketch.to_array` (``b"SKTK"`` read as a big-endian int)."""
+_TINY = 1e-300  # smaller magnitudes count as zero
+_MAGIC = 1397444683.0  # first element of Sketch.to_array: b"SKTK" as a big-endian int
 
 _VERSION = 1.0
 _HEADER = 15
 _MODE_EXACT = 0.0
 _MODE_BUCKETS = 1.0
 _MAX_INT_FLOAT = 2**53
-_MAX_STORE = 1 << 16
-"""Most buckets per store of a sketch that comes from another process (:meth:`Sketch.validate`):
-merging it allocates at most 1 MiB beyond its own size."""
+_MAX_STORE = 1 << 16  # most buckets per store of a sketch from another process (a merge: <= 1 MiB more)
 _FLOAT_MAX = float(np.finfo(np.float64).max)
 _EMPTY = np.zeros(0, dtype=np.float64)
 _EMPTY.flags.writeable = False
@@ -101,8 +88,7 @@ def _build_store(k: np.ndarray, w: np.ndarray | None, max_buckets: int) -> tuple
 def _merge_store(
     o1: int, c1: np.ndarray, o2: int, c2: np.ndarray, max_buckets: int
 ) -> tuple[int, np.ndarray]:
-    """The sum of two stores, its lowest buckets folded into one so that at most ``max_buckets``
-    remain; only those are allocated, however far apart the stores lie."""
+    """The sum of two stores, lowest buckets folded so that at most ``max_buckets`` are allocated."""
     if c1.size == 0:
         return o2, c2
     if c2.size == 0:
@@ -134,9 +120,7 @@ def _unfold_store(lo: int, counts: np.ndarray) -> tuple[int, np.ndarray]:
 
 
 def default_exact_limit() -> int:
-    """The ``exact_limit`` of a sketch made without one: ``RLMETRICS_EXACT_QUANTILES`` when set (an
-    integer >= 0; ``_`` separators allowed), else 1,000,000 values.
-
+    """``RLMETRICS_EXACT_QUANTILES`` if set (an integer >= 0, ``_`` allowed; else ValueError), or 1,000,000.
     >>> default_exact_limit()
     1000000
     """
@@ -174,10 +158,7 @@ Span = tuple[int, int]
 
 @dataclass(frozen=True)
 class BucketWindow:
-    """The buckets sketches of one parameter set are folded onto, so that they merge by adding the
-    vectors of :meth:`Sketch.fold`: ``neg_width`` buckets from ``neg_lo`` for the negative store
-    (keyed by ``|x|``), ``pos_width`` from ``pos_lo`` for the positive one.
-
+    """The buckets sketches fold onto to merge by sums: ``*_width`` buckets from ``*_lo`` per store.
     >>> a, b = Sketch.of([1.0, 2.0], exact_limit=0), Sketch.of([-3.0, 40.0], exact_limit=0)
     >>> w = BucketWindow.of([a, b])
     >>> merged = Sketch.from_folded(a.fold(w) + b.fold(w), w, **a.params)
@@ -192,10 +173,7 @@ class BucketWindow:
 
     @classmethod
     def covering(cls, neg: Span | None, pos: Span | None, max_buckets: int) -> BucketWindow:
-        """The window :meth:`Sketch.merge` keeps for stores whose buckets span ``neg`` and ``pos``
-        (``(lowest, highest)`` over all the sketches, None: empty): up to the highest bucket, at most
-        ``max_buckets`` wide; lower buckets fold into its first one.
-
+        """The window :meth:`Sketch.merge` keeps for stores spanning ``neg`` and ``pos`` (None: empty).
         >>> BucketWindow.covering(None, (-5, 20), max_buckets=10)
         BucketWindow(neg_lo=0, neg_width=0, pos_lo=11, pos_width=10)
         """
@@ -214,7 +192,6 @@ class BucketWindow:
     @classmethod
     def of(cls, sketches: Iterable[Sketch]) -> BucketWindow:
         """The window that covers ``sketches`` (of one parameter set) as their merge does.
-
         >>> BucketWindow.of([Sketch.of([1.0]), Sketch.of([-1.0, 1.5])])
         BucketWindow(neg_lo=0, neg_width=1, pos_lo=0, pos_width=42)
         """
@@ -236,11 +213,7 @@ class BucketWindow:
 
 
 class Sketch:
-    """Mergeable quantile sketch: exact while small, log buckets (relative error bound) beyond.
-
-    Instances are immutable; :meth:`merge` returns a new sketch. ``Sketch()`` is the empty sketch,
-    the identity of :meth:`merge`.
-
+    """Immutable mergeable quantile sketch; ``Sketch()`` is the empty one, the identity of :meth:`merge`.
     >>> Sketch().count
     0.0
     >>> Sketch.of([3.0, 1.0, 2.0]).merge(Sketch.of([5.0])).median()
@@ -298,11 +271,7 @@ class Sketch:
         exact_limit: int | None = None,
         max_buckets: int = 4096,
     ) -> Sketch:
-        """Sketch of ``values`` (1-D, float64) with optional non-negative ``weights`` of the same shape.
-
-        Stays exact while at most ``exact_limit`` non-NaN values are given and all weights are 1;
-        zero-weight values are dropped. NaN and infinite values are allowed (see the module docs).
-
+        """Sketch of 1-D ``values``, optional finite non-negative ``weights`` of their shape, else ValueError.
         >>> Sketch.of([1.0, 2.0, 3.0, 4.0]).median()
         2.0
         >>> round(Sketch.of([2.0, 10.0], weights=[3.0, 1.0]).median(), 1)  # weighted: bucket mode
@@ -385,15 +354,12 @@ class Sketch:
     """The state kind (:mod:`rlmetrics.core.states`)."""
 
     def reduce(self, name: str, reduction: Any, stat: Any) -> dict[str, float]:
-        """The state protocol's reduce (:mod:`rlmetrics.core.states`): ``{name: value}`` of ``reduction``
-        (a quantile) on ``stat`` (its column's merged Stat) with this sketch."""
+        """``{name: value}`` of quantile ``reduction`` on ``stat`` with this sketch (the state protocol)."""
         with_sketch = type(stat)(stat.count, stat.sum, stat.m2, stat.min, stat.max, self)  # not the caller's
         return {name: reduction.apply(with_sketch)}
 
     def merge(self, other: Sketch) -> Sketch:
-        """A new sketch of both inputs' data; neither input changes. ``rel_err`` and ``max_buckets``
-        must match; the merge's ``exact_limit`` is the smaller of the two.
-
+        """A new sketch of both inputs' data. ``rel_err`` and ``max_buckets`` must match (ValueError).
         >>> a, b = Sketch.of([1.0, 2.0]), Sketch.of([3.0, 4.0, 5.0])
         >>> a.merge(b).quantile(0.25), a.count
         (2.0, 2.0)
@@ -425,8 +391,7 @@ class Sketch:
         return out
 
     def _parts(self) -> tuple[np.ndarray, ...]:
-        """Exact mode: the sorted runs of this sketch's values (``_runs`` is read before ``_values``:
-        :meth:`_sorted` sets ``_values`` before it drops the runs)."""
+        """Exact mode: the sorted runs of values (``_runs`` read first: :meth:`_sorted` drops them last)."""
         runs, values = self._runs, self._values
         return runs if values is None else ((values,) if values.size else ())
 
@@ -442,10 +407,9 @@ class Sketch:
     # ------------------------------------------------------------------ queries
     @property
     def count(self) -> float:
-        """Total weight, NaN values included.
-
-        >>> Sketch.of([1.0, float("nan")]).count
-        2.0
+        """Total weight, NaN values included (their weight: :attr:`nan_count`).
+        >>> Sketch.of([1.0, float("nan")]).count, Sketch.of([1.0, float("nan")]).nan_count
+        (2.0, 1.0)
         """
         if self._exact:
             return float(self._n) + self._nan
@@ -455,7 +419,6 @@ class Sketch:
     @property
     def is_exact(self) -> bool:
         """Whether the raw values are held (exact mode).
-
         >>> Sketch.of([1.0]).is_exact, Sketch.of([1.0], weights=[2.0]).is_exact
         (True, False)
         """
@@ -463,36 +426,24 @@ class Sketch:
 
     @property
     def rel_err(self) -> float:
-        """Relative error bound of bucket mode.
-
-        >>> Sketch().rel_err
-        0.005
-        """
+        """Relative error bound of bucket mode."""
         return self._rel_err
 
     @property
     def exact_limit(self) -> int:
-        """Most values held exactly (unit weights) before switching to buckets.
-
-        >>> Sketch().exact_limit
-        1000000
-        """
+        """Most values held exactly (unit weights) before switching to buckets."""
         return self._exact_limit
 
     @property
     def max_buckets(self) -> int:
-        """Most buckets per signed store in bucket mode.
-
-        >>> Sketch().max_buckets
-        4096
-        """
+        """Most buckets per signed store in bucket mode."""
         return self._max_buckets
 
     @property
     def params(self) -> dict[str, float | int]:
-        """The parameters, as keywords of :class:`Sketch` and :meth:`Sketch.of`; sketches merge only
-        when their ``rel_err`` and ``max_buckets`` are equal.
-
+        """The parameters, as keywords of :class:`Sketch` and :meth:`Sketch.of`.
+        >>> Sketch().params
+        {'rel_err': 0.005, 'exact_limit': 1000000, 'max_buckets': 4096}
         >>> Sketch.of([2.0], **Sketch(rel_err=0.01).params).rel_err
         0.01
         """
@@ -500,17 +451,12 @@ class Sketch:
 
     @property
     def nan_count(self) -> float:
-        """Weight of the NaN values seen.
-
-        >>> Sketch.of([1.0, float("nan")]).nan_count
-        1.0
-        """
+        """Weight of the NaN values seen."""
         return self._nan
 
     @property
     def values(self) -> np.ndarray:
         """Exact mode: the sorted non-NaN values (read-only). Raises ValueError in bucket mode.
-
         >>> Sketch.of([3.0, float("nan"), 1.0]).values.tolist()
         [1.0, 3.0]
         """
@@ -519,9 +465,7 @@ class Sketch:
         return self._sorted()
 
     def bucket_span(self) -> tuple[Span | None, Span | None]:
-        """``(negative store, positive store)`` bucket spans ``(lowest, highest)`` of this sketch in
-        bucket mode (an exact one is put into buckets first); None for an empty store.
-
+        """``(lowest, highest)`` bucket of the negative and the positive store in bucket mode; None: empty.
         >>> Sketch.of([1.0, 2.0]).bucket_span()
         (None, (0, 70))
         """
@@ -532,11 +476,7 @@ class Sketch:
         )
 
     def fold(self, window: BucketWindow) -> np.ndarray:
-        """This sketch's weights on ``window`` (which must reach its highest buckets) as a float64
-        vector of ``window.size``: NaN, -inf, +inf and zero weights, then the negative and the
-        positive store, buckets below a window folded into its first one. The sum of the vectors
-        of several sketches is their merge (:meth:`from_folded`).
-
+        """This sketch's weights on ``window`` (reaching its highest buckets) as a vector of ``window.size``.
         >>> Sketch.of([-0.0, 1.0, 1.0]).fold(BucketWindow(pos_width=1)).tolist()
         [0.0, 0.0, 0.0, 1.0, 2.0]
         """
@@ -560,7 +500,6 @@ class Sketch:
         max_buckets: int = 4096,
     ) -> Sketch:
         """The bucket-mode sketch of a (summed) :meth:`fold` vector on ``window``.
-
         >>> w = BucketWindow(pos_lo=0, pos_width=1)
         >>> Sketch.from_folded(Sketch.of([1.0]).fold(w) * 3, w).count
         3.0
@@ -580,11 +519,8 @@ class Sketch:
 
     def quantile(self, q: float) -> float:
         """The ``q``-quantile, ``q`` in [0, 1]; NaN when empty or when NaN values were seen.
-
-        >>> Sketch.of([1.0, 2.0, 3.0, 4.0]).quantile(0.25)
-        1.75
-        >>> Sketch().quantile(0.5)
-        nan
+        >>> Sketch.of([1.0, 2.0, 3.0, 4.0]).quantile(0.25), Sketch().quantile(0.5)
+        (1.75, nan)
         """
         try:
             qf = float(q) if not isinstance(q, (str, bytes)) else math.nan
@@ -636,21 +572,10 @@ class Sketch:
             return _FLOAT_MAX
 
     def histogram(self, edges: ArrayLike) -> np.ndarray:
-        """Weights of the finite values in the bins of ``edges`` (increasing; the last bin includes
-        its right edge), as ``numpy.histogram(values, edges)[0]`` in float64. NaN and infinities are
-        left out, values outside the edges too.
-
-        Exact mode: numpy's counts. Bucket mode: each bucket's weight goes to the bin of its
-        representative (moved onto the first / last edge when it falls outside them but its bucket
-        reaches inside), which is within ``rel_err * |x|`` of each value ``x`` of the bucket; so a
-        bin's count differs from numpy's by at most the weight of the values within ``rel_err *
-        |x|`` of its two edges (the lowest buckets folded when a store is full excepted: see the
-        module docs).
-
-        >>> Sketch.of([1.0, 2.0, 2.5, 4.0]).histogram([1.0, 2.0, 3.0, 4.0]).tolist()
-        [1.0, 2.0, 1.0]
-        >>> Sketch.of([1.0, 2.0, 2.5, 4.0], exact_limit=0).histogram([1.0, 2.0, 3.0, 4.0]).tolist()
-        [1.0, 2.0, 1.0]
+        """``numpy.histogram(finite values, edges)[0]`` as float64 (bucket mode: docs/histograms.md).
+        >>> edges = [1.0, 2.0, 3.0, 4.0]  # exact mode, then bucket mode
+        >>> [Sketch.of([1.0, 2.0, 2.5, 4.0], exact_limit=n).histogram(edges).tolist() for n in (None, 0)]
+        [[1.0, 2.0, 1.0], [1.0, 2.0, 1.0]]
         """
         e = np.asarray(edges, dtype=np.float64)
         if e.ndim != 1 or e.size < 2 or not (np.diff(e) > 0).all() or not np.isfinite(e).all():
@@ -671,7 +596,6 @@ class Sketch:
 
     def median(self) -> float:
         """Median: the lower middle value in exact mode (like ``torch.median``), else ``quantile(0.5)``.
-
         >>> Sketch.of([4.0, 1.0, 3.0, 2.0]).median()
         2.0
         """
@@ -684,14 +608,7 @@ class Sketch:
         return f"rel_err={self._rel_err}, exact_limit={self._exact_limit}, max_buckets={self._max_buckets}"
 
     def to_array(self) -> np.ndarray:
-        """Flat float64 array: a 15-element header, then the payload.
-
-        Header: ``[magic, version, mode (0 exact / 1 buckets), rel_err, exact_limit, max_buckets,
-        nan_weight, neg_inf_weight, pos_inf_weight, zero_weight, n_values, neg_offset, n_neg,
-        pos_offset, n_pos]``. Payload: exact mode, the ``n_values`` sorted values; bucket mode,
-        ``n_neg`` negative-store counts (bucket ``neg_offset + i``, keyed by ``|x|``) followed by
-        ``n_pos`` positive-store counts (bucket ``pos_offset + i``).
-
+        """Flat float64 array: a 15-element header, then the values or the bucket counts (docs/reductions.md).
         >>> Sketch.of([2.0, 1.0]).to_array()[-2:].tolist()
         [1.0, 2.0]
         """
@@ -720,9 +637,7 @@ class Sketch:
     @classmethod
     def from_array(cls, arr: ArrayLike) -> Sketch:
         """Inverse of :meth:`to_array`.
-
-        >>> s = Sketch.of([1.0, 5.0, 2.0])
-        >>> Sketch.from_array(s.to_array()).median()
+        >>> Sketch.from_array(Sketch.of([1.0, 5.0, 2.0]).to_array()).median()
         2.0
         """
         a = np.asarray(arr, dtype=np.float64)
@@ -757,16 +672,7 @@ class Sketch:
         return out
 
     def validate(self) -> None:
-        """ValueError unless data can give this sketch (the state protocol: the aggregator validates
-        every sketch that comes from another process before merging it).
-
-        Its weights are finite and >= 0; each store has at most ``max_buckets`` buckets, between the
-        indices of the smallest and the largest finite magnitude at ``rel_err`` (so a merge never
-        reads far-away offsets). Exact mode: at most ``exact_limit`` values, sorted, none NaN, and
-        no bucket. Bucket mode: no values. Beyond that, at most 65,536 buckets per store
-        (``min(max_buckets, indices)`` for a merge): merging it allocates at most 1 MiB more than it
-        (an exact merge allocates the values of both, which came with them).
-
+        """ValueError unless data can give it (docs/reliability.md, "Contributions from other processes").
         >>> Sketch.of([1.0, 2.0]).validate()
         >>> bad = Sketch.of([1.0], weights=[2.0]).to_array()
         >>> bad[13] = 1e7  # the positive store's offset
@@ -812,8 +718,7 @@ class Sketch:
             raise ValueError("sketch: an exact sketch has buckets")
 
     def _indices(self) -> tuple[int, int]:
-        """The lowest and the highest bucket index a finite magnitude (``_TINY`` to the largest float)
-        gets, widened by one against rounding."""
+        """The lowest and highest bucket index of a finite magnitude, widened by one against rounding."""
         k = np.ceil(np.log([_TINY, _FLOAT_MAX]) / math.log(self._gamma()))
         return int(k[0]) - 1, int(k[1]) + 1
 

@@ -1,17 +1,7 @@
-"""Mergeable summary statistics.
+"""Mergeable summary statistics: :class:`Stat` and the merges of ``(5, M)`` stat arrays (rows :data:`FIELDS`).
 
-Over 400 lines on purpose: a Stat's construction from every input form (values, masks, weights,
-tensors), its merge and its reduction share the five-field layout.
-
-A :class:`Stat` holds what is needed to merge summaries of data that lives on many ranks and still get
-the statistics of the concatenated data: weighted count, sum, M2 (sum of squared deviations from the
-mean), min and max, and optionally a quantile :class:`~rlmetrics.core.sketch.Sketch`. Merging uses the
-parallel variance formula (Chan et al.), so no sum of squares ever cancels.
-
-The same merge math works on whole vectors of statistics: the wire and the aggregator keep one
-``(5, M)`` float64 array per contribution (rows :data:`FIELDS`), merged with :func:`merge_arrays`
-and :func:`reduce_parts`. :class:`Stat` is the one-metric view of that layout. Values are summarized
-by the one kernel of :mod:`rlmetrics.core.summary`; what counts as a value is :mod:`rlmetrics.core.values`.
+Merged by Chan et al.'s parallel formula (no sum of squares cancels); 400+ lines: every input form,
+the merge and the reduction share one layout. What a value may be: docs/reductions.md, "The value policy".
 
 >>> a, b = Stat.of([1.0, 2.0]), Stat.of([3.0, 4.0, 5.0])
 >>> m = a.merge(b)
@@ -52,7 +42,6 @@ FIELDS = ("count", "sum", "m2", "min", "max")
 
 def empty_arrays(m: int) -> np.ndarray:
     """The identity of :func:`merge_arrays`: ``m`` empty summaries.
-
     >>> empty_arrays(2)[:, 0].tolist()
     [0.0, 0.0, 0.0, inf, -inf]
     """
@@ -64,7 +53,6 @@ def empty_arrays(m: int) -> np.ndarray:
 
 def merge_arrays(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Merge two stat arrays of shape ``(5, ...)`` column by column (a new array).
-
     >>> merge_arrays(Stat.of([1.0]).to_array(), Stat.of([3.0]).to_array()).tolist()
     [2.0, 4.0, 2.0, 1.0, 3.0]
     """
@@ -80,10 +68,6 @@ def merge_arrays(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def reduce_parts(parts: np.ndarray) -> np.ndarray:
     """Merge ``k`` stat arrays stacked field-major, shape ``(5, k, M)``, into one ``(5, M)`` array.
-
-    Exact for any number of parts: M2 = sum of the parts' M2 plus each part's squared distance
-    from the overall mean, weighted by its count.
-
     >>> parts = np.stack([Stat.of(p).to_array()[:, None] for p in ([1.0, 2.0], [3.0], [4.0, 5.0])], axis=1)
     >>> reduce_parts(parts)[:, 0].tolist()
     [5.0, 15.0, 10.0, 1.0, 5.0]
@@ -98,10 +82,7 @@ def reduce_parts(parts: np.ndarray) -> np.ndarray:
 
 
 def reduce_runs(parts: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    """Merge runs of consecutive parts: ``parts`` stacked field-major ``(5, k, M)``, run ``i`` from
-    ``starts[i]`` to the next start (runs are not empty); ``(5, len(starts), M)``, each run as
-    :func:`reduce_parts` merges it (group breakdowns merge each group's sequences at once).
-
+    """:func:`reduce_parts` of each non-empty run ``parts[:, starts[i]:starts[i + 1]]``, as ``(5, runs, M)``.
     >>> parts = np.stack([Stat.of(p).to_array()[:, None] for p in ([1.0, 2.0], [3.0], [4.0, 5.0])], axis=1)
     >>> reduce_runs(parts, np.array([0, 1]))[:, :, 0].T.tolist()
     [[2.0, 3.0, 0.5, 1.0, 2.0], [3.0, 12.0, 2.0, 3.0, 5.0]]
@@ -118,12 +99,7 @@ def reduce_runs(parts: np.ndarray, starts: np.ndarray) -> np.ndarray:
 
 
 def spread(counts: np.ndarray, sums: np.ndarray, mean: np.ndarray) -> np.ndarray:
-    """What parts add to the merged M2 beyond their own M2: ``count * (part mean - mean) ** 2``.
-
-    ``mean`` is the overall mean; parts without observations add nothing. Summed over the parts,
-    plus the parts' own M2, this is the exact merged M2 (:func:`reduce_parts`; the torch backend
-    sums it across ranks once the overall mean is known).
-
+    """What parts add to the merged M2 beyond their own: ``count * (part mean - overall mean) ** 2``.
     >>> spread(np.array([2.0, 1.0, 0.0]), np.array([2.0, 4.0, 0.0]), np.array(2.0)).tolist()
     [2.0, 4.0, 0.0]
     """
@@ -139,18 +115,7 @@ _EMPTY_TAIL = empty_arrays(1)[1:]  # sum, M2, min and max of a column without ob
 
 
 def invalid_column(stats: np.ndarray) -> tuple[int, str] | None:
-    """The first column of a ``(5, M)`` stat array that no data can give, and what is wrong with it;
-    None when every column is one that :func:`~rlmetrics.core.summary.summarize` and :func:`merge_arrays`
-    give (a contribution from another process may hold any float).
-
-    Such a column has a finite count >= 0 (weights are finite and non-negative) and M2 >= 0, NaN
-    only beside a non-finite sum (a NaN or an infinity among the values, or a sum that overflowed;
-    such a sum stays non-finite through every merge). Without observations (count 0) it is the
-    identity of :func:`empty_arrays`. With observations, min <= max, or both NaN (a NaN value under
-    ``nan_strategy="propagate"``), unless one of them is its identity (min ``inf``, max ``-inf``: a
-    summary without that field, as the torch.distributed exchange sends only the fields that a
-    reduction reads).
-
+    """``(column, problem)`` of the first column no data can give, or None (docs/reliability.md).
     >>> good = Stat.of([1.0, 2.0]).to_array()
     >>> invalid_column(np.stack([good, [-1e9, 4.0, 0.0, 4.0, 4.0]], axis=1))
     (1, 'count -1000000000.0 < 0')
@@ -193,12 +158,7 @@ def invalid_column(stats: np.ndarray) -> tuple[int, str] | None:
 
 
 class Stat:
-    """Mergeable summary of weighted observations.
-
-    ``Stat.of`` accepts Python numbers, (nested) lists, numpy arrays and torch tensors on any
-    device; ``mask`` (non-zero = keep) and ``weight`` broadcast against the values. A scalar is one
-    observation of weight 1.
-
+    """Mergeable summary of weighted observations (a scalar is one observation of weight 1).
     >>> s = Stat.of([1.0, 2.0, 3.0, 10.0], mask=[1, 1, 1, 0])
     >>> (s.count, s.sum, s.mean, s.max)
     (3.0, 6.0, 2.0, 3.0)
@@ -236,11 +196,8 @@ class Stat:
         nan_strategy: str = "propagate",
         name: str = "value",
     ) -> Stat:
-        """Summarize ``values``; ``sketch=True`` also keeps a quantile sketch.
-
-        ``nan_strategy``: ``"propagate"`` keeps NaN/inf (they reach the statistics), ``"drop"``
-        ignores them, ``"error"`` raises :class:`MetricValueError`. ``name`` only labels errors.
-
+        """Summarize ``values``; ``mask`` (non-zero: keep) and ``weight`` broadcast against them;
+        ``sketch=True`` keeps a quantile sketch. Raises :class:`MetricValueError` (``name`` labels it).
         >>> Stat.of(2.5).to_array().tolist()
         [1.0, 2.5, 0.0, 2.5, 2.5]
         >>> Stat.of([1.0, float("nan")], nan_strategy="drop").mean
@@ -277,11 +234,7 @@ class Stat:
     def of_tensors(
         cls, metrics: Mapping[Any, Any], needs_sketch: Callable[[str], bool], nan_strategy: str = "propagate"
     ) -> dict[str, Stat | MetricValueError]:
-        """The Stats of the torch tensors among ``metrics`` values (also as ``(tensor, weight)``),
-        with one device-to-host copy for all of them; a value that cannot be summarized maps to its
-        error. ``needs_sketch(name)``: whether that name keeps a quantile sketch. Other values are
-        left out.
-
+        """``{name: Stat or MetricValueError}`` of the tensor values of ``metrics``, in one host copy.
         >>> import torch
         >>> metrics = {"a": torch.ones(3), "b": (torch.arange(2.0), 2.0), "c": 1.0}
         >>> out = Stat.of_tensors(metrics, needs_sketch=lambda name: False)
@@ -349,9 +302,7 @@ class Stat:
 
     @property
     def finite(self) -> bool:
-        """Whether the summarized values are all finite (an empty Stat is): a NaN or an infinity
-        among them makes the min or the max non-finite (a sum may overflow from finite values).
-
+        """Whether the summarized values are all finite (an empty Stat is), read from min and max.
         >>> Stat.of([1.0, 2.0]).finite, Stat.of([1.0, float("nan")]).finite, Stat().finite
         (True, False, True)
         >>> Stat.of([-1e308, 1e308]).finite  # its sum of squares overflows, its values are finite
@@ -360,10 +311,7 @@ class Stat:
         return self.count == 0 or (math.isfinite(self.min) and math.isfinite(self.max))
 
     def merge(self, other: Stat) -> Stat:
-        """A new Stat summarizing both; associative and commutative.
-
-        The sketch is kept only when both sides carry one.
-        """
+        """A new Stat summarizing both (associative, commutative); a sketch only if both have one."""
         out = Stat(*merge_arrays(self.to_array(), other.to_array()).tolist())
         if self.sketch is not None and other.sketch is not None:
             out.sketch = self.sketch.merge(other.sketch)
@@ -377,7 +325,6 @@ class Stat:
     @classmethod
     def from_array(cls, arr: np.ndarray, sketch: Sketch | None = None) -> Stat:
         """Inverse of :meth:`to_array`.
-
         >>> Stat.from_array(Stat.of([1.0, 2.0]).to_array()).mean
         1.5
         """
@@ -396,8 +343,7 @@ class Stat:
 
 
 def _summary(torch: Any, x: Any, w: Any, nan_strategy: str) -> Any:
-    """The stat array of 1-D float64 tensor ``x`` (weights ``w`` or None), on ``x``'s device, followed
-    by what :func:`_refuse` reads: one vector to move to the host."""
+    """The stat array of 1-D tensor ``x`` on its device, then what :func:`_refuse` reads: one vector."""
     zero = torch.zeros((), dtype=torch.float64, device=x.device)
     bad = nonfinite(x, weight=w) if nan_strategy == "error" else zero
     bad_w = zero if w is None else (~(torch.isfinite(w) & (w >= 0))).sum(dtype=torch.float64)
@@ -405,8 +351,7 @@ def _summary(torch: Any, x: Any, w: Any, nan_strategy: str) -> Any:
 
 
 def _refuse(bad_values: float, bad_weights: float, *, name: str) -> None:
-    """Raise :class:`MetricValueError` for weights that are negative or not finite, then for non-finite
-    values (counted under ``nan_strategy="error"`` only)."""
+    """Raise :class:`MetricValueError` for bad weights, then for non-finite values (counted under "error")."""
     if bad_weights > 0:
         raise bad_weights_error(name, bad_weights)
     if bad_values > 0:
@@ -416,8 +361,7 @@ def _refuse(bad_values: float, bad_weights: float, *, name: str) -> None:
 
 
 def _tensor_stats(items: Sequence[tuple], nan_strategy: str) -> list[Stat | MetricValueError]:
-    """Stats of ``(name, values, mask, weight, sketch)`` items of torch values: summarized on their
-    device (values and weights themselves for a sketch), then moved to the host in one copy."""
+    """Stats of ``(name, values, mask, weight, sketch)`` tensor items, moved to the host in one copy."""
     import torch
 
     plan = HostPlan()

@@ -1,23 +1,6 @@
-"""The one state model: what travels with a contribution and merges at the aggregator.
+"""The one state model: the :class:`State` protocol, the :data:`KINDS` table, encoding and decoding.
 
-Every state implements one small protocol, :class:`State`:
-
-- ``merge(other)``: the state of both (associative and commutative; validation samples keep their
-  rank keys and are ordered by them when reduced);
-- ``to_array()`` / ``from_array(arr)``: how it travels (a numpy array: the wire and the torch backend
-  move states only this way, by their ``kind``);
-- ``reduce(name, reduction, stat)``: the values it reports at the end of its step, given its
-  column's name, reduction and merged :class:`~rlmetrics.core.stat.Stat`;
-- ``validate()``: ValueError unless data can give it (the aggregator validates every contribution's
-  states before merging them: a state from another process may hold any value).
-
-:class:`~rlmetrics.core.stat.Stat` (count, sum, M2, min, max) is every column's state and the fast path:
-a contribution carries all of them as one ``(5, M)`` float64 array, merged as matrices. The other
-states ride on a column of a contribution (``Packed.states``): a :class:`~rlmetrics.core.sketch.Sketch`
-on a name whose reduction reads quantiles, and the kinds the metric families register
-(:func:`register_state`) on their own columns: validation samples
-(:class:`~rlmetrics.metrics.validation.samples.Samples`) and prompt records
-(:class:`~rlmetrics.metrics.difficulty.PromptStats`). This module knows none of them.
+States ride on columns beside a Stat (refusals: docs/reliability.md, "Contributions from other processes").
 
 >>> from rlmetrics.core.reduce import resolve
 >>> a, b = Sketch.of([1.0, 2.0]), Sketch.of([3.0, 4.0, 5.0])
@@ -40,7 +23,8 @@ from rlmetrics.core.stat import Stat
 
 @runtime_checkable
 class State(Protocol):
-    """What travels with a column of a contribution and merges (see the module docstring)."""
+    """``merge`` (associative, commutative), ``to_array`` / ``from_array`` (how it travels), ``reduce``
+    (``{name: value}`` given its column's merged Stat), ``validate`` (ValueError unless data can give it)."""
 
     kind: ClassVar[str]
 
@@ -78,11 +62,8 @@ _COLUMNS: dict[str, str] = {}  # column name -> the kind that rides on it (and o
 
 
 def register_state(kind: str, cls: type | str, *, column: str | None = None) -> None:
-    """Make state ``kind`` travel and merge: ``cls`` its class, or its ``"module:Class"`` path, imported
-    when a state of that kind is first decoded (so a metric family registers without importing its
-    state's dependencies). ``column``: the one column that carries it; a state of that kind on any
-    other column is refused (:func:`column_kind`).
-
+    """Make state ``kind`` travel: ``cls`` or its ``"module:Class"`` path (imported at first decode);
+    ``column``: the one column that may carry it.
     >>> KINDS["prompts"].__name__  # registered by rlmetrics.metrics by path, imported here
     'PromptStats'
     >>> column_kind("_aux/difficulty/prompts/total", "total")
@@ -98,9 +79,7 @@ def register_state(kind: str, cls: type | str, *, column: str | None = None) -> 
 
 
 def column_kind(name: str, reduction: str) -> str | None:
-    """The state kind bound to a column, where clients put it: the kind registered with the column
-    name (:func:`register_state`), a sketch on a name whose reduction reads quantiles; None: none.
-
+    """The state kind a column carries: its registered kind, a sketch for a quantile reduction, or None.
     >>> column_kind("lat/p95", "p95"), column_kind("lat/mean", "mean")
     ('sketch', None)
     """

@@ -1,32 +1,12 @@
 """The one summary kernel: count, sum, M2, min and max of observations, for numpy arrays and torch tensors.
 
-:func:`summarize` turns values into the rows of a stat array (:data:`rlmetrics.core.stat.FIELDS`) along
-their last axis, for any leading shape: ``keep`` (which values are observations), ``weight``
-(non-negative weights; a weight of 0 drops a value) and ``nan_strategy`` (``"drop"`` leaves out
-non-finite values; ``"propagate"`` and ``"error"`` keep them, and :func:`nonfinite` counts them for the
-caller that refuses them). A numpy input is summarized with numpy, a torch tensor with torch on its
-own device, without data-dependent shapes (no host sync): the caller moves the results to the host
-in one copy (:mod:`rlmetrics.core.host`). Every summary of the package goes through it:
-:meth:`Stat.of <rlmetrics.core.stat.Stat.of>` (numpy and torch), :func:`stats_of_rows` (the aggregator's
-single observations), the per-sequence and device summaries of :mod:`rlmetrics.metrics.data` (and
-of the example pack, ``examples/seed_metrics``).
+:func:`summarize` (a tensor on its own device, without a sync) and its pieces, shared with
+:mod:`rlmetrics.metrics.data.tokens`. ``nan_strategy``: docs/reductions.md, "The value policy".
 
 >>> summarize(np.array([1.0, 2.0, 3.0, 10.0]), keep=np.array([1, 1, 1, 0]) != 0).tolist()
 [3.0, 6.0, 2.0, 1.0, 3.0]
 >>> summarize(np.array([[1.0, 3.0], [2.0, np.nan]]), nan_strategy="drop")[:, 1].tolist()
 [1.0, 2.0, 0.0, 2.0, 2.0]
-
-The kernel is a sequence of pieces, each written once: :func:`total` (sums), :func:`divisor` (of means),
-:func:`extremes` (min and max; ``inf`` / ``-inf`` for empty rows), :func:`square_` (squared
-deviations) and :func:`finish` (the stat array). Masked values enter the sums as 0, the
-extremes as ``inf`` / ``-inf`` and M2 as a deviation of 0: M2 sums squared deviations from the mean
-(no sum of squares that cancels), and a masked value far from the mean adds no ``0 * inf``.
-
-**The response-token kernel** (:mod:`rlmetrics.metrics.data.tokens`) stays specialised, built from
-the same pieces: on the CPU the generic kernel's boolean selections (``where``) cost several times
-the arithmetic for the millions of tokens of a PPO batch, so it masks with integer arithmetic on the
-float bits in scratch memory kept between calls, sums each row in the data's precision, and runs
-under ``torch.compile`` on request; measured in ``benchmarks/bench_data.py``.
 """
 
 from __future__ import annotations
@@ -62,8 +42,7 @@ def divisor(xp: Any, count: Any) -> Any:
 
 
 def extremes(xp: Any, x: Any, keep: Any = None) -> tuple[Any, Any]:
-    """Min and max over the last axis of ``x`` where ``keep`` (``inf`` / ``-inf`` where nothing is
-    kept); a NaN propagates."""
+    """Min and max over the last axis where ``keep`` (``inf`` / ``-inf`` where nothing is); NaN propagates."""
     lo, hi = (x, x) if keep is None else (xp.where(keep, x, math.inf), xp.where(keep, x, -math.inf))
     if xp is np:
         return lo.min(-1, initial=np.inf), hi.max(-1, initial=-np.inf)
@@ -98,12 +77,8 @@ def finish(xp: Any, count: Any, sums: Any, m2: Any, mins: Any, maxs: Any) -> Any
 
 # ------------------------------------------------------------------------------------------ the kernel
 def summarize(x: Any, keep: Any = None, weight: Any = None, *, nan_strategy: str = "propagate") -> Any:
-    """The ``(5, ...)`` float64 stat array of float64 ``x`` along its last axis (numpy or torch).
-
-    ``keep``: boolean, which values are observations (None: all); ``weight``: float64 weights of
-    ``x``'s shape (None: 1 each; a weight that is not positive drops its value). Non-finite
-    observations reach the statistics, unless ``nan_strategy="drop"`` leaves them out.
-
+    """The ``(5, ...)`` stat array of float64 ``x`` along its last axis; ``keep``: which values are
+    observations (None: all); ``weight`` of ``x``'s shape (None: 1 each; not positive: dropped).
     >>> summarize(np.array([1.0, 3.0]), weight=np.array([3.0, 1.0])).tolist()
     [4.0, 6.0, 3.0, 1.0, 3.0]
     """
@@ -133,9 +108,7 @@ def summarize(x: Any, keep: Any = None, weight: Any = None, *, nan_strategy: str
 
 
 def nonfinite(x: Any, keep: Any = None, weight: Any = None) -> Any:
-    """How many observations of ``x`` (as :func:`summarize` selects them) are NaN or infinite, along
-    the last axis (float64).
-
+    """How many observations (as :func:`summarize` selects them) are NaN or infinite, along the last axis.
     >>> float(nonfinite(np.array([1.0, np.nan, np.inf]), keep=np.array([True, True, False])))
     1.0
     """
@@ -150,7 +123,6 @@ def nonfinite(x: Any, keep: Any = None, weight: Any = None) -> Any:
 
 def stats_of_rows(rows: np.ndarray) -> np.ndarray:
     """The ``(5, M)`` stat array of ``k`` single observations per column, ``rows`` of shape ``(k, M)``.
-
     >>> stats_of_rows(np.array([[1.0], [3.0]]))[:, 0].tolist()
     [2.0, 4.0, 2.0, 1.0, 3.0]
     """

@@ -1,6 +1,6 @@
-"""What counts as a metric value, and how it becomes float64 data: numbers, (nested) lists, numpy arrays,
-torch tensors; masks and weights. A value that cannot be read raises :class:`MetricValueError` naming
-the metric and the problem.
+"""What counts as a metric value (numbers, lists, arrays, tensors; masks, weights) and how it becomes float64.
+
+The rules: docs/reductions.md, "The value policy".
 
 >>> scalar_value(2), scalar_value(np.float32(0.5)), scalar_value([1.0])
 (2.0, 0.5, None)
@@ -31,13 +31,7 @@ def is_torch(value: Any) -> bool:
 
 
 def scalar_value(value: Any, name: str = "value") -> float | None:
-    """``value`` as a float when it is one number, whatever its type: a Python or numpy real scalar, a
-    0-d real array or a 0-d tensor (detached; one host read); None for anything else (data).
-
-    Refused with :class:`MetricValueError` naming the metric: an int beyond float64, and tensors
-    that hold no real numbers (see :func:`check_tensor`).
-
-    >>> import numpy as np
+    """``value`` as a float when it is one number, else None; :class:`MetricValueError` if unreadable.
     >>> scalar_value(2), scalar_value(np.float32(0.5)), scalar_value(np.array(3.0)), scalar_value([1.0])
     (2.0, 0.5, 3.0, None)
     """
@@ -62,17 +56,14 @@ def scalar_value(value: Any, name: str = "value") -> float | None:
 
 
 def is_dataless(tensor: Any) -> bool:
-    """A meta tensor: shape and dtype, no data. (A tensor subclass that handles its operations
-    itself, as a test's emulated accelerator does, reports the meta device and still has data.)"""
+    """A meta tensor without data (not a subclass that dispatches its own operations: an emulated device)."""
     import torch
 
     return tensor.is_meta and type(tensor).__torch_dispatch__ == torch.Tensor.__torch_dispatch__
 
 
 def check_tensor(tensor: Any, name: str, what: str) -> None:
-    """Refuse tensors without real numbers to read: complex (a float64 conversion would drop the
-    imaginary part, as numpy input is refused too), meta (no data) and sparse or other non-strided
-    layouts (their zeros are not stored: densify, or pass ``.values()``, as meant)."""
+    """Refuse (:class:`MetricValueError`) complex, meta and non-strided (sparse) tensors."""
     problem = None
     if tensor.is_complex():
         problem = f"are not numbers (got {tensor.dtype} data)"
@@ -114,8 +105,7 @@ def and_mask(keep: np.ndarray, mask: Any, name: str) -> np.ndarray:
 
 
 def as_float_array(values: Any, name: str, what: str) -> np.ndarray:
-    """``values`` as a float64 numpy array; anything but real numbers is refused (``what``: the
-    argument, for the error)."""
+    """``values`` as a float64 numpy array; anything but real numbers is refused (``what``: the argument)."""
     if isinstance(values, (str, bytes)) or values is None:
         raise MetricValueError(f"metric {name!r}: {what} must be numbers, got {type(values).__name__}")
     try:
@@ -131,8 +121,7 @@ def as_float_array(values: Any, name: str, what: str) -> np.ndarray:
 
 
 def weights(xp: Any, shape: tuple, mask: Any, weight: Any, name: str, device: Any = None) -> Any:
-    """Per-element weights (flattened) from ``mask`` and ``weight``, broadcast to ``shape``; None
-    when both are None (every value weighs 1)."""
+    """Flat per-element weights of ``mask`` and ``weight`` broadcast to ``shape``; None if both are None."""
     if mask is None and weight is None:
         return None
 
@@ -142,8 +131,7 @@ def weights(xp: Any, shape: tuple, mask: Any, weight: Any, name: str, device: An
         if is_torch(v):
             check_tensor(v, name, what)
             return v.detach().to(device=device, dtype=xp.float64)
-        # non-blocking: a blocking copy to an accelerator waits for it (a sync); from pageable memory
-        # the data are staged at once, so the host array may go
+        # non-blocking: a blocking copy to an accelerator is a sync; pageable data are staged at once
         return xp.as_tensor(as_float_array(v, name, what)).to(device, non_blocking=True)
 
     w = xp.ones(shape, dtype=xp.float64) if xp is np else xp.ones(shape, dtype=xp.float64, device=device)
@@ -164,8 +152,7 @@ def weights(xp: Any, shape: tuple, mask: Any, weight: Any, name: str, device: An
 
 
 def check_weights(w: np.ndarray, name: str) -> None:
-    """Refuse weights that are negative or not finite (tensor weights are counted on their device,
-    then refused with :func:`bad_weights_error`)."""
+    """Refuse weights that are negative or not finite."""
     if not (w.min(initial=0.0) >= 0.0 and w.max(initial=0.0) < math.inf):  # (NaN fails both)
         raise bad_weights_error(name, np.count_nonzero(~((w >= 0.0) & (w < math.inf))))
 

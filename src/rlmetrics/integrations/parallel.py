@@ -1,27 +1,6 @@
-"""Which rank of a data-parallel group submits the data metrics, and with which ``world_size``.
-
-Under tensor, sequence, context or pipeline parallelism the ranks of one data-parallel group hold the
-same batch shard, so exactly one of them submits its data metrics, with the data-parallel size as
-``world_size`` (a second one would count the shard twice). :func:`submitter` answers that for one
-rank, from a torch ``DeviceMesh`` or from explicit sizes and the global rank::
-
-    from rlmetrics.integrations.parallel import submitter
-
-    me = submitter(mesh)                                  # a DeviceMesh with dims "dp", "tp", ...
-    me = submitter(rank=rank, world_size=8, tp=2, pp=2)   # Megatron's rank layout
-    if me.submits:
-        client = rlmetrics.connect("ray", world_size=me.world_size, label=f"rank{me.dp_rank}")
-
-The submitting rank has coordinate 0 on every tensor (``tp``), sequence (``sp``, Ulysses) and
-context (``cp``) parallel dim, and on the pipeline (``pp``) dim the stage that holds the outputs:
-the **last** stage by default (``pp_stage="last"``), since the last stage computes the logits and
-the losses (Megatron, verl's Megatron engine: ``is_mp_src_rank_with_outputs``); pass
-``pp_stage="first"`` or a stage number when your metrics live elsewhere. This is verl 0.9.1's own
-choice of the rank that returns outputs, for the FSDP (``sp`` rank 0) and Megatron (``tp`` 0, last
-``pp``, ``cp`` 0) engines.
-
-It lives here, not under ``integrations/verl``: the question is the same for siiRL, OpenRLHF and
-plain torch, and it needs neither verl nor torch (a ``DeviceMesh`` is read by duck typing).
+"""Which rank of a data-parallel group submits the data metrics, and with which ``world_size``:
+:func:`submitter`, from a torch ``DeviceMesh`` or from sizes and the global rank, for any framework
+(it needs neither verl nor torch). The rule: docs/verl.md, "Where the calls go in verl 0.9.1".
 
 >>> submitter(rank=6, world_size=8, tp=2, pp=2)  # rank = tp + 2 * (dp + 2 * pp): tp 0, dp 1, pp 1
 Submitter(submits=True, world_size=2, dp_rank=1)
@@ -41,14 +20,11 @@ ROLES = ("dp", "tp", "sp", "cp", "pp")
 """The parallel roles a dim can have: data, tensor, sequence (Ulysses), context, pipeline."""
 
 MEGATRON_ORDER = "tp-sp-cp-dp-pp"
-"""The default rank layout of explicit sizes, fastest-varying dim first: Megatron-core's default
-``order="tp-cp-ep-dp-pp"`` (without expert parallelism) with ``sp`` next to ``tp``. With only ``dp``
-and ``sp`` it is verl's FSDP Ulysses mesh ``(dp, sp)`` (``sp`` fastest)."""
+"""The default rank layout, fastest dim first: Megatron-core's (without ``ep``), ``sp`` next to ``tp``."""
 
 
 class Submitter(NamedTuple):
-    """One rank's answer: whether it submits data metrics, the ``world_size`` to submit them with (the
-    data-parallel size) and its data-parallel rank (a label, e.g. ``f"rank{dp_rank}"``)."""
+    """Whether a rank submits, the ``world_size`` to submit with (the dp size) and its dp rank."""
 
     submits: bool
     world_size: int
@@ -71,20 +47,11 @@ def submitter(
 ) -> Submitter:
     """Whether ``rank`` submits the data metrics of its data-parallel group, and with which world size.
 
-    From a mesh: ``mesh`` is a torch ``DeviceMesh`` (or anything with ``mesh_dim_names`` and a
-    ``mesh`` of global ranks); ``rank`` defaults to this process (``mesh.get_coordinate()``). Dims
-    are named by their role (``"dp"``, ``"tp"``, ``"sp"``, ``"cp"``, ``"pp"``); ``roles`` maps other
-    names to a role (``{"ulysses": "sp", "dp_shard": "dp", "dp_replicate": "dp"}``). Several ``dp``
-    dims are flattened in mesh order into one data-parallel rank.
-
-    From sizes: ``rank`` is the global rank, ``dp`` or ``world_size`` (or both, then they must agree)
-    the data-parallel size, ``tp``/``sp``/``cp``/``pp`` the others, and ``order`` the rank layout,
-    fastest-varying dim first (``"tp-sp-cp-dp-pp"``: Megatron's; a dim left out must have size 1).
-    ``sp`` is a dim of its own (Ulysses); Megatron's sequence parallelism runs inside the ``tp``
-    group and is not passed.
-
-    ``pp_stage``: the pipeline stage that submits, ``"last"`` (it computes the losses), ``"first"``
-    or a stage number.
+    ``mesh``: a torch ``DeviceMesh`` (or anything with ``mesh_dim_names`` and a ``mesh`` of ranks),
+    dims named ``dp``, ``tp``, ``sp``, ``cp``, ``pp`` or mapped by ``roles`` (``{"ulysses": "sp"}``);
+    ``rank`` defaults to this process. Else the global ``rank``, ``dp`` and/or ``world_size``, the
+    other sizes and ``order``, fastest dim first. ``pp_stage``: ``"last"``, ``"first"`` or a number.
+    TypeError for a mix of both forms, ValueError for sizes, ranks or names that do not fit.
 
     >>> submitter(rank=3, world_size=4, sp=2, order="sp-dp")  # verl FSDP + Ulysses: (dp, sp)
     Submitter(submits=False, world_size=2, dp_rank=1)

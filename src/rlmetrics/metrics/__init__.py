@@ -1,21 +1,8 @@
 """Built-in metric functions computed from a batch, and metrics derived after merging.
 
-The submodules that need torch are imported on first use, so ``import rlmetrics.metrics`` stays
-light: ``from rlmetrics.metrics import compute_data_metric`` imports :mod:`rlmetrics.metrics.data`.
-Importing it (``import rlmetrics`` does) plugs the built-in families into the engine: their derived
-metrics into :data:`rlmetrics.engine.derived.DERIVED`, their state kinds into
-:data:`rlmetrics.core.states.KINDS` (imported at first use).
-
-**Derived metrics.** Some metrics are not a reduction of one merged Stat but a function of several:
-the explained variance ``1 - Var(returns - values) / (Var(returns) + eps)``, the per-token times
-``1000 * seconds / tokens``, the throughput ``tokens / (seconds * gpus)`` and the MFU ``flops /
-(seconds * gpus * peak)``. Averaging the ranks'
-own ratios gives a wrong number, so their ingredients travel as ordinary metrics under names
-starting with :data:`AUX_PREFIX`, whose own reductions are exact (pooled ``std``, ``sum``, the
-mean of the ranks' seconds), and :func:`derive_metrics` turns a merged result into the reported one
-(:func:`rlmetrics.engine.derived.derive`): it computes each entry of :data:`DERIVED_METRICS` whose
-ingredients are present and drops the auxiliary names. It needs nothing but the ``{name: float}``
-result. The formulas, and where they differ from siiRL's per-rank average: ``docs/reductions.md``.
+Holds :data:`DERIVED_METRICS`, their ``_aux/`` ingredients' names and the families' state kinds, plugged
+into the engine on import; torch submodules load on first use (``from rlmetrics.metrics import ...``).
+Rules: docs/reductions.md, "Derived metrics: ratios are computed from merged sums".
 
 >>> merged = {"critic/vf_explained_var": 0.7, "critic/score/mean": 1.0,
 ...           VF_RETURNS_STD: 2.0, VF_RESIDUAL_STD: 1.0, VF_TOKENS: 101.0}
@@ -47,8 +34,7 @@ VF_TOKENS = AUX_PREFIX + "vf_explained_var/tokens/sum"
 
 
 def vf_explained_var(values: Mapping[str, float]) -> float | None:
-    """``1 - Var(returns - values) / (Var(returns) + VF_EPS)`` with unbiased variances, from the
-    merged auxiliary metrics; None when they are missing or cover fewer than 2 tokens."""
+    """The explained variance from the merged ingredients; None without them or below 2 tokens."""
     n, ret, res = values.get(VF_TOKENS), values.get(VF_RETURNS_STD), values.get(VF_RESIDUAL_STD)
     if n is None or ret is None or res is None or not n >= 2:
         return None
@@ -57,13 +43,11 @@ def vf_explained_var(values: Mapping[str, float]) -> float | None:
 
 
 TIMED_STAGES = ("gen", "ref", "values", "adv", "update_critic", "update_actor")
-"""Stages with a ``timing_per_token_ms/{stage}``: ``gen`` per response token, the others per token of
-the whole sequence (the seed's and verl's)."""
+"""Stages with a ``timing_per_token_ms/{stage}`` (``gen`` per response token, the others per token)."""
 
 
 def timing_aux(stage: str) -> tuple[str, str]:
-    """The auxiliary names of ``timing_per_token_ms/{stage}``: the stage's seconds (averaged over
-    ranks, which time the same step) and its tokens (summed).
+    """The auxiliary names of ``timing_per_token_ms/{stage}``: seconds (mean) and tokens (sum).
 
     >>> timing_aux("gen")
     ('_aux/timing_per_token_ms/gen/seconds/mean', '_aux/timing_per_token_ms/gen/tokens/sum')
@@ -78,8 +62,7 @@ def _per_token_ms(stage: str) -> Callable[[Mapping[str, float]], float | None]:
     seconds_name, tokens_name = timing_aux(stage)
 
     def per_token_ms(values: Mapping[str, float]) -> float | None:
-        """``1000 * seconds / tokens``: the stage's time over the tokens of every rank (left out
-        when no rank had tokens)."""
+        """``1000 * seconds / tokens``; None when no rank had tokens."""
         seconds, tokens = values.get(seconds_name), values.get(tokens_name)
         if seconds is None or tokens is None or not tokens > 0:
             return None
@@ -91,18 +74,15 @@ def _per_token_ms(stage: str) -> Callable[[Mapping[str, float]], float | None]:
 THROUGHPUT_TOKENS = AUX_PREFIX + "perf/throughput/tokens/sum"
 """Tokens behind ``perf/throughput`` (summed over ranks)."""
 THROUGHPUT_SECONDS = AUX_PREFIX + "perf/throughput/seconds/mean"
-"""Step time behind ``perf/throughput`` (averaged over ranks, as ``perf/time_per_step``)."""
+"""Step time behind ``perf/throughput`` (averaged over ranks)."""
 THROUGHPUT_GPUS = AUX_PREFIX + "perf/throughput/gpus/sum"
-"""GPUs behind ``perf/throughput`` when each rank gives the GPUs its own batch ran on (siiRL's
-``n_gpu``; summed over ranks)."""
+"""GPUs behind ``perf/throughput``, each rank's own (siiRL's ``n_gpu``; summed over ranks)."""
 THROUGHPUT_GPU_SECONDS = AUX_PREFIX + "perf/throughput/gpu_seconds/mean"
-"""Step seconds times GPUs behind ``perf/throughput`` when every rank gives all GPUs of the step
-(verl's ``n_gpus``; the same on every rank, averaged)."""
+"""Step seconds times all GPUs of the step (verl's ``n_gpus``; averaged over ranks)."""
 
 
 def throughput(values: Mapping[str, float]) -> float | None:
-    """Tokens per second per GPU of all ranks' tokens, from the merged auxiliary metrics: ``tokens /
-    gpu_seconds`` (verl's ``n_gpus``), else ``tokens / (seconds * gpus)`` (siiRL's ``n_gpu``)."""
+    """Tokens per second per GPU: ``tokens / gpu_seconds``, else ``tokens / (seconds * gpus)``."""
     tokens = values.get(THROUGHPUT_TOKENS)
     gpu_seconds = values.get(THROUGHPUT_GPU_SECONDS)
     if gpu_seconds is None:
@@ -114,14 +94,11 @@ def throughput(values: Mapping[str, float]) -> float | None:
 
 
 MFU_STAGES = ("actor", "critic", "actor_infer", "ref")
-"""Stages with a ``perf/mfu/{stage}`` (verl's names: ``perf/mfu/actor``, ``perf/mfu/critic``,
-``perf/mfu/actor_infer``; and the reference model's forward pass)."""
+"""Stages with a ``perf/mfu/{stage}`` (verl's three, and ``ref``)."""
 
 
 def mfu_aux(stage: str) -> tuple[str, str, str]:
-    """The auxiliary names of ``perf/mfu/{stage}``: the model FLOPs of the ranks' tokens (summed), the
-    stage's seconds (averaged over ranks, which time the same step) and the peak FLOP/s of the
-    ranks' GPUs (``n_gpu * peak``, summed).
+    """The auxiliary names of ``perf/mfu/{stage}``: FLOPs (sum), seconds (mean), ``n_gpu * peak`` (sum).
 
     >>> mfu_aux("actor")
     ('_aux/perf/mfu/actor/flops/sum', '_aux/perf/mfu/actor/seconds/mean', '_aux/perf/mfu/actor/peak/sum')
@@ -134,8 +111,7 @@ def _mfu(stage: str) -> Callable[[Mapping[str, float]], float | None]:
     flops_name, seconds_name, peak_name = mfu_aux(stage)
 
     def mfu(values: Mapping[str, float]) -> float | None:
-        """``flops / (seconds * peak)``: all ranks' model FLOPs over the stage's time and the peak
-        FLOP/s of all their GPUs (left out when the time or the peak is zero)."""
+        """``flops / (seconds * peak)``; None when the time or the peak is zero."""
         flops, seconds, peak = values.get(flops_name), values.get(seconds_name), values.get(peak_name)
         if flops is None or seconds is None or peak is None or not seconds * peak > 0:
             return None
@@ -149,8 +125,7 @@ VP_SEQUENCES = AUX_PREFIX + "variance_proxy/sequences/sum"
 
 
 def variance_proxy_noise(values: Mapping[str, float]) -> float | None:
-    """verl's ``variance_proxy/proxy3_pure_noise``, ``max(0, (proxy2 - proxy1) / (N - 1))`` (0.0 for
-    ``N <= 1``), from the merged values; None without the sequence count (no gradient norm given)."""
+    """verl's ``variance_proxy/proxy3_pure_noise`` (0.0 for ``N <= 1``); None without the sequence count."""
     n = values.get(VP_SEQUENCES)
     signal = values.get("variance_proxy/proxy1_signal_strength")
     power = values.get("variance_proxy/proxy2_total_power")
@@ -170,34 +145,25 @@ DERIVED_METRICS: tuple[Derived, ...] = (
     *(Derived(f"timing_per_token_ms/{s}", timing_aux(s), _per_token_ms(s)) for s in TIMED_STAGES),
     *(Derived(f"perf/mfu/{s}", mfu_aux(s), _mfu(s)) for s in MFU_STAGES),
 )
-"""The built-in derived metrics (each a :class:`~rlmetrics.engine.derived.Derived`: name, ingredients,
-function of the merged ``{name: float}``). Only the integrations (and ``critic/vf_explained_var`` of
-every data-metric function) submit the ingredients of the others."""
+"""The built-in derived metrics (:class:`~rlmetrics.engine.derived.Derived` rows)."""
 DERIVED.extend(DERIVED_METRICS)
 
 AUX_INGREDIENTS = frozenset(name for item in DERIVED_METRICS for name in item.ingredients)
-"""The names under :data:`AUX_PREFIX` a client takes (also in a group): the ingredients of
-:data:`DERIVED_METRICS`, which the compute functions give with their metrics."""
+"""The only names under :data:`AUX_PREFIX` a client takes (also in a group)."""
 
 VALIDATION_SAMPLES = AUX_PREFIX + "validation/samples/total"
-"""The column validation samples ride on (:class:`~rlmetrics.metrics.validation.samples.Samples`;
-its value: how many samples a contribution holds)."""
+"""The column of :class:`~rlmetrics.metrics.validation.samples.Samples` (value: samples held)."""
 PROMPT_STATS = AUX_PREFIX + "difficulty/prompts/total"
-"""The column prompt records ride on (:class:`~rlmetrics.metrics.difficulty.PromptStats`; its
-value: how many prompts a contribution holds)."""
+"""The column of :class:`~rlmetrics.metrics.difficulty.PromptStats` (value: prompts held)."""
 STAGE_TIMES = AUX_PREFIX + "perf/straggler/ranks/total"
-"""The column each rank's own stage times ride on (:class:`~rlmetrics.metrics.stragglers.StageTimes`;
-its value: how many ranks' times a contribution holds)."""
+"""The column of :class:`~rlmetrics.metrics.stragglers.StageTimes` (value: ranks' times held)."""
 register_state("samples", "rlmetrics.metrics.validation.samples:Samples", column=VALIDATION_SAMPLES)
 register_state("prompts", "rlmetrics.metrics.difficulty:PromptStats", column=PROMPT_STATS)
 register_state("stage_times", "rlmetrics.metrics.stragglers:StageTimes", column=STAGE_TIMES)
 
 
 def derive_metrics(values: Mapping[str, float]) -> dict[str, float]:
-    """The reported metrics of a merged result: the derived metrics of
-    :data:`rlmetrics.engine.derived.DERIVED`
-    computed, auxiliary names dropped; for each group of grouped names (:mod:`rlmetrics.core.groups`) from
-    that group's names.
+    """A merged result as reported: derived metrics computed (per group too), ``_aux/`` names dropped.
 
     >>> a = "group/src/a/"
     >>> derived = derive_metrics({a + VF_TOKENS: 11.0, a + VF_RETURNS_STD: 1.0, a + VF_RESIDUAL_STD: 0.5})

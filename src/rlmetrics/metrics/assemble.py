@@ -1,11 +1,8 @@
-"""Names and stat arrays of built-in metrics, assembled and reduced as the aggregator reports them
-(numpy only: the aggregator assembles group breakdowns that are merged there, see
-:mod:`rlmetrics.metrics.difficulty`).
+"""Names and ``(5, K)`` stat arrays of built-in metrics, assembled and reduced as the aggregator does.
 
-A computation gives its metrics as *name groups* (a tuple of names sharing one summary, e.g.
-``critic/score/mean|max|min``) and a ``(5, K)`` stat array, one column per group;
-:func:`with_token_block` spreads them to one column per name and adds the explained variance's
-token count and fallback value; :func:`metrics_of_arrays` reduces them to ``{name: float}``.
+Numpy only (the aggregator uses it too). A *name group* is a tuple of names sharing one summary
+(``critic/score/mean|max|min``); :func:`with_token_block` spreads groups to one column per name,
+:func:`metrics_of_arrays` reduces the columns to ``{name: float}``.
 """
 
 from __future__ import annotations
@@ -27,8 +24,7 @@ VF_AUX = (VF_RETURNS_STD, VF_RESIDUAL_STD, VF_TOKENS)
 def with_token_block(
     groups: list[tuple[str, ...]], arrays: np.ndarray, token_names: list[tuple[str, ...]], block: np.ndarray
 ) -> tuple[list[str], np.ndarray]:
-    """Names and ``(5, K)`` stat array of the per-sequence summaries, the token summaries and, with
-    returns and values, the explained variance (its token count and this batch's value)."""
+    """Names and ``(5, K)`` array of the summaries, plus the explained variance's token count and value."""
     names, take, vf = _spread(tuple(groups), tuple(token_names))
     arrays = np.concatenate([arrays, block], axis=1)[:, take]
     if vf is None:
@@ -46,8 +42,7 @@ def with_token_block(
 def _spread(
     groups: tuple[tuple[str, ...], ...], token_names: tuple[tuple[str, ...], ...]
 ) -> tuple[tuple[str, ...], np.ndarray, list[int] | None]:
-    """The names of the name groups, the column of each name's group, and the columns of the
-    explained variance's two stds (None without both): the same every step."""
+    """Names, each name's group column, and the explained variance's two std columns (or None)."""
     groups += token_names
     names = tuple(name for group in groups for name in group)
     take = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
@@ -60,10 +55,7 @@ def _spread(
 def metrics_of_arrays(
     names: list[str], arrays: np.ndarray, stats: Mapping[str, Stat] | None = None
 ) -> dict[str, float]:
-    """``{name: float}`` of a ``(5, K)`` stat array as the aggregator reports it: each name by its
-    reduction (one vectorised reduction per kind; quantiles from the sketches of ``stats``, the
-    Stats of the array), names without observations left out, then
-    :func:`rlmetrics.metrics.derive_metrics`."""
+    """``{name: float}`` as reported: :func:`column_values`, empty names left out, then derived."""
     values = column_values(names, arrays, stats)
     has = (arrays[0] > 0).tolist()
     return derive_metrics({name: v for name, v, h in zip(names, values.tolist(), has) if h})
@@ -72,8 +64,7 @@ def metrics_of_arrays(
 def column_values(
     names: Sequence[str], arrays: np.ndarray, stats: Mapping[str, Stat] | None = None
 ) -> np.ndarray:
-    """The value of each column of a ``(5, K)`` stat array by its name's reduction (NaN where it
-    holds no observation), one vectorised reduction per kind; quantiles from the sketches of ``stats``.
+    """Each column reduced by its name's reduction (NaN when empty); quantiles read ``stats``' sketches.
 
     >>> column_values(["x/max", "x/mean"], Stat.of([1.0, 3.0]).to_array()[:, None].repeat(2, 1)).tolist()
     [3.0, 2.0]
@@ -89,8 +80,7 @@ def column_values(
 
 @functools.lru_cache(maxsize=256)
 def _reductions(names: tuple[str, ...], rules: int) -> list[tuple[Any, np.ndarray]]:
-    """The names' reductions and the indices of the names each one reduces (names repeat per call;
-    ``rules``: :func:`~rlmetrics.core.reduce.rules_version`, so a reduction registered later counts)."""
+    """Each reduction with its names' indices; ``rules`` keys the cache on later registrations."""
     groups: dict[Any, list[int]] = {}
     for i, name in enumerate(names):
         groups.setdefault(resolve(name), []).append(i)

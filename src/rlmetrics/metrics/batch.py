@@ -1,14 +1,7 @@
 """What the compute functions read: a mapping, a TensorDict, or an object shaped like verl's ``DataProto``.
 
-:func:`as_batch` turns any accepted input into a :class:`BatchView`, one lookup over all of its parts:
-
-- a mapping (a ``dict``, a ``TensorDict``; a TensorDict's non-tensor entries read as their data);
-- an object with ``.batch`` (a TensorDict, or None) and optionally ``.non_tensor_batch`` (a dict of
-  numpy arrays, where verl keeps ``__num_turns__`` and ``tool_call_counts``) and ``.meta_info`` (a
-  dict, where verl keeps ``global_token_num``), as verl's ``DataProto`` has; a key is looked up in
-  that order.
-
-Anything else raises ``TypeError`` naming what is accepted (a list, a bare tensor, None, a string).
+:func:`as_batch` turns an accepted input into a :class:`BatchView`, one lookup over its parts.
+Rules: docs/reductions.md, "Inputs".
 
 >>> class Proto:  # the shape of verl's DataProto
 ...     def __init__(self, batch, non_tensor_batch, meta_info):
@@ -36,8 +29,7 @@ ACCEPTED = (
 
 
 class BatchView(Mapping):
-    """Read-only lookup over a batch's parts, first part first; ``meta`` is the meta info alone,
-    ``origin`` the object the parts were read from (what a ``group_by`` function is given)."""
+    """Read-only lookup over a batch's parts in order; ``meta``: its meta info; ``origin``: what was read."""
 
     __slots__ = ("parts", "meta", "origin")
 
@@ -87,7 +79,7 @@ def _has(part: Any, key: object) -> bool:
 
 
 def as_batch(data: Any, what: str = "this function") -> BatchView:
-    """``data`` as a :class:`BatchView` (see the module docstring); ``what`` names the caller in errors."""
+    """``data`` as a :class:`BatchView`; ``what`` names the caller in errors. Raises ``TypeError``."""
     if isinstance(data, BatchView):
         return data
     if isinstance(data, Mapping):

@@ -1,10 +1,7 @@
 """The metric reference: every built-in metric name, what it means and how ranks are merged.
 
-The reference table of ``docs/metrics.md`` is :func:`markdown_table` verbatim (a test keeps them
-equal, and another that every name the metric functions produce is listed here). Patterns: ``{a,b}``
-stands for each alternative, ``<x>`` for any segment. The merge column is computed from the name rules
-(:func:`rlmetrics.resolve`), except for validation metrics, computed once over all ranks' samples,
-and the straggler report, over each rank's own seconds per stage.
+:func:`markdown_table` is docs/metrics.md, "Reference" (a test keeps them equal); print it with
+``python -m rlmetrics.metrics.catalog``.
 
 >>> expand("critic/score/{mean,max}")
 ['critic/score/mean', 'critic/score/max']
@@ -12,8 +9,6 @@ and the straggler report, over each rank's own seconds per stage.
 'mean / max / min'
 >>> covers("timing_s/<stage>", "timing_s/update_actor")
 True
-
-Print the table: ``python -m rlmetrics.metrics.catalog``.
 """
 
 from __future__ import annotations
@@ -133,8 +128,7 @@ def expand(pattern: str) -> list[str]:
 
 
 def covers(pattern: str, name: str) -> bool:
-    """Whether ``name`` is one of the names of ``pattern`` (a placeholder is one or more characters
-    without ``/``; ``<n>`` and ``<k>`` are numbers)."""
+    """Whether ``name`` is a name of ``pattern`` (``<x>``: a segment; ``<n>``, ``<k>``: numbers)."""
     for alt in expand(pattern):
         parts = re.split(r"(<[a-z]+>)", alt)
         regex = "".join(
@@ -147,7 +141,7 @@ def covers(pattern: str, name: str) -> bool:
 
 
 def merge_of(pattern: str) -> str:
-    """How a metric of ``pattern`` is merged over ranks: its reductions, in the order of the names."""
+    """How a metric of ``pattern`` merges over ranks: its reductions, in the names' order."""
     if pattern.startswith(("val-core/", "val-aux/", "val-{", "val/")):
         return SAMPLES
     if pattern.startswith("perf/straggler/"):
@@ -163,8 +157,7 @@ def merge_of(pattern: str) -> str:
 
 
 def markdown_table(rows: tuple[tuple[str, str], ...] = CATALOG) -> str:
-    """The metric reference as a markdown table (the one of ``docs/metrics.md``): of the built-in
-    metrics, or of your own ``(pattern, meaning)`` rows (``examples/seed_metrics`` documents its names so)."""
+    """The metric reference as a markdown table, of the built-ins or of your ``(pattern, meaning)`` rows."""
     lines = ["| name | meaning | merged over ranks |", "|---|---|---|"]
     lines += [f"| `{p}` | {meaning} | {merge_of(p)} |" for p, meaning in rows]
     return "\n".join(lines) + "\n"

@@ -1,9 +1,6 @@
 """User metric functions that run with the built-ins, and the seed's ``DEBUG_METRICS`` report.
 
-``register_metric(fn)`` adds ``fn(batch) -> {name: value}`` to the functions that
-``MetricClient.compute_local_data_metric`` runs on every batch; values may be numbers, tensors,
-lists or :class:`~rlmetrics.core.stat.Stat` (submit data or Stats for exact merging). A function that
-raises is logged with its name and skipped; the other metrics are still submitted.
+Rules: docs/metrics.md, "Data, timing and throughput metrics".
 
 >>> def reward_spread(batch):
 ...     return {"custom/reward_spread/max": max(batch["rewards"]) - min(batch["rewards"])}
@@ -36,10 +33,7 @@ def _name(fn: MetricFn) -> str:
 
 
 def register_metric(fn: MetricFn, name: str | None = None) -> MetricFn:
-    """Run ``fn(batch)`` in every ``compute_local_data_metric``; usable as a decorator.
-
-    Register it in every process that submits (each Ray actor has its own registry).
-    """
+    """Run ``fn(batch)`` in every ``compute_local_data_metric`` of this process; usable as a decorator."""
     if not callable(fn):
         raise TypeError(f"register_metric needs a callable, got {type(fn).__name__}")
     _CUSTOM[name or _name(fn)] = fn
@@ -67,8 +61,7 @@ def debug_enabled() -> bool:
 
 
 def debug_report(batch: Any, metrics: Mapping[str, Any]) -> None:
-    """The seed's debug utility: log the batch's keys and shapes and the metrics, and warn on
-    values that are neither numbers nor summaries, or not finite."""
+    """Log the batch's keys and shapes and the metrics; warn on values of a bad type or not finite."""
     keys = list(batch.keys()) if hasattr(batch, "keys") else []
     logger.warning("DEBUG_METRICS data keys: %s", keys)
     logger.warning(

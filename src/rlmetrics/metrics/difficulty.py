@@ -1,20 +1,7 @@
-"""Difficulty groups of GRPO, exact across ranks: prompts whose samples are all correct, all wrong or
-mixed, decided on each prompt's samples of *all* ranks.
+"""Difficulty groups of GRPO (all correct, all wrong, mixed), decided on each prompt's samples of all ranks.
 
-A rank sends, per prompt id (``uid``), the merged summaries of its samples of that prompt (a
-*prompt record*, :func:`prompt_record`); the aggregator merges the records of all ranks per prompt
-(a prompt's samples may sit on several ranks, as after verl's batch balancing), classifies each
-prompt once, and merges the prompts of each class (:func:`difficulty_metrics`):
-
-- ``difficulty/prompts``: prompts with at least one sample with a reward;
-- ``difficulty/all_correct_ratio``, ``difficulty/all_wrong_ratio``, ``difficulty/mixed_ratio``: the
-  share of those prompts whose samples are all correct (sequence reward above
-  :data:`~rlmetrics.metrics.data.CORRECT_THRESHOLD`), none correct, or some;
-- ``difficulty/zero_reward_std_ratio``: the share whose samples all have the same reward (min = max:
-  no GRPO advantage, no gradient);
-- ``group/difficulty/<class>/<metric>``: every data metric over the samples of that class's prompts.
-
-Numpy only: the aggregator computes it (:class:`PromptStats`, the state prompt records travel as).
+Ranks send *prompt records*; the aggregator merges them per prompt (:class:`PromptStats`) and classifies
+each prompt once. Numpy only. Rules: docs/groups.md, "Difficulty groups of GRPO".
 
 >>> from rlmetrics.core.stat import Stat
 >>> groups = [("critic/rewards/mean",), ("response/correct_length/mean",)]
@@ -54,9 +41,8 @@ CORRECT = "response/correct_length/mean"
 def prompt_record(
     uids: Sequence[str], groups: Sequence[tuple[str, ...]], stats: np.ndarray
 ) -> dict[str, Any]:
-    """One rank's prompt record: prompt ids, the name groups of the data metrics and their
-    ``(5, prompts, groups)`` summaries over each prompt's samples on this rank. The groups must
-    hold the sequence rewards and the correct lengths (``token_level_rewards`` and response lengths)."""
+    """One rank's prompt record: prompt ids, name groups and their ``(5, prompts, groups)`` summaries.
+    Raises ``MetricValueError`` unless the groups hold the sequence rewards and correct lengths."""
     flat = {name for group in groups for name in group}
     if REWARDS not in flat or CORRECT not in flat:
         raise MetricValueError(
@@ -68,8 +54,7 @@ def prompt_record(
 
 
 def check_record(record: Any) -> None:
-    """Refuse (ValueError) what is not a prompt record: ids, name groups and a ``(5, ids, groups)``
-    float array (a record arrives from the wire; the aggregator must not fail on it later)."""
+    """ValueError unless ``record`` is ids, name groups and a ``(5, ids, groups)`` float64 array."""
     try:
         uids, groups, stats = record["uids"], record["groups"], record["stats"]
         ok = (
@@ -86,7 +71,7 @@ def check_record(record: Any) -> None:
 
 
 def difficulty_metrics(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-    """The difficulty metrics (module docstring) of the prompt records of all ranks."""
+    """The difficulty metrics of the prompt records of all ranks (``{}`` without rewarded prompts)."""
     groups = list(dict.fromkeys(g for r in records for g in r["groups"]))
     column = {g: i for i, g in enumerate(groups)}
     uids = [u for r in records for u in r["uids"]]
@@ -122,10 +107,7 @@ def difficulty_metrics(records: Sequence[Mapping[str, Any]]) -> dict[str, float]
 
 
 class PromptStats(Samples):
-    """Per-prompt summaries of one or more ranks' data metrics: ``(client id, prompt record)`` pairs
-    (:func:`~rlmetrics.metrics.difficulty.prompt_record`), travelling and merging as
-    :class:`Samples`; reducing merges each prompt's records of all ranks and gives the difficulty
-    groups (:func:`~rlmetrics.metrics.difficulty.difficulty_metrics`)."""
+    """``(client id, prompt record)`` pairs, merged as :class:`Samples`, reduced to the difficulty metrics."""
 
     kind: ClassVar[str] = "prompts"
 
@@ -138,8 +120,7 @@ class PromptStats(Samples):
         """Prompt records of any ranks merge (a group a rank lacks has no observation)."""
 
     def validate(self) -> None:
-        """ValueError unless each record is a prompt record with the rewards and the correct lengths
-        among its groups, and summaries data can give (:func:`~rlmetrics.core.stat.invalid_column`)."""
+        """ValueError unless each record is a valid prompt record with rewards and correct lengths."""
         for _, record in self.records:
             check_record(record)
             names = {name for group in record["groups"] for name in group}

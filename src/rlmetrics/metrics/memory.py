@@ -1,15 +1,6 @@
 """GPU memory of a rank, from torch's CUDA caching allocator; nothing on a machine without CUDA.
 
-- ``perf/max_memory_allocated_gb`` and ``perf/max_memory_reserved_gb`` (verl's names): the peak
-  memory held by tensors and reserved by the allocator since the last reset of the peak
-  (``torch.cuda.max_memory_allocated`` / ``max_memory_reserved``);
-- with ``stage``: ``perf/memory/<stage>/{allocated_gb,reserved_gb,peak_gb}``, the memory held by
-  tensors and reserved now and the peak held by tensors (``torch.cuda.memory_allocated``,
-  ``memory_reserved``, ``max_memory_allocated``). ``reset_peak=True`` then resets the peak, so the
-  next stage's peak is its own.
-
-GB are GiB (``2**30`` bytes), as verl's. **Merged over ranks: the max** (the worst rank is the one
-that runs out of memory): built-in rules of :mod:`rlmetrics.core.reduce`, known to every aggregator.
+Names in GiB, merged over ranks by max. Rules: docs/mfu.md, "GPU memory per stage".
 
 >>> memory_metrics(2 * 2**30, 3 * 2**30, 2.5 * 2**30, 3 * 2**30, stage="gen")
 {'perf/max_memory_allocated_gb': 2.5, 'perf/max_memory_reserved_gb': 3.0, \
@@ -28,7 +19,7 @@ MEMORY_NAMES = ("perf/max_memory_allocated_gb", "perf/max_memory_reserved_gb")
 def memory_metrics(
     allocated: float, reserved: float, peak: float, peak_reserved: float, stage: str | None = None
 ) -> dict[str, float]:
-    """The names of the module docstring from byte counts."""
+    """The memory metrics (GiB) from byte counts; the ``perf/memory/<stage>/*`` names with ``stage``."""
     out = {MEMORY_NAMES[0]: peak / GIB, MEMORY_NAMES[1]: peak_reserved / GIB}
     if stage is not None:
         head = f"perf/memory/{stage}/"
@@ -40,8 +31,7 @@ def memory_metrics(
 def compute_memory_metrics(
     stage: str | None = None, *, device: Any = None, reset_peak: bool = False
 ) -> dict[str, float]:
-    """This process's GPU memory (``device``: torch's current CUDA device by default); ``{}`` when
-    torch or a CUDA device is absent.
+    """This process's GPU memory (default: current CUDA device), then ``reset_peak``; ``{}`` without CUDA.
 
     >>> import torch
     >>> compute_memory_metrics("gen") if not torch.cuda.is_available() else {}

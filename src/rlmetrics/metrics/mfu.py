@@ -1,10 +1,7 @@
 """Model FLOPs utilization, ``perf/mfu/{stage}``, exact when merged over ranks.
 
-A training token of a sequence of ``S`` tokens costs ``6 N + 12 L H S`` FLOPs (``N`` parameters, ``L``
-layers, hidden size ``H``; a forward pass alone a third), after PaLM's Appendix B; each rank sends its
-own FLOPs, the stage's seconds and its GPUs' peak (:data:`PEAK_FLOPS`), and the aggregator derives
-``sum FLOPs / (seconds * sum of n_gpu * peak)``. The formula, the peaks and why per-rank MFUs must
-not be averaged: docs/mfu.md.
+Holds the FLOPs count (:class:`ModelFlops`), dense peaks (:data:`PEAK_FLOPS`) and a rank's ingredients.
+Rules: docs/mfu.md, "The formula" and "Merged over ranks, never counted once per rank".
 
 >>> model = ModelFlops(n_params=7e9, n_layers=32, hidden_size=4096)
 >>> model.per_token(4096) / 1e9   # 6 * 7e9 + 12 * 32 * 4096 * 4096
@@ -41,8 +38,7 @@ PEAK_FLOPS: dict[str, float] = {
     "L40S": 362e12,
     "MI300X": 1307e12,
 }
-"""Dense bf16 peak FLOP/s of one GPU by name (no sparsity). :func:`peak_flops_of` matches a name
-(``torch.cuda.get_device_name()``'s too, e.g. ``"NVIDIA H100 80GB HBM3"``) by its longest key."""
+"""Dense bf16 peak FLOP/s of one GPU by name (no sparsity), looked up by :func:`peak_flops_of`."""
 
 DEFAULT_TIMERS = {
     "actor": "update_actor",
@@ -55,8 +51,7 @@ DEFAULT_TIMERS = {
 
 @dataclass(frozen=True)
 class ModelFlops:
-    """A dense decoder's size for the FLOPs count of the module docstring: ``n_params`` (all
-    parameters), ``n_layers``, ``hidden_size``.
+    """A dense decoder's size for the FLOPs count: ``n_params`` (all), ``n_layers``, ``hidden_size``.
 
     >>> ModelFlops(1e9, 16, 2048).per_token(1024, training=False) / 1e9   # (6e9 + 12*16*2048*1024) / 3
     2.134217728
@@ -68,8 +63,8 @@ class ModelFlops:
 
     @classmethod
     def of(cls, model: Any) -> ModelFlops:
-        """A ModelFlops, or one from a mapping or object with ``n_params`` (or ``num_params``),
-        ``n_layers`` (or Hugging Face's ``num_hidden_layers``) and ``hidden_size``.
+        """A ModelFlops from a mapping or object with ``n_params``/``num_params``,
+        ``n_layers``/``num_hidden_layers``/``num_layers`` and ``hidden_size``/``d_model``; ValueError without.
 
         >>> ModelFlops.of({"num_params": 5e8, "num_hidden_layers": 24, "hidden_size": 896})
         ModelFlops(n_params=500000000.0, n_layers=24, hidden_size=896)
@@ -95,22 +90,20 @@ class ModelFlops:
         )
 
     def per_token(self, seq_len: float, *, training: bool = True) -> float:
-        """FLOPs of one token of a sequence of ``seq_len`` tokens: ``6 N + 12 L H S`` in training,
-        a third of it forward only."""
+        """FLOPs of one token of a ``seq_len``-token sequence (forward only: a third)."""
         flops = 6.0 * self.n_params + 12.0 * self.n_layers * self.hidden_size * float(seq_len)
         return flops if training else flops / 3.0
 
     def of_sequences(self, lengths: Any, *, training: bool = True) -> float:
-        """FLOPs of sequences of ``lengths`` tokens: ``sum_i s_i * (6 N + 12 L H s_i)`` (a third
-        forward only)."""
+        """FLOPs of sequences of ``lengths`` tokens, each at its own length (forward only: a third)."""
         s = [float(x) for x in lengths]
         flops = 6.0 * self.n_params * sum(s) + 12.0 * self.n_layers * self.hidden_size * sum(x * x for x in s)
         return flops if training else flops / 3.0
 
 
 def peak_flops_of(device: float | str) -> float:
-    """Peak FLOP/s of one GPU: a positive number as given, a name looked up in :data:`PEAK_FLOPS`
-    (case and spaces ignored; the longest key inside the name wins).
+    """Peak FLOP/s of one GPU: a positive number as given, or a name looked up in :data:`PEAK_FLOPS`
+    (case, spaces, ``-`` and ``_`` ignored; the longest key inside it wins). ValueError otherwise.
 
     >>> peak_flops_of("NVIDIA H100 80GB HBM3"), peak_flops_of("a100-sxm4-80gb"), peak_flops_of(1e15)
     (989000000000000.0, 312000000000000.0, 1000000000000000.0)
@@ -131,8 +124,7 @@ def peak_flops_of(device: float | str) -> float:
 
 
 def _tokens_and_lengths(data: Any) -> tuple[float, list[float] | None]:
-    """This rank's tokens and, when known, each sequence's tokens: a number of tokens as given (no
-    lengths), a batch's as :func:`~rlmetrics.metrics.timing.batch_tokens` counts them."""
+    """This rank's tokens and each sequence's (None for a plain number of tokens)."""
     value = (
         scalar_value(data, "perf/mfu") if not hasattr(data, "keys") and not hasattr(data, "batch") else None
     )
@@ -168,9 +160,8 @@ def compute_mfu_stats(
     training: bool | None = None,
     nan_strategy: str = "propagate",
 ) -> dict[str, Stat]:
-    """What a rank submits for :func:`compute_mfu_metrics`: ``perf/mfu/{stage}`` (this rank's ratio,
-    kept where the derivation cannot run) and its ingredients (:func:`rlmetrics.metrics.mfu_aux`);
-    empty when ``timing_raw`` has neither the stage's timer nor ``"step"``.
+    """A rank's ``perf/mfu/{stage}`` and its ingredients (``{}`` without the stage's timer or ``"step"``);
+    options: docs/mfu.md, "The formula". ``ValueError`` for a bad stage, timer, peak or FLOPs option.
 
     >>> stats = compute_mfu_stats(1000, {"step": 2.0}, 4, flops_per_token=1e9, peak_flops=1e12)
     >>> [stats[n].sum for n in mfu_aux("actor")]
@@ -225,10 +216,7 @@ def compute_mfu_stats(
 def compute_mfu_metrics(
     data: Any, timing_raw: Mapping[str, Any], n_gpu: Any, **options: Any
 ) -> dict[str, float]:
-    """``perf/mfu/{stage}`` of one process's batch: its model FLOPs over the stage's seconds and the
-    peak FLOP/s of its ``n_gpu`` GPUs. ``data``: a batch (tokens as in
-    :func:`~rlmetrics.metrics.timing.compute_throughput_metrics`, each sequence's length from
-    ``attention_mask``) or a number of tokens; ``options``: those of :func:`compute_mfu_stats`.
+    """``perf/mfu/{stage}`` of ``data`` (a batch or tokens) on ``n_gpu`` GPUs; as :func:`compute_mfu_stats`.
 
     >>> compute_mfu_metrics({"attention_mask": [[1, 1, 0], [1, 1, 1]]}, {"step": 1.0}, 1,
     ...                     flops_per_token=1e9, peak_flops=1e10)

@@ -1,16 +1,6 @@
-"""Staleness of an asynchronous batch: how many policy versions the samples lag behind the trainer
-that consumes them, weighted by tokens, exact over all ranks.
+"""Staleness of an asynchronous batch: policy versions the samples lag behind the trainer, token-weighted.
 
-A sample generated with the weights of versions ``min_version`` … ``max_version`` (a partial rollout
-resumed after a weight sync spans several) lags ``current_version - min_version`` versions: its
-oldest tokens. :func:`staleness_metrics` gives the values to submit; every one is a mean or a max of
-per-sample values weighted by the samples' tokens, so the merged result equals the one of the
-concatenated batch of all ranks:
-
-- ``staleness/version_lag/mean``: token-weighted mean lag; ``.../max``: the largest lag;
-- ``staleness/version_lag/share/<k>``: the fraction of tokens with lag ``k``, for ``k`` below ``bins``,
-  and ``.../share/<bins>+`` the fraction with lag ``bins`` or more (a histogram with fixed names);
-- ``staleness/version_span/mean`` (with ``max_version``): token-weighted ``max_version - min_version``.
+Rules and names: docs/axes.md, "Staleness".
 
 >>> from rlmetrics.packing import pack
 >>> m = staleness_metrics(7, min_version=[7, 6, 5], max_version=[7, 7, 6], tokens=[10, 20, 10], bins=2)
@@ -42,12 +32,9 @@ def staleness_metrics(
     tokens: Any = None,
     bins: int = 4,
 ) -> dict[str, Any]:
-    """``{name: value}`` of the batch's staleness (module docstring), to pass to ``submit_metric``.
-
-    ``min_version`` / ``max_version``: per sample, the oldest / newest policy version that generated
-    its tokens (array-likes on the host); ``tokens``: per sample, its response tokens (default: 1
-    each, a per-sample weighting); ``bins``: the histogram's lags ``0 … bins - 1``, then ``bins+``.
-    """
+    """``{name: value}`` of the batch's staleness, for ``submit_metric``. ``min_version`` / ``max_version``:
+    per sample, its tokens' oldest / newest policy version; ``tokens``: per sample (default 1 each).
+    Raises ``MetricValueError`` on mismatched lengths or a version above ``current_version``."""
     lo = np.asarray(min_version, dtype=np.float64).reshape(-1)
     lag = float(current_version) - lo
     w = np.ones_like(lo) if tokens is None else np.asarray(tokens, dtype=np.float64).reshape(-1)

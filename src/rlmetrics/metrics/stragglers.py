@@ -1,19 +1,6 @@
-"""The straggler report: each rank's own seconds per stage, and over ranks the min, median and max of
-each stage, the max/median ratio and the slowest ranks by name (issue 33; ``docs/stragglers.md``).
+"""The straggler report: per stage, min / median / max of the ranks' own seconds and the slowest ranks.
 
-``timing_s/<stage>`` is the mean over ranks (every rank times the same step), which hides the rank
-that makes the others wait. Here every rank sends its own seconds per stage under its name (its
-client id) as a :class:`StageTimes` state (on the column :data:`~rlmetrics.metrics.STAGE_TIMES`,
-registered by :mod:`rlmetrics.metrics`); the aggregator keeps them per rank, so the statistics over
-ranks are exact (the median of the ranks' times, no sketch). Numpy only: the aggregator reduces it.
-
-- ``perf/straggler/<stage>/{min,p50,max}``: over the ranks that timed the stage;
-- ``perf/straggler/<stage>/max_over_p50``: ``max / p50`` (left out when the median is 0);
-- ``perf/straggler/<stage>/slowest``: the :data:`SLOWEST` slowest ranks' names, slowest first (ties
-  by name), a list of strings: in :attr:`~rlmetrics.StepResult.lists`, not among the float values.
-
-A rank sends its times once per step (one contribution per rank, as every name); pairs of one rank
-name add up per stage. Non-finite times are not sent (a NaN is no time).
+Each rank's seconds travel as a :class:`StageTimes` state. Rules: docs/stragglers.md, "How it travels".
 
 >>> report = straggler_metrics({"rank0": {"gen": 1.0}, "rank1": {"gen": 1.2}, "rank2": {"gen": 3.0}})
 >>> report["perf/straggler/gen/p50"], report["perf/straggler/gen/max_over_p50"]
@@ -36,7 +23,6 @@ from rlmetrics.metrics import STAGE_TIMES
 from rlmetrics.metrics.validation.samples import Samples
 
 PREFIX = "perf/straggler/"
-"""The names of the report: ``perf/straggler/<stage>/<what>``."""
 SLOWEST = 3
 """How many ranks ``perf/straggler/<stage>/slowest`` names."""
 STATS = ("min", "p50", "max", "max_over_p50")
@@ -46,8 +32,7 @@ STATS = ("min", "p50", "max", "max_over_p50")
 def straggler_metrics(
     times: Mapping[str, Mapping[str, float]], slowest: int = SLOWEST
 ) -> dict[str, float | list[str]]:
-    """The report of ``{rank name: {stage: seconds}}``: per stage, the floats of :data:`STATS` and
-    ``slowest`` (a list of up to ``slowest`` rank names)."""
+    """Per stage of ``{rank: {stage: seconds}}``: :data:`STATS` and the ``slowest`` ranks (ties by name)."""
     stages = sorted({stage for per_rank in times.values() for stage in per_rank})
     out: dict[str, float | list[str]] = {}
     for stage in stages:
@@ -65,8 +50,7 @@ def straggler_metrics(
 
 
 class StageTimes(Samples):
-    """Each rank's own seconds per stage: ``(rank name, {stage: seconds})`` pairs, travelling and
-    merging as :class:`~rlmetrics.metrics.validation.samples.Samples`; reducing adds up a rank's
+    """``(rank name, {stage: seconds})`` pairs, merging as :class:`Samples`; reducing adds up a rank's
     pairs per stage and gives :func:`straggler_metrics`.
 
     >>> a, b = StageTimes([("r0", {"gen": 1.0})]), StageTimes([("r1", {"gen": 4.0})])

@@ -1,11 +1,6 @@
 """A batch's tensors as the torch metric functions read them: keys as tensors, the response and prompt masks.
 
-:class:`BatchTensors` looks a key up in a batch (:mod:`rlmetrics.metrics.batch`: a mapping, a
-TensorDict or a DataProto-shaped object), turns numpy arrays and lists into tensors on the host, and
-refuses, naming the key, what has the wrong shape or dtype. The masks follow siiRL's conventions (and
-verl's for the keys siiRL lacks): the response width is ``responses.shape[-1]`` (else
-``response_mask``'s), the response mask is ``response_mask`` (else the last columns of
-``attention_mask``), the prompt mask the other columns of ``attention_mask``.
+Rules: docs/metrics.md, "What the data metrics summarize" (masks) and docs/reductions.md, "Inputs".
 
 >>> import torch
 >>> t = BatchTensors({"responses": torch.zeros(2, 3), "attention_mask": torch.ones(2, 5, dtype=torch.long)})
@@ -30,12 +25,7 @@ Batch = Any  # a mapping, a TensorDict or a DataProto-shaped object: rlmetrics.m
 
 
 class BatchTensors:
-    """The batch's tensors (missing keys are None) and the response / prompt masks.
-
-    Recognised keys of the wrong shape or dtype raise, naming the key: the masks and ``responses``
-    are 2-D with one row per sequence, ``response_mask`` has the shape of ``responses``, and
-    ``attention_mask`` is at least as wide as the response.
-    """
+    """The batch's tensors (None if missing) and masks; a bad recognised key raises ``MetricValueError``."""
 
     def __init__(self, batch: Batch, what: str = "compute_data_metric") -> None:
         self.batch = as_batch(batch, what)

@@ -1,7 +1,5 @@
-"""verl's batch metric functions (``compute_data_metrics``, ``compute_timing_metrics``,
-``compute_throughout_metrics``, ``compute_variance_proxy_metrics``, ``process_validation_metrics``),
-returning :class:`Value` floats that carry what a rank submits in their place.
-"""
+"""verl's batch metric functions, returning :class:`Value` floats that carry what a rank submits in
+their place (docs/verl.md, "What changes in the numbers, and why")."""
 
 from __future__ import annotations
 
@@ -31,8 +29,7 @@ _DERIVED_AUX = {item.name: item.ingredients for item in DERIVED_METRICS}
 
 
 class Value(float):
-    """verl's number, carrying what a rank submits in its place: ``stat``, the mergeable summary
-    under the metric's own name, and ``aux``, the auxiliary Stats of a derived metric.
+    """verl's number, carrying ``stat`` (its mergeable summary) and ``aux`` (a derived metric's Stats).
 
     >>> v = Value(2.0, Stat.of([1.0, 3.0]))
     >>> v + 1, v.stat.count
@@ -56,16 +53,9 @@ class Value(float):
 
 
 def compute_data_metrics(batch: Any, use_critic: bool = True, *, group_by: Any = None) -> dict[str, Value]:
-    """verl's ``compute_data_metrics``: ``critic/score|rewards/*`` of the responses that are not empty,
-    ``critic/advantages|returns/*`` (and with ``use_critic`` ``critic/values/*`` and
-    ``critic/vf_explained_var``) over ``response_mask`` tokens, ``response_length/*``,
-    ``response_length_non_aborted/*``, ``response/aborted_ratio``, ``prompt_length/*`` (lengths from
-    ``attention_mask``), ``num_turns/*`` and ``tool_call_counts/*``. NaN where verl reports NaN (no
-    token, no response that is not empty); a key the batch lacks skips its metrics (verl raises).
-    See :func:`rlmetrics.metrics.data.compute_verl_data_stats`. ``group_by`` (an rlmetrics extension,
-    e.g. ``"data_source"``): every metric also per group, as ``group/<tag>/<value>/<metric>``
-    (``docs/groups.md``).
-    """
+    """verl's ``compute_data_metrics`` (:func:`rlmetrics.metrics.data.compute_verl_data_stats`); a key
+    the batch lacks skips its metrics. ``group_by`` (e.g. ``"data_source"``): every metric also per
+    group, as ``group/<tag>/<value>/<metric>`` (docs/groups.md)."""
     from rlmetrics.metrics.data import column_values, verl_data_arrays
 
     batch = verl_view(batch, "compute_data_metrics")
@@ -75,11 +65,7 @@ def compute_data_metrics(batch: Any, use_critic: bool = True, *, group_by: Any =
 
 
 def compute_timing_metrics(batch: Any, timing_raw: Mapping[str, Any]) -> dict[str, Value]:
-    """verl's ``compute_timing_metrics``: ``timing_s/{stage}`` for every entry of ``timing_raw`` and
-    ``timing_per_token_ms/{stage}`` for ``gen`` (per response token) and ``ref``, ``values``, ``adv``,
-    ``update_critic``, ``update_actor`` (per token of the whole sequence; 0.0 without tokens), tokens
-    counted as verl does (:func:`~rlmetrics.metrics.data.verl_lengths`). Merged, a stage's time per
-    token is its time over the tokens of all ranks.
+    """verl's ``compute_timing_metrics``: ``timing_s/{stage}`` and ``timing_per_token_ms/{stage}``.
 
     >>> import torch
     >>> batch = {"responses": torch.zeros(1, 4), "response_mask": torch.tensor([[1, 0, 0, 1]]),
@@ -108,11 +94,8 @@ def compute_timing_metrics(batch: Any, timing_raw: Mapping[str, Any]) -> dict[st
 
 
 def compute_throughout_metrics(batch: Any, timing_raw: Mapping[str, Any], n_gpus: int) -> dict[str, Value]:
-    """verl's ``compute_throughout_metrics`` (its spelling): ``perf/total_num_tokens`` (the sum of
-    ``meta_info["global_token_num"]``), ``perf/time_per_step`` (``timing_raw["step"]``) and
-    ``perf/throughput`` (tokens per second per GPU). A shard's ``meta_info`` lists every sequence of
-    the batch it was cut from (``DataProto.chunk`` copies it), so where its length is not the
-    shard's, the shard's own tokens are counted from ``attention_mask``; merged, the tokens are summed.
+    """verl's ``compute_throughout_metrics`` (its spelling): ``perf/total_num_tokens``,
+    ``perf/time_per_step``, ``perf/throughput`` (tokens per second per GPU).
 
     >>> m = compute_throughout_metrics({"global_token_num": [100, 300]}, {"step": 2.0}, n_gpus=4)
     >>> m["perf/total_num_tokens"], m["perf/time_per_step"], m["perf/throughput"]
@@ -132,12 +115,8 @@ def compute_throughout_metrics(batch: Any, timing_raw: Mapping[str, Any], n_gpus
 
 
 def compute_variance_proxy_metrics(batch: Any, gradient_norm: float | None = None) -> dict[str, Value]:
-    """verl's ``compute_variance_proxy_metrics``: ``variance_proxy/proxy1_signal_strength``,
-    ``proxy2_total_power`` (a mean over sequences, merged as one), ``proxy3_pure_noise`` (derived from
-    the merged values and sequence count), ``expected_a_squared``, ``expected_w``; empty without
-    ``sum_pi_squared``, ``old_log_probs`` or ``advantages``. See
-    :func:`rlmetrics.metrics.data.compute_variance_proxy_stats`.
-    """
+    """verl's ``compute_variance_proxy_metrics``
+    (:func:`rlmetrics.metrics.data.compute_variance_proxy_stats`)."""
     from rlmetrics.metrics.data import compute_variance_proxy_stats
 
     return values_of(
@@ -152,10 +131,8 @@ def process_validation_metrics(
     seed: int = 42,
     expected_acc_counts: Mapping[tuple[Any, Any], int] | None = None,
 ) -> dict[Any, dict[str, dict[str, float]]]:
-    """verl's ``process_validation_metrics``: ``{data_source: {var: {metric: value}}}`` with
-    ``mean@n``, ``std@n``, ``best|worst|maj@k/mean|std`` averaged over the prompts (``sample_uids``)
-    of each data source, ``None`` values dropped per prompt, and ``expected_acc_counts`` (see
-    :mod:`rlmetrics.metrics.validation`, ``style="verl"``), vectorised.
+    """verl's ``process_validation_metrics``: ``{data_source: {var: {metric: value}}}``, vectorised
+    (:mod:`rlmetrics.metrics.validation`, ``style="verl"``).
 
     >>> m = process_validation_metrics(["gsm8k"] * 4, ["q1", "q1", "q2", "q2"],
     ...                                {"acc": [1.0, None, 1.0, 0.0], "pred": ["4", "5", "7", "7"]})
@@ -174,8 +151,7 @@ VERL_READS: dict[str, tuple[str, ...]] = {
     "compute_throughout_metrics": ("meta_info",),
     "compute_variance_proxy_metrics": ("batch",),
 }
-"""The attributes of a ``DataProto`` each of verl 0.9.1's batch functions reads (always, whatever the
-batch holds); ``process_validation_metrics`` takes no batch."""
+"""The attributes of a ``DataProto`` each of verl 0.9.1's batch functions reads."""
 
 _NON_TENSOR_KEYS = ("__num_turns__", "tool_call_counts")
 _VARIANCE_KEYS = ("sum_pi_squared", "old_log_probs", "advantages")
@@ -183,19 +159,8 @@ _VARIANCE_KEYS = ("sum_pi_squared", "old_log_probs", "advantages")
 
 def verl_view(data: Any, what: str) -> Any:
     """A DataProto-shaped ``data`` (anything with ``.batch``) as the parts verl's ``what`` reads
-    (:data:`VERL_READS`), tolerating what verl tolerates and refusing what it refuses, naming the
-    attribute and what it must be:
-
-    - ``.batch``: a mapping or a TensorDict; in ``compute_variance_proxy_metrics`` also anything
-      ``in`` works on that does not hold all three of its keys (a list: no metrics, as verl);
-    - ``.non_tensor_batch`` (``compute_data_metrics``): present and a mapping, or anything ``in``
-      works on that holds neither ``__num_turns__`` nor ``tool_call_counts`` (a list: ignored, as
-      verl ignores it); missing or None is refused;
-    - ``.meta_info`` (``compute_throughout_metrics``): present and a mapping.
-
-    An attribute verl does not read in ``what`` is ignored, whatever it is (in
-    ``compute_throughout_metrics`` a mapping ``.batch`` adds the shard's ``attention_mask``). A
-    mapping (a dict, a TensorDict) is returned as it is (verl needs a ``DataProto``, rlmetrics does not).
+    (:data:`VERL_READS`); what verl refuses raises, naming the attribute (docs/verl.md). A mapping
+    is returned as it is.
 
     >>> from types import SimpleNamespace
     >>> proto = SimpleNamespace(batch={"responses": [[1]]}, non_tensor_batch=[], meta_info=None)
@@ -260,9 +225,8 @@ def _non_tensor_part(data: Any, what: str) -> list[Any]:
 
 
 def _part(value: Any, what: str, attr: str, expected: str, keys: tuple[str, ...], indexed: Any) -> list[Any]:
-    """``value`` as a part if a mapping; else verl's ``key in value`` decides: it raises (None, a
-    number), or ``indexed`` of what it finds is true (verl then indexes it with a string): refused;
-    otherwise verl finds nothing there and reads nothing from it: no part."""
+    """``value`` as a part if a mapping; else refused where verl's ``key in value`` raises or
+    ``indexed`` of its answers is true, no part where verl reads nothing from it."""
     if isinstance(value, Mapping):
         return [value]
     try:
@@ -275,8 +239,7 @@ def _part(value: Any, what: str, attr: str, expected: str, keys: tuple[str, ...]
 
 
 def values_of(stats: Mapping[str, Stat], plain: Mapping[str, float] | None = None) -> dict[str, Value]:
-    """verl's value of each Stat (NaN where it holds nothing; ``plain``: those values, when known),
-    the Stat and a derived metric's auxiliary Stats attached; auxiliary names left out."""
+    """A :class:`Value` per Stat (NaN where empty; ``plain``: the values, when known); aux names left out."""
     if plain is None:
         plain = {name: _reduction(name).apply(stat) for name, stat in stats.items()}
     derived = derive_metrics({name: v for name, v in plain.items() if stats[name].count > 0})

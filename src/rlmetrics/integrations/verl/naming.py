@@ -1,6 +1,5 @@
-"""Submitting with verl's naming: :data:`NAMING` (what ``submit_metric`` sends in place of verl's values,
-the reductions verl's names need), :func:`connect` and :func:`submit_validation_metrics`.
-"""
+"""Submitting with verl's naming: :data:`NAMING`, :func:`connect`, :func:`submit_validation_metrics`
+(docs/verl.md, "Across data-parallel ranks")."""
 
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ from rlmetrics.integrations.verl.worker import is_metric, metric_stat
 
 class Naming:
     """verl's naming for a client: what ``submit_metric`` sends in place of verl's values, and the
-    reductions verl's names need (:data:`VERL_REDUCTIONS`; a number or list under a ``.../std`` name is
-    averaged). ``renames``: the aggregator keeps every name (``timing_s/*`` stays)."""
+    reductions verl's names need; ``renames`` is empty (``timing_s/*`` stays)."""
 
     renames: dict[str, str] = {}
 
@@ -72,10 +70,8 @@ def submit_validation_metrics(
     world_size: int | None = None,
     step: int | None = None,
 ) -> None:
-    """Send this rank's validation samples with verl's semantics; the aggregator computes, once over
-    every rank's samples (in rank order), the keys verl's trainer logs: ``val-core/{source}/{var}/
-    {metric}`` for the core variable (``acc``, else ``reward``) at its largest ``@n`` on ``mean``,
-    ``maj``, ``best``, ``val-aux/...`` for the others, and ``val-aux/num_turns/min|max|mean``."""
+    """Send this rank's validation samples with verl's semantics; the aggregator computes the keys
+    verl's trainer logs (``val-core/...``, ``val-aux/...``) once over every rank's samples."""
     client.process_local_validation_metrics(
         data_sources,
         sample_uids,

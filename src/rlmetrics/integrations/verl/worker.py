@@ -1,6 +1,5 @@
-"""verl's worker metrics: :class:`Metric` (one metric's values per micro-batch and how they aggregate,
-across data-parallel ranks too), :class:`AggregationType` and ``reduce_metrics``.
-"""
+"""verl's worker metrics: :class:`Metric`, :class:`AggregationType` and :func:`reduce_metrics`
+(docs/verl.md, "What changes in the numbers, and why")."""
 
 from __future__ import annotations
 
@@ -82,9 +81,7 @@ class Metric:
 
     @classmethod
     def aggregate_dp(cls, metric_lists: Sequence[Any]) -> float:
-        """One value from each data-parallel rank's Metric, as verl: ``MEAN``/``SUM`` aggregate the
-        means over ranks of each micro-batch, ``MIN``/``MAX`` all values. Ranks must hold as many
-        values each."""
+        """One value from each dp rank's Metric, as verl's (ValueError unless they hold as many values)."""
         if not metric_lists:
             raise ValueError("Cannot aggregate an empty list of metrics.")
         lengths = [len(m.values) for m in metric_lists]
@@ -112,9 +109,8 @@ class Metric:
 
 
 def reduce_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
-    """verl's ``reduce_metrics``: a :class:`Metric` (or verl's) aggregates, a list of values is
-    reduced by its name: the max where a token of the name is ``max`` (or ``maximum``), else the min
-    where one is ``min`` (or ``minimum``), else the mean. A new dict (verl writes into ``metrics``).
+    """verl's ``reduce_metrics``, into a new dict: a :class:`Metric` aggregates, a list is reduced by
+    the name's whole tokens (``max``/``maximum``, else ``min``/``minimum``, else the mean).
 
     >>> reduce_metrics({"loss": [1.0, 2.0], "max_reward": [5.0, 8.0], "actor/minibatch_loss": [1.0, 3.0]})
     {'loss': 1.5, 'max_reward': 8.0, 'actor/minibatch_loss': 2.0}
@@ -146,8 +142,7 @@ def aggregation_of(metric: Any) -> AggregationType:
 
 
 def metric_stat(metric: Any) -> tuple[Stat, Reduction]:
-    """What a rank submits for a Metric, and its reduction: its values (min, max, mean over every
-    micro-batch of every rank), or for ``SUM`` the rank's sum as one value averaged over ranks."""
+    """What a rank submits for a Metric, and its reduction (``SUM``: its sum, averaged over ranks)."""
     aggregation = aggregation_of(metric)
     if aggregation is AggregationType.SUM:
         return Stat.of(float(np.sum(np.asarray(metric.values, dtype=np.float64)))), MEAN

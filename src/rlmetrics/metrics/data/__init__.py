@@ -1,15 +1,8 @@
 """Data metrics of a PPO / GRPO batch: the seed's ``compute_data_metric``, exact under merging.
 
-:func:`compute_data_stats` summarizes a batch into one :class:`~rlmetrics.core.stat.Stat` per metric name,
-so that merging the Stats of all ranks gives the statistics of the concatenated batch;
-:func:`compute_data_metric` is the seed's ``{name: float}`` of them. What each name summarizes, the
-batch's keys and conventions: docs/metrics.md, "What the data metrics summarize".
-
-**Where it lives.** This module: the seed's functions. :mod:`~rlmetrics.metrics.data.sequences`:
-the per-sequence metrics and the assembly of names and stat arrays;
-:mod:`~rlmetrics.metrics.data.tokens`: the response-token summaries (the specialised summary kernel);
-:mod:`~rlmetrics.metrics.data.verl_style`: verl's names (:func:`compute_verl_data_stats`, behind
-:func:`rlmetrics.integrations.verl.compute_data_metrics`) and :func:`compute_variance_proxy_stats`.
+:func:`compute_data_stats` gives mergeable Stats, :func:`compute_data_metric` the seed's ``{name: float}``;
+submodules ``sequences``, ``tokens`` (response tokens), ``grouped`` (breakdowns), ``verl_style``.
+Rules: docs/metrics.md, "What the data metrics summarize".
 """
 
 from __future__ import annotations
@@ -52,7 +45,7 @@ HISTOGRAMS = {
     "token_level_scores": "critic/score/hist",
     "advantages": "critic/advantages/hist",
 }
-"""Batch key (a mask: its lengths; ``advantages``: over the response tokens) → histogram name."""
+"""Batch key (a mask: its lengths; ``advantages``: its response tokens) → histogram name."""
 DEFAULT_HISTOGRAMS = ("response/length/hist", "prompt/length/hist", "critic/score/hist")
 """The histograms :func:`compute_data_stats` (and ``compute_local_data_metric``) give by default."""
 _HIST_KEYS = ("_hist/advantages", "_hist/response_mask")  # the token tensors, moved with the others
@@ -68,22 +61,9 @@ def compute_data_stats(
     group_by: GroupBy = None,
     histograms: bool | Collection[str] = True,
 ) -> dict[str, Stat]:
-    """One mergeable :class:`Stat` per data metric of ``batch`` (see the module docstring).
-
-    ``nan_strategy``: non-finite values of the observations (response tokens of advantages, returns
-    and values; sequence scores, rewards, turns, tool calls) reach the statistics (``"propagate"``),
-    are left out (``"drop"``; a sequence with a non-finite reward has no correct/wrong length), or
-    raise :class:`~rlmetrics.core.stat.MetricValueError` naming the metric (``"error"``).
-    ``aux=False`` leaves out the auxiliary Stats of the explained variance. ``histograms``: the
-    names of :data:`HISTOGRAMS` to give as Stats with sketches (True: :data:`DEFAULT_HISTOGRAMS`,
-    False: none). ``torch_compile=True``
-    computes the token summaries (advantages, returns, values) with ``torch.compile``: fused kernels,
-    about 2.5x faster for them on this CPU, after a first call that compiles for 10-30 s (a C++
-    compiler on CPU, Triton on GPU; where compiling fails, a warning and the eager path).
-    ``group_by``: per-sample tags (a batch key such as ``"data_source"``, a named function of the
-    batch, a list of them or ``{tag: key or function}``); every per-sample metric is also given per
-    group, as ``group/<tag>/<value>/<metric>`` (:mod:`rlmetrics.metrics.data.grouped`,
-    ``docs/groups.md``).
+    """One mergeable :class:`Stat` per data metric of ``batch``. ``nan_strategy``, ``torch_compile``:
+    docs/reductions.md; ``aux=False``: without the explained variance's ``_aux/`` Stats; ``histograms``:
+    names of :data:`HISTOGRAMS` as sketched Stats (True: the defaults); ``group_by``: docs/groups.md.
 
     >>> import torch
     >>> attention_mask = torch.tensor([[1, 1, 1, 1, 0], [0, 1, 1, 1, 1]])  # prompt 2, response 3
@@ -111,11 +91,8 @@ def data_stats_and_prompts(
     histograms: bool | Collection[str] = True,
     errors: dict[str, str] | None = None,
 ) -> tuple[dict[str, Stat], dict[str, Any] | None]:
-    """:func:`compute_data_stats` and, with ``difficulty`` (the batch key of each sample's prompt
-    id: ``True`` for ``"uid"``, verl's), the batch's prompt record of the difficulty groups
-    (:func:`~rlmetrics.metrics.difficulty.prompt_record`; None without), from one transfer.
-    ``errors``: a ``group_by`` tag whose labels are refused is left out, its message under its tag
-    (without: raised)."""
+    """:func:`compute_data_stats` and the difficulty prompt record (or None), from one transfer; with
+    ``errors``, a ``group_by`` tag whose labels are refused is left out, its message under its tag."""
     wanted = DEFAULT_HISTOGRAMS if histograms is True else () if histograms is False else tuple(histograms)
     unknown = set(wanted) - set(HISTOGRAMS.values())
     if unknown:
@@ -139,10 +116,8 @@ def compute_data_metric(
     group_by: GroupBy = None,
     difficulty: bool | str = False,
 ) -> dict[str, float]:
-    """The seed's data metrics of ``batch`` as ``{name: float}`` (``nan_strategy``, ``group_by``: as
-    :func:`compute_data_stats`); ``difficulty``: also the difficulty groups of GRPO
-    (:mod:`rlmetrics.metrics.difficulty`), ``True`` reading prompt ids from the ``uid`` key (verl's),
-    a string from that key.
+    """The seed's data metrics of ``batch`` as ``{name: float}`` (arguments as :func:`compute_data_stats`);
+    ``difficulty``: also GRPO's difficulty groups, prompt ids from the ``uid`` key (``True``) or that key.
 
     >>> import torch
     >>> attention_mask = torch.tensor([[1, 1, 1, 1, 0], [0, 1, 1, 1, 1]])  # prompt 2, response 3
@@ -177,9 +152,7 @@ def compute_data_metric(
 
 
 def data_metrics_from_stats(stats: Mapping[str, Stat]) -> dict[str, float]:
-    """Reduce (merged) data Stats to ``{name: float}`` as the aggregator does: each name by its
-    reduction, empty Stats left out, then :func:`rlmetrics.metrics.derive_metrics`; histogram names
-    (:data:`HISTOGRAMS`) are left out too (:class:`~rlmetrics.core.histogram.Histogram` reads them).
+    """(Merged) data Stats as ``{name: float}``, as the aggregator reduces them; histograms left out.
 
     >>> import torch
     >>> a = compute_data_stats({"advantages": torch.tensor([[1.0, 2.0]]), "response_mask": torch.ones(1, 2)})
@@ -197,9 +170,7 @@ def data_metrics_from_stats(stats: Mapping[str, Stat]) -> dict[str, float]:
 # -------------------------------------------------------------------------------------- internals
 @functools.lru_cache(maxsize=8)
 def _m2_read(rules: int) -> bool:
-    """Whether the reduction of an advantages or values name reads M2 (a std, quantile or
-    histogram registered for it with :func:`~rlmetrics.core.reduce.register_reduction`); ``rules``:
-    :func:`~rlmetrics.core.reduce.rules_version`."""
+    """Whether a (registered) reduction of an advantages or values name reads M2."""
     names = [*triple("critic/advantages"), *triple("critic/values")]
     return any(FIELDS.index("m2") in resolve(n).fields for n in names)
 
@@ -208,8 +179,7 @@ _PROCESS: dict[int, psutil.Process] = {}  # one per pid: a forked child reads it
 
 
 def _rss_bytes() -> int:
-    """This process's resident set size, psutil's ``memory_info().rss``, through a kept ``Process``
-    (20-30 µs a reading on the development machine, a new one about 60 µs)."""
+    """This process's resident set size, through a kept ``psutil.Process`` (a new one costs twice)."""
     pid = os.getpid()
     process = _PROCESS.get(pid) or _PROCESS.setdefault(pid, psutil.Process(pid))
     return process.memory_info().rss
@@ -225,11 +195,7 @@ def _data_arrays(
     m2: bool = True,
     errors: dict[str, str] | None = None,
 ) -> tuple[list[str], np.ndarray, dict[str, Any] | None, dict[str, Stat]]:
-    """The data metrics' names and their ``(5, K)`` stat array: count, sum, m2, min, max (the
-    groups' after the batch's), the prompt record of the difficulty groups (None without), and the
-    Stats with sketches of the ``histograms`` the batch has. ``m2=False``: the M2 that no metric
-    reads (of advantages and values) may be NaN (:meth:`TokenSummaries.of`); ``errors``: see
-    :func:`data_stats_and_prompts`."""
+    """Names and ``(5, K)`` array, prompt record, sketched ``histograms``; ``m2=False``: M2 may be NaN."""
     if nan_strategy not in NAN_STRATEGIES:
         raise ValueError(f"nan_strategy must be one of {NAN_STRATEGIES}, got {nan_strategy!r}")
     t = BatchTensors(batch)

@@ -1,16 +1,7 @@
 """Group breakdowns of the data metrics: each metric of each group of a per-sample tag, exact under merging.
 
-Every sequence's own summaries (per-sequence values: one observation; response tokens: their
-count, sum, M2 around the sequence's mean, min and max, computed on the device with the other
-summaries, :class:`~rlmetrics.metrics.data.tokens.TokenSummaries` with ``rows=True``) are merged on
-the host over each group's sequences (:func:`~rlmetrics.core.stat.reduce_runs`, exact), and the metrics
-of each group are assembled as the batch's are (the explained variance's ingredients included), under
-``group/<tag>/<value>/<metric>`` (:mod:`rlmetrics.core.groups`). A group's Stats merge across ranks as any
-Stat does, so its global values are those of its sequences of all ranks concatenated.
-
-The labels come from the batch (a key: a tensor, a numpy array or a list, also in verl's
-``non_tensor_batch``) or from a function of it; label tensors reach the host with the batch's other
-tensors, in its one transfer.
+Each sequence's summaries are merged on the host per group, named ``group/<tag>/<value>/<metric>``.
+Rules: docs/groups.md, "Data metrics by a tag".
 """
 
 from __future__ import annotations
@@ -29,10 +20,8 @@ from rlmetrics.metrics.difficulty import TAG, prompt_record
 
 
 class Breakdowns:
-    """The ``group_by`` of one call and the prompt ids of its difficulty groups: raw labels (tensors
-    are moved with the batch's others, :attr:`tensors`), turned into grouped Stats by :meth:`arrays`.
-    ``errors``: a tag whose labels are refused (:meth:`Labels.of <rlmetrics.core.groups.Labels.of>`) is
-    left out, with its message under its tag (without ``errors``: raised)."""
+    """One call's ``group_by`` labels and difficulty prompt ids (``MetricValueError`` if not in the batch);
+    ``errors``: a tag whose labels are refused is left out, its message under its tag (None: raised)."""
 
     def __init__(
         self,
@@ -67,10 +56,7 @@ class Breakdowns:
     def assemble(
         self, moved: list[np.ndarray], parts: list[Part], tokens: Any, block: np.ndarray, nan_strategy: str
     ) -> tuple[list[str], np.ndarray, dict[str, Any] | None]:
-        """Names and ``(5, K)`` stat array of the batch's metrics, then its groups', and the prompt
-        record (None without): from the moved label tensors, the per-sequence ``parts``, the
-        :class:`~rlmetrics.metrics.data.tokens.TokenSummaries` (or None) and their host ``block``
-        (per sequence when there are breakdowns: the batch's is their merge)."""
+        """Names and ``(5, K)`` array of the batch's then its groups' metrics, and the prompt record."""
         token_names = [] if tokens is None else tokens.names
         token_rows = None
         if tokens is not None and tokens.rows:
@@ -93,9 +79,7 @@ class Breakdowns:
         token_rows: np.ndarray | None,
         nan_strategy: str,
     ) -> tuple[list[str], np.ndarray, dict[str, Any] | None]:
-        """The groups' names and ``(5, K)`` stat array (:func:`grouped_arrays`) and the prompt record
-        of the difficulty groups (None without), given the moved label tensors, the per-sequence
-        ``parts`` and the ``(5, K_tokens, B)`` per-sequence token summaries."""
+        """The groups' names and ``(5, K)`` array and the prompt record, from per-sequence summaries."""
         moved_iter = iter(moved)
 
         def on_host(raw: Any) -> Any:
@@ -137,8 +121,7 @@ def sequence_rows(
     token_rows: np.ndarray | None,
     nan_strategy: str,
 ) -> tuple[list[tuple[str, ...]], np.ndarray]:
-    """The name groups and ``(5, n, K)`` summaries of each of the ``n`` sequences: ``parts`` (the
-    per-sequence metrics) and ``token_rows`` (``(5, K_tokens, n)``, the token summaries)."""
+    """Name groups and ``(5, n, K)`` summaries of each sequence, from ``parts`` and ``token_rows``."""
     rows = [part_rows(parts, n, nan_strategy).transpose(0, 2, 1)]  # (5, B, K): sequences as parts
     if token_rows is not None:
         if token_rows.shape[2] != n:
@@ -150,8 +133,7 @@ def sequence_rows(
 def grouped_arrays(
     labels: list[Labels], groups: list[tuple[str, ...]], per_seq: np.ndarray
 ) -> tuple[list[str], np.ndarray]:
-    """Names and ``(5, K)`` stat array of every group's metrics, from each sequence's summaries
-    (:func:`sequence_rows`)."""
+    """Names and ``(5, K)`` array of every group's metrics, from :func:`sequence_rows`' summaries."""
     names: list[str] = []
     arrays: list[np.ndarray] = []
     empty = np.zeros((5, 0))
@@ -169,8 +151,7 @@ def grouped_arrays(
 def _group_arrays(
     tag: str, value: str, groups: list[tuple[str, ...]], block: np.ndarray
 ) -> tuple[list[str], np.ndarray]:
-    """Names and ``(5, K)`` stat array of one group's metrics from its merged summaries ``block``
-    (``(5, K)``, in the order of ``groups``)."""
+    """Names and ``(5, K)`` array of one group's metrics from its merged ``(5, K)`` ``block``."""
     names, arrays = with_token_block(groups, block, [], np.zeros((5, 0)))
     return _prefixed(tag, value, tuple(names)), arrays
 

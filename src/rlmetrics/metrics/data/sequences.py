@@ -1,10 +1,7 @@
-"""The per-sequence data metrics (scores, rewards, lengths, ratios, turns, tool calls) and the assembly of
-a batch's names and ``(5, K)`` stat array.
+"""The per-sequence data metrics (scores, rewards, lengths, ratios, turns, tool calls).
 
-The per-sequence vectors (sums over each row, lengths) are computed on the batch's device, reach the
-host with the token summaries in one copy (:func:`fetch`), and are summarized there by
-:func:`~rlmetrics.core.summary.summarize` (a few numbers per sequence: small operations cost less on the
-host than as device kernels), vectors of one length together.
+Computed on the device, moved in one copy (:func:`fetch`), summarized on the host (small ops cost less).
+Rules: docs/metrics.md, "What the data metrics summarize".
 """
 
 from __future__ import annotations
@@ -73,9 +70,7 @@ def add_counts(t: BatchTensors, seq: dict[str, Any]) -> None:
 def fetch(
     seq: Mapping[str, Any], tokens: TokenSummaries | None, extra: Sequence[Any] = ()
 ) -> tuple[dict[str, np.ndarray], np.ndarray, list[np.ndarray]]:
-    """The per-sequence vectors as host arrays, the token block as a ``(5, K)`` host array (``(5,
-    K * B)`` for per-sequence token summaries) and the ``extra`` tensors as host arrays (group
-    labels), moved in one copy."""
+    """In one copy, as host arrays: the per-sequence vectors, the token block, the ``extra`` tensors."""
     plan = HostPlan()
     plan.add(list(seq.values()), lambda *arrays: dict(zip(seq, arrays)))
     plan.add(list(extra), lambda *arrays: list(arrays))
@@ -87,9 +82,7 @@ def fetch(
 
 # -------------------------------------------------------------------------------- on the host
 def sequence_parts(seq: Mapping[str, np.ndarray], t: BatchTensors, nan_strategy: str) -> list[Part]:
-    """The per-sequence metrics as parts (name groups, per-sequence values, which to keep; their
-    summaries: :func:`part_summaries`), from the sequence vectors on the host
-    (:func:`sequence_tensors`); non-finite rewards as ``nan_strategy`` says."""
+    """The per-sequence metrics as parts (:data:`Part`), from the host vectors of :func:`sequence_tensors`."""
     parts: list[Part] = [(triple(prefix), seq[key], None) for key, prefix in SEQUENCE_METRICS if key in seq]
     lengths = seq.get("response_mask")
     if lengths is not None:
@@ -113,8 +106,7 @@ def sequence_parts(seq: Mapping[str, np.ndarray], t: BatchTensors, nan_strategy:
 def part_summaries(
     parts: list[Part], nan_strategy: str = "propagate"
 ) -> tuple[list[tuple[str, ...]], np.ndarray]:
-    """The name groups and ``(5, K)`` summaries of ``(names, values, which to keep or None)`` parts;
-    non-finite values as ``nan_strategy`` says (``"error"``: refused, naming the part's first name)."""
+    """Name groups and ``(5, K)`` summaries of parts; ``"error"`` raises naming the part's first name."""
     if nan_strategy == "error":
         for names, values, keep in parts:
             bad = int(nonfinite(values, keep))
@@ -139,8 +131,8 @@ def part_summaries(
 
 
 def part_rows(parts: list[Part], n: int, nan_strategy: str = "propagate") -> np.ndarray:
-    """The ``(5, K, n)`` summaries of each of the ``n`` sequences in each part (one observation or
-    none): what group breakdowns merge. A part without one value per sequence raises, naming it.
+    """``(5, K, n)``: each part's summary per sequence (one observation or none), for group breakdowns.
+    Raises ``MetricValueError`` for a part without one value per sequence.
 
     >>> part_rows([(("x/mean",), np.array([1.0, 2.0]), np.array([True, False]))], 2)[:, 0].tolist()
     [[1.0, 0.0], [1.0, 0.0], [0.0, 0.0], [1.0, inf], [1.0, -inf]]

@@ -1,21 +1,9 @@
 """The response-token summaries of a batch: ``critic/advantages|returns|values/*`` and the explained
 variance's ingredients, over the tokens where ``response_mask != 0``.
 
-This is the summary kernel of :mod:`rlmetrics.core.summary`, specialised for millions of tokens on the
-CPU and built from its pieces (:func:`~rlmetrics.core.summary.total`, :func:`~rlmetrics.core.summary.divisor`,
-:func:`~rlmetrics.core.summary.extremes`, :func:`~rlmetrics.core.summary.square_`). What differs is the
-masking: the tensors are masked with integer arithmetic on their float bits (:class:`_TokenMask`)
-rather than boolean selections (``torch.where`` runs ~30x slower here), the padding is then set to a
-response token (so it does not change the extremes; then 0 again for M2), the work happens in scratch
-memory each thread keeps between calls (up to :data:`_SCRATCH_LIMIT` bytes: two masks and the
-tensors summarized together) rather than in fresh temporaries, whose page faults cost more than the
-arithmetic, and sums run per row in the data's precision. Small batches are dominated by the fixed
-cost of each torch op (a few microseconds), so the kernel keeps their number low: all tensors of a
-small batch go through each step together, views come from one ``unbind``, no ``argmax`` (a response
-token is found as the peak of ``mask * column``), and the float64 block is finished on the host
-(:meth:`TokenSummaries.on_host`). With ``torch_compile=True`` the kernel runs under
-``torch.compile`` (fused kernels). No shape depends on the data: nothing is read on the host before
-the batch's one transfer.
+:mod:`rlmetrics.core.summary`'s kernel specialised for millions of CPU tokens (hence its size): integer
+masking of float bits, per-thread scratch, no data-dependent shape.
+Rules: docs/reductions.md, "``torch_compile=True``".
 """
 
 from __future__ import annotations
@@ -54,10 +42,7 @@ def triple(prefix: str) -> tuple[str, ...]:
 
 
 class TokenSummaries:
-    """The token summaries of one batch: ``names[k]`` are the metric names of column ``k`` of the
-    ``(5, K)`` device tensor ``block`` (count, sum, m2, min, max), made by :meth:`of`; with
-    ``rows=True`` a ``(5, K, B)`` block, each sequence's own summaries (what group breakdowns merge).
-    The device block leaves the extremes of empty columns as they come: :meth:`on_host` sets them."""
+    """``names[k]`` name column ``k`` of the ``(5, K)`` device ``block`` (``rows``: ``(5, K, B)``)."""
 
     def __init__(
         self, names: list[tuple[str, ...]], block: Any, inputs: Any = None, rows: bool = False
@@ -79,13 +64,8 @@ class TokenSummaries:
         rows: bool = False,
         m2: bool = True,
     ) -> TokenSummaries | None:
-        """Advantages, returns, values (those of ``keys`` the batch has) and, with returns and values,
-        the explained variance's ingredients over the tokens of ``mask`` (``rows``: of each
-        sequence); None without any of them. ``m2=False`` (eager, not with ``rows``): M2 only where
-        the explained variance reads it (returns and the residual), NaN for the others, which saves
-        four passes over each of them (for metrics that read no std of them, never for Stats);
-        compiled, every M2 is computed (one fused pass each), so that one graph serves every call
-        (each variant would cost a compile of its own)."""
+        """Summaries of the batch's ``keys`` (and explained-variance ingredients) over ``mask``, or None;
+        ``m2=False`` (eager, no ``rows``): NaN M2 where unread. Raises on a shape mismatch."""
         found = {}
         for key, _ in TOKEN_METRICS:
             x = t.get(key) if key in keys else None
@@ -121,8 +101,7 @@ class TokenSummaries:
         return out
 
     def on_host(self, block: np.ndarray) -> np.ndarray:
-        """The ``(5, K)`` host block (``(5, K * B)`` per sequence) of a moved device block, in the
-        order of :attr:`names`: empty columns get ``min = inf`` and ``max = -inf``."""
+        """The moved block in :attr:`names` order, empty columns with ``min = inf``, ``max = -inf``."""
         block = block.reshape(5, -1)
         if self._columns is not None:
             block = block[:, self._columns]
@@ -131,10 +110,7 @@ class TokenSummaries:
         return block
 
     def finite(self, block: np.ndarray, nan_strategy: str) -> np.ndarray:
-        """The host ``block`` under ``nan_strategy`` when it is not finite (a rare path, a second
-        transfer): ``"error"`` raises for a non-finite response token, ``"drop"`` summarizes each
-        tensor over its finite response tokens (the explained variance over the tokens where returns
-        and values both are), in columns of their own (``names`` follows)."""
+        """A non-finite host ``block`` under ``nan_strategy``: raise, or re-summarize finite tokens."""
         has = block[0] > 0
         if self._inputs is None or np.isfinite(block[3:5, has]).all():
             return block
@@ -187,16 +163,8 @@ def _summaries(
 
 
 class _TokenMask:
-    """The response mask as the token summaries use it, built once per batch (into ``out`` if given);
-    ``count`` (integers) and ``divisor`` are per sequence with ``rows``.
-
-    Two integer tensors of ``dtype``, as wide as the float data summarized: ``on``
-    is 1 on the response (``mask != 0``, as masked_select reads a mask) and 0 off it, ``off`` the
-    reverse. Multiplying the integers of float data by ``on`` keeps response tokens exactly and
-    zeroes the padding whatever it holds (nan or inf too, which a float multiplication would
-    spread); adding ``off * v`` then sets the padding to the bits of ``v``. Integer arithmetic runs
-    several times faster than boolean kernels such as ``torch.where`` on CPU.
-    """
+    """The response mask as integers of ``dtype``: ``on`` (``mask != 0``) and ``off``; ``bits * on`` zeroes
+    padding whatever it holds, ``+ off * v`` sets it to ``v``. Per sequence ``count`` with ``rows``."""
 
     def __init__(self, mask: Any, dtype: Any, out: Any = None, rows: bool = False) -> None:
         if out is None:
@@ -225,17 +193,13 @@ _SCRATCH_LIMIT = 32 * 2**20
 """Bytes of scratch memory a thread keeps between calls on CPU (see :func:`_scratch`)."""
 
 _STACK_BYTES = 4 * 2**20
-"""Token tensors whose data take at most this many bytes in all are summarized together (on this
-2-core machine together is faster up to 1 MiB per tensor, one at a time from 2 MiB)."""
+"""Token tensors of at most this many bytes in all are summarized together, larger ones one at a time."""
 
 _kept = threading.local()
 
 
 def _scratch(shape: tuple[int, ...], dtype: Any, device: Any) -> Any:
-    """An uninitialised tensor: on CPU a view of the calling thread's kept scratch memory (up to
-    :data:`_SCRATCH_LIMIT` bytes), as there a fresh multi-megabyte temporary costs a page fault every
-    4 KiB whenever the allocator has handed freed memory back to the system. Accelerator allocators
-    keep their memory themselves. Nothing derived from the result may outlive the caller's use."""
+    """An uninitialised tensor, on CPU in this thread's kept memory: must not outlive the caller's use."""
     nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or nbytes > _SCRATCH_LIMIT:
         return torch.empty(shape, dtype=dtype, device=device)
@@ -249,18 +213,8 @@ def _scratch(shape: tuple[int, ...], dtype: Any, device: Any) -> Any:
 def _summarize_tokens(
     buf: Any, mask: _TokenMask, dtype: Any, rows: bool = False, m2_from: int = 0
 ) -> tuple[Any, Any, Any, Any]:
-    """Sum, m2 (float64), min and max (``dtype``) of ``K`` float tensors of ``dtype`` held as integer
-    bits in ``buf`` ``(K, *mask.shape)``, 0 on padding: four ``(K,)`` tensors (``rows``: ``(K, B)``,
-    each sequence's, around its own mean). ``buf`` is overwritten.
-
-    All ``K`` go through each step together (fewer, larger kernels). Sums run per row in the data's
-    precision and across rows in float64 (a row's sum is within ``(width - 1) * eps / 2 * sum|x|``
-    of the exact one, in any order of summation: eager and compiled, on any CPU). For min/max the
-    padding holds a response token of its sequence (its last; of the batch without ``rows``), so the
-    extremes are the data's own values (the mean would do but for rounding: the float32 mean of a
-    sequence of equal values can lie an ulp outside them); for centering it is 0 again, so it adds
-    nothing to m2. M2 of the tensors before ``m2_from`` (not with ``rows``) is not computed: NaN.
-    No shape depends on the data (no sync).
+    """Sum, m2 (float64), min, max (``dtype``) of ``K`` tensors as integer bits in ``buf``, 0 on padding:
+    ``(K,)`` each (``rows``: ``(K, B)``); ``buf`` is overwritten, M2 before ``m2_from`` is NaN.
     """
     k = buf.shape[0]
     vals = buf.view(dtype)
@@ -301,14 +255,8 @@ def _token_block(
     rows: bool = False,
     m2_from: int = 0,
 ) -> Any:
-    """``(5, K)`` float64 count, sum, m2, min, max of the response tokens of each of ``xs`` (float
-    tensors of one dtype, of the mask's shape) and, with ``residual=(i, j)``, of ``xs[i] - xs[j]``;
-    ``rows``: ``(5, K, B)``, of each sequence's response tokens; M2 only from the ``m2_from``-th on
-    (NaN before it; not with ``rows``).
-
-    The tensors go through :func:`_summarize_tokens` ``group`` at a time. ``scratch`` is integer
-    memory of shape ``(2 + group, *mask.shape)`` for the masks and the data; None: fresh tensors (under
-    ``torch.compile``, which fuses them away).
+    """``(5, K)`` float64 summaries of ``xs`` (and ``xs[i] - xs[j]`` for ``residual=(i, j)``) over the
+    response tokens; ``scratch``: ``(2 + group, *mask.shape)`` integers, or None for fresh tensors.
     """
     dtype = xs[0].dtype
     itype = itype_of(dtype)
@@ -340,10 +288,7 @@ _compile_lock = threading.Lock()
 def _compiled_token_block(
     xs: tuple[Any, ...], residual: tuple[int, int] | None, mask: Any, rows: bool, m2_from: int = 0
 ) -> Any:
-    """:func:`_token_block` under ``torch.compile`` (shapes dynamic, so batch sizes and widths do not
-    recompile), or None where compiling fails: a warning then, and eager summaries from then on.
-    Calls run one at a time (dynamo's compiling is not thread-safe: ranks as threads of one process
-    would race on the first compile)."""
+    """:func:`_token_block` compiled (one call at a time), or None once compiling failed (one warning)."""
     with _compile_lock:
         if _compiled.get("failed"):
             return None

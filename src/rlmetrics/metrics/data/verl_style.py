@@ -1,13 +1,9 @@
-"""verl 0.9.1's data metrics as mergeable Stats (verl's names and semantics), behind
-:mod:`rlmetrics.integrations.verl`.
+"""verl 0.9.1's data metrics as mergeable Stats, behind :mod:`rlmetrics.integrations.verl`.
 
-:func:`compute_verl_data_stats` (verl's ``compute_data_metrics``): ``critic/score|rewards/*`` of the
-responses that are not empty, ``response_length/*`` and ``prompt_length/*`` from ``attention_mask``
-(:func:`verl_lengths`: tool output in a multi-turn response counts), ``response_length/clip_ratio``,
-``response_length_non_aborted/*``, ``response/aborted_ratio``, ``prompt_length/clip_ratio`` against
-``prompts.shape[-1]``; token metrics over ``response_mask``; ``critic/values/*`` and the explained
+verl's semantics (docs/verl.md does not list them): ``critic/score|rewards/*`` of non-empty responses,
+lengths from ``attention_mask`` (:func:`verl_lengths`), ``response_length_non_aborted/*``,
+``prompt_length/clip_ratio`` against ``prompts.shape[-1]``, ``critic/values/*`` and the explained
 variance only with ``use_critic``; no correct/wrong lengths, no process memory.
-:func:`compute_variance_proxy_stats` is verl's ``compute_variance_proxy_metrics`` as Stats.
 """
 
 from __future__ import annotations
@@ -39,9 +35,8 @@ torch = require("torch", "torch")
 def compute_verl_data_stats(
     batch: Batch, *, use_critic: bool = True, torch_compile: bool = False, group_by: GroupBy = None
 ) -> dict[str, Stat]:
-    """verl 0.9.1's ``compute_data_metrics`` of ``batch`` as one mergeable :class:`Stat` per name
-    (verl's names and semantics, see the module docstring), with the explained-variance ingredients;
-    ``group_by``: also per group, as :func:`~rlmetrics.metrics.data.compute_data_stats`.
+    """verl's ``compute_data_metrics`` as one mergeable :class:`Stat` per name (with the explained
+    variance's ingredients); ``group_by`` as :func:`~rlmetrics.metrics.data.compute_data_stats`.
 
     >>> import torch
     >>> attention_mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 0, 0, 0]])  # the second response is empty
@@ -81,10 +76,8 @@ def verl_data_arrays(
 
 
 def verl_lengths(batch: Batch) -> tuple[Any, Any] | None:
-    """verl's prompt and response lengths per sequence: the batch's ``prompt_length`` and
-    ``response_length`` when it has both, else the sums of ``attention_mask`` before and over the
-    last ``responses.shape[-1]`` columns (tool output in a multi-turn response counts); None if
-    neither is there.
+    """verl's prompt and response lengths: the batch's, else ``attention_mask`` summed before and over the
+    last ``responses.shape[-1]`` columns (tool output counts); None without either.
 
     >>> import torch
     >>> batch = {"responses": torch.zeros(1, 3), "attention_mask": torch.tensor([[0, 1, 1, 1, 0]])}
@@ -95,13 +88,9 @@ def verl_lengths(batch: Batch) -> tuple[Any, Any] | None:
 
 
 def compute_variance_proxy_stats(batch: Batch, gradient_norm: float | None = None) -> dict[str, Stat]:
-    """verl 0.9.1's ``compute_variance_proxy_metrics`` as mergeable Stats: per sequence ``A**2 * W``
-    (``proxy2_total_power``; with ``rollout_is_weights`` its off-policy form), ``A**2`` and ``W``, where
-    ``A`` is the sequence's mean advantage (verl's masked mean, ``+ 1e-8`` in the denominator) and ``W``
-    the sum over its response tokens of ``1 - 2 exp(old_log_probs) + sum_pi_squared``;
-    ``proxy1_signal_strength`` is ``gradient_norm**2``; ``proxy3_pure_noise``
-    (``max(0, (proxy2 - proxy1) / (N - 1))`` over the ``N`` sequences) comes with the sequence count
-    under :data:`~rlmetrics.metrics.VP_SEQUENCES`, so the merged value is the full batch's. Empty
+    """verl's ``compute_variance_proxy_metrics`` as Stats: per sequence ``A**2 * W`` (off-policy with
+    ``rollout_is_weights``), ``A**2``, ``W`` (``A``: masked mean advantage, ``+ 1e-8`` below; ``W``: summed
+    ``1 - 2 exp(old_log_probs) + sum_pi_squared``); proxy1 ``gradient_norm**2``, proxy3 derived. Empty
     without ``sum_pi_squared``, ``old_log_probs``, ``advantages`` or a response mask.
 
     >>> import torch
@@ -167,9 +156,7 @@ def _verl_lengths(t: BatchTensors) -> tuple[Any, Any] | None:
 
 
 def _verl_parts(seq: Mapping[str, np.ndarray], t: BatchTensors) -> list[Part]:
-    """verl's per-sequence metrics: scores and rewards of the responses that are not empty, response
-    lengths (all, and without the empty ones), the share of empty responses, prompt lengths, turns
-    and tool calls."""
+    """verl's per-sequence metrics as parts (:data:`~rlmetrics.metrics.data.sequences.Part`)."""
     response = seq.get("response_length")
     kept = None if response is None else response != 0
     parts = []

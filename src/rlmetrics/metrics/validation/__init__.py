@@ -1,11 +1,7 @@
 """Validation metrics (the seed's ``process_validation_metrics``), vectorised over prompts, numpy only.
 
-Validation generates ``n`` responses per prompt; every numeric variable of ``infos_dict`` (``acc``,
-``reward``, ...) is summarised per prompt (``mean@n``, ``std@n``, the bootstrap's ``best@k``,
-``worst@k`` and ``maj@k``) and averaged over the prompts of each data source, as siiRL does (or as
-verl 0.9.1 does: ``style="verl"``); ``exact=True`` adds ``pass@k`` and estimators without bootstrap
-noise. Records of several ranks merge exactly (:func:`encode_samples`, :func:`merge_samples`,
-:func:`process_samples`). The semantics, how it is computed and what it costs: docs/validation.md.
+Ranks' records merge exactly (:func:`encode_samples`, :func:`merge_samples`, :func:`process_samples`).
+Rules: docs/validation.md, "Semantics, and how it is computed".
 
 >>> m = process_validation_metrics(["gsm8k"] * 4, ["q1", "q1", "q2", "q2"],
 ...                                {"acc": [1.0, 0.0, 1.0, 1.0], "pred": ["4", "5", "7", "7"]})
@@ -14,10 +10,6 @@ noise. Records of several ranks merge exactly (:func:`encode_samples`, :func:`me
 >>> sorted(name for name in m if name.startswith("val-core"))
 ['val-core/gsm8k/acc/best@2/mean', 'val-core/gsm8k/acc/best@2/std', 'val-core/gsm8k/acc/maj@2/mean', \
 'val-core/gsm8k/acc/maj@2/std', 'val-core/gsm8k/acc/mean@2']
-
-Submodules: ``records`` (encode, merge, digest), ``views`` (the seed's and verl's grouping),
-``compute`` (per-prompt metrics and their averages), ``bootstrap`` (the vectorised bootstrap),
-``exact`` (the ``exact=True`` extras).
 """
 
 from __future__ import annotations
@@ -54,8 +46,7 @@ _AXIS_REDUCERS: dict[Any, Callable[..., np.ndarray]] = {
 
 
 def calc_maj_val(data: Iterable[Mapping[str, Any]], vote_key: str, val_key: str) -> Any:
-    """The ``val_key`` of the first item whose ``vote_key`` is the most frequent vote (ties: the vote
-    seen first), as the seed.
+    """``val_key`` of the first item with the top ``vote_key`` count (ties: first seen); ValueError if empty.
 
     >>> calc_maj_val([{"pred": "A", "val": 0.9}, {"pred": "B", "val": 0.8}, {"pred": "A", "val": 0.7}],
     ...              vote_key="pred", val_key="val")
@@ -84,11 +75,7 @@ def bootstrap_metric(
     n_bootstrap: int = N_BOOTSTRAP,
     seed: int = 42,
 ) -> list[tuple[float, float]]:
-    """``(mean, std)`` over ``n_bootstrap`` resamples of ``subset_size`` items of ``data`` (with
-    replacement) of each ``reduce_fn(resample)``, the seed's function with the same draws.
-
-    numpy's ``max min mean sum median std var`` on numeric data run on all resamples at once; any
-    other function is called once per resample with a list, as in the seed.
+    """``(mean, std)`` of each ``reduce_fn`` over the seed's resamples of ``data``; ValueError if empty.
 
     >>> bootstrap_metric([1.0, 2.0, 3.0, 4.0, 5.0], 3, [np.max, np.min])
     [(4.221, 0.9487670947076526), (1.788, 0.945016401974061)]
@@ -121,15 +108,8 @@ def process_validation_metrics(
     tie: str = "first",
     missing: str | None = None,
 ) -> dict[str, float]:
-    """The seed's validation metrics ``{name: value}`` (see the module docstring for the names).
-
-    ``sample_turns`` may be a flat sequence of turn counts or a sequence of arrays (the seed
-    concatenates them). ``exact=True`` adds the ``pass@k``, ``.../exact_mean|exact_std``,
-    ``.../unbiased`` and ``.../ci_low|ci_high`` keys.
-    ``nan_strategy``, ``tie`` (``"none"``: a tied vote is no majority, maj reports 0, keys
-    ``maj_strict@k/...``) and ``missing`` (None, ``"count_as_zero"``, ``"drop"``, ``"error"``: what a
-    None or NaN score counts as; the choice is in the keys, ``<var>:<choice>``): as
-    :func:`encode_samples`.
+    """The seed's validation metrics ``{name: value}``. ``exact``, ``tie``, ``missing``: docs/validation.md;
+    ``nan_strategy``: docs/reductions.md, "The value policy" (all as :func:`encode_samples`).
 
     >>> m = process_validation_metrics(["a", "a", "b"], ["p", "p", "q"], {"reward": [1.0, 0.0, 0.5]},
     ...                                sample_turns=[2, 3, 4])
@@ -154,17 +134,8 @@ def aggregate_validation_metrics(
     exact: bool = False,
     n_bootstrap: int = N_BOOTSTRAP,
 ) -> dict[str, dict[str, dict[str, float]]]:
-    """``{data_source: {var: {metric: value}}}`` as the seed's function of that name returns it.
-
-    Its metrics are those of :func:`process_validation_metrics` without ``std@n`` (an average of
-    per-prompt stds), plus ``pooled_std``: ``sqrt(sum of squared deviations from each prompt's mean
-    / sum of (n - 1))`` over the data source's prompts with ``n > 1``, the within-prompt std pooled
-    the way the seed pools it (absent when no prompt has two samples).
-
-    The seed's version draws its bootstrap indices from one stream per prompt (not reseeded per
-    variable and size), breaks maj ties towards the smallest pred (``scipy.stats.mode``) and skips
-    NaN (pandas); here the numbers are those of :func:`process_validation_metrics`, so both functions
-    agree on every key they share.
+    """``{data_source: {var: {metric: value}}}`` as the seed's function of that name returns it, with
+    ``pooled_std`` instead of ``std@n`` (docs/validation.md, "Semantics, and how it is computed").
 
     >>> r = aggregate_validation_metrics(["a"] * 4, ["p", "p", "q", "q"], {"acc": [1, 0, 1, 1]})
     >>> r["a"]["acc"]["mean@2"], round(r["a"]["acc"]["pooled_std"], 6), "std@2" in r["a"]["acc"]
@@ -190,8 +161,7 @@ def process_samples(
     exact: bool = False,
     n_bootstrap: int = N_BOOTSTRAP,
 ) -> dict[str, float]:
-    """The validation metrics of a record (:func:`encode_samples` / :func:`merge_samples`); ``seed``
-    None: the record's. The ``"verl"`` style has no ``val/test_score/*`` (verl's trainer reports none).
+    """The validation metrics of a record; ``seed`` None: the record's.
 
     >>> r = merge_samples([encode_samples(["a"], ["p"], {"acc": [1.0]}),
     ...                    encode_samples(["a"], ["p"], {"acc": [0.0]})])
@@ -227,8 +197,7 @@ def process_samples(
 
 
 def var_key(record: SampleRecord, var: str) -> str:
-    """A variable's segment of the keys: ``<var>:<missing>`` when the record says what its missing
-    scores were made into (runs with different rules never share a key), else ``var``."""
+    """A variable's key segment: ``<var>:<missing>`` under a ``missing`` rule, else ``var``."""
     return var if record.missing is None else f"{var}:{record.missing}"
 
 
@@ -244,8 +213,7 @@ def samples_by_source(
     exact: bool = False,
     n_bootstrap: int = N_BOOTSTRAP,
 ) -> dict[Any, dict[str, dict[str, float]]]:
-    """The metrics of a record nested as ``{data_source: {var: {metric: value}}}`` (verl's return of
-    ``process_validation_metrics``), with the ``exact=True`` keys when asked; ``seed`` None: the record's.
+    """A record's metrics nested as verl's, ``{source: {var: {metric: value}}}``; ``seed`` None: the record's.
 
     >>> r = encode_samples(["a", "a"], ["p", "p"], {"acc": [1.0, None]}, style="verl")
     >>> samples_by_source(r)

@@ -1,6 +1,6 @@
-"""The vectorised bootstrap of best@k / worst@k / maj@k: per prompt, the mean and std over the seed's
-bootstrap rows of the best, worst and majority-vote values, for all prompts with ``n`` samples at
-once (how: docs/validation.md, "How it is fast").
+"""The vectorised bootstrap of best@k / worst@k / maj@k over the seed's rows, all prompts of ``n`` at once.
+
+Rules: docs/validation.md, "Semantics, and how it is computed" and "Cost".
 """
 
 from __future__ import annotations
@@ -14,17 +14,13 @@ N_BOOTSTRAP = 1000
 CHUNK_BYTES = 16 << 20
 """Rough size of the largest temporary array; prompts are processed in chunks that fit it."""
 CACHE_BYTES = 2 << 20
-"""Rough size of the vote counts of one chunk of the majority vote (small enough to stay in cache)."""
+"""Rough size of one chunk's vote counts in the majority vote (to stay in cache)."""
 
 SHARED_MAX = 16 << 20
-"""Bytes a ``(n, k)``'s bootstrap indices and tie-break words may take to be drawn once and kept (16
-shapes at most: :func:`_indices`, :func:`_words`); a larger one goes through :func:`_bootstrap_rows`,
-whose memory is a few times :data:`CHUNK_BYTES` whatever ``n`` (faster from about 512 samples a
-prompt: bench_validation's "one large prompt")."""
+"""Bytes a ``(n, k)``'s kept indices and tie-break words may take; beyond, :func:`_bootstrap_rows`."""
 
 TABLE_MAX_N = 16
-"""Prompts with at most this many samples get best@k / worst@k from subset-count tables
-(:func:`_miss_table`, ``2**n`` entries per ``(n, k)``) rather than by gathering every bootstrap row."""
+"""Up to this many samples, best@k / worst@k come from ``2**n``-entry tables (:func:`_miss_table`)."""
 
 _WORD = 32  # bootstrap positions per float64 tie-break word (weights 2**31 .. 2**0, plus counts * 2**32)
 _SHORT_K = 19  # up to this many draws, one float32 word holds count * 2**k + the k position bits (< 2**24)
@@ -33,8 +29,7 @@ _EXTREMES = (("best", "mean"), ("best", "std"), ("worst", "mean"), ("worst", "st
 
 
 def bootstrap_sizes(n: int) -> list[int]:
-    """Subset sizes of the bootstrap metrics for a prompt with ``n`` samples: 2, 4, 8, ... below ``n``,
-    then ``n`` (none when ``n < 2``).
+    """Subset sizes for a prompt of ``n`` samples: 2, 4, 8, ... below ``n``, then ``n`` (none if ``n < 2``).
 
     >>> bootstrap_sizes(16), bootstrap_sizes(5), bootstrap_sizes(2), bootstrap_sizes(1)
     ([2, 4, 8, 16], [2, 4, 5], [2], [])
@@ -46,8 +41,7 @@ def bootstrap_sizes(n: int) -> list[int]:
 
 
 def bootstrap_indices(n: int, k: int, n_bootstrap: int = N_BOOTSTRAP, seed: int = 42) -> np.ndarray:
-    """The seed's indices: ``np.random.seed(seed); np.random.choice(n, size=(n_bootstrap, k))``, drawn
-    from a private generator (the global one is untouched).
+    """The seed's ``(n_bootstrap, k)`` indices, from a private generator (the global one is untouched).
 
     >>> np.random.seed(7); a = np.random.choice(5, size=(3, 2), replace=True)
     >>> bool((bootstrap_indices(5, 2, 3, seed=7) == a).all())
@@ -77,14 +71,8 @@ def bootstrap_group(
     n_bootstrap: int,
     tie: str = "first",
 ) -> dict[tuple[str, str], np.ndarray]:
-    """best/worst/maj @k mean and std per prompt for prompts with ``n`` samples (rows of ``mats``);
-    ``tie="none"``: a row whose vote ties reports 0 (no majority), else the seed's tie-break.
-
-    Each comes from how many bootstrap rows take each of a prompt's values (:func:`_row_stats`):
-    best/worst from the subset-count tables of :func:`_miss_table` for ``n <= TABLE_MAX_N``
-    (prompts with a NaN, which makes numpy's max and min NaN, and larger ``n``: by gathering
-    every row), maj from the winners of the vote in every row (:func:`_winner_histogram`).
-    """
+    """best/worst/maj @k mean and std per prompt of ``n`` samples (rows of ``mats``); ``tie="none"``:
+    a tied row reports 0."""
     out: dict[tuple[str, str], np.ndarray] = {}
     if not mats:
         return out
@@ -117,8 +105,7 @@ def bootstrap_group(
 
 
 def _shared_bytes(n: int, k: int, n_bootstrap: int, votes: bool = True) -> int:
-    """Bytes of the bootstrap indices of ``(n, k)`` and, with ``votes`` (a ``pred`` to vote on, ``k > 2``),
-    its tie-break words (at most 8 bytes an entry)."""
+    """Bytes of the kept indices of ``(n, k)`` and, with ``votes``, its tie-break words."""
     words = -(-k // (k if k <= _SHORT_K else _WORD)) if votes else 0
     return n_bootstrap * 8 * (k + n * words)
 
@@ -132,11 +119,8 @@ def _bootstrap_rows(
     seed: int,
     tie: str,
 ) -> dict[tuple[str, str], np.ndarray]:
-    """:func:`bootstrap_group`'s keys of one ``k``, the bootstrap rows drawn (the seed's draws) and used
-    a chunk of rows at a time for a block of prompts, nothing kept: memory a few times
-    :data:`CHUNK_BYTES` for any ``n``, ``k`` and number of prompts (the rows are drawn again for each
-    block), time linear in ``n_bootstrap * k`` per prompt. The vectorised path's numbers (to float
-    rounding: a block's means and stds may sum in another order)."""
+    """:func:`bootstrap_group`'s keys of one ``k``, the seed's rows drawn a chunk at a time and nothing
+    kept (memory a few :data:`CHUNK_BYTES`); the vectorised numbers, to float rounding."""
     prompts = len(next(iter(mats.values())))
     d = 0 if dense is None else int(dense.max()) + 1
     width = 8 * (k + d) * (len(mats) + 1)  # bytes of one bootstrap row of one prompt in flight
@@ -192,8 +176,7 @@ def _bootstrap_rows(
 
 
 def _row_stats(x: np.ndarray, rows: np.ndarray, n_bootstrap: int) -> tuple[np.ndarray, np.ndarray]:
-    """Mean and population std over the bootstrap rows of a statistic that ``rows[p, j]`` rows of
-    prompt ``p`` take as ``x[p, j]`` (a value no row takes plays no part, a NaN neither)."""
+    """Mean and population std over bootstrap rows, ``rows[p, j]`` of which take ``x[p, j]``."""
     taken = rows > 0
     with np.errstate(invalid="ignore"):
         mean = np.where(taken, rows * x, 0.0).sum(axis=1) / n_bootstrap
@@ -202,8 +185,7 @@ def _row_stats(x: np.ndarray, rows: np.ndarray, n_bootstrap: int) -> tuple[np.nd
 
 
 def _ranked(mat: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per prompt: its values in ascending order, and the bitmasks of the positions of rank at most
-    / at least each rank (the positions of the smallest 1, 2, ... values; of the largest ...)."""
+    """Per prompt: its sorted values and the bitmasks of positions of rank <= / >= each rank."""
     order = np.argsort(mat, axis=1, kind="stable")
     bits = np.left_shift(np.int64(1), order)
     below = np.bitwise_or.accumulate(bits, axis=1)
@@ -214,8 +196,7 @@ def _ranked(mat: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def _extremes_by_table(
     srt: np.ndarray, below: np.ndarray, above: np.ndarray, miss: np.ndarray, n_bootstrap: int
 ) -> list[np.ndarray]:
-    """best mean, best std, worst mean, worst std per prompt: the rows whose maximum has rank ``i``
-    are those that draw a position of rank >= i minus those that draw one of rank >= i + 1."""
+    """best mean, best std, worst mean, worst std per prompt, from the miss table."""
     reach_up = n_bootstrap - miss[above]  # rows drawing a position of rank >= i
     reach_down = n_bootstrap - miss[below]  # rows drawing a position of rank <= i
     zero = np.zeros((len(srt), 1), np.int64)
@@ -225,8 +206,7 @@ def _extremes_by_table(
 
 
 def _extremes_by_rows(mat: np.ndarray, idx: np.ndarray) -> list[np.ndarray]:
-    """best mean, best std, worst mean, worst std per prompt by gathering every bootstrap row (numpy's
-    max and min per row, NaN included), in chunks of prompts."""
+    """best mean, best std, worst mean, worst std per prompt by gathering every row (NaN propagates)."""
     n_prompts, k = len(mat), idx.shape[1]
     out = [np.empty(n_prompts) for _ in range(4)]
     chunk = max(1, CHUNK_BYTES // (8 * len(idx) * 8))
@@ -258,9 +238,7 @@ def _indices(n: int, k: int, n_bootstrap: int, seed: int) -> np.ndarray:
 
 @functools.lru_cache(maxsize=64)
 def _miss_table(n: int, k: int, n_bootstrap: int, seed: int) -> np.ndarray:
-    """``miss[M]``: how many bootstrap rows draw no position of the bitmask ``M`` (for every ``M`` of
-    ``n`` bits). The rows whose set of positions lies within each ``S`` are counted by a sum over
-    subsets (one pass per bit), and a row misses ``M`` when its set lies within the complement."""
+    """``miss[M]``: how many bootstrap rows draw no position of bitmask ``M`` (a sum over subsets)."""
     idx = _indices(n, k, n_bootstrap, seed)
     within = np.bincount(np.bitwise_or.reduce(np.left_shift(np.int64(1), idx), axis=1), minlength=1 << n)
     for bit in range(n):
@@ -274,9 +252,7 @@ def _miss_table(n: int, k: int, n_bootstrap: int, seed: int) -> np.ndarray:
 def _winner_histogram(
     dense: np.ndarray, n_classes: np.ndarray, idx: np.ndarray, n: int, seed: int
 ) -> np.ndarray:
-    """``(P, n)``: per prompt, how many bootstrap rows the maj@k vote reports the value at each
-    position. With ``k == 2`` the first draw always wins (a pair agrees, or ties and the first
-    seen wins), whatever the preds."""
+    """``(P, n)``: per prompt, in how many rows maj@k reports each position (``k == 2``: the first draw)."""
     n_boot, k = idx.shape
     if k == 2:
         first = np.bincount(idx[:, 0], minlength=n).astype(np.float64)
@@ -293,9 +269,7 @@ def _winner_histogram(
 
 
 def _tied_counts(dense: np.ndarray, idx: np.ndarray, n: int) -> np.ndarray:
-    """``(P, n + 1)``: per prompt, how many bootstrap rows tie (two or more preds share the top vote
-    count), by the position the seed's tie-break reports (columns ``:n``), and in all (column ``n``).
-    Plain counting (:func:`_votes`), in chunks of prompts (``tie="none"`` only)."""
+    """``(P, n + 1)``: per prompt, the tied rows by reported position (``:n``) and in all (``n``)."""
     n_boot, k = idx.shape
     d = int(dense.max()) + 1
     out = np.zeros((len(dense), n + 1))
@@ -311,8 +285,7 @@ def _tied_counts(dense: np.ndarray, idx: np.ndarray, n: int) -> np.ndarray:
 
 
 def _votes(codes: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per bootstrap row of dense pred codes ``(R, k)`` (codes below ``d``): the position maj@k reports
-    (the first draw of the most voted pred: the seed's tie-break) and whether the top vote is tied."""
+    """Per row of dense pred codes ``(R, k)``: the position maj@k reports, and whether the vote ties."""
     counts = np.bincount((np.arange(len(codes))[:, None] * d + codes).ravel(), minlength=len(codes) * d)
     counts = counts.reshape(-1, d)
     top = counts.max(axis=1)
@@ -327,10 +300,9 @@ def _words(n: int, k: int, n_bootstrap: int, seed: int) -> list[np.ndarray]:
 
 
 def _tie_words(idx: np.ndarray, n: int) -> list[np.ndarray]:
-    """``(n_bootstrap, n)`` matrices whose product with a one-hot class matrix gives, per row and class,
-    ``count * 2**w + sum of 2**(w - 1 - t)`` over the class's positions ``t < w`` (then one word per
-    further ``w`` positions): exact integers, ordered as (count, earliest position). For ``k`` up to
-    :data:`_SHORT_K` draws, one float32 word of ``w = k`` bits; beyond, float64 words of 32 bits."""
+    """``(n_bootstrap, n)`` matrices; times a one-hot class matrix, per row and class
+    ``count * 2**w + sum of 2**(w - 1 - t)`` over its positions ``t < w`` (exact; float32 words up to
+    :data:`_SHORT_K` draws, float64 words of 32 positions beyond)."""
     n_boot, k = idx.shape
     width, dtype = (k, np.float32) if k <= _SHORT_K else (_WORD, np.float64)
     flat = (np.arange(n_boot)[:, None] * n + idx).ravel()
@@ -397,8 +369,7 @@ def _majority_winners(
 
 @functools.lru_cache(maxsize=32)
 def _first_positions(k: int) -> np.ndarray:
-    """For every float32 tie-break key of ``k`` draws (``count * 2**k`` + position bits), the first
-    position among its bits (the highest bit: draw 0 has weight ``2**(k - 1)``)."""
+    """For every float32 tie-break key of ``k`` draws, the first position among its bits."""
     bits = np.arange((k + 1) << k, dtype=np.int64) & ((1 << k) - 1)
     first = (k - np.frexp(bits.astype(np.float64))[1]).astype(np.uint8)
     first.flags.writeable = False
@@ -406,9 +377,7 @@ def _first_positions(k: int) -> np.ndarray:
 
 
 def _products(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``a @ b`` in blocks of rows of at most :data:`_GEMM_MAX` multiply-adds each. BLAS runs products
-    this small on one thread: here (an inner dimension of ``n``) threads cost more than they save,
-    and on a busy machine they cost many times the product itself."""
+    """``a @ b`` in row blocks of at most :data:`_GEMM_MAX` multiply-adds (BLAS then stays on one thread)."""
     out = np.empty((a.shape[0], b.shape[1]), dtype=np.result_type(a, b))
     step = max(1, _GEMM_MAX // (a.shape[1] * b.shape[1]))
     for lo in range(0, len(a), step):

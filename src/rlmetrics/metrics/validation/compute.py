@@ -1,11 +1,6 @@
-"""The per-prompt metrics of a record and their averages per data source (:func:`compute`), view by view,
-prompts grouped by their number of samples.
+"""The per-prompt metrics of a record and their averages per data source (:func:`compute`).
 
-The ``exact=True`` estimators (``pass@k``, ``pass^k``, ``.../exact_mean``, ``.../unbiased``) also get a 95 %
-confidence interval across prompts, ``<name>/ci_low`` and ``<name>/ci_high``: the mean over the data
-source's prompts plus or minus :data:`Z95` standard errors (sample std of the per-prompt values,
-``ddof=1``, over the square root of the number of prompts; the normal approximation, treating
-the prompts as drawn at random). Absent with fewer than two prompts.
+Rules: docs/validation.md, "Semantics, and how it is computed" and "Confidence intervals".
 """
 
 from __future__ import annotations
@@ -35,8 +30,7 @@ def _has_ci(name: str) -> bool:
 
 
 class _Sums:
-    """Per data source sums, counts and sums of squares of per-prompt values, keyed by (var, metric
-    name)."""
+    """Per data source sums, counts and sums of squares of per-prompt values, by (var, metric name)."""
 
     def __init__(self, n_sources: int) -> None:
         self.n = n_sources
@@ -181,8 +175,7 @@ class _Run:
 
 
 def _add_view(view: View, run: _Run) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Add the per-prompt metrics of a view to ``run``; return per variable the groups that use it
-    and the group sizes."""
+    """Add a view's per-prompt metrics to ``run``; per variable, the groups using it and group sizes."""
     n_groups = len(run.group_source)
     counts = np.bincount(view.group, minlength=n_groups)
     order = np.argsort(view.group, kind="stable")

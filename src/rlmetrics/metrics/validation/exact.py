@@ -1,16 +1,7 @@
-"""What ``exact=True`` adds (beyond the seed): ``pass@k`` (Chen et al. 2021), the exact expectation
-and std of the best@k / worst@k / maj@k bootstrap distributions, without sampling noise, and the
-unbiased estimators of best@k / worst@k / maj@k over all k-subsets.
+"""What ``exact=True`` adds: ``pass@k``, ``pass^k``, the exact bootstrap expectations and stds of
+best@k / worst@k / maj@k, and their unbiased estimators over all k-subsets.
 
-Two expectations, two questions. The bootstrap draws ``k`` of a prompt's ``n`` samples *with*
-replacement, so ``.../exact_mean`` (its exact expectation) is biased towards the mean when ``k`` is
-close to ``n``: with 1 correct answer of 4, every 4-draw misses it with probability (3/4)**4, and
-best@4 reads 0.684 (verl PR #7240). ``.../unbiased`` averages over every ``k``-subset of distinct
-samples (a U-statistic, the estimator of Chen et al. for pass@k): the unbiased estimate of the best
-(worst, majority-voted) value of ``k`` fresh samples, 1.0 in that case; for 0/1 values
-``best@k/unbiased`` is ``pass@k``. maj@k over a subset follows the bootstrap's rule for a row in a
-uniformly random order: the most frequent pred wins, ties go to the pred seen first, and the value
-is the first one of the winning pred in the row.
+Rules: docs/validation.md, "Why the bootstrap is biased" and "Cost".
 """
 
 from __future__ import annotations
@@ -24,8 +15,7 @@ from rlmetrics.metrics.validation.bootstrap import CHUNK_BYTES, bootstrap_sizes
 
 
 def pass_at_k(n: int, c: np.ndarray | int, k: int) -> np.ndarray:
-    """Unbiased pass@k (Chen et al. 2021): ``1 - C(n - c, k) / C(n, k)`` for ``c`` correct of ``n``
-    samples, as the product ``prod_{i<k} (n - c - i) / (n - i)`` (no large binomials).
+    """Unbiased pass@k, ``1 - C(n - c, k) / C(n, k)`` (``c`` correct of ``n``); ValueError unless 1 <= k <= n.
 
     >>> pass_at_k(10, np.array([0, 1, 5, 10]), 3).round(6).tolist()
     [0.0, 0.3, 0.916667, 1.0]
@@ -40,9 +30,7 @@ def pass_at_k(n: int, c: np.ndarray | int, k: int) -> np.ndarray:
 
 
 def pass_hat_k(n: int, c: np.ndarray | int, k: int) -> np.ndarray:
-    """Unbiased pass^k: ``C(c, k) / C(n, k)``, the probability that ``k`` samples drawn without
-    replacement from ``n`` with ``c`` correct are all correct (the estimate of "all ``k`` fresh samples
-    correct"), as the product ``prod_{i<k} (c - i) / (n - i)``.
+    """Unbiased pass^k, ``C(c, k) / C(n, k)`` for ``c`` correct of ``n``; ValueError unless ``1 <= k <= n``.
 
     >>> pass_hat_k(4, np.array([0, 2, 3, 4]), 2).round(6).tolist()
     [0.0, 0.166667, 0.5, 1.0]
@@ -58,8 +46,7 @@ def pass_hat_k(n: int, c: np.ndarray | int, k: int) -> np.ndarray:
 
 @functools.lru_cache(maxsize=256)
 def subset_weights(n: int, k: int) -> np.ndarray:
-    """``w[i] = C(i, k - 1) / C(n, k)``: the probability that the ``(i + 1)``-th smallest of ``n``
-    values is the largest of a uniform ``k``-subset (exact integers, one rounding each; read-only).
+    """``w[i] = C(i, k - 1) / C(n, k)``: P(the ``(i + 1)``-th smallest of ``n`` is a ``k``-subset's max).
 
     >>> subset_weights(4, 2).tolist() == [0.0, 1 / 6, 2 / 6, 3 / 6]
     True
@@ -73,8 +60,7 @@ def subset_weights(n: int, k: int) -> np.ndarray:
 
 
 MAJ_MAX_K = 256
-"""The largest ``k`` of the exact maj@k keys: their dynamic program grows as about ``k**3`` (one prompt of
-1,024 samples: 30 s on the development machine for every ``k`` up to 1,024, about 1.5 s up to 256)."""
+"""The largest ``k`` of the exact maj@k keys (their dynamic program grows as about ``k**3``)."""
 
 
 def exact_group(
@@ -84,9 +70,7 @@ def exact_group(
     n: int,
     tie: str = "first",
 ) -> dict[tuple[str, str], np.ndarray]:
-    """pass@k, pass^k, the exact best/worst/maj expectations and stds of the bootstrap, and the
-    unbiased best/worst/maj over k-subsets, per prompt (``n`` samples each). ``tie="none"``: a tied
-    vote is no majority and reports 0."""
+    """The ``exact=True`` keys per prompt of ``n`` samples; ``tie="none"``: a tied vote reports 0."""
     out: dict[tuple[str, str], np.ndarray] = {}
     ks = bootstrap_sizes(n)
     for v, mat in mats.items():
@@ -131,15 +115,7 @@ def _exact_majority(
     strict: bool = False,
 ) -> dict[tuple[int, bool], tuple[np.ndarray, np.ndarray]]:
     """``{(k, subsets): (E[maj value], E[maj value**2])}`` per prompt and variable, for ``k`` draws
-    with replacement (``subsets`` False) and for a uniform ``k``-subset in a uniform order (True: the
-    counts multivariate hypergeometric instead of multinomial).
-
-    Given the vote counts, the reported value is that of a uniform member of the winning class, and
-    among tied classes each wins with probability 1/(number tied); the same holds for subsets. So
-    E = sum over classes c of P(c wins) * (mean of c), and P(c wins) depends on the class sizes
-    alone: it is computed once per distinct multiset of class sizes (a few hundred partitions of
-    ``n`` cover thousands of prompts), by :func:`_win_probabilities`. ``strict``: a tie wins for
-    no class (the value is 0)."""
+    with replacement or (``subsets``) a uniform ``k``-subset; ``strict``: a tie wins for no class."""
     n_prompts = len(dense)
     rows = np.arange(n_prompts)[:, None]
     size = np.zeros((n_prompts, n))
@@ -171,13 +147,8 @@ def _exact_majority(
 def _win_probabilities(
     partitions: np.ndarray, n: int, k: int, subsets: bool, strict: bool = False
 ) -> np.ndarray:
-    """``P(class c wins)`` for each row of class sizes (largest first, zeros for padding); ``strict``:
-    ``P(class c alone has the most votes)``.
-
-    A dynamic program per level L (the winning count): classes are visited in turn, each taking
-    j <= L of the remaining r draws (binomial, or hypergeometric for subsets), tracking how many
-    classes reached exactly L; besides the probability mass, one channel per class carries whether
-    it did."""
+    """``P(class c wins)`` per row of class sizes (largest first, 0-padded); ``strict``: c alone on top.
+    A dynamic program per winning count, tracking how many classes reached it."""
     n_rows, d_max = partitions.shape
     count = (partitions > 0).sum(axis=1)
     by_count = np.argsort(count, kind="stable")  # similar class counts share a chunk: little padding
@@ -197,8 +168,7 @@ def _win_probabilities(
 def _binom_pmf(
     r: np.ndarray, j: np.ndarray, size: np.ndarray, pool: np.ndarray, log_fact: np.ndarray
 ) -> np.ndarray:
-    """P(Bin(r, size / pool) = j), broadcasting; 0 where j > r, exact 0/1 at q in {0, 1} (0 when
-    ``pool`` is 0)."""
+    """P(Bin(r, size / pool) = j), broadcasting; 0 where j > r or ``pool`` is 0."""
     with np.errstate(invalid="ignore", divide="ignore"):
         q = np.where(pool > 0, size / pool, 0.0)
     r, j, q = np.broadcast_arrays(r, j, q)
@@ -213,8 +183,7 @@ def _binom_pmf(
 def _hypergeom_pmf(
     r: np.ndarray, j: np.ndarray, size: np.ndarray, pool: np.ndarray, log_fact: np.ndarray
 ) -> np.ndarray:
-    """P(j of r draws without replacement from ``pool`` items fall among ``size`` marked ones),
-    ``C(size, j) C(pool - size, r - j) / C(pool, r)``, broadcasting; 0 where impossible."""
+    """``C(size, j) C(pool - size, r - j) / C(pool, r)``, broadcasting; 0 where impossible."""
     r, j, size, pool = np.broadcast_arrays(r, j, size, pool)
     r, j, size, pool = (np.asarray(x).astype(np.intp) for x in (r, j, size, pool))
     valid = (j <= size) & (r - j >= 0) & (r - j <= pool - size) & (r <= pool)
@@ -237,11 +206,8 @@ def _majority_dp(
     pmf=_binom_pmf,
     strict: bool = False,
 ) -> np.ndarray:
-    """E[channel of the winning class] for prompts with (at most) ``d`` classes of the given sizes;
-    empty classes (size 0) are padding. ``pmf(r, j, size, pool, log_fact)``: the probability that a
-    class of ``size`` of the ``pool`` samples left takes ``j`` of ``r`` draws (binomial: with
-    replacement; hypergeometric: a subset). ``strict``: only a class alone at the top wins (no
-    share of a tie)."""
+    """E[channel of the winning class] for prompts of at most ``d`` classes (size 0: padding);
+    ``pmf``: :func:`_binom_pmf` or :func:`_hypergeom_pmf`; ``strict``: a tie wins for no class."""
     n_prompts, d = size.shape
     n_chan = chan.shape[-1]
     remaining = n - np.cumsum(size, axis=1) + size  # samples of class c and the classes after it

@@ -1,9 +1,7 @@
-"""One rank's validation samples as a compact :class:`SampleRecord` (:func:`encode_samples`), records of
-several ranks concatenated in rank order (:func:`merge_samples`), and a record's content hash
-(:func:`record_digest`).
+"""One rank's validation samples as a compact :class:`SampleRecord`, merged over ranks, and its digest.
 
-Over 400 lines on purpose: a record's encoding, its merge over ranks and its digest share one
-compact layout (offsets and codes) that nothing else reads.
+Over 400 lines on purpose: encoding, merge, checks and digest share one layout nothing else reads.
+Rules: docs/validation.md, "Semantics, and how it is computed" and "pass^k, ties, failed samples and the RNG".
 """
 
 from __future__ import annotations
@@ -24,35 +22,19 @@ from rlmetrics.core.values import MetricValueError
 RECORD_VERSION = 1
 
 STYLES = ("seed", "verl")
-"""Record styles: the seed's (siiRL's) semantics, or verl 0.9.1's (see the module docstring)."""
+"""Record styles: the seed's (siiRL's) semantics, or verl 0.9.1's."""
 TIES = ("first", "none")
 """How maj@k treats a tied vote: the seed's (the pred seen first wins), or no majority (reports 0)."""
 MISSING = (None, "count_as_zero", "drop", "error")
-"""What a failed or missing sample (a score that is None or NaN) counts as: None keeps the seed's
-behaviour (keys unchanged); the others name themselves in the keys (``<var>:<choice>``)."""
+"""What a None or NaN score counts as: None keeps the seed's behaviour, the others are named in the keys."""
 
 
 @dataclass
 class SampleRecord:
-    """Validation samples of one rank (or of several, merged), as codes plus tables:
-
-    - ``sources``: data source names in order of first appearance;
-    - ``prompts``, ``group_source`` (int32): one entry per ``(data_source, prompt)`` group in order of
-      first appearance: the prompt (or its 16-byte blake2b digest) and the index of its data source;
-    - ``group`` (int32, one per sample): the sample's group;
-    - ``values``: ``{var: float64 array}`` in ``infos_dict`` order, NaN where a value is not a number,
-      ``None`` when no value is; ``numeric``: ``{var: bool array}`` only for variables that mix numbers
-      and non-numbers (which samples are numbers); ``none``: ``{var: bool array}`` for variables with
-      ``None`` values (which samples are None);
-    - ``turns``: the turn counts (float64);
-    - ``pred`` (int32 codes) and ``pred_table`` (distinct preds, order of first appearance), when the
-      samples have a ``pred`` (preds are compared as dict keys, as the seed does);
-    - ``exact``: whether the metrics of the record add the ``exact=True`` keys;
-    - ``style`` (:data:`STYLES`), ``seed`` (of the bootstrap) and ``expected``: ``(data_source, prompt,
-      count)`` triples (verl's ``expected_acc_counts``), which only the ``"verl"`` style reads;
-    - ``tie`` (:data:`TIES`) of maj@k and ``missing`` (:data:`MISSING`): what the samples' missing
-      scores were made into (the keys name it); ``failed``: ``(data_source, var, count)`` triples, the
-      samples whose score was missing and made 0 or left out (``count_as_zero``, ``drop``).
+    """Samples of one or more ranks as codes plus tables (first appearance order): per group its prompt
+    (or digest) and source, per sample its ``group``; ``values`` (NaN: not a number; None: none is), with
+    ``numeric`` / ``none`` flags; ``pred`` codes into ``pred_table``; triples ``expected`` (source, prompt,
+    count) and ``failed`` (source, var, count); settings ``exact``, ``style``, ``seed``, ``tie``, ``missing``.
     """
 
     sources: list[Any]
@@ -94,23 +76,9 @@ def encode_samples(
     tie: str = "first",
     missing: str | None = None,
 ) -> SampleRecord:
-    """One rank's validation samples as a :class:`SampleRecord`. ``digest_prompts=True`` keeps a
-    16-byte blake2b digest of each prompt; ``exact``: whether the metrics of the merged records add
-    the ``exact=True`` keys; ``expected_counts``: verl's ``expected_acc_counts``, keyed by
-    ``(data_source, prompt)`` (read by the ``"verl"`` style only).
-
-    Non-finite numbers (NaN, inf) follow ``nan_strategy``: ``"propagate"`` keeps them (they reach the
-    metrics as in the seed), ``"drop"`` leaves out every sample that has one (in any variable, with
-    its turn count when ``sample_turns`` has one per sample; and non-finite turn counts),
-    ``"error"`` raises :class:`~rlmetrics.core.stat.MetricValueError` naming the variable.
-
-    ``tie``: maj@k's tie rule (:data:`TIES`). ``missing`` (:data:`MISSING`), applied first, to every
-    variable but ``pred``: a value that is None or NaN is a failed sample (value by value, so the
-    samples split over ranks get what one process gets);
-    ``"count_as_zero"`` makes it 0.0 (verl 0.9.1 counts a failed session as ``acc=0``), ``"drop"``
-    leaves the sample out (every variable, and its turn count when there is one per sample),
-    ``"error"`` raises :class:`~rlmetrics.core.stat.MetricValueError` naming the variable, data source,
-    prompt and sample; None (the default) leaves it as it was.
+    """One rank's samples as a :class:`SampleRecord`. ``digest_prompts``: keep 16-byte digests of prompts;
+    ``expected_counts``: verl's; ``nan_strategy``: docs/reductions.md; ``tie``, ``missing`` (first):
+    docs/validation.md. ``ValueError`` on bad options or lengths, ``MetricValueError`` under ``"error"``.
 
     >>> encode_samples(["a", "a"], ["p", "p"], {"acc": [1.0, None]}, missing="count_as_zero").values
     {'acc': array([1., 0.])}
@@ -201,11 +169,8 @@ def encode_samples(
 
 
 def merge_samples(records: Iterable[SampleRecord]) -> SampleRecord:
-    """Concatenate records in the given order (rank order): the samples of record 0, then record 1, ...
-
-    The merged record equals :func:`encode_samples` of the concatenated inputs, so the order of the
-    samples within a prompt, which best/worst/maj depend on, is that of the concatenation. Records
-    without samples are ignored; the others must have the same variables (and all or none a pred).
+    """Concatenate records in the given (rank) order: equal to :func:`encode_samples` of the concatenated
+    inputs. Records without samples are ignored; ValueError as :func:`check_mergeable`.
 
     >>> r0 = encode_samples(["a", "a"], ["p", "q"], {"acc": [1.0, 0.0]})
     >>> r1 = encode_samples(["a", "b"], ["q", "p"], {"acc": [1.0, 1.0]})
@@ -290,10 +255,8 @@ def merge_samples(records: Iterable[SampleRecord]) -> SampleRecord:
 
 
 def check_mergeable(held: Sequence[SampleRecord], new: Iterable[Any]) -> None:
-    """ValueError unless the records ``new`` merge with ``held`` (records that merge together) in
-    :func:`merge_samples`, and the metrics take them: records of this version, of one style and seed,
-    the same variables and all or none a pred among those with samples, and no ``acc_success_only``
-    variable beside ``acc`` and verl's expected counts (the metrics compute it).
+    """ValueError unless ``new`` merge with ``held``: this version, one style, seed, tie and missing
+    rule, the same variables and all or none a pred, no ``acc_success_only`` beside verl's expected counts.
 
     >>> a = encode_samples(["s"], ["p"], {"acc": [1.0]})
     >>> check_mergeable([a], [encode_samples(["s"], ["p"], {"reward": [1.0]})])
@@ -337,12 +300,8 @@ MAX_EXPECTED = 1 << 20
 
 
 def check_record(record: Any) -> None:
-    """ValueError unless ``record`` is a :class:`SampleRecord` whose every index, table and array the
-    metrics can read (a record from another process): each group's data source, each sample's group
-    and pred code in range of their tables; one float64 value (or None), number flag and None flag
-    per sample and variable; tables whose entries are dict keys; a known style, a seed of numpy's
-    range, and expected counts of ``(data source, prompt, count)`` asking for at most
-    :data:`MAX_EXPECTED` samples.
+    """ValueError unless the metrics can read every index, table and array of ``record`` (from another
+    process), its expected counts asking for at most :data:`MAX_EXPECTED` samples.
 
     >>> r = encode_samples(["a", "a"], ["p", "q"], {"acc": [1.0, 0.0]})
     >>> check_record(r)
@@ -435,8 +394,7 @@ def _column(col: Any, n: int | None, dtype: Any, name: str) -> None:
 
 
 def record_digest(record: SampleRecord) -> str:
-    """A hash of a record's content (independent of when or where it was made): the order of
-    records from clients without a rank.
+    """A hash of a record's content, independent of when or where it was made (orders rankless clients).
 
     >>> a = encode_samples(["s"], ["p"], {"acc": [1.0]})
     >>> record_digest(a) == record_digest(encode_samples(["s"], ["p"], {"acc": [1.0]}))
@@ -514,9 +472,7 @@ def _fill_missing(
     sample_turns: Any,
     missing: str,
 ) -> tuple[list, list, dict[str, list], Any, list[tuple[Any, str, int]]]:
-    """The inputs with their failed samples (None or NaN scores) made 0.0 or left out, or raise (the
-    ``missing=`` rule of :func:`encode_samples`), and the ``(data_source, var, count)`` of the failed
-    samples."""
+    """The inputs under the ``missing`` rule, and the failed samples' ``(data_source, var, count)``."""
     n = len(data_sources)
     bad = np.zeros(n, bool)
     failed: list[tuple[Any, str, int]] = []
@@ -556,8 +512,7 @@ def is_number(v: Any) -> bool:
 
 
 def _numeric_column(col: Any, var: str) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
-    """(float64 values with NaN for non-numbers or None if there is no number, mask of numbers or None
-    if all are numbers, mask of ``None`` values or None if there is none)."""
+    """(float64 values, NaN for non-numbers; mask of numbers; mask of Nones), each None when trivial."""
     if isinstance(col, np.ndarray) and col.dtype.kind in "biuf":
         return col.astype(np.float64).ravel(), None, None
     if isinstance(col, np.ndarray) and col.dtype.kind in "US":

@@ -1,6 +1,6 @@
-"""Validation samples as an engine state (:class:`Samples`): how the samples of all ranks travel to
-the aggregator and give the single-process validation metrics there (registered as state kind
-``samples`` on :data:`~rlmetrics.metrics.VALIDATION_SAMPLES` by :mod:`rlmetrics.metrics`).
+"""Validation samples as an engine state (:class:`Samples`), reduced once over all ranks' samples.
+
+Rules: docs/reductions.md, "Validation order".
 """
 
 from __future__ import annotations
@@ -19,10 +19,7 @@ from rlmetrics.metrics.validation.records import SampleRecord, check_mergeable, 
 
 
 class Samples:
-    """Validation samples of one or more ranks: ``(rank key, sample record)`` pairs
-    (:func:`~rlmetrics.metrics.validation.encode_samples` makes a record). Merging concatenates;
-    reducing orders them by rank key and computes the validation metrics once over all of them, so
-    a prompt whose samples sit on several ranks gets the single-process values.
+    """``(rank key, record)`` pairs; merging concatenates, reducing computes the metrics in rank-key order.
 
     >>> from rlmetrics.metrics.validation import encode_samples
     >>> r0 = Samples([((0, 0), encode_samples(["gsm8k"] * 2, ["p", "p"], {"acc": [1.0, 0.0]}))])
@@ -43,14 +40,11 @@ class Samples:
         return type(self)(self.records + other.records)
 
     def check_merge(self, other: Samples) -> None:
-        """ValueError unless the records of both merge (one style and seed, the same variables:
-        :func:`~rlmetrics.metrics.validation.records.check_mergeable`)."""
+        """ValueError unless the records of both merge (``records.check_mergeable``)."""
         check_mergeable([r for _, r in self.records], (r for _, r in other.records))
 
     def validate(self) -> None:
-        """ValueError unless each record is one a client makes (every index in range:
-        :func:`~rlmetrics.metrics.validation.records.check_record`), under a rank key
-        ``(int, int, int, str)``, and they merge together."""
+        """ValueError unless each record is checked, keyed ``(int, int, int, str)``, and all merge."""
         for key, record in self.records:
             if not (
                 isinstance(key, tuple)
@@ -70,8 +64,7 @@ class Samples:
 
     @classmethod
     def from_array(cls, arr: np.ndarray) -> Samples:
-        """Inverse of :meth:`to_array`; ValueError unless every element is a ``(key, record)`` pair
-        whose record passes :meth:`check`."""
+        """Inverse of :meth:`to_array`; ValueError unless each element is a checked ``(key, record)``."""
         if not isinstance(arr, np.ndarray) or arr.dtype != object or arr.ndim != 1:
             raise ValueError(f"{cls.kind} travel as a 1-D object array")
         pairs = arr.tolist()
@@ -88,9 +81,7 @@ class Samples:
             raise ValueError(f"samples must be (rank key, SampleRecord) pairs, got {type(record).__name__}")
 
     def reduce(self, name: str, reduction: Reduction | None, stat: Stat) -> dict[str, float]:
-        """The validation metrics of the records, merged in rank-key order (the order best/worst/maj
-        depend on, as in one process over the concatenation); with the ``exact=True`` keys when any
-        rank asked for them."""
+        """The metrics of the records merged in rank-key order (``exact=True`` keys if any rank asked)."""
         merged = merge_samples([record for _, record in sorted(self.records, key=lambda pair: pair[0])])
         return process_samples(merged, exact=merged.exact)
 

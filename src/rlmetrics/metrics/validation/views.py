@@ -1,6 +1,6 @@
-"""How the metrics group a record's samples: one slot per value, in input order within a prompt. The
-seed's style has one view of all samples (:func:`seed_view`); verl's drops ``None`` values per prompt
-and variable and pads ``acc`` up to ``expected_acc_counts`` (:func:`verl_views`).
+"""How the metrics group a record's samples: the seed's style (:func:`seed_view`) or verl's.
+
+Rules: docs/validation.md, "Semantics, and how it is computed".
 """
 
 from __future__ import annotations
@@ -15,12 +15,8 @@ from rlmetrics.metrics.validation.records import SampleRecord
 
 @dataclass
 class View:
-    """Samples as the metrics group them: one slot per value, in input order within a group.
-
-    The seed's style has one view of all samples. verl's drops None values per prompt and variable,
-    so variables with different None patterns see different slots (:func:`verl_views`); variables
-    with the same slots share a view, hence one majority-vote computation.
-    """
+    """Samples as the metrics group them: one slot per value, in input order within a group (verl's
+    style: one view per distinct None pattern)."""
 
     group: np.ndarray  # (slots,) group of each slot
     values: dict[str, np.ndarray]  # float64 per slot
@@ -40,15 +36,7 @@ def seed_view(record: SampleRecord) -> View:
 
 
 def verl_views(record: SampleRecord) -> tuple[list[View], np.ndarray, list[str]]:
-    """verl's grouping of a record: per prompt and variable, its values that are not None, in order.
-
-    With ``expected`` (verl's ``expected_acc_counts``; only for data sources where some ``acc`` is
-    not None): ``acc_success_only`` holds the prompt's ``acc`` values, and ``acc`` is padded with
-    zeros up to the expected count (a prompt without samples gets one). A prompt votes (maj@k) for a
-    variable when none of its preds is None and the variable kept as many values as the prompt has
-    samples; the variable's i-th value then pairs with the prompt's i-th pred, as verl's ``zip``.
-    Returns the views, the groups' data sources (new prompts appended) and the variables in order.
-    """
+    """verl's grouping: views, groups' sources (empty prompts appended), variables; may raise ValueError."""
     group = np.asarray(record.group, dtype=np.intp)
     group_source = np.asarray(record.group_source, dtype=np.intp)
     values, numeric, none = record.values, record.numeric, record.none
@@ -118,9 +106,8 @@ def verl_views(record: SampleRecord) -> tuple[list[View], np.ndarray, list[str]]
 
 
 def _expected_counts(record: SampleRecord, group: np.ndarray, group_source: np.ndarray) -> dict:
-    """``{group: expected count}`` of the record's ``expected`` triples whose data source has an
-    ``acc`` that is not None (the largest count where ranks name a prompt twice); under the key None
-    the ``(prompt, source index)`` of prompts without samples, which become new groups."""
+    """``{group: expected count}`` (the largest where ranks name a prompt twice); under None the
+    ``(prompt, source index)`` of prompts without samples."""
     triples = record.expected
     if not triples or "acc" not in record.values:
         return {}
