@@ -1,10 +1,7 @@
 """Sinks of step results: JSONL, console, TensorBoard, W&B, MLflow, SwanLab, trackio, ClearML, Prometheus.
 
 Over 400 lines on purpose: ``Tracking`` and ``make_sinks`` decide together what a resumed or rerun
-folder holds. Every :class:`Sink` has ``log(metrics, step)``, ``alert(alert)`` and ``close()``;
-:class:`Tracking` fans a step out to several sinks (health rules, ``meta/coverage``, each tracker's
-``keys=`` view; a sink that fails never stops the run); :func:`make_sinks` builds the usual set in one
-run folder. Importing this package imports no tracker, torch or rich. docs/trackers.md.
+folder holds. docs/trackers.md.
 
 >>> import tempfile
 >>> out = tempfile.mkdtemp()
@@ -61,8 +58,7 @@ TRACKERS: dict[str, type[Sink]] = {
 
 
 def adapt_name(name: str, tracker: str) -> str:
-    """``name`` as ``tracker`` gets it (its sink's :meth:`Sink.adapt_name`, the table in
-    docs/trackers.md); pure, without the collision handling of :class:`NameMap`.
+    """``name`` as ``tracker`` gets it, without :class:`NameMap`'s collision handling.
 
     >>> name = "val-core/math/acc/mean@4"
     >>> adapt_name(name, "mlflow"), adapt_name(name, "tensorboard")
@@ -76,35 +72,8 @@ def adapt_name(name: str, tracker: str) -> str:
 
 
 class Tracking(Sink):
-    """Fan-out to ``sinks`` (:class:`Sink` s). The JSONL journal is written first, in :meth:`log`;
-    each ``background`` sink (the trackers) gets the step in a queue of its own, written by its thread
-    (:mod:`rlmetrics.sinks.writer`: retried until it passes, at most ``queue`` steps queued, the rest
-    read back from the journal), so a tracker down or frozen never holds the caller. Any other sink
-    that raises is reported once (``logging.error``) and disabled, but the journal, reported once and
-    written again at the next step; every other sink still gets every step. ``close()`` waits up to
-    ``close_timeout`` s in all for the trackers' queues (naming what one could not deliver), then
-    closes every sink, errors isolated too (docs/trackers.md, "A tracker that is down").
-
-    Metric values are checked once, before any sink sees the step: a value that is not a real number
-    raises TypeError to the caller (a caller's bug, not a sink failure). A step is logged once (per
-    axis): a later :meth:`log` of a step logged already (a retried loop iteration) is skipped with one
-    warning, and every sink keeps the first values (:meth:`write` adds to a step on purpose).
-
-    A step with a ``meta`` (a :class:`~rlmetrics.StepResult`) is logged with ``meta/coverage`` and
-    ``meta/late`` added. ``health``: the :class:`~rlmetrics.health.Monitor` run on every step (True:
-    the default rules; None: none); each alert is logged (``logging.warning``) and written to every
-    sink that writes its step, just before the step, then passed to the monitor's ``on_alert`` (its
-    exceptions reach the caller). A step every sink skipped (logged before a resume) feeds the rules
-    but alerts nobody.
-
-    ``keys``, ``core``, ``overview``: what each tracker gets (:class:`~rlmetrics.sinks.keys.KeyView`):
-    every key (``"all"``), the ``core`` globs only (``"core"``) or the keys of a list of globs, and
-    with ``overview`` (None: on for a list of globs) a copy of each core key under ``overview/``. A
-    JSONL sink gets every key whatever ``keys`` is (the record a resumed run catches up from), the
-    console no copies. A glob of ``keys`` that matched no key of the run is warned about at
-    :meth:`close`. The W&B sinks are watched for W&B's limits
-    (:class:`~rlmetrics.sinks.keys.KeyLimits`, ``clock`` its time).
-    """
+    """Each step to every one of ``sinks`` (the journal first, the trackers from threads), with the
+    ``health`` rules, ``meta/*`` and each tracker's ``keys`` view (docs/trackers.md)."""
 
     def __init__(
         self,
@@ -142,8 +111,7 @@ class Tracking(Sink):
         # the journal first: a tracker behind reads back steps the journal holds
         self._order = sorted(range(len(self.sinks)), key=lambda i: self.sinks[i] is not self.journal)
         self._left: dict[int, list[tuple[str, int]]] | None = None  # what the queues could not deliver
-        if self.writers:  # a process that ends without close() still delivers the queues; registered
-            # after the sinks, so it runs before their trackers' own exit hooks (W&B's)
+        if self.writers:  # registered after the sinks: it runs before their trackers' exit hooks (W&B's)
             self._exit_hook = partial(_at_exit, weakref.ref(self))
             atexit.register(self._exit_hook)
         # (sink, axis) → the journal's last step queued to it (catch_up)
@@ -172,8 +140,7 @@ class Tracking(Sink):
 
     @property
     def resumed_at(self) -> int | None:
-        """The last step every resumed sink holds (None: nothing resumed): a restarted driver logs
-        from the step after it."""
+        """The last step every resumed sink holds (None: nothing resumed)."""
         steps = [
             self._caught_up.get((i, DEFAULT_AXIS), s.resumed_at)
             for i, s in enumerate(self.sinks)
@@ -183,8 +150,7 @@ class Tracking(Sink):
 
     @property
     def undelivered(self) -> dict[str, list[int]]:
-        """The train steps each tracker's queue could not deliver by :meth:`close` (reported once in
-        the log too), by tracker name; empty before ``close()`` and when every step was delivered."""
+        """Tracker name → the train steps its queue could not deliver by :meth:`close` (empty before)."""
         return {
             _name(self.sinks[i]): [s for axis, s in left if axis == DEFAULT_AXIS]
             for i, left in (self._left or {}).items()
@@ -213,9 +179,7 @@ class Tracking(Sink):
                 self.health.on_alert(alert)
 
     def log_axis(self, metrics: Mapping[str, float], step: int, axis: str) -> None:
-        """Log ``step`` of the step axis ``axis`` (:mod:`rlmetrics.axes`; ``train_step`` is
-        :meth:`log`) to every active sink (:meth:`Sink.log_axis`), with ``meta/coverage`` and
-        ``meta/late``; the health rules watch ``train_step`` only."""
+        """Log ``step`` of the step axis ``axis`` (:mod:`rlmetrics.axes`) to every active sink."""
         if axis == DEFAULT_AXIS:
             return self.log(metrics, step)
         if self._closed:
@@ -251,10 +215,7 @@ class Tracking(Sink):
     def write(
         self, sink: Sink, metrics: Mapping[str, float], step: int, alerts: Sequence[Alert] = ()
     ) -> None:
-        """``alerts``, then the step ``metrics``, to ``sink`` (one of :attr:`sinks`), unless it is
-        disabled or held ``step`` before a resume; a sink that raises is reported and disabled. No value
-        check, coverage metrics nor health rules (:meth:`log` adds them): what a caller that logs a
-        step in several calls uses for the later ones (verl's Tracking)."""
+        """``alerts``, then ``metrics``, to ``sink``, without :meth:`log`'s checks: a step's later calls."""
         i = self.sinks.index(sink)
         if self._writes(i, step):
             self._write(i, self._frozen(metrics, as_floats(metrics), step), step, alerts)
@@ -269,15 +230,12 @@ class Tracking(Sink):
 
     @staticmethod
     def _frozen(metrics: Mapping[str, float], values: dict[str, float], step: int) -> StepResult:
-        """``metrics`` with ``values`` (a copy of its floats): what the sinks get, which a caller
-        changing its mapping after the call does not change (a tracker may write it later)."""
+        """``metrics`` with ``values``, a copy its caller cannot change (a tracker may write it later)."""
         get = partial(getattr, metrics)
         return StepResult(values, step, get("meta", None), get("histograms", None), get("lists", None))
 
     def _write(self, i: int, metrics: Mapping[str, float], step: int, alerts: Sequence[Alert]) -> None:
-        """The step's alerts, then the step, to sink ``i``; one that raises is disabled. Alerts go
-        first: a crash between the two leaves the step unwritten, so it is written again on resume
-        (a JSONL file does not repeat an alert it holds), and its alerts are never lost."""
+        """The step's alerts, then the step, to sink ``i`` (the alerts first: docs/resume.md)."""
         metrics = self._viewed(i, metrics)
         if i in self.limits:  # the rate the run logs at, whenever the tracker gets the steps
             self.limits[i].observe(metrics)
@@ -296,9 +254,7 @@ class Tracking(Sink):
                      self.sinks[i], task.axis, task.step, exc, where, exc_info=exc)  # fmt: skip
 
     def _send(self, i: int, axis: str, step: int, call: Callable[[], object]) -> None:
-        """Make ``call`` (sink ``i``'s calls of a step): in its :class:`~rlmetrics.sinks.writer.Writer`
-        (a background sink), else now; a sink that raises now is reported and disabled, but the
-        journal, which is reported once and tried again at the next step."""
+        """Make sink ``i``'s ``call`` in its writer or now (one that raises is disabled, but the journal)."""
         if i in self.writers:
             return self.writers[i].put(axis, step, call)
         sink = self.sinks[i]
@@ -320,8 +276,7 @@ class Tracking(Sink):
             logger.warning("the journal %r writes again from %s", sink, where)
 
     def _refill(self, i: int, steps: list[tuple[str, int]]) -> list[Task]:
-        """The tasks of sink ``i`` for ``steps`` (``(axis, step)``), read back from the journal with
-        their alerts (a step it lacks left out)."""
+        """Sink ``i``'s tasks for ``steps`` (``(axis, step)``), read back from the journal."""
         if self.journal is None:
             return []
         records, alerts = _journal(self.journal.path)
@@ -342,9 +297,7 @@ class Tracking(Sink):
     def _viewed(
         self, i: int, metrics: Mapping[str, float], copies: bool = True, cache: bool = True
     ) -> Mapping[str, float]:
-        """What sink ``i`` gets of ``metrics``: :attr:`view`, or all of it (:attr:`Sink.all_keys`),
-        the ``overview/`` copies if it takes them (:attr:`Sink.overview_copies`); ``cache``: the
-        caller's thread (a writer's thread reading the journal back makes its own)."""
+        """What sink ``i`` gets of ``metrics``; ``cache``: on the caller's thread, not a writer's."""
         sink = self.sinks[i]
         if sink.all_keys:
             return metrics
@@ -359,14 +312,7 @@ class Tracking(Sink):
         return made[copies]
 
     def catch_up(self, journal: JsonlSink, sinks: Iterable[Sink]) -> None:
-        """Log to each of ``sinks`` the steps (and their alerts) of the resumed JSONL file after the
-        last step its own files hold (one that holds none: every record, each axis's, in the file's
-        order), then let every one of them resume after the file's last step of each axis.
-
-        The JSONL file has every step it was given (one flushed write per step; a later call at a
-        step, as verl's trainer makes, adds a record with all the step's metrics so far), while a
-        killed process loses what a tracker had not written yet (W&B's service writes its file every
-        15 s or 32 KiB, SwanLab every 8 KB)."""
+        """Log to each of ``sinks`` the journal's steps it lacks, then resume it after the journal's last."""
         if journal.resumed_at is None:
             return
         records, alerts = _journal(journal.path)
@@ -384,8 +330,7 @@ class Tracking(Sink):
                     viewed = self._viewed(i, record_result(record), copies=False, cache=False)
                     self._send(i, axis, step, partial(sink.log_axis, viewed, step, axis))
                     self._caught_up[i, axis] = max(step, self._caught_up.get((i, axis), -1))
-            # the later steps it is given are those after the journal's (a writer may still be
-            # delivering the steps caught up: the sink's own resumed_at stays as its files say)
+            # later steps: after the journal's (its own resumed_at stays: a writer may still deliver)
             held = -1 if sink.resumed_at is None else sink.resumed_at
             self._caught_up[i, DEFAULT_AXIS] = max(journal.resumed_at, held)
 
@@ -406,8 +351,7 @@ class Tracking(Sink):
                 logger.error("sink %r failed to close: %r", sink, exc, exc_info=exc)
 
     def _deliver_queues(self, when: str) -> dict[int, list[tuple[str, int]]]:
-        """Let each tracker's thread deliver its queue, ``close_timeout`` s in all (once: at
-        ``close()`` or at the process's exit); what each one that could not holds (reported)."""
+        """Let the trackers' threads deliver their queues, ``close_timeout`` s in all, once; what's left."""
         if self._left is None:
             if self.writers:
                 atexit.unregister(self._exit_hook)
@@ -443,8 +387,7 @@ class Tracking(Sink):
 
 
 def _journal(path: Path) -> tuple[dict[tuple[str, int], dict], dict[int, list[Alert]]]:
-    """A JSONL file's last record of each ``(axis, step)`` (a later record of a step wins) and its
-    alerts by step."""
+    """A JSONL file's last record of each ``(axis, step)``, and its alerts by step."""
     run = read_jsonl(path)
     records = {(r.get("axis", DEFAULT_AXIS), r["step"]): r for r in run.records + run.axis_records}
     alerts: dict[int, list[Alert]] = {}
@@ -454,9 +397,7 @@ def _journal(path: Path) -> tuple[dict[tuple[str, int], dict], dict[int, list[Al
 
 
 def _first_seen(records: Mapping[tuple[str, int], dict]) -> StepResult:
-    """Every name of the journal's ``records`` (a step axis's under ``<axis>/``, as sinks log it),
-    in the order they first came: a sink adapting them in that order gives each name the series its
-    earlier sessions gave it (two names that collide in a tracker keep theirs after a resume)."""
+    """Every name of the journal's ``records`` (an axis's under ``<axis>/``), in the order they first came."""
     merged: dict[str, dict] = {"metrics": {}, "histograms": {}, "lists": {}}
     for (axis, _), record in records.items():
         for part, names in merged.items():
@@ -467,56 +408,43 @@ def _first_seen(records: Mapping[tuple[str, int], dict]) -> StepResult:
 
 
 def _name(sink: Sink) -> str:
-    """The sink's tracker name (a sink of one's own may have none: its class name)."""
     return getattr(sink, "tracker", type(sink).__name__)
 
 
 def _deliver(sink: Sink, metrics: Mapping[str, float], step: int, alerts: Sequence[Alert]) -> None:
-    """A step's alerts, then the step, to ``sink``."""
     for alert in alerts:
         sink.alert(alert)
     sink.log(metrics, step)
 
 
 def _at_exit(ref: weakref.ref) -> None:
-    """A process that ends without ``close()`` (a script's last line, an exception) delivers what
-    its trackers' queues hold before their threads die with it (as each step was written in
-    ``log()`` before the queues); the sinks are left as they are."""
+    """At the process's exit, deliver what the queues of a ``Tracking`` never closed hold."""
     tracking = ref()
     if tracking is not None:
         tracking._deliver_queues("the process's exit")
 
 
 SINKS: dict[str, Callable[..., Sink]] = {name: sink.in_folder for name, sink in TRACKERS.items()}
-"""Sink name → factory ``(out_dir, project, run_name, resume) -> Sink`` (each sink's
-:meth:`Sink.in_folder`), as :func:`make_sinks` uses them; ``resume``: False (a new run), True
-(continue what is in ``out_dir``) or the id of the tracker's run to continue. Those of
-:data:`CONFIG_SINKS` take ``config=``, W&B's ``axes=``."""
+"""Sink name → the factory :func:`make_sinks` calls (:meth:`Sink.in_folder`)."""
 
 RUN_IDS = "run_ids.json"
-"""The file in ``out_dir`` where :func:`make_sinks` keeps the id of each tracker's run (and
-:data:`WHOLE_JOURNAL`)."""
+"""The file of the run folder holding each tracker's run id (and :data:`WHOLE_JOURNAL`)."""
 
 WHOLE_JOURNAL = "journal"
-"""The key of :data:`RUN_IDS` listing the trackers whose run the folder's ``metrics.jsonl`` holds
-whole (``jsonl`` was among the sinks at every start of that run): a resumed offline run of a
-tracker that :attr:`~Sink.rebuilds` is rebuilt from it; else a new run of that tracker continues
-(TensorBoard's, a :attr:`~Sink.folder_run`, goes on as it is)."""
+"""The key of :data:`RUN_IDS` listing the tracker runs ``metrics.jsonl`` holds whole (docs/resume.md)."""
 
 RUN_FILES = (
     *(pattern for sink in TRACKERS.values() for pattern in sink.folder_files),
     RUN_IDS,
     "run_ids.tmp",
 )
-"""What :func:`make_sinks` writes in its folder (glob patterns): each sink's
-:attr:`~Sink.folder_files`, the run ids and their temporary file."""
+"""What :func:`make_sinks` writes in its folder (glob patterns)."""
 
 CONFIG_SINKS = tuple(name for name, sink in TRACKERS.items() if sink.takes_config)
 """The sinks :func:`make_sinks` gives the run's ``config`` (the trackers that store one)."""
 
 CATCH_UP = tuple(name for name, sink in TRACKERS.items() if sink.catches_up)
-"""The sinks :func:`make_sinks` brings up to the JSONL file when it resumes a run
-(:meth:`Tracking.catch_up`)."""
+"""The sinks a resumed :func:`make_sinks` catches up from the JSONL file."""
 
 
 def make_sinks(
@@ -536,32 +464,23 @@ def make_sinks(
     options: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Tracking:
     """A :class:`Tracking` over the sinks ``names`` in the run folder ``out_dir`` (docs/trackers.md,
-    "Sinks"; resuming: docs/resume.md). Trackers run offline unless their own variable says otherwise
-    (``MLFLOW_TRACKING_URI``, ``WANDB_MODE``, ``SWANLAB_LOG_DIR``); their run ids go to :data:`RUN_IDS`.
+    "Sinks"; resuming: docs/resume.md).
 
     Args:
         names: sink names (:data:`SINKS`), a list or one comma-separated str.
-        out_dir: the run folder (created); it holds one run (:func:`run_files`).
+        out_dir: the run folder (created), which holds one run.
         project, run_name: the trackers' project and run name.
-        resume: continue the run the folder holds (its trackers' runs; with ``jsonl`` the trackers
-            of :data:`CATCH_UP` first get the journal's steps they lack, W&B, SwanLab and
-            TensorBoard all of it: they are rebuilt from it); every sink then skips the steps the
-            run holds. A folder holding no run starts one.
-        overwrite: replace the run the folder holds (only its :data:`RUN_FILES`; a start that fails
-            puts them back).
+        resume: continue the folder's run (a folder holding none starts one).
+        overwrite: replace the folder's run (its :data:`RUN_FILES` only).
         health, keys, core, overview: as :class:`Tracking` takes them.
-        axes: the run logs other step axes too (W&B made with ``axes=True``).
-        config: the run's config (a mapping, a dataclass, an OmegaConf config), given to the
-            sinks of :data:`CONFIG_SINKS`.
-        options: keyword arguments of a sink's :meth:`~Sink.in_folder` by sink name
-            (``{"tensorboard": {"log_dir": path}}``, verl's ``TENSORBOARD_DIR``).
+        axes: the run logs other step axes too.
+        config: the run's config, for the sinks of :data:`CONFIG_SINKS`.
+        options: a sink's :meth:`~Sink.in_folder` keyword arguments, by sink name.
 
     Raises:
-        FileExistsError: ``out_dir`` holds a run and neither ``resume`` nor ``overwrite`` is given
-            (one line naming what it holds).
-        ValueError, TypeError: an unknown sink, ``resume`` with ``overwrite``, a bad ``keys`` or
-            ``config``: before any file is made. A sink that cannot be created: the others are
-            closed and its error raised.
+        FileExistsError: ``out_dir`` holds a run, and neither ``resume`` nor ``overwrite`` is given.
+        ValueError, TypeError: a bad argument (before any file is made); a sink's own error when it
+            cannot be created.
 
     Example:
     >>> import tempfile
@@ -679,9 +598,7 @@ def _save_run_id(ids_file: Path, name: str, run_id: str) -> None:
 
 
 def _rebuild(name: str, sink: Sink) -> None:
-    """Set the earlier sessions of ``sink``'s resumed offline run aside in ``replaced/`` beside them,
-    where its uploader (``wandb sync``, ``swanlab sync``) does not look: the journal rebuilds the run
-    (:meth:`Tracking.catch_up`)."""
+    """Move the earlier sessions of ``sink``'s offline run into ``replaced/``, out of the uploader's way."""
     earlier = sink.earlier_sessions()
     for folder in earlier:
         (folder.parent / "replaced").mkdir(exist_ok=True)
@@ -697,7 +614,6 @@ def _rebuild(name: str, sink: Sink) -> None:
 
 
 def _set_aside(out: Path, paths: list[Path]) -> Path | None:
-    """Move ``paths`` (files of ``out``) into a new hidden folder of ``out``; None if there are none."""
     if not paths:
         return None
     aside = Path(tempfile.mkdtemp(prefix=".replaced-", dir=out))
@@ -715,8 +631,7 @@ def _remove(paths: Iterable[Path]) -> None:
 
 
 def run_files(out_dir: str | os.PathLike) -> list[Path]:
-    """The files and folders of the run :func:`make_sinks` wrote in ``out_dir`` (:data:`RUN_FILES`),
-    sorted; empty when it holds none.
+    """The files and folders of the run :func:`make_sinks` wrote in ``out_dir``, sorted.
 
     >>> import tempfile
     >>> out = Path(tempfile.mkdtemp())
@@ -732,8 +647,7 @@ def run_files(out_dir: str | os.PathLike) -> list[Path]:
 
 
 def new_run_folder(out_dir: str | os.PathLike) -> Path:
-    """``out_dir`` if it holds no run (:func:`run_files`), else the first of ``<out_dir>-2``,
-    ``<out_dir>-3``, ... that holds none.
+    """``out_dir`` if it holds no run, else the first of ``<out_dir>-2``, ``<out_dir>-3``, … holding none.
 
     >>> import tempfile
     >>> out = Path(tempfile.mkdtemp()) / "demo"

@@ -1,13 +1,7 @@
 """The ``Sink`` base: every method :class:`~rlmetrics.sinks.Tracking` calls, with defaults.
 
-A tracker is a translator: it declares ``tracker`` (its name) and its name rules as data
-(``map_name``, ``name_limit``, ``case_insensitive_names``), and writes a step's :class:`Row` (its
-scalars, histograms and texts, under the tracker's names) in :meth:`Sink.write`; the base's
-:meth:`Sink.log` checks the step, skips what a resumed run holds and builds the row. Alerts go
-through :meth:`Sink.write_alert`, once each (:meth:`Sink.alert_once`). A sink of one's own may
-implement ``log(metrics, step)`` and ``close()`` instead. How a tracker lives in a run folder
-(``in_folder``, ``folder_files``, ``takes_config``, ``catches_up``) and which keys it gets
-(``all_keys``, ``overview_copies``): docs/architecture.md, "Where a change goes".
+A tracker declares its name rules and writes a step's :class:`Row` in :meth:`Sink.write`; the rest:
+docs/architecture.md, "Where a change goes".
 
 >>> class Printer(Sink):
 ...     tracker = "printer"
@@ -39,11 +33,7 @@ _AXIS_CALL = threading.local()  # .sink: the sink whose log_axis calls its own l
 
 @dataclass(frozen=True)
 class Row:
-    """A step as a tracker writes it: ``scalars``, ``histograms``
-    (:class:`~rlmetrics.core.histogram.Histogram`) and ``texts`` (a list of names joined by ``", "``:
-    the slowest ranks), each under the tracker's names; ``axis``: the step's axis (``train_step``:
-    None), whose names the row already carries under ``<axis>/``; ``meta``: the step's
-    :class:`~rlmetrics.StepMeta` if it has one."""
+    """A step under the tracker's names (``texts``: lists of names joined; ``axis``: None for train steps)."""
 
     step: int
     scalars: dict[str, float]
@@ -54,14 +44,7 @@ class Row:
 
 
 class Sink:
-    """Base of the sinks: ``log(metrics, step)``, ``log_axis``, ``alert(alert)``, ``close()`` and a
-    context manager.
-
-    ``resumed_at``: the last step the tracker held when this sink was opened to continue a run (None:
-    nothing to skip); :meth:`log` skips every step up to it (:meth:`skips`), so a driver restarted
-    from an older checkpoint never writes a step twice, nor a lower step after a higher one (a
-    tracker that replaces a step logged again, TensorBoard, has none).
-    """
+    """Base of the sinks; ``resumed_at``: the last step the resumed tracker held, up to which it skips."""
 
     tracker: ClassVar[str]
     """The tracker's name (a key of :data:`~rlmetrics.sinks.TRACKERS`)."""
@@ -71,25 +54,19 @@ class Sink:
     """The tracker takes two names that differ only in case as one metric."""
 
     folder_files: ClassVar[tuple[str, ...]] = ()
-    """What :meth:`in_folder` writes in a run folder (glob patterns): what
-    :func:`~rlmetrics.sinks.make_sinks` refuses to write over, and replaces with ``overwrite=True``."""
+    """What :meth:`in_folder` writes in a run folder (glob patterns)."""
     takes_config: ClassVar[bool] = False
     """:meth:`in_folder` takes the run's ``config=`` (the tracker stores one)."""
     catches_up: ClassVar[bool] = False
-    """A resumed :func:`~rlmetrics.sinks.make_sinks` first logs to it the steps of the JSONL file
-    that its own files lack (:meth:`~rlmetrics.sinks.Tracking.catch_up`)."""
+    """A resumed :func:`~rlmetrics.sinks.make_sinks` first logs to it the journal's steps it lacks."""
     rebuilds: ClassVar[bool] = False
-    """Resumed offline, it reads none of its earlier sessions: :func:`~rlmetrics.sinks.make_sinks`
-    (with ``jsonl``) sets them aside (:meth:`earlier_sessions`) or drops them (:meth:`replay_from`)
-    and replays the whole journal to it."""
+    """Resumed offline, it reads none of its earlier sessions: the journal replays the whole run."""
     folder_run: ClassVar[bool] = False
-    """Its run is its folder (TensorBoard's), with no run id: resumed, it continues there, rebuilt
-    from the journal when it holds the run whole (:meth:`replay_from`), else as it is."""
+    """Its run is its folder (TensorBoard's), with no run id."""
     all_keys: ClassVar[bool] = False
     """It gets every key of a step, whatever :class:`~rlmetrics.sinks.Tracking`'s ``keys=``."""
     background: ClassVar[bool] = False
-    """:class:`~rlmetrics.sinks.Tracking` makes its calls from a thread of its own, through a bounded
-    queue (:mod:`rlmetrics.sinks.writer`): a tracker down, frozen or slow never holds a training step."""
+    """Written from a thread of its own, through a bounded queue (:mod:`rlmetrics.sinks.writer`)."""
     overview_copies: ClassVar[bool] = True
     """It gets the ``overview/`` copies of the core keys when ``Tracking`` makes them."""
 
@@ -97,16 +74,13 @@ class Sink:
     run_id: str | None = None
     """The tracker's id of the run, what ``resume=`` takes to continue it (None: the sink has none)."""
     on_run_id: Any = None
-    """Called with :attr:`run_id` when the tracker creates its run after the sink was made (MLflow on
-    a tracking server, at its first write): :func:`~rlmetrics.sinks.make_sinks` saves the id then."""
+    """Called with :attr:`run_id` when the tracker creates its run later (MLflow on a server)."""
     closed: bool = False
     _alerted: set | None = None
 
     @classmethod
     def in_folder(cls, out_dir: Path, project: str, run_name: str | None, resume: bool | str) -> Sink:
-        """The sink :func:`~rlmetrics.sinks.make_sinks` makes in its run folder ``out_dir``;
-        ``resume``: False (a new run), True (continue what is in ``out_dir``) or the id of the
-        tracker's run to continue (:func:`resume_id`)."""
+        """The sink make_sinks makes in ``out_dir``; ``resume``: False, True (the folder's run) or its id."""
         raise NotImplementedError(f"{cls.__name__} has no in_folder(), which make_sinks needs to make it")
 
     @property
@@ -119,8 +93,7 @@ class Sink:
         return []
 
     def replay_from(self, step: int) -> None:
-        """The journal is about to give this resumed sink, which holds none of the run's steps
-        (``resumed_at`` None), every record from ``step`` on (the base: nothing to do)."""
+        """The journal is about to replay the run from ``step`` on to this sink (the base: nothing)."""
 
     @staticmethod
     def map_name(name: str) -> str:
@@ -145,9 +118,7 @@ class Sink:
             self.write(self.row(metrics, step))
 
     def log_axis(self, metrics: Mapping[str, float], step: int, axis: str) -> None:
-        """Write ``step`` of the step axis ``axis`` (:mod:`rlmetrics.axes`): the base writes each
-        name under ``<axis>/`` at ``step`` (a series per name, its steps the axis's values); the skip
-        of a resumed run is about ``train_step`` only (a sink with a ``log`` of its own gets them there)."""
+        """Write ``step`` of the step axis ``axis`` (:mod:`rlmetrics.axes`): each name under ``<axis>/``."""
         if type(self).write is Sink.write or type(self).log is not Sink.log:  # a log() of its own
             _AXIS_CALL.sink = self  # this thread's skips() lets the axis's steps through
             try:
@@ -173,12 +144,10 @@ class Sink:
         raise NotImplementedError(f"{type(self).__name__} implements neither write(row) nor log()")
 
     def expect_alerts(self, rules: Sequence[str]) -> None:
-        """The names of the health rules whose alerts may come (the base class ignores them; a
-        counter per rule starts at 0 from them)."""
+        """The names of the health rules whose alerts may come (the base ignores them)."""
 
     def alert(self, alert: Alert) -> None:
-        """Write a health alert of a step this sink logged: :meth:`write_alert`, once per
-        :meth:`alert_key` (a resumed sink reads the keys its files hold)."""
+        """Write a health alert (:meth:`write_alert`) once per :meth:`alert_key`."""
         self.check_open()
         with self.alert_once(self.alert_key(alert)) as new:
             if new:
@@ -192,7 +161,6 @@ class Sink:
         """Write ``alert`` to the tracker (the base class ignores it)."""
 
     def check_open(self) -> None:
-        """ValueError if the sink is closed."""
         if self.closed:
             raise ValueError(f"{self!r} is closed")
 
@@ -215,9 +183,7 @@ class Sink:
 
     @contextmanager
     def alert_once(self, key: Any) -> Iterator[bool]:
-        """Whether the alert ``key`` was not written yet (in this session, or before a resume when
-        the sink read its files); recorded as written once the ``with`` block ends without an error
-        (a write that failed is retried)."""
+        """Whether the alert ``key`` is new; recorded once the ``with`` block ends without an error."""
         if self._alerted is None:
             self._alerted = set()
         new = key not in self._alerted
@@ -227,10 +193,7 @@ class Sink:
 
     @staticmethod
     def transient(exc: Exception) -> bool:
-        """Whether the error a call of this sink raised may pass when made again (a server down):
-        :class:`~rlmetrics.sinks.Tracking` retries a background sink's call then, and disables the
-        sink otherwise. The base: any error but a caller's or a sink's bug (ValueError, TypeError,
-        LookupError, AttributeError, NotImplementedError)."""
+        """Whether a call that raised ``exc`` may pass when made again (the base: all but a bug's errors)."""
         return not isinstance(exc, (ValueError, TypeError, LookupError, AttributeError, NotImplementedError))
 
     def __enter__(self):
@@ -241,9 +204,7 @@ class Sink:
 
 
 class RunSink(Sink):
-    """A sink around a tracker's run object with ``run.log(dict, step=...)`` (W&B, SwanLab, trackio):
-    a step is one ``run.log`` call, its histograms as :meth:`media` makes them (the base: none) and
-    its texts as :meth:`text` makes them; ``close()`` runs ``run.finish()`` once."""
+    """A sink around a tracker's run with ``run.log(dict, step=...)`` (W&B, SwanLab, trackio)."""
 
     def __init__(self, run: Any) -> None:
         self.run = run
@@ -262,13 +223,11 @@ class RunSink(Sink):
         return None
 
     def text(self, text: str) -> Any:
-        """The tracker's object for a text (the base: the string: a column of W&B's and trackio's
-        run table, no media file per step)."""
+        """The tracker's object for a text (the base: the string)."""
         return text
 
     @property
     def run_id(self) -> str:
-        """The tracker's id of the run (what ``resume=`` takes to continue it)."""
         return self.run.id
 
     def finish(self) -> None:

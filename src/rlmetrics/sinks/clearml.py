@@ -1,11 +1,4 @@
-"""ClearML in offline mode: the session is a folder (and its zip) under the sink's folder.
-
-Needs the ``trackers`` extra; no server, no ``clearml.conf``. The session is
-``<logdir>/offline/<task id>/``, zipped when the sink closes; upload it with
-``Task.import_offline_session("<zip>")``. A name is ``<title>/<series>`` (:func:`clearml_name`);
-alerts and lists of names are text lines of the task's log; no histograms. ``resume=`` raises
-ValueError. docs/trackers.md, "Live Prometheus, trackio and ClearML" and "Each tracker".
-"""
+"""ClearML in offline mode: the session is a folder (and its zip) in the sink's folder; docs/trackers.md."""
 
 from __future__ import annotations
 
@@ -26,8 +19,7 @@ def clearml_name(name: str) -> str:
 
 
 class ClearMLSink(Sink):
-    """Report each metric with ``logger.report_scalar(title, series, value, iteration=step)``;
-    ``close()`` closes the task (and zips the offline session)."""
+    """Each metric as ``logger.report_scalar(title, series, value, iteration=step)``."""
 
     tracker = "clearml"
     background = True  # written from its own thread (Tracking)
@@ -40,7 +32,7 @@ class ClearMLSink(Sink):
     def in_folder(
         cls, out_dir: Path, project: str, run_name: str | None, resume: bool | str, **options: Any
     ) -> ClearMLSink:
-        """A saved task id (an earlier session in the folder) raises: offline sessions are not continued."""
+        """A saved task id raises: an offline session is not continued."""
         return cls(project, run_name, logdir=out_dir / "clearml", resume=resume_id(resume), **options)
 
     def __init__(

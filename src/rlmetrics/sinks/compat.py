@@ -1,10 +1,4 @@
-"""Every tracker API outside the trackers' public surface that the sinks use, in one place.
-
-W&B's run file (``close()`` waits for its ``exit`` record), MLflow's engine map and store schema,
-ClearML's reporter subprocess and trackio's module-level folders. :func:`check` says which of them
-the installed trackers lack; ``tests/test_sinks_compat.py`` fails loudly when a tracker upgrade
-removes one (docs/trackers.md, "Each tracker").
-"""
+"""Every tracker API outside the trackers' public surface that the sinks use, in one place (:func:`check`)."""
 
 from __future__ import annotations
 
@@ -24,9 +18,7 @@ _FILE_HEADER = b":W&B" + struct.pack("<HB", 0xBEE1, 0)  # magic, W&B's magic num
 
 
 def wandb_last_record(path: Path) -> str | None:
-    """The kind of the last complete record of a W&B run file (``"exit"`` once W&B finished the
-    run; None: no record yet, or the file is missing). Read up to a damaged record (its checksum or
-    header wrong); a file header of another format (a W&B release that changed it) raises ValueError."""
+    """The kind of the last whole record of a W&B run file (None: none); ValueError: not W&B's format."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -66,8 +58,7 @@ def mlflow_dispose(uri: str) -> None:
 
 
 def mlflow_store_has_experiment(path: Path) -> bool:
-    """Whether the SQLite store ``path`` holds an MLflow experiment (MLflow's ``experiments`` table;
-    sqlite3.DatabaseError if the file is no database)."""
+    """Whether the SQLite store ``path`` holds an MLflow experiment (sqlite3.DatabaseError: no database)."""
     with closing(sqlite3.connect(path)) as db:
         if not db.execute("SELECT 1 FROM sqlite_master WHERE name = 'experiments'").fetchone():
             return False

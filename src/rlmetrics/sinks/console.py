@@ -1,8 +1,5 @@
 r"""Rich tables on the terminal: one per logged step, rows grouped by the first path segment.
 
-Needs the ``console`` extra (rich). Names are shown as plain text (``[x]`` is not rich markup) and
-values with 4 significant digits (docs/trackers.md, "Each tracker").
-
 >>> import io
 >>> out = io.StringIO()
 >>> with ConsoleSink(file=out) as sink:
@@ -54,11 +51,7 @@ def summary_table(
     title: str | None = None,
     max_rows: int | None = None,
 ):
-    """A rich Table of ``rows`` (cells as plain text), one section per prefix of the first column.
-
-    Groups appear in the order of their first row, rows keep their order within a group; with
-    ``max_rows``, the rows after it are replaced by one ``… N more`` row.
-    """
+    """A rich Table of ``rows``, a section per prefix of the first column; past ``max_rows``, ``… N more``."""
     rich_table = require("rich.table", "console")
     text = require("rich.text", "console")
     table = rich_table.Table(title=title)
@@ -116,8 +109,7 @@ class ConsoleSink(Sink):
             self.console.print(line, soft_wrap=True)
 
     def alert(self, alert: Alert) -> None:
-        """One line per alert, whatever ``every`` is, after its step's table: ``error`` in red,
-        ``warning`` in yellow."""
+        """One line per alert, after its step's table, whatever ``every`` is."""
         style = "bold red" if alert.level == "error" else "yellow"
         self._alerts.append(self._text.Text(str(alert), style=style))
 

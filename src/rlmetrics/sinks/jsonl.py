@@ -1,10 +1,4 @@
-"""JSON Lines: one object per step, the format every other rlmetrics tool reads back.
-
-No extra needed. A line is ``{"step": 3, "time": <unix seconds>, "metrics": {...}}``, plus ``"meta"``,
-``"histograms"``, ``"lists"`` or ``"axis"`` when the step has them; a health alert is a line with
-``"event"``. Each line is flushed when written; a step is logged once (ValueError unless
-``overwrite=True``); :func:`read_jsonl` (verl's own file too) skips a last line cut by a crash.
-docs/trackers.md, "Sinks" and "Each tracker" (resuming: docs/resume.md).
+"""JSON Lines: one object per step, the format every other rlmetrics tool reads back (docs/trackers.md).
 
 >>> import os, tempfile
 >>> path = os.path.join(tempfile.mkdtemp(), "run", "metrics.jsonl")
@@ -51,9 +45,8 @@ logger = logging.getLogger(__name__)
 
 
 def json_safe(obj: Any) -> Any:
-    """``obj`` with only JSON types: mappings (str keys), lists, str, int, float, bool, None; a
-    dataclass as its fields, an Enum as its value, an OmegaConf config as
-    ``OmegaConf.to_container(resolve=True)``, any other object as its ``str``.
+    """``obj`` with JSON types only: a dataclass as its fields, an Enum as its value, an OmegaConf
+    config resolved, tuples and sets as lists, any other object as its ``str``.
 
     >>> json_safe({"missing_ranks": ("rank1",), 3: {2, 1}, "n": np.int64(4), "path": Path("/a")})
     {'missing_ranks': ['rank1'], '3': [1, 2], 'n': 4, 'path': '/a'}
@@ -83,8 +76,7 @@ def json_safe(obj: Any) -> Any:
 
 
 def run_config(config: Any) -> dict[str, Any] | None:
-    """A run's config (a mapping, a dataclass or an OmegaConf ``DictConfig``; None: none) as a JSON-safe
-    dict (:func:`json_safe`), what the tracker sinks store; TypeError naming anything else.
+    """A run's config (a mapping, a dataclass, an OmegaConf config or None) as a JSON-safe dict.
 
     >>> run_config({"trainer": {"lr": 1e-6, "devices": (0, 1)}})
     {'trainer': {'lr': 1e-06, 'devices': [0, 1]}}
@@ -111,17 +103,13 @@ def _dumps(record: dict) -> bytes:
 
 
 def _parse(line: bytes) -> dict:
-    """A record of the file (ValueError: none rlmetrics or verl writes: its step is no int in
-    ``[0, MAX_STEP]``, a metric's value no finite-sized number, an event without its rule and
-    message, no ``metrics`` nor ``event``). A line of verl's file keeps its numbers (null: NaN)."""
+    """A record of the file (verl's too, null as NaN); ValueError for a line neither writes."""
     try:
         record = json.loads(line.decode("utf-8"))
     except RecursionError:
         raise ValueError("nested too deep") from None
     if isinstance(record, dict) and "metrics" not in record and isinstance(record.get("data"), dict):
-        data = record.pop(
-            "data"
-        )  # verl's file: {"step", "data"}, NaN written as null, other values as they were
+        data = record.pop("data")  # verl's file: {"step", "data"}, NaN written as null
         record["metrics"] = {k: float("nan") if v is None else v for k, v in data.items() if _number(v, None)}
         record["verl"] = True
     if not (
@@ -146,8 +134,7 @@ def _parse(line: bytes) -> dict:
 
 
 def _number(value: Any, *allowed: Any) -> bool:
-    """``value`` is a number a float holds (a bool is not; an int of 400 digits is not), or one of
-    ``allowed``."""
+    """``value`` is a number a float holds (no bool, no int of 400 digits), or one of ``allowed``."""
     if value in allowed and not isinstance(value, (int, float)):
         return True
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -160,8 +147,7 @@ def _number(value: Any, *allowed: Any) -> bool:
 
 
 def _scan(path: Path) -> tuple[list[dict], str | None, int]:
-    """Records (metrics and events), the truncation note, and the byte offset just after the last
-    good record."""
+    """The records, the truncation note and the byte offset just after the last good record."""
     data = path.read_bytes()
     lines = data.split(b"\n")
     last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
@@ -190,8 +176,7 @@ def _scan(path: Path) -> tuple[list[dict], str | None, int]:
 
 @dataclass
 class JsonlRun:
-    """The metric records and the event records (health alerts) of a JSONL file, in file order;
-    ``records`` are those of ``train_step``, ``axis_records`` those of the other axes."""
+    """A JSONL file's records in file order: ``records`` (``train_step``), ``axis_records``, ``events``."""
 
     path: Path
     records: list[dict]
@@ -228,10 +213,7 @@ class JsonlRun:
         return list(self._names)
 
     def series(self, name: str) -> tuple[np.ndarray, np.ndarray]:
-        """``(steps, values)`` over all distinct steps, ascending; NaN where a step lacks ``name``.
-
-        For a step present more than once, the later record wins.
-        """
+        """``(steps, values)`` over the distinct steps, ascending; NaN where a step lacks ``name``."""
         steps, latest = self._latest
         return steps, np.array([_as_float(m.get(name)) for m in latest], dtype=np.float64)
 
@@ -240,8 +222,7 @@ class JsonlRun:
         return sorted({name for r in self.records for name in r.get("histograms", {})})
 
     def histograms(self, name: str) -> tuple[np.ndarray, list[Histogram]]:
-        """``(steps, histograms)`` of the distinct steps that have histogram ``name``, ascending (the
-        later record wins for a step written twice)."""
+        """``(steps, histograms)`` of the distinct steps that have histogram ``name``, ascending."""
         latest = {r["step"]: r["histograms"][name] for r in self.records if name in r.get("histograms", {})}
         steps = sorted(latest)
         return np.array(steps, dtype=np.int64), [Histogram.from_dict(latest[s]) for s in steps]
@@ -276,14 +257,13 @@ def _ends_with_newline(path: Path, end: int) -> bool:
 
 
 def record_result(record: Mapping[str, Any]) -> StepResult:
-    """A metric record of the file as the :class:`~rlmetrics.StepResult` that was logged (its values
-    histograms and lists; its ``meta`` is not kept)."""
+    """A metric record as the :class:`~rlmetrics.StepResult` that was logged (without its ``meta``)."""
     histograms = {name: Histogram.from_dict(d) for name, d in record.get("histograms", {}).items()}
     return StepResult(record["metrics"], record["step"], histograms=histograms, lists=record.get("lists"))
 
 
 def read_jsonl(path: str | os.PathLike) -> JsonlRun:
-    """Parse a metrics JSONL file (``json.loads`` only); see the module doc for truncated files."""
+    """Read a metrics JSONL file (``json.loads`` only; verl's too)."""
     path = Path(path)
     records, truncated, _ = _scan(path)
     if any(r.get("verl") for r in records):  # verl's file: a line per call, the calls of a step merged
@@ -300,11 +280,7 @@ def read_jsonl(path: str | os.PathLike) -> JsonlRun:
 
 
 class JsonlSink(Sink):
-    """Write one JSON line per step to ``path`` (parent directories are created).
-
-    ``append=False`` creates or truncates the file; ``append=True`` continues an existing one;
-    ``resume=True`` too, and skips the steps up to the last one in it.
-    """
+    """One JSON line per step to ``path`` (its folders created); ``append``, ``resume``: docs/trackers.md."""
 
     tracker = "jsonl"  # names as they are: JSON strings, never paths
 

@@ -1,11 +1,5 @@
 """A key budget and a core view: what each tracker gets of a step, and warnings near W&B's limits.
 
-:data:`CORE_KEYS` declares the few keys that say whether training works, as globs
-(:mod:`rlmetrics.globs`); :class:`KeyView` is what one tracker gets of a step (every key, the core
-ones or those matching a list of globs, and with ``overview=True`` a copy of the core keys under
-``overview/``); :class:`KeyLimits` warns once near W&B's limits (:data:`LIMITS`). docs/trackers.md,
-"A key budget and a core view".
-
 >>> view = KeyView(["critic/*/mean"], overview=True)
 >>> dict(view({"critic/score/mean": 0.5, "critic/vf_explained_var": 0.7, "actor/grad_norm": 2.0}))
 {'critic/score/mean': 0.5, 'overview/critic/score/mean': 0.5, 'overview/actor/grad_norm': 2.0}
@@ -41,9 +35,7 @@ CORE_KEYS: tuple[str, ...] = (
     "perf/throughput",  # tokens per second per GPU
     "val-core/**/mean@*",  # validation core: each source's (verl's "openai/gsm8k" too) variable's mean@n
 )
-"""The core set: score, reward, response length, KL, entropy, grad norm, throughput and the
-validation core, as globs over the built-in names (docs/metrics.md) and verl's actor names. Extend it
-with ``make_sinks(..., core=(*CORE_KEYS, "my/metric"))``."""
+"""The core set, as globs over the built-in names (docs/metrics.md) and verl's actor names."""
 
 OVERVIEW = "overview/"
 """The prefix of the core set's copy (``overview=True``): its own section in each tracker."""
@@ -71,11 +63,7 @@ def check_keys(keys: Any) -> tuple[str, ...] | None:
 
 
 class KeyView:
-    """What one tracker gets of each step: the keys ``keys`` selects (``"all"``, ``"core"`` or a list
-    of globs; histograms and lists of names too), and with ``overview`` a copy of each scalar of
-    the ``core`` globs under :data:`OVERVIEW` (the same value, an extra key). Decisions are cached per
-    name, so a step costs a dict lookup per key. :meth:`unmatched`: the ``keys`` globs that matched no
-    key so far (a typo)."""
+    """What one tracker gets of each step: the keys ``keys`` selects, and ``overview`` copies of ``core``."""
 
     def __init__(self, keys: Any = "all", core: Sequence[str] = CORE_KEYS, overview: bool = False) -> None:
         self.globs = check_keys(keys)
@@ -147,8 +135,7 @@ class KeyView:
 
 @dataclass(frozen=True)
 class Limits:
-    """A tracker's documented limits: distinct metric keys (per project), values logged per minute,
-    histogram points per metric."""
+    """A tracker's documented limits: keys per project, values per minute, histogram points per metric."""
 
     keys: int
     values_per_minute: int
@@ -168,11 +155,7 @@ LIMITS: dict[str, Limits] = {
 
 
 class KeyLimits:
-    """Warn once (``logging.warning``) as what a tracker gets approaches its :class:`Limits`: when the
-    distinct keys reach ``share`` of ``limits.keys``, when the values of the last 60 s (a sliding
-    window) exceed ``share`` of ``limits.values_per_minute``, and per metric when its histograms
-    logged reach ``limits.histogram_points``. A set of names, a deque of ``(time, count)`` and a
-    counter per histogram; ``clock`` (seconds) is injectable for tests.
+    """Warn once as what a tracker gets nears ``share`` of its :class:`Limits`; ``clock``: seconds.
 
     >>> now = [0.0]
     >>> watch = KeyLimits("wandb", Limits(10, 100, 3, "test"), clock=lambda: now[0])

@@ -1,11 +1,4 @@
-"""MLflow, through ``MlflowClient`` on any tracking URI (``sqlite:///path/mlflow.db`` for local runs).
-
-Needs the ``trackers`` extra. A step is sent in ``log_batch`` requests within MLflow's LogBatch limits
-(1000 metrics and 1 MB each: :func:`batches`, :data:`METRIC_BYTES`); ``config`` is the run's params
-(:func:`flat_params`); an alert is the metric and tag ``alert/<rule>``; lists of names are run tags;
-no histograms. An SQLite store is created whole, so a kill never leaves one MLflow cannot open.
-docs/trackers.md, "Sinks" and "Each tracker" (resuming: docs/resume.md).
-"""
+"""MLflow, through ``MlflowClient`` on any tracking URI (``sqlite:///path/mlflow.db`` for local runs)."""
 
 from __future__ import annotations
 
@@ -32,24 +25,18 @@ logger = logging.getLogger(__name__)
 
 _BATCH, _PARAM_BATCH = 1000, 100  # MLflow's MAX_METRICS_PER_BATCH, MAX_PARAMS_TAGS_PER_BATCH
 REQUEST_BYTES = 1_000_000
-"""MLflow's limit on a LogBatch request (``mlflow.utils.validation.MAX_BATCH_LOG_REQUEST_SIZE``, which the
-sink uses when MLflow has it)."""
+"""MLflow's limit on a LogBatch request (``MAX_BATCH_LOG_REQUEST_SIZE``, used when MLflow has it)."""
 METRIC_BYTES = 160
-"""A metric's entry in a LogBatch request, its key left out, rounded up: at most 144 bytes as MLflow
-3.17's ``message_to_json`` writes it (field names, punctuation and indentation 81, the longest value
-24: ``-1.2345678901234567e-308``, an int64 timestamp 19 and step 20)."""
+"""A metric's entry in a LogBatch request, its key left out: at most 144 bytes in MLflow 3.17, rounded up."""
 PARAM_BYTES = 64
 """A param's entry in a LogBatch request, its key and value left out (44 bytes, rounded up)."""
 REQUEST_HEAD = 256
-"""A LogBatch request without its entries: the run id, the list's name and brackets (some 70 bytes,
-rounded up)."""
+"""A LogBatch request without its entries (some 70 bytes, rounded up)."""
 _BAD = re.compile(r"[^\w/.\- :]")  # the complement of MLflow's own check (str patterns: \w is Unicode)
 
 
 def flat_params(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``config`` (JSON-safe, :func:`~rlmetrics.sinks.jsonl.run_config`) as MLflow params, the keys verl
-    0.9.1 logs: nested keys joined with ``/``, a list as ``<key>/list_len`` and ``<key>/<index>``, an
-    empty mapping left out.
+    """``config`` (JSON-safe) as MLflow params, the keys verl 0.9.1 logs.
 
     >>> flat_params({"trainer": {"lr": 0.1, "devices": [0, {"id": 1}], "extra": {}}, "seed": None})
     ... # doctest: +NORMALIZE_WHITESPACE
@@ -68,8 +55,7 @@ def flat_params(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def json_size(text: str) -> int:
-    """The bytes of ``text`` as a JSON string the way MLflow's client writes it (``json.dumps``:
-    quotes, escapes, non-ASCII as ``\\uXXXX``).
+    """The bytes of ``text`` as MLflow's client writes it (``json.dumps``: non-ASCII as ``\\uXXXX``).
 
     >>> json_size("acc"), json_size('a"b'), json_size("验证")
     (5, 6, 14)
@@ -86,8 +72,7 @@ def _param_size(param: Any) -> int:
 
 
 def batches(items: list, size: Callable[[Any], int], most: int, limit: int = REQUEST_BYTES) -> Iterator[list]:
-    """``items`` in consecutive batches of at most ``most`` items whose ``size`` add up to at most
-    ``limit`` less :data:`REQUEST_HEAD` (an item bigger than that alone is a batch of its own).
+    """``items`` in batches of at most ``most`` items, ``size`` summing to ``limit`` - :data:`REQUEST_HEAD`.
 
     >>> [len(b) for b in batches(list(range(7)), lambda i: 300, most=3, limit=REQUEST_HEAD + 700)]
     [2, 2, 2, 1]
@@ -115,8 +100,7 @@ class MLflowSink(Sink):
 
     @staticmethod
     def map_name(name: str) -> str:
-        """Path-safe (:func:`~rlmetrics.sinks.names.path_safe`); ``@`` → ``_at_``; any other character
-        outside MLflow's set (letters, digits, ``_ - . space : /``) → ``_``.
+        """Path-safe; ``@`` → ``_at_``; a character outside letters, digits, ``_ - . space : /`` → ``_``.
 
         >>> MLflowSink.adapt_name("val-core/math/acc/mean@4"), MLflowSink.adapt_name("acc (%)")
         ('val-core/math/acc/mean_at_4', 'acc ___')
@@ -167,10 +151,7 @@ class MLflowSink(Sink):
             self._started()
 
     def _started(self) -> str:
-        """The run's id, the run created (or opened to resume, learning the steps it holds) first:
-        on a tracking server, by the first call that needs it, on the tracker's thread, so a server
-        down when the run starts or resumes holds nothing (the call fails and is retried as a
-        step's would be)."""
+        """The run's id, the run created or opened first (on a server: at the first call that needs it)."""
         if self._start is None:
             return self.run_id
         experiment, run_name, resume, config, Param, uri = self._start
@@ -204,8 +185,7 @@ class MLflowSink(Sink):
         return self.run_id
 
     def _holds(self, run_id: str, uri: str) -> bool:
-        """The store holds the run ``run_id``; when not (a store moved away, as a refusal advises),
-        one warning: a new run continues it (:func:`~rlmetrics.sinks.make_sinks` catches it up)."""
+        """The store holds the run ``run_id`` (else one warning: a new run continues it)."""
         from mlflow.exceptions import MlflowException
 
         try:
@@ -254,8 +234,7 @@ class MLflowSink(Sink):
         return alert.step, self.names(f"alert/{alert.rule}")  # one point per rule and step
 
     def alert(self, alert: Alert) -> None:
-        """The point ``alert/<rule> = 1`` once per rule and step; the tag ``alert/<rule>`` holds the
-        rule's latest message, a second alert of the rule at the step too."""
+        """The point ``alert/<rule> = 1`` once per rule and step; the tag ``alert/<rule>``: its message."""
         self.check_open()
         run_id, (step, key) = self._started(), self.alert_key(alert)  # started: the alerts it holds
         with self.alert_once((step, key)) as new:
@@ -264,8 +243,7 @@ class MLflowSink(Sink):
 
     @staticmethod
     def transient(exc: Exception) -> bool:
-        """A request MLflow refused as bad (HTTP 4xx but 429) is not made again; a server down or
-        failing (5xx, no answer) is."""
+        """Not a request MLflow refused as bad (HTTP 4xx but 429)."""
         status = getattr(exc, "get_http_status_code", None)
         if status is not None and 400 <= status() < 500 and status() != 429:
             return False
@@ -290,9 +268,7 @@ def _sqlite_path(uri: str) -> Path | None:
 
 
 def _finish_store(tracking, uri: str, path: Path) -> None:
-    """Make ``path`` a store MLflow finished creating: create it (or replace an unfinished one) under
-    a temporary name, then link it into place, which never replaces a store another process linked
-    first. A start killed here leaves only ``path.<hex>.init``, removed by the next creation."""
+    """Make ``path`` a store MLflow finished creating: made under a temporary name, then linked in place."""
     if path.exists():
         if _holds_experiment(path):
             return
@@ -321,8 +297,7 @@ def _holds_experiment(path: Path) -> bool:
 
 
 def _open_store(tracking, uri: str, path: Path):
-    """A client of the store at ``path``, opened (and migrated if an older MLflow made it); RuntimeError
-    if MLflow cannot open it."""
+    """A client of the store at ``path`` (migrated if older); RuntimeError if MLflow cannot open it."""
     from mlflow.exceptions import MlflowException
     from sqlalchemy.exc import SQLAlchemyError
 

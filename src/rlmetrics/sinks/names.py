@@ -1,9 +1,4 @@
-"""What every sink shares: the mechanics of metric-name adaptation, float values, steps.
-
-Each sink declares its tracker's name rules (:meth:`Sink.adapt_name
-<rlmetrics.sinks.base.Sink.adapt_name>`); this module holds what they share: :func:`path_safe`,
-:func:`fit` (a long name's head and a hash) and :class:`NameMap` (never two names on one series: later
-ones get ``__2``, ``__3`` …). docs/trackers.md, "Metric names per tracker".
+"""What every sink shares: the mechanics of metric-name adaptation (docs/trackers.md), float values, steps.
 
 >>> path_safe("../../escape"), path_safe("/abs//x"), path_safe(".hidden.")
 ('__/__/escape', 'abs/x', '_hidden_')
@@ -37,9 +32,7 @@ def _underscores(m: re.Match) -> str:
 
 
 def path_safe(name: str) -> str:
-    """``name`` as no file path: control characters and lone surrogates → ``_``; empty segments
-    dropped (``/abs/x`` → ``abs/x``, ``a//b`` → ``a/b``); segments made of dots → as many ``_``
-    (``../../x`` → ``__/__/x``); leading/trailing spaces and dots → ``_``; ``""`` → ``_``."""
+    """``name`` as no file path (docs/trackers.md; lone surrogates → ``_`` too, ``""`` → ``_``)."""
     name = _CONTROL.sub("_", name)
     segments = ["_" * len(s) if s.strip(".") == "" else s for s in name.split("/") if s]
     name = "/".join(segments)
@@ -48,8 +41,7 @@ def path_safe(name: str) -> str:
 
 
 def fit(name: str, limit: int | None) -> str:
-    """``name`` if it has at most ``limit`` characters (None: no limit), else its head, ``-`` and 8 hex
-    digits of a hash of the whole name.
+    """``name``, or past ``limit`` characters (None: no limit) its head, ``-`` and 8 hex digits of its hash.
 
     >>> fit("x" * 20, 16), fit("x" * 20, None) == "x" * 20
     ('xxxxxxx-111cb193', True)
@@ -61,12 +53,7 @@ def fit(name: str, limit: int | None) -> str:
 
 
 class NameMap:
-    """Adapted names for one sink: stable per name, never two names on one series (see above).
-    ``rules``: the sink class whose name rules apply (:class:`~rlmetrics.sinks.base.Sink`).
-
-    It holds at most ``limit`` names (about 300 bytes each): past them a name is adapted without
-    the collision check (one warning), so a run that makes new names every step (600,001 names kept
-    +104 MiB) stays bounded.
+    """The adapted names of one sink (``rules``: its class), never two on one series; ``limit`` names checked.
 
     >>> class Rules:
     ...     tracker, name_limit, case_insensitive_names = "demo", None, False
@@ -115,8 +102,7 @@ class NameMap:
         return candidate
 
     def reserve(self, *adapted: str) -> None:
-        """Take the adapted names ``adapted`` for the sink's own series: a metric adapting to one of
-        them gets ``__2`` (a Prometheus sink's ``step`` gauge)."""
+        """Take the names ``adapted`` for the sink's own series (a metric adapting to one gets ``__2``)."""
         self._taken.update(map(self._fold, adapted))
 
     def adapt(self, metrics: Mapping[str, float]) -> dict[str, float]:
@@ -148,14 +134,12 @@ def as_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 
 def histograms_of(metrics: Mapping[str, Any]) -> dict[str, Any]:
-    """The :class:`~rlmetrics.core.histogram.Histogram` s of a logged step (a
-    :class:`~rlmetrics.StepResult`'s ``histograms``; none for a plain mapping)."""
+    """The histograms of a logged step (a :class:`~rlmetrics.StepResult`'s; none for a mapping)."""
     return dict(getattr(metrics, "histograms", None) or {})
 
 
 def axis_names(metrics: Mapping[str, float], axis: str) -> dict[str, float]:
-    """``metrics`` of a step of ``axis`` (:mod:`rlmetrics.axes`) as a tracker without step axes
-    logs them: each name under ``<axis>/``.
+    """``metrics`` of a step of ``axis`` as a tracker without step axes logs them: under ``<axis>/``.
 
     >>> axis_names({"reward/mean": 0.5}, "policy_version")
     {'policy_version/reward/mean': 0.5}
@@ -171,8 +155,7 @@ def as_step(step: Any) -> int:
 
 
 def lists_of(metrics: Mapping[str, Any]) -> dict[str, list[str]]:
-    """The lists of names of a logged step (a :class:`~rlmetrics.StepResult`'s ``lists``: the slowest
-    ranks of ``perf/straggler/<stage>/slowest``; none for a plain mapping)."""
+    """The lists of names of a logged step (a :class:`~rlmetrics.StepResult`'s; none for a mapping)."""
     return {k: list(v) for k, v in (getattr(metrics, "lists", None) or {}).items()}
 
 

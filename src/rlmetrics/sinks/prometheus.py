@@ -1,11 +1,4 @@
-"""A live Prometheus endpoint: the newest merged step as gauges, scraped over HTTP.
-
-Needs the ``trackers`` extra (``prometheus_client``). Serves ``http://<addr>:<port>/metrics`` (a free
-port by default) from a registry of its own, and writes no file: a gauge per metric,
-``<prefix>_<name>`` (``rlmetrics_critic_score_mean``) with a ``run`` label, ``<prefix>_step`` and
-``<prefix>_alerts_total``. ``close()`` serves the last step to one more scrape (at most ``linger`` s)
-and frees the port. docs/trackers.md, "Live Prometheus, trackio and ClearML" and "Each tracker".
-"""
+"""A live Prometheus endpoint: the newest merged step as gauges, scraped over HTTP (docs/trackers.md)."""
 
 from __future__ import annotations
 
@@ -29,8 +22,7 @@ _OUTSIDE = re.compile(r"[^a-zA-Z0-9_]")
 
 
 def prometheus_name(name: str) -> str:
-    """``name`` with every character outside ``[a-zA-Z0-9_]`` made ``_`` (``@`` → ``_at_``): what
-    follows the sink's ``<prefix>_``.
+    """``name`` with every character outside ``[a-zA-Z0-9_]`` made ``_`` (``@`` → ``_at_``).
 
     >>> prometheus_name("critic/score/mean"), prometheus_name("val-core/acc/mean@4")
     ('critic_score_mean', 'val_core_acc_mean_at_4')
@@ -39,14 +31,11 @@ def prometheus_name(name: str) -> str:
 
 
 PROMETHEUS_PORT = "RLMETRICS_PROMETHEUS_PORT"
-"""The environment variable with the port :func:`~rlmetrics.sinks.make_sinks`'s Prometheus endpoint
-listens on (unset: a free port, printed), and ``RLMETRICS_PROMETHEUS_ADDR`` its address (unset:
-``127.0.0.1``)."""
+"""The variable holding the port of :func:`~rlmetrics.sinks.make_sinks`'s endpoint (unset: a free one)."""
 
 
 class PrometheusSink(Sink):
-    """Serve the newest step at ``http://<addr>:<port>/metrics`` (:attr:`url`; ``port=0``: a free
-    one, :attr:`port` tells which) until :meth:`close`."""
+    """Serve the newest step at :attr:`url` (``port=0``: a free port, :attr:`port`) until :meth:`close`."""
 
     tracker = "prometheus"
     map_name = staticmethod(prometheus_name)
@@ -55,8 +44,7 @@ class PrometheusSink(Sink):
     def in_folder(
         cls, out_dir: Path, project: str, run_name: str | None, resume: bool | str, **options: Any
     ) -> PrometheusSink:
-        """No files, nothing to resume: a restarted run serves again from its next step; ``options``
-        (``make_sinks(options={"prometheus": {...}})``): ``stale``, ``linger``, ``prefix``."""
+        """No files, nothing to resume; ``options``: ``stale``, ``linger``, ``prefix``."""
         return cls(
             int(os.environ.get(PROMETHEUS_PORT) or 0),
             os.environ.get("RLMETRICS_PROMETHEUS_ADDR") or "127.0.0.1",

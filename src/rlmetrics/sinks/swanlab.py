@@ -1,11 +1,4 @@
-"""SwanLab, offline by default: the run is ``<logdir>/run-<time>-<id>/run-<id>.swanlab``.
-
-Needs the ``trackers`` extra. Upload later with ``swanlab sync <logdir>/run-*``. One open run per
-process (a second sink raises SwanLab's RuntimeError); names are path-safe, at most 512 characters.
-``resume=<run id>`` continues the run; in a run folder it is rebuilt from the journal
-(:attr:`~rlmetrics.sinks.Sink.rebuilds`); alerts and lists of names are texts; no histograms.
-docs/trackers.md, "Sinks" and "Each tracker" (resuming: docs/resume.md).
-"""
+"""SwanLab, offline by default: the run is ``<logdir>/run-<time>-<id>/run-<id>.swanlab``; docs/trackers.md."""
 
 from __future__ import annotations
 

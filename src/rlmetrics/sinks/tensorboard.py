@@ -1,12 +1,4 @@
-"""TensorBoard event files, written with the ``tensorboard`` package alone (no torch, no TensorFlow).
-
-Needs the ``tensorboard`` extra. A step is one event (float32 scalars, histograms, texts), flushed at
-once; view with ``tensorboard --logdir <log_dir>``. A ``log_dir`` holding event files is refused
-(FileExistsError) unless ``resume=True``: none is read, and the session starts with TensorBoard's
-START event at the first train step it writes, so TensorBoard drops what they hold from there.
-The UI shows a sample of a long run: ``--samples_per_plugin scalars=0,histograms=0`` shows every
-step. docs/trackers.md, "Sinks" and "Each tracker".
-"""
+"""TensorBoard event files, written with the ``tensorboard`` package alone (no torch, no TensorFlow)."""
 
 from __future__ import annotations
 
@@ -61,8 +53,7 @@ class TensorBoardSink(Sink):
             self.replay_from(0)
 
     def replay_from(self, step: int) -> None:
-        """TensorBoard's session START event at ``step``: its readers drop what the earlier event
-        files hold from there on (the journal gives it again)."""
+        """TensorBoard's session START event at ``step``: its readers drop what earlier files hold from it."""
         self._restart = False
         start = self._event_pb2.SessionLog(status=self._event_pb2.SessionLog.START)
         self._writer.add_event(self._event_pb2.Event(wall_time=time.time(), step=step, session_log=start))

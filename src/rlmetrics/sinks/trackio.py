@@ -1,11 +1,4 @@
-"""trackio (Hugging Face's local tracker): the run in a SQLite file under the sink's folder.
-
-Needs the ``trackers`` extra. The run is in ``<logdir>/<project>.db``: the sink points trackio's
-``TRACKIO_DIR`` there, so nothing goes to ``$HOME``. It stays local (``TRACKIO_SPACE_ID`` or
-``TRACKIO_SERVER_URL`` set raises RuntimeError) and starts no dashboard nor CPU/GPU sampling.
-``resume=<run name>`` skips the steps the run's logs hold. docs/trackers.md, "Live Prometheus,
-trackio and ClearML" and "Each tracker".
-"""
+"""trackio (Hugging Face's local tracker): the run in a SQLite file in the sink's folder; docs/trackers.md."""
 
 from __future__ import annotations
 

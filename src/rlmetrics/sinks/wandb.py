@@ -1,12 +1,4 @@
-"""Weights & Biases, offline by default: the run is written under ``<dir>/wandb/offline-run-*``.
-
-Needs the ``trackers`` extra. Upload later with ``wandb sync <dir>/wandb/offline-run-*``. A step is
-one ``run.log`` (a histogram of more than 512 bins merged by :func:`merge_bins`); an alert is
-``run.alert`` and ``alert/<rule> = 1``; ``axes=True`` plots each metric against its step axis.
-``resume=<run id>`` continues a run: online after the step W&B holds it at; offline in a run
-folder, rebuilt from the journal (:attr:`~rlmetrics.sinks.Sink.rebuilds`). ``close()`` returns once the run
-file is complete. docs/trackers.md, "Sinks" and "Each tracker".
-"""
+"""Weights & Biases, offline by default: the run is written under ``<dir>/wandb/offline-run-*``."""
 
 from __future__ import annotations
 
@@ -34,10 +26,7 @@ WANDB_MAX_BINS = 512
 
 
 def merge_bins(counts: Any, edges: Any, limit: int = WANDB_MAX_BINS) -> tuple[np.ndarray, np.ndarray]:
-    """``(counts, edges)`` of at most ``limit`` bins: a histogram of more is re-binned exactly, each
-    ``ceil(bins / limit)`` adjacent bins merged into one (their counts summed, their outer edges kept;
-    the last group may be smaller), so every count stays in the range it was in and the total is
-    unchanged. Fewer bins are returned as they are.
+    """``(counts, edges)`` of at most ``limit`` bins, each ``ceil(bins / limit)`` adjacent bins merged.
 
     >>> counts, edges = merge_bins([1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5], limit=2)
     >>> counts.tolist(), edges.tolist()
@@ -62,8 +51,7 @@ class WandbSink(RunSink):
 
     @staticmethod
     def map_name(name: str) -> str:
-        """Path-safe (:func:`~rlmetrics.sinks.names.path_safe`); a leading ``_`` becomes ``metric_``
-        (``_step``, ``_runtime`` and ``_timestamp`` are W&B's own keys).
+        """Path-safe; a leading ``_`` becomes ``metric_`` (``_step``, ``_runtime``: W&B's own keys).
 
         >>> WandbSink.adapt_name("_step"), WandbSink.adapt_name("/abs/x"), WandbSink.adapt_name("pass@k")
         ('metric_step', 'abs/x', 'pass@k')
@@ -113,8 +101,7 @@ class WandbSink(RunSink):
         self._defined: set[str] = set()  # axes: names declared with their step metric
         init_kwargs.update(project=project, name=name, dir=dir, mode=mode, config=config)
         super().__init__(wandb.init(**init_kwargs))
-        # W&B's public view of a resumed run: online, the step it holds the run at and its summary
-        # (the last value of each key); offline nothing (W&B's API reads no offline run)
+        # resumed online: W&B's step and summary of the run; offline nothing (its API reads no offline run)
         self._row = self.run.step if resume else 0  # axes: the next W&B step
         if resume and self.run.step:
             last = self.run.summary.get(_TRAIN_STEP) if axes else self.run.step - 1
@@ -140,8 +127,7 @@ class WandbSink(RunSink):
             super().write(row)
 
     def _write_row(self, values: dict[str, Any], axis: str, step: int) -> None:
-        """One W&B step: ``values`` and ``axis = step``, each name declared with ``axis`` as its
-        step metric the first time it is seen."""
+        """One W&B step: ``values`` and ``axis = step``, each new name declared with ``step_metric=axis``."""
         if axis not in self._defined:
             self._defined.add(axis)
             self.run.define_metric(axis)

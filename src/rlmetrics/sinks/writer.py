@@ -1,10 +1,5 @@
 """A tracker's bounded queue and the thread that writes it, so a tracker never holds a training step.
 
-:class:`~rlmetrics.sinks.Tracking` gives each ``background`` sink a :class:`Writer`: its calls are made
-in order on the writer's thread, a transient error retried with a doubling wait, the steps past a full
-queue read back from the journal (``refill``); :meth:`Writer.join` waits a bounded time and returns
-what it could not deliver (docs/trackers.md, "A tracker that is down").
-
 >>> calls = []
 >>> writer = Writer("printer", lambda steps: [])
 >>> writer.put("train_step", 0, lambda: calls.append(0))
@@ -35,8 +30,7 @@ class Task:
 
 
 class Writer:
-    """The queue of one tracker (``name``) and its thread; ``refill(steps)``: the tasks of those
-    ``(axis, step)`` s read back from the journal (those it lacks left out)."""
+    """The queue of one tracker and its thread; ``refill(steps)``: their tasks, read back from the journal."""
 
     def __init__(
         self,
@@ -98,10 +92,7 @@ class Writer:
         return self._down is not None
 
     def join(self, timeout: float) -> list[tuple[str, int]]:
-        """Wait up to ``timeout`` s for the thread to end (after :meth:`finish`) and return the steps
-        it did not deliver (none once it ended: what an error or a full queue without a journal
-        left was reported then); a writer not done by then stops at its next retry (a call in
-        flight is left to end)."""
+        """Wait ``timeout`` s at most for the thread to end; the steps left (it stops at its next retry)."""
         self._thread.join(max(timeout, 0.0))
         if not self._thread.is_alive():
             return []
@@ -148,8 +139,7 @@ class Writer:
             self._tasks.extend(tasks)
 
     def _attempt(self, task: Task) -> bool:
-        """Make ``task``'s call until it passes (True), it raises an error that is not transient
-        or the writer is abandoned (False)."""
+        """Make ``task``'s call until it passes (True), fails for good or the writer is abandoned (False)."""
         delay = self.retry
         while True:
             try:
