@@ -226,6 +226,16 @@ def test_a_provisional_read_returns_what_arrived_below_a_node_as_in_the_flat_lay
         ray.kill(a)
 
 
+def survivors_complete_step_3(reader, survivors):
+    """Step 3 on ``survivors`` (ranks 0-1) is complete and exact without ``set_world_size``."""
+    ray.get([a.step.remote(3) for a in survivors])
+    res = reader.result(3, timeout=60, finalize=True)
+    allv = np.concatenate([rank_data(r, 3) for r in range(2)])
+    assert res.meta.complete and res["x/mean"] == pytest.approx(allv.mean(), rel=1e-12), res.meta
+    for a in survivors:
+        ray.kill(a)
+
+
 def test_a_rank_on_a_lost_node_ends_its_step_partial_within_seconds(cluster):
     """Rank 2 of 3 runs on a node of its own, which is removed after ranks 0-1 closed step 2: Ray
     records the node dead, the aggregator asks while the step waits, and step 2 ends partial naming
@@ -259,12 +269,7 @@ def test_a_rank_on_a_lost_node_ends_its_step_partial_within_seconds(cluster):
     assert time.monotonic() - start < 30, "step 2 waited for the deadline"
     check_partial(res, 2, range(2))
     assert res.meta.missing_ranks == [ids[2]] and "node" in res.meta.lost[ids[2]], res.meta
-    ray.get([a.step.remote(3) for a in ranks[:2]])
-    res = reader.result(3, timeout=60, finalize=True)
-    allv = np.concatenate([rank_data(r, 3) for r in range(2)])
-    assert res.meta.complete and res["x/mean"] == pytest.approx(allv.mean(), rel=1e-12), res.meta
-    for a in ranks[:2]:
-        ray.kill(a)
+    survivors_complete_step_3(reader, ranks[:2])
 
 
 def test_a_node_sub_aggregator_killed_mid_run_loses_nothing_and_counts_no_resend_late(cluster):
@@ -331,9 +336,4 @@ def test_a_node_and_one_of_its_ranks_dying_together_cost_the_next_step_at_most_t
     assert took < 25, f"step 2 took {took:.1f} s: the restarted node waited 30 s, or the reader 60"
     check_partial(res, 2, range(2))
     assert res.meta.missing_ranks == [ids[2]], res.meta
-    ray.get([a.step.remote(3) for a in ranks[:2]])
-    res = reader.result(3, timeout=60, finalize=True)
-    allv = np.concatenate([rank_data(r, 3) for r in range(2)])
-    assert res.meta.complete and res["x/mean"] == pytest.approx(allv.mean(), rel=1e-12), res.meta
-    for a in ranks[:2]:
-        ray.kill(a)
+    survivors_complete_step_3(reader, ranks[:2])
