@@ -1,9 +1,7 @@
 """Step axes for asynchronous RL: one submission, several clocks.
 
-In asynchronous RL the trainer's step, the policy version that generated a batch and the rollout
-id differ. An *axis* is a step space of its own, merged by an aggregator of its own
-(``<name>@<axis>``); a submission lands on its step of every axis, and an axis step is final once
-every rank moved past it (docs/axes.md, "When an axis step is final").
+An *axis* (``policy_version``, ``rollout_id``) is a step space of its own, merged by an aggregator of
+its own (``<name>@<axis>``): docs/axes.md, "When an axis step is final".
 
 >>> from rlmetrics.backends.local import drop_worker
 >>> trainer = connect("local", axes=("policy_version",), world_size=2, name="axes-doc", label="trainer")
@@ -41,8 +39,7 @@ AXES = ("policy_version", "rollout_id")
 """The axes :func:`connect` gives a client unless told otherwise (any identifier is an axis)."""
 
 MAX_GAP = 1024
-"""How far one submission may jump ahead of what its client closed on an axis (every value in
-between is a step)."""
+"""How far a value may jump past the lowest step its client left open on an axis."""
 
 
 def axis_aggregator(name: str, axis: str) -> str:
@@ -55,8 +52,7 @@ def axis_aggregator(name: str, axis: str) -> str:
 
 
 def _on_axes(method: Callable[..., None]) -> Callable[..., None]:
-    """A :class:`~rlmetrics.compute_local.ComputeLocal` method of an :class:`AxesClient`: it takes
-    ``axes=`` (as :meth:`AxesClient.submit_metric`) and every submission it makes lands on each axis."""
+    """A ``ComputeLocal`` method that takes ``axes=`` and lands every submission it makes on each axis."""
 
     @functools.wraps(method)
     def on_axes(self: AxesClient, *args: Any, axes: Mapping[str, int] | None = None, **kwargs: Any) -> None:
@@ -70,14 +66,8 @@ def _on_axes(method: Callable[..., None]) -> Callable[..., None]:
 
 
 class AxesClient(ComputeLocal):
-    """A rank's client on several axes: ``main`` merges ``train_step``, ``axes[axis]`` each other
-    axis (see the module docstring). Made by :func:`connect`.
-
-    The seed's calls (``compute_local_data_metric``, ``compute_local_timing_metrics``,
-    ``compute_local_throughout_metrics``, ``compute_local_mfu_metrics``,
-    ``compute_local_memory_metrics``, ``process_local_validation_metrics``) and
-    ``compute_local_straggler_metrics`` take ``axes=`` too
-    and, like :meth:`submit_metric`, land on ``train_step`` and on every axis.
+    """A rank's client on several axes (made by :func:`connect`): ``main`` merges ``train_step``,
+    ``axes[axis]`` each other axis; the seed's ``compute_local_*`` calls take ``axes=`` too.
 
     >>> from rlmetrics.backends.local import drop_worker
     >>> client = connect("local", axes=("policy_version",), world_size=1, name="axes-seed")
@@ -127,9 +117,8 @@ class AxesClient(ComputeLocal):
         *,
         group_by: Mapping[str, Any] | None = None,
     ) -> None:
-        """Queue ``metrics`` for ``step`` (the train step, as :meth:`ClientCore.submit_metric`, with
-        its ``group_by``) and for their value on each axis of this client: ``axes={"policy_version":
-        v, ...}``; an axis left out takes this client's newest value on it."""
+        """:meth:`ClientCore.submit_metric` on ``train_step``, and on each axis at its value in ``axes``
+        (``{"policy_version": v}``; an axis left out: this client's newest value on it)."""
         self._on_every_axis(
             lambda client, ws, s: client.submit_metric(metrics, ws, s, group_by=group_by),
             world_size,
@@ -163,9 +152,7 @@ class AxesClient(ComputeLocal):
         step: int | None,
         axes: Mapping[str, int] | None = None,
     ) -> None:
-        """``submit(client, world_size, step)`` on ``train_step``, then on each axis with its value
-        (of the seed call under way, else ``axes``) and ``world_size`` 1; an error about the data
-        (the same on every axis) is raised once, after every axis got the rest."""
+        """``submit(client, world_size, step)`` on ``train_step``, then each axis; data errors raised once."""
         values = self._call if self._call is not None else self._values(axes)
         error = None
         try:
@@ -221,8 +208,7 @@ class AxesClient(ComputeLocal):
         self._closed_below[axis] = max(low, below)
 
     def _close_all(self, through: int, block: bool | None) -> None:
-        """:meth:`_close` every axis below its newest value (+ ``through``); an error about the data
-        (the same on every axis) is raised once, after every axis was closed."""
+        """:meth:`_close` every axis below its newest value (+ ``through``); a data error raised once."""
         blocking = self.main.blocking if block is None else block
         error = None
         for axis in self.axes:
@@ -235,16 +221,14 @@ class AxesClient(ComputeLocal):
             raise error
 
     def wait_submit(self, step: int | None = None, block: bool | None = None) -> None:
-        """:meth:`ClientCore.wait_submit` on ``train_step``; on each other axis send what is queued
-        and close every step below this client's newest value."""
+        """:meth:`ClientCore.wait_submit` on ``train_step``; close each axis below its newest value."""
         try:
             self.main.wait_submit(step, block)
         finally:
             self._close_all(0, block)
 
     def advance(self, axis: str, value: int) -> None:
-        """This client will submit nothing below ``value`` on ``axis``: close the steps below it
-        (a rollout worker that loaded the weights of version ``value``)."""
+        """Close this client's steps below ``value`` on ``axis`` (a worker that loaded version ``value``)."""
         if axis not in self.axes:
             raise ValueError(f"{axis!r} is not an axis of this client (it has {sorted(self.axes)})")
         value = _step_arg(value)
@@ -256,8 +240,7 @@ class AxesClient(ComputeLocal):
     def result(
         self, step: int, timeout: float | None = None, axis: str = DEFAULT_AXIS, *, finalize: bool = False
     ) -> StepResult:
-        """The result of ``step`` on ``axis`` (:meth:`ClientCore.result`): complete once every rank
-        closed it; at ``timeout`` provisional, or final and partial with ``finalize=True``."""
+        """:meth:`ClientCore.result` of ``step`` on ``axis``."""
         return self._client(axis).result(step, timeout, finalize=finalize)
 
     def wait_final_res(self, timeout: float | None = None) -> StepResult:
@@ -288,8 +271,7 @@ def connect(
     name: str = "default",
     **options: Any,
 ) -> AxesClient:
-    """``rlmetrics.connect(backend, axes=axes, ...)`` with the default :data:`AXES` (see
-    :func:`rlmetrics.backends.connect`)."""
+    """``rlmetrics.connect(backend, axes=axes, ...)`` with the default :data:`AXES`."""
     import rlmetrics  # the package, initialized first: no import circle through the backends
 
     return rlmetrics.connect(backend, axes=tuple(axes), world_size=world_size, name=name, **options)
@@ -298,11 +280,7 @@ def connect(
 def connect_axes(
     connect: Callable[..., Any], backend: str, axes: Iterable[str], name: str, **options: Any
 ) -> AxesClient:
-    """An :class:`AxesClient` of the aggregator ``name`` of ``backend`` (``"local"`` or ``"ray"``)
-    on ``train_step`` and ``axes``: a ``connect`` client per axis, the one of axis ``a`` on the
-    aggregator :func:`axis_aggregator` ``(name, a)``. Options go to every one of them; with
-    ``world_size`` the client is a rank registered on each of its axes at once, so no step of them
-    completes before it moved past it: give a rank only the axes it submits on."""
+    """An :class:`AxesClient` of aggregator ``name``: a ``connect(**options)`` client per axis."""
     if backend == "torch":
         raise ValueError("step axes need an aggregator process: backend 'local' or 'ray', not 'torch'")
     axes = tuple(axes)

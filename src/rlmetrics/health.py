@@ -1,12 +1,7 @@
 """Health monitors: rules evaluated on every merged step, and an :class:`Alert` when one starts to hold.
 
 Over 400 lines on purpose: the built-in rules, the Monitor that runs them and the Alert they raise,
-each rule a few lines beside its documentation.
-
-A rule is a callable ``rule(step, metrics)`` returning what is wrong now (``None``, a message, or
-``{metric: message}``); :class:`Monitor` alerts once per ``(rule, metric)`` when it starts to hold.
-The default rules (:func:`default_rules`) are classes whose attributes are their thresholds
-(docs/health.md, "The rules and their defaults", "Your own rules").
+each rule a few lines beside its documentation (docs/health.md, "The rules and their defaults").
 
 >>> monitor = Monitor()
 >>> [a.rule for a in monitor.observe(0, {"actor/grad_norm": 1.5, "critic/score/mean": 0.2})]
@@ -45,8 +40,7 @@ LEVELS = ("warning", "error")
 
 @dataclass(frozen=True)
 class Alert:
-    """One rule starting to hold at ``step``: ``metric`` (None for a rule about the whole step) and
-    its ``value`` there (None when absent)."""
+    """One rule starting to hold at ``step``: ``metric`` (None: the whole step) and its ``value`` there."""
 
     rule: str
     step: int
@@ -67,12 +61,7 @@ def rule_name(rule: Callable) -> str:
 
 
 class _Globs:
-    """Whole metric names matching one of the globs ``patterns`` (:mod:`rlmetrics.globs`) and none
-    of ``ignore``: ``globs(name)``, and ``globs.select(metrics)``, the names of ``metrics`` that do, in order.
-
-    ``select`` remembers its answers for at most twice as many names as it is given plus 1024 (it
-    forgets them all when it would hold more): a name seen at the previous steps costs one dict
-    lookup, and a run whose names churn holds no more than that.
+    """Names matching a glob of ``patterns``, none of ``ignore``: ``globs(name)``, ``globs.select(metrics)``.
 
     >>> globs = _Globs(["*grad_norm*", "actor/kl"], ignore=["val/*"])
     >>> globs.select({"actor/grad_norm": 1.0, "val/grad_norm": 1.0, "actor/kl": 1.0, "actor/kl/mean": 1.0})
@@ -105,9 +94,7 @@ def _regex(patterns: Iterable[str]) -> Callable[[str], re.Match | None]:
 
 
 class Rule:
-    """Base of the built-in rules: class attributes are the defaults, keyword arguments override
-    them (``KLBlowup(ceiling=5.0)``); ``patterns`` are globs on whole metric names
-    (:mod:`rlmetrics.globs`)."""
+    """Base of the built-in rules: class attributes are the defaults, keyword arguments override them."""
 
     name = "rule"
     level = "warning"
@@ -143,9 +130,7 @@ class NonFinite(Rule):
 
 
 class ZeroStdGroups(Rule):
-    """The share of GRPO groups whose rewards are all equal (their advantages are all zero) is above
-    ``threshold``. No built-in metric computes it: submit ``critic/zero_var_groups/mean`` from each
-    rank as one 0/1 value per group, and the merged mean is the share over all ranks' groups."""
+    """The share of GRPO groups whose rewards are all equal is above ``threshold`` (docs/health.md)."""
 
     name = "zero_std_groups"
     patterns = ("critic/zero_var_groups/mean",)
@@ -170,10 +155,7 @@ class GradNorm(Rule):
 
 
 class WindowRule(Rule):
-    """A rule on each watched metric's recent finite values (a non-finite one is ``non_finite``'s
-    business): :meth:`check` sees the value and the metric's previous (up to ``window``) values.
-    The histories of the ``max_names`` metrics logged most recently are kept; a metric pushed out
-    by newer names starts afresh when it comes back."""
+    """A rule on each watched metric's finite values: :meth:`check` sees one and up to ``window`` before."""
 
     window = 10
     max_names = 1000
@@ -210,8 +192,7 @@ class WindowRule(Rule):
 
 
 class EntropyCollapse(WindowRule):
-    """Over its last ``window`` finite values, an entropy falls faster than ``max_fall`` times
-    their mean per step (the least-squares slope against the step numbers)."""
+    """An entropy's slope over its last ``window`` values is below ``-max_fall`` x their mean."""
 
     name = "entropy_collapse"
     patterns = ("actor/entropy", "*policy_entropy*")
@@ -242,8 +223,7 @@ def _slope(points: Iterable[tuple[float, float]]) -> tuple[float, float]:
 
 
 class Spike(WindowRule):
-    """A value above ``ceiling`` (when set), or above ``floor`` and above ``factor`` times the mean of
-    the metric's previous (up to ``window``, at least ``min_history``) finite values."""
+    """A value above ``ceiling``, or above ``floor`` and ``factor`` x the mean of its recent values."""
 
     name = "spike"
     factor = 3.0
@@ -290,17 +270,6 @@ class KLBlowup(Spike):
 class Silent(Rule):
     """A metric logged on ``regular`` consecutive logged steps, then absent from the next ``steps``.
 
-    It is reported once, at the logged step where its absence reaches ``steps``, and forgotten: logged
-    again, it is watched afresh. A name logged less regularly (every k-th step, or only when the
-    batch has such samples) is sparse by design and never reported, nor are names matching
-    ``ignore``: validation (``val/*``, ``val-*``), group breakdowns (``group/*``: a group absent
-    from a step is normal) and the lengths of correct or wrong responses (absent when a batch has
-    none). ``regular=1`` watches every name once logged.
-
-    State: the watched names of each of the last ``steps`` logged steps; when a step is ``steps``
-    old, its names not logged since are gone (and reported if their run was long enough). So a step
-    costs O(its names + the names of the step ``steps`` before), whatever the names seen earlier.
-
     >>> rule = Silent(steps=2, regular=2)
     >>> logged = [{"a": 1.0, "b": 1.0}, {"a": 1.0}, {"a": 1.0}, {}, {}, {}]
     >>> [rule(step, metrics) for step, metrics in enumerate(logged)]
@@ -341,13 +310,7 @@ class Silent(Rule):
 
 
 class Straggler(Rule):
-    """One rank is ``factor`` x slower than the median rank in a stage on ``steps`` consecutive
-    logged steps: ``perf/straggler/<stage>/max_over_p50 >= factor`` with the same slowest rank
-    (the first name of ``perf/straggler/<stage>/slowest``, in the step's ``lists``:
-    :mod:`rlmetrics.metrics.stragglers`). It alerts once, at the step its run reaches ``steps``,
-    naming the rank and the stage; again after a step where it did not hold (a faster step, or
-    another rank the slowest: that rank's run starts then). State: each watched stage's current
-    rank and run length, for the stages of the last step.
+    """A stage's ``max_over_p50 >= factor`` with the same slowest rank on ``steps`` consecutive logged steps.
 
     >>> from rlmetrics.messages import StepResult
     >>> def step(i, ratio, rank):
@@ -394,8 +357,7 @@ class Straggler(Rule):
 
 
 class LostRank(Rule):
-    """A rank whose process is gone (a dead Ray actor, a lost node): the step it did not close
-    names it in ``meta.lost``, so it is reported once, at that step; later steps do not expect it.
+    """A rank whose process is gone (``meta.lost``), reported once, at the step it did not close.
 
     >>> from rlmetrics.messages import StepMeta, StepResult
     >>> meta = StepMeta.of(missing_ranks=["rank2@vm:1:0123456789abcdef"],
@@ -427,8 +389,7 @@ DEFAULT_RULES: dict[str, type[Rule]] = {
 
 
 def default_rules(**options: Mapping[str, Any] | None) -> list[Rule]:
-    """Fresh default rules; ``options`` per rule name: a dict of keyword arguments, or None to drop
-    the rule (``default_rules(kl_blowup={"ceiling": 5.0}, silent=None)``).
+    """Fresh default rules; ``options`` per rule name: a dict of keyword arguments, or None to drop it.
 
     >>> [r.name for r in default_rules(silent=None, grad_norm=None, zero_std_groups=None, straggler=None)]
     ['non_finite', 'entropy_collapse', 'clip_ratio_spike', 'response_clip_spike', 'kl_blowup', 'lost_rank']
@@ -441,10 +402,8 @@ def default_rules(**options: Mapping[str, Any] | None) -> list[Rule]:
 
 
 class Monitor:
-    """Runs ``rules`` (default: :func:`default_rules`) on each step; ``on_alert(alert)`` is called
-    by :class:`~rlmetrics.sinks.Tracking` after every sink got the step's alerts (an exception it
-    raises reaches the caller of ``log``: raise to stop the run). It holds the conditions that held
-    at the previous step, nothing older."""
+    """Runs ``rules`` (default: :func:`default_rules`) on each step; ``on_alert(alert)`` is called once
+    every sink wrote the step (docs/health.md, "The callback: stop the run, save a checkpoint")."""
 
     def __init__(
         self, rules: Iterable[Callable] | None = None, on_alert: Callable[[Alert], Any] | None = None
@@ -491,10 +450,7 @@ def _conditions(found: Any) -> dict[str, str]:
 
 
 def coverage_metrics(meta: Any) -> dict[str, float]:
-    """``meta/coverage`` (contributions received / expected over the step's names) and ``meta/late``
-    (contributions that arrived for already final steps since the previous step was final) of a
-    :class:`~rlmetrics.StepResult`'s ``meta`` (a :class:`~rlmetrics.StepMeta`); a complete step
-    without counts has coverage 1.
+    """``meta/coverage`` and ``meta/late`` of a :class:`~rlmetrics.StepMeta` (docs/health.md).
 
     >>> from rlmetrics.messages import StepMeta
     >>> coverage_metrics(StepMeta(complete=False, contributions=[3, 4], late=2))

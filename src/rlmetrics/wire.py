@@ -1,20 +1,11 @@
 """Wire format between clients and a remote aggregator: names once per schema, then numbers.
 
-A message is a plain tuple of ints, bytes and small tuples (cheap for pickle and Ray)::
-
-    (VERSION, items, close, schemas, resync)
-    items   = [(step, seq, world_size, schema_id, stats, {column: (kind, array)}, contributions), ...]
-    schemas = {schema_id: (names, reductions)}   # only for schemas the receiver does not know yet
-
-The ``{column: (kind, array)}`` are the contribution's other states (:mod:`rlmetrics.core.states`:
-quantile sketches, validation samples), each as :func:`~rlmetrics.core.states.encode_state` gives it.
-``seq`` is a client's sequence number, or, in an item that merges several clients' submissions (a
-node sub-aggregator's forward), the tuple of their ``(client_id, seq)`` keys.
-
-``stats`` holds float64s as raw little-endian bytes: ``M`` values (one observation per metric) or
-a ``(5, M)`` stat array. A receiver lacking a schema (after a restart) reports its id back and the
-sender repeats the names. :func:`decode` checks a message's form (refused whole,
-:class:`SubmissionError`); :func:`check_contribution` its values (a bad contribution refused alone).
+A message is ``(VERSION, items, close, schemas, resync)`` of ints, bytes and small tuples; an item is
+``(step, seq, world_size, schema_id, stats, {column: (kind, array)}, contributions)``: ``seq`` a
+client's number or a node's ``(client_id, seq)`` keys, ``stats`` raw little-endian float64 bytes (``M``
+values or a ``(5, M)`` array), the dict its other states (:func:`~rlmetrics.core.states.encode_state`);
+``schemas`` holds ``{schema_id: (names, reductions)}`` the receiver lacks (it reports unknown ids
+back). :func:`decode` checks the form, :func:`check_contribution` the values.
 
 >>> from rlmetrics.packing import pack
 >>> p = pack({"a/mean": 1.0, "b/max": 2.0})
@@ -47,11 +38,7 @@ Item = tuple[int, Any, int, Packed]
 
 
 def encode(items: list[Item], close: list, send_names: Any, resync: bool = False) -> tuple:
-    """A message for ``items`` and step closings.
-
-    ``send_names``: True / False, or a predicate ``f(schema_id) -> bool`` saying which schemas'
-    names to include.
-    """
+    """A message for ``items`` and closes; ``send_names``: a bool, or ``f(schema_id)``: whose names go."""
     wants = send_names if callable(send_names) else (lambda _sid: send_names)
     schemas: dict[bytes, tuple] = {}
     out = []
@@ -109,10 +96,7 @@ class SchemaTable:
 
 
 def decode(msg: tuple, table: SchemaTable) -> tuple[list[Item], list, list[bytes]]:
-    """Items whose schema is known, the closes (:func:`close_entry`), and the ids of unknown schemas.
-
-    Raises :class:`~rlmetrics.engine.aggregator.SubmissionError` for a malformed message, and nothing else.
-    """
+    """Known-schema items, closes and unknown schema ids; raises only :class:`SubmissionError` (malformed)."""
     try:
         version, raw_items, close, schemas, _resync = msg
     except (TypeError, ValueError):
@@ -175,16 +159,10 @@ def close_entry(entry: Any) -> int | tuple[int, tuple[str, ...]]:
 
 
 def check_contribution(packed: Packed, at: np.ndarray, held: Mapping[int, State]) -> dict[int, State]:
-    """The states of ``packed`` merged with a step's ``held`` states (by the step's column; ``at``:
-    the step's column of each of ``packed``'s, -1 for a name left out), once every value of
-    ``packed`` passed its check (unless :func:`~rlmetrics.packing.pack` made it from data:
-    ``packed.checked``); ``held`` is unchanged, so a refused contribution changes nothing.
-
-    Raises :class:`SubmissionError` naming the metric, the value and the problem for a stat column
-    no data gives (:func:`~rlmetrics.core.stat.invalid_column`), a state that fails its ``validate()``
-    (a sketch's offsets and sizes, a validation record's indices), a bound kind on a column that
-    does not carry it (:func:`~rlmetrics.core.states.column_kind`), or a state that does not merge with
-    the step's (another kind, other sketch parameters, records of other variables).
+    """The states of ``packed`` merged with the step's ``held`` ones (by step column; ``at``: each of
+    ``packed``'s, -1 if left out), once every value passed its check (``held`` is unchanged). Raises
+    :class:`SubmissionError` naming the metric for a value no data gives or a state that does not
+    merge with the step's (docs/reliability.md, "Contributions from other processes").
 
     >>> from rlmetrics.packing import pack
     >>> p = pack({"x/mean": [1.0, 2.0]})

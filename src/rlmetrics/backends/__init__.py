@@ -1,10 +1,4 @@
-"""Backends: where the aggregator runs. ``connect`` picks one; ``MetricClient`` wraps a worker.
-
-- ``"local"``: in-process, threads as ranks (:mod:`rlmetrics.backends.local`).
-- ``"ray"``: a named ``MetricWorker`` actor (:mod:`rlmetrics.backends.ray`, extra ``ray``).
-- ``"torch"``: collectives on a ``torch.distributed`` process group, no central actor
-  (:mod:`rlmetrics.backends.torch_dist`, extra ``torch``).
-"""
+"""Backends (docs/backends.md): ``connect`` picks where the aggregator runs, ``MetricClient`` wraps one."""
 
 from __future__ import annotations
 
@@ -21,13 +15,11 @@ from rlmetrics.compute_local import ComputeLocal
 
 class MetricClient(ComputeLocal, ClientCore):
     """The seed's client: ``MetricClient(metric_worker)``, then ``submit_metric`` / ``wait_submit`` /
-    ``wait_final_res`` / ``stop``; plus ``result(step, timeout)``.
+    ``wait_final_res`` / ``stop``, ``result(step, timeout)`` and the seed's ``compute_local_*`` calls.
 
-    ``metric_worker`` is a Ray ``MetricWorker`` actor handle, a
-    :class:`~rlmetrics.backends.local.LocalMetricWorker`, or any transport.
-    Options: ``world_size``, ``nan_strategy``, ``label``, ``rank``
-    (see :class:`~rlmetrics.client.ClientCore`); the seed's ``compute_local_*`` methods come from
-    :class:`~rlmetrics.compute_local.ComputeLocal`.
+    ``metric_worker``: a Ray ``MetricWorker`` actor handle, a
+    :class:`~rlmetrics.backends.local.LocalMetricWorker` or any transport (else TypeError).
+    Options: ``world_size``, ``nan_strategy``, ``label``, ``rank`` (:class:`~rlmetrics.client.ClientCore`).
 
     >>> worker = local.LocalMetricWorker()
     >>> client = MetricClient(worker)
@@ -154,5 +146,4 @@ BACKENDS: dict[str, Callable[[str, int | None, dict, dict], Any]] = {
     "ray": _connect_ray,
     "torch": _connect_torch,
 }
-"""Backend name → ``(name, world_size, client_options, aggregator_options) -> client``: what
-:func:`connect` calls (a new backend is a transport module and a row here)."""
+"""Backend name → ``(name, world_size, client_options, aggregator_options) -> client`` (:func:`connect`)."""

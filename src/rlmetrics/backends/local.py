@@ -33,10 +33,8 @@ _WORKERS_LOCK = threading.Lock()
 
 class LocalMetricWorker(SyncTransport):
     """The seed's ``MetricWorker`` in-process and thread-safe; blocking methods instead of ``.remote``.
-
-    Keyword options go to :class:`~rlmetrics.engine.server.Server` (``final_timeout``, ``step_timeout``,
-    ``renames``, ``keep_results``, ``forget_after``, ``max_pending``).
-    """
+    Options: ``final_timeout``, ``step_timeout``, ``renames``, ``keep_results``, ``forget_after``,
+    ``max_pending`` (:class:`~rlmetrics.engine.server.Server`)."""
 
     def __init__(self, **options: Any) -> None:
         check_options("LocalMetricWorker()", "local", options, ("aggregator",))
@@ -61,10 +59,8 @@ class LocalMetricWorker(SyncTransport):
             self._cond.notify_all()
 
     def wait_final_res(self, timeout: float | None = None, who: str | None = None) -> StepResult:
-        """The newest step every rank closed, once complete (at most ``timeout`` seconds, default
-        the server's ``final_timeout``; then partial), each step once per reader ``who`` (a
-        client's credential; None: the seed's bare read); without clients, this round's metrics
-        (:meth:`~rlmetrics.engine.server.Server.read`)."""
+        """The newest step every rank closed, once complete (at most ``timeout`` s, default
+        ``final_timeout``; then partial), once per reader ``who``; without clients, this round's."""
         reader, session = _reader(who)
         with self._cond:
             read = self.server.read(None, reader, session)
@@ -127,8 +123,7 @@ class LocalMetricWorker(SyncTransport):
         return self.server.final_timeout if timeout is None else timeout
 
     def _wait(self, ready: Callable[[], bool], timeout: float | None) -> None:
-        """Until ``ready()`` (called with the lock held) or ``timeout`` seconds (None: no limit);
-        steps whose own deadline passes meanwhile are finalized (a waiting reader sees to it)."""
+        """Until ``ready()`` (lock held) or ``timeout`` s (None: no limit), finalizing steps that come due."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             due = self._tick()

@@ -1,6 +1,5 @@
 """The options of :func:`~rlmetrics.connect` and the workers, by the layer that owns them: a misspelt
-or misplaced option is refused at the call, naming the layer that owns it and the close match
-(not as ``Aggregator.__init__() got an unexpected keyword argument`` from a layer below).
+or misplaced option is refused at the call, naming its owner or the close match.
 
 >>> check_options("connect('local')", "local", ["nan_stratgy"])
 Traceback (most recent call last):
@@ -48,9 +47,8 @@ OPTIONS: dict[str, dict[str, tuple[str, ...]]] = {
 def check_options(
     where: str, backend: str, given: Iterable[str], layers: Sequence[str] | None = None
 ) -> None:
-    """Refuse (TypeError) an option of ``given`` that none of ``layers`` of ``backend`` takes (None:
-    every layer), naming ``where``, the option, and the layer or backend that owns it, else the
-    close match with its layer."""
+    """TypeError for an option of ``given`` that no layer of ``layers`` (None: all) of ``backend``
+    takes, naming ``where``, the option, and its owner or the close match."""
     mine = OPTIONS[backend]
     allowed = {o: layer for layer in (layers or mine) for o in mine[layer]}
     for option in given:

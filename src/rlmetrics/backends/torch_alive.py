@@ -1,8 +1,5 @@
-"""Whether the ranks of a torch.distributed group are alive, for :mod:`rlmetrics.backends.torch_dist`:
-every process beats a counter in the default group's store (a daemon thread); a rank that waits on
-a collective reads the counters (:class:`Beats`), and one whose counter did not move for
-:data:`GONE_AFTER` seconds is gone. The survivors agree on themselves in the store
-(:func:`survivors`) before they form a new group. docs/torch-distributed.md tells the behaviour.
+"""Whether the ranks of a torch.distributed group are alive: heartbeats in the default group's store.
+docs/torch-distributed.md, "Steps, slips and a rank that is gone".
 """
 
 from __future__ import annotations
@@ -19,17 +16,15 @@ dist = require("torch.distributed", "torch")
 __all__ = ["BEAT", "GONE_AFTER", "Beats", "RankGoneError", "are_gone", "heartbeat", "survivors"]
 
 BEAT = 0.5
-"""Seconds between two heartbeats of a process in the default group's store, and between two reads
-of the counters by a rank that waits on a collective."""
+"""Seconds between two heartbeats of a process, and between two reads of the counters by a waiting rank."""
 GONE_AFTER = 2.0
 """Seconds a rank's counter stands still before the rank is named gone."""
 _beating: dict[int, threading.Thread] = {}  # id(store): this process's heartbeat thread
 
 
 class RankGoneError(RuntimeError):
-    """A collective of a step failed because a rank of the group is gone (its process died) and the
-    others could not go on without it: the message names it, the step, and what to do. ``gone``:
-    the global ranks found gone."""
+    """A step's collective failed: a rank is gone and the others could not go on without it (the
+    message names it, the step, and what to do); ``gone``: the global ranks found gone."""
 
     def __init__(self, message: str, gone: list[int]) -> None:
         super().__init__(message)
@@ -96,8 +91,7 @@ def are_gone(ranks: list[int]) -> str:
 
 
 def heartbeat() -> Any:
-    """The default group's store, where this process beats (started once per store); None where
-    torch has no such private API (then no rank is named gone)."""
+    """The default group's store, where this process beats; None without that private torch API."""
     try:
         store = dist.distributed_c10d._get_default_store()
     except Exception:
@@ -110,8 +104,7 @@ def heartbeat() -> Any:
 
 
 def survivors(store: Any, generation: int, ranks: list[int], gone: list[int]) -> list[int]:
-    """The ranks that go on after ``gone``, as the first survivor to ask wrote them in the store
-    (survivors that saw different deaths still form one group)."""
+    """The ranks that go on after ``gone``, as the first survivor wrote them (one group for all)."""
     key = f"rlmetrics/regroup/{generation}/{','.join(map(str, ranks))}"
     alive = ",".join(str(g) for g in ranks if g not in gone)
     return [int(g) for g in store.compare_set(key, "", alive).decode().split(",") if g]

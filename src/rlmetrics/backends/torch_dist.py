@@ -2,26 +2,7 @@
 
 Over 600 lines on purpose: the client and its transport over collectives are one protocol (every
 rank calls the same collectives in the same order); the forms of the exchange live in
-torch_exchange.py, whether the ranks are alive in torch_alive.py.
-
-Every rank of a process group holds a :class:`TorchMetricClient` (``rlmetrics.connect("torch")``).
-``submit_metric`` summarizes at once, as with every backend; ``wait_submit()`` is the collective
-point: every rank of the group calls it once per step (like the ``dist.barrier`` of the seed) and
-gets the merged step back from ``result(step)`` / ``wait_final_res()``, on every rank (default) or on
-``result_on`` only. A steady step is one round trip. The protocol, the slips and a rank that is
-gone: docs/torch-distributed.md.
-
-.. code-block:: python
-
-    import torch.distributed as dist
-    import rlmetrics
-
-    dist.init_process_group("gloo")  # torchrun sets rank and world size
-    client = rlmetrics.connect("torch")  # group=None: the default group
-    for step in range(steps):
-        client.submit_metric({"critic/score/mean": scores, "critic/score/max": scores}, step=step)
-        client.wait_submit(step=step)  # collective: every rank, every step
-        res = client.result(step)  # the same {name: value} on every rank
+torch_exchange.py, whether the ranks are alive in torch_alive.py. docs/torch-distributed.md.
 """
 
 from __future__ import annotations
@@ -87,17 +68,9 @@ __all__ = [
 
 
 class TorchDistTransport(SyncTransport):
-    """The transport of :class:`TorchMetricClient`: merges this rank's submissions of a step in a
-    local :class:`~rlmetrics.engine.aggregator.Aggregator`, runs the collective of
-    :meth:`close_step`, and finalizes the merged step with a second Aggregator (renames, derived
-    and validation metrics, NaN warnings), so the reported numbers come from the same code as with
-    the other backends.
-
-    ``exchange``: the form of the state exchange, one of :data:`EXCHANGES` (module docstring).
-    ``bytes_last_step`` / ``bytes_received_last_step``: float64 bytes this rank handed to / got
-    back from collectives in the last step, ``collectives_last_step`` how many collectives it ran;
-    ``relayouts``: how many re-layouts (``all_gather_object``) happened.
-    """
+    """The transport of :class:`TorchMetricClient`: Aggregators merge this rank's submissions and the
+    collected step around :meth:`close_step`. ``exchange``: one of :data:`EXCHANGES`; ``bytes_last_step``,
+    ``bytes_received_last_step``, ``collectives_last_step`` and ``relayouts`` count what ran."""
 
     def __init__(
         self,
@@ -167,8 +140,7 @@ class TorchDistTransport(SyncTransport):
     def result(
         self, step: int, timeout: float | None = None, finalize: bool = False, who: str | None = None
     ) -> StepResult:
-        """The result of a collected step (final: every step is, once collected); waits up to
-        ``timeout`` for another thread's ``wait_submit``."""
+        """The result of a collected step; waits up to ``timeout`` for another thread's ``wait_submit``."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while step >= self.next_step:
@@ -198,9 +170,7 @@ class TorchDistTransport(SyncTransport):
 
     # ---------------------------------------------------------------------------- the collective
     def close_step(self, step: int) -> StepResult:
-        """Collect ``step`` from every rank of the group (a collective; see the module docstring). A
-        rank one step ahead of the others (it skipped a ``wait_submit``) first collects their step,
-        with what it submitted for it, then its own (:meth:`_realign`)."""
+        """Collect ``step`` from every rank of the group (a collective), realigning or regrouping first."""
         with self._cond:
             self.bytes_last_step = self.bytes_received_last_step = self.collectives_last_step = 0
             at = step
@@ -268,9 +238,7 @@ class TorchDistTransport(SyncTransport):
         return res
 
     def _realign(self, step: int) -> int:
-        """The step to exchange now, after an exchange whose ranks were at different steps: the
-        lowest, when every rank is at it or one step ahead (a skipped ``wait_submit``, told on every
-        rank by a :class:`~rlmetrics.messages.StepWarning`); else every rank raises."""
+        """The step to exchange after ranks were at different steps: the lowest if one apart, else raise."""
         (rows,) = self._collect((np.array([step, self.next_step], dtype=np.float64), None))
         steps = rows[:, 0].astype(np.int64)
         low, high = int(steps.min()), int(steps.max())
@@ -300,8 +268,7 @@ class TorchDistTransport(SyncTransport):
 
     @contextlib.contextmanager
     def _failing(self) -> Iterator[None]:
-        """Around a collective: a failure caused by a rank whose process is gone (its heartbeat
-        stopped) raises :class:`RankGoneError` naming it and the step; other failures pass unchanged."""
+        """Around a collective: a failure caused by a gone rank raises :class:`RankGoneError` naming it."""
         try:
             yield
         except RankGoneError:
@@ -317,9 +284,8 @@ class TorchDistTransport(SyncTransport):
             raise self._gone_error(gone, (said.split(". ")[0] or type(exc).__name__)[:120]) from exc
 
     def _wait(self, work: Any) -> None:
-        """Wait for a collective; on gloo in slices of :data:`BEAT` seconds, between which a rank
-        whose heartbeat stopped for :data:`GONE_AFTER` seconds raises :class:`RankGoneError` (a peer
-        blocked by another rank's failure learns it here, not at the group's timeout)."""
+        """Wait for a collective; on gloo in slices of :data:`BEAT` s, so a gone rank raises here, not at
+        the group's timeout (:class:`RankGoneError`)."""
         if not self._sliced:
             work.wait()
             return
@@ -349,10 +315,7 @@ class TorchDistTransport(SyncTransport):
         )
 
     def _regroup(self, exc: RankGoneError) -> None:
-        """Go on without the ranks ``exc`` found gone: the survivors (as the first of them wrote
-        them in the store) form a new group (``new_group``, synchronized among themselves only), and
-        the step they could not collect is collected partial, naming the gone ranks. Raises ``exc``
-        when that cannot be done."""
+        """Survivors of ``exc`` form a new group and collect the step partial; else raise ``exc``."""
         try:
             agreed = survivors(self._store, self._regroups, self._global, exc.gone)
             if dist.get_rank() not in agreed:
@@ -378,8 +341,8 @@ class TorchDistTransport(SyncTransport):
         )
 
     def _collect(self, *jobs: tuple[np.ndarray, Any]) -> list[np.ndarray]:
-        """Collectives on float64 vectors, issued together (async) and awaited together. A job is
-        ``(vector, op)``: a ``ReduceOp`` all-reduces, None all-gathers (a ``(W, n)`` array back)."""
+        """Collectives on float64 vectors, issued and awaited together; a job is ``(vector, op)``: a
+        ``ReduceOp`` all-reduces, None all-gathers (a ``(W, n)`` array back)."""
         outs, works = [], []
         for vec, op in jobs:
             t = torch.from_numpy(vec)
@@ -444,8 +407,7 @@ class TorchDistTransport(SyncTransport):
     def _local_columns(
         self, parts: list[tuple[Packed, int]], lay: Layout
     ) -> tuple[np.ndarray, dict[int, Sketch], dict[int, State]]:
-        """This rank's merged ``(5, L)`` stat array in layout order, its sketches (merged by the
-        SUM of step 2) and its other states, by layout position."""
+        """This rank's merged ``(5, L)`` stat array, sketches and other states, by layout position."""
         local = empty_arrays(len(lay.names))
         filled = np.zeros(len(lay.names), dtype=bool)
         states: dict[int, State] = {}
@@ -461,8 +423,7 @@ class TorchDistTransport(SyncTransport):
         return local, sketches, {p: s for p, s in states.items() if p not in sketches}
 
     def _gather_states(self, states: dict[int, State]) -> dict[int, State]:
-        """Every rank's non-sketch states, by one ``all_gather_object`` of their travelling form
-        (:mod:`rlmetrics.core.states`), merged by layout position."""
+        """Every rank's non-sketch states (one ``all_gather_object``), merged by layout position."""
         gathered: list[Any] = [None] * self.world_size
         with self._failing():
             dist.all_gather_object(
@@ -479,8 +440,7 @@ class TorchDistTransport(SyncTransport):
     def _finish(
         self, step: int, lay: Layout, total: np.ndarray, states: dict[int, State], facts: TorchFacts
     ) -> StepResult:
-        """The step's result by the Aggregator's own finalization (or an empty one off ``result_on``),
-        its meta with every rank of the group as a contributor and the step's ``facts``."""
+        """The step's result by the Aggregator's finalization (empty off ``result_on``), with ``facts``."""
         if lay.names and (self.result_on is None or self.result_on == self.rank):
             self._engine.submit("group", step, 0, 1, Packed(lay.schema, total, states), register=False)
         self._engine.close("group", step)
@@ -492,17 +452,10 @@ class TorchDistTransport(SyncTransport):
 class TorchMetricClient(ComputeLocal, ClientCore):
     """The client API on a ``torch.distributed`` process group (``rlmetrics.connect("torch")``).
 
-    ``group``: the process group (None: the default group). ``result_on``: None (every rank gets
-    the result) or a group rank (only that rank gets it; the others get an empty
-    :class:`~rlmetrics.messages.StepResult` with ``meta.result_on``, and skip the final
-    reduction work). ``renames``, ``keep_results``: as for the Aggregator; ``device``: where the
-    collective vectors live (default ``cuda`` for NCCL, else ``cpu``); ``nan_strategy``, ``label``,
-    ``rank``: client options (label defaults to ``rank{r}``, rank to the group rank).
-
-    ``wait_submit()`` is collective: every rank of the group calls it once per step, in the same
-    order as its other collectives. ``result(step)`` and ``wait_final_res()`` are local reads of
-    collected steps. ``close_step()``, ``stop()`` and ``register()`` run no collective.
-    Submissions for a step that is already collected are refused with an error.
+    ``group``: None for the default group; ``result_on``: None (every rank gets the result) or a group
+    rank (the others get an empty result with ``meta.result_on``); ``device``: where the collective
+    vectors live (default ``cuda`` for NCCL, else ``cpu``); ``label`` defaults to ``rank{r}``, ``rank``
+    to the group rank. ``wait_submit()`` is the only collective (every rank, once per step).
     """
 
     transport: TorchDistTransport
@@ -518,8 +471,7 @@ class TorchMetricClient(ComputeLocal, ClientCore):
         rank: int | None = None,
         **transport_options: Any,
     ) -> None:
-        """``transport_options`` go to :class:`TorchDistTransport`: ``result_on``, ``renames``,
-        ``keep_results``, ``device`` (above), ``memory``, ``exchange``."""
+        """``transport_options`` go to :class:`TorchDistTransport` (``result_on``, ``device``, ...)."""
         transport = TorchDistTransport(group, **transport_options)
         super().__init__(
             transport,
@@ -538,9 +490,8 @@ class TorchMetricClient(ComputeLocal, ClientCore):
         step: int | None = None,
         **options: Any,
     ) -> None:
-        """As :meth:`~rlmetrics.client.ClientCore.submit_metric`; a submission without ``step`` goes
-        to this rank's counter, and is dropped (with a warning) if the next ``wait_submit(step=...)``
-        names another step: which step it was meant for is then unknown."""
+        """As :meth:`~rlmetrics.client.ClientCore.submit_metric`; without ``step`` it is dropped (with a
+        warning) if the next ``wait_submit(step=...)`` names another step than the counter's."""
         start = len(self._buffer)
         try:
             super().submit_metric(metrics, world_size, step, **options)
@@ -549,9 +500,8 @@ class TorchMetricClient(ComputeLocal, ClientCore):
                 self._counted.update(item[1] for item in self._buffer[start:])
 
     def wait_submit(self, step: int | None = None, block: bool | None = None) -> None:
-        """Collective: merge this step (or ``step``) over every rank of the group, then advance to the
-        step after it. It always blocks: every rank of the group takes part (``block`` is accepted
-        for the client API's sake)."""
+        """Collective: merge this step (or ``step``) over every rank of the group, then advance; it
+        always blocks (``block`` is accepted for the client API's sake)."""
         with self._lock:
             if step is not None and step != self.step:
                 self._drop_counted(step)
@@ -575,8 +525,7 @@ class TorchMetricClient(ComputeLocal, ClientCore):
                 self.step += 1
 
     def _drop_counted(self, step: int) -> None:
-        """Drop what was queued without ``step=`` (at the counter) when ``wait_submit`` names another
-        step: a skipped ``wait_submit`` or an off-by-one base; it may hold two steps' data."""
+        """Drop what was queued without ``step=`` when ``wait_submit`` names another ``step``."""
         counted = [item for item in self._buffer if item[1] in self._counted]
         if not counted:
             return

@@ -1,8 +1,6 @@
-"""What the ranks of a ``torch.distributed`` step exchange, and how they read it back (the protocol of
-:mod:`rlmetrics.backends.torch_dist`): the :class:`Layout` every rank agrees on, the two forms of the
-state exchange (:func:`exchange_form`, :func:`exchange_state`) and the sketch plans of step 2
-(:func:`merge_sketches`). The collectives themselves are the transport's ``collect(*jobs)``: a job is
-``(vector, op)``, a ``ReduceOp`` all-reduces and None all-gathers.
+"""What the ranks of a ``torch.distributed`` step exchange, and how they read it back: the agreed
+:class:`Layout`, the state exchange (step 1) and the sketch merge (step 2), over the transport's
+``collect``. docs/torch-distributed.md, "The protocol of one step".
 """
 
 from __future__ import annotations
@@ -35,8 +33,7 @@ EXCHANGES = ("auto", "gather", "reduce")
 """The forms of a step's state exchange (module docstring); ``"auto"`` picks by :data:`GATHER_LIMIT`."""
 
 GATHER_LIMIT = 1 << 16
-"""``"auto"`` gathers every rank's whole state while a rank receives at most this many float64
-(512 KiB); beyond, it all-reduces (``benchmarks/bench_torch.py`` measures both)."""
+"""``"auto"`` gathers while a rank receives at most this many float64 (512 KiB); beyond, it all-reduces."""
 
 
 @dataclass
@@ -102,8 +99,7 @@ def _read_fields(kinds: list[Any]) -> np.ndarray:
 
 
 def exchange_form(exchange: str, world_size: int, layout: Layout) -> str:
-    """The form of the state exchange (``"gather"`` or ``"reduce"``) for ``exchange`` in
-    :data:`EXCHANGES`: ``"auto"`` gathers while a rank receives at most :data:`GATHER_LIMIT` floats.
+    """The form (``"gather"`` or ``"reduce"``) of ``exchange`` in :data:`EXCHANGES` (``"auto"``: by size).
 
     >>> lay = Layout.of({f"m{i}/mean": "mean" for i in range(1000)})
     >>> exchange_form("auto", 8, lay), exchange_form("auto", 64, lay), exchange_form("reduce", 8, lay)
@@ -116,10 +112,7 @@ def exchange_form(exchange: str, world_size: int, layout: Layout) -> str:
 
 
 def _sketch_info(sk: Sketch | None) -> tuple[float, np.ndarray]:
-    """Step 1 data of one local sketch: its exact size (every rank's, for the offsets of step 2) and
-    12 MAX floats: bucket mode flag, exact size, ``[highest, -lowest]`` bucket of the positive and
-    the negative store, parameters and their negatives (so that the MAX tells whether all ranks
-    agree, and the smallest ``exact_limit``)."""
+    """Step 1 data of a local sketch: its exact size and 12 MAX floats (their MAX: do all ranks agree)."""
     out = np.full(_SK_INFO, _NEUTRAL)
     if sk is None:
         return 0.0, out
@@ -149,8 +142,7 @@ def exchange_state(
     rank: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """Step 1: ``(merged (5, L) stat array, how many other states the ranks hold, every rank's exact
-    sketch sizes (W, Q), MAX of the sketch infos)``, or None when the ranks must re-layout first.
-    The sizes travel in the gathered rows, or (``"reduce"``) in the SUM, each rank in its own slots."""
+    sketch sizes (W, Q), MAX of the sketch infos)``, or None when the ranks must re-layout first."""
     fp, n_names = lay.fingerprint, len(lay.names)
     head = np.array([fp, -fp, step, -step, 0.0 if covered else 1.0])
     lacking = [lay.names[p] for p in lay.quantiles.tolist() if p not in sketches and local[0, p] > 0]
@@ -208,8 +200,7 @@ def exchange_state(
 
 
 class StepsApart(Exception):
-    """The ranks of one exchange are at different steps (the transport asks each rank's and
-    realigns or raises)."""
+    """The ranks of one exchange are at different steps (the transport realigns or raises)."""
 
 
 def _agreed(head: np.ndarray) -> bool:
@@ -229,8 +220,7 @@ def merge_sketches(
     world_size: int,
     rank: int,
 ) -> dict[int, Sketch]:
-    """Step 2: the global sketch of every quantile name some rank has, by one ``SUM``
-    (``exact_sizes``: every rank's exact size of each, ``(W, Q)``)."""
+    """Step 2: the global sketch of every quantile name some rank has, by one ``SUM``."""
     plans = [
         _SketchPlan.of(infos[j * _SK_INFO : (j + 1) * _SK_INFO], exact_sizes[:, j])
         for j in range(len(lay.quantiles))
@@ -249,8 +239,7 @@ def merge_sketches(
 
 @dataclass
 class _SketchPlan:
-    """How one quantile name travels in step 2, agreed from step 1: every rank's values at its offset
-    (exact), or a bucket window."""
+    """How one quantile name travels in step 2: every rank's values at its offset, or a bucket window."""
 
     params: dict[str, Any] | None  # Sketch parameters; None: no rank has a sketch
     offsets: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))  # exact: rank r's values
@@ -258,8 +247,7 @@ class _SketchPlan:
 
     @classmethod
     def of(cls, info: np.ndarray, sizes: np.ndarray) -> _SketchPlan:
-        """The plan from the MAX of the ranks' infos and their exact sizes: exact while no rank holds
-        buckets and the values of all ranks fit the smallest ``exact_limit`` (as a merge keeps)."""
+        """The plan from the MAX of the ranks' infos and their exact sizes (exact while all fit)."""
         if info[6] == _NEUTRAL:
             return cls(None)
         if info[6] != -info[9] or info[8] != -info[11]:

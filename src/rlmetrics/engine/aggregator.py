@@ -1,11 +1,8 @@
-"""The step-keyed merge engine: pure Python + numpy, no Ray, no torch.
+"""The step-keyed merge engine: pure Python + numpy, no Ray, no torch; not thread-safe and never waits.
 
 Over 400 lines on purpose: contributions, completion, finalization, eviction and the saved state are
-one step-keyed state that every rule reads. A contribution is ``(client_id, step, seq, world_size,
-packed)``, merged once per ``(client_id, step, seq)``, stacked by schema; a step is complete when
-each name has ``world_size`` contributions and every registered client closed it (docs/steps.md).
-Not thread-safe and never waits: backends lock and wait around it. The name registry is
-:mod:`~rlmetrics.engine.columns`, a step's merge :mod:`~rlmetrics.engine.steps`.
+one step-keyed state that every rule reads. A contribution is merged once per ``(client_id, step,
+seq)``; when a step is complete: docs/steps.md, "Reading a step".
 
 >>> from rlmetrics.packing import pack
 >>> agg = Aggregator()
@@ -55,10 +52,7 @@ def _giver(keys: tuple[tuple[str, int], ...]) -> str:
 
 @dataclass
 class Lost:
-    """A client whose process is gone (:meth:`Aggregator.lose`): ``why``; ``first``, the step it did
-    not close, which ends partial naming it (None: the next step to come after ``after``, the newest
-    step it closed); ``names``, the world_size it gave each name it sent (later steps expect one
-    contribution fewer of a name whose ranks still give that world_size)."""
+    """A client whose process is gone; ``first``: the step it did not close (None: after ``after``)."""
 
     why: str
     after: int
@@ -68,22 +62,9 @@ class Lost:
 
 
 class Aggregator:
-    """Step-keyed merge engine (see the module docstring).
-
-    ``renames``: result-name prefix renames (default ``timing_s/`` → ``perf/delta_time/``).
-    ``derived``: the metrics computed from merged values (default :data:`rlmetrics.engine.derived.DERIVED`,
-    which holds the built-in ones of :mod:`rlmetrics.metrics`).
-    ``keep_results``: how many finalized results stay readable with :meth:`result`.
-    ``forget_after``: schemas not submitted for this many steps are dropped, and names no kept
-    schema uses with them (a name that comes back is learned again).
-    ``max_pending``: at most this many steps are pending; beyond, the oldest is finalized partial
-    (``meta.stale``), so a step whose rank died does not stay forever.
-
-    What a reader is told (a partial or stale step, late data, a non-finite value) it learns from
-    the result's ``meta`` and its client's warning (:class:`~rlmetrics.messages.RLMetricsWarning`);
-    the engine logs those at INFO or DEBUG only, since the in-process backend runs it in the user's
-    process, and logs at WARNING what no client can be told.
-    """
+    """Step-keyed merge engine. ``renames``: result-name prefix renames (default ``timing_s/`` →
+    ``perf/delta_time/``); ``derived``: default :data:`~rlmetrics.engine.derived.DERIVED`; the rest:
+    docs/steps.md, "Reading a step"."""
 
     def __init__(
         self,
@@ -120,8 +101,7 @@ class Aggregator:
 
     # -------------------------------------------------------------------------------- intake
     def _forget(self, step: int) -> None:
-        """Drop schemas not submitted since ``step - forget_after`` that no pending step uses, and
-        the names no kept schema has (:meth:`ColumnIndex.forget`)."""
+        """Drop the schemas and names unused since ``step - forget_after`` (:meth:`ColumnIndex.forget`)."""
         busy = {sid for st in self._steps.values() for sid, _ in st.groups}
         if self.columns.forget(step - self.forget_after, busy):
             self._layouts.clear()
@@ -135,8 +115,7 @@ class Aggregator:
         return self.columns.drain_forgotten()
 
     def memory(self) -> dict[str, int]:
-        """What the engine holds now (for monitoring and the soak tests): names, schemas, layouts,
-        pending steps, kept results and finalized steps it tracks beyond ``done_below``."""
+        """What the engine holds now, by kind (for monitoring and the soak tests)."""
         return {
             **self.columns.counts(),
             "layouts": len(self._layouts),
@@ -156,13 +135,8 @@ class Aggregator:
         register: bool = True,
         count_late: bool = True,
     ) -> bool:
-        """Merge one contribution; False when ``(client_id, step, seq)`` was merged before or the
-        step is already finalized (late). Raises :class:`SubmissionError` for a malformed one.
-
-        ``register=False`` leaves the sender out of the clients whose step closing is awaited;
-        ``count_late=False``: a contribution for a finalized step is not counted in ``late`` (a
-        client's resend after a restart of what the aggregator had merged before).
-        """
+        """Merge one contribution (:class:`SubmissionError`: malformed); False when merged before or late.
+        ``register=False``: its closes are not awaited; ``count_late=False``: a resend, never late."""
         return self.submit_merged(
             ((client_id, seq),), step, world_size, packed, register=register, count_late=count_late
         )
@@ -177,9 +151,8 @@ class Aggregator:
         register: bool = True,
         count_late: bool = True,
     ) -> bool:
-        """Merge a contribution that already merges the submissions ``keys`` (``(client_id, seq)``
-        pairs) of one step, as a node forwards its ranks'. All of them are new, or all were
-        merged before (False); a mix is refused.
+        """:meth:`submit` of a contribution merging the submissions ``keys`` (``(client_id, seq)``
+        pairs), as a node forwards: all new, or all merged before (False); a mix is refused.
 
         >>> from rlmetrics.packing import pack
         >>> engine = Aggregator()
@@ -278,8 +251,7 @@ class Aggregator:
         return True
 
     def _conflict(self, st: Step, cols: np.ndarray, world_size: int, giver: str) -> str:
-        """Record in ``st`` that ``giver`` gave ``cols`` another ``world_size`` than their first
-        one; the message (each name, both values and who gave them, what to do)."""
+        """Record that ``giver`` gave ``cols`` another ``world_size`` than their first; the message."""
         by_first: dict[tuple[int, int], list[str]] = {}
         for col, first, who in zip(cols.tolist(), st.world_sizes[cols].tolist(), st.given_by[cols].tolist()):
             by_first.setdefault((first, who), []).append(col)
@@ -311,10 +283,7 @@ class Aggregator:
         self._step(step).closed.add(client_id)
 
     def discard(self, clients: set[str]) -> list[int]:
-        """Forget ``clients`` (the ranks of a run that ended): no step waits for them, and the
-        pending steps only they contributed to start afresh; the steps changed. A step they share
-        with other clients keeps its data (contributions are merged as they arrive): it is listed,
-        and its ``meta.refused`` says so."""
+        """Forget ``clients`` (an ended run's): their steps start afresh unless shared; the steps changed."""
         self.clients.difference_update(clients)
         for client in clients:
             self.closed_up_to.pop(client, None)
@@ -354,8 +323,7 @@ class Aggregator:
         return {c: up_to[c] for c in sorted(self.clients) if c in up_to}
 
     def passed(self, step: int) -> bool:
-        """No client submitted to or closed ``step``, and every registered client closed a later one
-        (the ranks went past it: nothing more comes for it)."""
+        """No client used ``step`` and every registered client closed a later one."""
         up_to = self.closed_up_to
         ahead = all(up_to.get(c, -1) > step for c in self.clients)
         return bool(self.clients) and ahead and not self.knows(step)
@@ -365,8 +333,7 @@ class Aggregator:
         return step in self._steps or self.is_finalized(step)
 
     def _step(self, step: int) -> Step:
-        """The pending state of ``step``, new if needed; beyond ``max_pending`` pending steps the
-        oldest is finalized as it stands."""
+        """The pending state of ``step``, new if needed (beyond ``max_pending`` the oldest is finalized)."""
         st = self._steps.get(step)
         if st is None:
             st = self._steps[step] = Step()
@@ -391,11 +358,8 @@ class Aggregator:
         self._sent.pop(client_id, None)
 
     def lose(self, client_id: str, why: str) -> None:
-        """``client_id``'s process is gone (``why``): no step waits for it; the step it did not
-        close (the oldest pending one, else the next to come) ends partial naming it in
-        ``meta.missing_ranks`` and ``meta.lost``, as soon as the others have closed it; later steps
-        expect one contribution fewer of each name it sent (unless their ranks gave that name
-        another world_size since: ``set_world_size`` after the loss)."""
+        """``client_id``'s process is gone (``why``): the step it did not close ends partial naming it, and
+        later steps expect one contribution fewer of each name it sent (docs/steps.md, "Failures")."""
         if client_id in self.lost:
             return
         self.clients.discard(client_id)
@@ -420,8 +384,7 @@ class Aggregator:
         return (step < self._done_below and step not in self._reopened) or step in self._finalized
 
     def is_closed(self, step: int) -> bool:
-        """Every registered client closed ``step`` (what a node aggregator waits for); a step nothing
-        reached is not (the clients of a run that ended were discarded from it)."""
+        """Every registered client closed ``step``, which something reached."""
         st = self._steps.get(step)
         return st is not None and self.clients <= st.closed and bool(st.closed or st.groups or st.states)
 
@@ -445,8 +408,7 @@ class Aggregator:
         return not np.any(received < expected)
 
     def _counts(self, step: int, st: Step, settle: bool = False) -> tuple[np.ndarray, np.ndarray, list[str]]:
-        """``st.counts`` less what lost clients will not send (:meth:`lose`): in the steps after the
-        one each did not close, and with ``settle`` in that one too; the lost clients ``step`` names."""
+        """``st.counts`` less what lost clients will not send, and the lost clients ``step`` names."""
         received, expected = st.counts(len(self.columns))
         if not self.lost:
             return received, expected, []
@@ -482,8 +444,7 @@ class Aggregator:
         )
 
     def contributions(self, step: int) -> tuple[int, int]:
-        """Contributions received and expected in pending ``step``, summed over its names (a name
-        counts at most its expected number); ``(0, 0)`` for a step with no data."""
+        """Contributions received (up to expected) and expected in pending ``step``, over its names."""
         st = self._steps.get(step)
         if st is None:
             return 0, 0
@@ -492,14 +453,8 @@ class Aggregator:
 
     # -------------------------------------------------------------------------------- output
     def finalize(self, step: int, **facts: Any) -> StepResult:
-        """The step's result (partial when incomplete); frees the step's state. ``facts``: what the
-        caller knows of the step besides the engine (keywords of :meth:`StepMeta.of`: a server's
-        ``contributions`` and ``late``, torch.distributed's ``contributors`` and ``torch``), in
-        the meta from the start: a result is never changed once finalized.
-
-        A step finalized before returns its kept result (``facts`` are not taken), or an empty one
-        with ``meta.evicted`` when it is no longer kept (more than ``keep_results`` newer results).
-        """
+        """The step's result, freeing its state (``facts``: :meth:`StepMeta.of` keywords); a step
+        finalized before gives its kept result, or an empty one with ``meta.evicted``."""
         if self.is_finalized(step):
             kept = self._results.get(step)
             if kept is not None:
@@ -530,9 +485,7 @@ class Aggregator:
         return result
 
     def peek(self, step: int, **facts: Any) -> StepResult:
-        """``step`` as it stands, leaving it pending (``meta.provisional``): what a reader gets at
-        its deadline when it does not finalize; a finalized step's result as :meth:`finalize`
-        (``facts`` as there).
+        """``step`` as it stands, left pending (``meta.provisional``); a final step as :meth:`finalize`.
 
         >>> from rlmetrics.packing import pack
         >>> engine = Aggregator()
@@ -547,8 +500,7 @@ class Aggregator:
         return self._result_of(step, provisional=True, **facts)
 
     def _result_of(self, step: int, **facts: Any) -> StepResult:
-        """The result of pending (or unknown) ``step`` as it stands, with the caller's ``facts``
-        (:meth:`StepMeta.of`); its state is left as it is."""
+        """The result of pending (or unknown) ``step`` as it stands, with the caller's ``facts``."""
         missing_ranks, missing_metrics = self.missing(step)
         st = self._steps.get(step)
         values, empty, side = self._values(st) if st is not None and st.groups else ({}, [], {})
@@ -597,10 +549,7 @@ class Aggregator:
         return set(st.closed) if st is not None else set()
 
     def take(self, step: int) -> list[tuple[Packed, int, tuple[tuple[str, int], ...]]]:
-        """The step's merged contributions so far, one :class:`Packed` per schema with its
-        contribution count, its world_size and the ``(client_id, seq)`` keys merged
-        in it; the step starts afresh (a node forwards them upstream, and forwards what arrives
-        later the same way)."""
+        """The step's merged contributions, ``(packed, world_size, keys)`` per schema; it starts afresh."""
         st = self._steps.pop(step, None)
         self._forget(step)
         if st is None:
@@ -616,10 +565,7 @@ class Aggregator:
         return out
 
     def _values(self, st: Step) -> tuple[dict[str, float], list[str], dict[str, Any]]:
-        """The step's values, empty names, histograms and lists of names
-        (:func:`~rlmetrics.engine.steps.reduce_step`), its layout
-        cached by its set of schemas; a non-finite value is logged once per name (DEBUG: the reader's
-        client warns)."""
+        """:func:`~rlmetrics.engine.steps.reduce_step`, the layout cached by the step's schemas."""
         key = tuple(st.groups)
         lay = self._layouts.get(key)
         if lay is None:
@@ -637,9 +583,7 @@ class Aggregator:
     _FINALIZED_CAP = 4096
 
     def _mark_finalized(self, step: int) -> None:
-        """Steps finalized below the lowest one that is not count as ``done_below``; a step nobody
-        used stops that, so beyond ``_FINALIZED_CAP`` tracked steps every unused step below the
-        oldest pending one counts as finalized too."""
+        """Note ``step`` finalized, advancing ``done_below`` (unused steps count as finalized, capped)."""
         if step in self._reopened:
             self._reopened.discard(step)
             return
@@ -660,10 +604,7 @@ class Aggregator:
             self._done_below = max(self._done_below, floor)
 
     def _use(self, step: int) -> None:
-        """A client submits to or closes ``step``: if it is one of the steps counted finalized because
-        nobody had used them (:meth:`_mark_finalized`; a rank that sends its steps out of order),
-        and near the first one used, it counts as not finalized again (alone: at most
-        ``max_pending`` such steps; :meth:`finalized_state` lists them)."""
+        """A client uses ``step``: reopen it if it counted finalized only for being unused (and is near)."""
         if self._unused is None or not self._unused[0] <= step < self._unused[1] or step in self._reused:
             return
         high = self._unused[1]
@@ -686,9 +627,7 @@ class Aggregator:
         return low, sorted(set(range(low, self._done_below)) - self._reopened | self._finalized)
 
     def export_state(self, results: int = 2) -> dict:
-        """What a restarted aggregator needs to resume (JSON-serializable): registered clients,
-        finalized steps, and the newest ``results`` results — a restart between finalizing a step
-        and the reply reaching its reader leaves the step finalized, and the retried read finds it.
+        """What a restarted aggregator resumes from (JSON-ready): clients, finalized steps, newest results.
 
         >>> from rlmetrics.packing import pack
         >>> engine = Aggregator()
@@ -736,17 +675,12 @@ class Aggregator:
         return list(itertools.islice(reversed(self._results.items()), max(n, 0)))[::-1]
 
     def direct_step(self) -> int:
-        """Where a submission without a client and without a step goes (the seed's
-        ``MetricWorker.submit_metric``): the newest pending step, else the step after the newest
-        finalized one — so each ``wait_final_res`` starts a new round, as in siiRL."""
+        """The step of a submission without client or step: the newest pending step, else a new round."""
         return max(self._steps) if self._steps else self._newest_final + 1
 
 
 def saved_result(step: int, res: StepResult) -> list:
-    """``res`` as JSON-ready ``[step, names, values, meta]``, the values as the base64 of their
-    float64 bytes: exact to the bit, and 0.1 ms for 10,000 values (JSON's float repr took 7 ms per
-    step at M = 10000); a fifth entry ``{"histograms": ..., "lists": ...}`` when the step has any, so
-    a restarted aggregator hands them to a late reader as the first one got them.
+    """``res`` as JSON-ready ``[step, names, values, meta(, side)]``, values: base64 of their float64 bytes.
 
     >>> entry = saved_result(3, StepResult({"x": 0.1, "y": float("nan")}, 3, lists={"s": ["rank1"]}))
     >>> entry[:2], restored_result(entry)["x"], restored_result(entry).step, restored_result(entry).lists

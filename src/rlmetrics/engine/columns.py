@@ -1,11 +1,5 @@
-"""The names the engine knows: a column per metric name, the schemas (sets of names) that map onto
-columns, and forgetting what no recent step used.
-
-Every name gets a column once, reused across steps and schemas; a schema's names map to their
-columns once, so a contribution is merged by column indices, never by name. A name whose result
-key another name already has (``perf/delta_time/gen`` beside ``timing_s/gen``, renamed) is refused
-alone. Schemas not submitted for a while are forgotten, and the names no remaining schema has free
-their columns for new names: memory stays bounded when names change over a run.
+"""The names the engine knows: a column per name, reused across steps and schemas; a name whose result
+key another has is refused alone; unused schemas are forgotten (docs/steps.md, "Reading a step").
 
 >>> from rlmetrics.packing import pack
 >>> index = ColumnIndex({"timing_s/": "perf/delta_time/"})
@@ -33,8 +27,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Known:
-    """A schema the engine learned: the column of each name it accepted, and the names it refused
-    (a name whose result key another name already has)."""
+    """A schema the engine learned: the columns of the names it accepted, and those it refused."""
 
     schema: Schema
     cols: np.ndarray  # columns of the accepted names, in schema order
@@ -51,12 +44,8 @@ class Known:
 
 
 class ColumnIndex:
-    """Names to columns, and schemas to their :class:`Known` columns (see the module docstring).
-
-    ``names``, ``out_names`` (renamed for results) and ``reductions`` are by column; a forgotten
-    column's name is None until a new name takes it. ``forgotten_names``: result names of dropped
-    columns, for the engine to forget what it noted about them.
-    """
+    """Names to columns, and schemas to their :class:`Known` columns. ``names`` (None: freed),
+    ``out_names`` and ``reductions`` are by column; ``forgotten_names``: result names of freed columns."""
 
     def __init__(self, renames: Mapping[str, str]) -> None:
         self.renames = dict(renames)
@@ -76,8 +65,7 @@ class ColumnIndex:
         return len(self.names)
 
     def of(self, schema: Schema, step: int) -> Known:
-        """The columns of ``schema``'s names (learning the schema the first time), noting that it
-        was submitted for ``step``; SubmissionError for a malformed schema."""
+        """The columns of ``schema``'s names, used at ``step`` (SubmissionError: malformed)."""
         self._used[schema.id] = max(step, self._used.get(schema.id, step))
         known = self._schemas.get(schema.id)
         if known is not None:
@@ -98,8 +86,7 @@ class ColumnIndex:
         return known
 
     def _learn(self, schema: Schema) -> Known:
-        """Columns for a new schema's names (new names get a column). A name whose result key
-        another name has is refused alone: one of the two values would silently vanish."""
+        """Columns for a new schema's names; a name whose result key another has is refused alone."""
         if len(set(schema.names)) != len(schema.names):
             raise SubmissionError("schema repeats a metric name")
         for red in schema.reductions:
@@ -141,8 +128,7 @@ class ColumnIndex:
         return Known(schema, at if keep is None else at[keep], at, keep, refused)
 
     def forget(self, horizon: int, busy: set[bytes]) -> bool:
-        """Drop the schemas not submitted since ``horizon`` that are not ``busy`` (a pending step
-        uses them), and the names no kept schema has (their columns are reused); whether any went."""
+        """Drop the schemas unused since ``horizon`` and not ``busy``, and their names; whether any went."""
         old = [sid for sid, used in self._used.items() if used < horizon and sid not in busy]
         if not old:
             return False

@@ -1,13 +1,7 @@
 """Derived metrics: values computed after the merge from several merged values, as a declared table.
 
-Some metrics are not a reduction of one merged Stat but a function of several (an explained variance
-from two pooled stds and a token count, a throughput from summed tokens and seconds). Their
-ingredients travel as ordinary metrics under names starting with :data:`AUX_PREFIX`; the engine
-computes each :class:`Derived` of its table whose ingredients are present, in each group of grouped
-names (:mod:`rlmetrics.core.groups`), and drops the auxiliary names (:func:`derive`).
-
-The table is a hook of the engine, as ``renames`` is (``Aggregator(derived=...)``); its default,
-:data:`DERIVED`, is what the metric families append to (the built-in ones: :mod:`rlmetrics.metrics`).
+Ingredients travel under :data:`AUX_PREFIX` names; the engine's table is ``Aggregator(derived=...)``,
+default :data:`DERIVED` (docs/reductions.md, "Derived metrics: ratios are computed from merged sums").
 
 >>> ratio = Derived("perf/ratio", ("_aux/ratio/a/sum", "_aux/ratio/b/sum"),
 ...                 lambda v: v["_aux/ratio/a/sum"] / v["_aux/ratio/b/sum"])
@@ -27,10 +21,7 @@ AUX_PREFIX = "_aux/"
 
 
 class Derived(NamedTuple):
-    """A metric computed after the merge: ``name``, the auxiliary ``ingredients`` it travels with
-    (names under :data:`AUX_PREFIX`, which a client takes) and ``fn``, a function of the merged
-    ``{name: float}`` (ingredients and any other merged name) that gives the value, or None when it
-    cannot (the merged value under ``name``, if any, is then kept)."""
+    """``name``, its ``ingredients`` (under :data:`AUX_PREFIX`) and ``fn(merged)``: the value, or None."""
 
     name: str
     ingredients: tuple[str, ...]
@@ -52,8 +43,7 @@ def is_aux(name: str) -> bool:
 
 
 def derive(values: Mapping[str, float], table: Iterable[Derived]) -> dict[str, float]:
-    """The reported metrics of a merged result: each of ``table`` computed, auxiliary names dropped;
-    for each group of grouped names from that group's names.
+    """The reported metrics of a merged result: ``table`` computed (per group), auxiliary names dropped.
 
     >>> n = "_aux/x/n/sum"
     >>> mean = Derived("x/mean", (n,), lambda v: v["x/sum"] / v[n] if v.get(n) else None)
@@ -101,9 +91,8 @@ class _Group(Mapping):
 def without_reserved(
     metrics: Mapping[str, Any], errors: dict[str, str], table: Iterable[Derived] | None = None
 ) -> Mapping[str, Any]:
-    """``metrics`` without the names under :data:`AUX_PREFIX` that are no ingredient of a derived
-    metric of ``table`` (default :data:`DERIVED`): they would be merged and never reported. Their
-    messages go to ``errors``; ``metrics`` itself when there are none.
+    """``metrics`` without the :data:`AUX_PREFIX` names that are no ingredient of ``table`` (default
+    :data:`DERIVED`), their messages in ``errors``; ``metrics`` itself when there are none.
 
     >>> errors = {}
     >>> without_reserved({"_aux/mine": 1.0, "_aux/x/n/sum": 3.0, "loss": 0.5}, errors,

@@ -1,11 +1,7 @@
 """The aggregator side shared by the in-process and Ray backends: what each call does to the engine,
-and when a read may return. Backends add only locking and waiting (a thread condition, asyncio).
-Over 400 lines on purpose: the call protocol is one set of rules (sessions, relays, recovery,
-deadlines and persistence each change what the others decide), read and tested in one place
-(where the state is saved: :mod:`rlmetrics.engine.store`).
-
-The rules of every call (receive, result, final, the logging reader, recovery, sessions, reports,
-node relays, persistence): docs/architecture.md, "The aggregator's rules".
+and when a read may return (backends add only locking and waiting). Over 400 lines on purpose: the
+call protocol is one set of rules (sessions, relays, recovery, deadlines and persistence each change
+what the others decide), read and tested in one place. docs/architecture.md, "The aggregator's rules".
 
 >>> from rlmetrics.messages import MAX_STEP
 >>> from rlmetrics.packing import pack
@@ -50,16 +46,13 @@ from rlmetrics.wire import close_entry
 logger = logging.getLogger(__name__)
 
 FINAL_TIMEOUT = 60.0
-"""Seconds ``wait_final_res()`` waits for its step to complete before it returns it
-partial (with ``meta`` naming what is missing, and a warning)."""
+"""Seconds ``wait_final_res()`` waits for its step to complete before it returns it partial."""
 SAVED_RESULTS = 2
 """Newest results a saved state keeps: a read retried across a restart finds its step."""
 
 
 class Notice(NamedTuple):
-    """What a ``wait_final_res`` read tells a client (:meth:`Server.read`): it ended ``step`` without the
-    client's close, while the clients ``ahead`` had closed it (none: the client skipped a close);
-    or, with ``behind``, that the client closed ``step`` before those, one step more than they."""
+    """What a read tells ``client``: it missed ``step`` (``ahead`` closed it), or is ahead of ``behind``."""
 
     client: str
     step: int
@@ -68,18 +61,9 @@ class Notice(NamedTuple):
 
 
 class Server:
-    """The engine and the rules of every call on it (see the module docstring).
-
-    ``final_timeout``: default deadline of ``wait_final_res`` reads; ``step_timeout``: every step's own
-    deadline after its first close (None: none); ``incarnation``: this server's id (a restarted Ray
-    actor gets a new one); ``store``: where the state a next incarnation resumes from is saved
-    (None: nowhere, replies follow the engine), and resumed from now, waiting at most
-    ``recovery_timeout`` seconds for the clients' resends; ``upstream``: the client to the root of
-    a node sub-aggregator (this server finalizes nothing, steps have no deadline, replies say what
-    the root finalized); ``session_ended(session)``: whether a session is over (None: sessions are
-    not tracked); the rest goes to :class:`~rlmetrics.engine.aggregator.Aggregator` (``renames``,
-    ``keep_results``, ``forget_after``, ``max_pending``).
-    """
+    """The engine and the rules of every call on it. ``store``: where the state is saved and resumed
+    from; ``upstream``: a node's client to the root (it finalizes nothing); ``session_ended(session)``:
+    whether a run is over (None: no sessions); the rest goes to the Aggregator (docs/steps.md)."""
 
     def __init__(
         self,
@@ -147,8 +131,7 @@ class Server:
             return None
 
     def _resume(self, saved: dict, recovery_timeout: float) -> bool:
-        """Resume from ``saved``; False when this version cannot read it (it starts empty, as after
-        a refused state: a restart that failed on it would restart forever)."""
+        """Resume from ``saved``; False when unreadable: it starts empty (failing would restart forever)."""
         try:
             self.restore(saved, recovery_timeout)
             return True
@@ -163,9 +146,7 @@ class Server:
         logger.error("rlmetrics: %s", self.refused_state)
 
     def export_state(self, results: int = SAVED_RESULTS) -> dict:
-        """What a next incarnation resumes from (JSON-ready): the engine's state
-        (:meth:`~rlmetrics.engine.aggregator.Aggregator.export_state`), the clients' sessions, the ended
-        sessions and who speaks for whom."""
+        """What a next incarnation resumes from (JSON-ready): the engine's state, sessions and relays."""
         state = self.engine.export_state(results)
         state["sessions"] = dict(self.sessions)
         state["ended"] = sorted(self.ended)
@@ -175,9 +156,7 @@ class Server:
         return state
 
     def restore(self, state: Mapping, recovery_timeout: float) -> None:
-        """Resume from the state an earlier incarnation saved (:meth:`export_state`), and wait (at
-        most ``recovery_timeout`` seconds) for its registered clients' resends (a node resends for
-        the ranks it speaks for)."""
+        """Resume from :meth:`export_state`; wait at most ``recovery_timeout`` s for the clients' resends."""
         self.engine.restore_state(state)
         self.sessions = dict(state.get("sessions", {}))
         self.ended = set(state.get("ended", ()))
@@ -196,8 +175,7 @@ class Server:
         return bool(self.awaiting) and time.monotonic() < self.recovery_deadline
 
     def _marker(self) -> tuple:
-        """What the saved state depends on: registered clients, sessions and relays; at a root
-        also finalized steps and the newest result (a node's are the root's business)."""
+        """What the saved state depends on (at a root also the finalized steps and newest result)."""
         engine = self.engine
         if not self.finalizes:
             return (frozenset(engine.clients), self.changes)
@@ -234,18 +212,14 @@ class Server:
             self._saved = None
 
     def durable(self) -> tuple[int, list[int]]:
-        """``(done_below, finalized)`` that replies report (a client stops keeping those steps):
-        as of the state saved last (with a store), as the root last reported it (a node), else
-        the engine's."""
+        """``(done_below, finalized)`` replies report: as saved last, as the root said, or the engine's."""
         if self.upstream is not None:
             return self.upstream.finalized_state
         return self._durable if self.store is not None else self.engine.finalized_state()
 
     # --------------------------------------------------------------------------------- intake
     def handle(self, messages: Iterable[Message]) -> list[Reply]:
-        """The call protocol: merge each message in turn (:meth:`merge`), finalize the steps they
-        completed, save (:meth:`persist`), and reply to each (:meth:`reply`). The messages without
-        errors or late data share one reply object (Ray pickles it once)."""
+        """Merge each message, finalize the steps they completed, save, reply (plain replies: one object)."""
         steps: set[int] = set()
         outcomes = []
         messages = list(messages)
@@ -274,10 +248,7 @@ class Server:
         steps: set[int] | None = None,
         late: set[int] | None = None,
     ) -> dict[str, str]:
-        """:func:`merge_items` (a resend after a restart is not late: it was merged before), and a
-        resend ends the wait for that client; a message of an ended session is refused whole. The
-        steps the message is about go to ``steps``: call :meth:`finalize_complete` on them after;
-        those whose data it dropped as late go to ``late`` (for the reply)."""
+        """:func:`merge_items` of one message (a ``resync`` is not late); its steps into ``steps``."""
         refused = self.join(client_id, session)
         if refused:
             return {client_id: refused}
@@ -306,10 +277,8 @@ class Server:
         return client_id == sender or self.via.get(client_id) == sender
 
     def join(self, client_id: str, session: str | None) -> str | None:
-        """Note the session of ``client_id``; None, or why its message is refused (its session
-        ended). A client not seen before ends the other sessions found over (module docstring): the
-        first client of a restarted run, and each after it (Ray may record the killed run's end a
-        moment later)."""
+        """Note ``client_id``'s session; None, or why its message is refused (its run ended). Each new
+        client ends the runs found over (Ray may record a killed run's end a moment later)."""
         if session is None or self.session_ended is None:
             return None
         if session in self.ended:
@@ -366,8 +335,7 @@ class Server:
             self.finalize_complete(self.engine.pending_steps())
 
     def relay(self, node: str, client_id: str, address: str, session: str | None = None) -> str | None:
-        """``node`` (a node sub-aggregator at ``address``) speaks for ``client_id`` from now on, which
-        registers; None, or why it is refused (as :meth:`join`)."""
+        """``node`` (at ``address``) speaks for ``client_id``, which registers; None, or why refused."""
         refused = self.join(client_id, session)
         if refused:
             return refused
@@ -405,14 +373,11 @@ class Server:
                 self.finalize(step)
 
     def reply(self, errors: dict[str, str], late: Iterable[int] = (), missed: int = -1) -> Reply:
-        """The reply to a message: its ``errors``, the steps whose data it sent was dropped as
-        ``late``, the steps its client may stop keeping (:meth:`durable`) and the newest step a
-        ``wait_final_res`` read ended without its close (``missed``)."""
+        """The reply to a message: ``errors``, ``late`` steps, :meth:`durable` and ``missed``."""
         return Reply(errors, self.incarnation, *self.durable(), late=sorted(late), missed=missed)
 
     def submit_direct(self, metrics: Mapping[str, Any], world_size: int, step: int | None = None) -> None:
-        """A submission without a client (the seed's ``MetricWorker.submit_metric``): into ``step``,
-        by default the newest pending step, else a new round after the newest finalized step."""
+        """The seed's ``MetricWorker.submit_metric``: into ``step`` (default: the current round)."""
         target = self.engine.direct_step() if step is None else step
         self.engine.submit("direct", target, next(self._direct), world_size, pack(metrics), register=False)
 
@@ -432,8 +397,7 @@ class Server:
         self.persist()
 
     def runs_in(self, client_id: str, process: Mapping[str, Any]) -> None:
-        """``client_id`` runs in ``process`` (the backend's ids of it, e.g. a Ray actor id), whose
-        end the backend watches for (:meth:`watched`, :meth:`lose`)."""
+        """``client_id`` runs in ``process`` (e.g. a Ray actor id), whose end the backend watches for."""
         if len(self.processes) >= 4 * len(self.engine.clients) + 1024:  # clients that never submitted
             self.processes = {c: p for c, p in self.processes.items() if c in self.engine.clients}
         self.processes[client_id] = dict(process)
@@ -446,10 +410,7 @@ class Server:
         return {c: p for c, p in self.processes.items() if c in clients}
 
     def lose(self, client_id: str, why: str) -> None:
-        """``client_id``'s process is gone (``why``), as its backend knows: no step waits for it,
-        the step it did not close ends partial naming it as soon as the others closed it, and later
-        steps expect one contribution fewer of what it sent
-        (:meth:`~rlmetrics.engine.aggregator.Aggregator.lose`)."""
+        """``client_id``'s process is gone (``why``): :meth:`~rlmetrics.engine.aggregator.Aggregator.lose`."""
         if client_id not in self.engine.clients:
             return
         if self.session_ended is not None and self._ended(self.sessions.get(client_id)):
@@ -474,10 +435,8 @@ class Server:
 
     # ------------------------------------------------------------------------------ deadlines
     def tick(self, finalize: bool = True) -> tuple[list[int], float | None]:
-        """The clock's call: the pending steps whose own deadline (``step_timeout`` after their first
-        close) passed, finalized and saved when ``finalize``, and when the next one passes
-        (``time.monotonic()``; None: no step has one). A backend with node sub-aggregators drains
-        the steps of ``tick(finalize=False)`` first, then calls :meth:`finalize` on each."""
+        """The steps whose own deadline passed (finalized and saved when ``finalize``; a backend with
+        nodes drains them first), and when the next passes (``time.monotonic()``; None: none)."""
         due = self._due()
         if finalize:
             for step in due:
@@ -503,18 +462,14 @@ class Server:
     # ---------------------------------------------------------------------------------- reads
     def read(self, step: int | None = None, reader: str = "", session: str | None = None,
              finalize: bool = False) -> Read:  # fmt: skip
-        """A reader's read: of ``step``, or (None) the seed's ``wait_final_res``, about the step
-        :meth:`_final_target` picks for ``reader`` (of run ``session``). A backend waits until
-        ``read.ready()`` or its deadline, drains ``read.drain()`` (node sub-aggregators), then takes
-        ``read.end()`` (docs/architecture.md, "The aggregator's rules")."""
+        """A read of ``step`` (None: the seed's ``wait_final_res``) by ``reader`` of run ``session``: a
+        backend waits for ``ready()`` or its deadline, drains ``drain()``, then returns ``end()``."""
         if finalize or step is None:
             self._note_reader(reader, session, finalize)
         return Read(self, step, reader, session, finalize)
 
     def _result_ready(self, step: int) -> bool:
-        """A reader of ``step`` may stop waiting: the step is final (nothing a recovery brings
-        changes it), or, no recovery under way, complete, or every registered rank went past it
-        without anything for it."""
+        """A reader of ``step`` may stop waiting: final, or (no recovery under way) complete or passed."""
         engine = self.engine
         return engine.is_finalized(step) or (
             not self.recovering()
@@ -525,10 +480,7 @@ class Server:
         )
 
     def _result(self, step: int, finalize: bool, reader: str, session: str | None) -> StepResult:
-        """``step``'s result now: kept or complete; else, at a reader's deadline, partial and final
-        when ``finalize`` (and the reader's run did not end), otherwise what arrived so far,
-        provisional (the step stays open). A step nothing arrived for is never finalized: its
-        provisional result says where the ranks are (``meta.ranks_at``)."""
+        """``step``'s result now: final when ready or ``finalize`` (run not ended), else provisional."""
         engine = self.engine
         if not engine.knows(step) and step not in self._announced:
             return engine.peek(step, contributions=(0, 0), ranks_at=engine.ranks_closed_up_to())
@@ -541,14 +493,12 @@ class Server:
         return engine.peek(step, contributions=engine.contributions(step))
 
     def _note_reader(self, reader: str, session: str | None, finalize: bool) -> None:
-        """A read starts: one with ``finalize=True`` makes ``reader`` (of run ``session``) the
-        logging reader; a ``wait_final_res`` read (``finalize=False``) does when there is none yet."""
+        """A ``finalize=True`` read makes ``reader`` the logging reader; a ``wait_final_res`` one if none."""
         if finalize or self.logging_reader is None:
             self.logging_reader = (reader, session)
 
     def _logs(self, reader: str, session: str | None) -> bool:
-        """Whether a ``wait_final_res`` read of ``reader`` finalizes at its deadline: it is the logging
-        reader (:meth:`_note_reader`), or that one's run ended and this one's did not (it takes over)."""
+        """Whether ``reader``'s ``wait_final_res`` ends its step at the deadline (the logging reader's)."""
         me = (reader, session)
         if self._ended(session):
             return False
@@ -564,8 +514,7 @@ class Server:
         )
 
     def finalize(self, step: int) -> StepResult:
-        """The engine's :meth:`~rlmetrics.engine.aggregator.Aggregator.finalize`; a step finalized now also
-        gets ``meta.contributions`` and ``meta.late`` (module docstring)."""
+        """The engine's ``finalize``, with ``meta.contributions`` and ``meta.late``."""
         engine = self.engine
         if engine.is_finalized(step):
             return engine.finalize(step)
@@ -576,13 +525,8 @@ class Server:
         return result
 
     def _final_target(self, reader: str = "") -> int | None:
-        """The step a ``wait_final_res`` read is about for ``reader``: the newest step every registered rank
-        (not lost) closed, if ``reader`` was not given it yet; else the oldest step after the one it
-        was given that some rank closed (a rank that closed a far step, e.g. a token count passed as
-        step=, does not take the read over). A step ``reader`` read final by its step counts
-        as given, unless no rank closed a later one: then it is the target once (verl's driver reads
-        ``result(global_steps)`` and then the seed's ``wait_final_res``). Without clients: the newest
-        pending step (the seed's direct round). None when there is nothing new for ``reader``."""
+        """The step ``reader``'s ``wait_final_res`` is about (None: nothing new; docs/steps.md, "Reading
+        a step"): the newest step every rank closed, else the oldest later step some rank closed."""
         engine = self.engine
         after, read = self._returned.get(reader, (-1, -1))
         if engine.newest_closed is None:
@@ -598,18 +542,13 @@ class Server:
         return agreed if later is None and agreed > after else later
 
     def _final_ready(self, target: int | None) -> bool:
-        """A ``wait_final_res`` read of ``target`` may return: complete, or a direct round (never
-        waited for)."""
+        """A ``wait_final_res`` read of ``target`` may return: complete, or a direct round."""
         if self.engine.newest_closed is None:
             return not self.recovering()
         return target is not None and self._result_ready(target)
 
     def _final(self, target: int | None, reader: str, session: str | None) -> StepResult:
-        """The :meth:`_final_target` read of ``reader`` (of run ``session``): ``target`` final
-        (saved) when complete or when ``reader`` :meth:`_logs`, else provisional; each step once
-        per reader. No ``target``: an empty result (step -1) whose ``meta.ranks_at`` says where
-        the ranks are. A step it ends without some registered rank's close tells that rank
-        (:meth:`_tell_missed`)."""
+        """``target`` final when ready or :meth:`_logs` (telling who missed it), else provisional."""
         engine = self.engine
         if target is None:
             if engine.newest_closed is None:
@@ -625,24 +564,15 @@ class Server:
         return engine.peek(target, contributions=engine.contributions(target))
 
     def _give(self, reader: str, step: int, by_result: bool = False) -> None:
-        """``reader`` was given ``step`` final by a ``wait_final_res`` read (or a step's read): see
-        :meth:`_final_target`."""
+        """``reader`` was given ``step`` final (by ``wait_final_res``, or by a step's read)."""
         if len(self._returned) >= 1024 and reader not in self._returned:
             self._returned.clear()  # readers come and go (a client each): the old ones are forgotten
         after, read = self._returned.get(reader, (-1, -1))
         self._returned[reader] = (after, max(step, read)) if by_result else (max(step, after), read)
 
     def _tell_missed(self, target: int, at_deadline: bool) -> None:
-        """Before a ``final`` read ends ``target``. Its contract is the seed's loop: it reads once
-        every rank's step returned, so a registered client that had not closed ``target`` is one
-        step off (unless it is gone): it skipped a ``wait_submit()`` (it closed no pending step
-        before ``target``: its counter is behind), or the clients that closed ``target`` closed one
-        step more than it did (``wait_submit()`` twice in an iteration: theirs is ahead). Each is
-        told (:attr:`notices`; the one behind also in its replies, :attr:`missed`), and moves its
-        counter past ``target`` (:meth:`~rlmetrics.client.ClientCore.notify_missed`): every rank
-        goes on at the same step. The clients ahead are told too. A client ahead may also have
-        closed ``target`` empty on its way (``target`` is the newest step every rank closed): when
-        the read ends it at its deadline, the clients that closed one step more are ahead."""
+        """Tell the clients one step off when a ``final`` read ends ``target`` (docs/steps.md, "The step
+        counter"); ended at the deadline, a client ahead may have closed ``target`` empty on its way."""
         engine = self.engine
         closers = set() if engine.is_finalized(target) else engine.closers(target)
         absent = engine.clients - closers - set(engine.lost) if closers else set()  # none: a direct round
@@ -680,8 +610,7 @@ class Server:
 
 @dataclass
 class Read:
-    """A reader's read (:meth:`Server.read`): a step's, or (``step`` None) the seed's
-    ``wait_final_res``, about :attr:`target`."""
+    """A reader's read (:meth:`Server.read`) of ``step`` (None: ``wait_final_res``, about :attr:`target`)."""
 
     server: Server
     step: int | None
@@ -701,8 +630,7 @@ class Read:
         return self.server._final_ready(self.target)
 
     def drain(self) -> tuple[int, bool] | None:
-        """At the deadline: ``(step, finalize)`` whose node sub-aggregators are to forward what they
-        hold before :meth:`end` (None: nothing to drain)."""
+        """At the deadline: ``(step, finalize)`` whose nodes forward what they hold first (None: none)."""
         if self.ready():
             return None
         if self.step is not None:
@@ -711,8 +639,7 @@ class Read:
         return (target, True) if target is not None and self.server._logs(self.reader, self.session) else None
 
     def end(self) -> StepResult:
-        """The result: final when ready, or at the deadline of a reader that finalizes (module
-        docstring); else provisional."""
+        """The result: final when ready or at a finalizing reader's deadline, else provisional."""
         if self.step is not None:
             return self.server._result(self.step, self.finalize, self.reader, self.session)
         return self.server._final(self.target, self.reader, self.session)
@@ -729,11 +656,8 @@ def merge_items(
     closed: set[int] | None = None,
     late: set[int] | None = None,
 ) -> dict[str, str]:
-    """Merge a client's items, then its step closings (the steps closed go to ``closed``, those of
-    items dropped as late, their step final already, to ``late``); the errors keyed by client,
-    step and seq (a rejected item does not stop the others). An item keyed
-    by ``(client_id, seq)`` pairs and a close ``(step, client ids)`` are on behalf of those clients
-    (a node's forward): refused unless ``speaks(sender, client)`` for each."""
+    """Merge a client's items, then its closes (into ``closed``; late steps into ``late``); the errors.
+    Items and closes for other clients (a node's forward) are refused unless ``speaks(sender, client)``."""
     errors: dict[str, str] = {}
     for step, seq, world_size, packed in items:
         try:

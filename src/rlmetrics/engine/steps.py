@@ -1,11 +1,5 @@
-"""One step's pending state and its reduction to values: the engine's inner loop.
-
-:class:`Step` holds a step's contributions, one :class:`Group` per schema (stacked, folded into a
-``(5, M)`` stat array once), and its other states by column (:mod:`rlmetrics.core.states`).
-:func:`layout_of` resolves a step's schemas to global columns, output names and reduction groups
-once per set of schemas; :func:`reduce_step` turns a step into ``{name: value}`` (and the
-histograms of its ``hist`` names, :mod:`rlmetrics.core.histogram`).
-:class:`~rlmetrics.engine.aggregator.Aggregator` owns the steps, the bookkeeping and the messages.
+"""One step's pending state and its reduction to values, the engine's inner loop: :class:`Step`,
+:class:`Group`, :func:`layout_of` (once per set of schemas) and :func:`reduce_step`.
 
 >>> from rlmetrics.engine.columns import ColumnIndex
 >>> from rlmetrics.packing import pack
@@ -39,13 +33,8 @@ _BLOCK = 1 << 21  # floats stacked per schema and step before they are folded in
 
 
 class Group:
-    """Pending contributions of one schema and ``world_size`` in one step (a node forwards
-    contributions of another ``world_size`` apart, so the root sees the disagreement too).
-
-    Single-observation contributions (1-D) are stacked as plain values and summarized in one pass
-    (:func:`~rlmetrics.core.stat.stats_of_rows`); others are stacked field-major for
-    :func:`~rlmetrics.core.stat.reduce_parts`. Blocks are sized to hold about 2M floats.
-    """
+    """Pending contributions of one schema and ``world_size`` (apart, so a root sees ranks disagree
+    through a node) in one step, stacked in blocks and folded into one ``(5, M)`` stat array."""
 
     __slots__ = (
         "cols",
@@ -118,8 +107,7 @@ class Layout:
 
 @dataclass
 class Step:
-    """One pending step: its contributions by ``(schema id, world_size)``, states by column, who
-    took part, and the ``world_size`` each column was first given (:meth:`expect`)."""
+    """One pending step: contributions by ``(schema id, world_size)``, states by column, who took part."""
 
     groups: dict[tuple[bytes, int], Group] = field(default_factory=dict)
     states: dict[int, State] = field(default_factory=dict)  # sketches, validation samples: by column
@@ -133,9 +121,7 @@ class Step:
     conflicts: dict = field(default_factory=dict)  # column -> why (its ranks disagree on world_size)
 
     def expect(self, cols: np.ndarray, world_size: int, giver: str, n: int) -> np.ndarray | None:
-        """Note that ``giver`` expects ``world_size`` contributions for ``cols`` (of ``n`` columns);
-        the columns that were given another ``world_size`` before in this step (None: none). Called
-        once per group: its later contributions meet the same first values."""
+        """Note ``giver``'s ``world_size`` for ``cols`` (of ``n``); those given another before, or None."""
         if not self.givers:  # the step's first group
             self.world_sizes = np.zeros(n, np.int64)
             self.world_sizes[cols] = world_size
@@ -159,8 +145,7 @@ class Step:
         return conflicting if len(conflicting) else None
 
     def counts(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """Contributions received and expected per column (expected: the largest world_size given,
-        also where ranks disagree: a rank that submits later, not registered yet, is waited for)."""
+        """Contributions received and expected per column (expected: the largest world_size given)."""
         received = np.zeros(n, np.int64)
         expected = np.zeros(n, np.int64)
         for g in self.groups.values():
@@ -199,11 +184,8 @@ def layout_of(st: Step, columns: ColumnIndex) -> Layout:
 def reduce_step(
     st: Step, lay: Layout, columns: ColumnIndex, derived: Sequence[Derived] = ()
 ) -> tuple[dict[str, float], list[str], dict[str, Any]]:
-    """``(values, empty, side)``: the step's reduced values by output name (the ``derived``
-    metrics computed and the auxiliary names dropped when the step has any), the names no
-    contribution had data for (left out of values) and what is no float: the histograms of its
-    ``hist`` names that have finite data, and the lists of names a state reports (a list or tuple
-    of strings: the slowest ranks of a stage)."""
+    """``(values, empty, side)``: the values by output name (``derived`` computed), the names without
+    data, and what is no float (histograms, and lists of names such as a stage's slowest ranks)."""
     groups = list(st.groups.values())
     if lay.positions is None:
         total = groups[0].fold()
@@ -234,9 +216,7 @@ def reduce_step(
 def _reduce_states(
     st: Step, lay: Layout, total: np.ndarray, out: np.ndarray, columns: ColumnIndex
 ) -> tuple[dict[str, float], dict[str, Any]]:
-    """Each state's values (:mod:`rlmetrics.core.states`): its own column's into ``out`` (a sketch's
-    quantile) or the histograms, the lists of names apart, the others returned (validation
-    samples' metrics, computed once over every rank's samples)."""
+    """Each state's values: its own column's into ``out`` (or a histogram), the rest returned."""
     extra: dict[str, float] = {}
     histograms: dict[str, Any] = {}
     if not st.states:

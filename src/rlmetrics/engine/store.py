@@ -1,6 +1,5 @@
 """Where a server keeps the state a next incarnation resumes from: the :class:`Store` protocol,
-:class:`MemoryStore`, and :func:`dump_state`, the JSON a store writes (on Ray the signed
-:class:`~rlmetrics.backends.ray.store.KVStore`).
+:class:`MemoryStore` and :func:`dump_state` (on Ray: :class:`~rlmetrics.backends.ray.store.KVStore`).
 
 >>> store = MemoryStore()
 >>> store.save({"clients": ["rank0"], "results": []}, done=print)
@@ -19,13 +18,11 @@ from rlmetrics.engine.aggregator import saved_result
 
 
 class RefusedState(Exception):
-    """A stored state that is not to be resumed from (not this aggregator's, or unreadable); the
-    message says which and why."""
+    """A stored state not to be resumed from (not this aggregator's, or unreadable), saying why."""
 
 
 class Store(Protocol):
-    """Where a server keeps the state a next incarnation resumes from (:class:`MemoryStore`; on
-    Ray :class:`~rlmetrics.backends.ray.store.KVStore`). ``where`` names it in messages."""
+    """Where a server keeps the state a next incarnation resumes from; ``where`` names it in messages."""
 
     where: str
 
@@ -40,8 +37,7 @@ class Store(Protocol):
 
 
 class MemoryStore:
-    """A :class:`Store` in memory, saved at once (a restart in a test: a new
-    :class:`~rlmetrics.engine.server.Server` on it)."""
+    """A :class:`Store` in memory, saved at once (a restart in a test: a new ``Server`` on it)."""
 
     where = "memory"
 
@@ -57,10 +53,7 @@ class MemoryStore:
 
 
 def dump_state(state: Mapping, encoded: dict[int, str] | None = None) -> str:
-    """``state`` (:meth:`~rlmetrics.engine.server.Server.export_state`, its ``results`` as
-    ``(step, StepResult)`` pairs) as JSON. ``encoded``: the JSON of results by step, kept between
-    calls so that each result is encoded once (a result never changes; encoding 1,000 values and a
-    meta naming every rank at every step slowed the steps)."""
+    """``state`` as JSON; ``encoded``: results' JSON by step, kept between calls (each encoded once)."""
     results = {
         step: (encoded or {}).get(step) or json.dumps(saved_result(step, res))
         for step, res in state.get("results", ())

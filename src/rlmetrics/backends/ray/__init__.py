@@ -1,13 +1,6 @@
-"""Ray backend: the seed's ``MetricWorker`` actor and its clients' transport (extra ``ray``).
-
-- :mod:`~rlmetrics.backends.ray.actor`: ``MetricWorker`` (the root aggregator actor) and
-  ``get_metric_worker``;
-- :mod:`~rlmetrics.backends.ray.node`: per-node sub-aggregators (``hierarchy="node"``);
-- :mod:`~rlmetrics.backends.ray.shell`: what both actors share (a
-  :class:`~rlmetrics.engine.server.Server`, decoding, asyncio waiting) and how they are made;
-- :mod:`~rlmetrics.backends.ray.store`: ``KVStore``, the signed saved state in Ray's KV store;
-- :mod:`~rlmetrics.backends.ray.transport`: ``RayTransport``, the per-process sender and watcher;
-- :mod:`~rlmetrics.backends.ray.compat`: every private Ray API the backend uses.
+"""Ray backend (extra ``ray``): ``actor`` (``MetricWorker``, ``get_metric_worker``), ``node``
+(``hierarchy="node"``), ``shell`` (what both actors share), ``store`` (the signed saved state),
+``transport`` (a process's sender and watcher), ``compat`` (Ray's private APIs). docs/backends.md, "Ray".
 """
 
 from rlmetrics.backends.ray.actor import DEFAULT_NAME, MetricWorker, get_metric_worker

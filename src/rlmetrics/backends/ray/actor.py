@@ -1,21 +1,5 @@
-"""The aggregator actor: ``MetricWorker``, an async :class:`~rlmetrics.backends.ray.shell.Shell` over
-:class:`~rlmetrics.engine.server.Server`, which owns the call protocol (merge, finalize, save, reply).
-
-- ``MetricWorker.remote()`` / ``get_metric_worker(name, namespace)``: one aggregator actor (async,
-  ``num_cpus=0`` by default, ``max_restarts=-1``).
-- Clients send one message per step (:mod:`rlmetrics.wire`: names once per schema, then float64
-  buffers) with their credential (:func:`~rlmetrics.client.credential`), and keep it until the
-  actor's saved state records the step finalized.
-- Restarts: the server saves its registered clients and finalized steps in Ray's internal KV store
-  (:mod:`~rlmetrics.backends.ray.store`), signed with a secret the actor was created with: a state
-  that another job wrote there is refused, never obeyed. A new
-  incarnation waits (at most ``recovery_timeout`` seconds) until every registered client has resent
-  what it keeps; each client learns of the restart from a failed call, from the new incarnation id
-  in a reply, or from its watcher (:mod:`~rlmetrics.backends.ray.transport`).
-- Deadlines: a step is finalized as it stands at the deadline of a reader that finalizes
-  (``result(step, timeout, finalize=True)``, ``wait_final_res``) or, with ``step_timeout``, at its
-  own deadline (that long after its first close); first, the node sub-aggregators that speak for a rank
-  the step misses forward what they hold of it (:mod:`~rlmetrics.backends.ray.node`).
+"""The aggregator actor ``MetricWorker`` and ``get_metric_worker``: a Shell that watches the ranks'
+processes, ends steps at their own deadline, and drains the nodes first. docs/steps.md, "Failures".
 """
 
 from __future__ import annotations
@@ -41,14 +25,7 @@ logger = logging.getLogger(__name__)
 
 
 class _MetricWorker(Shell):
-    """The root aggregator: a :class:`~rlmetrics.backends.ray.shell.Shell` whose server finalizes
-    steps (at readers' deadlines and, with ``step_timeout``, at their own), and that asks the node
-    sub-aggregators for what they hold of a step before it ends it at a deadline.
-
-    Options: ``recovery_timeout``, ``secret`` (see the Shell); the rest goes to the Server
-    (``final_timeout``, ``step_timeout``, ``renames``, ``keep_results``, ``forget_after``,
-    ``max_pending``).
-    """
+    """The root aggregator: a Shell whose server finalizes steps (options: the Shell's)."""
 
     def __init__(self, recovery_timeout: float = 30.0, secret: str | None = None, **options: Any) -> None:
         super().__init__(recovery_timeout, secret, **options)
@@ -65,9 +42,7 @@ class _MetricWorker(Shell):
             self._liveness = asyncio.get_running_loop().create_task(self._watch_ranks())
 
     async def _watch_ranks(self) -> None:
-        """About once a second while a step is pending, ask Ray whether the registered ranks'
-        processes are alive (:func:`~rlmetrics.backends.ray.compat.gone`); a rank whose actor died
-        or whose node was lost is no longer waited for (:meth:`~rlmetrics.engine.server.Server.lose`)."""
+        """While a step is pending, ask Ray each second which ranks' processes are gone, and lose them."""
         while True:
             await asyncio.sleep(LIVENESS_PERIOD)
             watched, engine = self.server.watched(), self.server.engine
@@ -89,9 +64,7 @@ class _MetricWorker(Shell):
             await asyncio.gather(*(self._call_node(a, "lose", c) for c, a in below.items() if a))
 
     async def _end_due_steps(self) -> None:
-        """Finalize every step whose own deadline passes (``step_timeout`` after its first close).
-        A step closed later has a later deadline, so this sleeps until the earliest one, and waits
-        for a change only while no step has one."""
+        """Finalize every step whose own deadline passes: sleep until the earliest, or (none) a change."""
         while True:
             steps, due = self.server.tick(finalize=False)
             if not steps:
@@ -110,10 +83,7 @@ class _MetricWorker(Shell):
                 await asyncio.sleep(1.0)
 
     async def _drain(self, step: int, finalize: bool = True) -> None:
-        """At a reader's deadline for ``step`` (``finalize``: the step is to end there, else the
-        read is provisional): the node sub-aggregators that speak for a rank it misses forward what
-        they hold of it (each at most ``DRAIN_TIMEOUT`` seconds), so the read sees what arrived, as
-        in the flat layout."""
+        """At a deadline for ``step``: the nodes that speak for a rank it misses forward what they hold."""
         nodes = self.server.nodes_of(step)
         await asyncio.gather(*(self._call_node(address, "drain", step, finalize) for address in nodes))
 
@@ -149,9 +119,8 @@ class _MetricWorker(Shell):
     async def result(
         self, step: int, timeout: float | None = None, finalize: bool = False, who: str | None = None
     ) -> StepResult:
-        """``step`` once complete; at ``timeout`` final and partial when ``finalize`` (unless the
-        reader's run ended), else provisional (:meth:`~rlmetrics.engine.server.Server.read`);
-        ``who``: the reader's credential."""
+        """``step`` once complete; at ``timeout`` final and partial when ``finalize``, else
+        provisional; ``who``: the reader's credential."""
         self.calls["result"] += 1
         reader, session = self._reader(who)
         read = self.server.read(step, reader, session, finalize)
@@ -163,9 +132,7 @@ class _MetricWorker(Shell):
         return out
 
     async def final(self, timeout: float | None = None, who: str | None = None) -> StepResult:
-        """The seed's ``wait_final_res`` (:meth:`~rlmetrics.engine.server.Server.read`), each
-        step once per reader ``who`` (None: the seed's bare read): after a recovery, about the
-        newest step closed once the clients resent theirs."""
+        """The seed's ``wait_final_res``, each step once per reader ``who`` (None: the bare read)."""
         self.calls["final"] += 1
         reader, session = self._reader(who)
         server = self.server
@@ -191,9 +158,7 @@ class _MetricWorker(Shell):
     async def relay(
         self, node: str, ranks: list[str], step: int | None, address: str, closer: str | None = None
     ) -> dict[str, str]:
-        """A node sub-aggregator (``node``: its credential; ``address``: its actor name) speaks for
-        ``ranks`` (their credentials) from now on, and its rank ``closer`` closed ``step``; the
-        refused ranks, with why."""
+        """Node ``node`` (at ``address``) speaks for ``ranks``; ``closer`` closed ``step``. The refused."""
         sender = self._who(node)
         if isinstance(sender, str):
             raise SubmissionError(sender)
@@ -225,13 +190,10 @@ def get_metric_worker(
 ) -> Any:
     """Get the named aggregator actor, or create it (``options`` apply on creation).
 
-    Create it from the driver first: a non-detached actor lives as long as its creator (pass
-    ``lifetime="detached"`` to let it outlive the driver). This process keeps a handle to it (Ray
-    kills a non-detached actor as soon as its creator drops the last handle), so a bare
-    ``get_metric_worker(name)`` in the driver is enough; ``ray.kill(handle)`` ends it.
-    ``hierarchy="node"`` also creates one sub-aggregator on every alive node now (see
-    :func:`node_worker`). Without Ray initialized it calls ``ray.init()``, as Ray's own calls do,
-    and warns (:class:`~rlmetrics.messages.RayStartedWarning`) if that started a local instance.
+    Create it from the driver first: a non-detached actor lives as long as its creator (this process
+    keeps the handle; ``lifetime="detached"`` outlives it; ``ray.kill(handle)`` ends it).
+    ``hierarchy="node"`` also creates a sub-aggregator on every alive node. Without Ray initialized it
+    calls ``ray.init()`` and warns (:class:`~rlmetrics.messages.RayStartedWarning`) if that started one.
     """
     check_options("get_metric_worker()", "ray", options, ("aggregator", "Ray actor"))
     if not ray.is_initialized() and compat.init():

@@ -1,27 +1,5 @@
-"""Every Ray API outside Ray's public surface that the Ray backend uses, in one place.
-
-- ``kv_get`` / ``kv_put``: Ray's internal KV store (``ray.experimental.internal_kv``), where an
-  aggregator saves what its next incarnation resumes from (the GCS keeps it across actor restarts).
-- ``remote`` / ``get``: ``.remote()`` and ``ray.get`` on an existing handle *without* the step that
-  starts a new local Ray instance when Ray is not initialized (Ray wraps both in an auto-init
-  decorator and keeps the undecorated function as ``__wrapped__``). A client used after
-  ``ray.shutdown()``, or one of its threads still waiting for an aggregator while the user shuts Ray
-  down, must not start a stray Ray instance in the user's process (one started so during a shutdown
-  made the next ``ray.init`` fail). Without ``__wrapped__`` they fall back to Ray's own calls:
-  correct, but racy again.
-- ``actor_key``: a stable key of an actor handle (``ActorHandle._actor_id``).
-- ``actor_dead``: whether the GCS's actor table (``ray._private.state.actors``) records an actor dead
-  for good, so that a client stops waiting for an incarnation that never comes.
-- ``gone``: which of the ranks' processes (their actor ids, :func:`process`) the GCS's actor table
-  records dead, or whose node ``ray.nodes()`` records lost, so that the aggregator stops waiting
-  for a dead rank within a second or two.
-- ``init``: ``ray.init()``, and whether it started a local instance rather than joining a running
-  cluster (``ray._private.worker._global_node.head``), so ``connect("ray")`` says when it did.
-- ``job_dead``: whether the GCS's job table (``ray._private.state.state.job_table``) records a job
-  (a driver run: a client's session) ended, so that an aggregator drops what an ended run left open.
-
-:func:`check` says which of them the installed Ray lacks; ``tests/test_ray_compat.py`` fails loudly
-when a Ray upgrade removes one.
+"""Every Ray API outside Ray's public surface that the Ray backend uses, in one place; :func:`check`
+says which of them the installed Ray lacks. What each is for: docs/backends.md, "Ray".
 """
 
 from __future__ import annotations
@@ -73,8 +51,7 @@ def actor_key(handle: Any) -> str:
 
 
 def actor_dead(handle: Any) -> bool:
-    """Whether Ray records the actor behind ``handle`` dead for good (killed without restart, or out
-    of restarts); False while it runs or restarts, and when the GCS cannot say."""
+    """Whether Ray records the actor behind ``handle`` dead for good (False when the GCS cannot say)."""
     try:
         info = ray._private.state.actors(actor_id=actor_key(handle))
     except Exception:  # noqa: BLE001 - no answer is no proof of death: the caller keeps waiting
@@ -83,17 +60,15 @@ def actor_dead(handle: Any) -> bool:
 
 
 def process() -> dict[str, str] | None:
-    """Where this process runs, for :func:`gone`: its actor id and node id (hex); None outside an
-    actor (a driver's end is its job's: :func:`job_dead`)."""
+    """Where this process runs, for :func:`gone`: its actor and node ids (hex); None outside an actor."""
     context = ray.get_runtime_context()
     actor = context.get_actor_id()
     return None if actor is None else {"actor": actor, "node": context.get_node_id()}
 
 
 def gone(processes: dict[str, dict]) -> dict[str, str]:
-    """Of ``processes`` (``{client: process()}``), those whose actor Ray records dead (not
-    restarting) or whose node it records lost: ``{client: why}``. A question the GCS does not answer
-    is no proof of death: that client is left out."""
+    """Of ``processes`` (``{client: process()}``), those whose actor Ray records dead or whose node
+    lost, as ``{client: why}`` (no answer from the GCS is no proof of death)."""
     out: dict[str, str] = {}
     try:
         dead_nodes = {n["NodeID"] for n in ray.nodes() if not n.get("Alive", True)}
@@ -120,9 +95,8 @@ def gone(processes: dict[str, dict]) -> dict[str, str]:
 
 
 def init() -> bool:
-    """``ray.init()``, as Ray's own calls do when it is not initialized (unless
-    ``RAY_ENABLE_AUTO_CONNECT=0``: then Ray's call raises, as it would); whether that started a
-    local Ray instance (False: it joined a running cluster, e.g. through ``RAY_ADDRESS``)."""
+    """``ray.init()`` as Ray's own calls do (not with ``RAY_ENABLE_AUTO_CONNECT=0``); whether it
+    started a local instance (False: it joined a running cluster)."""
     if os.environ.get("RAY_ENABLE_AUTO_CONNECT", "") == "0":  # as ray._private.auto_init_hook reads it
         return False
     ray.init()
@@ -130,8 +104,7 @@ def init() -> bool:
 
 
 def job_dead(job_id: str) -> bool:
-    """Whether Ray records the job ``job_id`` (hex) ended (its driver exited or was killed); False
-    while it runs and when the GCS cannot say."""
+    """Whether Ray records the job ``job_id`` (hex) ended (False when the GCS cannot say)."""
     try:
         jobs = ray._private.state.state.job_table()
     except Exception:  # noqa: BLE001 - no answer is no proof of an end: the run's data is kept

@@ -20,25 +20,9 @@ logger = logging.getLogger(__name__)
 
 
 class _NodeWorker(Shell):
-    """A per-node sub-aggregator, a :class:`~rlmetrics.backends.ray.shell.Shell` whose server has
-    the client to the root as its ``upstream`` (it finalizes nothing): merges the ranks of its node
-    and forwards each step upstream in one message once every local rank closed it, or when the root
-    asks (:meth:`drain`: a reader's deadline there, or the step's own), leaving out the local ranks
-    that did not close it.
-
-    It speaks for its ranks at the root, so the root keeps the flat layout's steps, completion and
-    ``meta``, by rank: before it answers a rank's first message, or one that closes a step no rank
-    of this node closed before, it relays the rank (registered at the root) and announces the step
-    (a ``wait_final_res`` at the root after the ranks' blocking ``wait_submit`` is about that step
-    and waits for this node's forward). A forward carries each merged contribution with the
-    ``(client_id, seq)`` keys of the ranks' submissions in it, and closes the step on behalf of the
-    ranks that closed it; the root merges every submission once.
-
-    Ranks keep their data until the root's saved state records the step finalized (the node relays
-    what the root's replies say). After a restart of this node its ranks resend what they keep,
-    which it forwards unmerged, each submission keyed by its own rank (some of them may have reached
-    the root before).
-    """
+    """A per-node sub-aggregator (docs/backends.md, "Thousands of ranks: ``hierarchy="node"``"). Before
+    it answers a rank's first message, or one closing a step new to this node, it relays the rank and
+    announces the step at the root, so that a root read after the ranks' ``wait_submit`` waits for it."""
 
     def __init__(
         self,
@@ -129,8 +113,7 @@ class _NodeWorker(Shell):
         self._forward_ready()
 
     def _forward_ready(self) -> None:
-        """Forward each step once every local rank closed it; data of a rank that joins after that
-        (its first submission) follows in another message, which the root merges too."""
+        """Forward each step once every local rank closed it (later data follows in another forward)."""
         if self.server.recovering():  # forwarded once its ranks resent, or at the recovery's end
             if self._recovery_end is None:
                 wait = self.server.recovery_deadline - time.monotonic()
@@ -144,8 +127,7 @@ class _NodeWorker(Shell):
                 self._forward(step)
 
     def _forward(self, step: int) -> None:
-        """Send what this node holds of ``step`` upstream (in the forwarder thread: the upstream
-        client blocks)."""
+        """Send what this node holds of ``step`` upstream (in the forwarder thread: the client blocks)."""
         closers = self.engine.closers(step)
         parts = self.engine.take(step)
         self._forwarded.setdefault(step, set()).update(key for _, _, keys in parts for key in keys)
@@ -162,10 +144,8 @@ class _NodeWorker(Shell):
             logger.exception("forwarding step %d upstream failed", step)
 
     async def drain(self, step: int, finalize: bool = True) -> None:
-        """A reader's deadline at the root for ``step``: forward what this node holds of it now, and
-        return once the root has it. ``finalize`` (the root ends the step): the local ranks that did
-        not close it are not waited for any more (as at the root), until they submit again; else (a
-        provisional read) they still are, and what they send later follows in another forward."""
+        """A deadline at the root for ``step``: forward what this node holds, return once the root has
+        it; with ``finalize`` its ranks that did not close it are not waited for until they submit."""
         if step in self.engine.pending_steps():  # (else forwarded already, or never opened here)
             missing = self.engine.clients - self.engine.closers(step) if finalize else ()
             if missing:  # the root's result names them, and its reader warns: no second report
@@ -175,8 +155,7 @@ class _NodeWorker(Shell):
         await asyncio.wrap_future(self._forwarder.submit(self.upstream.flush))
 
     async def lose(self, client_id: str) -> None:
-        """The root found the process of this node's rank ``client_id`` gone: this node waits for
-        it no more, and forwards the steps it held back for it."""
+        """The root found rank ``client_id``'s process gone: wait for it no more, forward what waited."""
         self.engine.lose(client_id, "gone")
         self.server.awaiting.discard(client_id)  # nor does a restarted node's recovery
         self.changed()
@@ -211,10 +190,8 @@ def node_actor_name(root: str, node_id: str) -> str:
 
 
 def node_worker(name: str, namespace: str | None = None, node_id: str | None = None, **options: Any) -> Any:
-    """Get or create the sub-aggregator of aggregator ``name`` on node ``node_id`` (default: this
-    process's node), pinned there with hard node affinity. ``options``: the root's
-    (:func:`~rlmetrics.backends.ray.get_metric_worker`'s); a new node takes its ``lifetime`` and its
-    aggregator options (``recovery_timeout``, ...) but ``secret`` (each actor has its own)."""
+    """Get or create aggregator ``name``'s sub-aggregator on node ``node_id`` (default: this
+    process's), with hard node affinity; of the root's ``options`` it takes all but ``secret``."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     node_id = node_id or ray.get_runtime_context().get_node_id()

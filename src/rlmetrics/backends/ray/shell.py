@@ -1,9 +1,5 @@
-"""What the aggregator actor and a node sub-aggregator share: a :class:`~rlmetrics.engine.server.Server`
-over a :class:`~rlmetrics.backends.ray.store.KVStore`, the schema table of the wire format, waiting
-on asyncio, and how actors of these classes are made (a fresh signing secret each, kept handles).
-
-The server owns the call protocol (merge, finalize, save, reply); a shell decodes messages, hands
-them over, and wakes the calls that wait.
+"""What the aggregator actor and a node sub-aggregator share (a shell around a
+:class:`~rlmetrics.engine.server.Server`: decoding, waking the calls that wait), and how they are made.
 """
 
 from __future__ import annotations
@@ -25,9 +21,7 @@ from rlmetrics.wire import SchemaTable, decode
 
 
 class Shell:
-    """An actor body around ``self.server``. ``secret``: the key that signs the saved state
-    (:class:`AggregatorClass` gives every new actor one); ``recovery_timeout``: seconds a
-    restarted incarnation waits for the clients' resends; the rest goes to the Server."""
+    """An actor body around ``self.server``; ``secret`` signs the saved state, the rest goes to the Server."""
 
     store_class = KVStore
 
@@ -65,8 +59,7 @@ class Shell:
         self._changed = asyncio.Event()
 
     async def _wait(self, ready: Any, timeout: float | None) -> None:
-        """Until ``ready()`` holds or the deadline; woken by every change and at the end of a
-        recovery."""
+        """Until ``ready()`` or the deadline; woken by every change and at the end of a recovery."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not ready():
             now = time.monotonic()
@@ -93,18 +86,13 @@ class Shell:
         return (await self._handle([(who, msg)]))[0]
 
     async def send_many(self, batch: list[tuple[str, tuple]]) -> list[Reply]:
-        """Messages of several clients of one process (or several of one client), posted while its
-        previous call was in flight: each handled as :meth:`send` handles it, in order."""
+        """Messages of one process's clients, posted while its previous call was in flight, in order."""
         self.calls["send_many"] += 1
         return await self._handle(batch)
 
     async def _handle(self, batch: list[tuple[str, tuple]]) -> list[Reply]:
-        """Decode each ``(credential, message)``, admit it (:meth:`_admit`), and let the server
-        handle those admitted, in order; the replies. A message with a schema this incarnation lacks
-        merges nothing, nor do the later messages of its client in the batch (a close must not
-        overtake its data): their replies name the schemas, and the client repeats them in order
-        with names. The messages admitted so far are handled before an admission that waits
-        (:meth:`_waits`: a node relays to the root), as if each had come alone."""
+        """Decode, admit and handle each ``(credential, message)`` in order; the replies. A message with a
+        schema this incarnation lacks holds back its client's later ones (a close must not overtake)."""
         self.calls["messages"] += len(batch)
         replies: list[Reply | None] = []
         admitted: list[tuple[int, Message]] = []  # (its reply's place, the message) not handled yet
@@ -162,8 +150,7 @@ class Shell:
         self.changed()
 
     async def runs_in(self, who: str, process: dict) -> None:
-        """The client ``who`` (a credential) runs in ``process``
-        (:func:`~rlmetrics.backends.ray.compat.process`), whose end the root aggregator watches for."""
+        """The client ``who`` (a credential) runs in ``process``, whose end the root watches for."""
         client = self._who(who)
         if isinstance(client, str):
             raise SubmissionError(client)
@@ -173,11 +160,8 @@ class Shell:
         self.changed()
 
     async def watch(self, process: str | None = None, seen: int = -1) -> tuple[int, list[tuple[str, int]]]:
-        """A process's watcher (:mod:`~rlmetrics.backends.ray.transport`): fails when this
-        incarnation dies; returns ``(number, [notice, ...])`` once there are notices
-        (:class:`~rlmetrics.engine.server.Notice`) after ``seen`` for clients of ``process``
-        (``"host:pid"``). The next call's ``seen`` acknowledges them (:meth:`tell`). Without
-        ``process`` it never returns."""
+        """A process's watcher: fails when this incarnation dies; returns ``(number, notices)`` once there
+        are notices after ``seen`` for clients of ``process`` (``"host:pid"``; None: never)."""
         if process is None:
             await asyncio.Event().wait()
         self._acked[process] = max(seen, self._acked.get(process, -1))
@@ -191,10 +175,8 @@ class Shell:
             await self._telling.wait()
 
     async def tell(self) -> None:
-        """Push the server's notices (:attr:`~rlmetrics.engine.server.Server.notices`) to the
-        watchers of their clients' processes, and wait (at most ``TELL_TIMEOUT`` seconds, for the
-        processes that have a watcher) until they acknowledged them: the read returns once a rank
-        that skipped a close knows, before the driver starts its next step."""
+        """Push the server's notices to their clients' watchers and wait (at most ``TELL_TIMEOUT`` s)
+        until acknowledged: a rank that skipped a close knows before the driver's next step."""
         new, self.server.notices = self.server.notices, []
         if not new:
             return
@@ -212,8 +194,7 @@ class Shell:
         return self.incarnation
 
     async def stats(self) -> dict:
-        """Calls received by method, registered clients, pending steps and what the engine holds
-        (for tests and monitoring), and why a saved state was refused (if one was)."""
+        """Calls received by method and the server's ``stats()`` (for tests and monitoring)."""
         return {"calls": dict(self.calls), **self.server.stats()}
 
 
@@ -223,15 +204,11 @@ NOTICES = 1024
 """Notices an aggregator keeps for its watchers."""
 
 ACTOR_OPTIONS = {"num_cpus": 0, "max_restarts": -1, "max_concurrency": 100_000}
-"""How aggregator actors are made: no training slot, restarted whenever they die, every waiting call
-served at once (readers wait inside the actor)."""
+"""Aggregator actors: no training slot, restarted whenever they die, every waiting reader served at once."""
 
 
 class AggregatorClass:
-    """``ray.remote(**ACTOR_OPTIONS)(cls)`` whose every new actor gets a fresh ``secret`` among its
-    creation arguments: Ray gives a restarted actor the same arguments, so each incarnation can
-    check that the state it resumes from was signed by this actor (a job reading Ray's KV store
-    does not see the arguments). ``.remote(...)`` and ``.options(...).remote(...)`` as Ray's."""
+    """``ray.remote(**ACTOR_OPTIONS)(cls)``, every new actor with a fresh ``secret`` among its arguments."""
 
     def __init__(self, cls: type) -> None:
         self.actor_class = ray.remote(**ACTOR_OPTIONS)(cls)

@@ -1,10 +1,6 @@
-"""``KVStore``: the :class:`~rlmetrics.engine.store.Store` of a Ray aggregator, in Ray's internal KV store
-(the GCS keeps it across actor restarts), signed with a secret the actor was created with.
-
-Ray hands a restarted actor its creation arguments again, so each incarnation can check that the
-state it resumes from was signed by this actor: a state another job wrote under the key is refused
-(:class:`~rlmetrics.engine.store.RefusedState`), never obeyed. Encoding and writing happen in a saver
-thread, off the actor's event loop; of the saves posted while one is written, only the newest is.
+"""``KVStore``: the :class:`~rlmetrics.engine.store.Store` of a Ray aggregator, in Ray's internal KV store,
+signed with a secret the actor was created with (a state another job wrote is refused: docs/reliability.md,
+"Trust model: other jobs on the cluster"); encoded and written in a saver thread, off the event loop.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""A client's link to an aggregator actor: sends, the per-process sender that sends the posts of
-every client of an actor one call at a time, and the watcher that resends what the clients keep
-when the actor restarts."""
+"""A client's link to an aggregator actor, the per-process sender (one call at a time) and the
+watcher that resends what the clients keep when the actor restarts."""
 
 from __future__ import annotations
 
@@ -22,16 +21,8 @@ _KNOWN_LIMIT = 512  # schema ids a transport remembers the actor has
 
 
 class RayTransport:
-    """A client's link to a ``MetricWorker`` actor handle.
-
-    ``post`` sends without waiting (``block=True``: the caller collects at once, and a process's only
-    client of the actor then sends from its own thread); every client of the same actor in this
-    process shares one :class:`_Sender`, so messages posted while a call is in flight travel
-    together in the next one.
-    ``session``: the run its clients belong to, by default this process's Ray job (the driver's,
-    for the actors it created): a restarted run is a new job, and the aggregator drops what the
-    ended one left open (:class:`~rlmetrics.engine.server.Server`); None for a client of no run.
-    """
+    """A client's link to a ``MetricWorker`` actor ``handle`` (``root``: where results come from, if not
+    it). ``session``: the run its clients belong to, by default this process's Ray job (None: no run)."""
 
     def __init__(
         self, handle: Any, reconnect_timeout: float = 120.0, root: Any = None, session: Any = "job"
@@ -72,8 +63,7 @@ class RayTransport:
         return reply
 
     def repeat(self, who: str, items: list[Submission], close: list, resync: bool) -> Reply:
-        """Send a message again on its own, with every schema's names: the answer to an "unknown"
-        reply (the actor lost some schemas: it restarted, or forgot them)."""
+        """Send a message again on its own, with every schema's names (the actor lost some)."""
         return self._call("send", who, encode(items, close, True, resync))
 
     def send(self, who: str, items: list[Submission], close: list, resync: bool = False) -> Reply:
@@ -106,9 +96,7 @@ class RayTransport:
         self._call("depart", who)
 
     def watch(self, client: Any) -> None:
-        """Resend ``client``'s kept submissions whenever the actor restarts (one thread per actor);
-        in a Ray actor, tell the root aggregator where the client runs, so that it stops waiting for
-        it when that actor dies (:func:`~rlmetrics.backends.ray.compat.process`)."""
+        """Resend ``client``'s kept submissions when the actor restarts; tell the root where it runs."""
         _Watcher.of(self).clients.add(client)
         process = compat.process()
         if process is not None:  # no reply awaited: an error would come from a later call anyway
@@ -140,21 +128,9 @@ def _per_actor(cls: Any, transport: RayTransport) -> Any:
 
 
 class _Sender:
-    """Group commit: a ``send_many`` call carries every message of this process's clients of one
-    actor posted while the previous call was in flight. One call at a time keeps each client's
-    messages in order (an async actor may interleave concurrent calls, and a close must not
-    overtake its data), and a client that posts faster than the actor replies (``blocking=False``)
-    sends its queued steps together.
-
-    A process with one client of the actor (the users' layout: a rank per process) that waits for
-    the reply sends from its own thread, when nothing is queued or in flight: the hand-over to this
-    thread and back cost a rank 0.15-0.3 ms of CPU per step (an ad-hoc run of
-    ``benchmarks/bench_users.py``'s rank actors, W = 4, M = 100, 30 steps, before and after:
-    1.32 ms -> 1.02-1.16 ms per step; the raw floor's 0.65-0.76 ms). With
-    several clients the group commit stays: a call from each client's thread made the aggregator
-    take one call per rank (``bench_ray.py``, 4 processes x 64 threads, W = 256, M = 1000: 122 ms
-    per step with the group commit, 363 ms without).
-    """
+    """Group commit: one ``send_many`` call at a time carries every message this process's clients of
+    one actor posted meanwhile (an async actor may interleave concurrent calls, and a close must not
+    overtake its data); a lone client that waits sends from its own thread (docs/backends.md, "Ray")."""
 
     _by_actor: dict[str, _Sender] = {}
     _lock = threading.Lock()
@@ -205,9 +181,8 @@ class _Sender:
                 return
 
     def _send(self, batch: list[tuple], threaded: bool = True) -> bool:
-        """One ``send_many`` call with ``batch``, its replies (or errors) in the futures; False when
-        Ray is shut down. ``threaded=False`` (the caller's thread): a ``SystemExit`` is the
-        caller's, not Ray's, and propagates."""
+        """One ``send_many`` call with ``batch``, replies or errors into its futures; False when Ray is
+        shut down. ``threaded=False`` (the caller's thread): a ``SystemExit`` is the caller's, raised."""
         stop: tuple[type[BaseException], ...] = (Exception, SystemExit) if threaded else (Exception,)
         try:
             messages = [(who, transport._encode(items, close)) for transport, who, items, close, _ in batch]
@@ -227,8 +202,7 @@ class _Sender:
     def _done(
         self, batch: list[tuple], replies: list[Reply] | None = None, error: BaseException | None = None
     ) -> bool:
-        """The futures of ``batch``: its ``replies`` (a message the actor asks for again is repeated
-        first, before the next call: a reader waits for it) or ``error``."""
+        """The futures of ``batch``: its ``replies`` (repeating first what the actor asks) or ``error``."""
         outcomes: list[Reply | BaseException] = []
         for i, (transport, client_id, items, close, _) in enumerate(batch):
             outcome: Reply | BaseException = error if error is not None else replies[i]
@@ -250,13 +224,9 @@ class _Sender:
 
 
 class _Watcher:
-    """One outstanding ``watch`` call per process and actor; when it fails (the actor died), every
-    client of this process resends what it keeps to the next incarnation; when it returns, the
-    aggregator ended steps without some clients' close: they are told
-    (:meth:`~rlmetrics.client.ClientCore.notify_missed`), and the next call acknowledges it.
-
-    No thread waits on the call: Ray resolves it, and only then a short-lived thread does the work.
-    """
+    """One outstanding ``watch`` call per process and actor (no thread waits on it): when it fails
+    (the actor died) every client resends what it keeps; when it returns, the clients it names are
+    told of the steps ended without their close (:meth:`~rlmetrics.client.ClientCore.notify_missed`)."""
 
     _by_actor: dict[str, _Watcher] = {}
     _lock = threading.Lock()
