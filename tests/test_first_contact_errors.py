@@ -357,3 +357,13 @@ def test_connect_names_the_client_options_in_its_signature():
     params = inspect.signature(rlmetrics.connect).parameters
     assert set(CLIENT) <= set(params), sorted(params)
     assert all(params[o].kind is inspect.Parameter.KEYWORD_ONLY for o in CLIENT)
+
+
+@pytest.mark.parametrize("bad", [{"nan_strategy": "bad"}, {"rank": -1}])
+def test_a_refused_connect_leaves_no_aggregator_behind(bad, name):
+    """A ``connect`` refused for a client option makes no aggregator: the next ``connect`` of the
+    name creates it with its own options (before, the refused call's ``final_timeout=1`` stayed)."""
+    with pytest.raises(ValueError):
+        rlmetrics.connect("local", name=name, world_size=2, final_timeout=1.0, **bad)
+    rlmetrics.connect("local", name=name, world_size=2, final_timeout=3.0)
+    assert local.get_worker(name).server.final_timeout == 3.0

@@ -155,6 +155,18 @@ def identity(who: str) -> tuple[str, str | None]:
     return client_id, session or None
 
 
+def rank_arg(nan_strategy: str, rank: Any) -> int | None:
+    """``rank`` as an int (None: not given), once ``nan_strategy`` and ``rank`` are known good
+    (ValueError naming the bad one): what ``connect`` checks before it makes an aggregator."""
+    if nan_strategy not in NAN_STRATEGIES:
+        raise ValueError(f"nan_strategy must be one of {NAN_STRATEGIES}, got {nan_strategy!r}")
+    if rank is not None and (not isinstance(rank, numbers.Integral) or isinstance(rank, bool) or rank < 0):
+        raise ValueError(
+            f"rank must be a non-negative int (this rank's place among the ranks), got {rank!r:.80}"
+        )
+    return None if rank is None else int(rank)
+
+
 class ClientCore:
     """The client state machine shared by every backend (options: docs/backends.md):
     ``world_size``: contributions expected per name and step (:meth:`set_world_size` changes it);
@@ -179,13 +191,7 @@ class ClientCore:
         naming: Any = None,
         rank: int | None = None,
     ) -> None:
-        if nan_strategy not in NAN_STRATEGIES:
-            raise ValueError(f"nan_strategy must be one of {NAN_STRATEGIES}, got {nan_strategy!r}")
-        if rank is not None and (
-            not isinstance(rank, numbers.Integral) or isinstance(rank, bool) or rank < 0
-        ):
-            raise ValueError(f"rank must be a non-negative int, got {rank!r:.80}")
-        self.rank = None if rank is None else int(rank)
+        self.rank = rank_arg(nan_strategy, rank)
         self.transport = transport
         self.world_size = None if world_size is None else world_size_arg(world_size)
         self.nan_strategy = nan_strategy

@@ -9,7 +9,7 @@ from typing import Any
 from rlmetrics.axes import connect_axes
 from rlmetrics.backends import local
 from rlmetrics.backends.options import OPTIONS, check_options
-from rlmetrics.client import ClientCore, Transport, world_size_arg
+from rlmetrics.client import ClientCore, Transport, rank_arg, world_size_arg
 from rlmetrics.compute_local import ComputeLocal
 
 
@@ -85,12 +85,13 @@ def connect(
         TypeError: an option no layer of ``backend`` takes, naming its owner or close match.
 
     Example:
-    >>> client = connect("local", world_size=1, name="connect-doc")
+    >>> import rlmetrics
+    >>> client = rlmetrics.connect("local", world_size=1, name="connect-doc")
     >>> client.submit_metric({"timing_s/gen": 0.5})
     >>> client.wait_submit()
     >>> dict(client.result(0))
     {'perf/delta_time/gen': 0.5}
-    >>> local.drop_worker("connect-doc")
+    >>> rlmetrics.backends.local.drop_worker("connect-doc")  # the aggregator is gone
     """
     mine = {
         "nan_strategy": nan_strategy,
@@ -103,6 +104,7 @@ def connect(
         return connect_axes(connect, backend, axes, name, world_size=world_size, **mine, **options)
     if world_size is not None:  # before any aggregator is made for it
         world_size_arg(world_size)
+    rank_arg(nan_strategy, rank)
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: choose one of {tuple(BACKENDS)}")
     check_options(
