@@ -462,8 +462,14 @@ class Server:
     # ---------------------------------------------------------------------------------- reads
     def read(self, step: int | None = None, reader: str = "", session: str | None = None,
              finalize: bool = False) -> Read:  # fmt: skip
-        """A read of ``step`` (None: the seed's ``wait_final_res``) by ``reader`` of run ``session``: a
-        backend waits for ``ready()`` or its deadline, drains ``drain()``, then returns ``end()``."""
+        """A read of ``step`` (None: a ``wait_final_res`` read, of the newest step every rank closed) by
+        ``reader`` (a client's id, ``""``: anonymous) of run ``session`` (None: not tracked).
+
+        The backend, holding its lock, waits until ``ready()`` (checked again at each change) or its
+        deadline (its ``timeout``; ``final_timeout`` for ``wait_final_res``), asks the node
+        sub-aggregators of ``drain()`` to forward (Ray only), then calls ``end()`` once (it may
+        finalize the step); after a ``wait_final_res`` read it hands :attr:`notices` to the clients.
+        """
         if finalize or step is None:
             self._note_reader(reader, session, finalize)
         return Read(self, step, reader, session, finalize)
@@ -639,7 +645,8 @@ class Read:
         return (target, True) if target is not None and self.server._logs(self.reader, self.session) else None
 
     def end(self) -> StepResult:
-        """The result: final when ready or at a finalizing reader's deadline, else provisional."""
+        """The result: final when ready or at a finalizing reader's deadline, else provisional. Call
+        it once: it finalizes and saves the step, and records it given to the reader."""
         if self.step is not None:
             return self.server._result(self.step, self.finalize, self.reader, self.session)
         return self.server._final(self.target, self.reader, self.session)
