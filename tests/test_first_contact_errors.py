@@ -367,3 +367,11 @@ def test_a_refused_connect_leaves_no_aggregator_behind(bad, name):
         rlmetrics.connect("local", name=name, world_size=2, final_timeout=1.0, **bad)
     rlmetrics.connect("local", name=name, world_size=2, final_timeout=3.0)
     assert local.get_worker(name).server.final_timeout == 3.0
+
+
+def test_result_of_no_step_says_to_pass_one(name):
+    """``result(None)`` names the argument and the read that takes none (it read the newest step
+    as ``wait_final_res`` would, and made the reader the logging one)."""
+    client = rlmetrics.connect("local", name=name, world_size=1)
+    with pytest.raises(TypeError, match=r"step must be an int, got None; wait_final_res\(\) reads"):
+        client.result(None)

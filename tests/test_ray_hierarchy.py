@@ -337,3 +337,32 @@ def test_a_node_and_one_of_its_ranks_dying_together_cost_the_next_step_at_most_t
     check_partial(res, 2, range(2))
     assert res.meta.missing_ranks == [ids[2]], res.meta
     survivors_complete_step_3(reader, ranks[:2])
+
+
+def test_a_node_restarted_after_the_root_lost_one_of_its_ranks_does_not_wait_for_it_again(cluster):
+    """Rank 2 of three below a node dies; the root finds it gone and tells the node (step 2 ends
+    partial at once). Then the node is killed (Ray restarts it): its saved state no longer lists rank
+    2, so step 3 over ranks 0-1 is complete within seconds. Before, the node had not saved the loss:
+    restarted, it waited for rank 2 again, its recovery's end forwarded nothing, and the read of
+    step 3 took the reader's whole 60 s deadline."""
+    import time
+
+    name = f"rl-{uuid.uuid4().hex[:8]}"
+    rlmetrics.get_metric_worker(name=name, hierarchy="node", recovery_timeout=3.0, final_timeout=60)
+    on_node0 = NodeAffinitySchedulingStrategy(cluster[0], soft=False)
+    ranks = [Rank.options(scheduling_strategy=on_node0).remote(r, name, "node") for r in range(3)]
+    ray.get([a.set_world_size.remote(3) for a in ranks])
+    node = rlmetrics.backends.ray.node_worker(name, None, cluster[0])
+    reader = rlmetrics.connect("ray", name=name)
+    for s in range(2):
+        ray.get([a.step.remote(s) for a in ranks])
+        assert reader.result(s, timeout=60, finalize=True).meta.complete
+    ray.kill(ranks[2])
+    ray.get([a.step.remote(2) for a in ranks[:2]])
+    with pytest.warns(RuntimeWarning, match="step 2 is partial"):
+        check_partial(reader.result(2, timeout=60, finalize=True), 2, range(2))
+    ray.kill(node, no_restart=False)
+    start = time.monotonic()
+    survivors_complete_step_3(reader, ranks[:2])
+    took = time.monotonic() - start
+    assert took < 25, f"step 3 took {took:.1f} s: the restarted node waited for the lost rank again"

@@ -510,6 +510,7 @@ class ClientCore:
         what arrived: provisional (the step stays open) unless ``finalize=True``, which makes it the
         step's final, partial result, with a :class:`~rlmetrics.messages.PartialStepWarning`
         (docs/steps.md, "Reading a step")."""
+        step = read_step(step)
         self.flush()
         read = lambda: self.transport.result(step, timeout, finalize, self.credential)  # noqa: E731
         return self._checked(self._retrying(read))
@@ -687,6 +688,16 @@ def _steps_text(steps: list[int]) -> str:
     ('[1, 2]', '3..39 (37 steps)')
     """
     return str(steps) if len(steps) <= 5 else f"{steps[0]}..{steps[-1]} ({len(steps)} steps)"
+
+
+def read_step(step: Any) -> int:
+    """The step a ``result(step)`` reads, as an int, or TypeError naming it (``wait_final_res()``
+    reads the newest step without one)."""
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        raise TypeError(
+            f"result(step): step must be an int, got {step!r:.40}; wait_final_res() reads the newest step"
+        )
+    return int(step)
 
 
 def world_size_arg(world_size: Any) -> int:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from rlmetrics.backends.options import check_options
-from rlmetrics.client import ClientCore, SyncTransport, identity
+from rlmetrics.client import ClientCore, SyncTransport, identity, read_step
 from rlmetrics.engine.server import Server
 from rlmetrics.messages import Close, Message, Reply, StepResult, Submission, SubmissionError
 
@@ -89,7 +89,7 @@ class LocalMetricWorker(SyncTransport):
         (:meth:`~rlmetrics.engine.server.Server.read`); ``who``: the reader's credential."""
         reader, session = _reader(who)
         with self._cond:
-            read = self.server.read(step, reader, session, finalize)
+            read = self.server.read(read_step(step), reader, session, finalize)
             self._wait(read.ready, timeout)
             out = read.end()
             self._cond.notify_all()  # finalized at this reader's deadline: other readers of it return

@@ -264,7 +264,7 @@ class Server:
             late=late,
         )
         now = time.monotonic()
-        for step in closed:
+        for step in closed if self.finalizes else ():  # a node's steps have no deadline of their own
             self._closed_at.setdefault(step, now)
         if steps is not None:
             steps.update(closed)

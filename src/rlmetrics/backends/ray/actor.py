@@ -15,7 +15,7 @@ from rlmetrics.backends.options import check_options
 from rlmetrics.backends.ray import compat
 from rlmetrics.backends.ray.compat import ray
 from rlmetrics.backends.ray.shell import AggregatorClass, Shell, keep
-from rlmetrics.client import public_id
+from rlmetrics.client import public_id, read_step
 from rlmetrics.messages import RayStartedWarning, StepResult, SubmissionError
 
 DEFAULT_NAME = "rlmetrics"
@@ -123,7 +123,7 @@ class _MetricWorker(Shell):
         provisional; ``who``: the reader's credential."""
         self.calls["result"] += 1
         reader, session = self._reader(who)
-        read = self.server.read(step, reader, session, finalize)
+        read = self.server.read(read_step(step), reader, session, finalize)
         await self._wait(read.ready, timeout)
         if (drain := read.drain()) is not None:
             await self._drain(*drain)

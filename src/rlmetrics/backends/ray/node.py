@@ -117,7 +117,7 @@ class _NodeWorker(Shell):
         if self.server.recovering():  # forwarded once its ranks resent, or at the recovery's end
             if self._recovery_end is None:
                 wait = self.server.recovery_deadline - time.monotonic()
-                self._recovery_end = asyncio.get_running_loop().call_later(max(wait, 0.0), self.changed)
+                self._recovery_end = asyncio.get_running_loop().call_later(max(wait, 0.0), self._recovered)
             return
         done_below = self.upstream.finalized_state[0]
         self._forwarded = {s: keys for s, keys in self._forwarded.items() if s >= done_below}
@@ -154,10 +154,22 @@ class _NodeWorker(Shell):
             self._forward(step)
         await asyncio.wrap_future(self._forwarder.submit(self.upstream.flush))
 
+    def _recovered(self) -> None:
+        """This node's recovery ended: the ranks that resent nothing are not waited for until they
+        submit again (as at a finalizing deadline), and what the others closed goes upstream."""
+        self._recovery_end = None
+        silent = self.server.awaiting & self.engine.clients if not self.server.recovering() else set()
+        if silent:
+            logger.info("node recovery ended without %s: not waited for until they submit", sorted(silent))
+            self.engine.clients.difference_update(silent)
+            self.server.persist()
+        self.changed()
+
     async def lose(self, client_id: str) -> None:
         """The root found rank ``client_id``'s process gone: wait for it no more, forward what waited."""
         self.engine.lose(client_id, "gone")
         self.server.awaiting.discard(client_id)  # nor does a restarted node's recovery
+        self.server.persist()  # a restart of this node does not wait for it again
         self.changed()
 
     async def relay(self, *args: Any) -> dict[str, str]:
