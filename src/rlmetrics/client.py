@@ -29,6 +29,7 @@ from rlmetrics.messages import (
     Close,
     LateDataWarning,
     NonFiniteWarning,
+    OnBehalf,
     PartialStepWarning,
     ProvisionalWarning,
     Reply,
@@ -225,7 +226,8 @@ class ClientCore:
         """Queue a summarized contribution (a node forwarding merged data; a fixed ``seq`` merges once)."""
         self._check_running()
         with self._lock:
-            self._buffer.append((step, self._next_seq() if seq is None else seq, world_size, packed))
+            seq = self._next_seq() if seq is None else seq
+            self._buffer.append(Submission(step, seq, world_size, packed))
 
     def close_step(self, step: int, on_behalf: Iterable[str] | None = None) -> None:
         """Send what is queued and close ``step``, or with ``on_behalf`` close it for those clients
@@ -237,7 +239,7 @@ class ClientCore:
             closers = self._closed.get(step) or set()  # a node closes steps only on behalf of its ranks
             closers.update(on_behalf)
             self._closed[step] = closers
-            self._flush([(step, tuple(sorted(closers)))])
+            self._flush([OnBehalf(step, tuple(sorted(closers)))])
 
     def close_steps(self, steps: Iterable[int], block: bool = False) -> None:
         """Send what is queued and close ``steps`` (none: only send), in one message; ``block``:
@@ -327,7 +329,7 @@ class ClientCore:
             if not items and not close:
                 return
             for item in items:
-                self._kept.setdefault(item[0], []).append(item)
+                self._kept.setdefault(item.step, []).append(item)
             for entry in close:
                 if not isinstance(entry, tuple):
                     self._closed[entry] = None
@@ -358,7 +360,9 @@ class ClientCore:
         with self._lock:
             for _ in range(self.max_restarts_per_call):
                 items = [item for step in sorted(self._kept) for item in self._kept[step]]
-                close = [s if v is None else (s, tuple(sorted(v))) for s, v in sorted(self._closed.items())]
+                close: list[Close] = [
+                    s if v is None else OnBehalf(s, tuple(sorted(v))) for s, v in sorted(self._closed.items())
+                ]
                 try:
                     reply = self.transport.send(self.credential, items, close, resync=True)
                     if self.stopped:  # its data counts; its rank is not waited for again
@@ -374,7 +378,7 @@ class ClientCore:
         """Send ``items`` now as resends (a node's, after its restart) and keep them as this client's."""
         with self._lock:
             for item in items:
-                self._kept.setdefault(item[0], []).append(item)
+                self._kept.setdefault(item.step, []).append(item)
             try:
                 reply = self.transport.send(self.credential, items, [], resync=True)
             except AggregatorRestarted:
@@ -419,8 +423,8 @@ class ClientCore:
             missed, (ahead, behind) = self._missed, self._notice
             self._told = missed
             skipped = list(range(self.step, missed + 1))
-            dropped = [item for item in self._buffer if item[0] <= missed]
-            self._buffer = [item for item in self._buffer if item[0] > missed]
+            dropped = [item for item in self._buffer if item.step <= missed]
+            self._buffer = [item for item in self._buffer if item.step > missed]
             self.step = max(self.step, missed + 1)
         lost = f"; {len(dropped)} queued submission(s) for it were dropped" if dropped else ""
         me = f"rlmetrics: client {self.client_id}"
@@ -489,8 +493,8 @@ class ClientCore:
             if step is None:
                 self._catch_up()
             current = self.step if step is None else _step_arg(step)
-            ahead = {item[0] for item in self._buffer} - {current}
-            if ahead and min(ahead) > current and not any(item[0] == current for item in self._buffer):
+            ahead = {item.step for item in self._buffer} - {current}
+            if ahead and min(ahead) > current and not any(item.step == current for item in self._buffer):
                 warnings.warn(
                     f"rlmetrics: wait_submit() closes step {current}, but the data queued since the last "
                     f"one is for step(s) {sorted(ahead)[:5]}; pass step= to wait_submit to close those",

@@ -23,11 +23,27 @@ MAX_STEP = 1 << 53
 DEFAULT_AXIS = "train_step"
 """The axis of a client's own ``step`` (:mod:`rlmetrics.axes`), the one trackers plot against."""
 
-Submission = tuple[int, Any, int, Any]
-"""``(step, seq, world_size, packed)``: one contribution (``packed``: :class:`~rlmetrics.packing.Packed`;
-a node's forward has ``(client_id, seq)`` pairs for ``seq``)."""
-Close = Any
-"""A step closed by the sender, or ``(step, client ids)``: closed on behalf of those (a node)."""
+
+class Submission(NamedTuple):
+    """One contribution to ``step``: ``packed`` (:class:`~rlmetrics.packing.Packed`), each name
+    expecting ``world_size`` contributions; ``seq``: the client's sequence number (in a node's
+    forward, the ``(client_id, seq)`` keys of the submissions it merges)."""
+
+    step: int
+    seq: Any
+    world_size: int
+    packed: Any
+
+
+class OnBehalf(NamedTuple):
+    """A close of ``step`` for ``clients`` (a node sub-aggregator's, for its ranks)."""
+
+    step: int
+    clients: tuple[str, ...]
+
+
+Close = int | OnBehalf
+"""A step closed by its sender, or for others."""
 
 
 class Message(NamedTuple):

@@ -29,15 +29,14 @@ import numpy as np
 from rlmetrics.core.reduce import parse_reduction
 from rlmetrics.core.stat import invalid_column
 from rlmetrics.core.states import State, column_kind, decode_state, encode_state, is_bound
-from rlmetrics.messages import MAX_STEP, SubmissionError
+from rlmetrics.messages import MAX_STEP, OnBehalf, Submission, SubmissionError
 from rlmetrics.packing import Packed, Schema
 
 VERSION = 4
 # (step, seq or a merged item's (client_id, seq) keys, world_size, packed)
-Item = tuple[int, Any, int, Packed]
 
 
-def encode(items: list[Item], close: list, send_names: Any, resync: bool = False) -> tuple:
+def encode(items: list[Submission], close: list, send_names: Any, resync: bool = False) -> tuple:
     """A message for ``items`` and closes; ``send_names``: a bool, or ``f(schema_id)``: whose names go."""
     wants = send_names if callable(send_names) else (lambda _sid: send_names)
     schemas: dict[bytes, tuple] = {}
@@ -95,7 +94,7 @@ class SchemaTable:
         self.schemas[sid] = schema
 
 
-def decode(msg: tuple, table: SchemaTable) -> tuple[list[Item], list, list[bytes]]:
+def decode(msg: tuple, table: SchemaTable) -> tuple[list[Submission], list, list[bytes]]:
     """Known-schema items, closes and unknown schema ids; raises only :class:`SubmissionError` (malformed)."""
     try:
         version, raw_items, close, schemas, _resync = msg
@@ -110,7 +109,7 @@ def decode(msg: tuple, table: SchemaTable) -> tuple[list[Item], list, list[bytes
     close = [close_entry(entry) for entry in close]
     for sid, entry in schemas.items():
         table.learn(sid, entry)
-    items: list[Item] = []
+    items: list[Submission] = []
     unknown: list[bytes] = []
     try:
         for step, seq, world_size, sid, data, states, contributions in raw_items:
@@ -131,7 +130,7 @@ def decode(msg: tuple, table: SchemaTable) -> tuple[list[Item], list, list[bytes
             if not all(type(c) is int for c in states):
                 raise SubmissionError(f"state columns must be ints, got {list(states)!r:.80}")
             decoded = {c: decode_state(kind, arr) for c, (kind, arr) in states.items()}
-            items.append((step, seq, world_size, Packed(schema, stats, decoded, contributions)))
+            items.append(Submission(step, seq, world_size, Packed(schema, stats, decoded, contributions)))
     except SubmissionError:
         raise
     except Exception as exc:  # whatever a hostile item makes fail, it is a malformed one
@@ -139,12 +138,12 @@ def decode(msg: tuple, table: SchemaTable) -> tuple[list[Item], list, list[bytes
     return items, close, unknown
 
 
-def close_entry(entry: Any) -> int | tuple[int, tuple[str, ...]]:
-    """A message's close: a step the sender closes, or ``(step, client ids)`` closed on their
-    behalf (a node sub-aggregator's forward); SubmissionError for anything else.
+def close_entry(entry: Any) -> int | OnBehalf:
+    """A message's close: a step the sender closes, or an :class:`OnBehalf` of ``(step, client
+    ids)`` closed on their behalf (a node sub-aggregator's forward); SubmissionError for anything else.
 
     >>> close_entry(3), close_entry((3, ("rank0", "rank1")))
-    (3, (3, ('rank0', 'rank1')))
+    (3, OnBehalf(step=3, clients=('rank0', 'rank1')))
     """
     if type(entry) is int and 0 <= entry <= MAX_STEP:  # the common case
         return entry
@@ -155,7 +154,7 @@ def close_entry(entry: Any) -> int | tuple[int, tuple[str, ...]]:
             raise SubmissionError(f"a close on behalf of clients names them by str ids, got {closers!r:.80}")
     if not isinstance(entry, numbers.Integral) or isinstance(entry, bool) or not 0 <= entry <= MAX_STEP:
         raise SubmissionError(f"a closed step must be an int in [0, {MAX_STEP}], got {entry!r:.40}")
-    return int(entry) if closers is None else (int(entry), closers)
+    return int(entry) if closers is None else OnBehalf(int(entry), closers)
 
 
 def check_contribution(packed: Packed, at: np.ndarray, held: Mapping[int, State]) -> dict[int, State]:

@@ -62,11 +62,11 @@ class _NodeWorker(Shell):
         if not self.restored:  # a rank's resend (the root restarted, or a call failed): what this node
             # forwarded already, its upstream client keeps and resends itself
             forwarded = self._forwarded
-            items = [it for it in message.items if (client_id, it[1]) not in forwarded.get(it[0], ())]
+            items = [it for it in message.items if (client_id, it.seq) not in forwarded.get(it.step, ())]
             return message._replace(items=items)
         # after this node's restart: each keyed by its rank (some reached the root before), ahead of
         # the forwards that close them
-        keyed = [(step, ((client_id, seq),), ws, packed) for step, seq, ws, packed in message.items]
+        keyed = [it._replace(seq=((client_id, it.seq),)) for it in message.items]
         if keyed:
             self._forwarder.submit(self._resend_upstream, keyed)
         return message._replace(items=[])
