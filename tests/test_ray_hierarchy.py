@@ -304,6 +304,23 @@ def test_a_node_sub_aggregator_killed_mid_run_loses_nothing_and_counts_no_resend
         ray.kill(a)
 
 
+def three_ranks_below_a_node(cluster):
+    """Three ranks below node 0's sub-aggregator (``recovery_timeout=3``, the reader's deadline 60 s),
+    steps 0-1 complete: ``(ranks, their client ids, the node, a reader)``."""
+    name = f"n-{uuid.uuid4().hex[:8]}"
+    rlmetrics.get_metric_worker(name=name, hierarchy="node", recovery_timeout=3.0, final_timeout=60)
+    on_node0 = NodeAffinitySchedulingStrategy(cluster[0], soft=False)
+    ranks = [Rank.options(scheduling_strategy=on_node0).remote(r, name, "node") for r in range(3)]
+    ray.get([a.set_world_size.remote(3) for a in ranks])
+    ids = ray.get([a.client_id.remote() for a in ranks])
+    node = rlmetrics.backends.ray.node_worker(name, None, cluster[0])
+    reader = rlmetrics.connect("ray", name=name)
+    for s in range(2):
+        ray.get([a.step.remote(s) for a in ranks])
+        assert reader.result(s, timeout=60, finalize=True).meta.complete
+    return ranks, ids, node, reader
+
+
 def test_a_node_and_one_of_its_ranks_dying_together_cost_the_next_step_at_most_the_recovery_timeout(
     cluster,
 ):
@@ -315,17 +332,7 @@ def test_a_node_and_one_of_its_ranks_dying_together_cost_the_next_step_at_most_t
     nothing forwarded the step when its recovery ended: the read took its whole 60 s deadline."""
     import time
 
-    name = f"dd-{uuid.uuid4().hex[:8]}"
-    rlmetrics.get_metric_worker(name=name, hierarchy="node", recovery_timeout=3.0, final_timeout=60)
-    on_node0 = NodeAffinitySchedulingStrategy(cluster[0], soft=False)
-    ranks = [Rank.options(scheduling_strategy=on_node0).remote(r, name, "node") for r in range(3)]
-    ray.get([a.set_world_size.remote(3) for a in ranks])
-    ids = ray.get([a.client_id.remote() for a in ranks])
-    node = rlmetrics.backends.ray.node_worker(name, None, cluster[0])
-    reader = rlmetrics.connect("ray", name=name)
-    for s in range(2):
-        ray.get([a.step.remote(s) for a in ranks])
-        assert reader.result(s, timeout=60, finalize=True).meta.complete
+    ranks, ids, node, reader = three_ranks_below_a_node(cluster)
     ray.kill(ranks[2])
     ray.kill(node, no_restart=False)
     start = time.monotonic()
@@ -347,16 +354,7 @@ def test_a_node_restarted_after_the_root_lost_one_of_its_ranks_does_not_wait_for
     step 3 took the reader's whole 60 s deadline."""
     import time
 
-    name = f"rl-{uuid.uuid4().hex[:8]}"
-    rlmetrics.get_metric_worker(name=name, hierarchy="node", recovery_timeout=3.0, final_timeout=60)
-    on_node0 = NodeAffinitySchedulingStrategy(cluster[0], soft=False)
-    ranks = [Rank.options(scheduling_strategy=on_node0).remote(r, name, "node") for r in range(3)]
-    ray.get([a.set_world_size.remote(3) for a in ranks])
-    node = rlmetrics.backends.ray.node_worker(name, None, cluster[0])
-    reader = rlmetrics.connect("ray", name=name)
-    for s in range(2):
-        ray.get([a.step.remote(s) for a in ranks])
-        assert reader.result(s, timeout=60, finalize=True).meta.complete
+    ranks, _, node, reader = three_ranks_below_a_node(cluster)
     ray.kill(ranks[2])
     ray.get([a.step.remote(2) for a in ranks[:2]])
     with pytest.warns(RuntimeWarning, match="step 2 is partial"):
