@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 
 from rlmetrics.core import reduce
@@ -22,10 +24,41 @@ def _no_tracking_server(monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
 
 
+RAY_INIT = dict(
+    address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False
+)
+
+
 @pytest.fixture(scope="module")
 def ray_session():
-    """A local Ray instance for the tests of one module (4 logical CPUs, quiet), shut down after."""
+    """A local Ray instance (4 logical CPUs, quiet) shared by the modules one pytest worker runs: a
+    start costs about 17 s of CPU on a 2-core machine. The named actors a module made (its
+    aggregators) are killed after it; a module that needs a Ray of its own uses :func:`own_ray`."""
     ray = pytest.importorskip("ray")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    if not ray.is_initialized():
+        ray.init(**RAY_INIT)
     yield ray
-    ray.shutdown()
+    if ray.is_initialized():
+        from rlmetrics.backends.ray import shell
+
+        for actor in ray.util.list_named_actors(all_namespaces=True):
+            try:
+                ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
+            except ValueError:  # gone meanwhile
+                pass
+        shell._KEPT.clear()
+
+
+@pytest.fixture(scope="module")
+def own_ray():
+    """For a module that starts a Ray of its own (a ``Cluster``): the shared instance of
+    :func:`ray_session` is shut down first (the next module that asks for it starts it again)."""
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        ray.shutdown()
+    return ray
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+        sys.modules["ray"].shutdown()

@@ -402,14 +402,8 @@ def test_resumed_run_logs_each_step_of_each_axis_once(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------------------ Ray
 @pytest.mark.ray
 @pytest.mark.slow
-def test_async_run_every_axis_ray():
-    ray = pytest.importorskip("ray")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    try:
-        name = f"axes-{uuid.uuid4().hex[:8]}"
-        run("ray", name)
-    finally:
-        ray.shutdown()
+def test_async_run_every_axis_ray(ray_session):
+    run("ray", f"axes-{uuid.uuid4().hex[:8]}")
 
 
 # ------------------------------------------------------------------------------------ docs, example

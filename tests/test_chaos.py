@@ -88,7 +88,7 @@ def test_chaos_every_step_logged_exact_or_partial_naming_only_dead_ranks(tmp_pat
     assert not set(partial) & set(range(STEPS - 3, STEPS)), partial
 
 
-def test_a_result_finalized_just_before_a_restart_is_not_lost():
+def test_a_result_finalized_just_before_a_restart_is_not_lost(ray_session):
     """A ``result()`` call finalizes a step, the aggregator dies before the reply reaches the caller,
     and the caller retries on the next incarnation (as ``ClientCore`` does). The step is recorded as
     finalized for the next incarnation, which drops the ranks' resent data of it as late; the retried
@@ -98,21 +98,17 @@ def test_a_result_finalized_just_before_a_restart_is_not_lost():
 
     import rlmetrics
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    try:
-        root = rlmetrics.get_metric_worker(name="finalized-then-killed", recovery_timeout=10)
-        ranks = [rlmetrics.connect("ray", name="finalized-then-killed", world_size=2) for _ in range(2)]
-        reader = rlmetrics.connect("ray", name="finalized-then-killed")
-        for step in range(2):
-            for r, client in enumerate(ranks):
-                client.submit_metric({"x/total": float(r + 1), "x/max": float(step)})
-                client.wait_submit()
-                client.flush()
-            want = {"x/total": 3.0, "x/max": float(step)}
-            assert dict(ray.get(root.result.remote(step, 30))) == want  # this reply is "lost"
-            time.sleep(1.0)  # the incarnation's state (the step is finalized) reaches Ray's KV store
-            ray.kill(root, no_restart=False)
-            res = reader.result(step, timeout=60, finalize=True)
-            assert dict(res) == want and res.meta.complete, res.meta
-    finally:
-        ray.shutdown()
+    root = rlmetrics.get_metric_worker(name="finalized-then-killed", recovery_timeout=10)
+    ranks = [rlmetrics.connect("ray", name="finalized-then-killed", world_size=2) for _ in range(2)]
+    reader = rlmetrics.connect("ray", name="finalized-then-killed")
+    for step in range(2):
+        for r, client in enumerate(ranks):
+            client.submit_metric({"x/total": float(r + 1), "x/max": float(step)})
+            client.wait_submit()
+            client.flush()
+        want = {"x/total": 3.0, "x/max": float(step)}
+        assert dict(ray.get(root.result.remote(step, 30))) == want  # this reply is "lost"
+        time.sleep(1.0)  # the incarnation's state (the step is finalized) reaches Ray's KV store
+        ray.kill(root, no_restart=False)
+        res = reader.result(step, timeout=60, finalize=True)
+        assert dict(res) == want and res.meta.complete, res.meta

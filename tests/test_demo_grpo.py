@@ -1,7 +1,8 @@
 """The real GRPO run of ``make demo`` (examples/grpo): every logged metric equals an independent recomputation
 from the ranks' dumped tensors, the reward rises, a seed fixes the run, a diverging run goes on.
 
-One local Ray instance for the module; the demo reuses it (as it would join ``--address``)."""
+The pytest worker's shared local Ray instance (``ray_session``); the demo reuses it (as it would join
+``--address``)."""
 
 from math import comb
 
@@ -27,10 +28,8 @@ UNCHECKABLE = {"perf/process_cpu_mem_used_gb"}  # psutil's reading at submission
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+def _ray(ray_session):
     yield
-    ray.shutdown()
 
 
 def demo(out, *args):

@@ -463,14 +463,12 @@ def test_local_100k_names_in_one_submit_are_accepted():
 
 # --------------------------------------------------------------------------------------------- Ray
 @pytest.fixture(scope="module")
-def ray_worker():
-    ray = pytest.importorskip("ray")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+def ray_worker(ray_session):
+    ray = ray_session
     worker = rlmetrics.get_metric_worker(name=f"fuzz-{uuid.uuid4().hex[:8]}")  # the driver owns it
     incarnation = ray.get(worker.ping.remote())
     yield worker, incarnation
     ray.kill(worker)
-    ray.shutdown()
 
 
 _BASES = itertools.count(1)

@@ -18,7 +18,7 @@ def test_every_private_ray_api_the_backend_uses_exists():
     assert not missing, f"Ray {compat.ray.__version__} lacks {missing}: adapt backends/ray/compat.py"
 
 
-def test_calls_on_a_shut_down_ray_raise_instead_of_starting_ray():
+def test_calls_on_a_shut_down_ray_raise_instead_of_starting_ray(own_ray):
     assert not compat.ray.is_initialized()
     with pytest.raises(ConnectionError, match="shut down"):
         compat.remote(object())

@@ -19,7 +19,7 @@ CLUSTER: list = []  # the module's Cluster (a test adds a node of its own and re
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(own_ray):
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     CLUSTER[:] = [c]
     for _ in range(NODES - 1):

@@ -80,10 +80,8 @@ def make_batch(seed, batch=4, prompt=6, response=8):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ray_instance():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+def ray_instance(ray_session):
     yield
-    ray.shutdown()
 
 
 def run_snippet(snippet, namespace):

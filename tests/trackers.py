@@ -233,6 +233,9 @@ def mlflow_server(folder: Path, port: int | None = None):
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            # no job runners: MLflow 3 starts 7 huey consumers beside the server (about 40 s of CPU
+            # on a 2-core machine at each start, for jobs no test runs)
+            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
             start_new_session=True,  # a group of its own: a signal must reach the server's worker too
         )
         deadline = time.monotonic() + 120

@@ -59,13 +59,6 @@ def renamed(name: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def siirl_actors(ray_session):
     """Two siiRL actors started together (each start imports siiRL and torch in a new process):
     one shared by the tests, one for the test that poisons it."""
