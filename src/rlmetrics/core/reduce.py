@@ -116,7 +116,18 @@ HIST = Reduction("hist", "hist")
 
 
 def percentile(p: float) -> Reduction:
-    """The ``p``-th percentile (0..100).
+    """The reduction reading the ``p``-th percentile (docs/reductions.md, "Quantiles: exact up to a bound").
+
+    Args:
+        p: the percentile, in [0, 100].
+
+    Returns:
+        A quantile :class:`Reduction` named ``p<p>``, with ``q = p / 100``.
+
+    Raises:
+        ValueError: ``p`` outside [0, 100] (NaN included).
+
+    Example:
     >>> percentile(99.9).name, percentile(95).q
     ('p99.9', 0.95)
     """
@@ -181,7 +192,17 @@ def rules_version() -> int:
 
 
 def register_reduction(name_or_glob: str, reduction: str | Reduction, *, glob: bool | None = None) -> None:
-    """Fix the reduction for an exact name or a glob (``glob=None``: a name with ``* ? [`` is one).
+    """Fix the reduction of an exact name or a glob (docs/reductions.md, "Reductions from names").
+
+    Args:
+        name_or_glob: a metric name, or an ``fnmatch`` glob; the glob registered last wins.
+        reduction: a spec (``"max"``, ``"p99"``, ``"count"``, ...) or a :class:`Reduction`.
+        glob: whether ``name_or_glob`` is a glob (None: it is one if it holds ``*``, ``?`` or ``[``).
+
+    Raises:
+        ValueError: an unknown reduction spec (nothing is registered).
+
+    Example:
     >>> register_reduction("custom/latency/*", "p99")
     >>> resolve("custom/latency/decode").name
     'p99'
@@ -198,7 +219,17 @@ def register_reduction(name_or_glob: str, reduction: str | Reduction, *, glob: b
 
 
 def unregister_reduction(name_or_glob: str) -> None:
-    """Undo :func:`register_reduction`; a built-in entry returns to its built-in reduction."""
+    """Undo :func:`register_reduction` of ``name_or_glob`` (an unknown one: nothing happens).
+
+    Args:
+        name_or_glob: the name or glob as registered; a built-in one returns to its built-in reduction.
+
+    Example:
+    >>> register_reduction("graph_output_handling", "min")
+    >>> unregister_reduction("graph_output_handling")
+    >>> resolve("graph_output_handling").name  # built in: siiRL's special metric
+    'max'
+    """
     _RULES[0] += 1
     for table, builtin in ((SPECIAL_METRICS, _BUILTIN), (_GLOBS, _BUILTIN_GLOBS)):
         table.pop(name_or_glob, None)
@@ -218,7 +249,18 @@ def _from_tokens(segment: str) -> Reduction | None:
 
 
 def resolve(name: str) -> Reduction:
-    """The reduction for a metric name.
+    """The reduction of a metric name (docs/reductions.md, "Reductions from names").
+
+    Args:
+        name: a metric name; a grouped one (``group/<tag>/<label>/<metric>``) resolves as its metric
+            unless registered by its exact name (globs do not apply to it).
+
+    Returns:
+        The :class:`Reduction`: registered name, then glob, then the name's tokens, else ``MEAN``.
+
+    Example:
+    >>> resolve("critic/score/max").name, resolve("custom/latency/p95").name
+    ('max', 'p95')
     >>> resolve("group/data_source/max_problems/actor/minibatch_loss").name
     'mean'
     """
@@ -252,7 +294,15 @@ class Metric:
 
 
 def MetricFunc(name: str) -> Reduction:  # noqa: N802 - the seed's name
-    """The aggregation function for ``name``; call it with a list of :class:`Metric`.
+    """The seed's aggregation function of a metric name: :func:`resolve`.
+
+    Args:
+        name: a metric name.
+
+    Returns:
+        Its :class:`Reduction`, callable on a list of :class:`Metric` (a float).
+
+    Example:
     >>> MetricFunc("actor/minibatch_loss")([Metric("x", 1.0, 2), Metric("x", 3.0, 2)])
     2.0
     """
@@ -267,7 +317,21 @@ MedianMetric = MEDIAN
 
 
 def PercentileMetric(percentile_value: float) -> Reduction:  # noqa: N802 - the seed's name
-    """The seed's percentile factory: ``PercentileMetric(95)(metrics)``."""
+    """The seed's percentile factory: :func:`percentile`.
+
+    Args:
+        percentile_value: the percentile, in [0, 100].
+
+    Returns:
+        A quantile :class:`Reduction`, callable on a list of :class:`Metric` (a float).
+
+    Raises:
+        ValueError: ``percentile_value`` outside [0, 100].
+
+    Example:
+    >>> PercentileMetric(50)([Metric("x", [1.0, 2.0], 2), Metric("x", [3.0, 4.0], 2)])
+    2.5
+    """
     return percentile(percentile_value)
 
 

@@ -58,8 +58,21 @@ TRACKERS: dict[str, type[Sink]] = {
 
 
 def adapt_name(name: str, tracker: str) -> str:
-    """``name`` as ``tracker`` gets it, without :class:`NameMap`'s collision handling.
+    """``name`` as ``tracker`` gets it (docs/trackers.md, "Metric names per tracker").
 
+    Without :class:`NameMap`'s handling of two names that adapt to one.
+
+    Args:
+        name: a metric name.
+        tracker: a tracker name, a key of :data:`TRACKERS` (``"mlflow"``, ``"wandb"``, ...).
+
+    Returns:
+        The name the tracker gets: its characters mapped, cut to the tracker's length limit.
+
+    Raises:
+        ValueError: an unknown ``tracker``.
+
+    Example:
     >>> name = "val-core/math/acc/mean@4"
     >>> adapt_name(name, "mlflow"), adapt_name(name, "tensorboard")
     ('val-core/math/acc/mean_at_4', 'val-core/math/acc/mean@4')
@@ -157,6 +170,27 @@ class Tracking(Sink):
         }
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
+        """Log train step ``step`` to every active sink, the journal first (docs/trackers.md, "Sinks").
+
+        Args:
+            metrics: a :class:`~rlmetrics.StepResult` (its ``meta``, histograms and lists go too) or a
+                mapping of name → number.
+            step: the train step; a step logged already is skipped, with a logged warning.
+
+        Raises:
+            ValueError: the Tracking is closed.
+            TypeError: a name that is not a str, a value that is no real number, a step that is no int.
+
+        Example:
+        >>> import tempfile
+        >>> out = tempfile.mkdtemp()
+        >>> tracking = make_sinks(["jsonl"], out)
+        >>> tracking.log({"critic/score/mean": 0.5}, step=0)
+        >>> tracking.log({"critic/score/mean": 0.7}, step=0)  # skipped: step 0 is logged already
+        >>> tracking.close()
+        >>> read_jsonl(f"{out}/metrics.jsonl").series("critic/score/mean")
+        (array([0]), array([0.5]))
+        """
         if self._closed:
             raise ValueError("Tracking is closed")
         values = as_floats(metrics)
@@ -335,6 +369,22 @@ class Tracking(Sink):
             self._caught_up[i, DEFAULT_AXIS] = max(journal.resumed_at, held)
 
     def close(self) -> None:
+        """Deliver the trackers' queues, then close every sink (docs/trackers.md, "A tracker that is down").
+
+        The queues get ``close_timeout`` seconds in all; a tracker still behind is named in
+        :attr:`undelivered` and a logged error, and not closed. A second call does nothing.
+
+        Example:
+        >>> import tempfile
+        >>> tracking = make_sinks(["jsonl"], tempfile.mkdtemp())
+        >>> tracking.close()
+        >>> tracking.undelivered, tracking.failed
+        ({}, {})
+        >>> tracking.log({"critic/score/mean": 0.5}, step=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: Tracking is closed
+        """
         if self._closed:
             return
         self._closed = True
@@ -631,8 +681,15 @@ def _remove(paths: Iterable[Path]) -> None:
 
 
 def run_files(out_dir: str | os.PathLike) -> list[Path]:
-    """The files and folders of the run :func:`make_sinks` wrote in ``out_dir``, sorted.
+    """The files and folders of the run :func:`make_sinks` wrote in ``out_dir`` (docs/trackers.md, "Sinks").
 
+    Args:
+        out_dir: a run folder (a missing one holds none).
+
+    Returns:
+        The paths matching :data:`RUN_FILES`, sorted; other files of the folder are not listed.
+
+    Example:
     >>> import tempfile
     >>> out = Path(tempfile.mkdtemp())
     >>> _ = (out / "reward.png").write_bytes(b"")  # not a sink's file
@@ -647,8 +704,16 @@ def run_files(out_dir: str | os.PathLike) -> list[Path]:
 
 
 def new_run_folder(out_dir: str | os.PathLike) -> Path:
-    """``out_dir`` if it holds no run, else the first of ``<out_dir>-2``, ``<out_dir>-3``, … holding none.
+    """A folder for a new run: ``out_dir`` or ``<out_dir>-2``, ``-3``, … (docs/trackers.md, "Sinks").
 
+    Args:
+        out_dir: the folder wanted.
+
+    Returns:
+        ``out_dir`` if it holds no run (:func:`run_files`), else the first of its numbered siblings
+        holding none; not created.
+
+    Example:
     >>> import tempfile
     >>> out = Path(tempfile.mkdtemp()) / "demo"
     >>> new_run_folder(out) == out

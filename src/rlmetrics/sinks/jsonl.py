@@ -263,7 +263,29 @@ def record_result(record: Mapping[str, Any]) -> StepResult:
 
 
 def read_jsonl(path: str | os.PathLike) -> JsonlRun:
-    """Read a metrics JSONL file (``json.loads`` only; verl's too)."""
+    """Read a metrics JSONL file back (``json.loads`` only; docs/trackers.md, "Sinks").
+
+    Args:
+        path: the file, as :class:`JsonlSink` or verl's file logger (a step's lines merged) wrote it.
+
+    Returns:
+        A :class:`JsonlRun`, in file order. An incomplete last line (a crash mid-write) is left out and
+        named in ``truncated``; any other line that is no record is left out with a logged warning.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+
+    Example:
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "metrics.jsonl")
+    >>> with JsonlSink(path) as sink:
+    ...     sink.log({"critic/score/mean": 0.5}, step=1)
+    >>> with open(path, "a") as f:
+    ...     _ = f.write('{"step": 2, "metr')  # a crash mid-write
+    >>> run = read_jsonl(path)
+    >>> run.steps, run.series("critic/score/mean"), run.truncated is not None
+    ([1], (array([1]), array([0.5])), True)
+    """
     path = Path(path)
     records, truncated, _ = _scan(path)
     if any(r.get("verl") for r in records):  # verl's file: a line per call, the calls of a step merged
