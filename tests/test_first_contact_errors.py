@@ -375,3 +375,50 @@ def test_result_of_no_step_says_to_pass_one(name):
     client = rlmetrics.connect("local", name=name, world_size=1)
     with pytest.raises(TypeError, match=r"step must be an int, got None; wait_final_res\(\) reads"):
         client.result(None)
+
+
+@pytest.mark.parametrize("step", [-5, 2**60])
+def test_result_of_a_step_no_rank_can_submit_is_refused_naming_it(step, name):
+    """``result(-5)`` read an evicted step: ``{}`` and a warning about the ranks' progress."""
+    client = rlmetrics.connect("local", name=name, world_size=1)
+    with pytest.raises(ValueError, match=rf"result\(step\): step must be an int in \[0, .*got {step}"):
+        client.result(step, timeout=0.1)
+
+
+@pytest.mark.parametrize("step", [2.5, -1, True])
+def test_straggler_and_validation_calls_refuse_a_bad_step(step, name):
+    """They took ``int(step)``: 2.5 went to step 2, -1 was accepted."""
+    client = rlmetrics.connect("local", name=name, world_size=1)
+    with pytest.raises(ValueError, match=r"step must be an int in \[0, "):
+        client.compute_local_straggler_metrics({"gen": 1.0}, step=step)
+    with pytest.raises(ValueError, match=r"step must be an int in \[0, "):
+        client.process_local_validation_metrics(["ds"], ["p"], {"acc": [1.0]}, step=step)
+
+
+def test_a_partial_step_missing_only_a_rank_says_so_without_an_empty_metric_list(name):
+    """Every metric complete, one registered rank silent: the warning counted "0 incomplete
+    metric(s): " and named none."""
+    a, b = (rlmetrics.connect("local", name=name, world_size=1, label=f"rank{r}") for r in range(2))
+    a.submit_metric({"loss": 1.0})
+    a.wait_submit()
+    with pytest.warns(rlmetrics.PartialStepWarning) as caught:
+        a.result(0, timeout=0.1, finalize=True)
+    text = str(caught[0].message)
+    assert "rank1" in text and "incomplete metric" not in text and "all its contributions" in text, text
+
+
+def test_pack_refuses_an_unknown_nan_strategy():
+    """A scalar went through with ``nan_strategy="bogus"``; a list was refused as a bad value."""
+    from rlmetrics.packing import pack
+
+    with pytest.raises(ValueError, match="nan_strategy must be one of .*got 'bogus'"):
+        pack({"a/mean": 2.0}, nan_strategy="bogus")
+
+
+@pytest.mark.ray
+def test_get_metric_worker_refuses_a_bad_hierarchy_before_creating_anything(ray_session):
+    """The root actor was created, then the ValueError raised: a second call found it."""
+    name = f"fc-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(ValueError, match="hierarchy must be None or 'node', got 'bogus'"):
+        rlmetrics.get_metric_worker(name, hierarchy="bogus")
+    assert name not in {a["name"] for a in ray_session.util.list_named_actors(all_namespaces=True)}

@@ -253,7 +253,21 @@ class ClientCore:
         return self._seq - 1
 
     def set_world_size(self, world_size: int) -> None:
-        """The default ``world_size`` of later submissions."""
+        """Set the default ``world_size`` of later submissions.
+
+        Args:
+            world_size: the contributions expected per name and step, in [1, 2**32].
+
+        Raises:
+            ValueError: a ``world_size`` that is not such an int.
+
+        Example:
+        >>> import rlmetrics
+        >>> client = rlmetrics.MetricClient(rlmetrics.LocalMetricWorker(), world_size=4)
+        >>> client.set_world_size(3)  # a rank is gone
+        >>> client.world_size
+        3
+        """
         self.world_size = world_size_arg(world_size)
 
     def submit_metric(
@@ -264,12 +278,36 @@ class ClientCore:
         *,
         group_by: Mapping[str, Any] | None = None,
     ) -> None:
-        """Summarize ``metrics`` and queue them for ``step`` (default: the current step); nothing is
-        sent before :meth:`wait_submit`. ``group_by``: ``{tag: labels}``, one label per sample: each
-        per-sample value is also submitted as ``group/<tag>/<label>/<name>`` (docs/groups.md). Raises
-        ValueError without a ``world_size`` or for a bad ``step``, and
-        :class:`~rlmetrics.core.stat.MetricValueError` naming each refused value (or ``_aux/`` name
-        that no derived metric uses) after the call's other names were queued."""
+        """Summarize ``metrics`` and queue them for a step; nothing is sent before :meth:`wait_submit`.
+
+        Args:
+            metrics: name → value (docs/reductions.md, "The value policy").
+            world_size: the contributions expected per name and step (None: the client's).
+            step: the step (None: the client's current one, :attr:`step`; docs/steps.md).
+            group_by: ``{tag: labels}``, one label per sample: each per-sample value is also submitted
+                as ``group/<tag>/<label>/<name>`` (docs/groups.md).
+
+        Raises:
+            ValueError: no ``world_size`` here or on the client; a bad ``world_size`` or ``step``.
+            TypeError: a ``group_by`` that is not a mapping.
+            MetricValueError: ``metrics`` is not a mapping; or naming each refused value (or ``_aux/``
+                name no derived metric uses), once the call's other names were queued.
+            RuntimeError: the client was stopped (:meth:`stop`).
+
+        Example:
+        >>> import rlmetrics
+        >>> client = rlmetrics.MetricClient(rlmetrics.LocalMetricWorker(), world_size=1)
+        >>> client.submit_metric({"critic/score/max": [1.0, 3.0], "actor/loss": (2.0, 4)})
+        >>> client.submit_metric({"acc": [1.0, 0.0, 1.0]}, group_by={"data_source": ["gsm", "math", "gsm"]})
+        >>> client.submit_metric({"ok": 1.0, "bad": "x"})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        rlmetrics.core.values.MetricValueError: metric 'bad': expected a number, ... (1 metric(s) of this ...
+        >>> client.wait_submit()
+        >>> res = client.result(0)
+        >>> res["critic/score/max"], res["actor/loss"], res["group/data_source/math/acc"], res["ok"]
+        (3.0, 2.0, 0.0, 1.0)
+        """
         ws = self.world_size if world_size is None else world_size_arg(world_size)
         if ws is None:
             raise ValueError("submit_metric needs world_size (or a client created with world_size=...)")
@@ -470,7 +508,21 @@ class ClientCore:
         )
 
     def flush(self) -> None:
-        """Send what is queued and wait until the aggregator has everything this client sent."""
+        """Send what is queued, without closing a step, and wait until the aggregator holds it all.
+
+        Raises:
+            MetricValueError: the aggregator refused part of what this client sent (the rest is merged).
+
+        Example:
+        >>> import rlmetrics, warnings
+        >>> client = rlmetrics.MetricClient(rlmetrics.LocalMetricWorker(), world_size=1)
+        >>> client.submit_metric({"loss": 2.0})
+        >>> client.flush()
+        >>> with warnings.catch_warnings(record=True):
+        ...     res = client.result(0, timeout=0)  # held, provisional: step 0 is not closed
+        >>> dict(res), res.meta.provisional, client.step
+        ({'loss': 2.0}, True, 0)
+        """
         self._flush([], block=True)
         self._collect(block=True)
 
@@ -484,10 +536,29 @@ class ClientCore:
 
     # ------------------------------------------------------------------------------ the API
     def wait_submit(self, step: int | None = None, block: bool | None = None) -> None:
-        """Send everything queued in one message, close the current step (or ``step``) and advance
-        past it. Blocking (``block``, default the client's ``blocking``) it returns once the
-        aggregator holds the message, and raises :class:`~rlmetrics.core.stat.MetricValueError` if it
-        refused part of it (the rest is merged). Data queued for a later step travels, unclosed."""
+        """Send everything queued in one message, close the current step (or ``step``), advance past it.
+
+        Args:
+            step: the step to close (None: the current one); the counter goes on at ``step + 1``
+                (docs/steps.md, "The step counter"). Data queued for other steps travels, unclosed.
+            block: return once the aggregator holds the message (None: the client's ``blocking``);
+                ``False``: an error about the data raises at the client's next call.
+
+        Raises:
+            MetricValueError: blocking, the aggregator refused part of the message (the rest is merged).
+            ValueError: a bad ``step``.
+            RuntimeError: the client was stopped (:meth:`stop`).
+
+        Example:
+        >>> import rlmetrics
+        >>> client = rlmetrics.MetricClient(rlmetrics.LocalMetricWorker(), world_size=1)
+        >>> client.submit_metric({"loss": 2.0})
+        >>> client.wait_submit()  # closes step 0
+        >>> client.submit_metric({"loss": 3.0}, step=7)
+        >>> client.wait_submit(step=7)  # the trainer's step
+        >>> client.step, client.result(7)["loss"]
+        (8, 3.0)
+        """
         self._check_running()
         with self._lock:
             if step is None:
@@ -510,20 +581,61 @@ class ClientCore:
                 self._collect(block=True)
 
     def result(self, step: int, timeout: float | None = None, *, finalize: bool = False) -> StepResult:
-        """The result of ``step`` once complete (or final); at ``timeout`` seconds (None: no limit)
-        what arrived: provisional (the step stays open) unless ``finalize=True``, which makes it the
-        step's final, partial result, with a :class:`~rlmetrics.messages.PartialStepWarning`
-        (docs/steps.md, "Reading a step")."""
+        """The result of ``step`` once complete or final (docs/steps.md, "Reading a step").
+
+        Args:
+            step: the step to read.
+            timeout: seconds to wait (None: no limit); then what arrived, provisional: the step stays open.
+            finalize: at ``timeout``, make what arrived the step's final, partial result, with a
+                :class:`~rlmetrics.messages.PartialStepWarning` (the reader that logs the run).
+
+        Returns:
+            A :class:`~rlmetrics.messages.StepResult`: ``{name: value}`` with ``step`` and ``meta``.
+
+        Raises:
+            TypeError: a ``step`` that is not an int.
+            MetricValueError: the aggregator refused part of what this client sent (the read sends first).
+
+        Example:
+        >>> import rlmetrics, warnings
+        >>> client = rlmetrics.MetricClient(rlmetrics.LocalMetricWorker(), world_size=2)
+        >>> client.submit_metric({"loss": 1.0})
+        >>> client.wait_submit()  # the other contribution never comes
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     res = client.result(0, timeout=0.1, finalize=True)
+        >>> dict(res), res.meta.missing_metrics, [type(w.message).__name__ for w in caught]
+        ({'loss': 1.0}, {'loss': [1, 2]}, ['PartialStepWarning'])
+        """
         step = read_step(step)
         self.flush()
         read = lambda: self.transport.result(step, timeout, finalize, self.credential)  # noqa: E731
         return self._checked(self._retrying(read))
 
     def wait_final_res(self, timeout: float | None = None) -> StepResult:
-        """The seed's read: the newest step every registered rank closed, once complete; at
-        ``timeout`` seconds (default: the aggregator's ``final_timeout``, 60 s) as it stands, with a
-        :class:`~rlmetrics.messages.PartialStepWarning`. Each step at most once per reader, in order
-        (docs/steps.md, "Reading a step")."""
+        """The seed's read: the newest step every registered rank closed (docs/steps.md, "Reading a step").
+
+        Args:
+            timeout: seconds to wait for it to complete (None: the aggregator's ``final_timeout``, 60 s);
+                then the step as it stands, with a :class:`~rlmetrics.messages.PartialStepWarning`.
+
+        Returns:
+            A :class:`~rlmetrics.messages.StepResult`; each step at most once per reader, in order; with
+            no new step by ``timeout``, an empty one of step -1 (a StepWarning).
+
+        Raises:
+            MetricValueError: the aggregator refused part of what this client sent (the read sends first).
+
+        Example:
+        >>> import rlmetrics
+        >>> client = rlmetrics.MetricClient(rlmetrics.LocalMetricWorker(), world_size=1)
+        >>> for loss in (2.0, 3.0):
+        ...     client.submit_metric({"loss": loss})
+        ...     client.wait_submit()
+        >>> res = client.wait_final_res()
+        >>> res.step, dict(res)
+        (1, {'loss': 3.0})
+        """
         self.flush()
         return self._checked(self._retrying(lambda: self.transport.final(timeout, self.credential)))
 
@@ -592,13 +704,39 @@ class ClientCore:
         return res
 
     def register(self) -> None:
-        """Count this client as a rank from now on: no step completes before it closed it (else it
-        registers with its first submission; ``connect(..., world_size=W)`` calls this)."""
+        """Count this client as a rank from now on: no step completes before it closed it.
+
+        Without it a client registers with its first submission; ``connect(..., world_size=W)`` calls it.
+
+        Example:
+        >>> import rlmetrics, warnings
+        >>> worker = rlmetrics.LocalMetricWorker()
+        >>> fast, slow = rlmetrics.MetricClient(worker, world_size=1), rlmetrics.MetricClient(worker)
+        >>> slow.register()
+        >>> fast.submit_metric({"loss": 2.0})
+        >>> fast.wait_submit()
+        >>> with warnings.catch_warnings(record=True):
+        ...     res = fast.result(0, timeout=0.1)  # provisional: ``slow`` has not closed step 0
+        >>> dict(res), res.meta.provisional
+        ({'loss': 2.0}, True)
+        """
         self._retrying(lambda: self.transport.register(self.credential))
 
     def stop(self) -> None:
-        """Send what is queued and leave for good: no step waits for this client, its submissions
-        raise RuntimeError, its reads still work."""
+        """Send what is queued and leave for good: no step waits for this client; its reads still work.
+
+        Raises:
+            MetricValueError: the aggregator refused part of what was sent (the client leaves all the same).
+
+        Example:
+        >>> import rlmetrics
+        >>> client = rlmetrics.MetricClient(rlmetrics.LocalMetricWorker(), world_size=1)
+        >>> client.stop()
+        >>> client.submit_metric({"loss": 1.0})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        RuntimeError: rlmetrics: client ... was stopped: stop() leaves for good and no step waits for it; ...
+        """
         if self.stopped:
             return
         try:
@@ -628,6 +766,8 @@ def _missing(res: StepResult) -> str:
             return f"no data arrived for step {res.step}, and no rank is registered"
         return f"no data arrived for step {res.step}; {closing}"
     missing = meta.missing_metrics
+    if not missing:
+        return f"{closing}; every metric it holds has all its contributions"
     closing = closing if ranks else "every registered rank closed it"
     first = list(missing.items())[:5]
     shown = ", ".join(f"{name!r} ({got} of {want} contributions)" for name, (got, want) in first)
@@ -695,13 +835,22 @@ def _steps_text(steps: list[int]) -> str:
 
 
 def read_step(step: Any) -> int:
-    """The step a ``result(step)`` reads, as an int, or TypeError naming it (``wait_final_res()``
-    reads the newest step without one)."""
+    """The step a ``result(step)`` reads, as an int; TypeError when not an int (``wait_final_res()``
+    reads the newest step without one), ValueError outside the steps a rank can submit.
+
+    >>> read_step(-5)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: result(step): step must be an int in [0, 9007199254740992] (the trainer's step, ...), got -5
+    """
     if isinstance(step, bool) or not isinstance(step, numbers.Integral):
         raise TypeError(
             f"result(step): step must be an int, got {step!r:.40}; wait_final_res() reads the newest step"
         )
-    return int(step)
+    try:
+        return _step_arg(step)
+    except ValueError as e:
+        raise ValueError(f"result(step): {e}") from None
 
 
 def world_size_arg(world_size: Any) -> int:

@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from rlmetrics.client import world_size_arg
+from rlmetrics.client import _step_arg, world_size_arg
 from rlmetrics.core.values import MetricValueError
 from rlmetrics.packing import pack
 
@@ -41,11 +41,34 @@ class ComputeLocal:
         group_by: Any = None,
         difficulty: bool | str = False,
     ) -> None:
-        """Submit the data metrics of this rank's batch (a mapping, a TensorDict or a ``DataProto``)
-        and every :func:`~rlmetrics.metrics.custom.register_metric` function's. ``torch_compile``,
-        ``group_by``: :func:`~rlmetrics.metrics.data.compute_data_stats`; ``difficulty`` (``True``:
-        prompt ids in ``uid``; or the key): GRPO's difficulty groups (docs/groups.md). Refused values
-        raise :class:`~rlmetrics.core.stat.MetricValueError` after the others were queued."""
+        """Submit the data metrics of this rank's batch (docs/metrics.md) and the registered custom ones.
+
+        Args:
+            data: a mapping, a TensorDict or a verl ``DataProto`` (docs/reductions.md, "Inputs").
+            world_size: the contributions expected per name and step (None: the client's).
+            step: the step (None: the client's current one).
+            torch_compile: summarize with ``torch.compile`` (docs/reductions.md, "`torch_compile=True`").
+            group_by: a batch key, a named function of the batch, a list of them or ``{tag: key or
+                function}``: each group's metrics too (docs/groups.md, "Data metrics by a tag").
+            difficulty: GRPO's difficulty groups: ``True`` (prompt ids in ``uid``) or the prompt ids' key.
+
+        Raises:
+            TypeError: ``data`` of none of those kinds.
+            ValueError: no ``world_size`` here or on the client; a bad ``world_size`` or ``step``.
+            MetricValueError: naming each refused value or group tag, once the others were queued.
+
+        Example:
+        >>> import torch, rlmetrics
+        >>> client = rlmetrics.MetricClient(rlmetrics.LocalMetricWorker(), world_size=1)
+        >>> batch = {"responses": torch.zeros(2, 3), "data_source": ["gsm8k", "math"]}
+        >>> batch["attention_mask"] = torch.tensor([[1, 1, 1, 1, 0], [0, 1, 1, 1, 1]])  # responses: 2, 3
+        >>> batch["token_level_rewards"] = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
+        >>> client.compute_local_data_metric(batch, group_by="data_source")
+        >>> client.wait_submit()
+        >>> res = client.result(0)
+        >>> res["response/length/mean"], res["group/data_source/math/critic/rewards/mean"]
+        (2.5, 1.0)
+        """
         from rlmetrics.metrics.batch import as_batch
         from rlmetrics.metrics.custom import debug_enabled, debug_report, run_custom_metrics
         from rlmetrics.metrics.data import data_stats_and_prompts
@@ -87,9 +110,28 @@ class ComputeLocal:
         *,
         stragglers: bool = False,
     ) -> None:
-        """Submit ``timing_s/{stage}`` and ``timing_per_token_ms/{stage}`` (``stragglers=True``: and
-        :meth:`compute_local_straggler_metrics`). A time that is no number raises MetricValueError
-        naming it, after the call's names were submitted."""
+        """Submit ``timing_s/{stage}`` and ``timing_per_token_ms/{stage}`` (docs/metrics.md).
+
+        Args:
+            data: this rank's batch, for its token counts (docs/reductions.md, "Inputs").
+            timing_raw: seconds by stage (``{"gen": 0.5, "step": 2.0}``).
+            world_size: the contributions expected per name and step (None: the client's).
+            step: the step (None: the client's current one).
+            stragglers: also :meth:`compute_local_straggler_metrics` (docs/stragglers.md).
+
+        Raises:
+            ValueError: no ``world_size`` here or on the client; a bad ``world_size`` or ``step``.
+            MetricValueError: a time that is no number, naming it, once the call's names were submitted.
+
+        Example:
+        >>> import torch, rlmetrics
+        >>> client = rlmetrics.MetricClient(rlmetrics.LocalMetricWorker(), world_size=1)
+        >>> batch = {"responses": torch.zeros(1, 2), "attention_mask": torch.tensor([[1, 1, 1, 0]])}
+        >>> client.compute_local_timing_metrics(batch, {"gen": 0.5, "step": 2.0})
+        >>> client.wait_submit()
+        >>> dict(client.result(0))  # timing_s/ is renamed perf/delta_time/, as in the seed
+        {'perf/delta_time/gen': 0.5, 'perf/delta_time/step': 2.0, 'timing_per_token_ms/gen': 500.0}
+        """
         from rlmetrics.metrics.timing import compute_timing_stats
 
         errors: dict[str, str] = {}
@@ -120,8 +162,26 @@ class ComputeLocal:
         *,
         name: str | None = None,
     ) -> None:
-        """Send this rank's finite seconds per stage under ``name`` (default ``rank<N>``, else its
-        ``client_id``), once per step, for ``perf/straggler/<stage>/*`` (docs/stragglers.md)."""
+        """Send this rank's seconds per stage for ``perf/straggler/<stage>/*`` (docs/stragglers.md).
+
+        Args:
+            timing_raw: seconds by stage; non-finite ones are left out.
+            world_size: the contributions expected per name and step (None: the client's).
+            step: the step (None: the client's current one).
+            name: the rank's name in the report (None: ``rank<N>`` with a rank, else its ``client_id``).
+
+        Raises:
+            ValueError: no ``world_size`` here or on the client; a bad ``world_size``.
+
+        Example:
+        >>> import torch, rlmetrics  # the call imports torch (rlmetrics.metrics.timing)
+        >>> client = rlmetrics.MetricClient(rlmetrics.LocalMetricWorker(), world_size=1, rank=3)
+        >>> client.compute_local_straggler_metrics({"gen": 12.0, "update_actor": 5.0})
+        >>> client.wait_submit()
+        >>> res = client.result(0)
+        >>> res["perf/straggler/gen/max"], res.lists["perf/straggler/gen/slowest"]
+        (12.0, ['rank3'])
+        """
         import math
 
         from rlmetrics.metrics.stragglers import STAGE_TIMES, StageTimes
@@ -140,9 +200,29 @@ class ComputeLocal:
         world_size: int | None = None,
         step: int | None = None,
     ) -> None:
-        """Submit ``perf/total_num_tokens``, ``perf/time_per_step``, ``perf/throughput``; ``n_gpu``:
-        this rank's GPUs (siiRL passes ``pp * tp``). A bad ``n_gpu`` or step time raises
-        MetricValueError naming it, after the call's names were submitted."""
+        """Submit ``perf/total_num_tokens``, ``perf/time_per_step`` and ``perf/throughput`` (docs/metrics.md).
+
+        Args:
+            data: this rank's batch: tokens from ``global_token_num``, else ``attention_mask``.
+            timing_raw: seconds by stage; ``"step"`` is the step's time.
+            n_gpu: the GPUs this rank's batch ran on (siiRL passes ``pp * tp``).
+            world_size: the contributions expected per name and step (None: the client's).
+            step: the step (None: the client's current one).
+
+        Raises:
+            ValueError: no ``world_size`` here or on the client; a bad ``world_size`` or ``step``.
+            MetricValueError: a bad ``n_gpu``, step time or ``global_token_num``, naming it (a bad
+                ``n_gpu`` or step time once the call's names were submitted).
+
+        Example:
+        >>> import torch, rlmetrics
+        >>> client = rlmetrics.MetricClient(rlmetrics.LocalMetricWorker(), world_size=1)
+        >>> batch = {"attention_mask": torch.ones(4, 100)}  # 400 tokens
+        >>> client.compute_local_throughput_metrics(batch, {"step": 2.0}, n_gpu=4)
+        >>> client.wait_submit()
+        >>> dict(client.result(0))  # tokens / (seconds * GPUs)
+        {'perf/total_num_tokens': 400.0, 'perf/time_per_step': 2.0, 'perf/throughput': 50.0}
+        """
         from rlmetrics.metrics.timing import compute_throughput_stats
 
         errors: dict[str, str] = {}
@@ -165,10 +245,34 @@ class ComputeLocal:
         model: Any = None,
         **options: Any,
     ) -> None:
-        """Submit ``perf/mfu/{stage}`` (default ``actor``; docs/mfu.md) of this rank's batch or token
-        count ``data`` on ``n_gpu`` GPUs of ``peak_flops`` (FLOP/s or ``"H100"``), with
-        ``flops_per_token`` or ``model`` (a :class:`~rlmetrics.metrics.mfu.ModelFlops`); ``options``:
-        :func:`~rlmetrics.metrics.mfu.compute_mfu_stats`'s ``stage``, ``timer``, ``seq_len``, ``training``."""
+        """Submit ``perf/mfu/{stage}`` of this rank's batch (docs/mfu.md, "The formula").
+
+        Args:
+            data: this rank's batch, or its number of tokens.
+            timing_raw: seconds by stage (the stage's verl timer, else ``"step"``).
+            n_gpu: the GPUs this rank's batch ran on.
+            world_size: the contributions expected per name and step (None: the client's).
+            step: the step (None: the client's current one).
+            peak_flops: one GPU's peak FLOP/s, or a device name (``"H100"``).
+            flops_per_token: the FLOPs of one token; or ``model``: a
+                :class:`~rlmetrics.metrics.mfu.ModelFlops` or a model config. Give one of the two.
+            options: :func:`~rlmetrics.metrics.mfu.compute_mfu_stats`'s ``stage`` (default
+                ``"actor"``), ``timer``, ``seq_len``, ``training``.
+
+        Raises:
+            ValueError: a bad stage, timer, peak or FLOPs option, or not exactly one of
+                ``flops_per_token`` and ``model``; no ``world_size``; a bad ``world_size`` or ``step``.
+            MetricValueError: a refused value, naming it.
+
+        Example:
+        >>> import torch, rlmetrics
+        >>> client = rlmetrics.MetricClient(rlmetrics.LocalMetricWorker(), world_size=1)
+        >>> batch = {"attention_mask": torch.ones(4, 250)}  # 1000 tokens
+        >>> client.compute_local_mfu_metrics(batch, {"step": 2.0}, 4, flops_per_token=1e9, peak_flops=1e12)
+        >>> client.wait_submit()
+        >>> dict(client.result(0))  # 1000 * 1e9 / (2.0 * 4 * 1e12)
+        {'perf/mfu/actor': 0.125}
+        """
         from rlmetrics.metrics.mfu import compute_mfu_stats
 
         stats = compute_mfu_stats(
@@ -186,8 +290,27 @@ class ComputeLocal:
         reset_peak: bool = False,
         device: Any = None,
     ) -> None:
-        """Submit this rank's GPU memory, ``perf/max_memory_{allocated,reserved}_gb`` and with ``stage``
-        ``perf/memory/<stage>/*`` (max over ranks; docs/mfu.md). Nothing without a CUDA device."""
+        """Submit this rank's GPU memory in GiB (docs/mfu.md, "GPU memory per stage"); nothing without CUDA.
+
+        Args:
+            stage: also ``perf/memory/<stage>/*`` (None: only ``perf/max_memory_{allocated,reserved}_gb``).
+            world_size: the contributions expected per name and step (None: the client's).
+            step: the step (None: the client's current one).
+            reset_peak: reset the CUDA peak after reading it, so the next stage's peak is its own.
+            device: the CUDA device (None: the current one).
+
+        Raises:
+            ValueError: with CUDA, no ``world_size`` here or on the client; a bad ``world_size`` or ``step``.
+
+        Example:
+        >>> import torch, rlmetrics
+        >>> client = rlmetrics.MetricClient(rlmetrics.LocalMetricWorker(), world_size=1)
+        >>> client.submit_metric({"actor/loss": 1.0})
+        >>> client.compute_local_memory_metrics("update_actor", reset_peak=True)
+        >>> client.wait_submit()
+        >>> len(client.result(0)) == (6 if torch.cuda.is_available() else 1)  # the loss, and 5 with CUDA
+        True
+        """
         from rlmetrics.metrics.memory import compute_memory_metrics
 
         metrics = compute_memory_metrics(stage, device=device, reset_peak=reset_peak)
@@ -206,11 +329,34 @@ class ComputeLocal:
         exact: bool = False,
         **record_options: Any,
     ) -> None:
-        """Send this rank's validation samples: ``val-core/...``, ``val-aux/...`` come from all ranks'
-        samples in rank order (docs/reductions.md, "Validation order"); ``nan_strategy="drop"`` drops
-        samples with a non-finite value; ``exact=True`` adds ``pass@k`` and
-        exact best/worst/maj@k; ``record_options`` (``style``, ``seed``, ``expected_counts``, ``tie``,
-        ``missing``) go to :func:`~rlmetrics.metrics.validation.encode_samples`."""
+        """Send this rank's validation samples: the aggregator computes ``val-core/...``, ``val-aux/...``.
+
+        The samples of all ranks are merged in rank order (docs/reductions.md, "Validation order").
+
+        Args:
+            data_sources: each sample's data source.
+            sample_inputs: each sample's prompt.
+            infos_dict: variable name → one value per sample (``{"acc": [...]}``).
+            sample_turns: each sample's number of turns (empty: none).
+            world_size: the contributions expected per name and step (None: the client's).
+            step: the step (None: the client's current one).
+            exact: also ``pass@k`` and the exact best/worst/maj@k (docs/validation.md).
+            record_options: :func:`~rlmetrics.metrics.validation.encode_samples`'s ``style``, ``seed``,
+                ``expected_counts``, ``tie``, ``missing``.
+
+        Raises:
+            ValueError: lengths that differ, a bad option; no ``world_size`` here or on the client.
+            MetricValueError: a non-finite value under ``nan_strategy="error"``, naming its variable.
+
+        Example:
+        >>> import rlmetrics
+        >>> client = rlmetrics.MetricClient(rlmetrics.LocalMetricWorker(), world_size=1)
+        >>> client.process_local_validation_metrics(["gsm8k", "gsm8k"], ["q1", "q1"], {"acc": [1.0, 0.0]})
+        >>> client.wait_submit()
+        >>> res = client.result(0)
+        >>> res["val-core/gsm8k/acc/mean@2"], res["val-aux/gsm8k/acc/std@2"]
+        (0.5, 0.5)
+        """
         from rlmetrics.metrics.validation import encode_samples
 
         record = encode_samples(
@@ -233,6 +379,7 @@ class ComputeLocal:
     ) -> None:
         """Queue ``state`` on the column ``name`` (its value: ``value``, else the state's records)."""
         ws = self.world_size if world_size is None else world_size_arg(world_size)
+        step = None if step is None else _step_arg(step)
         if ws is None:
             raise ValueError(f"{name}: needs world_size (or a client created with world_size=...)")
         packed = pack({name: float(len(state.records)) if value is None else value})
@@ -240,7 +387,7 @@ class ComputeLocal:
         if step is None:
             self._catch_up()
         with self._lock:
-            self.submit_packed(packed, ws, self.step if step is None else int(step), self._next_seq())
+            self.submit_packed(packed, ws, self.step if step is None else step, self._next_seq())
 
     def _rank_key(self, record: SampleRecord, seq: int) -> tuple[int, int, int, str]:
         """Where a record goes in the merged order: ``(0, rank, seq, digest)`` for a client with a

@@ -20,7 +20,7 @@ import numpy as np
 from rlmetrics.core.groups import GROUP_PREFIX
 from rlmetrics.core.reduce import MEAN, STD, Reduction, parse_reduction, resolve
 from rlmetrics.core.sketch import Sketch
-from rlmetrics.core.stat import MetricValueError, Stat, invalid_column, scalar_value
+from rlmetrics.core.stat import NAN_STRATEGIES, MetricValueError, Stat, invalid_column, scalar_value
 from rlmetrics.core.states import State
 from rlmetrics.messages import ValueWarning, caller_level
 
@@ -103,15 +103,32 @@ def pack(
     errors: dict[str, str] | None = None,
     overrides: Mapping[str, Reduction] | None = None,
 ) -> Packed:
-    """Summarize ``{name: value}`` (numbers, lists, arrays, tensors, :class:`Stat`, ``(value, weight)``)
-    into a :class:`Packed`. A bad value is left out, its message put in ``errors`` when given, else
-    raised as :class:`MetricValueError`. ``schemas``: a cache across calls; ``overrides``: reductions
-    other than the names' own (a naming profile).
+    """Summarize ``{name: value}`` into one contribution (values: docs/reductions.md, "The value policy").
 
+    Args:
+        metrics: name → a number, list, array, tensor, :class:`Stat` or ``(value, weight)``.
+        nan_strategy: ``"propagate"``, ``"drop"`` or ``"error"`` for non-finite values.
+        schemas: a cache of schemas across calls (None: none).
+        errors: a dict that gets each refused name's message; the others are packed (None: raise).
+        overrides: reductions other than the names' own, by name (a naming profile).
+
+    Returns:
+        A :class:`Packed` of the names kept, in ``metrics``' order.
+
+    Raises:
+        MetricValueError: a value that cannot be summarized (a bad name too), when ``errors`` is None.
+        ValueError: ``nan_strategy`` not one of the three.
+
+    Example:
     >>> p = pack({"a/mean": 2.0, "b/max": [1.0, 7.0]})
     >>> p.schema.names, p.schema.reductions, p.stats[4].tolist()
     (('a/mean', 'b/max'), ('mean', 'max'), [2.0, 7.0])
+    >>> errors = {}
+    >>> pack({"a/mean": 2.0, "c": None}, errors=errors).schema.names, list(errors)
+    (('a/mean',), ['c'])
     """
+    if nan_strategy not in NAN_STRATEGIES:
+        raise ValueError(f"nan_strategy must be one of {NAN_STRATEGIES}, got {nan_strategy!r}")
     if schemas is not None:
         fast = pack_known(metrics, nan_strategy, schemas, grouped=True)
         if fast is not None:

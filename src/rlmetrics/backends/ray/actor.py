@@ -188,14 +188,31 @@ def get_metric_worker(
     hierarchy: str | None = None,
     **options: Any,
 ) -> Any:
-    """Get the named aggregator actor, or create it (``options`` apply on creation).
+    """The named aggregator actor, created if absent: call it from the driver first (docs/backends.md, "Ray").
 
-    Create it from the driver first: a non-detached actor lives as long as its creator (this process
-    keeps the handle; ``lifetime="detached"`` outlives it; ``ray.kill(handle)`` ends it).
-    ``hierarchy="node"`` also creates a sub-aggregator on every alive node. Without Ray initialized it
-    calls ``ray.init()`` and warns (:class:`~rlmetrics.messages.RayStartedWarning`) if that started one.
+    Args:
+        name: the actor's name, as ranks pass it to ``connect("ray", name=...)``.
+        namespace: its Ray namespace (None: the current job's).
+        num_cpus: the CPUs the actor reserves (on creation).
+        hierarchy: ``"node"`` also creates a sub-aggregator on every alive node (docs/backends.md,
+            "Thousands of ranks").
+        options: used on creation only: the aggregator's (:data:`~rlmetrics.backends.options.OPTIONS`,
+            ``recovery_timeout``, ``secret``) and ``lifetime`` (``"detached"`` outlives this process).
+
+    Returns:
+        The actor handle, which this process keeps: a non-detached actor lives as long as its creator;
+        ``ray.kill(handle)`` ends it.
+
+    Raises:
+        TypeError: an option neither the aggregator nor the Ray actor takes, naming its owner.
+        ValueError: ``hierarchy`` neither None nor ``"node"`` (raised before anything is created).
+
+    Warns:
+        RayStartedWarning: Ray was not initialized and ``ray.init()`` started a local instance.
     """
     check_options("get_metric_worker()", "ray", options, ("aggregator", "Ray actor"))
+    if hierarchy not in (None, "node"):
+        raise ValueError(f"hierarchy must be None or 'node', got {hierarchy!r}")
     if not ray.is_initialized() and compat.init():
         warnings.warn(
             "rlmetrics: Ray was not initialized, so a local Ray instance was started for the metric "
@@ -216,6 +233,4 @@ def get_metric_worker(
         alive = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
         nodes = [node_worker(name, namespace, node, **actor_opts, **options) for node in alive]
         ray.get([n.ping.remote() for n in nodes])
-    elif hierarchy is not None:
-        raise ValueError(f"hierarchy must be None or 'node', got {hierarchy!r}")
     return root
