@@ -203,13 +203,15 @@ class Row:
 
 
 class Aggregators:
-    """The aggregators of one measurement and how the driver reads each one's step."""
+    """The aggregators of one measurement and how the driver reads each one's step; ``siirl``: siiRL's
+    started worker and its read, shared by the measurements (it keeps nothing between steps and its
+    start imports torch: about 15 s on a 2-core machine)."""
 
-    def __init__(self) -> None:
+    def __init__(self, siirl: tuple[Any, Any]) -> None:
         tag = uuid.uuid4().hex[:12]
         self.names = {"seed": f"users-seed-{tag}", "posted": f"users-posted-{tag}"}
         self.floor = Floor.remote()
-        self.siirl, siirl_read = bench_peers._start_siirl()
+        self.siirl, siirl_read = siirl
         self.handles = {kind: rlmetrics.get_metric_worker(name=name) for kind, name in self.names.items()}
         readers = {kind: rlmetrics.MetricClient(handle) for kind, handle in self.handles.items()}
         self.read = {
@@ -222,7 +224,7 @@ class Aggregators:
         self.pids = {kind: report.actor_pid(actor) for kind, actor in actors.items()}
 
     def kill(self) -> None:
-        for actor in (self.floor, self.siirl, *self.handles.values()):
+        for actor in (self.floor, *self.handles.values()):
             ray.kill(actor)
 
 
@@ -240,10 +242,10 @@ def check(world_size: int, m: int, step: int, results: dict[str, Any]) -> None:
                 assert math.isclose(ours[name], floor[i] / world_size, rel_tol=1e-9), (kind, name)
 
 
-def measure(ranks: list[Any], m: int, steps: int) -> Row:
+def measure(ranks: list[Any], m: int, steps: int, siirl: tuple[Any, Any]) -> Row:
     """Every system on ``ranks`` with ``m`` metrics, side by side in each step."""
     world_size = len(ranks)
-    aggs = Aggregators()
+    aggs = Aggregators(siirl)
     ray.get([r.join.remote(world_size, m, aggs.floor, aggs.siirl, *aggs.names.values()) for r in ranks])
     order = list(SYSTEMS)
     wall: dict[str, list[float]] = {s: [] for s in order}
@@ -405,9 +407,10 @@ def main(argv: list[str] | None = None) -> list[Row]:
     ray.init(address="local", include_dashboard=False, runtime_env=bench_peers._ray_runtime_env())
     try:
         ranks = [Rank.remote(r) for r in range(max(world_sizes))]
-        rows = [measure(ranks[:w], m, steps) for w in world_sizes for m in metric_counts]
-        for rank in ranks:
-            ray.kill(rank)
+        siirl = bench_peers._start_siirl()
+        rows = [measure(ranks[:w], m, steps, siirl) for w in world_sizes for m in metric_counts]
+        for actor in (*ranks, siirl[0]):
+            ray.kill(actor)
         calls = call_costs(1, 20) if args.quick else call_costs(4, 500)
     finally:
         ray.shutdown()

@@ -317,17 +317,13 @@ def test_demo_as_make_demo_runs_it(tmp_path):
 
 
 @pytest.mark.ray
-def test_demo_joins_an_existing_cluster(tmp_path):
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    try:
-        args = ["--simulate", "--address", cluster.address, "--steps", "3", "--workers", "2",
-                "--val-every", "0", "--sinks", "jsonl", "--out", str(tmp_path)]  # fmt: skip
-        done = subprocess.run([*DEMO, *args], capture_output=True, text=True, cwd=ROOT)
-        assert done.returncode == 0, done.stderr
-    finally:
-        cluster.shutdown()
+def test_demo_joins_an_existing_cluster(tmp_path, ray_session):
+    """``--address``: the demo joins the pytest worker's running Ray instead of starting one."""
+    address = ray_session.get_runtime_context().gcs_address
+    args = ["--simulate", "--address", address, "--steps", "3", "--workers", "2",
+            "--val-every", "0", "--sinks", "jsonl", "--out", str(tmp_path)]  # fmt: skip
+    done = subprocess.run([*DEMO, *args], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
     from rlmetrics.sinks import read_jsonl
 
     run = read_jsonl(tmp_path / "metrics.jsonl")
