@@ -7,6 +7,7 @@ import re
 import threading
 import time
 import uuid
+import warnings
 
 import pytest
 
@@ -422,3 +423,18 @@ def test_get_metric_worker_refuses_a_bad_hierarchy_before_creating_anything(ray_
     with pytest.raises(ValueError, match="hierarchy must be None or 'node', got 'bogus'"):
         rlmetrics.get_metric_worker(name, hierarchy="bogus")
     assert name not in {a["name"] for a in ray_session.util.list_named_actors(all_namespaces=True)}
+
+
+def test_a_step_passed_to_wait_submit_but_not_to_submit_metric_is_told(name):
+    """verl's 1-based loop with ``step=`` on ``wait_submit`` only: step 0's data stayed open and the
+    reader's step 1 came back empty and complete, without a word."""
+    client = rlmetrics.connect("local", name=name, world_size=1)
+    client.submit_metric({"loss": 1.0})  # the client's counter: step 0
+    with pytest.warns(rlmetrics.StepWarning, match=r"closes step 1, but .* step\(s\) \[0\], which stay open; "
+                      r"submit_metric without step= .*submit_metric\(\.\.\., step=1\)"):  # fmt: skip
+        client.wait_submit(step=1)
+    client.submit_metric({"loss": 2.0})  # the counter followed: step 2, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        client.wait_submit(step=2)
+    assert client.result(2, timeout=5)["loss"] == 2.0

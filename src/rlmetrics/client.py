@@ -564,14 +564,25 @@ class ClientCore:
             if step is None:
                 self._catch_up()
             current = self.step if step is None else _step_arg(step)
-            ahead = {item.step for item in self._buffer} - {current}
-            if ahead and min(ahead) > current and not any(item.step == current for item in self._buffer):
-                warnings.warn(
-                    f"rlmetrics: wait_submit() closes step {current}, but the data queued since the last "
-                    f"one is for step(s) {sorted(ahead)[:5]}; pass step= to wait_submit to close those",
-                    StepWarning,
-                    stacklevel=caller_level(),
-                )
+            others = {item.step for item in self._buffer} - {current}
+            if others and not any(item.step == current for item in self._buffer):
+                if min(others) > current:
+                    advice = "pass step= to wait_submit to close those"
+                elif self.step in others:  # submit_metric without step= went to the client's counter
+                    advice = (
+                        f"submit_metric without step= uses this client's counter ({self.step}): pass the "
+                        f"trainer's step to both, submit_metric(..., step={current}) and wait_submit(step="
+                        f"{current})"
+                    )
+                else:
+                    advice = ""
+                if advice:
+                    warnings.warn(
+                        f"rlmetrics: wait_submit() closes step {current}, but the data queued since the last "
+                        f"one is for step(s) {sorted(others)[:5]}, which stay open; {advice}",
+                        StepWarning,
+                        stacklevel=caller_level(),
+                    )
             block = self.blocking if block is None else block
             try:
                 self._flush([current], block)
