@@ -438,3 +438,20 @@ def test_a_step_passed_to_wait_submit_but_not_to_submit_metric_is_told(name):
         warnings.simplefilter("error")
         client.wait_submit(step=2)
     assert client.result(2, timeout=5)["loss"] == 2.0
+
+
+def test_a_reduction_registered_after_a_names_first_submission_is_said_at_the_aggregator(name, caplog):
+    """The client's cached schema kept the old reduction: the registration did nothing, silently."""
+    a, b = (rlmetrics.connect("local", name=name, world_size=2, label=f"rank{r}") for r in range(2))
+    reader = rlmetrics.connect("local", name=name)
+    for step in range(2):
+        if step == 1:
+            rlmetrics.register_reduction("custom/latency", "max")
+        for client, value in ((a, 1.0), (b, 5.0)):
+            client.submit_metric({"custom/latency": value})
+            client.wait_submit()
+        with caplog.at_level("WARNING", logger="rlmetrics"):
+            assert reader.result(step, timeout=10)["custom/latency"] == 3.0  # the run's first reduction
+    said = [r.getMessage() for r in caplog.records if "requested, keeping" in r.getMessage()]
+    assert len(said) == 1 and "'custom/latency'" in said[0], said
+    assert "before a name's first submit_metric" in said[0], said

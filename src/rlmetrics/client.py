@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from rlmetrics.core.groups import Labels, grouped_values, split_grouped
+from rlmetrics.core.reduce import rules_version
 from rlmetrics.core.stat import NAN_STRATEGIES, MetricValueError
 from rlmetrics.engine.derived import without_reserved
 from rlmetrics.messages import (
@@ -211,6 +212,7 @@ class ClientCore:
         self._incarnation: str | None = None
         self._inflight: list[Any] = []  # posted sends whose replies are not handled yet
         self._schemas: dict = {}
+        self._rules = rules_version()  # the reduction rules the cached schemas were resolved under
         self._nan_warned: set[str] = set()
         self._conflict_warned: set[str] = set()
         self._approximate_warned: set[str] = set()
@@ -320,6 +322,9 @@ class ClientCore:
             raise MetricValueError(
                 f"metrics must be a mapping of name to value, got {type(metrics).__name__}"
             )
+        if self._rules != rules_version():  # a reduction (un)registered: the names resolve anew
+            self._schemas.clear()
+            self._rules = rules_version()
         if group_by is None and self.naming is None and type(metrics) is dict:
             packed = pack_known(metrics, self.nan_strategy, self._schemas)  # the steady state
             if packed is not None:

@@ -121,8 +121,11 @@ class ColumnIndex:
                 self._by_out[out] = name
             elif self.reductions[col] != red:
                 logger.warning(
-                    "metric %r: reduction %r requested, keeping %r", name, red, self.reductions[col]
-                )
+                    "metric %r: reduction %r requested, keeping %r, the reduction of its first "
+                    "submission in this run: register_reduction before a name's first submit_metric, "
+                    "in every rank's process",
+                    name, red, self.reductions[col],
+                )  # fmt: skip
             at[i] = col
         keep = np.nonzero(at >= 0)[0] if refused else None
         return Known(schema, at if keep is None else at[keep], at, keep, refused)
