@@ -455,3 +455,26 @@ def test_a_reduction_registered_after_a_names_first_submission_is_said_at_the_ag
     said = [r.getMessage() for r in caplog.records if "requested, keeping" in r.getMessage()]
     assert len(said) == 1 and "'custom/latency'" in said[0], said
     assert "before a name's first submit_metric" in said[0], said
+
+
+def test_wait_final_res_before_any_rank_closed_a_step_waits_and_ends_nothing(name):
+    """A reader that reads before the ranks' first ``wait_submit`` (one rank flushed already): the
+    read took the step for a direct round and ended it partial at once, and the other rank's data
+    was dropped as late."""
+    a, b = (rlmetrics.connect("local", name=name, world_size=2, label=f"rank{r}") for r in range(2))
+    reader = rlmetrics.connect("local", name=name)
+    a.submit_metric({"loss": 1.0})
+    a.flush()
+    start = time.monotonic()
+    with pytest.warns(
+        rlmetrics.StepWarning, match=r"no rank has closed a step within the timeout \(registered: "
+    ):
+        early = reader.wait_final_res(timeout=0.5)
+    assert time.monotonic() - start >= 0.5 and early.step == -1 and not early, early
+    b.submit_metric({"loss": 3.0})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        a.wait_submit()
+        b.wait_submit()
+        res = reader.wait_final_res(timeout=10)
+    assert res.step == 0 and res.meta.complete and res["loss"] == 2.0, res.meta

@@ -782,9 +782,9 @@ def _missing(res: StepResult) -> str:
             return f"no data arrived for step {res.step}, and no rank is registered"
         return f"no data arrived for step {res.step}; {closing}"
     missing = meta.missing_metrics
+    closing = closing if ranks else "every registered rank closed it"
     if not missing:
         return f"{closing}; every metric it holds has all its contributions"
-    closing = closing if ranks else "every registered rank closed it"
     first = list(missing.items())[:5]
     shown = ", ".join(f"{name!r} ({got} of {want} contributions)" for name, (got, want) in first)
     text = f"{closing}; {len(missing)} incomplete metric(s): {shown}"
@@ -809,6 +809,12 @@ def _nothing_for(res: StepResult) -> str:
         f"{'have' if len(c) > 1 else 'has'} closed up to step {s}"
         for s, c in sorted(by_step.items())
     )
+    if res.step < 0 and set(by_step) == {-1}:
+        return (
+            "wait_final_res: no rank has closed a step within the timeout (registered: "
+            f"{_names(res.meta.ranks_at)}); a rank closes its step with wait_submit(), and this read "
+            "returns it once every registered rank closed it (warned once)"
+        )
     if res.step < 0:
         return (
             f"wait_final_res: no new step for this reader within the timeout ({where}); it returns each step "

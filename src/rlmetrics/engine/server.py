@@ -535,9 +535,9 @@ class Server:
         a step"): the newest step every rank closed, else the oldest later step some rank closed."""
         engine = self.engine
         after, read = self._returned.get(reader, (-1, -1))
-        if engine.newest_closed is None:
+        if engine.newest_closed is None:  # no rank closed a step: the seed's direct rounds, if no rank
             pending = [s for s in engine.pending_steps() if s > after]
-            return pending[-1] if pending else None
+            return pending[-1] if pending and not self._ranks() else None
         at = [s for c, s in engine.ranks_closed_up_to().items() if c not in engine.lost]
         agreed = min(at) if at else -1
         seen = max(after, read)
@@ -549,17 +549,22 @@ class Server:
 
     def _final_ready(self, target: int | None) -> bool:
         """A ``wait_final_res`` read of ``target`` may return: complete, or a direct round."""
+        if target is None:
+            return False
         if self.engine.newest_closed is None:
             return not self.recovering()
-        return target is not None and self._result_ready(target)
+        return self._result_ready(target)
+
+    def _ranks(self) -> bool:
+        """Some registered client is not lost (a read waits for the ranks to close a step)."""
+        return bool(self.engine.clients - self.engine.lost.keys())
 
     def _final(self, target: int | None, reader: str, session: str | None) -> StepResult:
         """``target`` final when ready or :meth:`_logs` (telling who missed it), else provisional."""
         engine = self.engine
-        if target is None:
-            if engine.newest_closed is None:
-                return StepResult({}, -1)
-            return StepResult({}, -1, StepMeta.of(provisional=True, ranks_at=engine.ranks_closed_up_to()))
+        if target is None:  # nothing new: where the ranks are (-1: closed none yet)
+            at = {c: -1 for c in engine.clients if c not in engine.lost} | engine.ranks_closed_up_to()
+            return StepResult({}, -1, StepMeta.of(provisional=True, ranks_at=at))
         self._give(reader, target)
         ready = self._result_ready(target)
         if ready or self._logs(reader, session):
