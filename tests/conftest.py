@@ -32,21 +32,38 @@ RAY_INIT = dict(
 @pytest.fixture(scope="module")
 def ray_session():
     """A local Ray instance (4 logical CPUs, quiet) shared by the modules one pytest worker runs: a
-    start costs about 17 s of CPU on a 2-core machine. The named actors a module made (its
-    aggregators) are killed after it; a module that needs a Ray of its own uses :func:`own_ray`."""
+    start costs about 17 s of CPU on a 2-core machine. The actors a module made (its named ones, and
+    the aggregators this process keeps handles to) are killed after it; a module that needs a Ray of
+    its own uses :func:`own_ray`."""
     ray = pytest.importorskip("ray")
-    if not ray.is_initialized():
-        ray.init(**RAY_INIT)
+    for attempt in range(2):  # a busy machine may take longer than Ray waits for its node to start
+        if ray.is_initialized():
+            break
+        try:
+            ray.init(**RAY_INIT)
+        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for it
+            ray.shutdown()
+            if attempt or "timed out during startup" not in str(exc):
+                raise
     yield ray
     if ray.is_initialized():
-        from rlmetrics.backends.ray import shell
+        from rlmetrics.backends.ray import shell, transport
 
+        handles = [*shell._KEPT.values()]
+        for kept in (transport._Sender._by_actor, transport._Watcher._by_actor):
+            handles += [user.handle for user in kept.values()]
+            kept.clear()
+        shell._KEPT.clear()
         for actor in ray.util.list_named_actors(all_namespaces=True):
             try:
-                ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
+                handles.append(ray.get_actor(actor["name"], namespace=actor["namespace"]))
             except ValueError:  # gone meanwhile
                 pass
-        shell._KEPT.clear()
+        for handle in handles:
+            try:
+                ray.kill(handle)
+            except Exception:  # noqa: BLE001 - gone meanwhile, or not an actor this job may kill
+                pass
 
 
 @pytest.fixture(scope="module")

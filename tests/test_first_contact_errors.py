@@ -422,6 +422,8 @@ def test_get_metric_worker_refuses_a_bad_hierarchy_before_creating_anything(ray_
     name = f"fc-{uuid.uuid4().hex[:8]}"
     with pytest.raises(ValueError, match="hierarchy must be None or 'node', got 'bogus'"):
         rlmetrics.get_metric_worker(name, hierarchy="bogus")
+    with pytest.raises(ValueError, match="hierarchy must be None or 'node', got 'bogus'"):
+        rlmetrics.connect("ray", name=name, world_size=1, hierarchy="bogus")
     assert name not in {a["name"] for a in ray_session.util.list_named_actors(all_namespaces=True)}
 
 
@@ -478,3 +480,16 @@ def test_wait_final_res_before_any_rank_closed_a_step_waits_and_ends_nothing(nam
         b.wait_submit()
         res = reader.wait_final_res(timeout=10)
     assert res.step == 0 and res.meta.complete and res["loss"] == 2.0, res.meta
+
+
+def test_straggler_and_validation_calls_check_their_arguments_first_naming_the_call(name):
+    """A bad step was found after the samples were encoded (a value error hid it), and a missing
+    world_size named an internal column (``_aux/validation/samples/total``)."""
+    client = rlmetrics.connect("local", name=name, nan_strategy="error")
+    with pytest.raises(ValueError, match="^process_local_validation_metrics needs world_size"):
+        client.process_local_validation_metrics(["ds"], ["p"], {"acc": [1.0]})
+    with pytest.raises(ValueError, match="^compute_local_straggler_metrics needs world_size"):
+        client.compute_local_straggler_metrics({"gen": 1.0})
+    with pytest.raises(ValueError, match=r"step must be an int in \[0, "):
+        nan = {"acc": [float("nan")]}
+        client.process_local_validation_metrics(["ds"], ["p"], nan, world_size=1, step=2.5)

@@ -610,6 +610,7 @@ class ClientCore:
 
         Raises:
             TypeError: a ``step`` that is not an int.
+            ValueError: a ``step`` outside ``[0, 2**53]``.
             MetricValueError: the aggregator refused part of what this client sent (the read sends first).
 
         Example:

@@ -171,7 +171,7 @@ class ComputeLocal:
             name: the rank's name in the report (None: ``rank<N>`` with a rank, else its ``client_id``).
 
         Raises:
-            ValueError: no ``world_size`` here or on the client; a bad ``world_size``.
+            ValueError: no ``world_size`` here or on the client; a bad ``world_size`` or ``step``.
 
         Example:
         >>> import torch, rlmetrics  # the call imports torch (rlmetrics.metrics.timing)
@@ -187,6 +187,7 @@ class ComputeLocal:
         from rlmetrics.metrics.stragglers import STAGE_TIMES, StageTimes
         from rlmetrics.metrics.timing import stage_seconds
 
+        world_size, step = self._where("compute_local_straggler_metrics", world_size, step)
         times = {k: float(v) for k, v in stage_seconds(timing_raw).items() if math.isfinite(v)}
         if name is None:
             name = self.client_id if self.rank is None else f"rank{self.rank}"
@@ -345,7 +346,8 @@ class ComputeLocal:
                 ``expected_counts``, ``tie``, ``missing``.
 
         Raises:
-            ValueError: lengths that differ, a bad option; no ``world_size`` here or on the client.
+            ValueError: lengths that differ, a bad option; no ``world_size`` here or on the client; a
+                bad ``world_size`` or ``step``.
             MetricValueError: a non-finite value under ``nan_strategy="error"``, naming its variable.
 
         Example:
@@ -359,6 +361,7 @@ class ComputeLocal:
         """
         from rlmetrics.metrics.validation import encode_samples
 
+        world_size, step = self._where("process_local_validation_metrics", world_size, step)
         record = encode_samples(
             data_sources, sample_inputs, infos_dict, sample_turns, exact=exact,
             nan_strategy=self.nan_strategy, **record_options,
@@ -373,6 +376,13 @@ class ComputeLocal:
             seq = self._seq  # the next seq: the one _submit_state takes
             state = Samples([(self._rank_key(record, seq), record)])
             self._submit_state(VALIDATION_SAMPLES, state, world_size, step, float(record.n_samples))
+
+    def _where(self, call: str, world_size: Any, step: Any) -> tuple[int, int | None]:
+        """``(world_size, step)`` of a call, checked before its work, or ValueError naming ``call``."""
+        ws = self.world_size if world_size is None else world_size_arg(world_size)
+        if ws is None:
+            raise ValueError(f"{call} needs world_size (or a client created with world_size=...)")
+        return ws, None if step is None else _step_arg(step)
 
     def _submit_state(
         self, name: str, state: Any, world_size: int | None, step: int | None, value: float | None = None

@@ -134,11 +134,11 @@ def _connect_ray(name: str, world_size: int | None, client_opts: dict, options: 
 
     name = name if name != "default" else ray_backend.DEFAULT_NAME
     hierarchy = options.pop("hierarchy", None)
+    if hierarchy not in (None, "node"):  # before anything is created
+        raise ValueError(f"hierarchy must be None or 'node', got {hierarchy!r}")
     root = ray_backend.get_metric_worker(name, **options)
     if hierarchy is None:
         return MetricClient(root, world_size=world_size, **client_opts)
-    if hierarchy != "node":
-        raise ValueError(f"hierarchy must be None or 'node', got {hierarchy!r}")
     node = ray_backend.node_worker(name, **options)
     return MetricClient(ray_backend.RayTransport(node, root=root), world_size=world_size, **client_opts)
 
