@@ -493,3 +493,13 @@ def test_straggler_and_validation_calls_check_their_arguments_first_naming_the_c
     with pytest.raises(ValueError, match=r"step must be an int in \[0, "):
         nan = {"acc": [float("nan")]}
         client.process_local_validation_metrics(["ds"], ["p"], nan, world_size=1, step=2.5)
+
+
+@pytest.mark.parametrize(("step", "error"), [(-1, ValueError), (1.5, TypeError), (None, TypeError)])
+def test_tracking_refuses_a_step_its_own_reader_would_refuse(step, error, tmp_path):
+    """``log(m, -1)`` was written, then refused by ``read_jsonl``; 1.5 raised a TypeError not naming step."""
+    from rlmetrics.sinks import make_sinks
+
+    with make_sinks(["jsonl"], tmp_path) as tracking:
+        with pytest.raises(error, match="^step must be an int"):
+            tracking.log({"a": 1.0}, step)

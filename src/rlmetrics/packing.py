@@ -120,6 +120,7 @@ def pack(
         ValueError: ``nan_strategy`` not one of the three.
 
     Example:
+    >>> from rlmetrics.packing import pack
     >>> p = pack({"a/mean": 2.0, "b/max": [1.0, 7.0]})
     >>> p.schema.names, p.schema.reductions, p.stats[4].tolist()
     (('a/mean', 'b/max'), ('mean', 'max'), [2.0, 7.0])

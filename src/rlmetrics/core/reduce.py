@@ -203,6 +203,7 @@ def register_reduction(name_or_glob: str, reduction: str | Reduction, *, glob: b
         ValueError: an unknown reduction spec (nothing is registered).
 
     Example:
+    >>> from rlmetrics import register_reduction, resolve, unregister_reduction
     >>> register_reduction("custom/latency/*", "p99")
     >>> resolve("custom/latency/decode").name
     'p99'
@@ -225,6 +226,7 @@ def unregister_reduction(name_or_glob: str) -> None:
         name_or_glob: the name or glob as registered; a built-in one returns to its built-in reduction.
 
     Example:
+    >>> from rlmetrics import register_reduction, resolve, unregister_reduction
     >>> register_reduction("graph_output_handling", "min")
     >>> unregister_reduction("graph_output_handling")
     >>> resolve("graph_output_handling").name  # built in: siiRL's special metric
@@ -259,6 +261,7 @@ def resolve(name: str) -> Reduction:
         The :class:`Reduction`: registered name, then glob, then the name's tokens, else ``MEAN``.
 
     Example:
+    >>> from rlmetrics import resolve
     >>> resolve("critic/score/max").name, resolve("custom/latency/p95").name
     ('max', 'p95')
     >>> resolve("group/data_source/max_problems/actor/minibatch_loss").name

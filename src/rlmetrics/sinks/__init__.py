@@ -183,6 +183,7 @@ class Tracking(Sink):
 
         Example:
         >>> import tempfile
+        >>> from rlmetrics.sinks import make_sinks, read_jsonl
         >>> out = tempfile.mkdtemp()
         >>> tracking = make_sinks(["jsonl"], out)
         >>> tracking.log({"critic/score/mean": 0.5}, step=0)
@@ -376,6 +377,7 @@ class Tracking(Sink):
 
         Example:
         >>> import tempfile
+        >>> from rlmetrics.sinks import make_sinks
         >>> tracking = make_sinks(["jsonl"], tempfile.mkdtemp())
         >>> tracking.close()
         >>> tracking.undelivered, tracking.failed
@@ -691,6 +693,8 @@ def run_files(out_dir: str | os.PathLike) -> list[Path]:
 
     Example:
     >>> import tempfile
+    >>> from pathlib import Path
+    >>> from rlmetrics.sinks import make_sinks, run_files
     >>> out = Path(tempfile.mkdtemp())
     >>> _ = (out / "reward.png").write_bytes(b"")  # not a sink's file
     >>> run_files(out)
@@ -715,6 +719,8 @@ def new_run_folder(out_dir: str | os.PathLike) -> Path:
 
     Example:
     >>> import tempfile
+    >>> from pathlib import Path
+    >>> from rlmetrics.sinks import make_sinks, new_run_folder
     >>> out = Path(tempfile.mkdtemp()) / "demo"
     >>> new_run_folder(out) == out
     True

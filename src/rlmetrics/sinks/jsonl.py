@@ -269,14 +269,15 @@ def read_jsonl(path: str | os.PathLike) -> JsonlRun:
         path: the file, as :class:`JsonlSink` or verl's file logger (a step's lines merged) wrote it.
 
     Returns:
-        A :class:`JsonlRun`, in file order. An incomplete last line (a crash mid-write) is left out and
-        named in ``truncated``; any other line that is no record is left out with a logged warning.
+        A :class:`JsonlRun`, in file order. An incomplete last line (a crash mid-write) is left out,
+        named in ``truncated`` and logged; any other line that is no record is left out with a logged warning.
 
     Raises:
         FileNotFoundError: no file at ``path``.
 
     Example:
     >>> import os, tempfile
+    >>> from rlmetrics.sinks import JsonlSink, read_jsonl
     >>> path = os.path.join(tempfile.mkdtemp(), "metrics.jsonl")
     >>> with JsonlSink(path) as sink:
     ...     sink.log({"critic/score/mean": 0.5}, step=1)

@@ -17,6 +17,8 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from rlmetrics.messages import MAX_STEP
+
 if TYPE_CHECKING:
     from rlmetrics.sinks.base import Sink
 
@@ -148,10 +150,22 @@ def axis_names(metrics: Mapping[str, float], axis: str) -> dict[str, float]:
 
 
 def as_step(step: Any) -> int:
-    """The step as an int (``bool`` and floats are refused)."""
-    if isinstance(step, bool):
-        raise TypeError(f"step must be an int, got {step!r}")
-    return operator.index(step)
+    """The step as an int in ``[0, MAX_STEP]`` (``bool``, floats and None are refused, naming it).
+
+    >>> as_step(-1)
+    Traceback (most recent call last):
+    ...
+    ValueError: step must be an int in [0, 9007199254740992], got -1
+    """
+    try:
+        if isinstance(step, bool):
+            raise TypeError
+        step = operator.index(step)
+    except TypeError:
+        raise TypeError(f"step must be an int, got {step!r:.40}") from None
+    if not 0 <= step <= MAX_STEP:
+        raise ValueError(f"step must be an int in [0, {MAX_STEP}], got {step}")
+    return step
 
 
 def lists_of(metrics: Mapping[str, Any]) -> dict[str, list[str]]:
