@@ -255,7 +255,8 @@ def resolve(name: str) -> Reduction:
 
     Args:
         name: a metric name; a grouped one (``group/<tag>/<label>/<metric>``) resolves as its metric
-            unless registered by its exact name (globs do not apply to it).
+            (globs included) unless registered by its exact name; a glob on the grouped name does not
+            apply to it.
 
     Returns:
         The :class:`Reduction`: registered name, then glob, then the name's tokens, else ``MEAN``.
