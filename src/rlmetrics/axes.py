@@ -108,6 +108,11 @@ class AxesClient(ComputeLocal):
         """The ``train_step`` client's rank (None: none given)."""
         return self.main.rank
 
+    @property
+    def world_size(self) -> int | None:
+        """The ``train_step`` client's ``world_size`` (None: none given)."""
+        return self.main.world_size
+
     def submit_metric(
         self,
         metrics: Mapping[str, Any],
