@@ -387,9 +387,9 @@ class ComputeLocal:
     def _submit_state(
         self, name: str, state: Any, world_size: int | None, step: int | None, value: float | None = None
     ) -> None:
-        """Queue ``state`` on the column ``name`` (its value: ``value``, else the state's records)."""
+        """Queue ``state`` on the column ``name`` (its value: ``value``, else the state's records);
+        ``step`` checked by the public call (:meth:`_where`, or ``submit_metric`` before it)."""
         ws = self.world_size if world_size is None else world_size_arg(world_size)
-        step = None if step is None else _step_arg(step)
         if ws is None:
             raise ValueError(f"{name}: needs world_size (or a client created with world_size=...)")
         packed = pack({name: float(len(state.records)) if value is None else value})

@@ -131,11 +131,11 @@ def _connect_torch(name: str, world_size: int | None, client_opts: dict, options
 
 def _connect_ray(name: str, world_size: int | None, client_opts: dict, options: dict) -> MetricClient:
     from rlmetrics.backends import ray as ray_backend
+    from rlmetrics.backends.ray.actor import check_hierarchy
 
     name = name if name != "default" else ray_backend.DEFAULT_NAME
     hierarchy = options.pop("hierarchy", None)
-    if hierarchy not in (None, "node"):  # before anything is created
-        raise ValueError(f"hierarchy must be None or 'node', got {hierarchy!r}")
+    check_hierarchy(hierarchy)
     root = ray_backend.get_metric_worker(name, **options)
     if hierarchy is None:
         return MetricClient(root, world_size=world_size, **client_opts)

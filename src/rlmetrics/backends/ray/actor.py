@@ -211,8 +211,7 @@ def get_metric_worker(
         RayStartedWarning: Ray was not initialized and ``ray.init()`` started a local instance.
     """
     check_options("get_metric_worker()", "ray", options, ("aggregator", "Ray actor"))
-    if hierarchy not in (None, "node"):
-        raise ValueError(f"hierarchy must be None or 'node', got {hierarchy!r}")
+    check_hierarchy(hierarchy)
     if not ray.is_initialized() and compat.init():
         warnings.warn(
             "rlmetrics: Ray was not initialized, so a local Ray instance was started for the metric "
@@ -234,3 +233,9 @@ def get_metric_worker(
         nodes = [node_worker(name, namespace, node, **actor_opts, **options) for node in alive]
         ray.get([n.ping.remote() for n in nodes])
     return root
+
+
+def check_hierarchy(hierarchy: Any) -> None:
+    """ValueError unless ``hierarchy`` is None or ``"node"`` (checked before anything is created)."""
+    if hierarchy not in (None, "node"):
+        raise ValueError(f"hierarchy must be None or 'node', got {hierarchy!r}")
